@@ -1,0 +1,3 @@
+from lorascope.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Analysis of loaded run data (pure functions of what the readers return)."""

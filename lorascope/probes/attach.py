@@ -1,0 +1,125 @@
+"""Attaching the always-on probes to one rank process (from the bootstrap that
+``lorascope run`` injects, or from ``lorascope.attach()`` in a script). Never raises:
+a probe that cannot start says why on stderr (and in the run directory when it can)
+and the job goes on without it."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from lorascope import __version__
+from lorascope.probes import importhook
+from lorascope.probes.collectives import CollectiveProbe
+from lorascope.probes.exits import ExitProbe
+from lorascope.probes.memory import MemoryProbe
+from lorascope.probes.session import Session
+from lorascope.probes.steps import StepProbe
+from lorascope.rundir.writer import Stream, stream_prefix
+
+ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
+ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
+ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
+DEFAULT_SAMPLE_INTERVAL = 0.5
+_VERSIONED = ("torch", "deepspeed", "peft", "transformers")
+
+_session: Session | None = None
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"lorascope": __version__, "python": sys.version.split()[0]}
+    for dist in _VERSIONED:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _default_run_dir() -> Path:
+    return Path(os.environ.get(ENV_RUN_DIR) or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _say_failed(run_dir: Path | None, why: str) -> None:
+    line = f"lorascope: probes off in pid {os.getpid()} (rank {os.environ.get('RANK', '?')}): {why}"
+    print(line, file=sys.stderr)
+    if run_dir is not None:
+        try:
+            with open(run_dir / "probe-errors.log", "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+
+def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | None = None) -> bool:
+    """Start the probes in this process once; later calls return whether they are on."""
+    global _session
+    if _session is not None and _session.pid == os.getpid():
+        return _session.active
+    run_dir: Path | None = None
+    try:
+        run_dir = Path(out) if out is not None else _default_run_dir()
+        if sample_interval is None:
+            sample_interval = float(os.environ.get(ENV_SAMPLE_INTERVAL, DEFAULT_SAMPLE_INTERVAL))
+        _session = _start(run_dir.absolute(), sample_interval)
+        os.environ[ENV_ATTACHED_PID] = str(os.getpid())
+        return True
+    except Exception as exc:  # noqa: BLE001 - the job must go on
+        _say_failed(run_dir, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        return False
+
+
+def _start(run_dir: Path, sample_interval: float) -> Session:
+    rank = _env_int("RANK", 0)
+    host = socket.gethostname()
+    pid = os.getpid()
+    stream = Stream(stream_prefix(run_dir, rank, host, pid),
+                    on_error=lambda exc: _say_failed(run_dir, f"stream write failed: {exc}"))
+    session = Session(stream, rank=rank, local_rank=_env_int("LOCAL_RANK", 0),
+                      world_size=_env_int("WORLD_SIZE", 1), sample_interval=sample_interval)
+    session.record("start", rank=rank, world_size=session.world_size, local_rank=session.local_rank,
+                   pid=pid, ppid=os.getppid(), host=host, argv=list(sys.argv),
+                   versions=_versions(), device=_device_hint(session.local_rank),
+                   sample_interval=sample_interval, launch_id=os.environ.get("LORASCOPE_LAUNCH_ID"))
+    memory = MemoryProbe(session)
+    collectives = CollectiveProbe(session)
+    steps = StepProbe(session, memory, on_step_end=collectives.resolve_device_times)
+
+    def on_end() -> None:
+        memory.stop()
+        memory.sample("end")
+
+    ExitProbe(session, on_end).install()
+    _hook(session, "torch.distributed.distributed_c10d", collectives.install)
+    _hook(session, "torch", steps.install_torch)
+    _hook(session, "torch.nn.parallel.distributed", steps.install_ddp)
+    _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed)
+    _hook(session, "peft", steps.install_peft)
+    memory.sample("attach")
+    memory.start_sampler()
+    return session
+
+
+def _hook(session: Session, module: str, install: Any) -> None:
+    probe = module.split(".")[0] + "-hooks"
+    importhook.when_imported(module, session.guarded(probe)(install))
+
+
+def _device_hint(local_rank: int) -> str:
+    """Where the job's tensors will live, as far as can be told without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible == "" or (visible is None and not Path("/dev/nvidia0").exists()):
+        return "cpu"
+    return f"cuda:{local_rank}"

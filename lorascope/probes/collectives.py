@@ -1,0 +1,229 @@
+"""Every torch.distributed collective and p2p call, whoever makes it (DeepSpeed, FSDP,
+user code): a ``coll`` record before the call (so a hang leaves it pending) and a
+``coll_end`` after, with a per-rank, per-process-group sequence number, op, bytes,
+dtype, group and the first call-site frame outside torch / deepspeed / lorascope.
+
+Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
+are not counted twice. On CUDA the device time comes from CUDA events resolved later,
+when they are done: nothing here waits for the device.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import sys
+import threading
+import time
+from types import CodeType, ModuleType
+from typing import Any
+
+from lorascope.probes.session import Session
+
+#: op -> (position, keyword) of the argument whose bytes the record reports: the rank's
+#: own contribution, so that ranks agree on it (all_gather: the input, not the output).
+PAYLOAD_ARG: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+    "send": (0, "tensor"), "recv": (0, "tensor"), "isend": (0, "tensor"), "irecv": (0, "tensor"),
+    "gather": (0, "tensor"), "scatter": (0, "tensor"),
+    "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+    "_all_gather_base": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
+    "_reduce_scatter_base": (1, "input"), "reduce_scatter": (1, "input_list"),
+    "all_to_all_single": (1, "input"), "all_to_all": (1, "input_tensor_list"),
+    "all_reduce_coalesced": (0, "tensors"), "all_gather_coalesced": (1, "input_tensor_list"),
+    "batch_isend_irecv": (0, "p2p_op_list"),
+    "barrier": (-1, ""), "monitored_barrier": (-1, ""),
+    "all_gather_object": (-1, ""), "gather_object": (-1, ""),
+    "broadcast_object_list": (-1, ""), "scatter_object_list": (-1, ""),
+}
+
+MAX_PENDING_EVENTS = 4096
+
+
+def _tensors(value: Any) -> list[Any]:
+    if hasattr(value, "element_size"):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out: list[Any] = []
+        for item in value:
+            out.extend(_tensors(getattr(item, "tensor", item)))  # P2POp carries .tensor
+        return out
+    return []
+
+
+class CollectiveProbe:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._local = threading.local()
+        self._seq: dict[int, int] = {}
+        self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
+        self._internal: dict[CodeType, bool] = {}
+        self._stdlib = os.path.dirname(os.__file__) + os.sep
+        self._events: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
+        self._lock = threading.Lock()
+        self._c10d: ModuleType | None = None
+        self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
+
+    # -- installation -------------------------------------------------------------
+    def install(self, c10d: ModuleType) -> None:
+        """Wrap the functions of ``torch.distributed.distributed_c10d`` (the names that
+        ``torch.distributed`` re-exports are bound after this hook runs)."""
+        self._c10d = c10d
+        dist = sys.modules.get("torch.distributed")
+        for op in PAYLOAD_ARG:
+            original = getattr(c10d, op, None)
+            if original is None or getattr(original, "__lorascope__", False):
+                continue
+            wrapped = self._wrap(op, original)
+            setattr(c10d, op, wrapped)
+            if dist is not None and getattr(dist, op, None) is original:
+                setattr(dist, op, wrapped)
+
+    def _wrap(self, op: str, original: Any) -> Any:
+        params = list(inspect.signature(original).parameters)
+        group_pos = params.index("group") if "group" in params else -1
+        async_pos = params.index("async_op") if "async_op" in params else -1
+        payload_pos, payload_kw = PAYLOAD_ARG[op]
+        always_async = op in ("isend", "irecv", "batch_isend_irecv")
+        probe = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            local = probe._local
+            if getattr(local, "depth", 0) or "collectives" in probe.session.disabled:
+                return original(*args, **kwargs)
+            local.depth = 1
+            try:
+                started = probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos,
+                                       payload_kw, always_async)
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException as exc:
+                    probe._end(started, repr(exc)[:500])
+                    raise
+                probe._end(started, None)
+                return result
+            finally:
+                local.depth = 0
+
+        wrapper.__lorascope__ = True  # type: ignore[attr-defined]
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__name__ = getattr(original, "__name__", op)
+        wrapper.__qualname__ = getattr(original, "__qualname__", op)
+        wrapper.__doc__ = getattr(original, "__doc__", None)
+        wrapper.__module__ = getattr(original, "__module__", None)
+        return wrapper
+
+    # -- one call -----------------------------------------------------------------
+    def _begin(self, op: str, args: tuple, kwargs: dict, group_pos: int, async_pos: int,
+               payload_pos: int, payload_kw: str, always_async: bool) -> tuple | None:
+        try:
+            group = kwargs.get("group", args[group_pos] if 0 <= group_pos < len(args) else None)
+            is_async = always_async or bool(kwargs.get("async_op", args[async_pos] if 0 <= async_pos < len(args) else False))
+            gid = self._gid(group)
+            seq = self._seq.get(gid, 0) + 1
+            self._seq[gid] = seq
+            nbytes: int | None = None
+            dtype: str | None = None
+            first = None
+            if payload_pos >= 0:
+                payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
+                tensors = _tensors(payload)
+                if tensors:
+                    first = tensors[0]
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    dtype = str(first.dtype).removeprefix("torch.")
+            elif op in ("barrier", "monitored_barrier"):
+                nbytes = 0
+            self.session.record("coll", seq=seq, gid=gid, op=op, bytes=nbytes, dtype=dtype,
+                                **{"async": is_async}, site=self._site(), step=self.session.step)
+            events = None
+            if first is not None and getattr(first, "is_cuda", False):
+                events = self._cuda_events(first)
+            return gid, seq, events
+        except Exception as exc:  # noqa: BLE001
+            self.session.fail("collectives", exc)
+            return None
+
+    def _end(self, started: tuple | None, err: str | None) -> None:
+        if started is None:
+            return
+        gid, seq, events = started
+        try:
+            if events is not None:
+                events[1].record()
+                self._events.append((gid, seq, events[0], events[1]))
+            self.session.record("coll_end", seq=seq, gid=gid, err=err)
+        except Exception as exc:  # noqa: BLE001
+            self.session.fail("collectives", exc)
+
+    def _cuda_events(self, tensor: Any) -> tuple[Any, Any]:
+        torch = sys.modules["torch"]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _resolve_device_times(self) -> None:
+        """Turn finished CUDA event pairs into ``coll_dev`` records (called at step ends)."""
+        while self._events:
+            gid, seq, start, end = self._events[0]
+            if not end.query():
+                return
+            self._events.popleft()
+            self.session.record("coll_dev", seq=seq, gid=gid, ms=float(start.elapsed_time(end)))
+
+    # -- groups and call sites ----------------------------------------------------
+    def _gid(self, group: Any) -> int:
+        c10d = self._c10d
+        if group is None and c10d is not None:
+            group = c10d.GroupMember.WORLD
+        known = self._gids.get(id(group))
+        if known is not None:
+            return known[0]
+        with self._lock:
+            gid = len(self._gids)
+            self._gids[id(group)] = (gid, group)
+        name: str = str(gid)
+        ranks: list[int] | None = None
+        backend: str | None = None
+        if c10d is not None and group is not None:
+            try:
+                name = str(c10d._get_process_group_name(group))
+            except Exception:  # noqa: BLE001 - older torch, or a fake group
+                name = str(getattr(group, "group_name", gid))
+            try:
+                ranks = [int(r) for r in c10d.get_process_group_ranks(group)]
+            except Exception:  # noqa: BLE001
+                ranks = None
+            try:
+                backend = str(c10d.get_backend(group))
+            except Exception:  # noqa: BLE001
+                backend = None
+        if group is not None and c10d is not None and group is c10d.GroupMember.WORLD:
+            name = "default_pg"
+        self.session.record("group", gid=gid, name=name, ranks=ranks, backend=backend)
+        return gid
+
+    def _site(self) -> str | None:
+        frame = sys._getframe(3)
+        internal = self._internal
+        while frame is not None:
+            code = frame.f_code
+            skip = internal.get(code)
+            if skip is None:
+                skip = internal[code] = self._is_internal(code.co_filename)
+            if not skip:
+                return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            frame = frame.f_back
+        return None
+
+    def _is_internal(self, filename: str) -> bool:
+        """Called once per code object (the answer is cached by _site)."""
+        for name in ("torch", "deepspeed", "lorascope"):
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None) \
+                    and filename.startswith(os.path.dirname(module.__file__) + os.sep):
+                return True
+        return self._stdlib_file(filename)
+
+    def _stdlib_file(self, filename: str) -> bool:
+        return filename.startswith(self._stdlib) and "-packages" not in filename

@@ -1,0 +1,120 @@
+"""How a rank ends, written before the process is gone: Python warnings, the exception
+that ended it (full text, e.g. a CUDA OOM message), a terminating signal with every
+thread's stack, and an ``end`` record at exit. A rank killed by SIGKILL writes no ``end``;
+the reader says so."""
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from lorascope.probes.session import Session
+
+MAX_WARNINGS = 200
+_TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, as text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+class ExitProbe:
+    def __init__(self, session: Session, on_end: Callable[[], None]) -> None:
+        self.session = session
+        self._on_end = on_end
+        self._seen_warnings = 0
+        self._exit_code: int | None = None
+
+    def install(self) -> None:
+        self._install_warnings()
+        self._install_excepthook()
+        self._install_exit()
+        self._install_signals()
+        atexit.register(self._at_exit)
+
+    def _install_warnings(self) -> None:
+        previous = warnings.showwarning
+        probe = self
+
+        def showwarning(message: Any, category: type, filename: str, lineno: int,
+                        file: Any = None, line: str | None = None) -> None:
+            probe._warning(message, category, filename, lineno)
+            previous(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+
+    def _warning(self, message: Any, category: type, filename: str, lineno: int) -> None:
+        if self._seen_warnings >= MAX_WARNINGS:
+            return
+        self._seen_warnings += 1
+        try:
+            self.session.record("warning", category=category.__name__, message=str(message)[:4000],
+                                filename=str(filename), lineno=int(lineno))
+        except Exception as exc:  # noqa: BLE001
+            self.session.fail("warnings", exc)
+
+    def _install_excepthook(self) -> None:
+        previous = sys.excepthook
+
+        def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
+            try:
+                self.session.record("exception", type=exc_type.__name__, message=str(exc)[:20000],
+                                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:])
+                self._write_end("exception", 1)
+            except Exception:  # noqa: BLE001
+                pass
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = excepthook
+
+    def _install_exit(self) -> None:
+        """Remember the code given to sys.exit (atexit cannot see it)."""
+        previous = sys.exit
+        probe = self
+
+        def exit(code: Any = None) -> None:  # noqa: A001
+            probe._exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+            previous(code)
+
+        sys.exit = exit
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in _TERMINATING:
+            signum = getattr(signal, name, None)
+            if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        try:
+            name = signal.Signals(signum).name
+            self.session.record("signal", signum=signum, name=name, stacks=thread_stacks()[-50000:])
+            self._write_end("signal", -signum)
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    def _write_end(self, status: str, code: int | None) -> None:
+        if self.session.ended:
+            return
+        self.session.ended = True
+        self._on_end()
+        self.session.record("end", status=status, code=code)
+
+    def _at_exit(self) -> None:
+        try:
+            self._write_end("exit", self._exit_code if self._exit_code is not None else 0)
+        except Exception:  # noqa: BLE001
+            pass

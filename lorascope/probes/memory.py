@@ -1,0 +1,88 @@
+"""Memory timeline: process RSS everywhere; on CUDA the caching allocator's counters for
+the rank's device and, from the background sampler only, NVML's device-used figure and
+the PIDs NVML lists on that GPU (other ranks' contexts on GPU 0 show up there).
+
+No reading synchronises the device. The rank's CUDA device is learnt from the main
+thread (the current device is per thread) and only once CUDA is initialised by the job:
+the probe never creates a CUDA context itself.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import psutil
+
+from lorascope.probes.session import Session
+
+
+class MemoryProbe:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._proc = psutil.Process()
+        self._device: int | None = None
+        self._nvml_handle: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sample = session.guarded("memory")(self._sample)
+        self._nvml = session.guarded("nvml")(self._read_nvml)
+
+    def _cuda(self, from_main_thread: bool) -> dict[str, int] | None:
+        torch = sys.modules.get("torch")
+        if torch is None or getattr(torch.__spec__, "_initializing", False) \
+                or not torch.cuda.is_initialized():
+            return None
+        if from_main_thread:
+            self._device = torch.cuda.current_device()
+        if self._device is None:
+            return None
+        dev = self._device
+        return {"device": dev, "alloc": torch.cuda.memory_allocated(dev),
+                "reserved": torch.cuda.memory_reserved(dev),
+                "max_alloc": torch.cuda.max_memory_allocated(dev)}
+
+    def _read_nvml(self) -> dict[str, Any] | None:
+        if self._device is None:
+            return None
+        if self._nvml_handle is None:
+            import pynvml  # nvidia-ml-py, the `gpu` extra
+            import torch
+
+            pynvml.nvmlInit()
+            index = torch.cuda._get_nvml_device_index(self._device)
+            self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        import pynvml
+
+        info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
+        return {"used": int(info.used), "total": int(info.total),
+                "pids": sorted(int(p.pid) for p in procs)}
+
+    def _sample(self, src: str, from_main_thread: bool = True) -> None:
+        fields: dict[str, Any] = {"src": src, "step": self.session.step,
+                                  "rss": int(self._proc.memory_info().rss)}
+        cuda = self._cuda(from_main_thread)
+        if cuda is not None:
+            fields["cuda"] = cuda
+            if not from_main_thread:
+                nvml = self._nvml()
+                if nvml is not None:
+                    fields["nvml"] = nvml
+        self.session.record("mem", **fields)
+
+    def start_sampler(self) -> None:
+        """A daemon thread sampling every ``session.sample_interval`` seconds (0: none)."""
+        if self.session.sample_interval <= 0:
+            return
+        self._thread = threading.Thread(target=self._run, name="lorascope-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.session.sample_interval):
+            if not self.session.active or "memory" in self.session.disabled:
+                return
+            self.sample("sampler", from_main_thread=False)
+
+    def stop(self) -> None:
+        self._stop.set()

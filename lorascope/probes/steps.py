@@ -1,0 +1,205 @@
+"""Steps and phases: from the DeepSpeed engine (forward / backward / step), and from plain
+torch loops as far as they can be seen (DDP forward, ``Tensor.backward``, the global
+optimizer-step hooks). Each phase edge also takes a memory sample; each finished step
+records its wall time and the loss when one was seen.
+
+Reading the loss must not synchronise the device: on CPU it is read at once; on CUDA
+it is copied without blocking and read at the next step end, once its event is done.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from lorascope.probes.memory import MemoryProbe
+from lorascope.probes.session import Session, plain
+
+
+class StepProbe:
+    def __init__(self, session: Session, memory: MemoryProbe,
+                 on_step_end: Callable[[], None]) -> None:
+        self.session = session
+        self.memory = memory
+        self._on_step_end = on_step_end
+        self._step_start: float | None = None
+        self._loss: Any = None
+        self._pending_losses: list[tuple[int, Any, Any]] = []
+        self._configs_done: set[str] = set()
+        self.phase = session.guarded("steps")(self._phase)
+        self.step_done = session.guarded("steps")(self._step_done)
+        self.see_loss = session.guarded("steps")(self._see_loss)
+        self.record_model = session.guarded("configs")(self._record_model)
+        self.record_config = session.guarded("configs")(self._record_config)
+
+    # -- records ------------------------------------------------------------------
+    def _phase(self, name: str, edge: str) -> None:
+        if self._step_start is None:
+            self._step_start = time.time()
+        self.session.record("phase", name=name, edge=edge, step=self.session.step)
+        self.memory.sample(f"{name}.{edge}")
+
+    def _see_loss(self, loss: Any) -> None:
+        if loss is None or not hasattr(loss, "numel") or loss.numel() != 1:
+            return
+        if getattr(loss, "is_cuda", False):
+            torch = sys.modules["torch"]
+            host = loss.detach().to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._loss = (host, event)
+        else:
+            self._loss = float(loss.detach().item())
+
+    def _step_done(self, source: str) -> None:
+        now = time.time()
+        session = self.session
+        session.step += 1
+        dur = now - self._step_start if self._step_start is not None else 0.0
+        loss = self._loss
+        self._loss = None
+        value: float | None = loss if isinstance(loss, float) else None
+        if isinstance(loss, tuple):
+            self._pending_losses.append((session.step, *loss))
+        session.record("step", step=session.step, dur=round(dur, 6), loss=value, src=source)
+        self._resolve_losses()
+        self.memory.sample("step")
+        self._on_step_end()
+        self._step_start = time.time()
+
+    def _resolve_losses(self) -> None:
+        while self._pending_losses and self._pending_losses[0][2].query():
+            step, host, _ = self._pending_losses.pop(0)
+            self.session.record("loss", step=step, loss=float(host.item()))
+        del self._pending_losses[:-64]  # bounded, should the device never catch up
+
+    def _record_config(self, name: str, value: Any) -> None:
+        if name in self._configs_done or not value:
+            return
+        self._configs_done.add(name)
+        self.session.record("config", name=name, value=plain(value))
+
+    def _record_model(self, model: Any) -> None:
+        """The LoRA and model configs of a PEFT model (or the model under it)."""
+        peft_config = getattr(model, "peft_config", None)
+        if isinstance(peft_config, dict):
+            self._record_config("lora", {name: c.to_dict() if hasattr(c, "to_dict") else c
+                                         for name, c in peft_config.items()})
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            self._record_config("model", config.to_dict())
+
+    # -- DeepSpeed ----------------------------------------------------------------
+    def install_deepspeed(self, engine_module: ModuleType) -> None:
+        engine_cls = engine_module.DeepSpeedEngine
+        if getattr(engine_cls, "__lorascope__", False):
+            return
+        engine_cls.__lorascope__ = True
+        probe = self
+        orig_init, orig_forward = engine_cls.__init__, engine_cls.forward
+        orig_backward, orig_step = engine_cls.backward, engine_cls.step
+
+        @functools.wraps(orig_init)
+        def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(engine, *args, **kwargs)
+            probe.session.step_source = "deepspeed"
+            param_dict = getattr(getattr(engine, "_config", None), "_param_dict", None)
+            probe.record_config("deepspeed", param_dict)
+            probe.record_model(getattr(engine, "module", None))
+
+        @functools.wraps(orig_forward)
+        def forward(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            probe.phase("forward", "begin")
+            out = orig_forward(engine, *args, **kwargs)
+            probe.phase("forward", "end")
+            return out
+
+        @functools.wraps(orig_backward)
+        def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            probe.see_loss(loss)
+            probe.phase("backward", "begin")
+            out = orig_backward(engine, loss, *args, **kwargs)
+            probe.phase("backward", "end")
+            return out
+
+        @functools.wraps(orig_step)
+        def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            before = getattr(engine, "global_steps", None)
+            probe.phase("optimizer", "begin")
+            out = orig_step(engine, *args, **kwargs)
+            probe.phase("optimizer", "end")
+            if before is None or getattr(engine, "global_steps", None) != before:
+                probe.step_done("deepspeed")
+            return out
+
+        engine_cls.__init__, engine_cls.forward = __init__, forward
+        engine_cls.backward, engine_cls.step = backward, step
+
+    # -- plain torch --------------------------------------------------------------
+    def _generic(self) -> bool:
+        return self.session.step_source != "deepspeed"
+
+    def install_torch(self, torch: ModuleType) -> None:
+        """Tensor.backward and the global optimizer hooks; they stand down under DeepSpeed."""
+        probe = self
+        orig_backward = torch.Tensor.backward
+        if getattr(orig_backward, "__lorascope__", False):
+            return
+
+        @functools.wraps(orig_backward)
+        def backward(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not probe._generic():
+                return orig_backward(tensor, *args, **kwargs)
+            probe.see_loss(tensor)
+            probe.phase("backward", "begin")
+            out = orig_backward(tensor, *args, **kwargs)
+            probe.phase("backward", "end")
+            return out
+
+        backward.__lorascope__ = True  # type: ignore[attr-defined]
+        torch.Tensor.backward = backward
+        hooks = importlib.import_module("torch.optim.optimizer")
+        hooks.register_optimizer_step_pre_hook(
+            lambda *_: probe._generic() and probe.phase("optimizer", "begin"))
+        hooks.register_optimizer_step_post_hook(lambda *_: probe._generic() and probe._optimizer_done())
+
+    def _optimizer_done(self) -> None:
+        self.phase("optimizer", "end")
+        self.step_done("torch")
+
+    def install_ddp(self, ddp_module: ModuleType) -> None:
+        ddp = ddp_module.DistributedDataParallel
+        if getattr(ddp.forward, "__lorascope__", False):
+            return
+        probe = self
+        orig_forward = ddp.forward
+
+        @functools.wraps(orig_forward)
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            probe.phase("forward", "begin")
+            out = orig_forward(module, *args, **kwargs)
+            probe.phase("forward", "end")
+            return out
+
+        forward.__lorascope__ = True  # type: ignore[attr-defined]
+        ddp.forward = forward
+
+    def install_peft(self, peft: ModuleType) -> None:
+        """Record the LoRA and model configs when the job builds its PEFT model."""
+        original = getattr(peft, "get_peft_model", None)
+        if original is None or getattr(original, "__lorascope__", False):
+            return
+        probe = self
+
+        @functools.wraps(original)
+        def get_peft_model(*args: Any, **kwargs: Any) -> Any:
+            model = original(*args, **kwargs)
+            probe.record_model(model)
+            return model
+
+        get_peft_model.__lorascope__ = True  # type: ignore[attr-defined]
+        peft.get_peft_model = get_peft_model

@@ -1,0 +1,256 @@
+"""Reading and validating a run directory (analysis side).
+
+A torn last line (a rank killed mid-write) is skipped with a warning; anything else that
+breaks format v1 is a BadInputError naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorascope.errors import BadInputError, FormatVersionError
+from lorascope.rundir.schema import (
+    FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX, SchemaError, validate_manifest,
+    validate_record,
+)
+
+
+@dataclass
+class Collective:
+    """One collective or p2p call on one rank, its start joined with its end (if any)."""
+
+    seq: int
+    group: str
+    op: str
+    bytes: int | None
+    dtype: str | None
+    is_async: bool
+    site: str | None
+    step: int
+    start: float
+    end: float | None = None
+    err: str | None = None
+    device_ms: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.end is None
+
+
+@dataclass
+class RankData:
+    """Everything one rank process wrote."""
+
+    rank: int
+    start: dict[str, Any]
+    files: list[str]
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mem: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    groups: dict[int, dict[str, Any]] = field(default_factory=dict)
+    collectives: list[Collective] = field(default_factory=list)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    exception: dict[str, Any] | None = None
+    signal: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    last_time: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return int(self.start["pid"])
+
+    @property
+    def host(self) -> str:
+        return str(self.start["host"])
+
+
+@dataclass
+class RunData:
+    """A whole run directory: the launch manifest and every rank, plus reading warnings."""
+
+    path: Path
+    manifest: dict[str, Any]
+    ranks: dict[int, RankData]
+    warnings: list[str]
+
+    @property
+    def world_size(self) -> int | None:
+        sizes = {r.start["world_size"] for r in self.ranks.values()}
+        return max(sizes) if sizes else None
+
+
+def _read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / MANIFEST_FILE
+    if not path.exists():
+        raise BadInputError(f"{run_dir} is not a lorascope run directory (no {MANIFEST_FILE})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BadInputError(f"{path}: unreadable manifest ({exc.__class__.__name__}: {exc})") from None
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{path}: run directory format v{version} is newer than this lorascope reads (v{FORMAT_VERSION}); upgrade lorascope")
+    try:
+        validate_manifest(manifest)
+    except SchemaError as exc:
+        raise BadInputError(f"{path}: {exc}") from None
+    return manifest
+
+
+def _segments(rank_dir: Path) -> dict[str, list[tuple[int, Path]]]:
+    """Segment files per process (``HOST-PID``), in segment order."""
+    out: dict[str, list[tuple[int, Path]]] = {}
+    for path in rank_dir.glob("*" + STREAM_SUFFIX):
+        stem = path.name[: -len(STREAM_SUFFIX)]
+        proc, _, index = stem.rpartition(".")
+        if not proc or not index.isdigit():
+            continue
+        out.setdefault(proc, []).append((int(index), path))
+    return {proc: sorted(segs) for proc, segs in out.items()}
+
+
+def _iter_records(path: Path, warnings: list[str]):
+    """Yield (line number, record) pairs; a torn final line is a warning, not an error."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BadInputError(f"{path}: unreadable ({exc.strerror})") from None
+    lines = data.split(b"\n")
+    torn_tail = lines[-1] != b""
+    body = lines[:-1]
+    for number, line in enumerate(body, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, ValueError):
+            raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
+        yield number, rec
+    if torn_tail:
+        try:
+            rec = json.loads(lines[-1])
+        except (UnicodeDecodeError, ValueError):
+            warnings.append(f"{path}:{len(lines)}: skipped a torn last record "
+                            f"({len(lines[-1])} bytes; the process was killed while writing it)")
+        else:
+            yield len(lines), rec
+
+
+def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) -> RankData:
+    indices = [i for i, _ in segs]
+    missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+    if missing:
+        warnings.append(f"rank {rank}: stream segments {missing[0]}-{missing[-1]} were rotated away "
+                        f"(bounded stream); the first and the newest segments are kept")
+    data: RankData | None = None
+    pending: dict[tuple[int, int], Collective] = {}
+    for _, path in segs:
+        for number, rec in _iter_records(path, warnings):
+            try:
+                known = validate_record(rec)
+            except SchemaError as exc:
+                raise BadInputError(f"{path}:{number}: {exc}") from None
+            if not known:
+                warnings.append(f"{path}:{number}: skipped a record of unknown kind {rec['k']!r}")
+                continue
+            kind = rec["k"]
+            if data is None:
+                if kind != "start":
+                    raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+                data = RankData(rank=rank, start=rec, files=[])
+            data.last_time = max(data.last_time, float(rec["t"]))
+            _apply(data, kind, rec, pending)
+        if data is not None:
+            data.files.append(str(path))
+    if data is None:
+        raise BadInputError(f"{segs[0][1]}: empty rank stream")
+    data.collectives.sort(key=lambda c: c.start)
+    return data
+
+
+def _apply(data: RankData, kind: str, rec: dict[str, Any],
+           pending: dict[tuple[int, int], Collective]) -> None:
+    if kind == "config":
+        data.configs[rec["name"]] = rec["value"]
+    elif kind == "mem":
+        data.mem.append(rec)
+    elif kind == "step":
+        data.steps.append(rec)
+    elif kind == "loss":  # a CUDA loss, read once the device got there
+        for step in reversed(data.steps):
+            if step["step"] == rec["step"]:
+                step["loss"] = rec["loss"]
+                break
+    elif kind == "phase":
+        data.phases.append(rec)
+    elif kind == "group":
+        data.groups[rec["gid"]] = rec
+    elif kind == "coll":
+        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
+        coll = Collective(seq=rec["seq"], group=group, op=rec["op"], bytes=rec["bytes"],
+                          dtype=rec["dtype"], is_async=rec["async"], site=rec["site"],
+                          step=rec["step"], start=float(rec["t"]))
+        pending[(rec["gid"], rec["seq"])] = coll
+        data.collectives.append(coll)
+    elif kind == "coll_end":
+        coll = pending.pop((rec["gid"], rec["seq"]), None)
+        if coll is not None:
+            coll.end, coll.err = float(rec["t"]), rec["err"]
+    elif kind == "coll_dev":
+        for coll in reversed(data.collectives):
+            if coll.seq == rec["seq"] and data.groups.get(rec["gid"], {}).get("name") == coll.group:
+                coll.device_ms = float(rec["ms"])
+                break
+    elif kind == "warning":
+        data.warnings.append(rec)
+    elif kind == "exception":
+        data.exception = rec
+    elif kind == "signal":
+        data.signal = rec
+    elif kind == "end":
+        data.end = rec
+    elif kind == "probe_error":
+        data.probe_errors.append(rec)
+
+
+def load_run(path: str | Path) -> RunData:
+    """Load and validate a run directory. Raises BadInputError with a one-line reason."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise BadInputError(f"{run_dir}: no such file or directory")
+    if not run_dir.is_dir():
+        raise BadInputError(f"{run_dir} is not a run directory (it is a file)")
+    manifest = _read_manifest(run_dir)
+    warnings: list[str] = []
+    ranks: dict[int, RankData] = {}
+    ranks_dir = run_dir / RANKS_DIR
+    rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
+    for rank_dir in rank_dirs:
+        suffix = rank_dir.name.removeprefix("rank-")
+        if not suffix.isdigit():
+            continue
+        rank = int(suffix)
+        procs = _segments(rank_dir)
+        if not procs:
+            warnings.append(f"rank {rank}: no stream files in {rank_dir}")
+            continue
+        loaded = [_load_process(rank, segs, warnings) for segs in procs.values()]
+        loaded.sort(key=lambda d: float(d.start["t"]))
+        if len(loaded) > 1:
+            warnings.append(f"rank {rank}: {len(loaded)} processes wrote this rank (a restart?); "
+                            f"the latest, pid {loaded[-1].pid}, is analysed")
+        ranks[rank] = loaded[-1]
+    if not ranks:
+        warnings.append("no rank wrote a stream (the job failed before its ranks started, "
+                        "or the probes could not attach)")
+    else:
+        expected = max(r.start["world_size"] for r in ranks.values())
+        absent = sorted(set(range(expected)) - set(ranks))
+        if absent:
+            warnings.append(f"world size is {expected} but ranks {absent} wrote no stream")
+    return RunData(path=run_dir, manifest=manifest, ranks=dict(sorted(ranks.items())), warnings=warnings)

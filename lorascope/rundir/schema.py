@@ -1,0 +1,111 @@
+"""Format v1 of the run directory: names, record kinds and their required fields.
+
+Every per-rank stream is JSON Lines; every record is an object with ``k`` (its kind) and
+``t`` (wall-clock seconds since the epoch). The fields each kind must carry are listed in
+:data:`RECORD_FIELDS`; extra fields are allowed (readers ignore what they do not know),
+unknown kinds are skipped with a warning. A change that breaks this bumps FORMAT_VERSION.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+FORMAT_NAME = "lorascope-run"
+FORMAT_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+RANKS_DIR = "ranks"
+BOOTSTRAP_DIR = "bootstrap"
+STREAM_SUFFIX = ".jsonl"
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_OPT_INT = (int, type(None))
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+
+#: kind -> {field: accepted types}. ``bool`` is rejected where an int is required.
+RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "start": {"rank": _INT, "world_size": _INT, "local_rank": _INT, "pid": _INT,
+              "host": _STR, "argv": (list,), "versions": (dict,), "device": _STR},
+    "segment": {"index": _INT},
+    "config": {"name": _STR, "value": (dict,)},
+    "mem": {"src": _STR, "step": _INT, "rss": _OPT_INT},
+    "loss": {"step": _INT, "loss": _NUM},
+    "phase": {"name": _STR, "edge": _STR, "step": _INT},
+    "step": {"step": _INT, "dur": _NUM, "loss": _OPT_NUM, "src": _STR},
+    "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
+    "coll": {"seq": _INT, "gid": _INT, "op": _STR, "bytes": _OPT_INT, "dtype": _OPT_STR,
+             "async": (bool,), "site": _OPT_STR, "step": _INT},
+    "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
+    "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
+    "warning": {"category": _STR, "message": _STR, "filename": _STR, "lineno": _INT},
+    "exception": {"type": _STR, "message": _STR, "traceback": _STR},
+    "signal": {"signum": _INT, "name": _STR},
+    "probe_error": {"probe": _STR, "error": _STR},
+    "end": {"status": _STR, "code": _OPT_INT},
+}
+
+#: Ways a rank can end, as the ``end`` record's ``status`` says.
+END_STATUSES = ("exit", "exception", "signal")
+
+LAUNCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": _STR, "host": _STR, "pid": _INT, "command": (list,), "cwd": _STR,
+    "start": _NUM, "end": _OPT_NUM, "exit_status": _OPT_INT,
+}
+
+
+class SchemaError(ValueError):
+    """A record or manifest that does not follow format v1."""
+
+
+def _check_fields(obj: dict[str, Any], fields: dict[str, tuple[type, ...]], what: str) -> None:
+    for name, types in fields.items():
+        if name not in obj:
+            raise SchemaError(f"{what} lacks the field {name!r}")
+        value = obj[name]
+        if isinstance(value, bool) and bool not in types:
+            raise SchemaError(f"{what} field {name!r} is a bool, expected {_names(types)}")
+        if not isinstance(value, types):
+            raise SchemaError(f"{what} field {name!r} is {type(value).__name__}, expected {_names(types)}")
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def validate_record(rec: Any) -> bool:
+    """Check one stream record. Returns False for a well-formed record of an unknown kind."""
+    if not isinstance(rec, dict):
+        raise SchemaError(f"a record is a JSON {type(rec).__name__}, expected an object")
+    kind = rec.get("k")
+    if not isinstance(kind, str):
+        raise SchemaError("a record lacks its kind 'k'")
+    t = rec.get("t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise SchemaError(f"a {kind!r} record lacks its time 't'")
+    fields = RECORD_FIELDS.get(kind)
+    if fields is None:
+        return False
+    _check_fields(rec, fields, f"a {kind!r} record")
+    if kind == "end" and rec["status"] not in END_STATUSES:
+        raise SchemaError(f"an 'end' record has status {rec['status']!r}, expected one of {END_STATUSES}")
+    return True
+
+
+def validate_manifest(manifest: Any) -> None:
+    """Check manifest.json; a newer format version is its own error (FormatVersionError)."""
+    if not isinstance(manifest, dict):
+        raise SchemaError("manifest.json is not a JSON object")
+    if manifest.get("format") != FORMAT_NAME:
+        raise SchemaError(f"manifest.json is not a lorascope run manifest (format={manifest.get('format')!r})")
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise SchemaError("manifest.json has no integer 'version'")
+    launches = manifest.get("launches")
+    if not isinstance(launches, list):
+        raise SchemaError("manifest.json has no 'launches' list")
+    for i, launch in enumerate(launches):
+        if not isinstance(launch, dict):
+            raise SchemaError(f"manifest.json launch #{i} is not an object")
+        _check_fields(launch, LAUNCH_FIELDS, f"manifest.json launch #{i}")
