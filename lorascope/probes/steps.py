@@ -163,13 +163,19 @@ class StepProbe:
         backward.__lorascope__ = True  # type: ignore[attr-defined]
         torch.Tensor.backward = backward
         hooks = importlib.import_module("torch.optim.optimizer")
-        hooks.register_optimizer_step_pre_hook(
-            lambda *_: probe._generic() and probe.phase("optimizer", "begin"))
-        hooks.register_optimizer_step_post_hook(lambda *_: probe._generic() and probe._optimizer_done())
+        hooks.register_optimizer_step_pre_hook(self._optimizer_begin)
+        hooks.register_optimizer_step_post_hook(self._optimizer_end)
 
-    def _optimizer_done(self) -> None:
-        self.phase("optimizer", "end")
-        self.step_done("torch")
+    def _optimizer_begin(self, *_: Any) -> None:
+        """Global optimizer pre-hook (must return None)."""
+        if self._generic():
+            self.phase("optimizer", "begin")
+
+    def _optimizer_end(self, *_: Any) -> None:
+        """Global optimizer post-hook: a plain loop's step ends here."""
+        if self._generic():
+            self.phase("optimizer", "end")
+            self.step_done("torch")
 
     def install_ddp(self, ddp_module: ModuleType) -> None:
         ddp = ddp_module.DistributedDataParallel

@@ -1,0 +1,103 @@
+"""The probes in a real (single-process, gloo) torch.distributed job, in a subprocess so
+that patching torch never leaks into the test process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from lorascope.probes.bootstrap import sitecustomize_source
+from lorascope.rundir.reader import load_run
+from lorascope.rundir.writer import record_launch
+
+JOB = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    import lorascope
+    {attach}
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        dist.all_reduce(model.weight.grad)
+        opt.step()
+        opt.zero_grad()
+    objs = [None]
+    dist.all_gather_object(objs, {{"a": 1}})
+    dist.barrier()
+    dist.destroy_process_group()
+    print("attached", lorascope.attach())
+""")
+
+
+def run_job(tmp_path: Path, attach: str, env: dict[str, str], port: int) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(attach=attach, port=port))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, cwd=tmp_path)
+
+
+def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    proc = run_job(tmp_path, f"print('first', lorascope.attach({str(out)!r}))", {}, 29811)
+    assert proc.returncode == 0, proc.stderr
+    assert "first True" in proc.stdout and "attached True" in proc.stdout  # twice is harmless
+    run = load_run(out)
+    rank = run.ranks[0]
+    assert len(list((out / "ranks" / "rank-0").iterdir())) == 1
+    assert [s["step"] for s in rank.steps] == [1, 2, 3]
+    assert all(s["src"] == "torch" and s["loss"] is not None for s in rank.steps)
+    ops = [(c.op, c.bytes, c.seq) for c in rank.collectives]
+    # all_gather_object's inner all_gather calls are not counted twice
+    assert ops == [("all_reduce", 16, 1), ("all_reduce", 16, 2), ("all_reduce", 16, 3),
+                   ("all_gather_object", None, 4), ("barrier", 0, 5)]
+    assert all(c.site and c.site.startswith(str(tmp_path / "job.py")) for c in rank.collectives)
+    phases = {(p["name"], p["edge"]) for p in rank.phases}
+    assert {("backward", "begin"), ("optimizer", "end")} <= phases
+    assert all(m["rss"] > 0 for m in rank.mem) and len(rank.mem) >= 12
+    assert rank.end is not None and rank.end["status"] == "exit"
+    assert rank.probe_errors == []
+
+
+def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    boot = out / "bootstrap"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text(sitecustomize_source())
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
+    env = {"PYTHONPATH": f"{boot}{os.pathsep}{theirs}", "LORASCOPE_RUN_DIR": str(out)}
+    code = "import builtins, sys; print(getattr(builtins, 'THEIRS_RAN', False), 'lorascope.probes.attach' in sys.modules)"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, **env})
+    assert plain.stdout.split() == ["True", "False"], plain.stderr  # not a rank: nothing attached
+    rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    assert rank.stdout.split() == ["True", "True"], rank.stderr
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0",
+                                "LORASCOPE_ATTACHED_PID": "1"})
+    assert child.stdout.split() == ["True", "False"]  # a child of a probed rank stays out
+    assert len(load_run(out).ranks) == 1
+
+
+def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    attach = ("import psutil\n"
+              "def broken(self): raise OSError('planted: /proc unreadable')\n"
+              "psutil.Process.memory_info = broken\n"
+              f"lorascope.attach({str(out)!r})")
+    proc = run_job(tmp_path, attach, {}, 29812)
+    assert proc.returncode == 0, proc.stderr
+    assert "probe 'memory' switched off" in proc.stderr
+    rank = load_run(out).ranks[0]
+    assert [e["probe"] for e in rank.probe_errors] == ["memory"]
+    assert "planted" in rank.probe_errors[0]["error"]
+    assert len(rank.steps) == 3 and len(rank.collectives) == 5  # the other probes go on
