@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Overhead of lorascope's always-on probes on a real 2-rank LoRA job (a script, not a test).
+
+Runs ``probes/train_lora.py`` under torchrun bare and under ``lorascope run --no-summary``,
+alternating (bare/probed, then probed/bare, ...) ``--reps`` times each, and prints the
+median step time of each, their ratio, the ratio per pair (its min/max is the spread),
+and whether rank 0's losses were identical with and without probes.
+
+Both variants are timed the same way, from outside the job: the job prints
+``step N loss X`` on rank 0 after each step (``--print-losses``, flushed), and the time
+between two consecutive such lines, read as they arrive, is that step's wall time.
+The first ``--warmup`` steps of every run are discarded. The job's own
+``mean_step_s`` (which skips only its first 2 steps) is reported as a cross-check.
+
+Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
+few percent only with many repetitions (``--reps 20`` or more). With ``taskset`` on the
+machine every run is pinned to the same CPUs (``--cpus``; default: the CPUs this script
+may use), so that both variants see the same cores.
+
+    python benchmarks/probe_overhead.py --reps 5 --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "probes" / "train_lora.py"
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$")
+DONE_LINE = re.compile(r"^train_lora: done .*mean_step_s=([0-9.eE+-]+)")
+
+
+@dataclass
+class Run:
+    variant: str  # "bare" or "probed"
+    port: int
+    wall_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)  # post-warm-up per-step seconds
+    losses: list[str] = field(default_factory=list)  # repr of rank 0's loss, per step
+    mean_step_s: float | None = None  # what the job itself prints
+    rc: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.step_s)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=5, help="runs of each variant (default 5)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each run discarded (default 5)")
+    p.add_argument("--port", type=int, default=29800,
+                   help="first torchrun master port; run i uses port+i (default 29800)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--cpus", default=None,
+                   help="taskset CPU list for every run (default: the CPUs this process may use)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin runs with taskset")
+    p.add_argument("--keep", action="store_true", help="keep the probed runs' directories")
+    p.add_argument("job_args", nargs="*", help="extra arguments for train_lora.py (after --)")
+    args = p.parse_args()
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (step 1 has no preceding step line to time it from)")
+    if args.steps < args.warmup + 2:
+        p.error("--steps must exceed --warmup by at least 2")
+    return args
+
+
+def pin_prefix(args: argparse.Namespace) -> list[str]:
+    taskset = shutil.which("taskset")
+    if args.no_pin or taskset is None:
+        return []
+    cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return [taskset, "-c", cpus]
+
+
+def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, index: int,
+             pin: list[str]) -> Run:
+    job = ["torchrun", "--nproc_per_node", str(args.nproc), "--master_port", str(port),
+           str(JOB), "--steps", str(args.steps), "--print-losses", *args.job_args]
+    if variant == "probed":
+        out = work / f"probed-{index:02d}"
+        cmd = [*pin, sys.executable, "-m", "lorascope", "run", "--no-summary", "--out", str(out), "--", *job]
+    else:
+        cmd = [*pin, *job]
+    run = Run(variant, port)
+    log = work / f"{variant}-{index:02d}.stderr"
+    arrivals: dict[int, float] = {}
+    start = time.perf_counter()
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.perf_counter()
+            line = line.rstrip("\n")
+            if m := STEP_LINE.match(line):
+                arrivals[int(m.group(1))] = now
+                run.losses.append(m.group(2))
+            elif m := DONE_LINE.match(line):
+                run.mean_step_s = float(m.group(1))
+        run.rc = proc.wait()
+    run.wall_s = time.perf_counter() - start
+    if run.rc != 0 or len(arrivals) != args.steps:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        sys.exit(f"probe_overhead: the {variant} run on port {port} failed (exit {run.rc}, "
+                 f"{len(arrivals)}/{args.steps} steps); its stderr ends:\n" + "\n".join(tail))
+    run.step_s = [arrivals[s] - arrivals[s - 1] for s in range(args.warmup + 1, args.steps + 1)]
+    if variant == "probed" and not list((work / f"probed-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
+        print(f"  warning: the probed run {index} wrote no rank stream (probes not attached?)")
+    return run
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:7.1f} ms"
+
+
+def main() -> None:
+    args = parse_args()
+    pin = pin_prefix(args)
+    work = Path(tempfile.mkdtemp(prefix="lorascope-overhead-"))
+    print(f"probe_overhead: {args.reps} pairs, {args.steps} steps/run, first {args.warmup} discarded, "
+          f"{args.nproc} ranks; pinned to CPUs: {pin[-1] if pin else 'no'}; work dir {work}")
+    pairs: list[tuple[Run, Run]] = []
+    port = args.port
+    try:
+        for rep in range(args.reps):
+            order = ("bare", "probed") if rep % 2 == 0 else ("probed", "bare")
+            done: dict[str, Run] = {}
+            for variant in order:
+                done[variant] = run_once(variant, port, args, work, rep, pin)
+                port += 1
+            bare, probed = done["bare"], done["probed"]
+            pairs.append((bare, probed))
+            print(f"  pair {rep + 1}: bare {ms(bare.median)} probed {ms(probed.median)} "
+                  f"ratio {probed.median / bare.median:.3f}   (wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    bare_runs = [b for b, _ in pairs]
+    probed_runs = [p for _, p in pairs]
+    bare_med = statistics.median(s for r in bare_runs for s in r.step_s)
+    probed_med = statistics.median(s for r in probed_runs for s in r.step_s)
+    ratios = [p.median / b.median for b, p in pairs]
+    job_ratio = statistics.median(p.mean_step_s / b.mean_step_s for b, p in pairs
+                                  if b.mean_step_s and p.mean_step_s) if all(
+        b.mean_step_s and p.mean_step_s for b, p in pairs) else None
+    reference = bare_runs[0].losses
+    same_losses = all(r.losses == reference for r in bare_runs + probed_runs)
+    bare_vs_probed = all(p.losses == b.losses for b, p in pairs)
+
+    print()
+    print(f"median step time, bare:   {ms(bare_med)}  ({len(bare_runs)} runs x {len(bare_runs[0].step_s)} steps)")
+    print(f"median step time, probed: {ms(probed_med)}")
+    print(f"ratio probed/bare:        {probed_med / bare_med:.3f}  ({(probed_med / bare_med - 1) * 100:+.1f}%)")
+    print(f"per-pair ratios:          {' '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"  median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    if job_ratio is not None:
+        print(f"job's own mean_step_s ratio (median over pairs; it skips 2 steps): {job_ratio:.3f}")
+    print(f"wall time per run, median: bare {statistics.median(r.wall_s for r in bare_runs):.1f} s, "
+          f"probed {statistics.median(r.wall_s for r in probed_runs):.1f} s")
+    print(f"losses identical bare vs probed: {'yes' if bare_vs_probed else 'NO'}"
+          f" (all {len(pairs) * 2} runs identical: {'yes' if same_losses else 'no'}; "
+          f"{len(reference)} steps, last {reference[-1]})")
+
+
+if __name__ == "__main__":
+    main()
