@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 import traceback
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +19,7 @@ from lorascope.probes.exits import ExitProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
-from lorascope.rundir.writer import Stream, stream_prefix
+from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
 ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
@@ -49,7 +48,20 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _default_run_dir() -> Path:
-    return Path(os.environ.get(ENV_RUN_DIR) or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S"))
+    """$LORASCOPE_RUN_DIR, else one name every rank of the job agrees on (not the clock:
+    ranks start in different seconds)."""
+    if os.environ.get(ENV_RUN_DIR):
+        return Path(os.environ[ENV_RUN_DIR])
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
+    return Path("lorascope-runs") / f"attach-{job}"
+
+
+def _sample_interval() -> float:
+    try:
+        value = float(os.environ.get(ENV_SAMPLE_INTERVAL, DEFAULT_SAMPLE_INTERVAL))
+    except ValueError:
+        return DEFAULT_SAMPLE_INTERVAL
+    return value if value >= 0 else DEFAULT_SAMPLE_INTERVAL
 
 
 def _say_failed(run_dir: Path | None, why: str) -> None:
@@ -71,9 +83,9 @@ def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | N
     run_dir: Path | None = None
     try:
         run_dir = Path(out) if out is not None else _default_run_dir()
-        if sample_interval is None:
-            sample_interval = float(os.environ.get(ENV_SAMPLE_INTERVAL, DEFAULT_SAMPLE_INTERVAL))
-        _session = _start(run_dir.absolute(), sample_interval)
+        run_dir = run_dir.absolute()
+        ensure_manifest(run_dir)
+        _session = _start(run_dir, _sample_interval() if sample_interval is None else sample_interval)
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
         return True
     except Exception as exc:  # noqa: BLE001 - the job must go on

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +56,13 @@ class StepProbe:
         else:
             self._loss = float(loss.detach().item())
 
+    def _record_loss(self, step: int, value: float) -> None:
+        """Strict JSON has no NaN: a non-finite loss is written as null plus its text."""
+        if math.isfinite(value):
+            self.session.record("loss", step=step, loss=value)
+        else:
+            self.session.record("loss", step=step, loss=None, text=repr(value))
+
     def _step_done(self, source: str) -> None:
         now = time.time()
         session = self.session
@@ -62,10 +70,12 @@ class StepProbe:
         dur = now - self._step_start if self._step_start is not None else 0.0
         loss = self._loss
         self._loss = None
-        value: float | None = loss if isinstance(loss, float) else None
+        value = loss if isinstance(loss, float) and math.isfinite(loss) else None
         if isinstance(loss, tuple):
             self._pending_losses.append((session.step, *loss))
         session.record("step", step=session.step, dur=round(dur, 6), loss=value, src=source)
+        if isinstance(loss, float) and value is None:
+            self._record_loss(session.step, loss)
         self._resolve_losses()
         self.memory.sample("step")
         self._on_step_end()
@@ -74,7 +84,7 @@ class StepProbe:
     def _resolve_losses(self) -> None:
         while self._pending_losses and self._pending_losses[0][2].query():
             step, host, _ = self._pending_losses.pop(0)
-            self.session.record("loss", step=step, loss=float(host.item()))
+            self._record_loss(step, float(host.item()))
         del self._pending_losses[:-64]  # bounded, should the device never catch up
 
     def _record_config(self, name: str, value: Any) -> None:

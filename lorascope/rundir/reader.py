@@ -92,6 +92,8 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise BadInputError(f"{path}: unreadable manifest ({exc.__class__.__name__}: {exc})") from None
     version = manifest.get("version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version < 1:
+        raise BadInputError(f"{path}: format version {version} does not exist (v1 is the first)")
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{path}: run directory format v{version} is newer than this lorascope reads (v{FORMAT_VERSION}); upgrade lorascope")
@@ -185,6 +187,8 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
         for step in reversed(data.steps):
             if step["step"] == rec["step"]:
                 step["loss"] = rec["loss"]
+                if rec.get("text"):
+                    step["loss_text"] = rec["text"]
                 break
     elif kind == "phase":
         data.phases.append(rec)
@@ -245,6 +249,10 @@ def load_run(path: str | Path) -> RunData:
             warnings.append(f"rank {rank}: {len(loaded)} processes wrote this rank (a restart?); "
                             f"the latest, pid {loaded[-1].pid}, is analysed")
         ranks[rank] = loaded[-1]
+    errors_log = run_dir / "probe-errors.log"
+    if errors_log.exists():
+        lines = errors_log.read_text(errors="replace").splitlines()
+        warnings.extend(line.removeprefix("lorascope: ") for line in lines[:50] if line.strip())
     if not ranks:
         warnings.append("no rank wrote a stream (the job failed before its ranks started, "
                         "or the probes could not attach)")

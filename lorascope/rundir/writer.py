@@ -26,7 +26,14 @@ DEFAULT_KEEP_SEGMENTS = 4
 
 
 def _encode(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record, separators=(",", ":"), default=repr, allow_nan=True) + "\n").encode()
+    return (json.dumps(record, separators=(",", ":"), default=repr) + "\n").encode()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write less than asked (a full disk, a signal): finish the record."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def stream_prefix(run_dir: Path, rank: int, host: str, pid: int) -> Path:
@@ -47,7 +54,7 @@ class Stream:
         self._segment_bytes = segment_bytes
         self._keep = max(1, keep_segments)
         self._on_error = on_error
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a signal handler mid-write
         self._index = 0
         self._size = 0
         self._fd: int | None = None
@@ -76,7 +83,7 @@ class Stream:
                     return
                 if self._size and self._size + len(data) > self._segment_bytes:
                     self._rotate()
-                os.write(self._fd, data)
+                _write_all(self._fd, data)
                 self._size += len(data)
         except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
             self._fail(exc)
@@ -87,7 +94,7 @@ class Stream:
         self._index += 1
         self._fd = self._open(self._index)
         head = _encode({"k": "segment", "t": time.time(), "index": self._index})
-        os.write(self._fd, head)
+        _write_all(self._fd, head)
         self._size = len(head)
         dropped = self._index - self._keep
         if dropped >= 1:  # segment 0 (the rank's header and configs) is always kept
@@ -131,6 +138,13 @@ def _locked_manifest(run_dir: Path) -> Iterator[dict[str, Any]]:
         tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n")
         os.replace(tmp, path)
+
+
+def ensure_manifest(run_dir: Path) -> None:
+    """Create manifest.json if no launcher did (``lorascope.attach()`` without ``lorascope run``)."""
+    if not (run_dir / MANIFEST_FILE).exists():
+        with _locked_manifest(run_dir):
+            pass
 
 
 def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: Any) -> None:

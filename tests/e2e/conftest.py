@@ -62,3 +62,12 @@ def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     """The healthy job, 20 steps under torchrun, probed (shared by several tests)."""
     out = tmp_path_factory.mktemp("torchrun") / "run"
     return probed(out, torchrun(free_port(), "--steps", "20", "--print-losses"))
+
+
+@pytest.fixture(scope="session")
+def bare_losses() -> list[str]:
+    """Rank 0's losses of the same 20-step job without lorascope."""
+    bare = subprocess.run(torchrun(free_port(), "--steps", "20", "--print-losses"),
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT, env=job_env())
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    return losses(bare.stdout)

@@ -49,14 +49,37 @@ def test_torchrun_job_is_fully_recorded(torchrun_run: Finished) -> None:
     assert "world size 2" in torchrun_run.proc.stderr  # the end-of-run summary
 
 
-def test_losses_are_identical_with_and_without_probes(torchrun_run: Finished) -> None:
-    bare = subprocess.run(torchrun(free_port(), "--steps", "20", "--print-losses"),
-                          capture_output=True, text=True, timeout=300, env=job_env())
-    assert bare.returncode == 0, bare.stderr[-3000:]
-    assert len(losses(bare.stdout)) == 20
-    assert losses(torchrun_run.proc.stdout) == losses(bare.stdout)
+def test_losses_are_identical_with_and_without_probes(torchrun_run: Finished, bare_losses: list[str]) -> None:
+    assert len(bare_losses) == 20
+    assert losses(torchrun_run.proc.stdout) == bare_losses
     last = load_run(torchrun_run.out).ranks[0].steps[-1]["loss"]
-    assert repr(last) == losses(bare.stdout)[-1]
+    assert repr(last) == bare_losses[-1]
+
+
+def test_failing_probes_leave_the_job_unchanged(tmp_path: Path, bare_losses: list[str]) -> None:
+    """Rank 1 cannot write its stream (its directory is taken by a file) and the memory
+    probe raises inside rank 0 (planted by the job's own sitecustomize, which lorascope
+    chains to): the job finishes, its losses unchanged, the failures recorded."""
+    out = tmp_path / "run"
+    (out / "ranks").mkdir(parents=True)
+    (out / "ranks" / "rank-1").write_text("not a directory")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(
+        "from lorascope.probes.memory import MemoryProbe\n"
+        "def broken(self, *args): raise RuntimeError('planted failure')\n"
+        "MemoryProbe._cuda = broken\n")
+    proc = subprocess.run(
+        [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), "--steps", "20", "--print-losses")],
+        capture_output=True, text=True, timeout=300, env={**job_env(), "PYTHONPATH": str(theirs)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(proc.stdout) == bare_losses
+    assert "probes off in pid" in (out / "probe-errors.log").read_text()
+    run = load_run(out)
+    assert sorted(run.ranks) == [0] and any("ranks [1] wrote no stream" in w for w in run.warnings)
+    rank0 = run.ranks[0]
+    assert [e["probe"] for e in rank0.probe_errors] == ["memory"]
+    assert len(rank0.steps) == 20 and rank0.collectives
 
 
 def test_deepspeed_launcher_job_is_fully_recorded(tmp_path: Path) -> None:
