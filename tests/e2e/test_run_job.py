@@ -146,3 +146,15 @@ def test_sigkilled_rank_is_read_up_to_its_last_record(tmp_path: Path) -> None:
     summary = Finished(out, subprocess.CompletedProcess([], 0)).summary()
     assert summary["ranks"][1]["ended"]["status"] == "unknown"
     assert "no end record" in err
+
+
+def test_crashing_rank_records_its_exception_and_warnings(tmp_path: Path) -> None:
+    """The planted reentrant-checkpointing fault makes backward fail: each rank's stream
+    holds the exception text and the warning that explains it, written before exit."""
+    fin = probed(tmp_path / "run", torchrun(free_port(), "--steps", "3", "--fault", "reentrant-dead-grads"))
+    assert fin.proc.returncode == 1
+    for rank in load_run(fin.out).ranks.values():
+        assert rank.exception is not None and "loss must be a scalar" in rank.exception["message"]
+        assert "Traceback" in rank.exception["traceback"]
+        assert rank.end is not None and rank.end["status"] == "exception"
+        assert any("None of the inputs have requires_grad=True" in w["message"] for w in rank.warnings)
