@@ -1,4 +1,4 @@
-"""`lorascope analyze RUN_DIR [--json]`: what each rank did and how it ended."""
+"""`lorascope analyze PATH [--json] [--fail-on LEVEL]`: what went wrong, and what each rank did."""
 from __future__ import annotations
 
 import json
@@ -6,18 +6,33 @@ from pathlib import Path
 
 import click
 
+from lorascope.analyze.findings_text import render_findings
 from lorascope.analyze.summary import build_summary, render_text
-from lorascope.rundir.reader import load_run
+from lorascope.detect.finding import SEVERITY_ORDER
+from lorascope.detect.registry import run_detectors
+from lorascope.ingest.load import load_bundle
+
+#: Exit status when --fail-on matches a finding (distinct from input errors).
+FINDINGS_EXIT = 4
 
 
 @click.command("analyze")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def command(path: Path, as_json: bool) -> int:
-    """Summarise a run directory per rank."""
-    data = build_summary(load_run(path))
+@click.option("--json", "as_json", is_flag=True, help="Print findings and summary as JSON.")
+@click.option("--fail-on", type=click.Choice(["warning", "error"]), default=None,
+              help=f"Exit with status {FINDINGS_EXIT} when a finding of this severity or worse exists.")
+def command(path: Path, as_json: bool, fail_on: str | None) -> int:
+    """Name what went wrong in a run directory, and summarise it per rank."""
+    bundle = load_bundle(path)
+    findings = run_detectors(bundle)
+    data = build_summary(bundle.run) if bundle.run is not None else {"ranks": []}
+    data["warnings"] = bundle.warnings
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        data["findings"] = [f.to_dict() for f in findings]
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
+        click.echo(render_findings(findings))
         click.echo(render_text(data))
+    if fail_on is not None and any(SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on] for f in findings):
+        return FINDINGS_EXIT
     return 0

@@ -1,0 +1,25 @@
+"""The one list of detectors, and running them."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lorascope.detect.finding import Finding
+from lorascope.ingest.evidence import EvidenceBundle
+
+Detector = Callable[[EvidenceBundle], list[Finding]]
+
+#: Every detector, in the order they run. Each is a pure function of the bundle.
+DETECTORS: list[Detector] = []
+
+
+def run_detectors(bundle: EvidenceBundle, detectors: list[Detector] | None = None) -> list[Finding]:
+    """All findings, most severe and surest first. A detector that crashes on odd data
+    becomes a warning on the bundle, never a failed analysis."""
+    findings: list[Finding] = []
+    for detector in DETECTORS if detectors is None else detectors:
+        try:
+            findings.extend(detector(bundle))
+        except Exception as exc:  # noqa: BLE001
+            bundle.warnings.append(f"detector {detector.__module__}.{detector.__name__} failed: "
+                                   f"{exc.__class__.__name__}: {exc}")
+    return sorted(findings, key=Finding.sort_key)
