@@ -8,10 +8,10 @@ import click
 
 from lorascope import __version__
 from lorascope.errors import LorascopeError
-from lorascope.cli import analyze, run
+from lorascope.cli import analyze, plan, run
 
 #: Every subcommand, one module each; each module exposes ``command``.
-COMMANDS = [run, analyze]
+COMMANDS = [run, analyze, plan]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

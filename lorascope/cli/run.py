@@ -15,6 +15,7 @@ import click
 from lorascope.analyze.summary import build_summary, render_text
 from lorascope.errors import BadInputError, LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
+from lorascope.probes.kernels import parse_window
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
@@ -31,12 +32,14 @@ def _prepare(out: Path) -> Path:
     return bootstrap
 
 
-def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: float) -> dict[str, str]:
+def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: float,
+               trace_window: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap), env.get("PYTHONPATH", "")) if p)
     env["LORASCOPE_RUN_DIR"] = str(out)
     env["LORASCOPE_LAUNCH_ID"] = launch_id
     env["LORASCOPE_SAMPLE_INTERVAL"] = str(sample_interval)
+    env["LORASCOPE_TRACE_WINDOW"] = trace_window
     env.pop("LORASCOPE_ATTACHED_PID", None)
     return env
 
@@ -62,19 +65,26 @@ def _wait(proc: subprocess.Popen[bytes]) -> int:
                    "multi-node job may share it.")
 @click.option("--sample-interval", type=float, default=0.5, show_default=True,
               help="Seconds between background memory samples (0: step and phase edges only).")
+@click.option("--trace-window", default="5:2", show_default=True,
+              help="Kernel trace: START:STEPS traces steps START+1..START+STEPS; 'off' for none.")
 @click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def command(out: Path | None, sample_interval: float, summary: bool, cmd: tuple[str, ...]) -> int:
+def command(out: Path | None, sample_interval: float, trace_window: str, summary: bool,
+            cmd: tuple[str, ...]) -> int:
     """Run CMD (torchrun, deepspeed, python ...) with the probes in every rank."""
     if sample_interval < 0:
         raise UsageError("--sample-interval must be >= 0")
+    try:
+        parse_window(trace_window)
+    except ValueError as exc:
+        raise UsageError(f"--trace-window: {exc}") from None
     out = (out or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S")).absolute()
     bootstrap = _prepare(out)
     launch_id = f"{socket.gethostname()}-{os.getpid()}"
     record_launch(out, launch_id, list(cmd))
     click.echo(f"lorascope: recording to {out}", err=True)
     try:
-        proc = subprocess.Popen(list(cmd), env=_child_env(out, bootstrap, launch_id, sample_interval))
+        proc = subprocess.Popen(list(cmd), env=_child_env(out, bootstrap, launch_id, sample_interval, trace_window))
     except OSError as exc:
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)
         raise UsageError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None

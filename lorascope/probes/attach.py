@@ -16,6 +16,12 @@ from lorascope import __version__
 from lorascope.probes import importhook
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.exits import ExitProbe
+from lorascope.probes.flight import DEFAULT_BUFFER as DEFAULT_FR_BUFFER
+from lorascope.probes.flight import ENV_BUFFER as ENV_FR_BUFFER
+from lorascope.probes.flight import dump_flight_recorder
+from lorascope.probes.grads import GradProbe
+from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
+from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
@@ -24,6 +30,7 @@ from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
 ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
 ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
+ENV_TRACE_WINDOW = "LORASCOPE_TRACE_WINDOW"
 DEFAULT_SAMPLE_INTERVAL = 0.5
 _VERSIONED = ("torch", "deepspeed", "peft", "transformers")
 
@@ -75,7 +82,8 @@ def _say_failed(run_dir: Path | None, why: str) -> None:
             pass
 
 
-def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | None = None) -> bool:
+def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | None = None,
+           trace_window: str | None = None) -> bool:
     """Start the probes in this process once; later calls return whether they are on."""
     global _session
     if _session is not None and _session.pid == os.getpid():
@@ -85,7 +93,9 @@ def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | N
         run_dir = Path(out) if out is not None else _default_run_dir()
         run_dir = run_dir.absolute()
         ensure_manifest(run_dir)
-        _session = _start(run_dir, _sample_interval() if sample_interval is None else sample_interval)
+        _session = _start(run_dir, _sample_interval() if sample_interval is None else sample_interval,
+                          _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None
+                                        else trace_window))
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
         return True
     except Exception as exc:  # noqa: BLE001 - the job must go on
@@ -93,12 +103,22 @@ def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | N
         return False
 
 
-def _start(run_dir: Path, sample_interval: float) -> Session:
+def _trace_window(text: str | None) -> tuple[int, int] | None:
+    """A bad setting costs the default window, not every probe."""
+    try:
+        return parse_window(text)
+    except ValueError as exc:
+        print(f"lorascope: {exc}; tracing steps {DEFAULT_WINDOW[0] + 1}-{sum(DEFAULT_WINDOW)} instead",
+              file=sys.stderr)
+        return DEFAULT_WINDOW
+
+
+def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] | None) -> Session:
     rank = _env_int("RANK", 0)
     host = socket.gethostname()
     pid = os.getpid()
-    stream = Stream(stream_prefix(run_dir, rank, host, pid),
-                    on_error=lambda exc: _say_failed(run_dir, f"stream write failed: {exc}"))
+    prefix = stream_prefix(run_dir, rank, host, pid)
+    stream = Stream(prefix, on_error=lambda exc: _say_failed(run_dir, f"stream write failed: {exc}"))
     session = Session(stream, rank=rank, local_rank=_env_int("LOCAL_RANK", 0),
                       world_size=_env_int("WORLD_SIZE", 1), sample_interval=sample_interval)
     session.record("start", rank=rank, world_size=session.world_size, local_rank=session.local_rank,
@@ -107,15 +127,21 @@ def _start(run_dir: Path, sample_interval: float) -> Session:
                    sample_interval=sample_interval, launch_id=os.environ.get("LORASCOPE_LAUNCH_ID"))
     memory = MemoryProbe(session)
     collectives = CollectiveProbe(session)
-    steps = StepProbe(session, memory, on_step_end=collectives.resolve_device_times)
+    kernels = KernelWindow(session, trace_window, prefix)
+    logits = LogitsProbe(session, memory)
+    steps = StepProbe(session, memory, GradProbe(session), logits, kernels,
+                      on_step_end=collectives.resolve_device_times)
 
     def on_end() -> None:
         memory.stop()
         memory.sample("end")
+        kernels.close()
 
-    ExitProbe(session, on_end).install()
+    ExitProbe(session, on_end, on_crash=lambda reason: dump_flight_recorder(session, prefix, reason)).install()
+    os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     _hook(session, "torch.distributed.distributed_c10d", collectives.install)
     _hook(session, "torch", steps.install_torch)
+    _hook(session, "torch", logits.install)
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp)
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed)
     _hook(session, "peft", steps.install_peft)

@@ -30,9 +30,11 @@ def thread_stacks() -> str:
 
 
 class ExitProbe:
-    def __init__(self, session: Session, on_end: Callable[[], None]) -> None:
+    def __init__(self, session: Session, on_end: Callable[[], None],
+                 on_crash: Callable[[str], None]) -> None:
         self.session = session
         self._on_end = on_end
+        self._on_crash = session.guarded("flight")(on_crash)
         self._seen_warnings = 0
         self._exit_code: int | None = None
 
@@ -70,7 +72,9 @@ class ExitProbe:
         def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
             try:
                 self.session.record("exception", type=exc_type.__name__, message=str(exc)[:20000],
-                                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:])
+                                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
+                                    stacks=thread_stacks()[-50000:])
+                self._on_crash("exception")
                 self._write_end("exception", 1)
             except Exception:  # noqa: BLE001
                 pass
@@ -101,6 +105,7 @@ class ExitProbe:
         try:
             name = signal.Signals(signum).name
             self.session.record("signal", signum=signum, name=name, stacks=thread_stacks()[-50000:])
+            self._on_crash("signal")
             self._write_end("signal", -signum)
         finally:
             signal.signal(signum, signal.SIG_DFL)

@@ -59,9 +59,9 @@ class MemoryProbe:
         return {"used": int(info.used), "total": int(info.total),
                 "pids": sorted(int(p.pid) for p in procs)}
 
-    def _sample(self, src: str, from_main_thread: bool = True) -> None:
-        fields: dict[str, Any] = {"src": src, "step": self.session.step,
-                                  "rss": int(self._proc.memory_info().rss)}
+    def reading(self, from_main_thread: bool = True) -> dict[str, Any]:
+        """RSS, plus the allocator counters on CUDA (and NVML from the sampler thread)."""
+        fields: dict[str, Any] = {"rss": int(self._proc.memory_info().rss)}
         cuda = self._cuda(from_main_thread)
         if cuda is not None:
             fields["cuda"] = cuda
@@ -69,7 +69,10 @@ class MemoryProbe:
                 nvml = self._nvml()
                 if nvml is not None:
                     fields["nvml"] = nvml
-        self.session.record("mem", **fields)
+        return fields
+
+    def _sample(self, src: str, from_main_thread: bool = True) -> None:
+        self.session.record("mem", src=src, step=self.session.step, **self.reading(from_main_thread))
 
     def start_sampler(self) -> None:
         """A daemon thread sampling every ``session.sample_interval`` seconds (0: none)."""

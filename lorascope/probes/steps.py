@@ -17,15 +17,26 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from lorascope.probes.grads import GradProbe
+from lorascope.probes.kernels import KernelWindow
+from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session, plain
 
 
 class StepProbe:
-    def __init__(self, session: Session, memory: MemoryProbe,
+    """Drives the probes that hang off the training loop: phases, steps, and the ones
+    that need the model (gradient health, logits, the kernel-trace window)."""
+
+    def __init__(self, session: Session, memory: MemoryProbe, grads: GradProbe,
+                 logits: LogitsProbe, kernels: KernelWindow,
                  on_step_end: Callable[[], None]) -> None:
         self.session = session
         self.memory = memory
+        self.grads = grads
+        self.logits = logits
+        self.kernels = kernels
+        self.model: Any = None
         self._on_step_end = on_step_end
         self._step_start: float | None = None
         self._loss: Any = None
@@ -79,6 +90,7 @@ class StepProbe:
         self._resolve_losses()
         self.memory.sample("step")
         self._on_step_end()
+        self.kernels.on_step_end()
         self._step_start = time.time()
 
     def _resolve_losses(self) -> None:
@@ -94,7 +106,11 @@ class StepProbe:
         self.session.record("config", name=name, value=plain(value))
 
     def _record_model(self, model: Any) -> None:
-        """The LoRA and model configs of a PEFT model (or the model under it)."""
+        """Remember the job's model; record its LoRA and model configs."""
+        if model is None:
+            return
+        self.model = self.kernels.model = model
+        self.logits.watch_model(model)
         peft_config = getattr(model, "peft_config", None)
         if isinstance(peft_config, dict):
             self._record_config("lora", {name: c.to_dict() if hasattr(c, "to_dict") else c
@@ -112,6 +128,7 @@ class StepProbe:
         probe = self
         orig_init, orig_forward = engine_cls.__init__, engine_cls.forward
         orig_backward, orig_step = engine_cls.backward, engine_cls.step
+        orig_save = engine_cls.save_checkpoint
 
         @functools.wraps(orig_init)
         def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
@@ -123,17 +140,27 @@ class StepProbe:
 
         @functools.wraps(orig_forward)
         def forward(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            probe.phase("forward", "begin")
+            name = probe.forward_phase_name()
+            probe.phase(name, "begin")
             out = orig_forward(engine, *args, **kwargs)
-            probe.phase("forward", "end")
+            probe.phase(name, "end")
             return out
 
         @functools.wraps(orig_backward)
         def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
             probe.see_loss(loss)
+            probe.grads.before_backward(engine.module)
             probe.phase("backward", "begin")
             out = orig_backward(engine, loss, *args, **kwargs)
             probe.phase("backward", "end")
+            probe.grads.after_backward(engine.module, engine.zero_optimization_stage())
+            return out
+
+        @functools.wraps(orig_save)
+        def save_checkpoint(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            probe.phase("save", "begin")
+            out = orig_save(engine, *args, **kwargs)
+            probe.phase("save", "end")
             return out
 
         @functools.wraps(orig_step)
@@ -148,6 +175,12 @@ class StepProbe:
 
         engine_cls.__init__, engine_cls.forward = __init__, forward
         engine_cls.backward, engine_cls.step = backward, step
+        engine_cls.save_checkpoint = save_checkpoint
+
+    def forward_phase_name(self) -> str:
+        """A forward under no_grad is an evaluation, not a training forward."""
+        torch = sys.modules.get("torch")
+        return "forward" if torch is None or torch.is_grad_enabled() else "eval"
 
     # -- plain torch --------------------------------------------------------------
     def _generic(self) -> bool:
@@ -165,6 +198,7 @@ class StepProbe:
             if not probe._generic():
                 return orig_backward(tensor, *args, **kwargs)
             probe.see_loss(tensor)
+            probe.grads.before_backward(probe.model)
             probe.phase("backward", "begin")
             out = orig_backward(tensor, *args, **kwargs)
             probe.phase("backward", "end")
@@ -179,6 +213,7 @@ class StepProbe:
     def _optimizer_begin(self, *_: Any) -> None:
         """Global optimizer pre-hook (must return None)."""
         if self._generic():
+            self.grads.after_backward(self.model)
             self.phase("optimizer", "begin")
 
     def _optimizer_end(self, *_: Any) -> None:
@@ -196,9 +231,10 @@ class StepProbe:
 
         @functools.wraps(orig_forward)
         def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-            probe.phase("forward", "begin")
+            name = probe.forward_phase_name()
+            probe.phase(name, "begin")
             out = orig_forward(module, *args, **kwargs)
-            probe.phase("forward", "end")
+            probe.phase(name, "end")
             return out
 
         forward.__lorascope__ = True  # type: ignore[attr-defined]

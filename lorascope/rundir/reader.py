@@ -57,6 +57,12 @@ class RankData:
     signal: dict[str, Any] | None = None
     end: dict[str, Any] | None = None
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    grad_setup: dict[str, Any] | None = None
+    grads: dict[str, Any] | None = None
+    logits: list[dict[str, Any]] = field(default_factory=list)
+    #: Kineto traces and flight-recorder dumps the rank wrote, as absolute paths.
+    trace_files: list[str] = field(default_factory=list)
+    flight_files: list[str] = field(default_factory=list)
     last_time: float = 0.0
 
     @property
@@ -167,6 +173,14 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                 data = RankData(rank=rank, start=rec, files=[])
             data.last_time = max(data.last_time, float(rec["t"]))
             _apply(data, kind, rec, pending)
+            if kind in ("trace_window", "flight_dump") and rec.get("file"):
+                side = path.parent / str(rec["file"])
+                if side.name != rec["file"] or not side.exists():
+                    warnings.append(f"{path}:{number}: {kind} file {rec['file']!r} is missing")
+                elif kind == "trace_window":
+                    data.trace_files.append(str(side))
+                else:
+                    data.flight_files.append(str(side))
         if data is not None:
             data.files.append(str(path))
     if data is None:
@@ -220,6 +234,12 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
         data.end = rec
     elif kind == "probe_error":
         data.probe_errors.append(rec)
+    elif kind == "grad_setup":
+        data.grad_setup = rec
+    elif kind == "grads":
+        data.grads = rec
+    elif kind == "logits":
+        data.logits.append(rec)
 
 
 def load_run(path: str | Path) -> RunData:

@@ -42,6 +42,11 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "warning": {"category": _STR, "message": _STR, "filename": _STR, "lineno": _INT},
     "exception": {"type": _STR, "message": _STR, "traceback": _STR},
     "signal": {"signum": _INT, "name": _STR},
+    "grad_setup": {"step": _INT, "checkpointing": (dict,), "input_require_grads_hooks": _INT},
+    "grads": {"step": _INT, "names": (list,), "status": _STR, "scope": _STR},
+    "logits": {"where": _STR, "step": _INT, "shape": (list,), "dtype": _STR, "bytes": _INT},
+    "trace_window": {"edge": _STR, "step": _INT},
+    "flight_dump": {"file": _STR, "reason": _STR, "bytes": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
     "end": {"status": _STR, "code": _OPT_INT},
 }

@@ -1,0 +1,41 @@
+"""Byte quantities: parsing what users type (``80GiB``) and printing plan figures."""
+from __future__ import annotations
+
+import re
+
+from lorascope.errors import UsageError
+
+GIB = 1 << 30
+
+#: Binary prefixes for K/M/G/T, with or without "iB" (as nvidia-smi and torch mean them);
+#: decimal only when spelled "KB"/"MB"/"GB"/"TB".
+_MULTIPLIERS = {
+    "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` -> 85899345920. A unit is required: a bare number is ambiguous."""
+    match = _QUANTITY.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _MULTIPLIERS:
+        raise UsageError(f"cannot read {text!r} as a memory size; write it like 80GiB, 40GB or 24576MiB")
+    value = int(float(match.group(1)) * _MULTIPLIERS[unit])
+    if value <= 0:
+        raise UsageError(f"memory size {text!r} must be positive")
+    return value
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes as GiB with two decimals, the unit of every plan table."""
+    return f"{n_bytes / GIB:.2f}"
+
+
+def count(n: int) -> str:
+    """A parameter count with thousands separators: 41,943,040."""
+    return f"{n:,}"

@@ -1,0 +1,93 @@
+"""Gradient health after the first backward, and the settings that decide it.
+
+Before the first backward (so a crash in it cannot hide them): the gradient-checkpointing
+settings the model's modules carry (``use_reentrant``) and whether an input-require-grads
+hook is registered on an embedding. After it (between backward and step): for every
+trainable tensor, whether its gradient is missing, all zero, or present.
+
+Under ZeRO-3 each rank looks at its own partition only (``safe_get_local_grad``): no
+collective is added, so a probe failing on one rank can never hang the others; the
+analysis combines the ranks (a gradient is all zero when every partition is). Under
+ZeRO-1/2 the gradient is assembled with ``safe_get_full_grad``, which every rank calls
+for the same tensors in the same order. The all-zero test reads the values, a device
+synchronisation paid once, at the first step only.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from lorascope.probes.session import Session
+
+#: One character per trainable tensor in the ``grads`` record.
+STATUS_NONE, STATUS_ZERO, STATUS_OK = "n", "z", "o"
+
+
+def checkpointing_settings(model: Any) -> dict[str, Any]:
+    """What the model's modules say about activation checkpointing."""
+    enabled = False
+    reentrant: set[Any] = set()
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            enabled = True
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if isinstance(func, functools.partial):
+                reentrant.add(func.keywords.get("use_reentrant"))
+    return {"enabled": enabled, "use_reentrant": sorted(reentrant, key=repr)}
+
+
+def input_require_grads_hooks(model: Any) -> int:
+    """How many forward hooks named like transformers'/PEFT's make_inputs_require_grad(s)."""
+    count = 0
+    for module in model.modules():
+        for hook in getattr(module, "_forward_hooks", {}).values():
+            if "require_grad" in getattr(hook, "__name__", ""):
+                count += 1
+    return count
+
+
+class GradProbe:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._setup_done = False
+        self._grads_done = False
+        self.before_backward = session.guarded("grads")(self._before_backward)
+        self.after_backward = session.guarded("grads")(self._after_backward)
+
+    def _before_backward(self, model: Any) -> None:
+        if self._setup_done or model is None:
+            return
+        self._setup_done = True
+        self.session.record("grad_setup", step=self.session.step,
+                            checkpointing=checkpointing_settings(model),
+                            input_require_grads_hooks=input_require_grads_hooks(model),
+                            training=bool(getattr(model, "training", True)))
+
+    def _after_backward(self, model: Any, zero_stage: int | None = None) -> None:
+        if self._grads_done or model is None:
+            return
+        self._grads_done = True
+        names: list[str] = []
+        status: list[str] = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            names.append(name)
+            status.append(self._status(param, zero_stage))
+        self.session.record("grads", step=self.session.step, names=names, status="".join(status),
+                            scope="local-partition" if zero_stage == 3 else "full")
+
+    @staticmethod
+    def _status(param: Any, zero_stage: int | None) -> str:
+        grad = param.grad
+        if grad is None and zero_stage == 3 and hasattr(param, "ds_id"):
+            from deepspeed.utils import safe_get_local_grad
+
+            grad = safe_get_local_grad(param)
+        elif grad is None and zero_stage in (1, 2):
+            from deepspeed.utils import safe_get_full_grad
+
+            grad = safe_get_full_grad(param)
+        if grad is None:
+            return STATUS_NONE
+        return STATUS_ZERO if int(grad.count_nonzero()) == 0 else STATUS_OK
