@@ -19,6 +19,7 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from lorascope.probes.session import Session
+from lorascope.probes.sources import describe
 
 #: op -> (position, keyword) of the argument whose bytes the record reports: the rank's
 #: own contribution, so that ranks agree on it (all_gather: the input, not the output).
@@ -58,6 +59,7 @@ class CollectiveProbe:
         self._seq: dict[int, int] = {}
         self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
         self._internal: dict[CodeType, bool] = {}
+        self._described: set[str] = set()
         self._stdlib = os.path.dirname(os.__file__) + os.sep
         self._events: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
@@ -212,7 +214,11 @@ class CollectiveProbe:
             if skip is None:
                 skip = internal[code] = self._is_internal(code.co_filename)
             if not skip:
-                return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+                site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+                if site not in self._described:
+                    self._described.add(site)
+                    self.session.record("site", site=site, **describe(code.co_filename, frame.f_lineno))
+                return site
             frame = frame.f_back
         return None
 

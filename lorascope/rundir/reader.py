@@ -57,6 +57,8 @@ class RankData:
     signal: dict[str, Any] | None = None
     end: dict[str, Any] | None = None
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Call site -> {"line": source text, "conditions": enclosing if/while lines}.
+    sites: dict[str, dict[str, Any]] = field(default_factory=dict)
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
@@ -234,6 +236,8 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
         data.end = rec
     elif kind == "probe_error":
         data.probe_errors.append(rec)
+    elif kind == "site":
+        data.sites[rec["site"]] = rec
     elif kind == "grad_setup":
         data.grad_setup = rec
     elif kind == "grads":

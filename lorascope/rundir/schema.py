@@ -37,6 +37,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
     "coll": {"seq": _INT, "gid": _INT, "op": _STR, "bytes": _OPT_INT, "dtype": _OPT_STR,
              "async": (bool,), "site": _OPT_STR, "step": _INT},
+    "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
     "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
     "warning": {"category": _STR, "message": _STR, "filename": _STR, "lineno": _INT},

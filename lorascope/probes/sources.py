@@ -1,0 +1,41 @@
+"""The source context of a call site, recorded once per site so that the run directory
+explains itself on any machine: the line's text and the ``if`` / ``while`` conditions
+that enclose it (innermost first), e.g. ``if rank == 0:`` around a collective."""
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+from typing import Any
+
+MAX_FILE_BYTES = 2_000_000
+
+
+@functools.lru_cache(maxsize=64)
+def _tree(filename: str) -> ast.AST | None:
+    text = "".join(linecache.getlines(filename))
+    if not text or len(text) > MAX_FILE_BYTES:
+        return None
+    try:
+        return ast.parse(text, filename)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _spans(node: ast.AST, lineno: int) -> bool:
+    return node.lineno <= lineno <= (getattr(node, "end_lineno", None) or node.lineno)  # type: ignore[attr-defined]
+
+
+def describe(filename: str, lineno: int) -> dict[str, Any]:
+    """``{"line": text or None, "conditions": [enclosing if/while lines, innermost first]}``;
+    a line in an ``else`` branch is given as ``else of: <the if line>``."""
+    line = linecache.getline(filename, lineno).strip() or None
+    found: list[tuple[int, str]] = []
+    tree = _tree(filename)
+    if tree is not None:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.If, ast.While)) and node.lineno < lineno and _spans(node, lineno):
+                text = linecache.getline(filename, node.lineno).strip()
+                in_else = any(_spans(child, lineno) for child in node.orelse)
+                found.append((node.lineno, f"else of: {text}" if in_else else text))
+    return {"line": line, "conditions": [text for _, text in sorted(found, reverse=True)]}
