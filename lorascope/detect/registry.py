@@ -3,13 +3,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lorascope.detect import logits_spike, rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 
 Detector = Callable[[EvidenceBundle], list[Finding]]
 
 #: Every detector, in the order they run. Each is a pure function of the bundle.
-DETECTORS: list[Detector] = []
+DETECTORS: list[Detector] = [
+    rank_conditional_hang.detect,
+    reentrant_dead_grads.detect,
+    logits_spike.detect,
+    rank0_asymmetry.detect,
+]
 
 
 def run_detectors(bundle: EvidenceBundle, detectors: list[Detector] | None = None) -> list[Finding]:

@@ -1,0 +1,98 @@
+"""logits-spike: the loss, not the layers, sets the peak: B·T·V logits, their fp32 copy
+and their gradient.
+
+Evidence: the logits the probes saw at the first steps (shape, dtype, bytes, B·T·V), the
+memory reading right before and after the loss, and how that footprint compares with
+the rank's peak. Thresholds: docs/detectors.md.
+"""
+from __future__ import annotations
+
+import math
+
+from lorascope.detect.common import fmt_bytes, mem_value, memory_kind, peak_memory, stream_source
+from lorascope.detect.finding import Evidence, Finding
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import RankData, RunData
+
+ID = "logits-spike"
+#: fp32 logits, the log-softmax cross_entropy builds, and the logits' gradient: three
+#: tensors of B·T·V·4 bytes are live together at the loss (more with a native-dtype copy).
+LIVE_COPIES = 3
+#: The spike must be this share of the memory the step itself uses (peak minus the
+#: memory held before the first forward) ...
+MIN_SHARE_OF_STEP = 0.25
+#: ... and at least this much in absolute terms.
+MIN_BYTES = 32 * 2**20
+
+
+def _baseline(rank: RankData) -> int | None:
+    """Memory held before the first forward (weights, optimizer, framework)."""
+    for sample in rank.mem:
+        if sample["src"] == "forward.begin":
+            return mem_value(sample)
+    return None
+
+
+def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], dict] | None:
+    loss_inputs = [r for r in rank.logits if r["where"] == "loss_input"]
+    heads = [r for r in rank.logits if r["where"] == "lm_head_output"]
+    if not loss_inputs and not heads:
+        return None
+    rec = max(loss_inputs or heads, key=lambda r: r["bytes"])
+    vocab = rec["shape"][-1]
+    tokens = math.prod(rec["shape"][:-1])
+    fp32_bytes = tokens * vocab * 4
+    spike = LIVE_COPIES * fp32_bytes
+    peak, base = peak_memory(rank), _baseline(rank)
+    if peak is None:
+        return None
+    step_memory = peak - base if base is not None and peak > base else peak
+    share = spike / step_memory if step_memory else 0.0
+    if spike < MIN_BYTES or share < MIN_SHARE_OF_STEP:
+        return None
+    src = stream_source(run, rank, "logits records")
+    evidence = [Evidence("loss input", f"shape {rec['shape']} {rec['dtype']} = {fmt_bytes(rec['bytes'])}", src),
+                Evidence("B·T·V", f"{tokens:,} tokens x {vocab:,} vocab = {tokens * vocab:,} logits "
+                         f"({fmt_bytes(fp32_bytes)} in fp32)", src)]
+    if heads and heads[0] is not rec:
+        h = max(heads, key=lambda r: r["bytes"])
+        evidence.append(Evidence("lm_head output", f"shape {h['shape']} {h['dtype']} = {fmt_bytes(h['bytes'])}", src))
+    before, after = rec.get("mem_before"), rec.get("mem_after")
+    if isinstance(before, dict) and isinstance(after, dict) and before.get("rss") and after.get("rss"):
+        evidence.append(Evidence("RSS across the loss", f"{fmt_bytes(before['rss'])} -> {fmt_bytes(after['rss'])}", src))
+    evidence.append(Evidence(f"share of the step's memory ({memory_kind(rank)})",
+                             f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}",
+                             f"{LIVE_COPIES} x fp32 logits vs peak minus memory before the first forward"))
+    return share, evidence, {"tokens": tokens, "vocab": vocab, "fp32_bytes": fp32_bytes,
+                             "spike_bytes": spike, "step_memory_bytes": step_memory, "dtype": rec["dtype"]}
+
+
+def detect(bundle: EvidenceBundle) -> list[Finding]:
+    run = bundle.run
+    if run is None:
+        return []
+    hits = {n: f for n, r in run.ranks.items() if (f := _rank_finding(run, r)) is not None}
+    if not hits:
+        return []
+    rank = min(hits, key=lambda n: -hits[n][0])
+    share, evidence, details = hits[rank]
+    return [Finding(
+        id=ID,
+        title=f"the loss's logits take ~{share:.0%} of each step's memory "
+              f"({details['tokens']:,} tokens x {details['vocab']:,} vocab)",
+        severity="error" if share >= 0.5 else "warning",
+        confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
+        confidence_reason=(f"logits measured at the loss on {len(hits)} rank(s); their fp32 footprint is "
+                           f"{share:.0%} of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"),
+        ranks=sorted(hits),
+        evidence=evidence,
+        explanation=("A causal-LM loss materialises one score per token per vocabulary entry. With a large "
+                     "vocabulary the logits (B·T·V), their fp32 upcast for the loss, the log-softmax and "
+                     "their gradient are live together at the loss, and they, not the adapters or the "
+                     "frozen layers, set the peak. LoRA makes the rest of the step small, so this "
+                     "dominates."),
+        fix=("Use a chunked or fused cross-entropy that never materialises full logits (Liger Kernel's "
+             "fused linear cross-entropy, Apple's Cut Cross Entropy); lower the micro-batch or sequence "
+             "length; compute logits only where labels are (logits_to_keep / num_logits_to_keep)."),
+        details=details,
+    )]

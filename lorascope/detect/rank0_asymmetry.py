@@ -1,0 +1,131 @@
+"""rank0-asymmetry: rank 0 holds more memory than the other ranks.
+
+Evidence: each rank's peak against the median of the others; the point of the loop
+(step and phase edge) where rank 0 began to pull away, aligning the ranks' memory
+samples taken at the same phase edges; on CUDA, other ranks' PIDs that NVML lists on
+rank 0's GPU (their CUDA contexts landed on GPU 0). Thresholds: docs/detectors.md.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+from lorascope.detect.common import (
+    ended_with_oom, fmt_bytes, mem_value, memory_kind, peak_memory, stream_source,
+)
+from lorascope.detect.finding import Evidence, Finding
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import RankData
+
+ID = "rank0-asymmetry"
+#: Rank 0's excess over the others' median must pass both: a share of the others' peak ...
+MIN_EXCESS_SHARE = 0.05
+#: ... and an absolute floor (allocator and RSS noise stay under it).
+MIN_EXCESS_BYTES = 16 * 2**20
+
+
+def _edge_series(rank: RankData) -> list[tuple[tuple[int, str, int], int]]:
+    """Main-thread samples keyed by (step, phase edge, occurrence), in order."""
+    seen: Counter[tuple[int, str]] = Counter()
+    out = []
+    for sample in rank.mem:
+        if sample["src"] == "sampler":
+            continue
+        value = mem_value(sample)
+        if value is None:
+            continue
+        key = (sample["step"], sample["src"])
+        seen[key] += 1
+        out.append(((sample["step"], sample["src"], seen[key]), value))
+    return out
+
+
+def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> dict[str, Any] | None:
+    """The first aligned phase edge where rank 0 exceeds the others' median by half the
+    final excess, with the excess there."""
+    series = [dict(_edge_series(r)) for r in others]
+    for key, value in _edge_series(rank0):
+        values = [s[key] for s in series if key in s]
+        if len(values) != len(series):
+            continue
+        gap = value - statistics.median(values)
+        if gap >= excess / 2:
+            step, edge, _ = key
+            return {"step": step, "edge": edge, "phase": edge.split(".")[0], "gap": gap}
+    return None
+
+
+def _gpu0_guests(rank0: RankData, others: list[RankData]) -> list[int]:
+    """Ranks whose PIDs NVML lists on rank 0's GPU."""
+    pids: set[int] = set()
+    for sample in rank0.mem:
+        nvml = sample.get("nvml")
+        if isinstance(nvml, dict):
+            pids.update(nvml.get("pids", []))
+    return sorted(r.rank for r in others if r.pid in pids)
+
+
+def detect(bundle: EvidenceBundle) -> list[Finding]:
+    run = bundle.run
+    if run is None or 0 not in run.ranks or len(run.ranks) < 2:
+        return []
+    rank0 = run.ranks[0]
+    others = [r for n, r in run.ranks.items() if n != 0]
+    peak0 = peak_memory(rank0)
+    peaks = [p for p in (peak_memory(r) for r in others) if p is not None]
+    if peak0 is None or not peaks:
+        return []
+    median = statistics.median(peaks)
+    excess = peak0 - median
+    threshold = max(MIN_EXCESS_SHARE * median, MIN_EXCESS_BYTES)
+    if excess < threshold:
+        return []
+    kind = memory_kind(rank0)
+    point = divergence_point(rank0, others, excess)
+    guests = _gpu0_guests(rank0, others)
+    evidence = [
+        Evidence(f"rank 0 peak ({kind})", fmt_bytes(peak0), stream_source(run, rank0, "mem records")),
+        Evidence(f"median peak of ranks {', '.join(str(r.rank) for r in others)}", fmt_bytes(median),
+                 "mem records of those ranks"),
+        Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%} over the others)",
+                 "peak minus the median"),
+    ]
+    if point is not None:
+        evidence.append(Evidence("rank 0 pulled away at", f"step {point['step']}, {point['edge']} "
+                                 f"(+{fmt_bytes(point['gap'])} there)", "mem records aligned by phase edge"))
+    if guests:
+        evidence.append(Evidence("other ranks' processes on rank 0's GPU",
+                                 f"ranks {guests} (NVML process list)", stream_source(run, rank0, "mem.nvml")))
+    oom = ended_with_oom(rank0)
+    if oom:
+        evidence.append(Evidence("rank 0 ended with", rank0.exception["message"].splitlines()[0][:300],
+                                 stream_source(run, rank0, "exception record")))
+    reasons = [f"excess {excess / threshold:.1f}x the threshold"]
+    if point is not None:
+        reasons.append(f"divergence located at {point['edge']}")
+    if guests:
+        reasons.append("other ranks' contexts seen on GPU 0")
+    confidence = "high" if excess >= 2 * threshold and (point is not None or guests) else "medium"
+    phase = point["phase"] if point else None
+    return [Finding(
+        id=ID,
+        title=f"rank 0 holds {fmt_bytes(excess)} more memory than the other ranks"
+              + (f", from the {phase} phase on" if phase else ""),
+        severity="error" if oom else "warning",
+        confidence=confidence,
+        confidence_reason="; ".join(reasons),
+        ranks=[0],
+        evidence=evidence,
+        explanation=("In data-parallel training every rank should hold about the same memory. Rank 0 "
+                     "often does extra work the others do not: it evaluates or logs alone and keeps the "
+                     "outputs, gathers tensors from every rank, or hosts other ranks' CUDA contexts when "
+                     "they did not select their own device before initialising. It then runs out of "
+                     "memory while the other ranks are comfortable."),
+        fix=("Run evaluation on every rank and all_reduce the metrics; keep no outputs on rank 0 (move "
+             "gathered tensors to CPU, reduce them to numbers, delete them); call "
+             "torch.cuda.set_device(local_rank) before init_process_group and pass "
+             "barrier(device_ids=[local_rank])."),
+        details={"peaks": {str(r.rank): peak_memory(r) for r in run.ranks.values()},
+                 "divergence": point, "gpu0_guest_ranks": guests},
+    )]

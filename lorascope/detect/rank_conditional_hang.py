@@ -1,0 +1,155 @@
+"""rank-conditional-hang: a collective that only some ranks run.
+
+The ranks' collective records are aligned per process group by sequence number; the
+first number at which they disagree (a different op or size, or a rank that issued it
+while another is still in an earlier one) is the divergence. The odd rank is the one
+whose call site sits inside a rank condition (``if rank == 0:``, ``is_main_process``),
+read from the source context the probes recorded.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from lorascope.detect.common import fmt_bytes, stream_source
+from lorascope.detect.finding import Evidence, Finding
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import Collective, RankData, RunData
+
+ID = "rank-conditional-hang"
+RANK_CONDITION = re.compile(r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
+                            r"is_world_process_zero|main_process|get_rank\(\))\b")
+
+
+@dataclass
+class Divergence:
+    group: str
+    seq: int
+    calls: dict[int, Collective | None]  # rank -> its call at seq (None: never issued)
+
+
+def _by_group(rank: RankData) -> dict[str, dict[int, Collective]]:
+    out: dict[str, dict[int, Collective]] = {}
+    for coll in rank.collectives:
+        out.setdefault(coll.group, {})[coll.seq] = coll
+    return out
+
+
+def first_divergence(run: RunData) -> Divergence | None:
+    """The earliest (by time) sequence number where the ranks disagree, over all groups."""
+    tables = {n: _by_group(r) for n, r in run.ranks.items()}
+    groups = sorted({g for t in tables.values() for g in t})
+    found: list[tuple[float, Divergence]] = []
+    for group in groups:
+        members = [n for n, t in tables.items() if group in t]
+        if len(members) < 2:
+            continue
+        last = max(max(tables[n][group]) for n in members)
+        for seq in range(1, last + 1):
+            calls = {n: tables[n][group].get(seq) for n in members}
+            present = [c for c in calls.values() if c is not None]
+            keys = {(c.op, c.bytes) for c in present}
+            missing_while_waiting = len(present) < len(calls) and any(c.pending for c in present)
+            if len(keys) > 1 or missing_while_waiting:
+                found.append((min(c.start for c in present), Divergence(group, seq, calls)))
+                break
+    return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def rank_condition(rank: RankData, site: str | None) -> str | None:
+    """The innermost enclosing condition of ``site`` that tests the rank, if any."""
+    if site is None:
+        return None
+    context = rank.sites.get(site, {})
+    for cond in context.get("conditions", []):
+        if RANK_CONDITION.search(cond):
+            return cond
+    return None
+
+
+def _describe(call: Collective | None) -> str:
+    if call is None:
+        return "never issued it"
+    size = "" if call.bytes is None else f" ({fmt_bytes(call.bytes)}{', ' + call.dtype if call.dtype else ''})"
+    state = "still waiting in it" if call.pending else ("failed: " + call.err[:120] if call.err else "completed")
+    return f"{call.op} #{call.seq}{size} at {call.site or '?'} — {state}"
+
+
+def _short_site(site: str | None) -> str:
+    if not site:
+        return "?"
+    path, _, rest = site.partition(":")
+    return f"{path.rsplit('/', 1)[-1]}:{rest}"
+
+
+def detect(bundle: EvidenceBundle) -> list[Finding]:
+    run = bundle.run
+    if run is None or len(run.ranks) < 2:
+        return []
+    div = first_divergence(run)
+    if div is None:
+        return []
+    conditions = {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
+    # Inside `if rank == 0:` beats being in its else branch (the ranks that do the usual thing).
+    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] \
+        or [n for n, cond in conditions.items() if cond]
+    if len(odd) == len(div.calls):
+        odd = []
+    if not odd:  # the minority op, when there is one
+        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
+        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
+            rare = counts.most_common()[-1][0]
+            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
+    evidence: list[Evidence] = []
+    for n, call in sorted(div.calls.items()):
+        rank = run.ranks[n]
+        evidence.append(Evidence(f"rank {n} at {div.group} #{div.seq}", _describe(call),
+                                 stream_source(run, rank, "coll records")))
+        if call is not None and call.site:
+            context = rank.sites.get(call.site, {})
+            if context.get("line"):
+                cond = conditions[n]
+                evidence.append(Evidence(f"rank {n} source", f"{context['line']}"
+                                         + (f"   inside `{cond}`" if cond else ""), call.site))
+    crashed = [r for r in run.ranks.values() if r.exception]
+    if crashed:
+        evidence.append(Evidence("how it ended", f"rank {crashed[0].rank}: {crashed[0].exception['type']}: "
+                                 f"{crashed[0].exception['message'].splitlines()[0][:200]}",
+                                 stream_source(run, crashed[0], "exception record")))
+    others = sorted(set(div.calls) - set(odd))
+    who = f"ranks {', '.join(map(str, odd))} vs {', '.join(map(str, others))}" if odd else "the ranks"
+    first_odd = div.calls.get(odd[0]) if odd else None
+    headline = (f"{who} disagree from collective #{div.seq} on {div.group}"
+                + (f": rank {odd[0]} runs {first_odd.op} at {_short_site(first_odd.site)}"
+                   f"{' inside `' + conditions[odd[0]] + '`' if conditions.get(odd[0]) else ''}"
+                   if first_odd else ""))
+    confidence = "high" if any(conditions.values()) else "medium"
+    reason = ("the odd rank's call site is inside a rank condition" if confidence == "high"
+              else "sequences disagree but no rank condition was found at the call sites")
+    details: dict[str, Any] = {
+        "group": div.group, "seq": div.seq, "odd_ranks": odd,
+        "calls": {str(n): None if c is None else {"op": c.op, "bytes": c.bytes, "dtype": c.dtype,
+                                                  "site": c.site, "pending": c.pending, "err": c.err}
+                  for n, c in div.calls.items()},
+    }
+    return [Finding(
+        id=ID,
+        title=headline,
+        severity="error",
+        confidence=confidence,
+        confidence_reason=reason,
+        ranks=sorted(odd) or sorted(div.calls),
+        evidence=evidence,
+        explanation=("Collectives match up by order: every rank of a process group must call the same "
+                     "collectives in the same sequence. A collective inside a block only some ranks "
+                     "enter (evaluation, logging or saving on rank 0, a ZeRO-3 parameter gather on the "
+                     "main process) pairs with a different call on the others; they wait on each other "
+                     "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
+                     "mismatched sizes."),
+        fix=("Run the collective on every rank and act on the result on rank 0 only: move the "
+             "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
+             "all ranks, then `if rank == 0: log(...)`)."),
+        details=details,
+    )]
