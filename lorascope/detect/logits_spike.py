@@ -38,7 +38,8 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
     heads = [r for r in rank.logits if r["where"] == "lm_head_output"]
     if not loss_inputs and not heads:
         return None
-    rec = max(loss_inputs or heads, key=lambda r: r["bytes"])
+    # B·T·V from the output projection when seen (the loss input may be shifted: T-1).
+    rec = max(heads or loss_inputs, key=lambda r: r["bytes"])
     vocab = rec["shape"][-1]
     tokens = math.prod(rec["shape"][:-1])
     fp32_bytes = tokens * vocab * 4
@@ -51,19 +52,22 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
     if spike < MIN_BYTES or share < MIN_SHARE_OF_STEP:
         return None
     src = stream_source(run, rank, "logits records")
-    evidence = [Evidence("loss input", f"shape {rec['shape']} {rec['dtype']} = {fmt_bytes(rec['bytes'])}", src),
+    evidence = [Evidence("logits" if rec in heads else "loss input",
+                         f"shape {rec['shape']} {rec['dtype']} = {rec['bytes']:,} B ({fmt_bytes(rec['bytes'])})", src),
                 Evidence("B·T·V", f"{tokens:,} tokens x {vocab:,} vocab = {tokens * vocab:,} logits "
                          f"({fmt_bytes(fp32_bytes)} in fp32)", src)]
-    if heads and heads[0] is not rec:
-        h = max(heads, key=lambda r: r["bytes"])
-        evidence.append(Evidence("lm_head output", f"shape {h['shape']} {h['dtype']} = {fmt_bytes(h['bytes'])}", src))
-    before, after = rec.get("mem_before"), rec.get("mem_after")
+    loss_rec = max(loss_inputs, key=lambda r: r["bytes"]) if loss_inputs else None
+    if loss_rec is not None and loss_rec is not rec:
+        evidence.append(Evidence("loss input", f"shape {loss_rec['shape']} {loss_rec['dtype']} = "
+                                 f"{fmt_bytes(loss_rec['bytes'])}", src))
+    before, after = (loss_rec or {}).get("mem_before"), (loss_rec or {}).get("mem_after")
     if isinstance(before, dict) and isinstance(after, dict) and before.get("rss") and after.get("rss"):
         evidence.append(Evidence("RSS across the loss", f"{fmt_bytes(before['rss'])} -> {fmt_bytes(after['rss'])}", src))
     evidence.append(Evidence(f"share of the step's memory ({memory_kind(rank)})",
                              f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}",
                              f"{LIVE_COPIES} x fp32 logits vs peak minus memory before the first forward"))
     return share, evidence, {"tokens": tokens, "vocab": vocab, "fp32_bytes": fp32_bytes,
+                             "logits_shape": rec["shape"], "logits_bytes": rec["bytes"],
                              "spike_bytes": spike, "step_memory_bytes": step_memory, "dtype": rec["dtype"]}
 
 

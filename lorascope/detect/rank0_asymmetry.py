@@ -45,15 +45,28 @@ def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> di
     """The first aligned phase edge where rank 0 exceeds the others' median by half the
     final excess, with the excess there."""
     series = [dict(_edge_series(r)) for r in others]
+    previous = "start"
     for key, value in _edge_series(rank0):
         values = [s[key] for s in series if key in s]
         if len(values) != len(series):
             continue
+        step, edge, _ = key
         gap = value - statistics.median(values)
         if gap >= excess / 2:
-            step, edge, _ = key
-            return {"step": step, "edge": edge, "phase": edge.split(".")[0], "gap": gap}
+            return {"step": step, "after": previous, "edge": edge, "phase": _phase_between(previous, edge),
+                    "gap": gap}
+        previous = edge
     return None
+
+
+def _phase_between(previous: str, edge: str) -> str:
+    """Name what ran between two samples: a phase that ended at ``edge``, or, when
+    ``edge`` opens a phase, the training script's own code between the engine's phases
+    (where evaluation, logging and gathers on rank 0 usually live)."""
+    name, _, side = edge.partition(".")
+    if side == "end":
+        return name
+    return "the training loop's own code between steps" if side == "begin" else edge
 
 
 def _gpu0_guests(rank0: RankData, others: list[RankData]) -> list[int]:
@@ -92,8 +105,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                  "peak minus the median"),
     ]
     if point is not None:
-        evidence.append(Evidence("rank 0 pulled away at", f"step {point['step']}, {point['edge']} "
-                                 f"(+{fmt_bytes(point['gap'])} there)", "mem records aligned by phase edge"))
+        evidence.append(Evidence("rank 0 pulled away", f"at step {point['step']}, between {point['after']} "
+                                 f"and {point['edge']}: {point['phase']} (+{fmt_bytes(point['gap'])} there)",
+                                 "mem records aligned by phase edge"))
     if guests:
         evidence.append(Evidence("other ranks' processes on rank 0's GPU",
                                  f"ranks {guests} (NVML process list)", stream_source(run, rank0, "mem.nvml")))
@@ -111,7 +125,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     return [Finding(
         id=ID,
         title=f"rank 0 holds {fmt_bytes(excess)} more memory than the other ranks"
-              + (f", from the {phase} phase on" if phase else ""),
+              + (f"; it pulled away in {phase if ' ' in phase else 'the ' + phase + ' phase'}" if phase else ""),
         severity="error" if oom else "warning",
         confidence=confidence,
         confidence_reason="; ".join(reasons),
