@@ -11,6 +11,7 @@ from lorascope.analyze.summary import build_summary, render_text
 from lorascope.detect.finding import SEVERITY_ORDER
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle
+from lorascope.report.write import write_report
 
 #: Exit status when --fail-on matches a finding (distinct from input errors).
 FINDINGS_EXIT = 4
@@ -21,7 +22,9 @@ FINDINGS_EXIT = 4
 @click.option("--json", "as_json", is_flag=True, help="Print findings and summary as JSON.")
 @click.option("--fail-on", type=click.Choice(["warning", "error"]), default=None,
               help=f"Exit with status {FINDINGS_EXIT} when a finding of this severity or worse exists.")
-def command(path: Path, as_json: bool, fail_on: str | None) -> int:
+@click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the HTML report to this file (as `lorascope report`).")
+def command(path: Path, as_json: bool, fail_on: str | None, html_out: Path | None) -> int:
     """Name what went wrong in a run directory, and summarise it per rank."""
     bundle = load_bundle(path)
     findings = run_detectors(bundle)
@@ -33,6 +36,9 @@ def command(path: Path, as_json: bool, fail_on: str | None) -> int:
     else:
         click.echo(render_findings(findings))
         click.echo(render_text(data))
+    if html_out is not None:
+        write_report(bundle, findings, html_out)
+        click.echo(f"lorascope: report written to {html_out}", err=True)
     if fail_on is not None and any(SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on] for f in findings):
         return FINDINGS_EXIT
     return 0

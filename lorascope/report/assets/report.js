@@ -1,0 +1,268 @@
+/* lorascope report: draws the charts from the JSON embedded in the page.
+ * Strings from the run reach the page only as canvas text or through esc() in tooltips.
+ * Each drawn chart gets data-points (how many data points it shows); window.lorascopeReport
+ * lists the charts once all are drawn (the browser tests read both). */
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("report-data").textContent);
+  var RANK0 = "#d62728";
+  var PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#7f7f7f", "#bcbd22", "#e377c2", "#ff7f0e", "#3f51b5"];
+  var STATUS_NAMES = ["done", "pending", "error", "never called"];
+  var charts = {};
+
+  function esc(s) {
+    return String(s).replace(/[&<>"']/g, function (c) {
+      return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c];
+    });
+  }
+  function rankColor(rank, i) { return rank === 0 ? RANK0 : PALETTE[i % PALETTE.length]; }
+  function fmtMiB(v) { return v == null ? "—" : (v >= 1024 ? (v / 1024).toFixed(2) + " GiB" : v.toFixed(1) + " MiB"); }
+  function fmtUs(v) { return v >= 1000 ? (v / 1000).toPrecision(3) + " ms" : (v >= 1 ? v.toPrecision(3) : v.toPrecision(2)) + " µs"; }
+  function fmtBytes(n) {
+    if (n == null) { return "—"; }
+    var units = [["GiB", 1073741824], ["MiB", 1048576], ["KiB", 1024]];
+    for (var i = 0; i < units.length; i++) { if (n >= units[i][1]) { return (n / units[i][1]).toFixed(1) + " " + units[i][0]; } }
+    return n + " B";
+  }
+  function zoom(axisIndex) {
+    return [{ type: "inside", xAxisIndex: axisIndex, filterMode: "none" },
+            { type: "slider", xAxisIndex: axisIndex, filterMode: "none", height: 18, bottom: 8 }];
+  }
+  function base(extra) {
+    var opt = { animation: false, grid: { left: 72, right: 28, top: 44, bottom: 62, containLabel: false },
+                toolbox: { right: 10, feature: { dataZoom: { yAxisIndex: "none" }, restore: {} } },
+                legend: { type: "scroll", top: 4, left: 10, right: 90 } };
+    for (var k in extra) { if (Object.prototype.hasOwnProperty.call(extra, k)) { opt[k] = extra[k]; } }
+    return opt;
+  }
+  function draw(id, option, points) {
+    var el = document.getElementById(id);
+    if (!el || !window.echarts) { return; }
+    var chart = window.echarts.init(el, null, { renderer: "canvas" });
+    chart.setOption(option);
+    el.setAttribute("data-points", String(points));
+    charts[id] = chart;
+  }
+  function count(series) { return series.reduce(function (n, s) { return n + s.data.length; }, 0); }
+
+  function memoryChart(mem) {
+    var series = mem.series.map(function (s, i) {
+      var color = rankColor(s.rank, i);
+      var item = { type: "line", name: "rank " + s.rank, data: s.points, showSymbol: false, color: color,
+                   lineStyle: { width: s.rank === 0 ? 2.5 : 1.2 }, z: s.rank === 0 ? 10 : 2, emphasis: { focus: "series" } };
+      if (s.end) {
+        item.markPoint = { animation: false, data: [{ coord: [s.end.t, s.end.mib], value: s.end.label,
+          symbol: s.end.bad ? "pin" : "circle", symbolSize: s.end.bad ? 44 : 7,
+          itemStyle: { color: s.end.bad ? RANK0 : color },
+          label: { show: s.end.bad, formatter: function (p) { return p.value; }, fontSize: 10 } }] };
+      }
+      return item;
+    });
+    if (series.length) {
+      var marks = series[0];
+      marks.markLine = { silent: true, symbol: "none", animation: false,
+        lineStyle: { type: "dashed", color: "#bbb", width: 1 },
+        label: { position: "end", fontSize: 9, color: "#888", formatter: function (p) { return p.name; } },
+        data: mem.steps.map(function (s) { return { xAxis: s[0], name: "step " + s[1] }; }) };
+      marks.markArea = { silent: true, animation: false,
+        label: { position: "insideTop", fontSize: 10, formatter: function (p) { return p.name; } },
+        data: mem.phases.map(function (p) {
+          var color = p.name === "eval" ? "rgba(255,193,7,0.18)" : (p.name === "save" ? "rgba(76,175,80,0.18)" : "rgba(156,39,176,0.15)");
+          return [{ xAxis: p.from, name: p.name + (p.open ? " (never ended)" : "") + " r" + p.ranks.join(","), itemStyle: { color: color } }, { xAxis: p.to }];
+        }) };
+    }
+    draw("chart-memory", base({
+      tooltip: { trigger: "axis", confine: true, formatter: function (ps) {
+        if (!ps.length) { return ""; }
+        var rows = ps.slice().sort(function (a, b) { return b.value[1] - a.value[1]; }).slice(0, 12);
+        return esc(ps[0].value[0].toFixed(2) + " s") + "<br>" + rows.map(function (p) {
+          return p.marker + esc(p.seriesName) + ": " + esc(fmtMiB(p.value[1]));
+        }).join("<br>");
+      } },
+      xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax" },
+      yAxis: { type: "value", name: mem.metric + " (MiB)", scale: true },
+      dataZoom: zoom(0),
+      series: series
+    }), count(series));
+  }
+
+  function peakChart(peak) {
+    var cats = peak.ranks.map(function (r) { return "rank " + r; });
+    var series = [];
+    if (peak.breakdown) {
+      Object.keys(peak.breakdown).forEach(function (cat) {
+        series.push({ type: "bar", name: cat, stack: "peak", data: peak.breakdown[cat] });
+      });
+      series.push({ type: "scatter", name: peak.metric, data: peak.peak, symbol: "diamond", symbolSize: 12, color: "#000" });
+    } else {
+      series.push({ type: "bar", name: peak.metric, data: peak.peak.map(function (v, i) {
+        return { value: v, itemStyle: { color: peak.ranks[i] === 0 ? RANK0 : "#5b8fd1" } };
+      }), markLine: peak.median_others == null ? undefined : { symbol: "none", silent: true,
+        data: [{ yAxis: peak.median_others, name: "median of other ranks" }],
+        label: { formatter: function () { return "median of other ranks"; }, position: "insideEndTop" },
+        lineStyle: { color: "#333", type: "dashed" } } });
+    }
+    if (peak.reserved) { series.push({ type: "bar", name: "CUDA max reserved", data: peak.reserved, color: "#b0bec5" }); }
+    if (peak.largest_logits) { series.push({ type: "bar", name: "largest logits tensor", data: peak.largest_logits, color: "#ff9800" }); }
+    draw("chart-peak", base({
+      tooltip: { trigger: "axis", formatter: function (ps) {
+        return esc(ps[0].name) + "<br>" + ps.map(function (p) {
+          var v = p.value && typeof p.value === "object" ? p.value.value : p.value;
+          return p.marker + esc(p.seriesName) + ": " + esc(fmtMiB(v));
+        }).join("<br>");
+      } },
+      toolbox: { show: false },
+      xAxis: { type: "category", data: cats },
+      yAxis: { type: "value", name: "MiB" },
+      dataZoom: cats.length > 16 ? zoom(0) : [],
+      series: series
+    }), peak.peak.filter(function (v) { return v != null; }).length);
+  }
+
+  function collectivesChart(col) {
+    var el = document.getElementById("chart-collectives");
+    if (!el) { return; }
+    el.style.height = Math.max(240, col.members.length * 22 + 120) + "px";
+    var ranks = col.members.map(function (r) { return "rank " + r; });
+    var series = col.ops.map(function (op, i) {
+      return { type: "scatter", name: op, symbol: "rect", symbolSize: [14, 14], color: PALETTE[i % PALETTE.length],
+               data: col.cells.filter(function (c) { return c[2] === i; }) };
+    });
+    series.push({ type: "scatter", name: "never called", symbol: "rect", symbolSize: [14, 14], color: "#e0e0e0",
+                  data: col.cells.filter(function (c) { return c[3] === 3; }) });
+    series.push({ type: "scatter", name: "pending", symbol: "emptyRect", symbolSize: [20, 20], color: RANK0, z: 5,
+                  itemStyle: { borderWidth: 3 }, data: col.cells.filter(function (c) { return c[3] === 1; }) });
+    series.push({ type: "scatter", name: "error", symbol: "triangle", symbolSize: 12, color: "#000", z: 6,
+                  data: col.cells.filter(function (c) { return c[3] === 2; }) });
+    if (col.first) {
+      series[0].markArea = { silent: true, itemStyle: { color: "rgba(214,39,40,0.16)" },
+        label: { position: "top", color: RANK0, formatter: function () { return "first disagreement #" + col.first.seq; } },
+        data: [[{ xAxis: col.first.seq - 0.5 }, { xAxis: col.first.seq + 0.5 }]] };
+    }
+    draw("chart-collectives", base({
+      tooltip: { trigger: "item", formatter: function (p) {
+        var c = p.value;
+        return esc(ranks[c[1]] + " · #" + c[0]) + "<br>" + esc(c[2] >= 0 ? col.ops[c[2]] : "—") +
+          (c[5] != null ? esc(" · " + fmtBytes(c[5])) : "") + "<br>" + esc(STATUS_NAMES[c[3]]) +
+          (c[4] != null ? esc(" · " + c[4] + " ms") : "");
+      } },
+      xAxis: { type: "value", name: "sequence number", nameLocation: "middle", nameGap: 26,
+               min: col.window[0] - 1, max: col.window[1] + 1, minInterval: 1 },
+      yAxis: { type: "category", data: ranks, inverse: true },
+      dataZoom: zoom(0),
+      series: series
+    }), col.cells.length);
+  }
+
+  function opTimesChart(ops) {
+    var rows = ops.rows;
+    var names = rows.map(function (r) { return r.op; });
+    var mk = function (key, name, color) {
+      return { type: "bar", name: name, color: color, data: rows.map(function (r) { return r[key]; }) };
+    };
+    var series = [mk("min", "fastest rank", "#90caf9"), mk("median", "median rank", "#1e88e5"), mk("max", "slowest rank", "#0d47a1")];
+    draw("chart-collective-ops", base({
+      tooltip: { trigger: "axis", formatter: function (ps) {
+        var r = rows[ps[0].dataIndex];
+        return esc(r.op + " · " + r.calls + " calls") + "<br>" +
+          esc("fastest: rank " + r.min_rank + " " + r.min.toFixed(3) + " s") + "<br>" +
+          esc("median: " + r.median.toFixed(3) + " s") + "<br>" +
+          esc("slowest: rank " + r.max_rank + " " + r.max.toFixed(3) + " s");
+      } },
+      toolbox: { show: false },
+      xAxis: { type: "category", data: names, axisLabel: { rotate: names.length > 6 ? 30 : 0 } },
+      yAxis: { type: "value", name: "seconds (total)" },
+      series: series
+    }), rows.length);
+  }
+
+  function kernelChart(k) {
+    var labels = k.bins.map(function (b) { return fmtUs(b.lo) + "–" + fmtUs(b.hi); });
+    var series = [
+      { type: "bar", name: "LoRA (lora_A / lora_B)", stack: "n", color: RANK0, data: k.bins.map(function (b) { return b.lora; }) },
+      { type: "bar", name: "other", stack: "n", color: "#5b8fd1", data: k.bins.map(function (b) { return b.other; }) }
+    ];
+    if (k.threshold_bin > 0) {
+      series[1].markArea = { silent: true, itemStyle: { color: "rgba(255,152,0,0.12)" },
+        label: { position: "insideTop", formatter: function () { return "tiny: under " + fmtUs(k.threshold_us); } },
+        data: [[{ xAxis: labels[0] }, { xAxis: labels[k.threshold_bin - 1] }]] };
+    }
+    draw("chart-kernels", base({
+      tooltip: { trigger: "axis", formatter: function (ps) {
+        return esc(ps[0].name) + "<br>" + ps.map(function (p) { return p.marker + esc(p.seriesName + ": " + p.value); }).join("<br>");
+      } },
+      toolbox: { show: false },
+      xAxis: { type: "category", data: labels, name: "duration (log-spaced bins)", nameLocation: "middle", nameGap: 40,
+               axisLabel: { rotate: 30, fontSize: 10 } },
+      yAxis: { type: "value", name: "count (all ranks)" },
+      grid: { left: 72, right: 28, top: 44, bottom: 72 },
+      series: series
+    }), k.bins.length);
+  }
+
+  function perRankLines(id, list, yName, fmt) {
+    var series = list.map(function (s, i) {
+      return { type: "line", name: "rank " + s.rank, data: s.points, showSymbol: s.points.length < 40,
+               symbolSize: 4, color: rankColor(s.rank, i), lineStyle: { width: s.rank === 0 ? 2.2 : 1.2 },
+               z: s.rank === 0 ? 10 : 2, emphasis: { focus: "series" } };
+    });
+    draw(id, base({
+      tooltip: { trigger: "axis", confine: true, formatter: function (ps) {
+        if (!ps.length) { return ""; }
+        var rows = ps.slice().sort(function (a, b) { return b.value[1] - a.value[1]; }).slice(0, 12);
+        return esc("step " + ps[0].value[0]) + "<br>" + rows.map(function (p) {
+          return p.marker + esc(p.seriesName + ": " + fmt(p.value[1]));
+        }).join("<br>");
+      } },
+      xAxis: { type: "value", name: "step", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax", minInterval: 1 },
+      yAxis: { type: "value", name: yName, scale: true },
+      dataZoom: zoom(0),
+      series: series
+    }), count(series));
+  }
+
+  function stepMedianChart(stats) {
+    var cats = stats.map(function (s) { return "rank " + s.rank; });
+    var series = [
+      { type: "bar", name: "median step time", data: stats.map(function (s) {
+        return { value: s.median, itemStyle: { color: s.rank === 0 ? RANK0 : "#5b8fd1" } }; }) },
+      { type: "scatter", name: "95th percentile", symbol: "diamond", symbolSize: 10, color: "#333",
+        data: stats.map(function (s) { return s.p95; }) }
+    ];
+    draw("chart-step-median", base({
+      tooltip: { trigger: "axis" },
+      toolbox: { show: false },
+      xAxis: { type: "category", data: cats },
+      yAxis: { type: "value", name: "seconds" },
+      dataZoom: cats.length > 16 ? zoom(0) : [],
+      series: series
+    }), stats.filter(function (s) { return s.median != null; }).length);
+  }
+
+  function safely(name, fn) {
+    try { fn(); } catch (err) {
+      var el = document.getElementById(name);
+      if (el) { el.textContent = "This chart could not be drawn: " + err; }
+      throw err;
+    }
+  }
+
+  if (data.memory) { safely("chart-memory", function () { memoryChart(data.memory); }); }
+  if (data.peak) { safely("chart-peak", function () { peakChart(data.peak); }); }
+  if (data.collectives && data.collectives.available) {
+    safely("chart-collectives", function () { collectivesChart(data.collectives); });
+    safely("chart-collective-ops", function () { opTimesChart(data.op_times); });
+  }
+  if (data.kernels && data.kernels.available) { safely("chart-kernels", function () { kernelChart(data.kernels); }); }
+  if (data.steps) {
+    safely("chart-step-time", function () {
+      perRankLines("chart-step-time", data.steps.time, "seconds", function (v) { return v.toFixed(3) + " s"; });
+    });
+    safely("chart-step-median", function () { stepMedianChart(data.steps.stats); });
+    if (data.steps.loss) {
+      safely("chart-loss", function () { perRankLines("chart-loss", data.steps.loss, "loss", function (v) { return v.toFixed(4); }); });
+    }
+  }
+  window.addEventListener("resize", function () { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); });
+  window.lorascopeReport = { charts: Object.keys(charts).sort() };
+}());

@@ -1,0 +1,175 @@
+"""Chart data for collectives: every rank's calls aligned by sequence number, and time per op.
+
+Ranks match collectives by order within a process group, so the n-th call of group G on
+one rank pairs with the n-th call of G on every other member. The first sequence number
+where the members disagree (a different op, size or dtype, or a member that never made
+the call while others did) is where a rank-conditional collective shows; pending calls
+(a ``coll`` with no ``coll_end``) are where the ranks wait.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from lorascope.detect.finding import Finding
+from lorascope.rundir.reader import Collective, RunData
+
+#: Sequence numbers shown in the alignment chart, and in the table under it.
+CHART_WINDOW = 48
+TABLE_WINDOW = 12
+#: Ops in the per-op time chart, at most (the most time-consuming first).
+MAX_OPS = 24
+
+#: What a cell's status code means (the page draws each differently).
+STATUS = {"ok": 0, "pending": 1, "error": 2, "absent": 3}
+
+
+def _signature(c: Collective) -> tuple[str, int | None, str | None]:
+    return (c.op, c.bytes, c.dtype)
+
+
+def _describe(c: Collective) -> str:
+    size = "" if c.bytes is None else f" {c.bytes:,} B"
+    return f"{c.op}{size}{' ' + c.dtype if c.dtype else ''}"
+
+
+def _members(run: RunData, group: str, users: set[int]) -> list[int]:
+    """Ranks expected in a group: the ``ranks`` its members recorded, else those that used it."""
+    listed: set[int] = set()
+    for rank in run.ranks.values():
+        for g in rank.groups.values():
+            if g.get("name") == group and isinstance(g.get("ranks"), list):
+                listed.update(int(r) for r in g["ranks"] if isinstance(r, int))
+    return sorted((listed & set(run.ranks)) | users)
+
+
+def _first_disagreement(calls: dict[int, dict[int, Collective]], members: list[int]) -> dict[str, Any] | None:
+    seqs = sorted({s for per in calls.values() for s in per})
+    for seq in seqs:
+        present = {r: calls.get(r, {}).get(seq) for r in members}
+        made = {r: c for r, c in present.items() if c is not None}
+        sigs = {_signature(c) for c in made.values()}
+        missing = [r for r, c in present.items() if c is None and max(calls.get(r, {0: None}), default=0) < seq]
+        if len(sigs) > 1:
+            by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+            for r, c in made.items():
+                by_sig[_signature(c)].append(r)
+            parts = [f"ranks {','.join(map(str, rs))}: {_describe(made[rs[0]])}" for _, rs in sorted(
+                by_sig.items(), key=lambda kv: kv[1])]
+            return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
+        if missing and made:
+            c = next(iter(made.values()))
+            return {"seq": seq, "kind": "missing", "ranks": missing,
+                    "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(c)}; "
+                            f"ranks {','.join(map(str, missing))} never did"}
+    return None
+
+
+def _finding_pointer(findings: list[Finding]) -> tuple[str, int] | None:
+    """A detector's own first disagreement (``details`` with ``group`` and ``seq``) wins."""
+    for f in findings:
+        group, seq = f.details.get("group"), f.details.get("seq")
+        if isinstance(group, str) and isinstance(seq, int) and not isinstance(seq, bool):
+            return group, seq
+    return None
+
+
+def _cell(c: Collective | None) -> str:
+    if c is None:
+        return "absent"
+    if c.err is not None:
+        return "error"
+    return "pending" if c.pending else "ok"
+
+
+def _window(first: int, last: int, focus: int | None, size: int) -> tuple[int, int]:
+    if focus is None:
+        return max(first, last - size + 1), last
+    lo = max(first, focus - size // 4)
+    return lo, min(last, lo + size - 1)
+
+
+def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The focus group's aligned calls: the group where ranks disagree, else one with pending
+    calls, else the busiest."""
+    by_group: dict[str, dict[int, dict[int, Collective]]] = defaultdict(dict)
+    for rank in run.ranks.values():
+        for c in rank.collectives:
+            by_group[c.group].setdefault(rank.rank, {})[c.seq] = c
+    if not by_group:
+        return {"available": False}
+    pointer = _finding_pointer(findings)
+    summaries = []
+    for group, calls in by_group.items():
+        members = _members(run, group, set(calls))
+        first = _first_disagreement(calls, members)
+        if pointer is not None and pointer[0] == group:
+            first = {**(first or {"kind": "finding", "ranks": [], "text": "named by the detector"}),
+                     "seq": pointer[1]}
+        pending = sum(c.pending for per in calls.values() for c in per.values())
+        summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group,
+                          members, first, calls))
+    summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))
+    _, _, _, group, members, first, calls = summaries[0]
+    lo_seq = min(s for per in calls.values() for s in per)
+    hi_seq = max(s for per in calls.values() for s in per)
+    focus = first["seq"] if first else None
+    ops: list[str] = sorted({c.op for per in calls.values() for c in per.values()})
+    w_lo, w_hi = _window(lo_seq, hi_seq, focus, CHART_WINDOW)
+    cells = []
+    for row, r in enumerate(members):
+        per = calls.get(r, {})
+        for seq in range(w_lo, w_hi + 1):
+            c = per.get(seq)
+            if c is None and seq > max(per, default=0) and not first:
+                continue  # a rank simply not there yet, in a run that never disagreed
+            dur = None if c is None or c.end is None else round((c.end - c.start) * 1000, 3)
+            cells.append([seq, row, ops.index(c.op) if c else -1, STATUS[_cell(c)], dur,
+                          c.bytes if c else None])
+    t_lo, t_hi = _window(w_lo, w_hi, focus, TABLE_WINDOW)
+    table = [{"rank": r, "cells": [_table_cell(calls.get(r, {}).get(s), s == focus, sites_of) for s in
+                                   range(t_lo, t_hi + 1)]} for r in members]
+    return {
+        "available": True,
+        "group": group,
+        "groups": sorted((s[3], s[2]) for s in summaries),
+        "members": members,
+        "ops": ops,
+        "window": [w_lo, w_hi],
+        "cells": cells,
+        "first": first,
+        "pending": [[r, c.seq, c.op, c.site] for r in members for c in calls.get(r, {}).values() if c.pending],
+        "table_seqs": list(range(t_lo, t_hi + 1)),
+        "table": table,
+    }
+
+
+def _table_cell(c: Collective | None, focus: bool, sites_of: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    status = _cell(c)
+    site = c.site if c else None
+    context = sites_of.get(site or "", {})
+    return {"text": _describe(c) if c else "—", "status": status, "focus": focus, "site": site,
+            "line": context.get("line"), "conditions": context.get("conditions") or [],
+            "err": c.err if c else None}
+
+
+def op_times(run: RunData) -> dict[str, Any]:
+    """Wall time per op: per rank the total over its completed calls, then across ranks the
+    fastest, the median and the slowest rank (a straggler or a waiting rank stands out)."""
+    totals: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, int] = defaultdict(int)
+    for rank in run.ranks.values():
+        for c in rank.collectives:
+            if c.end is not None:
+                totals[c.op][rank.rank] += c.end - c.start
+                counts[c.op] += 1
+    ops = sorted(totals, key=lambda op: (-sum(totals[op].values()), op))[:MAX_OPS]
+    rows = []
+    for op in ops:
+        per = totals[op]
+        ranks_sorted = sorted(per, key=lambda r: (per[r], r))
+        rows.append({"op": op, "calls": counts[op], "min": round(per[ranks_sorted[0]], 6),
+                     "min_rank": ranks_sorted[0], "median": round(statistics.median(per.values()), 6),
+                     "max": round(per[ranks_sorted[-1]], 6), "max_rank": ranks_sorted[-1]})
+    return {"rows": rows}

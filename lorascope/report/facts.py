@@ -1,0 +1,76 @@
+"""Run facts: how the job was launched, what it ran on, its configs, how each rank ended.
+
+Lists are scrubbed (:func:`scrub`) before they are joined into text, so that an option
+and its secret value in two argv elements are still recognised.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections import Counter
+from typing import Any
+
+from lorascope.report.scrub import scrub
+from lorascope.rundir.reader import RankData, RunData
+
+MAX_WARNINGS_PER_RANK = 20
+CONFIG_ORDER = ("deepspeed", "lora", "model")
+
+
+def utc(t: float | None) -> str | None:
+    """An epoch time as UTC text (from the run's data, never the time of rendering)."""
+    return None if t is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _warnings(rank: RankData) -> list[dict[str, Any]]:
+    seen = Counter((w["category"], w["message"], w["filename"], w["lineno"]) for w in rank.warnings)
+    return [{"category": c, "message": m, "where": f"{f}:{n}", "count": k}
+            for (c, m, f, n), k in list(seen.items())[:MAX_WARNINGS_PER_RANK]]
+
+
+def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    exc = rank.exception
+    return {
+        "rank": rank.rank,
+        "host": rank.host,
+        "pid": rank.pid,
+        "device": rank.start.get("device"),
+        "argv": shlex.join(str(a) for a in scrub(rank.start.get("argv", []))),
+        "steps": summary["steps"],
+        "step_median_ms": None if summary["step_time_median_s"] is None
+        else round(summary["step_time_median_s"] * 1000, 1),
+        "collectives": summary["collectives"]["count"],
+        "ended": summary["ended"],
+        "end_label": end["label"],
+        "bad": end["bad"],
+        "exception": None if exc is None else {"type": exc["type"], "message": exc["message"],
+                                               "traceback": exc["traceback"]},
+        "signal": None if rank.signal is None else {"name": rank.signal["name"]},
+        "stacks": (exc or rank.signal or {}).get("stacks"),
+        "warnings": _warnings(rank),
+        "probe_errors": summary["probe_errors"],
+        "files": summary["files"],
+    }
+
+
+def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    manifest = summary["manifest"]
+    configs = manifest["configs"]
+    names = [n for n in CONFIG_ORDER if n in configs] + sorted(set(configs) - set(CONFIG_ORDER))
+    start, end = manifest["start"], manifest["end"]
+    return {
+        "world_size": manifest["world_size"],
+        "hosts": manifest["hosts"],
+        "start_utc": utc(start),
+        "duration_s": None if start is None or end is None else round(end - start, 1),
+        "versions": manifest["versions"],
+        "launches": [{"command": shlex.join(str(a) for a in scrub(launch["command"])), "cwd": launch["cwd"],
+                      "host": launch["host"], "exit_status": launch["exit_status"],
+                      "start_utc": utc(launch["start"]),
+                      "duration_s": None if launch["end"] is None else round(launch["end"] - launch["start"], 1)}
+                     for launch in manifest["launches"]],
+        "configs": [{"name": n, "text": json.dumps(scrub(configs[n]), indent=2, sort_keys=True, default=str)}
+                    for n in names],
+        "ranks": [_rank_facts(run.ranks[r["rank"]], r, ends[r["rank"]]) for r in summary["ranks"]],
+    }

@@ -1,0 +1,162 @@
+"""Chart data for memory: each rank's memory over time, and each rank's peak.
+
+The figure per sample is CUDA allocated bytes when the job used CUDA, else the process
+RSS (what the probes can read on a CPU run); the chart says which.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lorascope.detect.finding import Finding
+from lorascope.report.downsample import minmax_downsample
+from lorascope.report.timebase import mib, secs
+from lorascope.rundir.reader import RankData, RunData
+
+#: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
+TIMELINE_BUDGET = 80_000
+PER_RANK_MIN, PER_RANK_MAX = 300, 2_000
+#: Step boundaries drawn as vertical markers, at most.
+MAX_STEP_MARKERS = 40
+#: Phases of every step are not drawn (too dense); other phases (eval, save) are.
+STEP_PHASES = frozenset({"forward", "backward", "optimizer"})
+MAX_PHASE_MARKERS = 200
+#: The categories a detector may break a rank's peak into (``details["memory_breakdown"]``).
+BREAKDOWN_CATEGORIES = ("weights", "optimizer", "gradients", "activations", "logits", "other")
+
+
+def uses_cuda(run: RunData) -> bool:
+    return any(isinstance(m.get("cuda"), dict) for r in run.ranks.values() for m in r.mem)
+
+
+def _value(sample: dict[str, Any], cuda: bool) -> int | None:
+    if cuda:
+        c = sample.get("cuda")
+        return c.get("alloc") if isinstance(c, dict) else None
+    return sample.get("rss")
+
+
+def per_rank_points(n_ranks: int, budget: int = TIMELINE_BUDGET) -> int:
+    return max(PER_RANK_MIN, min(PER_RANK_MAX, budget // max(1, n_ranks)))
+
+
+def end_mark(ended: dict[str, Any], rank: RankData) -> dict[str, Any]:
+    """How the rank ended, as a short label for the end of its line."""
+    status = ended["status"]
+    if status == "exception":
+        text = (rank.exception or {}).get("message", "")
+        label = "OOM" if "out of memory" in text.lower() else (rank.exception or {}).get("type", "exception")
+    elif status == "signal":
+        label = str(ended["detail"])
+    elif status == "exit":
+        label = f"exit {ended['code']}"
+    else:
+        label = "no end record"
+    return {"label": label, "bad": not (status == "exit" and ended["code"] == 0)}
+
+
+def _step_markers(run: RunData, origin: float) -> list[list[float]]:
+    rank = next((r for r in run.ranks.values() if r.steps), None)
+    if rank is None:
+        return []
+    steps = rank.steps
+    stride = max(1, -(-len(steps) // MAX_STEP_MARKERS))
+    picked = steps[stride - 1::stride]
+    if picked[-1] is not steps[-1]:
+        picked.append(steps[-1])
+    return [[secs(float(s["t"]), origin), s["step"]] for s in picked]
+
+
+def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
+    """Non-step phases (eval, save, ...), merged across ranks by (name, step). A phase a
+    rank entered and never left (it died or hangs there) is marked ``open``."""
+    spans: dict[tuple[str, int, bool], dict[str, Any]] = {}
+
+    def add(name: str, step: int, begin: float, end: float, rank: int, is_open: bool) -> None:
+        span = spans.setdefault((name, step, is_open), {"name": name, "step": step, "from": begin,
+                                                        "to": end, "ranks": [], "open": is_open})
+        span["from"], span["to"] = min(span["from"], begin), max(span["to"], end)
+        span["ranks"].append(rank)
+
+    for rank in run.ranks.values():
+        open_at: dict[str, tuple[float, int]] = {}
+        for rec in rank.phases:
+            if rec["name"] in STEP_PHASES:
+                continue
+            if rec["edge"] == "begin":
+                open_at[rec["name"]] = (float(rec["t"]), rec["step"])
+            else:
+                begin, _ = open_at.pop(rec["name"], (float(rec["t"]), rec["step"]))
+                add(rec["name"], rec["step"], begin, float(rec["t"]), rank.rank, False)
+        for name, (begin, step) in open_at.items():
+            add(name, step, begin, rank.last_time, rank.rank, True)
+    ordered = sorted(spans.values(), key=lambda s: (s["from"], s["name"]))
+    stride = max(1, -(-len(ordered) // MAX_PHASE_MARKERS))
+    return [{**s, "from": secs(s["from"], origin), "to": secs(s["to"], origin), "ranks": sorted(s["ranks"])}
+            for s in ordered[::stride]]
+
+
+def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per rank its samples (thinned), and where and how it ended (``ends``: :func:`end_mark` by rank)."""
+    cuda = uses_cuda(run)
+    keep = per_rank_points(len(run.ranks))
+    series, total, shown = [], 0, 0
+    for rank in run.ranks.values():
+        points = [(secs(float(m["t"]), origin), float(v)) for m in rank.mem
+                  if (v := _value(m, cuda)) is not None]
+        total += len(points)
+        thin = minmax_downsample(points, keep)
+        shown += len(thin)
+        last = thin[-1] if thin else None
+        series.append({
+            "rank": rank.rank,
+            "points": [[t, mib(v)] for t, v in thin],
+            "end": None if last is None else {"t": last[0], "mib": mib(last[1]),
+                                              **ends[rank.rank]},
+        })
+    return {
+        "metric": "CUDA allocated" if cuda else "RSS",
+        "series": series,
+        "steps": _step_markers(run, origin),
+        "phases": _phase_spans(run, origin),
+        "samples": total,
+        "shown": shown,
+    }
+
+
+def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[float | None]] | None:
+    """Per-category MiB per rank, from the first finding that carries ``memory_breakdown``."""
+    for finding in findings:
+        raw = finding.details.get("memory_breakdown")
+        if isinstance(raw, dict) and raw:
+            by_rank = {str(k): v for k, v in raw.items() if isinstance(v, dict)}
+            cats = [c for c in BREAKDOWN_CATEGORIES if any(c in v for v in by_rank.values())]
+            return {c: [mib(by_rank.get(str(r), {}).get(c)) for r in ranks] for c in cats}
+    return None
+
+
+def peaks(run: RunData, findings: list[Finding]) -> dict[str, Any]:
+    cuda = uses_cuda(run)
+    ranks = list(run.ranks)
+    peak: list[float | None] = []
+    reserved: list[float | None] = []
+    logits: list[float | None] = []
+    for rank in run.ranks.values():
+        if cuda:
+            cu = [m["cuda"] for m in rank.mem if isinstance(m.get("cuda"), dict)]
+            peak.append(mib(max((c.get("max_alloc") or 0 for c in cu), default=None)))
+            reserved.append(mib(max((c.get("reserved") or 0 for c in cu), default=None)))
+        else:
+            rss = [m["rss"] for m in rank.mem if m.get("rss") is not None]
+            peak.append(mib(max(rss) if rss else None))
+        logits.append(mib(max((r["bytes"] for r in rank.logits), default=None)))
+    others = [p for r, p in zip(ranks, peak) if r != 0 and p is not None]
+    return {
+        "metric": "CUDA max allocated" if cuda else "peak RSS",
+        "ranks": ranks,
+        "peak": peak,
+        "reserved": reserved if cuda else None,
+        "largest_logits": logits if any(v is not None for v in logits) else None,
+        "median_others": statistics.median(others) if others else None,
+        "breakdown": _breakdown(findings, ranks),
+    }

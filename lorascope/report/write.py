@@ -1,0 +1,23 @@
+"""Writing a report file: the one path both `lorascope report` and `analyze --html` take."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorascope.detect.finding import Finding
+from lorascope.errors import BadInputError, UsageError
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.report.data import build_report_data
+
+
+def write_report(bundle: EvidenceBundle, findings: list[Finding], out: Path) -> int:
+    """Render the report for ``bundle`` into ``out``; returns the page's size in bytes."""
+    try:
+        from lorascope.report.render import render
+    except ImportError as exc:
+        raise UsageError(f"the HTML report needs jinja2 ({exc}): pip install 'lorascope[analysis]'") from None
+    page = render(build_report_data(bundle, findings)).encode("utf-8")
+    try:
+        out.write_bytes(page)
+    except OSError as exc:
+        raise BadInputError(f"cannot write the report {out}: {exc.strerror}") from None
+    return len(page)
