@@ -19,6 +19,8 @@ from typing import Any
 from lorascope.probes.session import Session
 
 MODULE_PREFIX = "lorascope.module::"
+#: One range per traced step (torch's own ProfilerStep# needs a schedule).
+STEP_PREFIX = "lorascope.step#"
 DEFAULT_WINDOW = (5, 2)
 
 
@@ -44,6 +46,7 @@ class KernelWindow:
         self._hooks: list[Any] = []
         self._ranges: dict[int, list[Any]] = {}
         self._names: dict[int, str] = {}
+        self._step_range: Any = None
         self.model: Any = None
         self.on_step_end = session.guarded("kernels")(self._on_step_end)
 
@@ -55,9 +58,22 @@ class KernelWindow:
         if self._profiler is None and step == start:
             self._start()
         elif self._profiler is not None:
-            self._profiler.step()
+            self._close_step_range()
             if step >= start + count:
                 self._stop()
+            else:
+                self._open_step_range()
+
+    def _open_step_range(self) -> None:
+        from torch.autograd.profiler import record_function
+
+        self._step_range = record_function(f"{STEP_PREFIX}{self.session.step + 1}")
+        self._step_range.__enter__()
+
+    def _close_step_range(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
 
     def _start(self) -> None:
         import torch
@@ -73,6 +89,7 @@ class KernelWindow:
                            modules.register_module_forward_hook(self._exit)]
         self._profiler = profile(activities=activities, record_shapes=True)
         self._profiler.start()
+        self._open_step_range()
         self.session.record("trace_window", edge="begin", step=self.session.step)
 
     def _enter(self, module: Any, _inputs: Any) -> None:
@@ -90,6 +107,7 @@ class KernelWindow:
             stack.pop().__exit__(None, None, None)
 
     def _stop(self) -> None:
+        self._close_step_range()
         profiler, self._profiler = self._profiler, None
         for handle in self._hooks:
             handle.remove()
