@@ -31,6 +31,13 @@ def _targets(text: str) -> str | tuple[str, ...]:
     return names
 
 
+def _model_name(path: Path) -> str:
+    """The model directory's name for .../Meta-Llama-3-8B/config.json, else the file's stem."""
+    if path.is_dir():
+        return path.resolve().name
+    return path.resolve().parent.name if path.name == "config.json" else path.stem
+
+
 def _given(**values: Any) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
@@ -52,7 +59,7 @@ def _given(**values: Any) -> dict[str, Any]:
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="Base weights: bf16, fp16, fp32 or 4bit (NF4, bf16 compute). Default bf16, or "
                    "what --ds-config enables.")
-@click.option("--fp32-adapters", is_flag=True, default=None,
+@click.option("--fp32-adapters", is_flag=True,
               help="Adapters kept in fp32 over a 16-bit base (PEFT autocast, no DeepSpeed mixed precision).")
 @click.option("--ds-config", "ds_path", type=click.Path(path_type=Path),
               help="A DeepSpeed config JSON: ZeRO stage, offload, buckets, bf16/fp16. Flags override it.")
@@ -72,7 +79,7 @@ def _given(**values: Any) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def command(model_path: Path | None, preset: str | None, lora_path: Path | None, lora_r: int | None,
             lora_alpha: float | None, lora_targets: str | None, lora_dropout: float | None,
-            rslora: bool | None, dora: bool | None, precision: str | None, fp32_adapters: bool | None,
+            rslora: bool | None, dora: bool | None, precision: str | None, fp32_adapters: bool,
             ds_path: Path | None, zero: int | None, offload_optimizer: bool | None,
             offload_params: bool | None, gpus: int, nodes: int, seq: int, micro_batch: int | None,
             checkpointing: str, attention: str, loss: str, gpu_mem: str, as_json: bool) -> int:
@@ -80,8 +87,8 @@ def command(model_path: Path | None, preset: str | None, lora_path: Path | None,
     if (model_path is None) == (preset is None):
         raise UsageError("give exactly one of --model CONFIG_JSON and --preset NAME")
     if model_path is not None:
-        shape = shape_from_config(load_config_file(model_path), name=model_path.stem
-                                  if model_path.suffix else model_path.name)
+        config = load_config_file(model_path)
+        shape = shape_from_config(config, name=config.get("_name_or_path") or _model_name(model_path))
         source = str(model_path)
     else:
         shape, source = preset_shape(preset), f"preset {preset.lower()}"
@@ -99,7 +106,7 @@ def command(model_path: Path | None, preset: str | None, lora_path: Path | None,
     if micro_batch is None:
         from_ds = ds.get("train_micro_batch_size_per_gpu")
         micro_batch = from_ds if isinstance(from_ds, int) and not isinstance(from_ds, bool) else 1
-    setup = TrainingSetup(precision=precision or "bf16", fp32_adapters=bool(fp32_adapters), zero=zero_setup,
+    setup = TrainingSetup(precision=precision or "bf16", fp32_adapters=fp32_adapters, zero=zero_setup,
                           gpus_per_node=gpus, nodes=nodes, seq=seq, micro_batch=micro_batch,
                           checkpointing=checkpointing, attention=attention, loss=loss)
     plan = build_plan(PlanInputs(shape, lora, setup, parse_bytes(gpu_mem), source)).to_dict()

@@ -26,16 +26,15 @@ from dataclasses import dataclass, field
 from lorascope.plan.lora import Adapter, AdapterLayout, LoraSpec
 from lorascope.plan.shape import ModelShape
 from lorascope.plan.terms import Term
-from lorascope.plan.training import NF4_BYTES_PER_PARAM, TrainingSetup
+from lorascope.plan.training import TrainingSetup
 from lorascope.plan.units import count
 
 #: CUDA's fused dropout saves a bool mask; CPU's dropout saves a mask in the input dtype.
 CUDA_DROPOUT_MASK_BYTES = 1
-NORM_BYTES = "4h + 4"  # fp32 copy of the input and the fp32 rsqrt per token
 
 
 @dataclass
-class _Layer:
+class LayerSaved:
     """Bytes per token one decoder layer saves, by part."""
 
     parts: dict[str, int] = field(default_factory=dict)
@@ -66,11 +65,11 @@ def _lora_inputs(adapters: list[Adapter], width: int, input_requires_grad: bool,
 
 
 def _layer(shape: ModelShape, adapters: dict[str, Adapter], spec: LoraSpec, setup: TrainingSetup,
-           input_requires_grad: bool, mask_bytes: int) -> _Layer:
+           input_requires_grad: bool, mask_bytes: int) -> LayerSaved:
     s = setup.compute_bytes
     h, inter, qw, kw, heads, t = (shape.hidden, shape.intermediate, shape.q_width, shape.kv_width,
                                   shape.heads, setup.seq)
-    out = _Layer()
+    out = LayerSaved()
     norm = 4 * h + 4
 
     def adapt(names: tuple[str, ...], width: int, rg: bool, already_saved: bool = False) -> None:
@@ -92,7 +91,8 @@ def _layer(shape: ModelShape, adapters: dict[str, Adapter], spec: LoraSpec, setu
             out.add("attention (q, k, v, out, logsumexp)", s * (2 * qw + 2 * kw) + 4 * heads)
             attn_out_saved = True
     else:
-        # eager: k and v are repeated to all heads; scores are B x heads x T x T.
+        # eager: k and v are repeated to all heads; scores are B x heads x T x T. q.k^T saves
+        # q for k's gradient and k for q's; probs.v saves v (for the probs' gradient).
         out.add("attention q/k/v", s * qw * ((1 if k_rg else 0) + (1 if q_rg else 0)
                                             + (1 if q_rg or k_rg else 0)))
         if s == 4:
@@ -124,11 +124,11 @@ class ActivationEstimate:
     recompute: int               # one layer's saved tensors, rebuilt in backward (checkpointing)
     backward_transient: int      # gradients alive while one layer runs backward
     logits: int                  # logits + loss peak
-    layer_bytes_per_token: int   # a full layer's saved bytes per token (no checkpointing)
+    layer_bytes_per_token: int   # the largest layer's saved bytes per token, its input requiring grad
 
 
 def saved_per_layer(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, setup: TrainingSetup,
-                    mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> tuple[list[_Layer], bool]:
+                    mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> tuple[list[LayerSaved], bool]:
     """Each decoder layer's saved bytes per token, and whether the final norm's input needs grad."""
     embed_trained = layout.on("model.embed_tokens") is not None or any(
         m.name == "model.embed_tokens" for m in layout.saved_copies)

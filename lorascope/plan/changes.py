@@ -78,13 +78,12 @@ def _micro_batch(i: PlanInputs) -> Candidate | None:
     mb = i.setup.micro_batch
     if mb == 1:
         return None
-    best = 1
-    for smaller in range(mb - 1, 1, -1):
-        if compute_budget(_with(i, micro_batch=smaller)).total <= i.gpu_mem:
-            best = smaller
-            break
-    steps = -(-mb // best)
-    return (f"micro-batch {best}", f"--micro-batch {best} with gradient_accumulation_steps x{steps} "
+    # The largest divisor of the micro-batch that fits clear of the edge (so gradient
+    # accumulation keeps the global batch exactly), else 1.
+    divisors = [d for d in range(mb - 1, 0, -1) if mb % d == 0]
+    best = next((d for d in divisors
+                 if verdict(compute_budget(_with(i, micro_batch=d)).total, i.gpu_mem) == FITS), 1)
+    return (f"micro-batch {best}", f"--micro-batch {best} with gradient_accumulation_steps x{mb // best} "
             "to keep the global batch", _with(i, micro_batch=best))
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.plan.units import gib
+from lorascope.plan.units import human
 
 
 def _header(plan: dict[str, Any]) -> list[str]:
@@ -30,22 +30,22 @@ def _header(plan: dict[str, Any]) -> list[str]:
 def render_text(plan: dict[str, Any]) -> str:
     card = plan["gpu_mem_bytes"]
     width = max(len(t["label"]) for t in plan["terms"]) + 2
-    lines = _header(plan) + ["", f"  {'per GPU':<{width}}{'GiB':>8}  how"]
+    lines = _header(plan) + ["", f"  {'per GPU':<{width}}{'':>12}  how"]
     for term in plan["terms"]:
-        figure = gib(term["bytes"]) if term["counted"] else f"({gib(term['bytes'])})"
+        figure = human(term["bytes"]) if term["counted"] else f"({human(term['bytes'])})"
         how = term["detail"] if term["counted"] else "not at the peak: the larger of it and the logits counts"
-        lines.append(f"  {term['label']:<{width}}{figure:>8}  {how}")
+        lines.append(f"  {term['label']:<{width}}{figure:>12}  {how}")
     total = plan["total_bytes"]
-    lines.append("  " + "-" * (width + 10))
-    lines.append(f"  {'peak':<{width}}{gib(total):>8}  of {gib(card)} GiB ({total / card:.0%}); "
-                 f"torch allocator part {gib(plan['allocated_bytes'])} GiB")
+    lines.append("  " + "-" * (width + 14))
+    lines.append(f"  {'peak':<{width}}{human(total):>12}  of {human(card)} ({total / card:.0%}); "
+                 f"torch allocator part {human(plan['allocated_bytes'])}")
     headroom = card - total
-    room = f"{gib(headroom)} GiB headroom" if headroom >= 0 else f"{gib(-headroom)} GiB over"
+    room = f"{human(headroom)} headroom" if headroom >= 0 else f"{human(-headroom)} over"
     lines += ["", f"verdict: {plan['verdict']} ({room})"]
     if plan["changes"]:
         lines += ["", "changes that lower the peak (new total per GPU):"]
         for n, change in enumerate(plan["changes"], 1):
-            lines.append(f"  {n}. {change['label']}: {gib(change['total_bytes'])} GiB, {change['verdict']}")
+            lines.append(f"  {n}. {change['label']}: {human(change['total_bytes'])}, {change['verdict']}")
             lines.append(f"     {change['how']}")
     if plan["notes"]:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan["notes"]]

@@ -36,6 +36,14 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.2f}"
 
 
+def human(n_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure at 1 or more: 20.59 GiB, 512.0 MiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
 def count(n: int) -> str:
     """A parameter count with thousands separators: 41,943,040."""
     return f"{n:,}"
