@@ -32,13 +32,21 @@ profiler's business):
   logits-spike            vocab 32000 and seq 128 (unless given) with the loss computed
                           here as ``cross_entropy(logits.float(), ...)``: the B*T*V
                           logits and their fp32 copy dominate memory.
+  logits-spike-internal   the same sizes, the loss computed inside the model
+                          (``labels=``; transformers upcasts the logits to fp32 there).
   reentrant-dead-grads    gradient checkpointing with ``use_reentrant=True`` and the
                           input-require-grads hooks removed: no activation entering a
                           checkpointed layer requires grad, so the adapters get none
                           and backward fails (the job crashes: that is the fault).
+  reentrant-partial       the same, but the last layer is not checkpointed: the job
+                          trains, and the adapters of every other layer silently get
+                          no gradient.
   rank-conditional-hang   at ``--fault-step`` rank 0 runs an extra ``all_reduce`` inside
                           ``if rank == 0:`` while the other ranks wait in ``barrier()``:
                           a true hang until the process-group timeout (``--pg-timeout``).
+  rank-conditional-gather at ``--fault-step`` rank 0 alone gathers the ZeRO-3
+                          partitioned adapters to save them (``GatheredParameters``
+                          inside ``if rank == 0:``); the others go on to the next step.
   tiny-kernel-tail        preset: many layers, small hidden, ``lora_dropout`` 0.1, so a
                           step is many tiny LoRA ops.
   rank1-stall             at ``--fault-step`` rank 1 sleeps ``--stall-seconds`` while
@@ -69,7 +77,10 @@ FAULTS = (
     "rank0-asymmetry-gather",
     "logits-spike",
     "reentrant-dead-grads",
+    "reentrant-partial",
     "rank-conditional-hang",
+    "rank-conditional-gather",
+    "logits-spike-internal",
     "tiny-kernel-tail",
     "rank1-stall",
 )
@@ -77,6 +88,7 @@ FAULTS = (
 # Model/LoRA settings a fault switch changes unless the flag was given explicitly.
 FAULT_PRESETS: dict[str, dict[str, float | int]] = {
     "logits-spike": {"vocab": 32000, "seq": 128},
+    "logits-spike-internal": {"vocab": 32000, "seq": 128},
     "tiny-kernel-tail": {"layers": 12, "hidden": 32, "intermediate": 64, "lora_dropout": 0.1},
 }
 DEFAULTS: dict[str, float | int] = {
@@ -199,8 +211,14 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         use_cache=False,
     )
     model = LlamaForCausalLM(config)
-    if args.fault == "reentrant-dead-grads":
+    reentrant = args.fault in ("reentrant-dead-grads", "reentrant-partial")
+    if reentrant:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if args.fault == "reentrant-partial":
+        # The last layer runs without checkpointing: its adapters still learn, the loss
+        # requires grad and backward succeeds, while every checkpointed layer's adapters
+        # silently get no gradient.
+        model.model.layers[-1].gradient_checkpointing = False
     lora = LoraConfig(
         r=args.lora_r,
         lora_alpha=2 * args.lora_r,
@@ -209,7 +227,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    if args.fault == "reentrant-dead-grads":
+    if reentrant:
         removed = remove_input_require_grads_hooks(model)
         assert removed > 0, "no input-require-grads hook found: the fault would not be planted"
     if args.engine == "torch" and args.dtype == "bf16":
@@ -330,9 +348,13 @@ class Faults:
         self.kept_on_rank0: list[torch.Tensor] = []  # rank0-asymmetry: never freed
         self.eval_ids = synthetic_tokens(args.eval_batch, args, args.seed + 1).to(d.device)
 
-    def before_step(self, step: int) -> None:
-        if self.args.fault == "rank-conditional-hang" and step == self.args.fault_step:
+    def before_step(self, step: int, model: torch.nn.Module) -> None:
+        if step != self.args.fault_step:
+            return
+        if self.args.fault == "rank-conditional-hang":
             rank_conditional_collective(self.d)
+        elif self.args.fault == "rank-conditional-gather":
+            save_adapters_on_rank0(model, self.d)
 
     def fetch(self, it: Iterator[torch.Tensor], step: int) -> torch.Tensor:
         if self.args.fault == "rank1-stall" and step == self.args.fault_step and self.d.rank == 1:
@@ -356,6 +378,18 @@ def rank_conditional_collective(d: Dist) -> None:
         dist.all_reduce(flag)  # no other rank ever joins this one
     else:
         dist.barrier()
+
+
+def save_adapters_on_rank0(model: torch.nn.Module, d: Dist) -> None:
+    """The bug: gathering ZeRO-3-partitioned adapters to save them, on rank 0 only.
+    GatheredParameters all_gathers the partitions: the other ranks never join."""
+    import deepspeed
+
+    adapters = [p for name, p in model.named_parameters() if "lora_" in name]
+    if d.rank == 0:
+        with deepspeed.zero.GatheredParameters(adapters):
+            state = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+        del state
 
 
 def eval_forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -387,7 +421,7 @@ def train(args: argparse.Namespace, d: Dist) -> tuple[float, float]:
     loss_value, step_times = float("nan"), []
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
-        faults.before_step(step)
+        faults.before_step(step, trainer.model)
         input_ids = faults.fetch(data, step)
         loss = compute_loss(trainer.model, input_ids, explicit_upcast=args.fault == "logits-spike")
         trainer.backward_and_step(loss)
