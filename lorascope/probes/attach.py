@@ -15,6 +15,7 @@ from typing import Any
 from lorascope import __version__
 from lorascope.probes import importhook
 from lorascope.probes.collectives import CollectiveProbe
+from lorascope.probes.dumps import Dumper
 from lorascope.probes.exits import ExitProbe
 from lorascope.probes.flight import DEFAULT_BUFFER as DEFAULT_FR_BUFFER
 from lorascope.probes.flight import ENV_BUFFER as ENV_FR_BUFFER
@@ -31,6 +32,7 @@ ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
 ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
 ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
 ENV_TRACE_WINDOW = "LORASCOPE_TRACE_WINDOW"
+ENV_STALL_SECONDS = "LORASCOPE_STALL_SECONDS"
 DEFAULT_SAMPLE_INTERVAL = 0.5
 _VERSIONED = ("torch", "deepspeed", "peft", "transformers")
 
@@ -61,6 +63,13 @@ def _default_run_dir() -> Path:
         return Path(os.environ[ENV_RUN_DIR])
     job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or str(os.getpid())
     return Path("lorascope-runs") / f"attach-{job}"
+
+
+def _env_float(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
 
 
 def _sample_interval() -> float:
@@ -129,15 +138,24 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     collectives = CollectiveProbe(session)
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
-    steps = StepProbe(session, memory, GradProbe(session), logits, kernels,
-                      on_step_end=collectives.resolve_device_times)
+    def on_step_end() -> None:
+        collectives.resolve_device_times()
+        dumper.progress()
+
+    steps = StepProbe(session, memory, GradProbe(session), logits, kernels, on_step_end=on_step_end)
+
+    def flight(reason: str) -> None:
+        dump_flight_recorder(session, prefix, reason)
+
+    dumper = Dumper(session, collectives.pending, session.guarded("dumps")(memory.reading), flight,
+                    pg_timeout=lambda: collectives.pg_timeout, stall_override=_env_float(ENV_STALL_SECONDS))
 
     def on_end() -> None:
         memory.stop()
         memory.sample("end")
         kernels.close()
 
-    ExitProbe(session, on_end, on_crash=lambda reason: dump_flight_recorder(session, prefix, reason)).install()
+    ExitProbe(session, on_end, on_crash=flight).install()
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     _hook(session, "torch.distributed.distributed_c10d", collectives.install)
     _hook(session, "torch", steps.install_torch)
@@ -146,7 +164,11 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed)
     _hook(session, "peft", steps.install_peft)
     memory.sample("attach")
+    if not dumper.install_signal():
+        session.record("probe_error", probe="dumps",
+                       error="attached after threads started: no on-demand dumps (the stall watchdog still runs)")
     memory.start_sampler()
+    dumper.start_watchdog()
     return session
 
 

@@ -64,6 +64,11 @@ class CollectiveProbe:
         self._events: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
         self._c10d: ModuleType | None = None
+        self._group_names: dict[int, str] = {}
+        #: (gid, seq) -> what is in flight now, for on-demand and stall dumps.
+        self._in_flight: dict[tuple[int, int], dict[str, Any]] = {}
+        #: The default process group's timeout in seconds, once the job sets it.
+        self.pg_timeout: float | None = None
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
 
     # -- installation -------------------------------------------------------------
@@ -80,6 +85,34 @@ class CollectiveProbe:
             setattr(c10d, op, wrapped)
             if dist is not None and getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
+        self._watch_init(c10d, dist)
+
+    def _watch_init(self, c10d: ModuleType, dist: ModuleType | None) -> None:
+        """Learn the process-group timeout the job sets (the stall watchdog scales with it)."""
+        original = c10d.init_process_group
+        if getattr(original, "__lorascope__", False):
+            return
+        signature = inspect.signature(original)
+        probe = self
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            try:
+                timeout = signature.bind_partial(*args, **kwargs).arguments.get("timeout")
+                if timeout is not None:
+                    probe.pg_timeout = float(timeout.total_seconds())
+            except Exception:  # noqa: BLE001 - the call itself reports bad arguments
+                pass
+            return original(*args, **kwargs)
+
+        init_process_group.__lorascope__ = True  # type: ignore[attr-defined]
+        init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        c10d.init_process_group = init_process_group
+        if dist is not None and getattr(dist, "init_process_group", None) is original:
+            dist.init_process_group = init_process_group
+
+    def pending(self) -> list[dict[str, Any]]:
+        """The calls in flight now (a copy; read from the dump thread)."""
+        return [dict(c) for c in list(self._in_flight.values())]
 
     def _wrap(self, op: str, original: Any) -> Any:
         params = list(inspect.signature(original).parameters)
@@ -136,8 +169,11 @@ class CollectiveProbe:
                     dtype = str(first.dtype).removeprefix("torch.")
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
+            site = self._site()
             self.session.record("coll", seq=seq, gid=gid, op=op, bytes=nbytes, dtype=dtype,
-                                **{"async": is_async}, site=self._site(), step=self.session.step)
+                                **{"async": is_async}, site=site, step=self.session.step)
+            self._in_flight[(gid, seq)] = {"group": self._group_names.get(gid, str(gid)), "seq": seq,
+                                           "op": op, "bytes": nbytes, "site": site, "since": time.time()}
             events = None
             if first is not None and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)
@@ -150,6 +186,7 @@ class CollectiveProbe:
         if started is None:
             return
         gid, seq, events = started
+        self._in_flight.pop((gid, seq), None)
         try:
             if events is not None:
                 events[1].record()
@@ -202,6 +239,7 @@ class CollectiveProbe:
                 backend = None
         if group is not None and c10d is not None and group is c10d.GroupMember.WORLD:
             name = "default_pg"
+        self._group_names[gid] = name
         self.session.record("group", gid=gid, name=name, ranks=ranks, backend=backend)
         return gid
 

@@ -59,6 +59,9 @@ class RankData:
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Call site -> {"line": source text, "conditions": enclosing if/while lines}.
     sites: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: On-demand and stall dumps (stacks, pending collectives), oldest first.
+    dumps: list[dict[str, Any]] = field(default_factory=list)
+    stall: dict[str, Any] | None = None
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
@@ -238,6 +241,10 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
         data.probe_errors.append(rec)
     elif kind == "site":
         data.sites[rec["site"]] = rec
+    elif kind == "dump":
+        data.dumps.append(rec)
+    elif kind == "stall":
+        data.stall = rec
     elif kind == "grad_setup":
         data.grad_setup = rec
     elif kind == "grads":

@@ -1,0 +1,93 @@
+"""Evidence for a hung job, taken without stopping it: on demand (``lorascope hang``
+sends DUMP_SIGNAL) and by a stall watchdog (no step finished for ``stall_seconds``).
+
+A rank stuck in a collective sits in C code with the GIL released, where a Python
+signal handler would never run. So the signal is blocked in the main thread at attach
+(threads started later inherit the mask) and taken by a dedicated thread with
+``sigwait``; that thread reads every thread's stack, the pending collectives, a
+memory reading and torch's flight recorder, and writes them as a ``dump`` record.
+
+DUMP_SIGNAL is SIGURG: its default action is to ignore it, so a process without
+lorascope's thread (or not lorascope's at all) is never harmed by one; training stacks
+do not use it (it is raised only for sockets that asked for out-of-band data).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lorascope.probes.exits import thread_stacks
+from lorascope.probes.session import Session
+
+DUMP_SIGNAL = signal.SIGURG
+#: The stall watchdog fires after this share of the process-group timeout ...
+STALL_SHARE_OF_PG_TIMEOUT = 1 / 3
+#: ... within these bounds (seconds).
+STALL_MIN, STALL_MAX = 5.0, 300.0
+TORCH_DEFAULT_PG_TIMEOUT = 30 * 60.0
+
+
+def stall_seconds(pg_timeout: float | None, override: float | None) -> float:
+    if override is not None:
+        return override
+    timeout = pg_timeout or TORCH_DEFAULT_PG_TIMEOUT
+    return min(max(timeout * STALL_SHARE_OF_PG_TIMEOUT, STALL_MIN), STALL_MAX)
+
+
+class Dumper:
+    def __init__(self, session: Session, pending: Callable[[], list[dict[str, Any]]],
+                 reading: Callable[[], dict[str, Any] | None], flight: Callable[[str], None],
+                 pg_timeout: Callable[[], float | None], stall_override: float | None) -> None:
+        self.session = session
+        self._pending = pending
+        self._reading = reading
+        self._flight = flight
+        self._pg_timeout = pg_timeout
+        self._stall_override = stall_override
+        self._lock = threading.Lock()
+        self.last_progress = time.time()
+        self._stall_fired = False
+        self.dump = session.guarded("dumps")(self._dump)
+
+    def _dump(self, reason: str) -> None:
+        with self._lock:  # one dump at a time (a signal during the watchdog's)
+            session = self.session
+            session.record("dump", reason=reason, step=session.step, stacks=thread_stacks()[-100_000:],
+                           pending=self._pending(), mem=self._reading(),
+                           since_progress=round(time.time() - self.last_progress, 3))
+            self._flight(f"{reason}-{int(time.time())}")
+
+    # -- on demand ----------------------------------------------------------------
+    def install_signal(self) -> bool:
+        """Block DUMP_SIGNAL here (the main thread, before the job starts threads) and
+        take it in a waiter thread. False when attached too late to do it safely."""
+        if threading.current_thread() is not threading.main_thread() or threading.active_count() > 1:
+            return False
+        signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
+        threading.Thread(target=self._wait_for_signals, name="lorascope-dump", daemon=True).start()
+        return True
+
+    def _wait_for_signals(self) -> None:
+        while self.session.active:
+            signal.sigwait({DUMP_SIGNAL})
+            self.dump("signal")
+
+    # -- stall watchdog -----------------------------------------------------------
+    def progress(self) -> None:
+        self.last_progress = time.time()
+
+    def start_watchdog(self) -> None:
+        threading.Thread(target=self._watch, name="lorascope-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.session.active and not self._stall_fired:
+            limit = stall_seconds(self._pg_timeout(), self._stall_override)
+            time.sleep(min(1.0, limit / 5))
+            if self.session.step > 0 and time.time() - self.last_progress > limit:
+                self._stall_fired = True  # once: the evidence is taken, the job is left alone
+                self.session.record("stall", seconds=round(time.time() - self.last_progress, 3),
+                                    limit=limit, step=self.session.step)
+                self.dump("stall")
