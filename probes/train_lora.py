@@ -288,13 +288,20 @@ class Trainer:
     backward_and_step: Callable[[torch.Tensor], None]
 
 
+def zero_extra(args: argparse.Namespace) -> dict[str, int]:
+    """ZeRO-3 keeps parameters under 1e5 elements whole on every rank: all of this tiny
+    model's. The save planting partitions them, as a real model's would be, so that
+    gathering them takes collectives."""
+    return {"stage3_param_persistence_threshold": 0} if args.fault == "rank-conditional-gather" else {}
+
+
 def deepspeed_trainer(model: torch.nn.Module, args: argparse.Namespace) -> Trainer:
     import deepspeed
 
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": args.zero},
+        "zero_optimization": {"stage": args.zero, **zero_extra(args)},
         "bf16": {"enabled": args.dtype == "bf16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
