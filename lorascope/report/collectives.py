@@ -44,26 +44,61 @@ def _members(run: RunData, group: str, users: set[int]) -> list[int]:
     return sorted((listed & set(run.ranks)) | users)
 
 
+def _first_difference(a: list[Any], b: list[Any], chunk: int = 512) -> int:
+    """The first index where two lists differ (the shorter one's length if it is a prefix
+    of the other). Compares chunk by chunk, so the work runs in C."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i:i + chunk] == b[i:i + chunk]:
+        i += chunk
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)
+
+
+def _candidate(calls: dict[int, dict[int, Collective]], members: list[int]) -> int | None:
+    """The first sequence number at which some member's (seq, op, bytes, dtype) list departs
+    from the others', counting from the first seq every member still has (older ones may
+    have been rotated away)."""
+    users = [r for r in members if calls.get(r)]
+    if not users:
+        return None
+    start = max(min(calls[r]) for r in users)
+    if len(users) < len(members):  # a member never called into the group at all
+        return start
+    lists = [[(s, (c.op, c.bytes, c.dtype)) for s, c in sorted(calls[r].items()) if s >= start] for r in users]
+    ref = lists[0]
+    seqs = []
+    for other in lists[1:]:
+        i = _first_difference(ref, other)
+        if i < len(ref) and i < len(other):
+            seqs.append(min(ref[i][0], other[i][0]))
+        elif i < len(ref) or i < len(other):  # one stopped where the other went on
+            seqs.append((ref if i < len(ref) else other)[i][0])
+    return min(seqs) if seqs else None
+
+
 def _first_disagreement(calls: dict[int, dict[int, Collective]], members: list[int]) -> dict[str, Any] | None:
-    seqs = sorted({s for per in calls.values() for s in per})
-    for seq in seqs:
-        present = {r: calls.get(r, {}).get(seq) for r in members}
-        made = {r: c for r, c in present.items() if c is not None}
-        sigs = {_signature(c) for c in made.values()}
-        missing = [r for r, c in present.items() if c is None and max(calls.get(r, {0: None}), default=0) < seq]
-        if len(sigs) > 1:
-            by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-            for r, c in made.items():
-                by_sig[_signature(c)].append(r)
-            parts = [f"ranks {','.join(map(str, rs))}: {_describe(made[rs[0]])}" for _, rs in sorted(
-                by_sig.items(), key=lambda kv: kv[1])]
-            return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
-        if missing and made:
-            c = next(iter(made.values()))
-            return {"seq": seq, "kind": "missing", "ranks": missing,
-                    "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(c)}; "
-                            f"ranks {','.join(map(str, missing))} never did"}
-    return None
+    """Where the members first disagree: ``mismatch`` (different op, size or dtype) or
+    ``missing`` (some members made the call, others stopped before it)."""
+    seq = _candidate(calls, members)
+    if seq is None:
+        return None
+    present = {r: calls.get(r, {}).get(seq) for r in members}
+    made = {r: c for r, c in present.items() if c is not None}
+    if not made:
+        return None
+    by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for r, c in made.items():
+        by_sig[_signature(c)].append(r)
+    if len(by_sig) > 1:
+        parts = [f"ranks {','.join(map(str, rs))}: {_describe(made[rs[0]])}"
+                 for rs in sorted(by_sig.values())]
+        return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
+    missing = sorted(r for r, c in present.items() if c is None)
+    return {"seq": seq, "kind": "missing", "ranks": missing,
+            "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(next(iter(made.values())))}; "
+                    f"ranks {','.join(map(str, missing))} never did"}
 
 
 def _finding_pointer(findings: list[Finding]) -> tuple[str, int] | None:
@@ -107,7 +142,7 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
         if pointer is not None and pointer[0] == group:
             first = {**(first or {"kind": "finding", "ranks": [], "text": "named by the detector"}),
                      "seq": pointer[1]}
-        pending = sum(c.pending for per in calls.values() for c in per.values())
+        pending = sum(c.end is None for per in calls.values() for c in per.values())
         summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group,
                           members, first, calls))
     summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))

@@ -115,7 +115,7 @@ def build_report_data(bundle: EvidenceBundle, findings: list[Finding]) -> dict[s
         ends = {r["rank"]: end_mark(r["ended"], run.ranks[r["rank"]]) for r in summary["ranks"]}
         origin = run_origin(run)
         facts = run_facts(run, summary, ends)
-        peak = memory.peaks(run, findings)
+        peak = memory.peaks(run, summary["ranks"], findings)
         step_data = steps.step_series(run)
         sites = {site: ctx for rank in run.ranks.values() for site, ctx in rank.sites.items()}
         align = collectives.alignment(run, findings, sites)

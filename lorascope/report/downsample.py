@@ -1,37 +1,37 @@
 """Thinning long timelines for the page while keeping what an engineer looks for.
 
 A 10,000-step run has far more points than a chart has pixels. Averaging would hide the
-spike that explains an OOM, so each bucket keeps its minimum and its maximum (in time
-order), and the first and last points of the series are always kept: the end of a rank
-and its peak survive any amount of thinning.
+spike that explains an OOM, so each bucket keeps its minimum and its maximum (in x order),
+and the first and last points of the series are always kept: the end of a rank and its
+peak survive any amount of thinning.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
-Point = tuple[float, float]
 
-
-def minmax_downsample(points: Sequence[Point], max_points: int) -> list[Point]:
-    """At most ``max_points`` points (x ascending; y None-free): per equal-width x bucket,
-    the min and the max point, plus the first and the last point."""
-    n = len(points)
+def thin(xs: Sequence[float], ys: Sequence[float], max_points: int) -> tuple[list[float], list[float]]:
+    """At most ``max_points`` of the points (``xs`` ascending, no None in ``ys``): per
+    equal-width x bucket the min and the max point, plus the first and the last point."""
+    n = len(xs)
     if n <= max_points or n <= 2:
-        return list(points)
+        return list(xs), list(ys)
     buckets = max(1, (max_points - 2) // 2)
-    x0, x1 = points[0][0], points[-1][0]
-    width = (x1 - x0) / buckets or 1.0
-    keep: set[int] = {0, n - 1}
-    lo_i: list[int | None] = [None] * buckets
-    hi_i: list[int | None] = [None] * buckets
-    for i in range(1, n - 1):
-        b = min(buckets - 1, int((points[i][0] - x0) / width))
-        y = points[i][1]
-        lo, hi = lo_i[b], hi_i[b]
-        if lo is None or y < points[lo][1]:
-            lo_i[b] = i
-        if hi is None or y > points[hi][1]:
-            hi_i[b] = i
-    keep.update(i for i in lo_i if i is not None)
-    keep.update(i for i in hi_i if i is not None)
-    return [points[i] for i in sorted(keep)]
+    width = (xs[-1] - xs[0]) / buckets
+    keep = {0, n - 1}
+    start = 1
+    for b in range(1, buckets + 1):
+        if b == buckets:
+            end = n - 1
+        elif width > 0:
+            end = bisect_left(xs, xs[0] + b * width, start, n - 1)
+        else:  # every x equal: buckets of equal count instead
+            end = 1 + (n - 2) * b // buckets
+        if end > start:
+            seg = ys[start:end]
+            keep.add(start + seg.index(min(seg)))
+            keep.add(start + seg.index(max(seg)))
+        start = end
+    picked = sorted(keep)
+    return [xs[i] for i in picked], [ys[i] for i in picked]

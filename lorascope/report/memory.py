@@ -9,13 +9,13 @@ import statistics
 from typing import Any
 
 from lorascope.detect.finding import Finding
-from lorascope.report.downsample import minmax_downsample
+from lorascope.report.downsample import thin
 from lorascope.report.timebase import mib, secs
 from lorascope.rundir.reader import RankData, RunData
 
 #: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
-TIMELINE_BUDGET = 80_000
-PER_RANK_MIN, PER_RANK_MAX = 300, 2_000
+TIMELINE_BUDGET = 32_000
+PER_RANK_MIN, PER_RANK_MAX = 200, 2_000
 #: Step boundaries drawn as vertical markers, at most.
 MAX_STEP_MARKERS = 40
 #: Phases of every step are not drawn (too dense); other phases (eval, save) are.
@@ -29,11 +29,16 @@ def uses_cuda(run: RunData) -> bool:
     return any(isinstance(m.get("cuda"), dict) for r in run.ranks.values() for m in r.mem)
 
 
-def _value(sample: dict[str, Any], cuda: bool) -> int | None:
+def _samples(rank: RankData, cuda: bool) -> tuple[list[float], list[float]]:
+    """(times, bytes) of the rank's samples, in time order (the sampler thread and the
+    training thread stamp records before they take the stream's lock)."""
     if cuda:
-        c = sample.get("cuda")
-        return c.get("alloc") if isinstance(c, dict) else None
-    return sample.get("rss")
+        pairs = [(m["t"], c["alloc"]) for m in rank.mem
+                 if isinstance(c := m.get("cuda"), dict) and c.get("alloc") is not None]
+    else:
+        pairs = [(m["t"], m["rss"]) for m in rank.mem if m.get("rss") is not None]
+    pairs.sort()
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def per_rank_points(n_ranks: int, budget: int = TIMELINE_BUDGET) -> int:
@@ -97,22 +102,21 @@ def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
 
 
 def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Per rank its samples (thinned), and where and how it ended (``ends``: :func:`end_mark` by rank)."""
+    """Per rank its samples (thinned, as columns ``t`` / ``mib``) and where and how it ended
+    (``ends``: :func:`end_mark` by rank)."""
     cuda = uses_cuda(run)
     keep = per_rank_points(len(run.ranks))
     series, total, shown = [], 0, 0
     for rank in run.ranks.values():
-        points = [(secs(float(m["t"]), origin), float(v)) for m in rank.mem
-                  if (v := _value(m, cuda)) is not None]
-        total += len(points)
-        thin = minmax_downsample(points, keep)
-        shown += len(thin)
-        last = thin[-1] if thin else None
+        ts, vs = _samples(rank, cuda)
+        total += len(ts)
+        ts, vs = thin(ts, vs, keep)
+        shown += len(ts)
         series.append({
             "rank": rank.rank,
-            "points": [[t, mib(v)] for t, v in thin],
-            "end": None if last is None else {"t": last[0], "mib": mib(last[1]),
-                                              **ends[rank.rank]},
+            "t": [secs(t, origin) for t in ts],
+            "mib": [mib(v) for v in vs],
+            "end": {"t": secs(ts[-1], origin), "mib": mib(vs[-1]), **ends[rank.rank]} if ts else None,
         })
     return {
         "metric": "CUDA allocated" if cuda else "RSS",
@@ -135,27 +139,19 @@ def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[floa
     return None
 
 
-def peaks(run: RunData, findings: list[Finding]) -> dict[str, Any]:
+def peaks(run: RunData, summaries: list[dict[str, Any]], findings: list[Finding]) -> dict[str, Any]:
+    """Each rank's peak, from the analyze summary's ``peak_memory`` (``summaries``)."""
     cuda = uses_cuda(run)
-    ranks = list(run.ranks)
-    peak: list[float | None] = []
-    reserved: list[float | None] = []
-    logits: list[float | None] = []
-    for rank in run.ranks.values():
-        if cuda:
-            cu = [m["cuda"] for m in rank.mem if isinstance(m.get("cuda"), dict)]
-            peak.append(mib(max((c.get("max_alloc") or 0 for c in cu), default=None)))
-            reserved.append(mib(max((c.get("reserved") or 0 for c in cu), default=None)))
-        else:
-            rss = [m["rss"] for m in rank.mem if m.get("rss") is not None]
-            peak.append(mib(max(rss) if rss else None))
-        logits.append(mib(max((r["bytes"] for r in rank.logits), default=None)))
+    ranks = [s["rank"] for s in summaries]
+    peak_key = "cuda_max_allocated_bytes" if cuda else "rss_bytes"
+    peak = [mib(s["peak_memory"][peak_key]) for s in summaries]
+    logits = [mib(max((r["bytes"] for r in run.ranks[n].logits), default=None)) for n in ranks]
     others = [p for r, p in zip(ranks, peak) if r != 0 and p is not None]
     return {
         "metric": "CUDA max allocated" if cuda else "peak RSS",
         "ranks": ranks,
         "peak": peak,
-        "reserved": reserved if cuda else None,
+        "reserved": [mib(s["peak_memory"]["cuda_reserved_bytes"]) for s in summaries] if cuda else None,
         "largest_logits": logits if any(v is not None for v in logits) else None,
         "median_others": statistics.median(others) if others else None,
         "breakdown": _breakdown(findings, ranks),

@@ -42,6 +42,7 @@ _KNOWN_TOKENS = re.compile(
     r"|xox[abpors]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|glpat-[A-Za-z0-9_-]{20,})\b")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_PLAIN = (int, float, bool, type(None))
 _NUMBER = re.compile(r"^[+-]?\d+(\.\d+)?$")
 
 
@@ -84,5 +85,7 @@ def scrub(value: Any) -> Any:
         return {k: (REDACTED if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
                     else scrub(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _PLAIN for v in value):  # chart columns: nothing to scrub, and long
+            return list(value)
         return _scrub_list(list(value))
     return value

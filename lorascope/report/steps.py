@@ -5,15 +5,17 @@ per-step lines show when it started.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
-from lorascope.report.downsample import minmax_downsample
+from lorascope.report.downsample import thin
 from lorascope.report.memory import per_rank_points
-from lorascope.report.timebase import finite
 from lorascope.rundir.reader import RunData
 
-STEP_BUDGET = 40_000
+STEP_BUDGET = 16_000
+MAX_LISTED_LOSSES = 50
+_NUMBERS = (int, float)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -22,24 +24,22 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def step_series(run: RunData) -> dict[str, Any]:
+    """Per rank, columns ``step`` / ``s`` (seconds) and ``step`` / ``loss``, thinned; the
+    median and 95th percentile step time; the steps whose loss was NaN or infinite."""
     keep = per_rank_points(len(run.ranks), STEP_BUDGET)
     times, losses, stats, bad_losses = [], [], [], []
     for rank in run.ranks.values():
-        durs = [(float(s["step"]), float(s["dur"])) for s in rank.steps if finite(s["dur"]) is not None]
-        times.append({"rank": rank.rank, "points": [[int(x), round(y, 4)]
-                                                     for x, y in minmax_downsample(durs, keep)]})
-        loss_pts = []
-        for s in rank.steps:
-            value = finite(s.get("loss"))
-            if value is not None:
-                loss_pts.append((float(s["step"]), value))
-            elif s.get("loss") is not None or s.get("loss_text"):
-                bad_losses.append([rank.rank, s["step"], str(s.get("loss_text") or s.get("loss"))])
-        losses.append({"rank": rank.rank, "points": [[int(x), round(y, 5)]
-                                                      for x, y in minmax_downsample(loss_pts, keep)]})
-        values = [d for _, d in durs if d > 0]
+        steps = [s for s in rank.steps if type(s["dur"]) in _NUMBERS and math.isfinite(s["dur"])]
+        xs, ys = thin([s["step"] for s in steps], [s["dur"] for s in steps], keep)
+        times.append({"rank": rank.rank, "step": xs, "s": [round(y, 4) for y in ys]})
+        with_loss = [s for s in rank.steps if type(s["loss"]) in _NUMBERS and math.isfinite(s["loss"])]
+        xs, ys = thin([s["step"] for s in with_loss], [s["loss"] for s in with_loss], keep)
+        losses.append({"rank": rank.rank, "step": xs, "loss": [round(y, 5) for y in ys]})
+        bad_losses += [[rank.rank, s["step"], str(s.get("loss_text") or s["loss"])] for s in rank.steps
+                       if type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"])]
+        values = [s["dur"] for s in steps if s["dur"] > 0]
         stats.append({"rank": rank.rank, "steps": len(rank.steps),
                       "median": round(statistics.median(values), 4) if values else None,
                       "p95": round(_percentile(values, 0.95), 4) if values else None})
-    return {"time": times, "loss": losses if any(s["points"] for s in losses) else None,
-            "stats": stats, "non_finite_losses": bad_losses[:50]}
+    return {"time": times, "loss": losses if any(s["step"] for s in losses) else None,
+            "stats": stats, "non_finite_losses": bad_losses[:MAX_LISTED_LOSSES]}

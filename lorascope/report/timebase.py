@@ -1,7 +1,6 @@
 """Shared conventions of the chart data: one time origin, rounding, units."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from lorascope.rundir.reader import RunData
@@ -23,10 +22,3 @@ def secs(t: float, origin: float) -> float:
 
 def mib(n: float | None) -> float | None:
     return None if n is None else round(n / MIB, 2)
-
-
-def finite(x: Any) -> float | None:
-    """A number JSON can hold (NaN and infinities become None; the caller says why)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return None
-    return float(x)

@@ -1,9 +1,11 @@
 /* lorascope report: draws the charts from the JSON embedded in the page.
  * Strings from the run reach the page only as canvas text or through esc() in tooltips.
  * Each drawn chart gets data-points (how many data points it shows); window.lorascopeReport
- * lists the charts once all are drawn (the browser tests read both). */
+ * lists the charts once all are drawn, with the milliseconds each took, and <body> gets
+ * data-charts-drawn (the browser tests and benchmarks/report_scale.py wait for it). */
 (function () {
   "use strict";
+  var startedMs = Math.round(performance.now());
   var data = JSON.parse(document.getElementById("report-data").textContent);
   var RANK0 = "#d62728";
   var PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#7f7f7f", "#bcbd22", "#e377c2", "#ff7f0e", "#3f51b5"];
@@ -40,24 +42,29 @@
     if (!el || !window.echarts) { return; }
     var chart = window.echarts.init(el, null, { renderer: "canvas" });
     chart.setOption(option);
+    chart.getZr().flush();  // paint now, so drawMs counts the painting too
     el.setAttribute("data-points", String(points));
     charts[id] = chart;
   }
+  function zip(xs, ys) { return xs.map(function (x, i) { return [x, ys[i]]; }); }
   function count(series) { return series.reduce(function (n, s) { return n + s.data.length; }, 0); }
 
   function memoryChart(mem) {
     var series = mem.series.map(function (s, i) {
       var color = rankColor(s.rank, i);
-      var item = { type: "line", name: "rank " + s.rank, data: s.points, showSymbol: false, color: color,
+      var item = { type: "line", name: "rank " + s.rank, data: zip(s.t, s.mib), showSymbol: false, color: color,
                    lineStyle: { width: s.rank === 0 ? 2.5 : 1.2 }, z: s.rank === 0 ? 10 : 2, emphasis: { focus: "series" } };
-      if (s.end) {
-        item.markPoint = { animation: false, data: [{ coord: [s.end.t, s.end.mib], value: s.end.label,
-          symbol: s.end.bad ? "pin" : "circle", symbolSize: s.end.bad ? 44 : 7,
-          itemStyle: { color: s.end.bad ? RANK0 : color },
-          label: { show: s.end.bad, formatter: function (p) { return p.value; }, fontSize: 10 } }] };
-      }
       return item;
     });
+    // how each rank ended: one scatter series for all ends (cheaper than a marker per line),
+    // and pins with a label for the ranks that ended badly
+    var ends = mem.series.filter(function (s) { return s.end; });
+    var endPoint = function (s) { return { value: [s.end.t, s.end.mib], name: "rank " + s.rank + ": " + s.end.label }; };
+    series.push({ type: "scatter", name: "end of rank", symbolSize: 6, color: "#555", z: 11,
+                  data: ends.filter(function (s) { return !s.end.bad; }).map(endPoint) });
+    series.push({ type: "scatter", name: "ended badly", symbol: "pin", symbolSize: 40, color: RANK0, z: 12,
+                  label: { show: true, fontSize: 9, color: "#fff", formatter: function (p) { return p.name.split(": ")[1]; } },
+                  data: ends.filter(function (s) { return s.end.bad; }).map(endPoint) });
     if (series.length) {
       var marks = series[0];
       marks.markLine = { silent: true, symbol: "none", animation: false,
@@ -76,7 +83,8 @@
         if (!ps.length) { return ""; }
         var rows = ps.slice().sort(function (a, b) { return b.value[1] - a.value[1]; }).slice(0, 12);
         return esc(ps[0].value[0].toFixed(2) + " s") + "<br>" + rows.map(function (p) {
-          return p.marker + esc(p.seriesName) + ": " + esc(fmtMiB(p.value[1]));
+          var who = p.seriesType === "scatter" ? p.name : p.seriesName;
+          return p.marker + esc(who) + ": " + esc(fmtMiB(p.value[1]));
         }).join("<br>");
       } },
       xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax" },
@@ -200,9 +208,9 @@
     }), k.bins.length);
   }
 
-  function perRankLines(id, list, yName, fmt) {
+  function perRankLines(id, list, key, yName, fmt) {
     var series = list.map(function (s, i) {
-      return { type: "line", name: "rank " + s.rank, data: s.points, showSymbol: s.points.length < 40,
+      return { type: "line", name: "rank " + s.rank, data: zip(s.step, s[key]), showSymbol: s.step.length < 40,
                symbolSize: 4, color: rankColor(s.rank, i), lineStyle: { width: s.rank === 0 ? 2.2 : 1.2 },
                z: s.rank === 0 ? 10 : 2, emphasis: { focus: "series" } };
     });
@@ -239,30 +247,48 @@
     }), stats.filter(function (s) { return s.median != null; }).length);
   }
 
+  var timings = {};
   function safely(name, fn) {
-    try { fn(); } catch (err) {
+    var started = Date.now();
+    try { fn(); timings[name] = Date.now() - started; } catch (err) {
       var el = document.getElementById(name);
       if (el) { el.textContent = "This chart could not be drawn: " + err; }
-      throw err;
+      console.error("lorascope report: " + name + ": " + err);  // the other charts still draw
     }
   }
 
-  if (data.memory) { safely("chart-memory", function () { memoryChart(data.memory); }); }
-  if (data.peak) { safely("chart-peak", function () { peakChart(data.peak); }); }
+  // The page's text is painted before any chart exists; charts are then drawn one per task,
+  // so the browser paints between them (the first is on screen while the others draw).
+  var queue = [];
+  if (data.memory) { queue.push(["chart-memory", function () { memoryChart(data.memory); }]); }
+  if (data.peak) { queue.push(["chart-peak", function () { peakChart(data.peak); }]); }
   if (data.collectives && data.collectives.available) {
-    safely("chart-collectives", function () { collectivesChart(data.collectives); });
-    safely("chart-collective-ops", function () { opTimesChart(data.op_times); });
+    queue.push(["chart-collectives", function () { collectivesChart(data.collectives); }]);
+    queue.push(["chart-collective-ops", function () { opTimesChart(data.op_times); }]);
   }
-  if (data.kernels && data.kernels.available) { safely("chart-kernels", function () { kernelChart(data.kernels); }); }
+  if (data.kernels && data.kernels.available) { queue.push(["chart-kernels", function () { kernelChart(data.kernels); }]); }
   if (data.steps) {
-    safely("chart-step-time", function () {
-      perRankLines("chart-step-time", data.steps.time, "seconds", function (v) { return v.toFixed(3) + " s"; });
-    });
-    safely("chart-step-median", function () { stepMedianChart(data.steps.stats); });
+    queue.push(["chart-step-time", function () {
+      perRankLines("chart-step-time", data.steps.time, "s", "seconds", function (v) { return v.toFixed(3) + " s"; });
+    }]);
+    queue.push(["chart-step-median", function () { stepMedianChart(data.steps.stats); }]);
     if (data.steps.loss) {
-      safely("chart-loss", function () { perRankLines("chart-loss", data.steps.loss, "loss", function (v) { return v.toFixed(4); }); });
+      queue.push(["chart-loss", function () {
+        perRankLines("chart-loss", data.steps.loss, "loss", "loss", function (v) { return v.toFixed(4); });
+      }]);
     }
   }
-  window.addEventListener("resize", function () { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); });
-  window.lorascopeReport = { charts: Object.keys(charts).sort() };
+  function next() {
+    if (!queue.length) {
+      window.addEventListener("resize", function () { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); });
+      window.lorascopeReport = { charts: Object.keys(charts).sort(), drawMs: timings, startedMs: startedMs,
+                                 doneMs: Math.round(performance.now()) };
+      document.body.setAttribute("data-charts-drawn", String(Object.keys(charts).length));
+      return;
+    }
+    var job = queue.shift();
+    safely(job[0], job[1]);
+    setTimeout(next, 0);
+  }
+  setTimeout(next, 0);
 }());

@@ -1,0 +1,112 @@
+"""The reports in a real headless browser: they load offline, draw every chart, and run
+nothing that arrived in the data."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.detect.registry import run_detectors
+from lorascope.ingest.load import load_bundle
+from lorascope.report.gallery import scenarios
+from lorascope.report.write import write_report
+from tests.unit.test_report_html import XSS, xss_run
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = scenarios(REPO / "fixtures")
+#: Charts every report of a run directory draws (others depend on the data).
+ALWAYS = {"chart-memory", "chart-peak", "chart-step-time", "chart-step-median"}
+
+
+class Loaded:
+    """A page opened from a file, with everything it logged and requested."""
+
+    def __init__(self, browser: Any, path: Path) -> None:
+        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}")
+                     if m.type in ("error", "warning") else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.url = path.resolve().as_uri()
+        started = time.perf_counter()
+        self.page.goto(self.url)
+        self.page.wait_for_selector("body[data-charts-drawn]", state="attached", timeout=30_000)
+        self.load_s = time.perf_counter() - started
+
+    def foreign_requests(self) -> list[str]:
+        return [u for u in self.requests if u != self.url]
+
+
+def render(run_dir: Path, out: Path) -> Path:
+    bundle = load_bundle(run_dir)
+    write_report(bundle, run_detectors(bundle), out)
+    return out
+
+
+@pytest.mark.skipif(not SCENARIOS, reason="no fixture run directory")
+@pytest.mark.parametrize("run_dir", SCENARIOS, ids=[p.name for p in SCENARIOS])
+def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, artifacts: Path) -> None:
+    loaded = Loaded(browser, render(run_dir, tmp_path / f"{run_dir.name}.html"))
+    page = loaded.page
+    assert loaded.errors == []
+    assert loaded.foreign_requests() == []
+    assert page.locator("#verdict .headline").inner_text().strip()
+    assert page.locator("#findings h2").inner_text().startswith("Findings")
+    charts = page.evaluate("""() => Array.from(document.querySelectorAll('.chart')).map(el => {
+        const c = el.querySelector('canvas');
+        return {id: el.id, points: Number(el.getAttribute('data-points') || 0),
+                w: c ? c.width : 0, h: c ? c.height : 0, drawn: !!echarts.getInstanceByDom(el)};
+    })""")
+    ids = {c["id"] for c in charts}
+    assert ALWAYS <= ids, ids
+    for chart in charts:
+        assert chart["drawn"] and chart["points"] > 0 and chart["w"] > 0 and chart["h"] > 0, chart
+    assert sorted(page.evaluate("window.lorascopeReport.charts")) == sorted(ids)
+    if "chart-kernels" not in ids:
+        assert page.locator("#kernels-empty").inner_text().strip()
+    for f in range(page.locator(".finding").count()):  # each finding links to a chart on the page
+        href = page.locator(".finding").nth(f).locator("a.chart-link").get_attribute("href")
+        assert href is None or page.locator(href).count() == 1
+    shot = artifacts / f"report-{run_dir.name}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"\nscreenshot: {shot}  (loaded and drawn in {loaded.load_s:.2f} s)")
+    page.close()
+
+
+def test_hostile_text_never_runs(browser: Any, tmp_path: Path, artifacts: Path) -> None:
+    run_dir, findings = xss_run(tmp_path / "run")
+    from lorascope.report.data import build_report_data
+    from lorascope.report.render import render as render_page
+    out = tmp_path / "xss.html"
+    out.write_text(render_page(build_report_data(load_bundle(run_dir), findings)))
+    loaded = Loaded(browser, out)
+    page = loaded.page
+    # open every collapsed section and show every collective tooltip, where hostile names appear
+    page.evaluate("document.querySelectorAll('details').forEach(d => d.open = true)")
+    tips = page.evaluate("""() => {
+        const chart = echarts.getInstanceByDom(document.getElementById('chart-collectives'));
+        const out = [];
+        chart.getOption().series.forEach((s, i) => (s.data || []).forEach((_, j) => {
+            chart.dispatchAction({type: 'showTip', seriesIndex: i, dataIndex: j});
+            const tip = document.querySelector('#chart-collectives > div:last-child');
+            out.push(tip ? tip.innerText : '');
+        }));
+        return out;
+    }""")
+    assert page.evaluate("window.__pwned") is None
+    assert loaded.errors == [] and loaded.foreign_requests() == []
+    assert any("<script>window.__pwned=1</script>" in t for t in tips), tips
+    text = page.locator("body").inner_text()
+    for where in ("#findings", "#charts", "#facts"):
+        assert XSS in page.locator(where).inner_text(), where
+    assert text.count(XSS) >= 8
+    assert page.evaluate("document.querySelectorAll('img, iframe, object, embed').length") == 0
+    assert page.evaluate("document.scripts.length") == 3
+    shot = artifacts / "report-xss.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"\nscreenshot: {shot}")
+    page.close()

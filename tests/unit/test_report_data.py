@@ -1,0 +1,155 @@
+"""The report's data builder, checked on the data (the page only lays it out)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from lorascope.detect.finding import Evidence, Finding
+from lorascope.ingest.load import load_bundle
+from lorascope.report.data import build_report_data
+from lorascope.report.downsample import thin
+from tests.unit.test_report_synthetic import Call, RankSpec, write_run
+
+REPO = Path(__file__).resolve().parents[2]
+HEALTHY = REPO / "fixtures" / "healthy"
+
+
+def finding(id_: str = "rank-conditional-hang", **details: object) -> Finding:
+    return Finding(id=id_, title="the ranks disagree", severity="error", confidence="high",
+                   confidence_reason="because", ranks=[0], evidence=[Evidence("x", 1, "ranks/rank-0")],
+                   explanation="why", fix="fix", details=dict(details))
+
+
+def test_healthy_fixture_data() -> None:
+    data = build_report_data(load_bundle(HEALTHY), [])
+    charts = data["charts"]
+    assert data["verdict"]["level"] == "ok"
+    assert [s["rank"] for s in charts["memory"]["series"]] == [0, 1]
+    assert all(s["end"]["label"] == "exit 0" and not s["end"]["bad"] for s in charts["memory"]["series"])
+    assert charts["memory"]["metric"] == "RSS" and charts["memory"]["steps"]
+    assert charts["collectives"]["available"] and charts["collectives"]["first"] is None
+    assert charts["collectives"]["pending"] == []
+    assert {r["op"] for r in charts["op_times"]["rows"]} >= {"all_reduce", "broadcast"}
+    assert [s["step"] for s in charts["steps"]["time"]] == [[1, 2, 3, 4, 5, 6]] * 2
+    facts = data["facts"]
+    assert facts["world_size"] == 2 and [c["name"] for c in facts["configs"]][:3] == ["deepspeed", "lora", "model"]
+    assert "torchrun" in facts["launches"][0]["command"]
+    # the traces exist in the run but the bundle did not load them: the page says so
+    assert not charts["kernels"]["available"] and "2 kernel trace file(s)" in charts["kernels"]["message"]
+    json.dumps(data, allow_nan=False)  # plain, finite data
+
+
+def test_disagreement_and_pending_are_found(tmp_path: Path) -> None:
+    ranks = [RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), Call("all_reduce", site="t.py:5 in ev", end=False)],
+                      sites={"t.py:5 in ev": ("dist.all_reduce(x)", ["if rank == 0:"])}),
+             RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)],
+                      ends=False)]
+    data = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])
+    col = data["charts"]["collectives"]
+    assert col["first"]["seq"] == 3 and col["first"]["kind"] == "mismatch"
+    assert "all_reduce" in col["first"]["text"] and "barrier" in col["first"]["text"]
+    assert [(p[0], p[1], p[2]) for p in col["pending"]] == [(0, 3, "all_reduce"), (1, 3, "barrier")]
+    focus = [c for row in data["collective_table"]["table"] for c in row["cells"] if c["focus"]]
+    assert [c["status"] for c in focus] == ["pending", "pending"]
+    assert focus[0]["line"] == "dist.all_reduce(x)" and focus[0]["conditions"] == ["if rank == 0:"]
+    assert any("rank 1: the stream ends without an end record" in m for m in data["missing"])
+    assert data["charts"]["memory"]["series"][1]["end"] == {"t": data["charts"]["memory"]["series"][1]["end"]["t"],
+                                                            "mib": 130.0, "label": "no end record", "bad": True}
+
+
+def test_a_call_only_some_ranks_made_is_a_disagreement(tmp_path: Path) -> None:
+    ranks = [RankSpec(calls=[Call("all_reduce")] * 3), RankSpec(calls=[Call("all_reduce")] * 2,
+                                                                 exception=("RuntimeError", "boom"))]
+    col = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])["charts"]["collectives"]
+    assert col["first"]["seq"] == 3 and col["first"]["kind"] == "missing" and col["first"]["ranks"] == [1]
+
+
+def test_a_detectors_pointer_wins(tmp_path: Path) -> None:
+    bundle = load_bundle(write_run(tmp_path, [RankSpec(), RankSpec()]))
+    data = build_report_data(bundle, [finding(group="default_pg", seq=2)])
+    assert data["charts"]["collectives"]["first"]["seq"] == 2
+    assert data["verdict"]["level"] == "error" and data["verdict"]["id"] == "rank-conditional-hang"
+    assert data["findings"][0]["chart"] == "chart-collectives"
+    assert data["findings"][0]["details"] == {"group": "default_pg", "seq": 2}
+
+
+def test_oom_end_and_verdict_without_findings(tmp_path: Path) -> None:
+    ranks = [RankSpec(exception=("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB")), RankSpec()]
+    data = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])
+    assert data["charts"]["memory"]["series"][0]["end"]["label"] == "OOM"
+    assert data["verdict"]["level"] == "warning" and "rank 0 ended badly" in data["verdict"]["headline"]
+    assert data["facts"]["ranks"][0]["exception"]["message"].startswith("CUDA out of memory")
+
+
+def test_phases_non_finite_losses_and_breakdown(tmp_path: Path) -> None:
+    ranks = [RankSpec(phases=[("eval", 1), ("save", 3)], losses=[2.0, float("nan"), 1.5, float("inf")]),
+             RankSpec(phases=[("eval", 1)])]
+    breakdown = {"0": {"weights": 100 << 20, "logits": 50 << 20}, "1": {"weights": 100 << 20}}
+    data = build_report_data(load_bundle(write_run(tmp_path, ranks)),
+                             [finding("rank0-asymmetry", memory_breakdown=breakdown)])
+    phases = data["charts"]["memory"]["phases"]
+    assert [(p["name"], p["ranks"]) for p in phases] == [("eval", [0, 1]), ("save", [0])]
+    steps = data["charts"]["steps"]
+    assert steps["loss"][0]["step"] == [1, 3]
+    assert [(r, s) for r, s, _ in steps["non_finite_losses"]] == [(0, 2), (0, 4)]
+    assert data["charts"]["peak"]["breakdown"] == {"weights": [100.0, 100.0], "logits": [50.0, None]}
+    assert "memory_breakdown" not in data["findings"][0]["details"]
+    json.dumps(data, allow_nan=False)
+
+
+def test_kernel_table_from_a_finding(tmp_path: Path) -> None:
+    table = {"unit": "op", "threshold_us": 10.0, "ranks": {"0": {"rows": [
+        {"name": "aten::mm", "module": "lora_A", "durations_us": [2.0, 3.0]},
+        {"name": "aten::mm", "module": "base", "durations_us": [100.0, 5.0]}]}}}
+    data = build_report_data(load_bundle(write_run(tmp_path, [RankSpec()])), [finding("tiny-kernel-tail", kernels=table)])
+    k = data["charts"]["kernels"]
+    assert k["available"] and k["threshold_us"] == 10.0
+    assert k["ranks"][0]["tiny_count"] == 0.75 and k["ranks"][0]["lora_count"] == 0.5
+    assert k["ranks"][0]["lora_time"] == round(5 / 110, 4)
+    assert sum(b["lora"] for b in k["bins"]) == 2 and sum(b["other"] for b in k["bins"]) == 2
+    under = k["bins"][:k["threshold_bin"]]
+    assert all(b["hi"] <= 10.0 + 1e-9 for b in under) and k["bins"][k["threshold_bin"]]["lo"] == 10.0
+    assert data["findings"][0]["chart"] == "chart-kernels"
+
+
+def test_kernel_table_from_a_loaded_kineto_trace(tmp_path: Path) -> None:
+    def op(name: str, ts: float, dur: float, **args: object) -> dict[str, object]:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args}
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "lorascope.module::m.q_proj.lora_A.default",
+         "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+        op("aten::linear", 1, 50, **{"Sequence number": 7}), op("aten::mm", 2, 40),  # leaf: mm only
+        op("aten::add", 200, 5),  # outside any module
+        op("autograd::engine::evaluate_function: MmBackward0", 300, 30, **{"Sequence number": 7}),
+        op("aten::mm", 301, 20),  # backward of the lora_A op
+    ]
+    bundle = load_bundle(write_run(tmp_path, [RankSpec()]))
+    bundle.traces = {0: {"traceEvents": events}}
+    k = build_report_data(bundle, [])["charts"]["kernels"]
+    assert k["available"] and k["ranks"][0]["count"] == 3
+    assert k["ranks"][0]["lora_count"] == round(2 / 3, 4)
+    assert {(t["name"], t["module"]) for t in k["top"]} == {("aten::mm", "lora_A"), ("aten::add", None)}
+
+
+def test_truncated_stream_is_reported(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(HEALTHY, run_dir)
+    stream = next((run_dir / "ranks" / "rank-1").glob("*.jsonl"))
+    raw = stream.read_bytes()
+    stream.write_bytes(raw[: len(raw) // 2])  # cut mid-record, like a SIGKILL mid-write
+    data = build_report_data(load_bundle(run_dir), [])
+    assert any("torn last record" in m for m in data["missing"])
+    assert any("rank 1: the stream ends without an end record" in m for m in data["missing"])
+    assert data["charts"]["memory"]["series"][1]["end"]["label"] == "no end record"
+
+
+def test_downsampling_keeps_extremes_and_ends() -> None:
+    xs = [float(i) for i in range(100_000)]
+    ys = [float((i * 7919) % 1000) for i in range(100_000)]
+    ys[54_321] = 5000.0  # a spike must survive
+    tx, ty = thin(xs, ys, 1000)
+    assert len(tx) <= 1000 and (tx[0], ty[0]) == (0.0, ys[0]) and (tx[-1], ty[-1]) == (xs[-1], ys[-1])
+    assert 54_321.0 in tx and max(ty) == 5000.0 and min(ty) == 0.0
+    assert tx == sorted(tx) and all(ys[int(x)] == y for x, y in zip(tx, ty))
+    assert thin([1.0] * 50, list(map(float, range(50))), 10)[1][1:-1] != []  # all x equal: still thinned
