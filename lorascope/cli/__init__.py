@@ -8,10 +8,10 @@ import click
 
 from lorascope import __version__
 from lorascope.errors import LorascopeError
-from lorascope.cli import analyze, plan, report, run
+from lorascope.cli import analyze, hang, plan, report, run
 
 #: Every subcommand, one module each; each module exposes ``command``.
-COMMANDS = [run, analyze, plan, report]
+COMMANDS = [run, analyze, hang, report, plan]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

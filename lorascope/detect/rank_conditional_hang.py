@@ -1,8 +1,7 @@
 """rank-conditional-hang: a collective that only some ranks run.
 
 The ranks' collective records are aligned per process group by sequence number; the
-first number at which they disagree (a different op or size, or a rank that issued it
-while another is still in an earlier one) is the divergence. The odd rank is the one
+first number at which they disagree (a different op or size) is the divergence. The odd rank is the one
 whose call site sits inside a rank condition (``if rank == 0:``, ``is_main_process``),
 read from the source context the probes recorded.
 """
@@ -38,7 +37,8 @@ def _by_group(rank: RankData) -> dict[str, dict[int, Collective]]:
 
 
 def first_divergence(run: RunData) -> Divergence | None:
-    """The earliest (by time) sequence number where the ranks disagree, over all groups."""
+    """The earliest (by time) sequence number at which the ranks that issued it disagree
+    on (op, bytes), over all groups."""
     tables = {n: _by_group(r) for n, r in run.ranks.items()}
     groups = sorted({g for t in tables.values() for g in t})
     found: list[tuple[float, Divergence]] = []
@@ -50,9 +50,9 @@ def first_divergence(run: RunData) -> Divergence | None:
         for seq in range(1, last + 1):
             calls = {n: tables[n][group].get(seq) for n in members}
             present = [c for c in calls.values() if c is not None]
-            keys = {(c.op, c.bytes) for c in present}
-            missing_while_waiting = len(present) < len(calls) and any(c.pending for c in present)
-            if len(keys) > 1 or missing_while_waiting:
+            # A rank that never issued the call while others wait in it is not a
+            # disagreement: it is stuck elsewhere or dead (the hang diagnosis tells which).
+            if len({(c.op, c.bytes) for c in present}) > 1:
                 found.append((min(c.start for c in present), Divergence(group, seq, calls)))
                 break
     return min(found, key=lambda f: f[0])[1] if found else None
@@ -67,6 +67,27 @@ def rank_condition(rank: RankData, site: str | None) -> str | None:
         if RANK_CONDITION.search(cond):
             return cond
     return None
+
+
+def _conditions(run: RunData, div: Divergence) -> dict[int, str | None]:
+    return {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
+
+
+def detect_odd_ranks(run: RunData, div: Divergence) -> list[int]:
+    """The ranks that went their own way at the divergence: directly inside a rank
+    condition (beating the `else` branch, where the ranks doing the usual thing are),
+    else the minority (op, bytes); none when it cannot be told."""
+    conditions = _conditions(run, div)
+    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] \
+        or [n for n, cond in conditions.items() if cond]
+    if len(odd) == len(div.calls):
+        odd = []
+    if not odd:
+        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
+        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
+            rare = counts.most_common()[-1][0]
+            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
+    return sorted(odd)
 
 
 def _describe(call: Collective | None) -> str:
@@ -91,17 +112,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     div = first_divergence(run)
     if div is None:
         return []
-    conditions = {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
-    # Inside `if rank == 0:` beats being in its else branch (the ranks that do the usual thing).
-    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] \
-        or [n for n, cond in conditions.items() if cond]
-    if len(odd) == len(div.calls):
-        odd = []
-    if not odd:  # the minority op, when there is one
-        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
-        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
-            rare = counts.most_common()[-1][0]
-            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
+    conditions = _conditions(run, div)
+    odd = detect_odd_ranks(run, div)
     evidence: list[Evidence] = []
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lorascope.detect import logits_spike, rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads
+from lorascope.detect import (
+    hung_ranks, logits_spike, rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads,
+)
+from lorascope.detect import plan_deviation
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 
@@ -12,9 +15,11 @@ Detector = Callable[[EvidenceBundle], list[Finding]]
 #: Every detector, in the order they run. Each is a pure function of the bundle.
 DETECTORS: list[Detector] = [
     rank_conditional_hang.detect,
+    hung_ranks.detect,
     reentrant_dead_grads.detect,
     logits_spike.detect,
     rank0_asymmetry.detect,
+    plan_deviation.detect,
 ]
 
 

@@ -1,0 +1,156 @@
+"""Why a job is hung, from what its ranks recorded: where each rank is, the last
+completed and the pending collective per process group, the first rank that diverged
+and the kind of hang, with the fix. Pure: works on loaded data (live dumps from
+`lorascope hang`, or the stall watchdog's dumps in a dead run's directory)."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lorascope.detect.rank_conditional_hang import (
+    Divergence, detect_odd_ranks, first_divergence, rank_condition,
+)
+from lorascope.rundir.reader import RankData, RunData
+
+#: Stack frames in these places are not where the job "is".
+_LIBRARY = re.compile(r"^<frozen |/(torch|deepspeed|lorascope|threading\.py|concurrent|multiprocessing|"
+                      r"site-packages|dist-packages|lib/python3\.\d+)/")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)", re.M)
+#: A rank whose last record is this much older than the newest rank's is not moving.
+MOVING_WITHIN_S = 2.0
+
+FIXES = {
+    "rank-conditional": "Run the collective on every rank; act on its result on rank 0 only.",
+    "dead-rank": ("A rank is gone and the others wait for it: find why it died (its exception or "
+                  "signal below; no record at all means SIGKILL, usually the OOM killer: check dmesg)."),
+    "stuck-outside": ("The odd rank is not in any collective: it is stuck in its own code (data "
+                      "loading, I/O, a deadlock). Look at its stack; give the data loader a timeout "
+                      "and workers; check the filesystem."),
+    "straggler": ("One rank is still moving but slower: look for uneven data (sequence lengths), "
+                  "thermal or CPU contention, or a slow node."),
+    "collective-stuck": ("Every rank waits in the same collective: the transport is stuck (network, "
+                         "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING."),
+    "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
+}
+
+
+def main_thread_frame(stacks: str) -> str | None:
+    """The innermost frame of the main thread that belongs to the job (not a library),
+    from lorascope's dump (outermost first, like a traceback) or py-spy's (innermost first)."""
+    if '"MainThread"' in stacks:  # py-spy: `Thread 0x.. (idle): "MainThread"`, then `    f (file:line)`
+        text = stacks.split('"MainThread"', 1)[1].split("\n\n", 1)[0]
+        frames = [m for m in PY_SPY_FRAME.finditer(text) if not _LIBRARY.search("/" + m["file"])]
+        first = frames[0] if frames else None
+    else:
+        block = stacks.split("Thread MainThread:", 1)
+        text = block[1].split("\nThread ", 1)[0] if len(block) > 1 else stacks
+        frames = [m for m in _FRAME.finditer(text) if not _LIBRARY.search(m["file"])]
+        first = frames[-1] if frames else None
+    return f"{first['file']}:{first['line']} in {first['func']}" if first else None
+
+
+def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | None:
+    """How the rank ended, if it did before ``cutoff`` (the moment the hang was dumped:
+    the timeouts that kill every rank afterwards are consequences, not the cause)."""
+    last = rank.exception or rank.signal or rank.end
+    if last is not None and cutoff is not None and float(last["t"]) > cutoff:
+        return None
+    if rank.exception is not None:
+        return f"died: {rank.exception['type']}: {rank.exception['message'].splitlines()[0][:160]}"
+    if rank.signal is not None:
+        return f"died: killed by {rank.signal['name']}"
+    if rank.end is not None:
+        return f"exited ({rank.end['status']} {rank.end['code']})"
+    if alive is False:
+        return "died: its process is gone without a word (SIGKILL or the OOM killer)"
+    return None
+
+
+def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
+    dump = rank.dumps[-1] if rank.dumps else None
+    pending = dump["pending"] if dump else [
+        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+        for c in rank.collectives if c.pending]
+    last_done: dict[str, int] = {}
+    for coll in rank.collectives:
+        if not coll.pending:
+            last_done[coll.group] = max(last_done.get(coll.group, 0), coll.seq)
+    ended = _ended(rank, alive, cutoff)
+    frame = main_thread_frame(dump["stacks"]) if dump else None
+    if ended is not None:
+        state = "dead" if ended.startswith("died") else "exited"
+    elif pending:
+        state = "in-collective"
+    elif newest - rank.last_time <= MOVING_WITHIN_S and not dump:
+        state = "moving"
+    else:
+        state = "outside-collectives"
+    where = ended
+    if state == "in-collective":
+        p = pending[0]
+        cond = rank_condition(rank, p.get("site"))
+        where = (f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}"
+                 + (f", under `{cond}`" if cond else ""))
+    elif state in ("outside-collectives", "moving"):
+        where = f"in its own code at {frame or '?'} (no collective in flight)"
+    return {"rank": rank.rank, "pid": rank.pid, "host": rank.host, "state": state, "where": where,
+            "step": len(rank.steps), "pending": pending, "last_completed": last_done,
+            "stack_frame": frame, "dumped": dump["reason"] if dump else None}
+
+
+def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, Any]:
+    """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
+    the kind, the first rank that diverged, the verdict line and the fix."""
+    alive = alive or {}
+    newest = max((r.last_time for r in run.ranks.values()), default=0.0)
+    dumped = [float(d["t"]) for r in run.ranks.values() for d in r.dumps]
+    cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
+    states = [_rank_state(r, alive.get(n), newest, cutoff) for n, r in run.ranks.items()]
+    groups: dict[str, list[int]] = {}
+    for s in states:
+        groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
+    kind, odd, div = _classify(run, states)
+    first = next((s for s in states if s["rank"] in odd), None)
+    if div is not None and odd:  # where the odd rank went its own way, not where it is now
+        call = div.calls[odd[0]]
+        cond = rank_condition(run.ranks[odd[0]], call.site if call else None)
+        first = {**first, "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}"
+                 + (f", under `{cond}`" if cond else "")} if call and first else first
+    verdict = _verdict(kind, odd, first)
+    return {"kind": kind, "verdict": verdict, "fix": FIXES[kind], "odd_ranks": odd,
+            "first_diverged": first, "ranks": states,
+            "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()]}
+
+
+def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None]:
+    by_state: dict[str, list[int]] = {}
+    for s in states:
+        by_state.setdefault(s["state"], []).append(s["rank"])
+    div = first_divergence(run)
+    if div is not None:  # the root cause: what follows (timeouts, deaths) are consequences
+        return "rank-conditional", detect_odd_ranks(run, div), div
+    if by_state.get("dead"):
+        return "dead-rank", by_state["dead"], None
+    waiting = by_state.get("in-collective", [])
+    if waiting and by_state.get("outside-collectives"):
+        return "stuck-outside", by_state["outside-collectives"], None
+    if waiting and by_state.get("moving"):
+        return "straggler", by_state["moving"], None
+    if waiting and len(waiting) == len(states):
+        return "collective-stuck", [], None
+    return "unknown", [], None
+
+
+def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
+    who = ",".join(map(str, odd))
+    where = first["where"] if first else "?"
+    return {
+        "rank-conditional": f"rank-conditional collective (rank {who}): {where}",
+        "dead-rank": f"rank {who} died; the others wait for it ({where})",
+        "stuck-outside": f"rank {who} is stuck outside any collective, {where}; the others wait",
+        "straggler": f"rank {who} is a straggler still moving; the others wait for it",
+        "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
+        "unknown": "no rank shows why the job is stuck",
+    }[kind]

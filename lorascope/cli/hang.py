@@ -1,0 +1,90 @@
+"""`lorascope hang RUN_DIR` (or `--pid PID...`): while a job hangs, where each rank is
+and why, in seconds."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from lorascope.analyze.hang import diagnose
+from lorascope.detect.hung_ranks import hang_finding
+from lorascope.detect.registry import run_detectors
+from lorascope.errors import BadInputError, UsageError
+from lorascope.hang.collect import py_spy_dump, request_dumps, wait_for_dumps
+from lorascope.hang.pids import diagnose_pids
+from lorascope.hang.targets import verify
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import load_run
+
+
+def _render(diagnosis: dict, notes: list[str]) -> str:
+    lines = []
+    for group in diagnosis["groups"]:
+        ranks = group["ranks"]  # rank numbers, or "rank N" / "pid N" labels in --pid mode
+        if all(isinstance(r, int) for r in ranks):
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+        else:
+            who = ", ".join(map(str, ranks))
+        lines.append(f"{who:<10} {'is' if len(ranks) == 1 else 'are'} {group['where']}")
+    lines.append(f"verdict: {diagnosis['verdict']}")
+    lines.append(f"fix: {diagnosis['fix']}")
+    lines.extend(f"note: {n}" for n in notes)
+    return "\n".join(lines)
+
+
+@click.command("hang")
+@click.argument("run_dir", type=click.Path(path_type=Path), required=False)
+@click.option("--pid", "pids", type=int, multiple=True,
+              help="Diagnose these processes (a job not started under `lorascope run`), with py-spy.")
+@click.option("--wait", "wait_s", type=float, default=3.0, show_default=True,
+              help="Seconds to wait for the ranks' dumps before falling back to py-spy.")
+@click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON.")
+@click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Where to write the HTML report (default: RUN_DIR/hang-<time>.html).")
+@click.option("--no-html", is_flag=True, help="Write no HTML report.")
+def command(run_dir: Path | None, pids: tuple[int, ...], wait_s: float, as_json: bool,
+            html: Path | None, no_html: bool) -> int:
+    """Diagnose a hung job now: dump every rank's stacks and pending collectives (the job
+    keeps running), then say which rank diverged where, and the fix."""
+    if (run_dir is None) == (not pids):
+        raise UsageError("give a run directory or --pid PID..., not both")
+    if pids:
+        diagnosis = diagnose_pids(list(pids))
+        click.echo(json.dumps(diagnosis, indent=2, sort_keys=True) if as_json else _render(diagnosis, []))
+        return 0
+    assert run_dir is not None
+    run = load_run(run_dir)
+    if not run.ranks:
+        raise BadInputError(f"{run_dir}: no rank has written anything yet")
+    targets = [verify(rank, run_dir) for rank in run.ranks.values()]
+    notes = [f"rank {t.rank} (pid {t.pid}): {t.why}" for t in targets if not t.ours]
+    asked = request_dumps(targets)
+    live = [t.rank for t in targets if t.ours and t.alive]
+    run, silent = wait_for_dumps(run_dir, live, asked, wait_s)
+    for n in silent:
+        try:
+            stacks = py_spy_dump(run.ranks[n].pid)
+        except BadInputError as exc:
+            notes.append(f"rank {n} did not answer the dump signal and {exc}")
+            continue
+        pending = [{"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+                   for c in run.ranks[n].collectives if c.pending]
+        run.ranks[n].dumps.append({"k": "dump", "t": time.time(), "reason": "py-spy", "step": 0,
+                                   "stacks": stacks, "pending": pending})
+        notes.append(f"rank {n} did not answer the dump signal in {wait_s:g} s: stacks read with py-spy")
+    diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
+    if not no_html:
+        from lorascope.report.write import write_report
+
+        bundle = EvidenceBundle(path=run_dir, run=run, warnings=list(run.warnings))
+        findings = [f for f in run_detectors(bundle) if f.id != "hung-ranks"]
+        out = html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
+        write_report(bundle, [hang_finding(run, diagnosis), *findings], out)
+        notes.append(f"report: {out}")
+    if as_json:
+        click.echo(json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
+    else:
+        click.echo(_render(diagnosis, notes))
+    return 0

@@ -1,0 +1,59 @@
+"""Taking evidence from live ranks: the dump signal, a bounded wait for the dumps, and
+py-spy for ranks that do not answer (stuck in C code holding the GIL, dumps turned off,
+or a job not started under `lorascope run`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from lorascope.errors import BadInputError
+from lorascope.hang.targets import Target
+from lorascope.probes.dumps import DUMP_SIGNAL
+from lorascope.rundir.reader import RunData, load_run
+
+POLL_S = 0.2
+PY_SPY_TIMEOUT_S = 20.0
+
+
+def request_dumps(targets: list[Target]) -> float:
+    """Signal every verified rank; returns the time the request was made."""
+    asked = time.time()
+    for target in targets:
+        if target.ours:
+            try:
+                os.kill(target.pid, DUMP_SIGNAL)
+            except ProcessLookupError:
+                target.alive, target.why = False, "process gone"
+    return asked
+
+
+def wait_for_dumps(run_dir: Path, ranks: list[int], since: float, wait_s: float) -> tuple[RunData, list[int]]:
+    """Reload the run until every rank in ``ranks`` wrote a dump after ``since`` or
+    ``wait_s`` passes; returns the run and the ranks that did not answer."""
+    deadline = time.time() + wait_s
+    while True:
+        run = load_run(run_dir)
+        silent = [n for n in ranks if not any(float(d["t"]) >= since for d in run.ranks[n].dumps)]
+        if not silent or time.time() >= deadline:
+            return run, silent
+        time.sleep(POLL_S)
+
+
+def py_spy_dump(pid: int) -> str:
+    """Every thread's stack of ``pid`` read from outside (ptrace); raises BadInputError
+    when py-spy is missing or cannot read the process."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise BadInputError("py-spy is not installed (pip install py-spy): cannot read a silent rank's stacks")
+    try:
+        res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=PY_SPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BadInputError(f"py-spy dump --pid {pid} took over {PY_SPY_TIMEOUT_S:.0f} s") from None
+    if res.returncode != 0:
+        line = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BadInputError(f"py-spy dump --pid {pid} failed: {line}")
+    return res.stdout

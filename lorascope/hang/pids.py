@@ -1,0 +1,62 @@
+"""`lorascope hang --pid PID...`: a job not started under `lorascope run`. Only what can
+be read from outside: each process's rank (from its environment) and its stacks (py-spy),
+grouped by where the main thread is and whether it is inside a collective."""
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+
+from lorascope.analyze.hang import FIXES, PY_SPY_FRAME, main_thread_frame
+from lorascope.errors import BadInputError
+from lorascope.hang.collect import py_spy_dump
+from lorascope.probes.collectives import PAYLOAD_ARG
+
+
+def _rank_of(pid: int) -> str:
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.NoSuchProcess:
+        raise BadInputError(f"pid {pid}: no such process") from None
+    except psutil.AccessDenied:
+        return f"pid {pid}"
+    return f"rank {env['RANK']}" if "RANK" in env else f"pid {pid}"
+
+
+def _collective(stacks: str) -> str | None:
+    """The collective the main thread is in, from the function names on its stack."""
+    main = stacks.split('"MainThread"', 1)[-1].split("\n\n", 1)[0]
+    for match in PY_SPY_FRAME.finditer(main):
+        if match["func"] in PAYLOAD_ARG:
+            return match["func"]
+    return None
+
+
+def diagnose_pids(pids: list[int]) -> dict[str, Any]:
+    states = []
+    for pid in pids:
+        who = _rank_of(pid)
+        stacks = py_spy_dump(pid)
+        frame = main_thread_frame(stacks)
+        op = _collective(stacks)
+        where = f"in {op} at {frame or '?'}" if op else f"in its own code at {frame or '?'} (no collective)"
+        states.append({"who": who, "pid": pid, "collective": op, "where": where, "stacks": stacks})
+    groups: dict[str, list[str]] = {}
+    for s in states:
+        groups.setdefault(s["where"], []).append(s["who"])
+    inside = [s for s in states if s["collective"]]
+    outside = [s for s in states if not s["collective"]]
+    if inside and outside:
+        kind, odd = "stuck-outside", [s["who"] for s in outside]
+        verdict = f"{', '.join(odd)} stuck outside any collective ({outside[0]['where']}); the others wait"
+    elif len({s["where"] for s in inside}) > 1:
+        kind, odd = "rank-conditional", []
+        verdict = "the processes wait in different collectives or call sites: a collective not all ranks run"
+    elif inside:
+        kind, odd = "collective-stuck", []
+        verdict = "every process waits in the same collective: the collective itself is stuck"
+    else:
+        kind, odd = "unknown", []
+        verdict = "no process is in a collective"
+    return {"kind": kind, "verdict": verdict, "fix": FIXES[kind], "odd_ranks": odd,
+            "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()], "ranks": states}
