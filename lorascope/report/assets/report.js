@@ -30,6 +30,9 @@
     return [{ type: "inside", xAxisIndex: axisIndex, filterMode: "none" },
             { type: "slider", xAxisIndex: axisIndex, filterMode: "none", height: 18, bottom: 8 }];
   }
+  function yAxis(name, scale) {
+    return { type: "value", name: name, nameLocation: "middle", nameGap: 52, scale: !!scale };
+  }
   function base(extra) {
     var opt = { animation: false, grid: { left: 72, right: 28, top: 44, bottom: 62, containLabel: false },
                 toolbox: { right: 10, feature: { dataZoom: { yAxisIndex: "none" }, restore: {} } },
@@ -62,15 +65,30 @@
     var endPoint = function (s) { return { value: [s.end.t, s.end.mib], name: "rank " + s.rank + ": " + s.end.label }; };
     series.push({ type: "scatter", name: "end of rank", symbolSize: 6, color: "#555", z: 11,
                   data: ends.filter(function (s) { return !s.end.bad; }).map(endPoint) });
-    series.push({ type: "scatter", name: "ended badly", symbol: "pin", symbolSize: 40, color: RANK0, z: 12,
-                  label: { show: true, fontSize: 9, color: "#fff", formatter: function (p) { return p.name.split(": ")[1]; } },
-                  data: ends.filter(function (s) { return s.end.bad; }).map(endPoint) });
+    // ranks that ended the same way share one label (on the first of them)
+    var byLabel = {};
+    ends.filter(function (s) { return s.end.bad; }).forEach(function (s) {
+      (byLabel[s.end.label] = byLabel[s.end.label] || []).push(s.rank);
+    });
+    series.push({ type: "scatter", name: "ended badly", symbol: "pin", symbolSize: 26, color: RANK0, z: 12,
+                  label: { position: "left", fontSize: 10, color: RANK0, backgroundColor: "rgba(255,255,255,0.85)",
+                           formatter: function (p) { return p.name; } },
+                  data: ends.filter(function (s) { return s.end.bad; }).map(function (s) {
+                    var same = byLabel[s.end.label];
+                    var point = endPoint(s);
+                    point.label = { show: same[0] === s.rank };
+                    point.name = (same.length > 1 ? "ranks " + same.join(",") : "rank " + s.rank) + ": " + s.end.label;
+                    return point;
+                  }) });
     if (series.length) {
       var marks = series[0];
       marks.markLine = { silent: true, symbol: "none", animation: false,
         lineStyle: { type: "dashed", color: "#bbb", width: 1 },
         label: { position: "end", fontSize: 9, color: "#888", formatter: function (p) { return p.name; } },
-        data: mem.steps.map(function (s) { return { xAxis: s[0], name: "step " + s[1] }; }) };
+        data: mem.steps.map(function (s, i) {
+          var every = Math.ceil(mem.steps.length / 8);  // label a few, so labels do not pile up
+          return { xAxis: s[0], name: "step " + s[1], label: { show: i % every === 0 || i === mem.steps.length - 1 } };
+        }) };
       marks.markArea = { silent: true, animation: false,
         label: { position: "insideTop", fontSize: 10, formatter: function (p) { return p.name; } },
         data: mem.phases.map(function (p) {
@@ -87,8 +105,8 @@
           return p.marker + esc(who) + ": " + esc(fmtMiB(p.value[1]));
         }).join("<br>");
       } },
-      xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax" },
-      yAxis: { type: "value", name: mem.metric + " (MiB)", scale: true },
+      xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: 0, max: "dataMax" },
+      yAxis: yAxis(mem.metric + " (MiB)", true),
       dataZoom: zoom(0),
       series: series
     }), count(series));
@@ -121,7 +139,7 @@
       } },
       toolbox: { show: false },
       xAxis: { type: "category", data: cats },
-      yAxis: { type: "value", name: "MiB" },
+      yAxis: yAxis("MiB"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
       series: series
     }), peak.peak.filter(function (v) { return v != null; }).length);
@@ -179,7 +197,7 @@
       } },
       toolbox: { show: false },
       xAxis: { type: "category", data: names, axisLabel: { rotate: names.length > 6 ? 30 : 0 } },
-      yAxis: { type: "value", name: "seconds (total)" },
+      yAxis: yAxis("seconds (total per rank)"),
       series: series
     }), rows.length);
   }
@@ -202,7 +220,7 @@
       toolbox: { show: false },
       xAxis: { type: "category", data: labels, name: "duration (log-spaced bins)", nameLocation: "middle", nameGap: 40,
                axisLabel: { rotate: 30, fontSize: 10 } },
-      yAxis: { type: "value", name: "count (all ranks)" },
+      yAxis: yAxis("count (all ranks)"),
       grid: { left: 72, right: 28, top: 44, bottom: 72 },
       series: series
     }), k.bins.length);
@@ -223,7 +241,7 @@
         }).join("<br>");
       } },
       xAxis: { type: "value", name: "step", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax", minInterval: 1 },
-      yAxis: { type: "value", name: yName, scale: true },
+      yAxis: yAxis(yName, true),
       dataZoom: zoom(0),
       series: series
     }), count(series));
@@ -241,7 +259,7 @@
       tooltip: { trigger: "axis" },
       toolbox: { show: false },
       xAxis: { type: "category", data: cats },
-      yAxis: { type: "value", name: "seconds" },
+      yAxis: yAxis("seconds"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
       series: series
     }), stats.filter(function (s) { return s.median != null; }).length);
