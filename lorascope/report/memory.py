@@ -22,7 +22,7 @@ MAX_STEP_MARKERS = 40
 STEP_PHASES = frozenset({"forward", "backward", "optimizer"})
 MAX_PHASE_MARKERS = 200
 #: The categories a detector may break a rank's peak into (``details["memory_breakdown"]``).
-BREAKDOWN_CATEGORIES = ("weights", "optimizer", "gradients", "activations", "logits", "other")
+BREAKDOWN_CATEGORIES = ("weights", "optimizer", "gradients", "activations", "logits", "other", "unknown")
 
 
 def uses_cuda(run: RunData) -> bool:
