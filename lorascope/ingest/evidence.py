@@ -1,14 +1,22 @@
 """Everything loaded for one analysis, from a run directory or from loose artifacts.
 
 Each field is filled by a reader in ``lorascope.ingest``; a detector uses whichever
-kinds of evidence are present and says how sure it is accordingly.
+kinds of evidence are present and says how sure it is accordingly. The cross-rank
+views are computed once by ``load_bundle`` when two or more ranks' artifacts of a kind
+are loaded, so that detectors and renderers share them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from lorascope.ingest.flight import FlightDump
+from lorascope.ingest.flight_align import FlightAlignment
+from lorascope.ingest.kineto import KinetoTrace
+from lorascope.ingest.kineto_ranks import TraceComparison
+from lorascope.ingest.logs import LogAnalysis
+from lorascope.ingest.snapshot_ranks import SnapshotComparison
+from lorascope.ingest.snapshot_types import SnapshotAnalysis
 from lorascope.rundir.reader import RunData
 
 
@@ -17,13 +25,19 @@ class EvidenceBundle:
     path: Path
     #: A lorascope run directory, when PATH is one (or holds one).
     run: RunData | None = None
-    #: Allocator snapshots (``torch.cuda.memory._dump_snapshot`` pickles), by rank.
-    snapshots: dict[int, Any] = field(default_factory=dict)
-    #: Kineto Chrome-trace JSON files, by rank.
-    traces: dict[int, Any] = field(default_factory=dict)
+    #: Allocator snapshots (``torch.cuda.memory._dump_snapshot`` pickles), analysed, by rank.
+    snapshots: dict[int, SnapshotAnalysis] = field(default_factory=dict)
+    #: Kineto Chrome traces, summarised (``.raw`` keeps the JSON), by rank.
+    traces: dict[int, KinetoTrace] = field(default_factory=dict)
     #: Flight-recorder dumps, by rank.
-    flight_records: dict[int, Any] = field(default_factory=dict)
+    flight_records: dict[int, FlightDump] = field(default_factory=dict)
     #: Parsed job logs.
-    logs: list[Any] = field(default_factory=list)
+    logs: list[LogAnalysis] = field(default_factory=list)
+    #: Ranks' snapshots compared (what one rank holds that the others do not).
+    snapshot_comparison: SnapshotComparison | None = None
+    #: Ranks' flight-recorder dumps aligned per process group (where they disagree).
+    flight_alignment: FlightAlignment | None = None
+    #: Ranks' traces compared (timing per rank, the straggler).
+    trace_comparison: TraceComparison | None = None
     #: What the readers could not read or had to skip (one line each).
     warnings: list[str] = field(default_factory=list)

@@ -1,19 +1,71 @@
-"""What `lorascope analyze PATH` loads: PATH becomes an EvidenceBundle."""
+"""What `lorascope analyze PATH` loads: PATH becomes an EvidenceBundle.
+
+PATH is a lorascope run directory, one artifact file (allocator snapshot, Kineto trace,
+flight-recorder dump, job log), or a folder of artifacts of one job (per-rank snapshots,
+traces and dumps, and the log, in any mix). ``kind`` forces how PATH (or every file in
+the folder) is read.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
-from lorascope.errors import BadInputError
+from lorascope.errors import BadInputError, UsageError
+from lorascope.ingest.artifacts import add_hta, load_files, load_single, walk_files
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.flight_align import align
+from lorascope.ingest.kinds import KINDS
+from lorascope.ingest.kineto_ranks import compare_traces
+from lorascope.ingest.snapshot_ranks import compare_ranks
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import MANIFEST_FILE
 
 
-def load_bundle(path: Path) -> EvidenceBundle:
-    """Load PATH (a run directory) with everything the detectors can use."""
+def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -> EvidenceBundle:
+    """Load PATH with everything the detectors can use.
+
+    ``hta``: add HolisticTraceAnalysis figures to GPU traces (None: when installed).
+    """
+    if kind is not None and kind not in KINDS:
+        raise UsageError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
     if not path.exists():
         raise BadInputError(f"{path}: no such file or directory")
-    if path.is_dir() and not (path / MANIFEST_FILE).exists():
+    bundle = EvidenceBundle(path=path)
+    is_run = path.is_dir() and (path / MANIFEST_FILE).is_file()
+    if kind == "rundir" and not is_run:
         raise BadInputError(f"{path} is not a lorascope run directory (no {MANIFEST_FILE})")
+    if is_run and kind in (None, "rundir"):
+        _load_run(bundle, path)
+    elif path.is_dir():
+        if not load_files(bundle, list(walk_files(path)), kind):
+            raise BadInputError(f"{path}: nothing lorascope knows in this folder (no manifest.json of a run "
+                                "directory, no allocator snapshot, Kineto trace, flight-recorder dump or job log)")
+    else:
+        load_single(bundle, path, kind)
+    _cross_rank(bundle, hta)
+    return bundle
+
+
+def _load_run(bundle: EvidenceBundle, path: Path) -> None:
+    """The run directory, and the traces and dumps its ranks wrote next to their streams."""
     run = load_run(path)
-    return EvidenceBundle(path=path, run=run, warnings=list(run.warnings))
+    bundle.run = run
+    bundle.warnings.extend(run.warnings)
+    for rank in run.ranks.values():
+        for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in rank.flight_files]:
+            file = Path(name)
+            store = bundle.traces if kind == "kineto" else bundle.flight_records
+            if rank.rank in store or not file.is_file():
+                continue
+            try:
+                load_files(bundle, [file], kind)
+            except BadInputError as exc:
+                bundle.warnings.append(f"rank {rank.rank}: {exc}")
+
+
+def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:
+    if bundle.traces and hta is not False:
+        add_hta(bundle.traces)
+    bundle.snapshot_comparison = compare_ranks(bundle.snapshots)
+    bundle.trace_comparison = compare_traces(bundle.traces)
+    if bundle.flight_records:
+        bundle.flight_alignment = align(bundle.flight_records)

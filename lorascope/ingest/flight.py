@@ -1,0 +1,247 @@
+"""Flight-recorder dumps: torch's record of each rank's last collectives, per process group.
+
+Written by torch on a watchdog timeout (NCCL, ``TORCH_NCCL_TRACE_BUFFER_SIZE``) or on
+request (``torch._C._distributed_c10d._dump_fr_trace()``, gloo included), as a pickle of
+plain data, or JSON (``_dump_fr_trace_json``). Read here without torch.
+
+Facts the reader relies on (torch 2.13, see DESIGN.md): on gloo every entry's ``state``
+reads "scheduled" even when done, so completion comes from ``pg_status``
+(``last_completed_collective``) and ``retired``; ``pg_config`` may be keyed by ""
+while the entries name their group ``('0', 'default_pg')``; ``last_started_collective``
+is -1 when the backend does not track starts. The dump does not say which rank wrote
+it: the rank comes from the file name (torch names dumps ``<prefix><rank>``).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorascope.errors import BadInputError
+from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.ingest.stack_frames import frame_label, is_python_frame
+
+#: Frames kept per entry (innermost first, Python frames only).
+MAX_FRAMES = 12
+
+
+@dataclass
+class FlightEntry:
+    """One collective (or p2p op) as one rank's flight recorder saw it."""
+
+    record_id: int | None
+    #: Process-group name (``process_group[0]``, else the ``pg_id``) and description.
+    group: str
+    group_desc: str
+    #: ``collective_seq_id``: the n-th collective of this group on this rank (p2p ops
+    #: carry the last collective's number; see ``p2p_seq``).
+    seq: int | None
+    p2p_seq: int | None
+    is_p2p: bool
+    #: The op without the backend prefix ("all_reduce", "barrier", "send 0->1", ...).
+    op: str
+    backend: str | None
+    input_sizes: list[Any]
+    output_sizes: list[Any]
+    input_dtypes: list[str]
+    output_dtypes: list[str]
+    #: As recorded ("scheduled", "started", "completed"); gloo never moves it on.
+    state: str
+    retired: bool
+    #: Whether the rank finished it: state "completed", or at/below the group's
+    #: ``last_completed_collective``.
+    completed: bool
+    #: Python frames, innermost first ("file.py:line in func").
+    frames: list[str]
+    time_created_ns: int | None
+    timeout_ms: int | None
+    duration_ms: float | None
+
+    def signature(self) -> tuple[Any, ...]:
+        """What every rank must agree on for the same collective."""
+        return (self.op, _plain(self.input_sizes), _plain(self.output_sizes),
+                tuple(self.input_dtypes), tuple(self.output_dtypes))
+
+
+@dataclass
+class GroupStatus:
+    """A group's progress on one rank (None where the dump does not say)."""
+
+    last_enqueued: int | None
+    last_started: int | None
+    last_completed: int | None
+
+
+@dataclass
+class FlightDump:
+    """One rank's flight-recorder dump."""
+
+    path: Path
+    rank: int | None
+    version: str | None
+    #: group name -> ranks of that group (from ``pg_config``; None when unknown).
+    group_ranks: dict[str, list[int] | None]
+    group_desc: dict[str, str]
+    status: dict[str, GroupStatus]
+    entries: list[FlightEntry]
+    backends: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def load_flight_data(path: Path) -> Any:
+    """The raw dump: pickle (safely) or JSON, gzipped or not."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == b"\x1f\x8b":
+        try:
+            with gzip.open(path, "rb") as g:
+                return json.loads(g.read())
+        except (OSError, EOFError, ValueError) as exc:
+            raise BadInputError(f"{path}: not a readable gzipped JSON flight-recorder dump ({exc})") from None
+    if head[:1] == b"\x80":
+        return load_pickle(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path}: neither a pickle nor JSON ({str(exc)[:100]})") from None
+
+
+def read_flight_dump(path: Path, rank: int | None = None) -> FlightDump:
+    """Load one dump file. BadInputError when it is not a flight-recorder dump."""
+    return parse_flight_dump(load_flight_data(path), path, rank)
+
+
+def parse_flight_dump(data: Any, path: Path, rank: int | None = None) -> FlightDump:
+    if not isinstance(data, Mapping) or not isinstance(data.get("entries"), (list, tuple)):
+        found = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
+        raise BadInputError(f"{path}: not a flight-recorder dump (no 'entries' list; found {found})")
+    warnings: list[str] = []
+    group_ranks, group_desc = _groups(data.get("pg_config"), warnings)
+    status = _status(data.get("pg_status"))
+    raw_entries = [e for e in data["entries"] if isinstance(e, Mapping)]
+    if len(raw_entries) != len(data["entries"]):
+        warnings.append(f"{len(data['entries']) - len(raw_entries)} entries are not objects: skipped")
+    entries = [_entry(e) for e in raw_entries]
+    _reconcile_group_names(entries, group_ranks, group_desc, status)
+    for e in entries:
+        st = status.get(e.group)
+        done = st.last_completed if st is not None else None
+        if not e.completed and done is not None and e.seq is not None and not e.is_p2p and e.seq <= done:
+            e.completed = True
+    version = data.get("version")
+    return FlightDump(path=path, rank=rank, version=str(version) if version is not None else None,
+                      group_ranks=group_ranks, group_desc=group_desc, status=status, entries=entries,
+                      backends=sorted({e.backend for e in entries if e.backend}), warnings=warnings)
+
+
+def _ranks(value: Any) -> list[int] | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, (list, tuple)) and all(_int(v) is not None for v in value):
+        return [int(v) for v in value]
+    return None
+
+
+def _groups(config: Any, warnings: list[str]) -> tuple[dict[str, list[int] | None], dict[str, str]]:
+    ranks: dict[str, list[int] | None] = {}
+    desc: dict[str, str] = {}
+    if isinstance(config, Mapping):
+        for key, value in config.items():
+            if not isinstance(value, Mapping):
+                continue
+            name = str(value.get("name") or key)
+            ranks[name] = _ranks(value.get("ranks"))
+            desc[name] = str(value.get("desc") or "")
+    elif config is not None:
+        warnings.append(f"'pg_config' is a {type(config).__name__}: group ranks unknown")
+    return ranks, desc
+
+
+def _status(raw: Any) -> dict[str, GroupStatus]:
+    out: dict[str, GroupStatus] = {}
+    if not isinstance(raw, Mapping):
+        return out
+    for key, value in raw.items():
+        if isinstance(value, Mapping):
+            out[str(key)] = GroupStatus(*(_seq(value.get(f"last_{what}_collective"))
+                                          for what in ("enqueued", "started", "completed")))
+    return out
+
+
+def _seq(value: Any) -> int | None:
+    """A sequence number; torch writes -1 for "never" / "not tracked" (as text in JSON dumps)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    v = _int(value)
+    return None if v is None or v < 0 else v
+
+
+def _reconcile_group_names(entries: list[FlightEntry], ranks: dict[str, list[int] | None],
+                           desc: dict[str, str], status: dict[str, GroupStatus]) -> None:
+    """Gloo dumps key ``pg_config`` (and sometimes ``pg_status``) differently from the
+    entries' group names: when there is one group on each side, they are the same group."""
+    names = {e.group for e in entries}
+    if len(names) == 1:
+        (name,) = names
+        if name not in ranks and len(ranks) == 1:
+            (other,) = ranks
+            ranks[name] = ranks.pop(other)
+            desc[name] = desc.pop(other) or next((e.group_desc for e in entries), "")
+        if name not in status and len(status) == 1:
+            (other,) = status
+            status[name] = status.pop(other)
+    for e in entries:
+        desc.setdefault(e.group, e.group_desc)
+
+
+def _frames(raw: Any) -> list[str]:
+    if not isinstance(raw, (list, tuple)):
+        return []
+    return [frame_label(f) for f in raw if isinstance(f, Mapping) and is_python_frame(f)][:MAX_FRAMES]
+
+
+def _strings(raw: Any) -> list[str]:
+    return [str(x) for x in raw] if isinstance(raw, (list, tuple)) else []
+
+
+def _sizes(raw: Any) -> list[Any]:
+    return list(raw) if isinstance(raw, (list, tuple)) else []
+
+
+def _entry(e: Mapping[str, Any]) -> FlightEntry:
+    pg = e.get("process_group")
+    if isinstance(pg, (list, tuple)) and pg:
+        group, group_desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+    else:
+        group, group_desc = str(e.get("pg_id", "?")), ""
+    name = str(e.get("profiling_name") or "?")
+    backend, _, op = name.partition(":") if ":" in name else (None, "", name)
+    state = str(e.get("state") or "?")
+    duration = e.get("duration_ms")
+    return FlightEntry(
+        record_id=_int(e.get("record_id")), group=group, group_desc=group_desc,
+        seq=_int(e.get("collective_seq_id")), p2p_seq=_int(e.get("p2p_seq_id")),
+        is_p2p=bool(e.get("is_p2p")), op=op, backend=backend,
+        input_sizes=_sizes(e.get("input_sizes")), output_sizes=_sizes(e.get("output_sizes")),
+        input_dtypes=_strings(e.get("input_dtypes")), output_dtypes=_strings(e.get("output_dtypes")),
+        state=state, retired=bool(e.get("retired")), completed=state == "completed",
+        frames=_frames(e.get("frames")), time_created_ns=_int(e.get("time_created_ns")),
+        timeout_ms=_int(e.get("timeout_ms")),
+        duration_ms=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
+    )

@@ -1,0 +1,229 @@
+"""Several ranks' flight-recorder dumps aligned: where the ranks stop agreeing.
+
+Per process group, collectives are aligned by ``collective_seq_id`` (p2p ops by
+``p2p_seq_id``). Each dump is a ring buffer, so only sequence numbers every rank still
+holds are compared. A sequence number disagrees when a rank of the group never enqueued
+it (missing), or when the ranks ran different ops, or the same op with different sizes or
+dtypes. For the first disagreement the frames of each rank's entry are kept (for a rank
+that never got there: its last entry, where it is waiting), and, when the later entries
+line up again shifted by one, which ranks ran an extra collective.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lorascope.ingest.flight import FlightDump, FlightEntry
+
+#: Disagreements kept per group (the first one matters most).
+MAX_DISAGREEMENTS = 20
+
+
+@dataclass
+class RankProgress:
+    """One rank's progress in a group: from ``pg_status`` where the dump has it, else
+    from its entries."""
+
+    rank: int
+    last_enqueued: int | None
+    last_started: int | None
+    last_completed: int | None
+    #: The entry the rank is on: its last enqueued one.
+    last_entry: FlightEntry | None
+
+    @property
+    def pending(self) -> bool:
+        """Enqueued something it has not completed."""
+        return self.last_enqueued is not None and (self.last_completed or 0) < self.last_enqueued
+
+
+@dataclass
+class Disagreement:
+    """One sequence number on which the ranks of a group disagree."""
+
+    group: str
+    seq: int
+    #: "missing" (some rank never enqueued it), "op", "size" or "dtype".
+    kind: str
+    #: The entry of every rank that has one.
+    entries: dict[int, FlightEntry]
+    missing_ranks: list[int]
+    #: For missing ranks: their last entry (where they wait instead).
+    waiting_at: dict[int, FlightEntry]
+    #: Ranks that ran one collective more than the others here (the others' later entries
+    #: match theirs shifted by one), when the dumps show it.
+    extra_on: list[int]
+    p2p: bool = False
+
+    def describe(self) -> str:
+        parts = [f"rank {r}: {_short(e)}" for r, e in sorted(self.entries.items())]
+        parts += [f"rank {r}: never enqueued #{self.seq}" + (f", waits in {_short(self.waiting_at[r])}"
+                                                             if r in self.waiting_at else "")
+                  for r in self.missing_ranks]
+        return f"group {self.group} #{self.seq} ({self.kind}): " + "; ".join(parts)
+
+
+@dataclass
+class GroupAlignment:
+    """One process group across the ranks that dumped it."""
+
+    group: str
+    desc: str
+    #: Ranks of the group as ``pg_config`` lists them (None if no dump says).
+    expected_ranks: list[int] | None
+    ranks: list[int]
+    #: Ranks of the group without a dump.
+    missing_dumps: list[int]
+    #: Sequence numbers every rank still holds: (first, last), None if none in common.
+    window: tuple[int, int] | None
+    progress: dict[int, RankProgress]
+    disagreements: list[Disagreement]
+    compared: int = 0
+
+    @property
+    def first_disagreement(self) -> Disagreement | None:
+        return self.disagreements[0] if self.disagreements else None
+
+
+@dataclass
+class FlightAlignment:
+    """All groups of all dumps."""
+
+    ranks: list[int]
+    groups: list[GroupAlignment] = field(default_factory=list)
+
+    @property
+    def first_disagreement(self) -> Disagreement | None:
+        firsts = [g.first_disagreement for g in self.groups if g.first_disagreement is not None]
+        return min(firsts, key=lambda d: (d.kind == "missing", d.seq)) if firsts else None
+
+
+def _short(e: FlightEntry) -> str:
+    sizes = list(e.input_sizes) if e.input_sizes else ""
+    dtypes = "/".join(e.input_dtypes)
+    where = f" at {e.frames[_first_user(e.frames)]}" if e.frames else ""
+    return f"{e.op} {sizes} {dtypes}".rstrip() + where
+
+
+def _first_user(frames: list[str]) -> int:
+    """Index of the first frame outside torch.distributed (the call site)."""
+    for i, f in enumerate(frames):
+        if "torch/distributed/" not in f and "torch\\distributed\\" not in f:
+            return i
+    return 0
+
+
+def align(dumps: dict[int, FlightDump]) -> FlightAlignment:
+    """Align every group of the given per-rank dumps (keyed by rank)."""
+    result = FlightAlignment(ranks=sorted(dumps))
+    names = sorted({e.group for d in dumps.values() for e in d.entries}
+                   | {g for d in dumps.values() for g in d.group_ranks if g})
+    for name in names:
+        holders = {r: d for r, d in dumps.items()
+                   if any(e.group == name for e in d.entries) or name in d.group_ranks}
+        if holders:
+            result.groups.append(_align_group(name, holders))
+    return result
+
+
+def _expected(name: str, dumps: dict[int, FlightDump]) -> list[int] | None:
+    for d in dumps.values():
+        ranks = d.group_ranks.get(name)
+        if ranks:
+            return ranks
+    return None
+
+
+def _progress(rank: int, dump: FlightDump, entries: list[FlightEntry], name: str) -> RankProgress:
+    status = dump.status.get(name)
+    seqs = [e.seq for e in entries if e.seq is not None]
+    done = [e.seq for e in entries if e.seq is not None and e.completed]
+    started = [e.seq for e in entries if e.seq is not None and e.state in ("started", "completed")]
+    enq = status.last_enqueued if status and status.last_enqueued is not None else max(seqs, default=None)
+    return RankProgress(
+        rank=rank, last_enqueued=enq,
+        last_started=status.last_started if status and status.last_started is not None else max(started, default=None),
+        last_completed=status.last_completed if status and status.last_completed is not None
+        else max(done, default=None),
+        last_entry=entries[-1] if entries else None,
+    )
+
+
+def _align_group(name: str, dumps: dict[int, FlightDump]) -> GroupAlignment:
+    per_rank = {r: [e for e in d.entries if e.group == name] for r, d in dumps.items()}
+    expected = _expected(name, dumps)
+    progress = {r: _progress(r, dumps[r], per_rank[r], name) for r in sorted(dumps)}
+    colls = {r: {e.seq: e for e in es if not e.is_p2p and e.seq is not None} for r, es in per_rank.items()}
+    p2p = {r: {e.p2p_seq: e for e in es if e.is_p2p and e.p2p_seq is not None} for r, es in per_rank.items()}
+    disagreements, window, compared = _compare(name, colls, progress, False)
+    p2p_dis, _, p2p_compared = _compare(name, p2p, progress, True)
+    desc = next((d.group_desc.get(name, "") for d in dumps.values() if d.group_desc.get(name)), "")
+    missing = sorted(set(expected or []) - set(dumps))
+    return GroupAlignment(group=name, desc=desc, expected_ranks=expected, ranks=sorted(dumps),
+                          missing_dumps=missing, window=window, progress=progress,
+                          disagreements=(disagreements + p2p_dis)[:MAX_DISAGREEMENTS],
+                          compared=compared + p2p_compared)
+
+
+def _compare(name: str, by_seq: dict[int, dict[int, FlightEntry]], progress: dict[int, RankProgress],
+             p2p: bool) -> tuple[list[Disagreement], tuple[int, int] | None, int]:
+    holding = {r: seqs for r, seqs in by_seq.items() if seqs}
+    if len(holding) < 2:
+        return [], None, 0
+    start = max(min(seqs) for seqs in holding.values())
+    end = max(max(seqs) for seqs in holding.values())
+    window = (start, min(max(seqs) for seqs in holding.values()))
+    out: list[Disagreement] = []
+    compared = 0
+    for seq in range(start, end + 1):
+        entries = {r: seqs[seq] for r, seqs in holding.items() if seq in seqs}
+        if not entries:
+            continue
+        compared += 1
+        missing = sorted(r for r in holding if r not in entries)
+        kind = _kind(entries.values(), bool(missing))
+        if kind is None:
+            continue
+        waiting = {r: progress[r].last_entry for r in missing if progress[r].last_entry is not None}
+        out.append(Disagreement(group=name, seq=seq, kind=kind, entries=entries, missing_ranks=missing,
+                                waiting_at=waiting,  # type: ignore[arg-type]
+                                extra_on=_extra_on(holding, seq), p2p=p2p))
+        if len(out) >= MAX_DISAGREEMENTS:
+            break
+    return out, window if window[0] <= window[1] else None, compared
+
+
+def _kind(entries: Iterable[FlightEntry], missing: bool) -> str | None:
+    es = list(entries)
+    if len({e.op for e in es}) > 1:
+        return "op"
+    if len({(_key(e.input_sizes), _key(e.output_sizes)) for e in es}) > 1:
+        return "size"
+    if len({(tuple(e.input_dtypes), tuple(e.output_dtypes)) for e in es}) > 1:
+        return "dtype"
+    return "missing" if missing else None
+
+
+def _key(sizes: list[object]) -> object:
+    return tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in sizes)
+
+
+def _extra_on(holding: dict[int, dict[int, FlightEntry]], seq: int) -> list[int]:
+    """Ranks whose entries from ``seq + 1`` on match the other ranks' from ``seq`` on."""
+    extra = []
+    for r, mine in holding.items():
+        others = [o for o in holding if o != r]
+        pairs = 0
+        agree = True
+        for o in others:
+            theirs = holding[o]
+            k = 0
+            while seq + 1 + k in mine and seq + k in theirs:
+                if mine[seq + 1 + k].signature() != theirs[seq + k].signature():
+                    agree = False
+                    break
+                k += 1
+            pairs += k
+        if agree and pairs > 0:
+            extra.append(r)
+    return extra if len(extra) < len(holding) else []
