@@ -16,26 +16,34 @@ def fmt_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
-def mem_value(sample: dict[str, Any]) -> int | None:
-    """The figure that matters for a sample: CUDA allocated bytes where there are some,
-    else the process RSS (CPU runs)."""
+def memory_kind(rank: RankData) -> str:
+    """Which figure the memory detectors use for this rank: CUDA allocated bytes, else the
+    C heap in use (CPU; memory freed is not counted, unlike RSS), else RSS."""
+    if any(isinstance(m.get("cuda"), dict) for m in rank.mem):
+        return "CUDA allocated"
+    if any(m.get("heap") is not None for m in rank.mem):
+        return "heap in use"
+    return "RSS"
+
+
+def mem_value(sample: dict[str, Any], kind: str | None = None) -> int | None:
+    """A sample's figure of the given kind (see memory_kind); without one, CUDA allocated
+    bytes where the sample has them, else RSS."""
     cuda = sample.get("cuda")
-    if isinstance(cuda, dict) and cuda.get("alloc") is not None:
+    if kind in (None, "CUDA allocated") and isinstance(cuda, dict) and cuda.get("alloc") is not None:
         return int(cuda["alloc"])
-    return sample.get("rss")
+    if kind == "CUDA allocated":
+        return None
+    return sample.get("heap" if kind == "heap in use" else "rss")
 
 
 def peak_memory(rank: RankData) -> int | None:
-    """CUDA max-allocated where recorded, else the largest RSS sample."""
-    cuda = [m["cuda"].get("max_alloc", 0) for m in rank.mem if isinstance(m.get("cuda"), dict)]
-    if cuda:
-        return max(cuda)
-    rss = [m["rss"] for m in rank.mem if m.get("rss") is not None]
-    return max(rss) if rss else None
-
-
-def memory_kind(rank: RankData) -> str:
-    return "CUDA allocated" if any(isinstance(m.get("cuda"), dict) for m in rank.mem) else "RSS"
+    """CUDA max-allocated where recorded, else the largest heap-in-use or RSS sample."""
+    kind = memory_kind(rank)
+    if kind == "CUDA allocated":
+        return max(m["cuda"].get("max_alloc", 0) for m in rank.mem if isinstance(m.get("cuda"), dict))
+    values = [v for m in rank.mem if (v := mem_value(m, kind)) is not None]
+    return max(values) if values else None
 
 
 def stream_source(run: RunData, rank: RankData, what: str) -> str:

@@ -29,7 +29,7 @@ def _baseline(rank: RankData) -> int | None:
     """Memory held before the first forward (weights, optimizer, framework)."""
     for sample in rank.mem:
         if sample["src"] == "forward.begin":
-            return mem_value(sample)
+            return mem_value(sample, memory_kind(rank))
     return None
 
 

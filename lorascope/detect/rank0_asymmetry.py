@@ -19,20 +19,23 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
 
 ID = "rank0-asymmetry"
-#: Rank 0's excess over the others' median must pass both: a share of the others' peak ...
+#: Rank 0's excess over the others' median must pass a share of the others' peak ...
 MIN_EXCESS_SHARE = 0.05
-#: ... and an absolute floor (allocator and RSS noise stay under it).
+#: ... or a share of what the other ranks' memory grew by during training (the baseline,
+#: weights and framework, can dwarf what a step adds: a small job on CPU) ...
+MIN_SHARE_OF_GROWTH = 0.25
+#: ... and always an absolute floor (allocator noise stays under it).
 MIN_EXCESS_BYTES = 16 * 2**20
 
 
-def _edge_series(rank: RankData) -> list[tuple[tuple[int, str, int], int]]:
+def _edge_series(rank: RankData, kind: str) -> list[tuple[tuple[int, str, int], int]]:
     """Main-thread samples keyed by (step, phase edge, occurrence), in order."""
     seen: Counter[tuple[int, str]] = Counter()
     out = []
     for sample in rank.mem:
         if sample["src"] == "sampler":
             continue
-        value = mem_value(sample)
+        value = mem_value(sample, kind)
         if value is None:
             continue
         key = (sample["step"], sample["src"])
@@ -41,12 +44,20 @@ def _edge_series(rank: RankData) -> list[tuple[tuple[int, str, int], int]]:
     return out
 
 
+def _growth(rank: RankData, kind: str) -> int | None:
+    """Peak minus the memory held at the first forward (what training added)."""
+    base = next((v for m in rank.mem if m["src"] == "forward.begin" and (v := mem_value(m, kind)) is not None), None)
+    peak = peak_memory(rank)
+    return None if base is None or peak is None else max(peak - base, 0)
+
+
 def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> dict[str, Any] | None:
     """The first aligned phase edge where rank 0 exceeds the others' median by half the
     final excess, with the excess there."""
-    series = [dict(_edge_series(r)) for r in others]
+    kind = memory_kind(rank0)
+    series = [dict(_edge_series(r, kind)) for r in others]
     previous = "start"
-    for key, value in _edge_series(rank0):
+    for key, value in _edge_series(rank0, kind):
         values = [s[key] for s in series if key in s]
         if len(values) != len(series):
             continue
@@ -62,10 +73,15 @@ def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> di
 def _phase_between(previous: str, edge: str) -> str:
     """Name what ran between two samples: a phase that ended at ``edge``, or, when
     ``edge`` opens a phase, the training script's own code between the engine's phases
-    (where evaluation, logging and gathers on rank 0 usually live)."""
+    (where evaluation, logging and gathers on rank 0 usually live). A gap that opens
+    right after an eval or save phase is that phase's output kept by rank 0 alone (the
+    other ranks free theirs once it is done)."""
     name, _, side = edge.partition(".")
     if side == "end":
         return name
+    before, _, before_side = previous.partition(".")
+    if before in ("eval", "save") and before_side == "end":
+        return before  # what that phase produced and rank 0 alone kept
     return "the training loop's own code between steps" if side == "begin" else edge
 
 
@@ -91,10 +107,13 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return []
     median = statistics.median(peaks)
     excess = peak0 - median
-    threshold = max(MIN_EXCESS_SHARE * median, MIN_EXCESS_BYTES)
+    kind = memory_kind(rank0)
+    growth = statistics.median(g for r in others if (g := _growth(r, kind)) is not None) \
+        if any(_growth(r, kind) is not None for r in others) else None
+    threshold = max(MIN_EXCESS_BYTES, min(MIN_EXCESS_SHARE * median,
+                                          MIN_SHARE_OF_GROWTH * growth if growth else float("inf")))
     if excess < threshold:
         return []
-    kind = memory_kind(rank0)
     point = divergence_point(rank0, others, excess)
     guests = _gpu0_guests(rank0, others)
     evidence = [

@@ -1,4 +1,7 @@
-"""Memory timeline: process RSS everywhere; on CUDA the caching allocator's counters for
+"""Memory timeline: process RSS everywhere, and the bytes the C heap has handed out and
+not taken back (glibc ``mallinfo2``: in-use arena bytes plus live mmapped blocks) — on
+CPU the analogue of CUDA's ``memory_allocated``: RSS keeps memory glibc cached after a
+free, so it cannot tell memory held from memory released. On CUDA the caching allocator's counters for
 the rank's device and, from the background sampler only, NVML's device-used figure and
 the PIDs NVML lists on that GPU (other ranks' contexts on GPU 0 show up there).
 
@@ -8,11 +11,38 @@ the probe never creates a CUDA context itself.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from typing import Any
 
 import psutil
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+def _mallinfo2() -> Any:
+    """glibc's mallinfo2 (2.33+; sums every arena), or None elsewhere."""
+    try:
+        func = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    func.restype = _MallInfo2
+    return func
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int | None:
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
 
 from lorascope.probes.session import Session
 
@@ -62,6 +92,9 @@ class MemoryProbe:
     def reading(self, from_main_thread: bool = True) -> dict[str, Any]:
         """RSS, plus the allocator counters on CUDA (and NVML from the sampler thread)."""
         fields: dict[str, Any] = {"rss": int(self._proc.memory_info().rss)}
+        heap = heap_in_use()
+        if heap is not None:
+            fields["heap"] = heap
         cuda = self._cuda(from_main_thread)
         if cuda is not None:
             fields["cuda"] = cuda

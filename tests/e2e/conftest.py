@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 def job_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def torchrun(port: int, *args: str, nproc: int = 2) -> list[str]:

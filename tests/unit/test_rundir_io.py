@@ -129,7 +129,7 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("setup, message", [
     (lambda p: p / "absent", "no such file or directory"),
-    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "it is a file"),
+    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "f.txt"),
     (lambda p: p, "no manifest.json"),
     (lambda p: (p / "manifest.json").write_text("{not json") and p, "unreadable manifest"),
 ])
