@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 from lorascope.detect import (
     hung_ranks, logits_spike, rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads,
+    tiny_kernel_tail,
 )
 from lorascope.detect import plan_deviation
 from lorascope.detect.finding import Finding
@@ -19,6 +20,7 @@ DETECTORS: list[Detector] = [
     reentrant_dead_grads.detect,
     logits_spike.detect,
     rank0_asymmetry.detect,
+    tiny_kernel_tail.detect,
     plan_deviation.detect,
 ]
 

@@ -1,7 +1,6 @@
-"""A kernel table (see :mod:`lorascope.report.kernels`) from raw Kineto Chrome-trace JSON.
-
-Used when no detector supplied one: ``EvidenceBundle.traces[rank]`` holding the parsed
-trace (a dict with ``traceEvents``). Attribution to LoRA follows the probes' annotations
+"""Kernels (ops on CPU) attributed to LoRA or base modules, as a kernel table (the shape
+:mod:`lorascope.report.kernels` documents), from Kineto Chrome-trace JSON: what the
+tiny-kernel-tail detector judges and the report draws. Attribution to LoRA follows the probes' annotations
 (``lorascope.module::<qualified name>`` ranges, see ``lorascope/probes/kernels.py``):
 
 - a forward op gets the innermost module range around it (``...q_proj.lora_A.default``
@@ -19,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 MODULE_PREFIX = "lorascope.module::"
+#: torch's step ranges (with a profiler schedule) and the probes' own.
+STEP_RANGES = ("ProfilerStep#", "lorascope.step#")
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver"})
 
@@ -98,17 +99,19 @@ def table_from_trace(trace: dict[str, Any], source: str | None = None) -> dict[s
             rows.setdefault((str(e.get("name")), module), []).append(round(float(e["dur"]), 3))
     if not rows:
         return None
-    steps = sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+    steps = sum(1 for e in events if str(e.get("name", "")).startswith(STEP_RANGES))
     return {"unit": unit, "source": source, "steps": steps or None,
             "rows": [{"name": n, "module": m, "durations_us": d} for (n, m), d in sorted(
                 rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))]}
 
 
 def table_from_traces(traces: dict[int, Any], threshold_us: float) -> dict[str, Any] | None:
-    """A kernel table over every rank whose trace is raw Kineto JSON."""
+    """A kernel table over every rank's trace (KinetoTrace objects or raw JSON dicts)."""
     ranks: dict[str, Any] = {}
     for rank, trace in sorted(traces.items()):
-        entry = table_from_trace(trace) if isinstance(trace, dict) else None
+        raw = trace if isinstance(trace, dict) else getattr(trace, "raw", None)
+        source = None if isinstance(trace, dict) else str(getattr(trace, "path", "")) or None
+        entry = table_from_trace(raw, source) if isinstance(raw, dict) else None
         if entry is not None:
             ranks[str(rank)] = entry
     if not ranks:
