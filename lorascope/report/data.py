@@ -14,7 +14,8 @@ from lorascope import __version__
 from lorascope.analyze.summary import build_summary
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.report import collectives, kernels, kineto, memory, steps
+from lorascope.ingest import kineto_modules
+from lorascope.report import collectives, kernels, memory, steps
 from lorascope.report.facts import run_facts, utc
 from lorascope.report.findings import finding_data
 from lorascope.report.memory import end_mark
@@ -45,7 +46,7 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
 def _kernel_section(bundle: EvidenceBundle, findings: list[Finding]) -> dict[str, Any]:
     table = kernels.find_table(findings)
     if table is None and bundle.traces:
-        table = kineto.table_from_traces(bundle.traces, DEFAULT_TINY_US)
+        table = kineto_modules.table_from_traces(bundle.traces, DEFAULT_TINY_US)
     if table is not None:
         return kernels.section(table, "")
     files = [f for r in (bundle.run.ranks.values() if bundle.run else []) for f in r.trace_files]
