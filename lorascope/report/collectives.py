@@ -78,12 +78,9 @@ def _candidate(calls: dict[int, dict[int, Collective]], members: list[int]) -> i
     return min(seqs) if seqs else None
 
 
-def _first_disagreement(calls: dict[int, dict[int, Collective]], members: list[int]) -> dict[str, Any] | None:
-    """Where the members first disagree: ``mismatch`` (different op, size or dtype) or
-    ``missing`` (some members made the call, others stopped before it)."""
-    seq = _candidate(calls, members)
-    if seq is None:
-        return None
+def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -> dict[str, Any] | None:
+    """How the members disagree at ``seq``: ``mismatch`` (different op, size or dtype) or
+    ``missing`` (some members made the call, others never did); None if they agree."""
     present = {r: calls.get(r, {}).get(seq) for r in members}
     made = {r: c for r, c in present.items() if c is not None}
     if not made:
@@ -96,6 +93,8 @@ def _first_disagreement(calls: dict[int, dict[int, Collective]], members: list[i
                  for rs in sorted(by_sig.values())]
         return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
     missing = sorted(r for r, c in present.items() if c is None)
+    if not missing:
+        return None
     return {"seq": seq, "kind": "missing", "ranks": missing,
             "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(next(iter(made.values())))}; "
                     f"ranks {','.join(map(str, missing))} never did"}
@@ -138,10 +137,12 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     summaries = []
     for group, calls in by_group.items():
         members = _members(run, group, set(calls))
-        first = _first_disagreement(calls, members)
         if pointer is not None and pointer[0] == group:
-            first = {**(first or {"kind": "finding", "ranks": [], "text": "named by the detector"}),
-                     "seq": pointer[1]}
+            first = _at(calls, members, pointer[1]) or {"seq": pointer[1], "kind": "finding", "ranks": [],
+                                                        "text": "named by the detector"}
+        else:
+            seq = _candidate(calls, members)
+            first = None if seq is None else _at(calls, members, seq)
         pending = sum(c.end is None for per in calls.values() for c in per.values())
         summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group,
                           members, first, calls))
@@ -151,17 +152,18 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     hi_seq = max(s for per in calls.values() for s in per)
     focus = first["seq"] if first else None
     ops: list[str] = sorted({c.op for per in calls.values() for c in per.values()})
+    op_index = {op: i for i, op in enumerate(ops)}
     w_lo, w_hi = _window(lo_seq, hi_seq, focus, CHART_WINDOW)
     cells = []
     for row, r in enumerate(members):
         per = calls.get(r, {})
         for seq in range(w_lo, w_hi + 1):
-            c = per.get(seq)
-            if c is None and seq > max(per, default=0) and not first:
+            call = per.get(seq)
+            if call is None and seq > max(per, default=0) and not first:
                 continue  # a rank simply not there yet, in a run that never disagreed
-            dur = None if c is None or c.end is None else round((c.end - c.start) * 1000, 3)
-            cells.append([seq, row, ops.index(c.op) if c else -1, STATUS[_cell(c)], dur,
-                          c.bytes if c else None])
+            dur = None if call is None or call.end is None else round((call.end - call.start) * 1000, 3)
+            cells.append([seq, row, op_index[call.op] if call else -1, STATUS[_cell(call)], dur,
+                          call.bytes if call else None])
     t_lo, t_hi = _window(w_lo, w_hi, focus, TABLE_WINDOW)
     table = [{"rank": r, "cells": [_table_cell(calls.get(r, {}).get(s), s == focus, sites_of) for s in
                                    range(t_lo, t_hi + 1)]} for r in members]

@@ -88,7 +88,7 @@ def _figures(run: RunData, peak: dict[str, Any], step_stats: list[dict[str, Any]
     medians = [s["median"] for s in step_stats if s["median"] is not None]
     if medians:
         figures.append({"label": "median step", "value": f"{statistics.median(medians) * 1000:.0f} ms"})
-    by_rank = dict(zip(peak["ranks"], peak["peak"]))
+    by_rank = dict(zip(peak["ranks"], peak["peak"], strict=True))
     if by_rank.get(0) is not None:
         text = f"{by_rank[0]:,.0f} MiB"
         if peak["median_others"]:

@@ -2,8 +2,8 @@
 
 The section renders from one documented shape, the **kernel table**, which a detector
 puts in ``Finding.details["kernels"]`` (the tiny-kernel-tail detector does the
-attribution) or which :mod:`lorascope.report.kineto` derives from a raw Kineto trace in
-``EvidenceBundle.traces``::
+attribution) or which :mod:`lorascope.ingest.kineto_modules` derives from the Kineto traces
+in ``EvidenceBundle.traces``::
 
     {
       "unit": "kernel",              # "kernel" (GPU kernels) or "op" (CPU ops, CPU-only run)

@@ -146,7 +146,7 @@ def peaks(run: RunData, summaries: list[dict[str, Any]], findings: list[Finding]
     peak_key = "cuda_max_allocated_bytes" if cuda else "rss_bytes"
     peak = [mib(s["peak_memory"][peak_key]) for s in summaries]
     logits = [mib(max((r["bytes"] for r in run.ranks[n].logits), default=None)) for n in ranks]
-    others = [p for r, p in zip(ranks, peak) if r != 0 and p is not None]
+    others = [p for r, p in zip(ranks, peak, strict=True) if r != 0 and p is not None]
     return {
         "metric": "CUDA max allocated" if cuda else "peak RSS",
         "ranks": ranks,

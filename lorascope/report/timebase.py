@@ -1,8 +1,6 @@
 """Shared conventions of the chart data: one time origin, rounding, units."""
 from __future__ import annotations
 
-from typing import Any
-
 from lorascope.rundir.reader import RunData
 
 MIB = 2**20

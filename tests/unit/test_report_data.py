@@ -35,13 +35,25 @@ def test_healthy_fixture_data() -> None:
     facts = data["facts"]
     assert facts["world_size"] == 2 and [c["name"] for c in facts["configs"]][:3] == ["deepspeed", "lora", "model"]
     assert "torchrun" in facts["launches"][0]["command"]
-    # the traces exist in the run but the bundle did not load them: the page says so
-    assert not charts["kernels"]["available"] and "2 kernel trace file(s)" in charts["kernels"]["message"]
+    kernels = charts["kernels"]  # from the run's Kineto traces (one traced step per rank)
+    assert kernels["available"] and kernels["unit"] == "op" and [r["rank"] for r in kernels["ranks"]] == [0, 1]
+    assert all(r["count"] > 1000 and 0 < r["lora_count"] < 1 and 0 < r["tiny_count"] < 1 for r in kernels["ranks"])
+    assert all(r["source"].endswith(".trace.json.gz") for r in kernels["ranks"])
     json.dumps(data, allow_nan=False)  # plain, finite data
 
 
+def test_kernel_section_says_what_is_missing() -> None:
+    bundle = load_bundle(HEALTHY)
+    bundle.traces = {}  # the trace files exist in the run, but nothing loaded them
+    kernels = build_report_data(bundle, [])["charts"]["kernels"]
+    assert not kernels["available"] and "2 kernel trace file(s)" in kernels["message"]
+    bundle.run.ranks[0].trace_files = bundle.run.ranks[1].trace_files = []
+    assert build_report_data(bundle, [])["charts"]["kernels"]["message"] == "no kernel trace in this run"
+
+
 def test_disagreement_and_pending_are_found(tmp_path: Path) -> None:
-    ranks = [RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), Call("all_reduce", site="t.py:5 in ev", end=False)],
+    odd = Call("all_reduce", site="t.py:5 in ev", end=False)
+    ranks = [RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), odd],
                       sites={"t.py:5 in ev": ("dist.all_reduce(x)", ["if rank == 0:"])}),
              RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)],
                       ends=False)]
@@ -102,7 +114,8 @@ def test_kernel_table_from_a_finding(tmp_path: Path) -> None:
     table = {"unit": "op", "threshold_us": 10.0, "ranks": {"0": {"rows": [
         {"name": "aten::mm", "module": "lora_A", "durations_us": [2.0, 3.0]},
         {"name": "aten::mm", "module": "base", "durations_us": [100.0, 5.0]}]}}}
-    data = build_report_data(load_bundle(write_run(tmp_path, [RankSpec()])), [finding("tiny-kernel-tail", kernels=table)])
+    bundle = load_bundle(write_run(tmp_path, [RankSpec()]))
+    data = build_report_data(bundle, [finding("tiny-kernel-tail", kernels=table)])
     k = data["charts"]["kernels"]
     assert k["available"] and k["threshold_us"] == 10.0
     assert k["ranks"][0]["tiny_count"] == 0.75 and k["ranks"][0]["lora_count"] == 0.5
@@ -151,5 +164,5 @@ def test_downsampling_keeps_extremes_and_ends() -> None:
     tx, ty = thin(xs, ys, 1000)
     assert len(tx) <= 1000 and (tx[0], ty[0]) == (0.0, ys[0]) and (tx[-1], ty[-1]) == (xs[-1], ys[-1])
     assert 54_321.0 in tx and max(ty) == 5000.0 and min(ty) == 0.0
-    assert tx == sorted(tx) and all(ys[int(x)] == y for x, y in zip(tx, ty))
+    assert tx == sorted(tx) and all(ys[int(x)] == y for x, y in zip(tx, ty, strict=True))
     assert thin([1.0] * 50, list(map(float, range(50))), 10)[1][1:-1] != []  # all x equal: still thinned

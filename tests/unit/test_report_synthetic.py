@@ -44,7 +44,7 @@ def write_run(root: Path, ranks: list[RankSpec], *, command: list[str] | None = 
         stream = Stream(stream_prefix(root, n, "h", 100 + n))
         t = T0 + 1 + n * 0.01
 
-        def write(kind: str, **fields: Any) -> None:
+        def write(kind: str, stream: Stream = stream, **fields: Any) -> None:
             nonlocal t
             t += 0.1
             stream.write({"k": kind, "t": t, **fields})
