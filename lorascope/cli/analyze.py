@@ -6,10 +6,12 @@ from pathlib import Path
 
 import click
 
+from lorascope.analyze.artifacts import artifacts_data, render_artifacts
 from lorascope.analyze.findings_text import render_findings
 from lorascope.analyze.summary import build_summary, render_text
 from lorascope.detect.finding import SEVERITY_ORDER
 from lorascope.detect.registry import run_detectors
+from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.load import load_bundle
 from lorascope.report.write import write_report
 
@@ -24,18 +26,33 @@ FINDINGS_EXIT = 4
               help=f"Exit with status {FINDINGS_EXIT} when a finding of this severity or worse exists.")
 @click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the HTML report to this file (as `lorascope report`).")
-def command(path: Path, as_json: bool, fail_on: str | None, html_out: Path | None) -> int:
-    """Name what went wrong in a run directory, and summarise it per rank."""
-    bundle = load_bundle(path)
+@click.option("--kind", type=click.Choice(KINDS), default=None,
+              help="Read PATH (or every file in the folder PATH) as this kind instead of detecting it.")
+@click.option("--hta/--no-hta", default=None,
+              help="Add HolisticTraceAnalysis figures to GPU traces (default: when it is installed).")
+def command(path: Path, as_json: bool, fail_on: str | None, html_out: Path | None, kind: str | None,
+            hta: bool | None) -> int:
+    """Name what went wrong, and summarise it per rank.
+
+    PATH is a lorascope run directory, or artifacts a job left: an allocator snapshot
+    pickle, a Kineto trace, a flight-recorder dump, a job log, or a folder of them."""
+    bundle = load_bundle(path, kind=kind, hta=hta)
     findings = run_detectors(bundle)
     data = build_summary(bundle.run) if bundle.run is not None else {"ranks": []}
     data["warnings"] = bundle.warnings
+    artifacts = artifacts_data(bundle)
+    data["artifacts"] = artifacts
     if as_json:
         data["findings"] = [f.to_dict() for f in findings]
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         click.echo(render_findings(findings))
-        click.echo(render_text(data))
+        if bundle.run is not None:
+            click.echo(render_text(data))
+        elif bundle.warnings:
+            click.echo("\n".join(f"warning: {w}" for w in bundle.warnings))
+        if artifacts:
+            click.echo(render_artifacts(artifacts))
     if html_out is not None:
         write_report(bundle, findings, html_out)
         click.echo(f"lorascope: report written to {html_out}", err=True)

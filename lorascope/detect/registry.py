@@ -8,6 +8,7 @@ from lorascope.detect import (
     tiny_kernel_tail,
 )
 from lorascope.detect import plan_deviation
+from lorascope.detect import allocator_fragmentation, collective_mismatch, oom, straggler
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 
@@ -22,6 +23,10 @@ DETECTORS: list[Detector] = [
     rank0_asymmetry.detect,
     tiny_kernel_tail.detect,
     plan_deviation.detect,
+    oom.detect,
+    allocator_fragmentation.detect,
+    collective_mismatch.detect,
+    straggler.detect,
 ]
 
 

@@ -43,7 +43,8 @@ class Disagreement:
 
     group: str
     seq: int
-    #: "missing" (some rank never enqueued it), "op", "size" or "dtype".
+    #: "missing" (some rank never enqueued it), "op", or what differs between the same op:
+    #: "size", "dtype" or "size+dtype".
     kind: str
     #: The entry of every rank that has one.
     entries: dict[int, FlightEntry]
@@ -197,10 +198,11 @@ def _kind(entries: Iterable[FlightEntry], missing: bool) -> str | None:
     es = list(entries)
     if len({e.op for e in es}) > 1:
         return "op"
-    if len({(_key(e.input_sizes), _key(e.output_sizes)) for e in es}) > 1:
-        return "size"
-    if len({(tuple(e.input_dtypes), tuple(e.output_dtypes)) for e in es}) > 1:
-        return "dtype"
+    differ = [what for what, key in (("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
+                                     ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))))
+              if len({key(e) for e in es}) > 1]
+    if differ:
+        return "+".join(differ)
     return "missing" if missing else None
 
 
