@@ -109,7 +109,8 @@ def build_report_data(bundle: EvidenceBundle, findings: list[Finding]) -> dict[s
         "missing": _missing(bundle),
         "facts": None,
         "figures": [],
-        "charts": {"kernels": _kernel_section(bundle, findings)},
+        "collective_table": None,
+        "charts": {"origin_utc": None, "kernels": _kernel_section(bundle, findings)},
     }
     if run is not None:
         summary = build_summary(run)

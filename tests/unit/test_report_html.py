@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from lorascope.cli import cli
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.gallery import render_all
@@ -102,6 +103,18 @@ def test_hostile_text_arrives_as_text(tmp_path: Path) -> None:
     assert "window.__pwned" not in "".join(p.scripts[1:])
     assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in page
     assert page.count("<script") == 3  # the JSON data escapes "<" as \u003c
+
+
+def test_artifacts_without_a_run_directory(tmp_path: Path) -> None:
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": i * 10, "dur": 1 + i, "pid": 0,
+                              "tid": 7} for i in range(20)]}
+    bundle = EvidenceBundle(path=tmp_path / "traces", traces={0: trace}, warnings=["rank 1: no trace"])
+    data = build_report_data(bundle, [])
+    assert data["facts"] is None and data["verdict"]["level"] == "unknown"
+    assert data["charts"]["kernels"]["available"] and data["charts"]["kernels"]["unit"] == "kernel"
+    page = render(data)
+    assert "No run directory: no run facts." in page and "rank 1: no trace" in page
+    assert 'id="chart-kernels"' in page and 'id="chart-memory"' not in page
 
 
 def test_report_command_and_analyze_html(tmp_path: Path) -> None:
