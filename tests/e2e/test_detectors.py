@@ -110,3 +110,19 @@ def test_healthy_job_reports_none_of_the_five(tmp_path: Path, config: list[str])
     fin, data = run_fault(tmp_path, *config)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
     assert not {f["id"] for f in data["findings"]} & FIVE, data["findings"]
+
+
+@pytest.mark.parametrize("planting", [
+    ["--fault", "tiny-kernel-tail"],
+    ["--fault", "tiny-kernel-tail", "--engine", "torch"],
+])
+def test_tiny_kernel_tail(tmp_path: Path, planting: list[str]) -> None:
+    fin, data = run_fault(tmp_path, "--steps", "8", *planting)
+    assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
+    top = data["findings"][0]
+    assert top["id"] == "tiny-kernel-tail" and top["ranks"] == [0, 1]
+    # The LoRA op count, counted here from the rank's own trace table.
+    table = top["details"]["kernels"]["ranks"]["0"]
+    lora_ops = sum(len(r["durations_us"]) for r in table["rows"] if r["module"] in ("lora_A", "lora_B", "lora"))
+    assert f"{lora_ops:,}" in top["title"]
+    assert table["steps"] == 2  # the default window: steps 6-7
