@@ -6,24 +6,23 @@ recorded, the micro-batch and sequence length from the shape of the logits at th
 projection (B, T, V), the checkpointing the model's modules carried (``grad_setup``) and the
 loss implementation from the dtype of the loss input. The readings compared with it:
 
-* ``forward``: the memory the first forward added (its end minus its beginning): the
+* ``forward``: the highest reading of the first forward above its beginning: the
   activations saved for backward, the returned logits and, when the loss ran inside the
   forward, its saved log-probs; ZeRO-3's gathered module may still be held.
 * ``loss``: the memory ``cross_entropy`` itself added (the probes read it right before and
   after the call): its log-probs.
-* ``step_peak``: the highest reading of the first step above its start: activations plus
-  the larger of the logits spike and one layer's backward, plus what the step first writes.
 * ``peak`` (CUDA only): ``max_memory_allocated`` against the part of the plan torch's
   allocator holds.
 
 On CUDA the readings are the caching allocator's counters; on CPU the process RSS, which
-shows a term only loosely: glibc keeps freed memory for reuse (a reading can be lower than
-what was allocated, and never falls back), large blocks are mapped and unmapped between two
-readings (a transient peak can be missed), the first forward pays one-off costs (kernel code
-paged in, thread pools, DeepSpeed's module trace), and what exists before the first forward
-(weights, optimizer state, ~400 MiB of Python and torch) cannot be told apart. Model states
-are therefore not compared on CPU, and only memory *above* the plan is a deviation: below it
-is what the allocator's reuse and the sparse readings produce. Tolerances and severity rules:
+shows a term only loosely: glibc keeps part of what is freed for reuse (a forward's RSS
+grows by more than what stays live, and a reused page shows nothing), blocks above its mmap
+ceiling are mapped and returned between two readings (the backward half of the logits spike
+is missed), the first forward pays one-off costs (kernel code paged in, thread pools,
+DeepSpeed's module trace), and what exists before the first forward (weights, optimizer
+state, ~400 MiB of Python and torch) cannot be told apart. Model states are therefore not
+compared on CPU, and only memory *above* the plan is a deviation: below it is what the
+allocator's reuse and the sparse readings produce. Tolerances and severity rules:
 docs/detectors.md.
 """
 from __future__ import annotations
@@ -56,12 +55,13 @@ class Tolerance:
     abs: int
 
 
-#: RSS on CPU. Above: glibc keeps the forward's freed temporaries (norm upcasts, RoPE and
-#: LoRA intermediates) between the tensors autograd saves, so a forward's RSS reads up to
-#: ~2.1x its live tensors on the test-bed job; the first forward also pays 11-21 MiB of
-#: one-off costs no term describes. Below: pages freed during initialisation can be reused.
-#: The measurements behind these figures: docs/detectors.md.
-RSS_TOLERANCE = Tolerance(below=0.25, above=1.5, abs=32 * MIB)
+#: RSS on CPU. A forward's RSS growth lies between what is live at its end (the plan) and
+#: everything it allocated: glibc keeps part of the freed temporaries (norm upcasts, RoPE and
+#: LoRA intermediates) between the tensors autograd saves. On the test-bed job the forward
+#: allocates ~3x what stays live (torch.profiler: 301.6 MiB allocated, 102.0 MiB live = the
+#: plan) and RSS reads ~2x; the first forward also pays 11-31 MiB of one-off costs. Below:
+#: pages freed during initialisation can be reused. Measurements: docs/detectors.md.
+RSS_TOLERANCE = Tolerance(below=0.25, above=2.0, abs=32 * MIB)
 #: CUDA allocator counters count live tensors exactly; what no term covers is the cuBLAS
 #: workspace (allocated through the caching allocator) and the rounding of every block.
 CUDA_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=64 * MIB)
@@ -134,23 +134,25 @@ class RankCheck:
 class _FirstForward:
     """The readings of the first forward."""
 
-    begin: dict[str, Any]          # the first forward.begin sample
-    readings: list[dict[str, Any]]  # every reading from it to the forward.end after it
-    loss_inside: bool              # cross_entropy ran before that forward.end
+    begin: dict[str, Any]  # the first forward.begin sample
+    values: list[int]      # every reading from it to the forward.end after it
+    loss_inside: bool      # cross_entropy ran before that forward.end
 
 
 def _is_cuda(sample: dict[str, Any]) -> bool:
     return isinstance(sample.get("cuda"), dict) and sample["cuda"].get("alloc") is not None
 
 
-def _loss_readings(rank: RankData) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
-    """(record, reading before, reading after) of each cross_entropy call the probes saw."""
+def _loss_readings(rank: RankData) -> list[tuple[float, int, int]]:
+    """(time, reading before, reading after) of each cross_entropy call the probes saw."""
     out = []
     for rec in rank.logits:
         before, after = rec.get("mem_before"), rec.get("mem_after")
-        if (rec["where"] == "loss_input" and isinstance(before, dict) and isinstance(after, dict)
-                and mem_value(before) is not None and mem_value(after) is not None):
-            out.append((rec, before, after))
+        if rec["where"] != "loss_input" or not isinstance(before, dict) or not isinstance(after, dict):
+            continue
+        value_before, value_after = mem_value(before), mem_value(after)
+        if value_before is not None and value_after is not None:
+            out.append((float(rec["t"]), int(value_before), int(value_after)))
     return out
 
 
@@ -163,11 +165,10 @@ def _first_forward(rank: RankData) -> _FirstForward | None:
     if end is None or mem_value(mem[end]) is None:
         return None
     t0, t1 = float(mem[start]["t"]), float(mem[end]["t"])
-    readings = [m for m in mem[start:end + 1] if mem_value(m) is not None]
-    inside = [(before, after) for rec, before, after in _loss_readings(rank) if t0 <= float(rec["t"]) <= t1]
-    for pair in inside:
-        readings.extend(pair)
-    return _FirstForward(mem[start], readings, bool(inside))
+    values = [int(v) for m in mem[start:end + 1] if (v := mem_value(m)) is not None]
+    inside = [(before, after) for t, before, after in _loss_readings(rank) if t0 <= t <= t1]
+    values += [v for pair in inside for v in pair]
+    return _FirstForward(mem[start], values, bool(inside))
 
 
 def _batch_shape(rank: RankData) -> tuple[int, int] | None:
@@ -231,14 +232,14 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstForwa
     planned = low + (loss.transient if inside else 0) + gathered
     out.append(Comparison(
         "forward", "peak of the first forward", planned, low,
-        max(int(mem_value(m) or 0) for m in first.readings) - base, tol,
+        max(first.values) - base, tol,
         f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
         + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
         + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
         + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
         f"{src}: highest reading from the first forward.begin (step {first.begin['step']}) to its forward.end"))
 
-    deltas = [mem_value(after) - mem_value(before) for _, before, after in _loss_readings(rank)]
+    deltas = [after - before for _, before, after in _loss_readings(rank)]
     if deltas and setup.loss != "chunked":
         # A loop that shifts the logits itself passes B*(T-1) rows, not B*T.
         out.append(Comparison(

@@ -222,6 +222,29 @@ def logits_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     return chunk_tokens(shape, setup) * vocab * s + n_tok * shape.hidden * s
 
 
+@dataclass(frozen=True)
+class LossForward:
+    """What the loss holds during and after the forward (bytes on one GPU), the part of the
+    logits term a memory reading taken at the end of the forward can see."""
+
+    #: The logits the model returns (s B*T*V; none for a chunked loss, which never builds them).
+    logits: int
+    #: What the loss saves for backward: the log-probs (fp32-upcast: 4 B*T*V, native: s B*T*V),
+    #: or a chunked loss's hidden-state gradient, written in the forward (s B*T*h).
+    saved: int
+    #: Freed when the loss returns: fp32-upcast's fp32 copy of 16-bit logits, a chunk's logits.
+    transient: int
+
+
+def loss_forward(shape: ModelShape, setup: TrainingSetup) -> LossForward:
+    n_tok, vocab, s = setup.tokens, shape.vocab, setup.compute_bytes
+    if setup.loss == "fp32-upcast":
+        return LossForward(s * n_tok * vocab, 4 * n_tok * vocab, (4 * n_tok * vocab) if s < 4 else 0)
+    if setup.loss == "native":
+        return LossForward(s * n_tok * vocab, s * n_tok * vocab, 0)
+    return LossForward(0, s * n_tok * shape.hidden, s * chunk_tokens(shape, setup) * vocab)
+
+
 def activation_terms(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec,
                      setup: TrainingSetup) -> list[Term]:
     est = estimate(shape, layout, lora, setup)

@@ -1,0 +1,78 @@
+"""Measured against plan on the real 2-rank job (CPU, gloo, ZeRO-3): the plan made from the
+configs the probes recorded agrees with the RSS readings per rank within the stated tolerance
+(RSS_TOLERANCE / LOSS_TOLERANCE, docs/detectors.md), and `lorascope analyze` names no
+plan deviation on the healthy job. Run with `-s` to see the figures."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from lorascope.detect import plan_deviation
+from lorascope.detect.common import fmt_bytes
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import load_run
+from tests.e2e.conftest import LORASCOPE, Finished, free_port, probed, torchrun
+
+pytestmark = pytest.mark.e2e
+
+CONFIGS = {
+    "default": ["--steps", "3"],
+    "larger": ["--steps", "3", "--hidden", "128", "--intermediate", "256", "--layers", "4", "--vocab", "2048"],
+    # Activations large enough (~94 MiB planned) that the comparison is not all allowance.
+    "activations": ["--steps", "2", "--hidden", "128", "--intermediate", "512", "--layers", "4",
+                    "--seq", "256", "--micro-batch", "8"],
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Finished]:
+    fin = probed(tmp_path_factory.mktemp(request.param) / "run", torchrun(free_port(), *CONFIGS[request.param]))
+    assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
+    return request.param, fin
+
+
+def test_planned_and_measured_agree_per_rank(job: tuple[str, Finished]) -> None:
+    name, fin = job
+    run = load_run(fin.out)
+    assert sorted(run.ranks) == [0, 1]
+    for n, rank in run.ranks.items():
+        check = plan_deviation.check_rank(rank, run)
+        assert check is not None and check.memory == "RSS"
+        assert {c.key for c in check.comparisons} == {"forward", "loss"}
+        for c in check.comparisons:
+            print(f"{name} rank {n} {c.key}: planned {fmt_bytes(c.planned)} (live at least "
+                  f"{fmt_bytes(c.planned_low)}), measured {fmt_bytes(c.measured)} "
+                  f"= {c.measured / c.planned:.2f}x, tolerance [{fmt_bytes(c.lower)}, {fmt_bytes(c.upper)}]")
+            assert c.agrees, (name, n, c)
+
+
+def test_healthy_job_has_no_plan_deviation(job: tuple[str, Finished]) -> None:
+    _, fin = job
+    res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    findings = json.loads(res.stdout)["findings"]
+    assert not [f for f in findings if f["id"] == "plan-deviation" and f["severity"] in ("warning", "error")]
+
+
+def test_checkpointing_recorded_but_not_in_effect(job: tuple[str, Finished]) -> None:
+    """The real readings of the activation-heavy job, with its grad_setup record edited to
+    claim non-reentrant checkpointing: what a job whose checkpointing is switched on but not
+    applied records. The plan then expects each layer's input only; the readings are the
+    full activations, and the re-plan without checkpointing names the cause."""
+    name, fin = job
+    if name != "activations":
+        pytest.skip("one configuration is enough")
+    run = load_run(fin.out)
+    for rank in run.ranks.values():
+        assert (rank.grad_setup or {}).get("checkpointing", {}).get("enabled") is False
+        rank.grad_setup = {**(rank.grad_setup or {}), "checkpointing": {"enabled": True, "use_reentrant": [False]}}
+    findings = plan_deviation.detect(EvidenceBundle(path=run.path, run=run))
+    assert len(findings) == 1
+    finding = findings[0]
+    print(finding.title)
+    assert finding.ranks == [0, 1]
+    assert finding.title.endswith("checkpointing is not in effect")
+    assert (finding.severity, finding.confidence) == ("warning", "high")

@@ -1,0 +1,234 @@
+"""plan-deviation on synthetic ranks: the plan is made from the recorded configs, the readings
+are written around it, and the finding fires only beyond the tolerance."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.detect import plan_deviation
+from lorascope.detect.plan_deviation import (
+    CUDA_TOLERANCE, LOSS_TOLERANCE, RSS_TOLERANCE, Comparison, RankCheck, check_rank, detect, plan_for_rank,
+)
+from lorascope.detect.registry import DETECTORS
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.plan.activations import loss_forward
+from lorascope.plan.shape import shape_from_config
+from lorascope.plan.training import TrainingSetup
+from lorascope.rundir.reader import RankData, RunData
+
+MIB = 2**20
+B, T, V = 8, 256, 512
+#: The probes' test-bed model at --hidden 128 --intermediate 512 --layers 4 (what config.to_dict() gives).
+MODEL = {"model_type": "llama", "vocab_size": V, "hidden_size": 128, "intermediate_size": 512,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "max_position_embeddings": T, "tie_word_embeddings": False, "attention_bias": False,
+         "mlp_bias": False, "dtype": None}
+LORA = {"default": {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16,
+                    "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none"}}
+DEEPSPEED = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+             "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
+BASE = 450 * MIB
+LOGITS = 4 * B * T * V
+
+
+def rank(n: int = 0, *, forward: int, loss: int = LOGITS, checkpointing: bool | None = None,
+         loss_dtype: str = "float32", loss_after_forward: bool = False, cuda_peak: int | None = None,
+         exception: str | None = None, configs: dict[str, Any] | None = None,
+         logits: bool = True, head: bool = True) -> RankData:
+    """A rank whose first forward adds ``forward`` bytes (RSS, or CUDA allocated when
+    ``cuda_peak`` is given) and whose cross_entropy call adds ``loss`` bytes."""
+    def reading(value: int) -> dict[str, Any]:
+        if cuda_peak is None:
+            return {"rss": value}
+        return {"rss": BASE, "cuda": {"device": 0, "alloc": value, "reserved": value, "max_alloc": cuda_peak}}
+
+    def sample(src: str, t: float, value: int, step: int = 0) -> dict[str, Any]:
+        return {"k": "mem", "t": t, "src": src, "step": step, **reading(value)}
+
+    top = BASE + forward
+    mem = [sample("attach", 1.0, 20 * MIB), sample("forward.begin", 10.0, BASE),
+           sample("forward.end", 11.0, top), sample("backward.begin", 11.1, top),
+           sample("backward.end", 12.0, top), sample("step", 12.5, top, 1)]
+    t_loss = 11.05 if loss_after_forward else 10.9
+    records = []
+    if head:
+        records.append({"k": "logits", "t": 10.8, "where": "lm_head_output", "step": 0, "shape": [B, T, V],
+                        "dtype": loss_dtype, "bytes": LOGITS, "vocab": V, "tokens": B * T})
+    records.append({"k": "logits", "t": t_loss, "where": "loss_input", "step": 0, "shape": [B * T, V],
+                    "dtype": loss_dtype, "bytes": LOGITS, "vocab": V, "tokens": B * T,
+                    "mem_before": reading(top - loss), "mem_after": reading(top)})
+    grad_setup = None
+    if checkpointing is not None:
+        grad_setup = {"k": "grad_setup", "t": 10.95, "step": 0, "training": True, "input_require_grads_hooks": 1,
+                      "checkpointing": {"enabled": checkpointing, "use_reentrant": [False] if checkpointing else []}}
+    end = {"k": "end", "t": 13.0, "status": "exception" if exception else "exit", "code": 1 if exception else 0}
+    return RankData(rank=n, start={"k": "start", "t": 0.0, "rank": n, "world_size": 2, "pid": 100 + n, "host": "h"},
+                    files=[], configs={"model": MODEL, "lora": LORA, "deepspeed": DEEPSPEED} if configs is None
+                    else configs, mem=mem, logits=records if logits else [], grad_setup=grad_setup,
+                    exception={"type": "OutOfMemoryError", "message": exception} if exception else None, end=end)
+
+
+def bundle(*ranks: RankData) -> EvidenceBundle:
+    run = RunData(path=Path("/run"), manifest={}, ranks={r.rank: r for r in ranks}, warnings=[])
+    return EvidenceBundle(path=run.path, run=run)
+
+
+def checked(data: RankData) -> RankCheck:
+    check = check_rank(data)
+    assert check is not None
+    return check
+
+
+def compared(data: RankData, key: str = "forward") -> Comparison:
+    comparison = checked(data).comparison(key)
+    assert comparison is not None
+    return comparison
+
+
+def planned(key: str = "forward", **kwargs: Any) -> int:
+    return compared(rank(forward=0, **kwargs), key).planned
+
+
+def planned_setup(data: RankData) -> TrainingSetup:
+    plan = plan_for_rank(data)
+    assert plan is not None
+    return plan.inputs.setup
+
+
+def test_registered_after_the_first_detectors() -> None:
+    from lorascope.detect import logits_spike, rank0_asymmetry
+
+    order = DETECTORS.index(plan_deviation.detect)
+    assert order > DETECTORS.index(logits_spike.detect) and order > DETECTORS.index(rank0_asymmetry.detect)
+
+
+def test_plan_inputs_come_from_the_run() -> None:
+    s = planned_setup(rank(forward=0, checkpointing=True))
+    assert (s.micro_batch, s.seq, s.world, s.zero.stage, s.precision) == (B, T, 2, 3, "fp32")
+    assert (s.checkpointing, s.loss, s.attention) == ("non-reentrant", "fp32-upcast", "sdpa")
+    # Without the output projection's shape: tokens from the loss input, B from DeepSpeed's config.
+    s = planned_setup(rank(forward=0, head=False))
+    assert (s.micro_batch, s.seq) == (B, T)
+    assert planned_setup(rank(forward=0, loss_dtype="bfloat16")).loss == "native"
+
+
+@pytest.mark.parametrize("missing", ["model", "lora"])
+def test_nothing_to_plan_without_configs(missing: str) -> None:
+    configs = {"model": MODEL, "lora": LORA, "deepspeed": DEEPSPEED}
+    del configs[missing]
+    assert check_rank(rank(forward=10**9, configs=configs)) is None
+    assert detect(bundle(rank(forward=10**9, configs=configs))) == []
+
+
+def test_nothing_to_plan_without_logits_shape() -> None:
+    assert check_rank(rank(forward=10**9, logits=False)) is None
+
+
+def test_forward_plan_is_activations_logits_and_log_probs() -> None:
+    plan = checked(rank(forward=0)).plan
+    fwd = compared(rank(forward=0))
+    act, gathered = plan.term("activations").bytes, plan.term("zero3_gathered").bytes
+    assert fwd.planned_low == act + LOGITS + LOGITS  # fp32: logits returned + log-probs saved
+    assert fwd.planned == fwd.planned_low + gathered  # fp32 logits: no upcast copy
+    # Counted with saved_tensors_hooks in this model's forward (parameters left out): 98.02 MiB,
+    # the plan's activations and log-probs plus the 16 KiB of labels nll_loss keeps.
+    assert (act + LOGITS) / MIB == 98.0
+
+
+def test_loss_after_the_forward_leaves_only_the_logits() -> None:
+    inside, after = planned(), planned(loss_after_forward=True)
+    assert inside - after == LOGITS
+
+
+def test_healthy_readings_agree() -> None:
+    # RSS reads up to ~2.1x the live tensors (glibc keeps the freed temporaries).
+    fwd = planned()
+    check = checked(rank(forward=round(2.1 * fwd)))
+    assert all(c.agrees for c in check.comparisons), check.comparisons
+    assert check.memory == "RSS" and {c.key for c in check.comparisons} == {"forward", "loss"}
+    assert detect(bundle(rank(0, forward=round(2.1 * fwd)), rank(1, forward=fwd))) == []
+
+
+def test_tolerance_edges() -> None:
+    fwd = planned()
+    upper = round(fwd * (1 + RSS_TOLERANCE.above)) + RSS_TOLERANCE.abs
+    assert compared(rank(forward=upper)).excess == 0
+    assert detect(bundle(rank(forward=upper))) == []
+    assert detect(bundle(rank(forward=upper + 1)))[0].id == "plan-deviation"
+    low = compared(rank(forward=0))
+    assert not low.agrees and low.lower == round(low.planned_low * (1 - RSS_TOLERANCE.below))
+
+
+def test_activations_far_above_a_checkpointed_plan() -> None:
+    """Checkpointing recorded on, and the forward kept what a job without it keeps."""
+    without = planned()
+    with_ckpt = planned(checkpointing=True)
+    assert with_ckpt < without / 5
+    f = detect(bundle(rank(0, forward=round(1.9 * without), checkpointing=True),
+                      rank(1, forward=round(2.0 * without), checkpointing=True)))
+    assert len(f) == 1
+    finding = f[0]
+    assert finding.ranks == [0, 1]
+    assert finding.title.endswith("checkpointing is not in effect")
+    assert (finding.severity, finding.confidence) == ("warning", "high")
+    assert "recorded as non-reentrant" in finding.details["explanation"]
+    assert finding.evidence[0].label.startswith("rank 1: peak of the first forward")
+    assert any(e.label == "re-planned with checkpointing none" for e in finding.evidence)
+    forward = finding.details["ranks"]["1"][0]
+    assert forward["key"] == "forward" and forward["planned"] == with_ckpt and forward["excess"] > 0
+
+
+def test_unexplained_excess_is_medium() -> None:
+    fwd = planned()
+    f = detect(bundle(rank(forward=10 * fwd)))
+    assert (f[0].severity, f[0].confidence, f[0].details["explanation"]) == ("warning", "medium", None)
+
+
+def test_oom_makes_it_an_error() -> None:
+    f = detect(bundle(rank(forward=10 * planned(), exception="CUDA out of memory. Tried to allocate 2 GiB")))
+    assert f[0].severity == "error"
+
+
+def test_loss_reading() -> None:
+    loss = compared(rank(forward=planned()), "loss")
+    assert loss.planned == LOGITS and loss.measured == LOGITS and loss.agrees
+    assert loss.tolerance == LOSS_TOLERANCE
+    # Copies of the logits made inside cross_entropy are a deviation.
+    f = detect(bundle(rank(forward=planned(), loss=4 * LOGITS)))
+    assert f and f[0].evidence[0].label.startswith("rank 0: memory added inside cross_entropy")
+
+
+def test_cuda_counters_are_held_to_a_tighter_tolerance() -> None:
+    fwd = planned()
+    peak = checked(rank(forward=0, cuda_peak=0)).plan.allocated
+    readings = round(1.05 * fwd)
+    check = checked(rank(forward=readings, cuda_peak=peak))
+    assert check.memory == "CUDA allocated" and all(c.agrees for c in check.comparisons)
+    assert {c.key for c in check.comparisons} == {"forward", "loss", "peak"}
+    assert compared(rank(forward=readings, cuda_peak=peak)).tolerance == CUDA_TOLERANCE
+    assert detect(bundle(rank(forward=readings, cuda_peak=peak))) == []
+    # 2x the plan: inside RSS's tolerance, far outside the allocator's.
+    over = 2 * fwd
+    assert detect(bundle(rank(forward=over))) == []
+    f = detect(bundle(rank(forward=over, cuda_peak=peak)))
+    assert (f[0].severity, f[0].confidence) == ("warning", "high")
+    # max_memory_allocated 2 GiB above the plan: an error on a GPU.
+    f = detect(bundle(rank(forward=readings, cuda_peak=peak + 2**31)))
+    assert f[0].severity == "error" and f[0].evidence[0].label.startswith("rank 0: max_memory_allocated")
+
+
+def test_loss_forward_formulas() -> None:
+    shape = shape_from_config(MODEL)
+    n = B * T * V
+    bf16 = TrainingSetup(precision="bf16", seq=T, micro_batch=B)
+    assert loss_forward(shape, bf16) == plan_deviation.loss_forward(shape, bf16)
+    up = loss_forward(shape, bf16)
+    assert (up.logits, up.saved, up.transient) == (2 * n, 4 * n, 4 * n)
+    native = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B, loss="native"))
+    assert (native.logits, native.saved, native.transient) == (2 * n, 2 * n, 0)
+    fp32 = loss_forward(shape, TrainingSetup(precision="fp32", seq=T, micro_batch=B))
+    assert (fp32.logits, fp32.saved, fp32.transient) == (4 * n, 4 * n, 0)
+    chunked = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B, loss="chunked"))
+    assert chunked.logits == 0 and chunked.saved == 2 * B * T * 128
