@@ -23,10 +23,13 @@ ID = "tiny-kernel-tail"
 TINY_GPU_US = 5.0
 #: ... or a CPU op shorter than the ~10 us of Python and dispatcher overhead around it.
 TINY_CPU_US = 10.0
-#: LoRA's share of all kernel time must reach this ...
-MIN_LORA_TIME_SHARE = 0.20
-#: ... and most LoRA kernels must be tiny (the LoRA time is launch overhead, not math).
+#: "Thousands of thin GEMMs per step": LoRA kernels per traced step must reach this
+#: (counts, unlike time shares, do not move with a loaded machine) ...
+MIN_LORA_PER_STEP = 2000
+#: ... most of them must be tiny (the LoRA cost is launch overhead, not math) ...
 MIN_LORA_TINY_SHARE = 0.5
+#: ... and they must weigh in the step's kernel time.
+MIN_LORA_TIME_SHARE = 0.10
 #: Without module ranges (a trace from elsewhere): tiny kernels' share of the count and
 #: the device's idle share of the window that make a launch-bound step.
 MIN_TINY_COUNT_SHARE = 0.5
@@ -65,8 +68,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     stats = {int(r): _rank_stats(e, threshold) for r, e in table["ranks"].items()}
     idle = {r: t.idle_us / (t.busy_us + t.idle_us) for r, t in bundle.traces.items()
             if hasattr(t, "idle_us") and t.busy_us + t.idle_us > 0 and unit == "kernel"}
-    lora_hits = [r for r, s in stats.items() if s["lora_time_share"] >= MIN_LORA_TIME_SHARE
-                 and s["lora_tiny_share"] >= MIN_LORA_TINY_SHARE]
+    lora_hits = [r for r, s in stats.items()
+                 if (s["lora_per_step"] or s["lora_units"]) >= MIN_LORA_PER_STEP
+                 and s["lora_tiny_share"] >= MIN_LORA_TINY_SHARE and s["lora_time_share"] >= MIN_LORA_TIME_SHARE]
     plain_hits = [r for r, s in stats.items() if not s["annotated"] and s["tiny_count_share"] >= MIN_TINY_COUNT_SHARE
                   and idle.get(r, 0.0) >= MIN_IDLE_SHARE]
     hits = lora_hits or plain_hits
@@ -90,8 +94,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if rank in idle:
         evidence.append(Evidence("device idle between kernels", f"{idle[rank]:.0%} of the busy window", source))
     confidence = "high" if lora_hits and len(lora_hits) == len(stats) else "medium"
-    reason = (f"LoRA {unit}s are {s['lora_time_share']:.0%} of {unit} time and mostly tiny on "
-              f"{len(lora_hits)} of {len(stats)} traced rank(s)" if lora_hits else
+    reason = (f"{s['lora_per_step'] or s['lora_units']:,.0f} LoRA {unit}s per step, mostly tiny, "
+              f"{s['lora_time_share']:.0%} of {unit} time, on {len(lora_hits)} of {len(stats)} traced rank(s)"
+              if lora_hits else
               "tiny kernels dominate and the device idles, but the trace has no module ranges to name LoRA")
     return [Finding(
         id=ID,
