@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lorascope.rundir.reader import RankData, RunData, load_run
@@ -26,14 +27,25 @@ def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
     cmd = [*LORASCOPE, "run", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
            "--nproc_per_node", "2", "--master_port", str(free_port()), *extra, TRAIN, *args]
-    proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
+        end_job(proc)
+
+
+def end_job(proc: subprocess.Popen[str]) -> None:
+    """torchrun starts its workers in sessions of their own: end the whole tree."""
+    try:
+        tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
 
 
 def wait_until(out: Path, check: Callable[[RunData], bool], timeout: float = 240) -> RunData:
@@ -90,7 +102,8 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
         assert res.returncode == 0, res.stderr
         outside = json.loads(res.stdout)
     assert outside["kind"] == "stuck-outside" and outside["odd_ranks"] == ["rank 1"]
-    assert "in fetch" in outside["groups"][[g["ranks"] for g in outside["groups"]].index(["rank 1"])]["where"]
+    where = outside["groups"][[g["ranks"] for g in outside["groups"]].index(["rank 1"])]["where"]
+    assert "train_lora.py" in where and "fetch" in where  # py-spy names it Faults.fetch
 
 
 def test_killed_rank(tmp_path: Path) -> None:
