@@ -10,10 +10,12 @@ from lorascope.rundir.schema import FORMAT_VERSION
 
 def _peak_memory(rank: RankData) -> dict[str, int | None]:
     rss = [m["rss"] for m in rank.mem if m.get("rss") is not None]
+    heap = [m["heap"] for m in rank.mem if m.get("heap") is not None]
     cuda = [m["cuda"] for m in rank.mem if isinstance(m.get("cuda"), dict)]
     nvml = [m["nvml"]["used"] for m in rank.mem if isinstance(m.get("nvml"), dict)]
     return {
         "rss_bytes": max(rss) if rss else None,
+        "heap_bytes": max(heap) if heap else None,
         "cuda_max_allocated_bytes": max((c.get("max_alloc", 0) for c in cuda), default=None),
         "cuda_reserved_bytes": max((c.get("reserved", 0) for c in cuda), default=None),
         "nvml_used_bytes": max(nvml) if nvml else None,
