@@ -9,20 +9,24 @@ loss implementation from the dtype of the loss input. The readings compared with
 * ``forward``: the highest reading of the first forward above its beginning: the
   activations saved for backward, the returned logits and, when the loss ran inside the
   forward, its saved log-probs; ZeRO-3's gathered module may still be held.
+* ``step_peak``: the highest reading of the first step above the same beginning: the
+  activations plus the larger of the logits spike and one layer's backward. The readings
+  are taken at phase edges and by the sampler, so the peak moment is usually between two
+  of them: this reads at most the plan, and only a reading above it is a deviation.
 * ``loss``: the memory ``cross_entropy`` itself added (the probes read it right before and
   after the call): its log-probs.
 * ``peak`` (CUDA only): ``max_memory_allocated`` against the part of the plan torch's
   allocator holds.
 
-On CUDA the readings are the caching allocator's counters; on CPU the process RSS, which
-shows a term only loosely: glibc keeps part of what is freed for reuse (a forward's RSS
-grows by more than what stays live, and a reused page shows nothing), blocks above its mmap
-ceiling are mapped and returned between two readings (the backward half of the logits spike
-is missed), the first forward pays one-off costs (kernel code paged in, thread pools,
-DeepSpeed's module trace), and what exists before the first forward (weights, optimizer
-state, ~400 MiB of Python and torch) cannot be told apart. Model states are therefore not
-compared on CPU, and only memory *above* the plan is a deviation: below it is what the
-allocator's reuse and the sparse readings produce. Tolerances and severity rules:
+The readings are the rank's memory figure (``memory_kind``): on CUDA the caching
+allocator's counters; on CPU the C heap in use (glibc ``mallinfo2``), which counts live
+tensors the same way; RSS only where the heap figure is missing, and RSS shows a term only
+loosely: glibc keeps part of what is freed (a forward's RSS grows by up to twice what stays
+live), and the first forward pays one-off costs (kernel code paged in, thread pools,
+DeepSpeed's module trace). What exists before the first forward (weights, optimizer state,
+DeepSpeed's buckets, the runtime's own ~150 MiB of heap or ~400 MiB of RSS) cannot be told
+apart on CPU, so model states are not compared there. Only memory *above* the plan is a
+deviation: below it is a peak between two readings or the allocator's reuse. Tolerances and severity rules:
 docs/detectors.md.
 """
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect.common import ended_with_oom, fmt_bytes, mem_value, stream_source
+from lorascope.detect.common import ended_with_oom, fmt_bytes, mem_value, memory_kind, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.errors import LorascopeError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -55,12 +59,18 @@ class Tolerance:
     abs: int
 
 
-#: RSS on CPU. A forward's RSS growth lies between what is live at its end (the plan) and
-#: everything it allocated: glibc keeps part of the freed temporaries (norm upcasts, RoPE and
-#: LoRA intermediates) between the tensors autograd saves. On the test-bed job the forward
-#: allocates ~3x what stays live (torch.profiler: 301.6 MiB allocated, 102.0 MiB live = the
-#: plan) and RSS reads ~2x; the first forward also pays 11-31 MiB of one-off costs. Below:
-#: pages freed during initialisation can be reused. Measurements: docs/detectors.md.
+#: The C heap in use on CPU (glibc mallinfo2: what malloc has handed out and not taken
+#: back), which counts live tensors as CUDA's allocator does. On the test-bed job the first
+#: forward reads 1.1-3.5 MiB above the plan (one-off allocations: kernel tables, thread
+#: pools, DeepSpeed's module trace); the logits-heavy configuration 2.8 MiB below it (ZeRO-3
+#: releases the gathered output projection before the forward ends).
+HEAP_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=16 * MIB)
+#: RSS on CPU where the heap figure is missing (older runs, another libc). A forward's RSS
+#: growth lies between what is live at its end and everything it allocated: glibc keeps
+#: part of the freed temporaries (norm upcasts, RoPE and LoRA intermediates) mapped. On the
+#: test-bed job the forward allocates ~3x what stays live (torch.profiler: 301.6 MiB
+#: allocated, 102.0 MiB live = the plan) and RSS reads ~2x; the first forward also pays
+#: 11-31 MiB of one-off costs. Below: pages freed during initialisation can be reused.
 RSS_TOLERANCE = Tolerance(below=0.25, above=2.0, abs=32 * MIB)
 #: CUDA allocator counters count live tensors exactly; what no term covers is the cuBLAS
 #: workspace (allocated through the caching allocator) and the rounding of every block.
@@ -119,7 +129,7 @@ class RankCheck:
 
     rank: int
     plan: Plan
-    memory: str  # "RSS" or "CUDA allocated"
+    memory: str  # lorascope.detect.common.memory_kind: "CUDA allocated", "heap in use" or "RSS"
     comparisons: tuple[Comparison, ...]
 
     def comparison(self, key: str) -> Comparison | None:
@@ -131,44 +141,50 @@ class RankCheck:
 
 
 @dataclass(frozen=True)
-class _FirstForward:
-    """The readings of the first forward."""
+class _FirstStep:
+    """The readings of the first step, in the rank's memory kind."""
 
-    begin: dict[str, Any]  # the first forward.begin sample
-    values: list[int]      # every reading from it to the forward.end after it
-    loss_inside: bool      # cross_entropy ran before that forward.end
+    kind: str
+    base: int            # at the first forward.begin
+    step: int            # its step counter
+    forward: list[int]   # every reading from there to the forward.end after it
+    whole: list[int]     # every reading from there to the end of the step
+    loss_inside: bool    # cross_entropy ran before that forward.end
 
 
-def _is_cuda(sample: dict[str, Any]) -> bool:
-    return isinstance(sample.get("cuda"), dict) and sample["cuda"].get("alloc") is not None
-
-
-def _loss_readings(rank: RankData) -> list[tuple[float, int, int]]:
+def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
     """(time, reading before, reading after) of each cross_entropy call the probes saw."""
     out = []
     for rec in rank.logits:
         before, after = rec.get("mem_before"), rec.get("mem_after")
         if rec["where"] != "loss_input" or not isinstance(before, dict) or not isinstance(after, dict):
             continue
-        value_before, value_after = mem_value(before), mem_value(after)
+        value_before, value_after = mem_value(before, kind), mem_value(after, kind)
         if value_before is not None and value_after is not None:
             out.append((float(rec["t"]), int(value_before), int(value_after)))
     return out
 
 
-def _first_forward(rank: RankData) -> _FirstForward | None:
-    mem = rank.mem
-    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin" and mem_value(m) is not None), None)
+def _first_step(rank: RankData) -> _FirstStep | None:
+    kind, mem = memory_kind(rank), rank.mem
+    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin"
+                  and mem_value(m, kind) is not None), None)
     if start is None:
         return None
     end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == "forward.end"), None)
-    if end is None or mem_value(mem[end]) is None:
+    if end is None or mem_value(mem[end], kind) is None:
         return None
-    t0, t1 = float(mem[start]["t"]), float(mem[end]["t"])
-    values = [int(v) for m in mem[start:end + 1] if (v := mem_value(m)) is not None]
-    inside = [(before, after) for t, before, after in _loss_readings(rank) if t0 <= t <= t1]
-    values += [v for pair in inside for v in pair]
-    return _FirstForward(mem[start], values, bool(inside))
+    last = next((i for i in range(end, len(mem)) if mem[i]["src"] == "step"), len(mem) - 1)
+    t0, t_fwd, t_step = (float(mem[i]["t"]) for i in (start, end, last))
+
+    def values(stop: int, t_stop: float) -> list[int]:
+        out = [int(v) for m in mem[start:stop + 1] if (v := mem_value(m, kind)) is not None]
+        return out + [v for t, before, after in _loss_readings(rank, kind) if t0 <= t <= t_stop
+                      for v in (before, after)]
+
+    loss_inside = any(t0 <= t <= t_fwd for t, _, _ in _loss_readings(rank, kind))
+    return _FirstStep(kind, int(mem_value(mem[start], kind) or 0), int(mem[start]["step"]),
+                      values(end, t_fwd), values(last, t_step), loss_inside)
 
 
 def _batch_shape(rank: RankData) -> tuple[int, int] | None:
@@ -217,29 +233,42 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
 
 
-def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstForward) -> RankCheck:
-    cuda = _is_cuda(first.begin)
-    tol = CUDA_TOLERANCE if cuda else RSS_TOLERANCE
+def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep) -> RankCheck:
+    tol = {"CUDA allocated": CUDA_TOLERANCE, "heap in use": HEAP_TOLERANCE}.get(first.kind, RSS_TOLERANCE)
     src = stream_source(run, rank, "mem records") if run is not None else f"ranks/rank-{rank.rank} (mem records)"
     setup = plan.inputs.setup
     loss = loss_forward(plan.inputs.shape, setup)
     act, gathered = plan.term("activations").bytes, plan.term("zero3_gathered").bytes
-    base = int(mem_value(first.begin) or 0)
     inside = first.loss_inside
     out: list[Comparison] = []
 
     low = act + loss.logits + (loss.saved if inside else 0)
     planned = low + (loss.transient if inside else 0) + gathered
     out.append(Comparison(
-        "forward", "peak of the first forward", planned, low,
-        max(first.values) - base, tol,
+        "forward", "peak of the first forward", planned, low, max(first.forward) - first.base, tol,
         f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
         + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
         + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
         + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
-        f"{src}: highest reading from the first forward.begin (step {first.begin['step']}) to its forward.end"))
+        f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end"))
 
-    deltas = [after - before for _, before, after in _loss_readings(rank)]
+    spike = max(plan.term("logits").bytes, plan.term("layer_backward").bytes)
+    # Allocated for the first time in the step: the gradients (ZeRO-3 zero-fills its flat
+    # partition at initialisation) and, without ZeRO (which initialises the optimizer states
+    # up front), the optimizer's lazily created moments and master copy.
+    written = plan.term("adapter_gradients").bytes if setup.zero.stage < 3 else 0
+    if setup.zero.stage == 0:
+        written += plan.term("optimizer_states").bytes + plan.term("master_weights").bytes
+    out.append(Comparison(
+        "step_peak", "peak of the first step", act + spike + gathered + written, low,
+        max(first.whole) - first.base, tol,
+        f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
+        + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else "")
+        + f" + first written in the step {fmt_bytes(written)}",
+        f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
+        "edges and every sampler interval: a peak between two readings is not seen)"))
+
+    deltas = [after - before for _, before, after in _loss_readings(rank, first.kind)]
     if deltas and setup.loss != "chunked":
         # A loop that shifts the logits itself passes B*(T-1) rows, not B*T.
         out.append(Comparison(
@@ -248,19 +277,20 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstForwa
             f"log-probs {'4' if setup.loss == 'fp32-upcast' else setup.compute_bytes} B x B*T*V ({setup.loss})",
             f"{src.replace('mem records', 'logits records')}: after - before, first {len(deltas)} call(s)"))
 
-    if cuda:
-        peaks = [m["cuda"]["max_alloc"] for m in rank.mem if _is_cuda(m) and m["cuda"].get("max_alloc") is not None]
+    if first.kind == "CUDA allocated":
+        peaks = [m["cuda"]["max_alloc"] for m in rank.mem
+                 if isinstance(m.get("cuda"), dict) and m["cuda"].get("max_alloc") is not None]
         if peaks:
             out.append(Comparison(
                 "peak", "max_memory_allocated", plan.allocated, 0, max(peaks), tol,
                 "the plan's counted terms held by torch's allocator", f"{src}: largest cuda.max_alloc"))
-    return RankCheck(rank.rank, plan, "CUDA allocated" if cuda else "RSS", tuple(out))
+    return RankCheck(rank.rank, plan, first.kind, tuple(out))
 
 
 def check_rank(rank: RankData, run: RunData | None = None, **overrides: Any) -> RankCheck | None:
     """The rank's readings against its plan; None when the run lacks what either needs
     (recorded configs, a logits shape, a first forward's readings)."""
-    first = _first_forward(rank)
+    first = _first_step(rank)
     plan = plan_for_rank(rank, **overrides) if first is not None else None
     if plan is None or first is None:
         return None
@@ -331,6 +361,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     worst, setup = check.deviations[0], check.plan.inputs.setup
     explained = _explain(run, run.ranks[rank_no], check)
     cuda = check.memory == "CUDA allocated"
+    exact = check.memory != "RSS"  # allocator counters: live bytes, not pages
 
     evidence = [Evidence(f"rank {rank_no}: {c.label} ({check.memory})", _fmt_comparison(c), c.source)
                 for c in check.deviations]
@@ -363,7 +394,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         title=title,
         severity="error" if any(ended_with_oom(run.ranks[n]) for n in deviating)
         or (cuda and worst.excess >= CUDA_ERROR_EXCESS) else "warning",
-        confidence="high" if cuda or explained is not None else "medium",
+        confidence="high" if exact or explained is not None else "medium",
         confidence_reason=reason,
         ranks=sorted(deviating),
         evidence=evidence,

@@ -1,5 +1,5 @@
 """plan-deviation on synthetic ranks: the plan is made from the recorded configs, the readings
-are written around it, and the finding fires only beyond the tolerance."""
+are written around it, and the finding fires only beyond the tolerance of the memory kind."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from lorascope.detect import plan_deviation
+from lorascope.detect import logits_spike, plan_deviation, rank0_asymmetry
 from lorascope.detect.plan_deviation import (
-    CUDA_TOLERANCE, LOSS_TOLERANCE, RSS_TOLERANCE, Comparison, RankCheck, check_rank, detect, plan_for_rank,
+    CUDA_TOLERANCE, HEAP_TOLERANCE, LOSS_TOLERANCE, RSS_TOLERANCE, Comparison, RankCheck, check_rank, detect,
+    plan_for_rank,
 )
 from lorascope.detect.registry import DETECTORS
 from lorascope.ingest.evidence import EvidenceBundle
@@ -29,20 +30,23 @@ LORA = {"default": {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora
                     "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none"}}
 DEEPSPEED = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
-BASE = 450 * MIB
+BASE = 2 * 2**30
 LOGITS = 4 * B * T * V
 
 
-def rank(n: int = 0, *, forward: int, loss: int = LOGITS, checkpointing: bool | None = None,
-         loss_dtype: str = "float32", loss_after_forward: bool = False, cuda_peak: int | None = None,
-         exception: str | None = None, configs: dict[str, Any] | None = None,
+def rank(n: int = 0, *, forward: int, kind: str = "heap", backward: int = 0, loss: int = LOGITS,
+         checkpointing: bool | None = None, loss_dtype: str = "float32", loss_after_forward: bool = False,
+         cuda_peak: int = 0, exception: str | None = None, configs: dict[str, Any] | None = None,
          logits: bool = True, head: bool = True) -> RankData:
-    """A rank whose first forward adds ``forward`` bytes (RSS, or CUDA allocated when
-    ``cuda_peak`` is given) and whose cross_entropy call adds ``loss`` bytes."""
+    """A rank whose first forward adds ``forward`` bytes of ``kind`` ("heap", "rss" or "cuda"),
+    whose backward reads ``backward`` bytes above that once, and whose cross_entropy call adds
+    ``loss`` bytes."""
     def reading(value: int) -> dict[str, Any]:
-        if cuda_peak is None:
+        if kind == "heap":
+            return {"rss": 450 * MIB, "heap": value}
+        if kind == "rss":
             return {"rss": value}
-        return {"rss": BASE, "cuda": {"device": 0, "alloc": value, "reserved": value, "max_alloc": cuda_peak}}
+        return {"rss": 450 * MIB, "cuda": {"device": 0, "alloc": value, "reserved": value, "max_alloc": cuda_peak}}
 
     def sample(src: str, t: float, value: int, step: int = 0) -> dict[str, Any]:
         return {"k": "mem", "t": t, "src": src, "step": step, **reading(value)}
@@ -50,7 +54,9 @@ def rank(n: int = 0, *, forward: int, loss: int = LOGITS, checkpointing: bool | 
     top = BASE + forward
     mem = [sample("attach", 1.0, 20 * MIB), sample("forward.begin", 10.0, BASE),
            sample("forward.end", 11.0, top), sample("backward.begin", 11.1, top),
-           sample("backward.end", 12.0, top), sample("step", 12.5, top, 1)]
+           sample("sampler", 11.5, top + backward), sample("backward.end", 12.0, BASE),
+           sample("step", 12.5, BASE, 1), sample("forward.begin", 13.0, BASE, 1),
+           sample("sampler", 13.5, BASE + 100 * forward, 1)]
     t_loss = 11.05 if loss_after_forward else 10.9
     records = []
     if head:
@@ -63,7 +69,7 @@ def rank(n: int = 0, *, forward: int, loss: int = LOGITS, checkpointing: bool | 
     if checkpointing is not None:
         grad_setup = {"k": "grad_setup", "t": 10.95, "step": 0, "training": True, "input_require_grads_hooks": 1,
                       "checkpointing": {"enabled": checkpointing, "use_reentrant": [False] if checkpointing else []}}
-    end = {"k": "end", "t": 13.0, "status": "exception" if exception else "exit", "code": 1 if exception else 0}
+    end = {"k": "end", "t": 14.0, "status": "exception" if exception else "exit", "code": 1 if exception else 0}
     return RankData(rank=n, start={"k": "start", "t": 0.0, "rank": n, "world_size": 2, "pid": 100 + n, "host": "h"},
                     files=[], configs={"model": MODEL, "lora": LORA, "deepspeed": DEEPSPEED} if configs is None
                     else configs, mem=mem, logits=records if logits else [], grad_setup=grad_setup,
@@ -98,8 +104,6 @@ def planned_setup(data: RankData) -> TrainingSetup:
 
 
 def test_registered_after_the_first_detectors() -> None:
-    from lorascope.detect import logits_spike, rank0_asymmetry
-
     order = DETECTORS.index(plan_deviation.detect)
     assert order > DETECTORS.index(logits_spike.detect) and order > DETECTORS.index(rank0_asymmetry.detect)
 
@@ -137,28 +141,55 @@ def test_forward_plan_is_activations_logits_and_log_probs() -> None:
     assert (act + LOGITS) / MIB == 98.0
 
 
+def test_step_peak_plan_is_activations_and_the_spike() -> None:
+    plan = checked(rank(forward=0)).plan
+    peak = compared(rank(forward=0), "step_peak")
+    spike = max(plan.term("logits").bytes, plan.term("layer_backward").bytes)
+    # ZeRO-3 allocated its gradient partition at initialisation: nothing more is written.
+    assert peak.planned == plan.term("activations").bytes + spike + plan.term("zero3_gathered").bytes
+    assert peak.planned_low == compared(rank(forward=0)).planned_low
+    # Only the first step counts: the next one's readings (here 100x) are another matter.
+    assert compared(rank(forward=MIB), "step_peak").measured == MIB
+
+
 def test_loss_after_the_forward_leaves_only_the_logits() -> None:
     inside, after = planned(), planned(loss_after_forward=True)
     assert inside - after == LOGITS
 
 
-def test_healthy_readings_agree() -> None:
+def test_healthy_heap_readings_agree() -> None:
+    fwd = planned()
+    check = checked(rank(forward=fwd + 4 * MIB, backward=4 * MIB))
+    assert check.memory == "heap in use"
+    assert {c.key for c in check.comparisons} == {"forward", "step_peak", "loss"}
+    assert all(c.agrees for c in check.comparisons), check.comparisons
+    assert compared(rank(forward=fwd)).tolerance == HEAP_TOLERANCE
+    assert detect(bundle(rank(0, forward=fwd + 4 * MIB), rank(1, forward=fwd))) == []
+
+
+def test_rss_allows_what_glibc_keeps() -> None:
     # RSS reads up to ~2.1x the live tensors (glibc keeps the freed temporaries).
     fwd = planned()
-    check = checked(rank(forward=round(2.1 * fwd)))
-    assert all(c.agrees for c in check.comparisons), check.comparisons
-    assert check.memory == "RSS" and {c.key for c in check.comparisons} == {"forward", "loss"}
-    assert detect(bundle(rank(0, forward=round(2.1 * fwd)), rank(1, forward=fwd))) == []
+    check = checked(rank(forward=round(2.1 * fwd), kind="rss"))
+    assert check.memory == "RSS" and all(c.agrees for c in check.comparisons), check.comparisons
+    assert detect(bundle(rank(forward=round(2.1 * fwd), kind="rss"))) == []
+    # The same reading in heap-in-use bytes is a deviation, and a sure one.
+    f = detect(bundle(rank(forward=round(2.1 * fwd))))
+    assert (f[0].severity, f[0].confidence) == ("warning", "high")
+    f = detect(bundle(rank(forward=10 * fwd, kind="rss")))
+    assert (f[0].severity, f[0].confidence, f[0].details["explanation"]) == ("warning", "medium", None)
 
 
-def test_tolerance_edges() -> None:
+@pytest.mark.parametrize("kind, tolerance", [("heap", HEAP_TOLERANCE), ("rss", RSS_TOLERANCE)])
+def test_tolerance_edges(kind: str, tolerance: Any) -> None:
     fwd = planned()
-    upper = round(fwd * (1 + RSS_TOLERANCE.above)) + RSS_TOLERANCE.abs
-    assert compared(rank(forward=upper)).excess == 0
-    assert detect(bundle(rank(forward=upper))) == []
-    assert detect(bundle(rank(forward=upper + 1)))[0].id == "plan-deviation"
-    low = compared(rank(forward=0))
-    assert not low.agrees and low.lower == round(low.planned_low * (1 - RSS_TOLERANCE.below))
+    upper = round(fwd * (1 + tolerance.above)) + tolerance.abs
+    assert compared(rank(forward=upper, kind=kind)).excess == 0
+    assert detect(bundle(rank(forward=upper, kind=kind))) == []
+    assert detect(bundle(rank(forward=upper + 1, kind=kind)))[0].id == "plan-deviation"
+    low = compared(rank(forward=0, kind=kind))
+    assert not low.agrees and low.lower == round(low.planned_low * (1 - tolerance.below))
+    assert detect(bundle(rank(forward=0, kind=kind))) == []  # below the plan is no deviation
 
 
 def test_activations_far_above_a_checkpointed_plan() -> None:
@@ -166,29 +197,29 @@ def test_activations_far_above_a_checkpointed_plan() -> None:
     without = planned()
     with_ckpt = planned(checkpointing=True)
     assert with_ckpt < without / 5
-    f = detect(bundle(rank(0, forward=round(1.9 * without), checkpointing=True),
-                      rank(1, forward=round(2.0 * without), checkpointing=True)))
+    f = detect(bundle(rank(0, forward=without + 3 * MIB, checkpointing=True),
+                      rank(1, forward=without + 4 * MIB, checkpointing=True)))
     assert len(f) == 1
     finding = f[0]
     assert finding.ranks == [0, 1]
     assert finding.title.endswith("checkpointing is not in effect")
     assert (finding.severity, finding.confidence) == ("warning", "high")
     assert "recorded as non-reentrant" in finding.details["explanation"]
-    assert finding.evidence[0].label.startswith("rank 1: peak of the first forward")
+    assert finding.evidence[0].label.startswith("rank 1: peak of the first")
     assert any(e.label == "re-planned with checkpointing none" for e in finding.evidence)
     forward = finding.details["ranks"]["1"][0]
     assert forward["key"] == "forward" and forward["planned"] == with_ckpt and forward["excess"] > 0
 
 
-def test_unexplained_excess_is_medium() -> None:
-    fwd = planned()
-    f = detect(bundle(rank(forward=10 * fwd)))
-    assert (f[0].severity, f[0].confidence, f[0].details["explanation"]) == ("warning", "medium", None)
-
-
 def test_oom_makes_it_an_error() -> None:
     f = detect(bundle(rank(forward=10 * planned(), exception="CUDA out of memory. Tried to allocate 2 GiB")))
     assert f[0].severity == "error"
+
+
+def test_backward_above_the_plan() -> None:
+    fwd, peak = planned(), planned("step_peak")
+    f = detect(bundle(rank(forward=fwd, backward=peak)))
+    assert f[0].evidence[0].label.startswith("rank 0: peak of the first step")
 
 
 def test_loss_reading() -> None:
@@ -200,31 +231,26 @@ def test_loss_reading() -> None:
     assert f and f[0].evidence[0].label.startswith("rank 0: memory added inside cross_entropy")
 
 
-def test_cuda_counters_are_held_to_a_tighter_tolerance() -> None:
+def test_cuda_counters() -> None:
     fwd = planned()
-    peak = checked(rank(forward=0, cuda_peak=0)).plan.allocated
+    peak = checked(rank(forward=0, kind="cuda")).plan.allocated
     readings = round(1.05 * fwd)
-    check = checked(rank(forward=readings, cuda_peak=peak))
+    check = checked(rank(forward=readings, kind="cuda", cuda_peak=peak))
     assert check.memory == "CUDA allocated" and all(c.agrees for c in check.comparisons)
-    assert {c.key for c in check.comparisons} == {"forward", "loss", "peak"}
-    assert compared(rank(forward=readings, cuda_peak=peak)).tolerance == CUDA_TOLERANCE
-    assert detect(bundle(rank(forward=readings, cuda_peak=peak))) == []
-    # 2x the plan: inside RSS's tolerance, far outside the allocator's.
-    over = 2 * fwd
-    assert detect(bundle(rank(forward=over))) == []
-    f = detect(bundle(rank(forward=over, cuda_peak=peak)))
+    assert {c.key for c in check.comparisons} == {"forward", "step_peak", "loss", "peak"}
+    assert compared(rank(forward=readings, kind="cuda", cuda_peak=peak)).tolerance == CUDA_TOLERANCE
+    assert detect(bundle(rank(forward=readings, kind="cuda", cuda_peak=peak))) == []
+    f = detect(bundle(rank(forward=2 * fwd, kind="cuda", cuda_peak=peak)))
     assert (f[0].severity, f[0].confidence) == ("warning", "high")
     # max_memory_allocated 2 GiB above the plan: an error on a GPU.
-    f = detect(bundle(rank(forward=readings, cuda_peak=peak + 2**31)))
+    f = detect(bundle(rank(forward=readings, kind="cuda", cuda_peak=peak + 2**31)))
     assert f[0].severity == "error" and f[0].evidence[0].label.startswith("rank 0: max_memory_allocated")
 
 
 def test_loss_forward_formulas() -> None:
     shape = shape_from_config(MODEL)
     n = B * T * V
-    bf16 = TrainingSetup(precision="bf16", seq=T, micro_batch=B)
-    assert loss_forward(shape, bf16) == plan_deviation.loss_forward(shape, bf16)
-    up = loss_forward(shape, bf16)
+    up = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B))
     assert (up.logits, up.saved, up.transient) == (2 * n, 4 * n, 4 * n)
     native = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B, loss="native"))
     assert (native.logits, native.saved, native.transient) == (2 * n, 2 * n, 0)
