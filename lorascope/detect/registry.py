@@ -4,11 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lorascope.detect import (
-    hung_ranks, logits_spike, rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads,
-    tiny_kernel_tail,
+    allocator_fragmentation, collective_mismatch, hung_ranks, logits_spike, oom, plan_deviation,
+    rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads, straggler, tiny_kernel_tail,
 )
-from lorascope.detect import plan_deviation
-from lorascope.detect import allocator_fragmentation, collective_mismatch, oom, straggler
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 

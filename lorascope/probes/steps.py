@@ -138,14 +138,6 @@ class StepProbe:
             probe.record_config("deepspeed", param_dict)
             probe.record_model(getattr(engine, "module", None))
 
-        @functools.wraps(orig_forward)
-        def forward(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            name = probe.forward_phase_name()
-            probe.phase(name, "begin")
-            out = orig_forward(engine, *args, **kwargs)
-            probe.phase(name, "end")
-            return out
-
         @functools.wraps(orig_backward)
         def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
             probe.see_loss(loss)
@@ -173,9 +165,24 @@ class StepProbe:
                 probe.step_done("deepspeed")
             return out
 
-        engine_cls.__init__, engine_cls.forward = __init__, forward
+        engine_cls.__init__, engine_cls.forward = __init__, self._forward_phases(orig_forward)
         engine_cls.backward, engine_cls.step = backward, step
         engine_cls.save_checkpoint = save_checkpoint
+
+    def _forward_phases(self, orig_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """A module's forward inside a forward (or, under no_grad, eval) phase."""
+        probe = self
+
+        @functools.wraps(orig_forward)
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            name = probe.forward_phase_name()
+            probe.phase(name, "begin")
+            out = orig_forward(module, *args, **kwargs)
+            probe.phase(name, "end")
+            return out
+
+        forward.__lorascope__ = True  # type: ignore[attr-defined]
+        return forward
 
     def forward_phase_name(self) -> str:
         """A forward under no_grad is an evaluation, not a training forward."""
@@ -226,19 +233,7 @@ class StepProbe:
         ddp = ddp_module.DistributedDataParallel
         if getattr(ddp.forward, "__lorascope__", False):
             return
-        probe = self
-        orig_forward = ddp.forward
-
-        @functools.wraps(orig_forward)
-        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-            name = probe.forward_phase_name()
-            probe.phase(name, "begin")
-            out = orig_forward(module, *args, **kwargs)
-            probe.phase(name, "end")
-            return out
-
-        forward.__lorascope__ = True  # type: ignore[attr-defined]
-        ddp.forward = forward
+        ddp.forward = self._forward_phases(ddp.forward)
 
     def install_peft(self, peft: ModuleType) -> None:
         """Record the LoRA and model configs when the job builds its PEFT model."""

@@ -194,14 +194,25 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
     return data
 
 
+#: Kinds kept as lists on RankData (attribute names), and kinds of which the last is kept.
+_LISTED = {"mem": "mem", "step": "steps", "phase": "phases", "warning": "warnings",
+           "probe_error": "probe_errors", "dump": "dumps", "logits": "logits"}
+_LATEST = {"exception": "exception", "signal": "signal", "end": "end", "stall": "stall",
+           "grad_setup": "grad_setup", "grads": "grads"}
+
+
 def _apply(data: RankData, kind: str, rec: dict[str, Any],
            pending: dict[tuple[int, int], Collective]) -> None:
-    if kind == "config":
+    if kind in _LISTED:
+        getattr(data, _LISTED[kind]).append(rec)
+    elif kind in _LATEST:
+        setattr(data, _LATEST[kind], rec)
+    elif kind == "config":
         data.configs[rec["name"]] = rec["value"]
-    elif kind == "mem":
-        data.mem.append(rec)
-    elif kind == "step":
-        data.steps.append(rec)
+    elif kind == "site":
+        data.sites[rec["site"]] = rec
+    elif kind == "group":
+        data.groups[rec["gid"]] = rec
     elif kind == "loss":  # a CUDA loss, read once the device got there
         for step in reversed(data.steps):
             if step["step"] == rec["step"]:
@@ -209,10 +220,6 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
                 if rec.get("text"):
                     step["loss_text"] = rec["text"]
                 break
-    elif kind == "phase":
-        data.phases.append(rec)
-    elif kind == "group":
-        data.groups[rec["gid"]] = rec
     elif kind == "coll":
         group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
         coll = Collective(seq=rec["seq"], group=group, op=rec["op"], bytes=rec["bytes"],
@@ -229,28 +236,6 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
             if coll.seq == rec["seq"] and data.groups.get(rec["gid"], {}).get("name") == coll.group:
                 coll.device_ms = float(rec["ms"])
                 break
-    elif kind == "warning":
-        data.warnings.append(rec)
-    elif kind == "exception":
-        data.exception = rec
-    elif kind == "signal":
-        data.signal = rec
-    elif kind == "end":
-        data.end = rec
-    elif kind == "probe_error":
-        data.probe_errors.append(rec)
-    elif kind == "site":
-        data.sites[rec["site"]] = rec
-    elif kind == "dump":
-        data.dumps.append(rec)
-    elif kind == "stall":
-        data.stall = rec
-    elif kind == "grad_setup":
-        data.grad_setup = rec
-    elif kind == "grads":
-        data.grads = rec
-    elif kind == "logits":
-        data.logits.append(rec)
 
 
 def load_run(path: str | Path) -> RunData:
