@@ -68,6 +68,11 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
     return None
 
 
+def _death_time(rank: RankData) -> float:
+    last = rank.exception or rank.signal or rank.end
+    return float(last["t"]) if last is not None else rank.last_time
+
+
 def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
     dump = rank.dumps[-1] if rank.dumps else None
     pending = dump["pending"] if dump else [
@@ -132,7 +137,10 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
     if div is not None:  # the root cause: what follows (timeouts, deaths) are consequences
         return "rank-conditional", detect_odd_ranks(run, div), div
     if by_state.get("dead"):
-        return "dead-rank", by_state["dead"], None
+        # The first to die is the cause; the others' errors (a peer closed the connection)
+        # follow from it.
+        first = min(by_state["dead"], key=lambda n: _death_time(run.ranks[n]))
+        return "dead-rank", [first], None
     waiting = by_state.get("in-collective", [])
     if waiting and by_state.get("outside-collectives"):
         return "stuck-outside", by_state["outside-collectives"], None
