@@ -20,6 +20,7 @@ from __future__ import annotations
 from lorascope.detect.common import fmt_bytes
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.logs import CacheFlushes, OomReport
 from lorascope.ingest.snapshot_types import SnapshotAnalysis
 
 ID = "allocator-fragmentation"
@@ -80,48 +81,61 @@ def _from_snapshot(rank: int, snap: SnapshotAnalysis) -> Finding | None:
     return None
 
 
+def _from_log_oom(path: str, report: OomReport, snap: SnapshotAnalysis | None) -> Finding:
+    who = f"rank {report.rank}" if report.rank is not None else "a rank"
+    src = f"{path}:{report.line}"
+    return Finding(
+        id=ID, title=f"{who}: OOM for {fmt_bytes(report.requested)} with {fmt_bytes(report.reserved_unallocated)} "
+                     "reserved but unallocated",
+        severity="error", confidence="medium",
+        confidence_reason="torch's OOM message: the cache held more than the request; the message has no block "
+                          "sizes to show the pieces",
+        ranks=[report.rank] if report.rank is not None else [],
+        evidence=[Evidence("request that failed", fmt_bytes(report.requested), src),
+                  Evidence("reserved but unallocated", fmt_bytes(report.reserved_unallocated), src)],
+        explanation="PyTorch had reserved more than the request but could not use it: the cached memory was in "
+                    "blocks too small for it.",
+        fix=_fix(snap))
+
+
+def _flush_evidence(path: str, flushes: list[CacheFlushes]) -> list[Evidence]:
+    return [Evidence("allocator cache flushes since last step" + (f" (rank {c.rank})" if c.rank is not None else ""),
+                     c.flushes, f"{path}:{c.line}") for c in flushes[:5]]
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
+    by_rank: dict[int, Finding] = {}
     findings: list[Finding] = []
-    covered: set[int] = set()
     for rank, snap in sorted(bundle.snapshots.items()):
         finding = _from_snapshot(rank, snap)
         if finding is not None:
             findings.append(finding)
-            covered.add(rank)
+            by_rank[rank] = finding
     any_snapshot = next(iter(bundle.snapshots.values()), None)
     for log in bundle.logs:
         for report in log.ooms:
-            if report.rank in covered or report.requested is None or report.reserved_unallocated is None:
+            if report.rank in by_rank or report.requested is None or report.reserved_unallocated is None \
+                    or report.reserved_unallocated < report.requested:
                 continue
-            if report.reserved_unallocated >= report.requested:
-                if report.rank is not None:
-                    covered.add(report.rank)
-                findings.append(Finding(
-                    id=ID, title=f"{'rank ' + str(report.rank) if report.rank is not None else 'a rank'}: OOM for "
-                                 f"{fmt_bytes(report.requested)} with {fmt_bytes(report.reserved_unallocated)} "
-                                 f"reserved but unallocated",
-                    severity="error", confidence="medium",
-                    confidence_reason="torch's OOM message: the cache held more than the request; the message "
-                                      "has no block sizes to show the pieces",
-                    ranks=[report.rank] if report.rank is not None else [],
-                    evidence=[Evidence("request that failed", fmt_bytes(report.requested), f"{log.path}:{report.line}"),
-                              Evidence("reserved but unallocated", fmt_bytes(report.reserved_unallocated),
-                                       f"{log.path}:{report.line}")],
-                    explanation="PyTorch had reserved more than the request but could not use it: the cached memory "
-                                "was in blocks too small for it.",
-                    fix=_fix(any_snapshot)))
-        flushes = [c for c in log.cache_flushes if c.rank not in covered]
-        if flushes:
-            ranks = sorted({c.rank for c in flushes if c.rank is not None})
+            finding = _from_log_oom(str(log.path), report, any_snapshot)
+            findings.append(finding)
+            if report.rank is not None:
+                by_rank[report.rank] = finding
+        loose = []
+        for c in log.cache_flushes:  # evidence for a finding on the same rank, else one of their own
+            if c.rank in by_rank:
+                by_rank[c.rank].evidence.extend(_flush_evidence(str(log.path), [c]))
+            else:
+                loose.append(c)
+        if loose:
             findings.append(Finding(
-                id=ID, title=f"DeepSpeed flushed the allocator cache {sum(c.flushes for c in flushes)} times "
-                             f"(in {len(flushes)} steps)",
+                id=ID, title=f"DeepSpeed flushed the allocator cache {sum(c.flushes for c in loose)} times "
+                             f"(in {len(loose)} steps)",
                 severity="warning", confidence="low",
                 confidence_reason="cache flushes show memory pressure; fragmentation is the usual cause, but the "
                                   "log alone cannot show the pieces",
-                ranks=ranks,
-                evidence=[Evidence("allocator cache flushes since last step", c.flushes, f"{log.path}:{c.line}")
-                          for c in flushes[:5]],
+                ranks=sorted({c.rank for c in loose if c.rank is not None}),
+                evidence=_flush_evidence(str(log.path), loose),
                 explanation="When an allocation fails, the allocator frees its cache and retries; DeepSpeed counts "
                             "these flushes. Each one costs a device synchronisation and means the cache was too "
                             "scattered (or memory too tight) for the request.",

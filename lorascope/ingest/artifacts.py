@@ -50,11 +50,14 @@ def _free_rank(taken: dict[int, object]) -> int:
     return rank
 
 
-def load_file(bundle: EvidenceBundle, path: Path, kind: str) -> None:
-    """Load one file of KIND into the bundle. BadInputError when it is not that kind."""
+def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = False) -> None:
+    """Load one file of KIND into the bundle. BadInputError when it is not that kind.
+    A log given with ``--kind log`` (forced) only has to be text, not to look like a log."""
     if kind == "log":
+        if forced and detect_kind(path) != "log":
+            raise BadInputError(f"{path}: not text, so not a log ({describe_unknown(path)})")
         log = read_log(path)
-        if not log.looks_like_a_log:
+        if not (forced or log.looks_like_a_log):
             raise BadInputError(f"{path}: text, but not a job log (no timestamps, log levels, rank prefixes "
                                 "or messages lorascope knows)")
         bundle.logs.append(log)
@@ -96,7 +99,7 @@ def load_files(bundle: EvidenceBundle, files: list[Path], kind: str | None) -> i
         if file_kind is None or file_kind == "rundir":
             continue
         try:
-            load_file(bundle, path, file_kind)
+            load_file(bundle, path, file_kind, forced=kind is not None)
             loaded += 1
         except BadInputError as exc:
             errors.append(str(exc))
@@ -121,7 +124,7 @@ def load_single(bundle: EvidenceBundle, path: Path, kind: str | None) -> None:
                                 "messages lorascope knows)")
         bundle.logs.append(log)
         return
-    load_file(bundle, path, file_kind)
+    load_file(bundle, path, file_kind, forced=kind is not None)
 
 
 def add_hta(traces: dict[int, KinetoTrace]) -> None:

@@ -21,6 +21,7 @@ Everything else comes back as ``pickle.load`` would build it.
 """
 from __future__ import annotations
 
+import gc
 import re
 import struct
 from pathlib import Path
@@ -134,6 +135,8 @@ def loads_pickle(data: bytes, name: str = "<bytes>") -> Any:
 
 
 def _load(src: _Source, name: str) -> Any:
+    collecting = gc.isenabled()
+    gc.disable()  # millions of new containers, none in a cycle: the collector only costs time
     try:
         return _run(src)
     except (PickleFormatError, UnsafePickleError) as exc:
@@ -145,6 +148,9 @@ def _load(src: _Source, name: str) -> Any:
             MemoryError, RecursionError) as exc:
         raise PickleFormatError(f"{name}: not a valid pickle ({exc.__class__.__name__}: "
                                 f"{str(exc)[:120]})") from None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _unsafe(op: int, detail: str = "") -> UnsafePickleError:
@@ -162,7 +168,7 @@ def _pop_mark(stack: list[Any], marks: list[int]) -> list[Any]:
     return items
 
 
-def _memo_put(memo: list[Any], idx: int, value: Any, shared: dict[bytes, Any]) -> None:
+def _memo_put(memo: list[Any], idx: int, value: Any, shared: _RefLists) -> None:
     if idx < len(memo):
         if memo[idx] is not _UNSET:
             shared.clear()  # shared reference lists keyed on this slot would be stale
@@ -200,6 +206,145 @@ def _refill_at(buf: bytes, src: _Source) -> int:
     return len(buf) + 1 if src.eof else len(buf) - _LOW_WATER
 
 
+class _RefLists:
+    """Lists made only of memo references (``EMPTY_LIST MEMOIZE MARK GET... APPENDS``),
+    shared as one tuple per distinct run of references.
+
+    Finding where the run ends is the cost. A known run is found without parsing: the run
+    ends at one of the next few "e" (APPENDS) bytes, and a known run (a complete sequence
+    of GET opcodes) equal to the bytes up to an "e" proves the list ends there, since
+    opcodes decode one way only. New runs (and lists written with BINPUT) go through a
+    regular expression, then are known.
+    """
+
+    def __init__(self, memo: list[Any]) -> None:
+        self.memo = memo
+        self.known: dict[bytes, tuple[Any, ...]] = {}
+
+    def clear(self) -> None:
+        self.known.clear()
+
+    def at(self, buf: bytes, start: int) -> tuple[tuple[Any, ...], int] | None:
+        """(the shared tuple, position after APPENDS) for a reference list at ``start``
+        (its EMPTY_LIST byte), else None. The caller memoizes the tuple."""
+        if buf[start + 1] == 0x94 and buf[start + 2] == 0x28:
+            first = start + 3
+            q = first
+            known = self.known
+            for _ in range(4):
+                q = buf.find(b"e", q + 1)
+                if q < 0:
+                    break
+                value = known.get(buf[first:q])
+                if value is not None:
+                    return value, q + 1
+        m = _REF_LIST.match(buf, start)
+        if m is None:
+            return None
+        raw = m.group(1) or m.group(2)
+        value = self.known.get(raw)
+        if value is None:
+            value = _refs(raw, self.memo)
+            if len(self.known) < _SHARED_MAX and m.group(1):
+                self.known[raw] = value
+        return value, m.end()
+
+
+def _short_str(buf: bytes, p: int, strings: dict[bytes, str], memo: list[Any]) -> tuple[str, int] | None:
+    """SHORT_BINUNICODE at ``p`` followed by MEMOIZE: (the string, position after), else None."""
+    n = buf[p + 1]
+    end = p + 2 + n
+    if buf[end] != 0x94:
+        return None
+    raw = buf[p + 2:end]
+    value = strings.get(raw)
+    if value is None:
+        value = raw.decode("utf-8", "surrogatepass")
+        if n <= _SHORT_STR and len(strings) < _STR_CACHE_MAX:
+            strings[raw] = value
+    memo.append(value)
+    return value, end + 1
+
+
+def _flat_dict(buf: bytes, start: int, memo: list[Any], shared: _RefLists, strings: dict[bytes, str],
+               limit: int) -> tuple[dict[Any, Any], int] | None:  # noqa: C901 - one branch per opcode
+    """A dict written as ``EMPTY_DICT MEMOIZE MARK (key value)... SETITEMS`` whose keys and
+    values are references, numbers, short strings, None/bools or reference lists (every
+    allocator trace entry and stack frame): built here directly, without the generic
+    loop's stack. Returns (dict, position after SETITEMS), or None, having undone its memo
+    entries, for the generic loop to handle (anything else in it, or near the buffer end).
+    """
+    mark = len(memo)
+    d: dict[Any, Any] = {}
+    memo.append(d)
+    p = start + 3
+    from_bytes = int.from_bytes
+    try:
+        while p < limit:
+            o = buf[p]
+            if o == 0x75:  # SETITEMS
+                return d, p + 1
+            if o == 0x68:
+                k = memo[buf[p + 1]]
+                p += 2
+            elif o == 0x6A:
+                k = memo[from_bytes(buf[p + 1:p + 5], "little")]
+                p += 5
+            elif o == 0x8C:
+                got = _short_str(buf, p, strings, memo)
+                if got is None:
+                    break
+                k, p = got
+            else:
+                break
+            o = buf[p]
+            if o == 0x68:
+                v = memo[buf[p + 1]]
+                p += 2
+            elif o == 0x6A:
+                v = memo[from_bytes(buf[p + 1:p + 5], "little")]
+                p += 5
+            elif o == 0x4B:
+                v = buf[p + 1]
+                p += 2
+            elif o == 0x4D:
+                v = buf[p + 1] | buf[p + 2] << 8
+                p += 3
+            elif o == 0x4A:
+                v = from_bytes(buf[p + 1:p + 5], "little", signed=True)
+                p += 5
+            elif o == 0x8A:
+                n = buf[p + 1]
+                v = from_bytes(buf[p + 2:p + 2 + n], "little", signed=True)
+                p += 2 + n
+            elif o == 0x8C:
+                got = _short_str(buf, p, strings, memo)
+                if got is None:
+                    break
+                v, p = got
+            elif o == 0x5D and buf[p + 1] == 0x94:
+                found = shared.at(buf, p)
+                if found is None:
+                    break
+                v, p = found
+                memo.append(v)
+            elif o == 0x4E:
+                v = None
+                p += 1
+            elif o == 0x88 or o == 0x89:
+                v = o == 0x88
+                p += 1
+            else:
+                break
+            if k is _UNSET or v is _UNSET:
+                break
+            d[k] = v
+    except (IndexError, TypeError):
+        pass
+    del memo[mark:]
+    return None
+
+
 def _text_int(raw: bytes) -> Any:
     text = raw.strip()
     if text == b"00":
@@ -216,12 +361,12 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
     stack: list[Any] = []
     marks: list[int] = []
     memo: list[Any] = []
-    shared: dict[bytes, Any] = {}
+    shared = _RefLists(memo)
     strings: dict[bytes, str] = {}
     push = stack.append
     memo_append = memo.append
     marks_append = marks.append
-    ref_list = _REF_LIST.match
+    ref_list = shared.at
     from_bytes = int.from_bytes
     if not buf:
         raise PickleFormatError("the file is empty")
@@ -247,7 +392,13 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             memo_append(stack[-1])
         elif op == 0x28:  # MARK
             marks_append(len(stack))
-        elif op == 0x7D:  # EMPTY_DICT
+        elif op == 0x7D:  # EMPTY_DICT, with the flat-dict fast path
+            if pos < refill_at and buf[pos] == 0x94 and buf[pos + 1] == 0x28:
+                flat = _flat_dict(buf, pos - 1, memo, shared, strings, len(buf) if src.eof else refill_at)
+                if flat is not None:
+                    push(flat[0])
+                    pos = flat[1]
+                    continue
             push({})
         elif op == 0x75:  # SETITEMS
             k = marks.pop()
@@ -273,16 +424,11 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             push(from_bytes(buf[pos:pos + 4], "little", signed=True))
             pos += 4
         elif op == 0x5D:  # EMPTY_LIST, with the shared-reference-list fast path
-            m = ref_list(buf, pos - 1)
-            if m is None:
+            found = ref_list(buf, pos - 1) if pos < refill_at else None
+            if found is None:
                 push([])
                 continue
-            raw = m.group(1) or m.group(2)
-            value = shared.get(raw)
-            if value is None:
-                value = _refs(raw, memo)
-                if len(shared) < _SHARED_MAX:
-                    shared[raw] = value
+            value, end = found
             put = buf[pos]
             if put == 0x94:
                 memo_append(value)
@@ -291,7 +437,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             else:
                 _memo_put(memo, from_bytes(buf[pos + 1:pos + 5], "little"), value, shared)
             push(value)
-            pos = m.end()
+            pos = end
         elif op == 0x8C:  # SHORT_BINUNICODE
             n = buf[pos]
             raw = buf[pos + 1:pos + 1 + n]

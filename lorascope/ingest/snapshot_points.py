@@ -37,7 +37,7 @@ class StackInfo:
         self._cache: dict[int, tuple[str, str, tuple[str, ...]]] = {}
 
     def __call__(self, frames: Sequence[Any] | None) -> tuple[str, str, tuple[str, ...]]:
-        if not frames:
+        if not frames or not isinstance(frames, (list, tuple)):
             return _NO_STACK
         key = id(frames)
         info = self._cache.get(key)

@@ -67,11 +67,18 @@ def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None
     skipped = unmatched = 0
     ooms: list[int] = []
     for i, raw in enumerate(trace):
-        e = _entry(raw)
-        if e is None:
+        # _entry() inlined: this loop runs once per trace entry (millions)
+        if type(raw) is not dict:
             skipped += 1
             continue
-        action, addr, size = e
+        action = raw.get("action")
+        size = raw.get("size")
+        if type(action) is not str or type(size) is not int:
+            skipped += 1
+            continue
+        addr = raw.get("addr", 0)
+        if type(addr) is not int:
+            addr = 0
         actions[action] = actions.get(action, 0) + 1
         if action == "alloc":
             live[addr] = size

@@ -1,0 +1,93 @@
+"""Flight-recorder dumps recorded from the real 2-rank gloo job (fixtures/flight-recorder/),
+read and aligned: the planted hang, a healthy run, a same-bytes dtype mismatch."""
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.errors import BadInputError
+from lorascope.ingest.flight import parse_flight_dump, read_flight_dump
+from lorascope.ingest.flight_align import align
+
+FR = Path(__file__).resolve().parents[2] / "fixtures" / "flight-recorder"
+
+
+def _dumps(scenario: str, ext: str = "pickle") -> dict[int, Any]:
+    return {r: read_flight_dump(FR / scenario / f"rank-{r}.{ext}", r) for r in (0, 1)}
+
+
+def test_gloo_dump_with_pg_config_keyed_by_empty_name() -> None:
+    raw = pickle.loads((FR / "rank0-extra-allreduce" / "rank-0.pickle").read_bytes())
+    assert list(raw["pg_config"]) == [""]  # what breaks torch's fr_trace on gloo dumps
+    dump = read_flight_dump(FR / "rank0-extra-allreduce" / "rank-0.pickle", 0)
+    assert dump.backends == ["gloo"] and dump.group_ranks == {"0": [0, 1]} and dump.group_desc["0"] == "default_pg"
+    assert [e.seq for e in dump.entries] == [e["collective_seq_id"] for e in raw["entries"]]
+    assert all(e.state == "scheduled" for e in dump.entries)  # gloo never moves the state on ...
+    assert [e.completed for e in dump.entries] == [True, True, True, False]  # ... pg_status says what finished
+    assert dump.status["0"].last_started is None  # -1: not tracked
+
+
+def test_planted_hang_first_disagreement_with_frames() -> None:
+    result = align(_dumps("rank0-extra-allreduce"))
+    (group,) = result.groups
+    assert group.expected_ranks == [0, 1] and group.missing_dumps == [] and group.window == (1, 4)
+    first = group.first_disagreement
+    assert first is not None and result.first_disagreement is first
+    assert (first.seq, first.kind) == (4, "op")
+    assert first.entries[0].op == "all_reduce" and first.entries[0].input_sizes == [[1]]
+    assert first.entries[1].op == "barrier"
+    assert any("record.py:" in f and "rank_main" in f for f in first.entries[0].frames)
+    assert {r: (p.last_enqueued, p.last_completed, p.pending) for r, p in group.progress.items()} == \
+        {0: (4, 3, True), 1: (4, 3, True)}
+
+
+def test_json_dumps_align_the_same_without_frames() -> None:
+    result = align(_dumps("rank0-extra-allreduce", "json"))
+    first = result.first_disagreement
+    assert first is not None and (first.seq, first.kind) == (4, "op")
+    assert first.entries[0].frames == []
+
+
+def test_healthy_and_dtype_mismatch() -> None:
+    healthy = align(_dumps("healthy"))
+    assert healthy.first_disagreement is None and healthy.groups[0].compared == 5
+    mismatch = align(_dumps("dtype-mismatch")).first_disagreement
+    assert mismatch is not None and (mismatch.seq, mismatch.kind) == (4, "size+dtype")
+    assert mismatch.entries[0].input_dtypes == ["Float"] and mismatch.entries[1].input_dtypes == ["Double"]
+    assert mismatch.extra_on == []
+
+
+def test_missing_rank_dump_and_extra_collective_shift() -> None:
+    one = {0: read_flight_dump(FR / "healthy" / "rank-0.pickle", 0)}
+    assert align(one).groups[0].missing_dumps == [1]
+    raw = pickle.loads((FR / "healthy" / "rank-0.pickle").read_bytes())
+    extra = copy.deepcopy(raw)  # rank 0 runs one all_reduce more at #2; the rest shifts by one
+    inserted = copy.deepcopy(extra["entries"][1])
+    inserted["input_sizes"] = [[1]]
+    extra["entries"].insert(1, inserted)
+    for i, e in enumerate(extra["entries"]):
+        e["collective_seq_id"] = i + 1
+    dumps = {0: parse_flight_dump(extra, Path("rank-0"), 0), 1: parse_flight_dump(raw, Path("rank-1"), 1)}
+    first = align(dumps).first_disagreement
+    assert first is not None and first.seq == 2 and first.kind == "size" and first.extra_on == [0]
+
+
+@pytest.mark.parametrize("data", [{"version": "2.10"}, [], {"entries": "x"}])
+def test_not_a_dump(data: Any, tmp_path: Path) -> None:
+    path = tmp_path / "rank-0.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(BadInputError, match="not a flight-recorder dump"):
+        read_flight_dump(path, 0)
+
+
+def test_odd_entries_are_tolerated() -> None:
+    raw = pickle.loads((FR / "healthy" / "rank-0.pickle").read_bytes())
+    raw["entries"] += ["junk", {"profiling_name": None, "process_group": None, "input_sizes": "?"}]
+    raw["pg_status"] = {"0": "nonsense"}
+    dump = parse_flight_dump(raw, Path("rank-0"), 0)
+    assert len(dump.entries) == 6 and dump.warnings and dump.entries[-1].op == "?"

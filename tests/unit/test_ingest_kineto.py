@@ -1,0 +1,111 @@
+"""Kineto traces: the real GPU traces in ../shared/real-traces (CUDA with and without
+collective args, ROCm) and the CPU trace of the recorded healthy run. Expected numbers
+are counted here from the raw JSON, not hard-coded."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.errors import BadInputError
+from lorascope.ingest.kineto import analyse_trace, read_trace
+from lorascope.ingest.kineto_hta import hta_available, hta_figures
+from lorascope.ingest.kineto_ranks import STRAGGLER_RATIO, compare_traces
+
+REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
+CPU_TRACE = Path(__file__).resolve().parents[2] / "fixtures" / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz"
+needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/real-traces is not here")
+
+
+def _raw(path: Path) -> dict[str, Any]:
+    with gzip.open(path) as f:
+        return json.load(f)
+
+
+def _kernels(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in raw["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
+@needs_real
+@pytest.mark.parametrize("name", ["128rank-job.rank-0.json.gz", "128rank-job.rank-1.json.gz",
+                                  "a100-nccl-collective-args.rank-0.json.gz"])
+def test_cuda_traces(name: str) -> None:
+    raw = _raw(REAL / name)
+    trace = read_trace(REAL / name)
+    kernels = _kernels(raw)
+    assert (trace.rank, trace.world_size, trace.backend) == (raw["distributedInfo"]["rank"],
+                                                             raw["distributedInfo"]["world_size"], "nccl")
+    assert trace.device == "cuda" and trace.unit == "kernel"
+    assert trace.durations.count == len(kernels)
+    assert trace.durations.total_us == pytest.approx(sum(e["dur"] for e in kernels))
+    under5 = [e["dur"] for e in kernels if e["dur"] < 5]
+    assert trace.durations.under[5.0][0] == len(under5)
+    nccl = [e for e in kernels if e["name"].startswith("nccl")]
+    assert len(trace.collectives) == len(nccl)
+    with_args = [e for e in nccl if "Collective name" in e["args"]]
+    assert sum(c.source == "kernel args" for c in trace.collectives) == len(with_args)
+    if with_args:
+        c = next(c for c in trace.collectives if c.source == "kernel args")
+        e = next(e for e in with_args if e["ts"] == c.ts_us)
+        assert (c.op, c.in_nelems, c.dtype, c.group_ranks) == (e["args"]["Collective name"],
+                                                               e["args"]["In msg nelems"], e["args"]["dtype"], [0, 1])
+    steps = {e["name"] for e in raw["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert {name for name, _ in trace.steps} == steps
+    assert 0 < trace.busy_us <= trace.span_us and trace.comm_us > 0
+
+
+@needs_real
+def test_rocm_trace_without_rank() -> None:
+    raw = _raw(REAL / "mi250-rocm.json.gz")
+    trace = read_trace(REAL / "mi250-rocm.json.gz")
+    assert trace.device == "rocm" and trace.rank is None and trace.durations.count == len(_kernels(raw))
+    assert trace.collectives == []
+
+
+def test_cpu_trace_uses_leaf_ops_and_gloo_ranges() -> None:
+    raw = _raw(CPU_TRACE)
+    trace = read_trace(CPU_TRACE)
+    assert trace.device == "cpu" and trace.unit == "op" and trace.backend == "gloo" and trace.rank == 0
+    ops = [e for e in raw["traceEvents"] if e.get("cat") == "cpu_op"]
+    assert 0 < trace.durations.count < len(ops)  # leaves only
+    gloo = [e for e in raw["traceEvents"] if str(e.get("name", "")).startswith("gloo:")]
+    assert len(trace.collectives) == len(gloo)
+    assert sum(n for n, _ in trace.collective_ops.values()) == len(gloo)
+
+
+@needs_real
+def test_straggler_rule_on_two_real_ranks() -> None:
+    traces = {r: read_trace(REAL / f"128rank-job.rank-{r}.json.gz") for r in (0, 1)}
+    cmp = compare_traces(traces)
+    assert cmp is not None and cmp.world_size == 128 and [t.rank for t in cmp.ranks] == [0, 1]
+    per_step = {t.rank: t.compute_us / t.steps for t in cmp.ranks}
+    slow = max(per_step, key=per_step.__getitem__)
+    ratio = per_step[slow] / per_step[1 - slow]
+    least_comm = min(cmp.ranks, key=lambda t: t.comm_us).rank
+    expected = slow if ratio >= STRAGGLER_RATIO and least_comm == slow else None
+    assert cmp.straggler == expected and "2 of 128 ranks" in cmp.reason
+    print(f"\nstraggler verdict on the real 2-of-128 pair: {cmp.reason}")
+
+
+@needs_real
+@pytest.mark.skipif(not hta_available(), reason="holistictraceanalysis is not installed")
+@pytest.mark.filterwarnings("ignore")  # pandas/plotly deprecations inside HTA
+def test_hta_figures_on_gpu_traces_and_its_refusal_of_cpu_ones() -> None:
+    figures, note = hta_figures({r: REAL / f"128rank-job.rank-{r}.json.gz" for r in (0, 1)})
+    assert note is None and set(figures) == {0, 1}
+    assert all(f.launches_matched > 0 and 0 <= f.short_kernels <= f.launches_matched for f in figures.values())
+    figures, note = hta_figures({0: CPU_TRACE})
+    assert figures == {} and note is not None and note.startswith("HTA rejected")
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"traceEvents": []}, "without any timed event"),
+    ({"schemaVersion": 1}, "not a Kineto trace"),
+    ([1, 2], "not a Kineto trace"),
+])
+def test_not_a_trace(data: Any, message: str) -> None:
+    with pytest.raises(BadInputError, match=message):
+        analyse_trace(data, Path("t.json"))
