@@ -1,0 +1,28 @@
+"""The recorded run-directory fixtures (real 2-rank CPU runs, fixtures/record_runs.py):
+each failure mode's run is named by its own detector first; the healthy run by none."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lorascope.detect.registry import run_detectors
+from lorascope.ingest.load import load_bundle
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
+FIVE = {"rank0-asymmetry", "logits-spike", "reentrant-dead-grads", "rank-conditional-hang", "tiny-kernel-tail"}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_fixture_run_is_named_by_its_detector(name: str) -> None:
+    findings = run_detectors(load_bundle(FIXTURES / name))
+    if name == "healthy":
+        assert not {f.id for f in findings} & (FIVE | {"hung-ranks"})
+    else:
+        assert findings and findings[0].id == name
+        assert findings[0].confidence == "high"
+
+
+def test_every_failure_mode_has_a_fixture() -> None:
+    assert FIVE | {"healthy", "hung-ranks"} <= set(RUNS)
