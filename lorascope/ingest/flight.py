@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,7 @@ def load_flight_data(path: Path) -> Any:
         try:
             with gzip.open(path, "rb") as g:
                 return json.loads(g.read())
-        except (OSError, EOFError, ValueError) as exc:
+        except (OSError, EOFError, ValueError, zlib.error) as exc:
             raise BadInputError(f"{path}: not a readable gzipped JSON flight-recorder dump ({exc})") from None
     if head[:1] == b"\x80":
         return load_pickle(path)

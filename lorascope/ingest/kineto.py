@@ -21,6 +21,7 @@ import gzip
 import json
 import re
 import statistics
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,7 @@ def load_trace_json(path: Path) -> Any:
         opener = gzip.open if gz else open
         with opener(path, "rb") as f:  # type: ignore[operator]
             return json.load(f)
-    except (OSError, EOFError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, ValueError, UnicodeDecodeError, zlib.error) as exc:
         raise BadInputError(f"{path}: not a readable trace ({exc.__class__.__name__}: {str(exc)[:100]})") from None
 
 
@@ -149,13 +150,19 @@ def _num(value: Any) -> float | None:
 
 
 def _spans(events: list[Any]) -> list[dict[str, Any]]:
+    """Complete ("X") events with a numeric time and duration and a plain pid/tid."""
     out = []
     for e in events:
         if isinstance(e, Mapping) and e.get("ph") == "X":
             ts, dur = _num(e.get("ts")), _num(e.get("dur"))
-            if ts is not None and dur is not None and dur >= 0:
+            if ts is not None and dur is not None and dur >= 0 and _plain_id(e.get("pid")) \
+                    and _plain_id(e.get("tid")):
                 out.append(e)
     return out
+
+
+def _plain_id(value: Any) -> bool:
+    return value is None or isinstance(value, (int, str))
 
 
 def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace:
@@ -233,7 +240,8 @@ def _lanes(units: list[dict[str, Any]], by_device: bool) -> dict[Any, list[tuple
     lanes: dict[Any, list[tuple[float, float]]] = {}
     for e in units:
         args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
-        key = args.get("device", e.get("pid")) if by_device else (e.get("pid"), e.get("tid"))
+        device = args.get("device")
+        key = (device if isinstance(device, int) else e.get("pid")) if by_device else (e.get("pid"), e.get("tid"))
         lanes.setdefault(key, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     return lanes
 

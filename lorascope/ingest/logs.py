@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +150,7 @@ def read_log(path: Path) -> LogAnalysis:
                 if not result.looks_like_a_log and P.LOG_MARKERS.search(line):
                     result.looks_like_a_log = True
                 _match(line, rank, n, result)
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, zlib.error) as exc:
         raise BadInputError(f"{path}: cannot read the log ({exc})") from None
     result.ranks = sorted(ranks)
     if result.ranks or result.counts:
