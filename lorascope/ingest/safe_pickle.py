@@ -24,6 +24,8 @@ from __future__ import annotations
 import gc
 import re
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -134,11 +136,23 @@ def loads_pickle(data: bytes, name: str = "<bytes>") -> Any:
     return _load(_Source(None, bytes(data)), name)
 
 
-def _load(src: _Source, name: str) -> Any:
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector off for a while: building millions of containers, none
+    in a cycle, it only costs time (each full pass walks the whole heap)."""
     collecting = gc.isenabled()
-    gc.disable()  # millions of new containers, none in a cycle: the collector only costs time
+    gc.disable()
     try:
-        return _run(src)
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _load(src: _Source, name: str) -> Any:
+    try:
+        with no_gc():
+            return _run(src)
     except (PickleFormatError, UnsafePickleError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
     except IndexError:
@@ -148,9 +162,6 @@ def _load(src: _Source, name: str) -> Any:
             MemoryError, RecursionError) as exc:
         raise PickleFormatError(f"{name}: not a valid pickle ({exc.__class__.__name__}: "
                                 f"{str(exc)[:120]})") from None
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _unsafe(op: int, detail: str = "") -> UnsafePickleError:

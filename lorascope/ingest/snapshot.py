@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.ingest.safe_pickle import load_pickle, no_gc
 from lorascope.ingest.snapshot_points import Live, StackInfo, group_by_site
 from lorascope.ingest.snapshot_replay import replay
 from lorascope.ingest.snapshot_types import (
@@ -30,7 +30,8 @@ _AWAITING_FREE = ("active_awaiting_free", "active_pending_free")
 
 def read_snapshot(path: Path, rank: int | None = None) -> SnapshotAnalysis:
     """Load and analyse one snapshot file. BadInputError when it is not one."""
-    return analyse_snapshot(load_pickle(path), path, rank)
+    with no_gc():
+        return analyse_snapshot(load_pickle(path), path, rank)
 
 
 def analyse_snapshot(data: Any, path: Path, rank: int | None = None) -> SnapshotAnalysis:

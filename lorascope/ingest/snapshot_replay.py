@@ -41,18 +41,6 @@ class ReplayResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def _entry(e: Any) -> tuple[str, int, int] | None:
-    """(action, address, size) of a well-formed entry, else None."""
-    if not isinstance(e, Mapping):
-        return None
-    action = e.get("action")
-    size = e.get("size")
-    if not isinstance(action, str) or not isinstance(size, int):
-        return None
-    addr = e.get("addr", 0)
-    return action, addr if isinstance(addr, int) else 0, size
-
-
 def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None,
            annotations: list[Any], device: int, info: StackInfo | None = None) -> ReplayResult:
     info = info or StackInfo()
@@ -67,7 +55,7 @@ def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None
     skipped = unmatched = 0
     ooms: list[int] = []
     for i, raw in enumerate(trace):
-        # _entry() inlined: this loop runs once per trace entry (millions)
+        # a well-formed entry: a dict with a str action and an int size (checked inline: millions)
         if type(raw) is not dict:
             skipped += 1
             continue
@@ -155,17 +143,22 @@ def _replay_to(trace: list[Any], points: list[int], start: dict[int, Live]
     res_at: dict[int, int] = {}
     res_delta = 0
     for i in range(last + 1):
-        e = _entry(trace[i])
-        if e is not None:
-            action, addr, size = e
-            if action == "alloc":
-                live[addr] = (size, trace[i].get("frames"))
-            elif action in _FREES:
-                live.pop(addr, None)
-            elif action in _SEGMENT_GROW:
-                res_delta += size
-            elif action in _SEGMENT_SHRINK:
-                res_delta -= size
+        raw = trace[i]  # the same reading as replay()'s first pass, inlined for speed
+        if type(raw) is dict:
+            action = raw.get("action")
+            size = raw.get("size")
+            if type(action) is str and type(size) is int:
+                addr = raw.get("addr", 0)
+                if type(addr) is not int:
+                    addr = 0
+                if action == "alloc":
+                    live[addr] = (size, raw.get("frames"))
+                elif action in _FREES:
+                    live.pop(addr, None)
+                elif action in _SEGMENT_GROW:
+                    res_delta += size
+                elif action in _SEGMENT_SHRINK:
+                    res_delta -= size
         if i in wanted:
             out[i] = dict(live)
             res_at[i] = res_delta
