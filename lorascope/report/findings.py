@@ -18,6 +18,9 @@ CHART_FOR: dict[str, str] = {
     "reentrant-dead-grads": "chart-loss",
     "rank-conditional-hang": "chart-collectives",
     "tiny-kernel-tail": "chart-kernels",
+    "hung-ranks": "chart-collectives",
+    "plan-deviation": "chart-memory",
+    "straggler": "chart-step-time",
 }
 CHART_TITLES: dict[str, str] = {
     "chart-memory": "memory over time",

@@ -69,8 +69,9 @@ def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, 
     if "chart-kernels" not in ids:
         assert page.locator("#kernels-empty").inner_text().strip()
     for f in range(page.locator(".finding").count()):  # each finding links to a chart on the page
-        href = page.locator(".finding").nth(f).locator("a.chart-link").get_attribute("href")
-        assert href is None or page.locator(href).count() == 1
+        links = page.locator(".finding").nth(f).locator("a.chart-link")
+        if links.count():  # a finding of a kind without a chart has no link
+            assert page.locator(links.first.get_attribute("href")).count() == 1
     shot = artifacts / f"report-{run_dir.name}.png"
     page.screenshot(path=str(shot), full_page=True)
     print(f"\nscreenshot: {shot}  (loaded and drawn in {loaded.load_s:.2f} s)")
