@@ -15,6 +15,7 @@ from typing import Any
 from lorascope.detect.common import fmt_bytes, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.flight_align import call_site
 from lorascope.rundir.reader import Collective, RankData, RunData
 
 ID = "rank-conditional-hang"
@@ -105,13 +106,73 @@ def _short_site(site: str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{rest}"
 
 
+def _condition_in(context: dict[str, Any] | None) -> str | None:
+    for cond in (context or {}).get("conditions", []):
+        if RANK_CONDITION.search(cond):
+            return cond
+    return None
+
+
+EXPLANATION = ("Collectives match up by order: every rank of a process group must call the same "
+               "collectives in the same sequence. A collective inside a block only some ranks "
+               "enter (evaluation, logging or saving on rank 0, a ZeRO-3 parameter gather on the "
+               "main process) pairs with a different call on the others; they wait on each other "
+               "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
+               "mismatched sizes.")
+FIX = ("Run the collective on every rank and act on the result on rank 0 only: move the "
+       "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
+       "all ranks, then `if rank == 0: log(...)`).")
+
+
+def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
+    """The same verdict from torch's flight-recorder dumps alone (no run directory): the
+    first sequence number whose op differs between ranks."""
+    alignment = bundle.flight_alignment
+    first = alignment.first_disagreement if alignment is not None else None
+    if first is None or first.kind != "op":
+        return []  # sizes/dtypes: collective-mismatch; missing ranks: a hang of another kind
+    sites = {r: call_site(e.frames) for r, e in first.entries.items()}
+    conditions = {r: _condition_in(bundle.sources.get(s or "")) for r, s in sites.items()}
+    odd = sorted(r for r, c in conditions.items() if c and not c.startswith("else of:")) \
+        or sorted(first.extra_on)
+    if len(odd) == len(first.entries):
+        odd = []
+    evidence = []
+    for r, entry in sorted(first.entries.items()):
+        sizes = f" {list(entry.input_sizes)}" if entry.input_sizes else ""
+        done = "completed" if entry.completed else "not completed"
+        evidence.append(Evidence(f"rank {r} at group {first.group} #{first.seq}",
+                                 f"{entry.op}{sizes} {'/'.join(entry.input_dtypes)} at {sites[r] or '?'} — {done}",
+                                 f"flight-recorder dump of rank {r}"))
+        context = bundle.sources.get(sites[r] or "")
+        if context and context.get("line"):
+            evidence.append(Evidence(f"rank {r} source", context["line"] + (
+                f"   inside `{conditions[r]}`" if conditions[r] else ""), sites[r] or "?"))
+    who = f"rank {odd[0]}" if odd else "the ranks"
+    odd_entry = first.entries.get(odd[0]) if odd else None
+    return [Finding(
+        id=ID,
+        title=f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"
+              + (f": {odd_entry.op} at {_short_site(sites[odd[0]])}"
+                 + (f" inside `{conditions[odd[0]]}`" if conditions[odd[0]] else "") if odd_entry else ""),
+        severity="error",
+        confidence="high" if any(conditions.values()) else "medium",
+        confidence_reason=("the odd rank's call site is inside a rank condition" if any(conditions.values())
+                           else "the flight-recorder dumps disagree on the op; the source was not readable "
+                                "here to find the rank condition"),
+        ranks=odd or sorted(first.entries),
+        evidence=evidence,
+        explanation=EXPLANATION,
+        fix=FIX,
+        details={"group": first.group, "seq": first.seq, "odd_ranks": odd, "source": "flight recorder"},
+    )]
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
-    if run is None or len(run.ranks) < 2:
-        return []
-    div = first_divergence(run)
+    div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
     if div is None:
-        return []
+        return from_flight_recorder(bundle)
     conditions = _conditions(run, div)
     odd = detect_odd_ranks(run, div)
     evidence: list[Evidence] = []
@@ -154,14 +215,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         confidence_reason=reason,
         ranks=sorted(odd) or sorted(div.calls),
         evidence=evidence,
-        explanation=("Collectives match up by order: every rank of a process group must call the same "
-                     "collectives in the same sequence. A collective inside a block only some ranks "
-                     "enter (evaluation, logging or saving on rank 0, a ZeRO-3 parameter gather on the "
-                     "main process) pairs with a different call on the others; they wait on each other "
-                     "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
-                     "mismatched sizes."),
-        fix=("Run the collective on every rank and act on the result on rank 0 only: move the "
-             "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
-             "all ranks, then `if rank == 0: log(...)`)."),
+        explanation=EXPLANATION,
+        fix=FIX,
         details=details,
     )]

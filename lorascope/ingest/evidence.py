@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lorascope.ingest.flight import FlightDump
 from lorascope.ingest.flight_align import FlightAlignment
@@ -39,5 +40,8 @@ class EvidenceBundle:
     flight_alignment: FlightAlignment | None = None
     #: Ranks' traces compared (timing per rank, the straggler).
     trace_comparison: TraceComparison | None = None
+    #: Source context of call sites the detectors need ("file:line in func" -> {"line":
+    #: text, "conditions": enclosing if/while lines}), read by ingest when the file exists.
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What the readers could not read or had to skip (one line each).
     warnings: list[str] = field(default_factory=list)

@@ -106,6 +106,11 @@ def _short(e: FlightEntry) -> str:
     return f"{e.op} {sizes} {dtypes}".rstrip() + where
 
 
+def call_site(frames: list[str]) -> str | None:
+    """The first frame outside torch.distributed: where the job made the call."""
+    return frames[_first_user(frames)] if frames else None
+
+
 def _first_user(frames: list[str]) -> int:
     """Index of the first frame outside torch.distributed (the call site)."""
     for i, f in enumerate(frames):

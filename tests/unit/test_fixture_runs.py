@@ -26,3 +26,15 @@ def test_fixture_run_is_named_by_its_detector(name: str) -> None:
 
 def test_every_failure_mode_has_a_fixture() -> None:
     assert FIVE | {"healthy", "hung-ranks"} <= set(RUNS)
+
+
+def test_flight_recorder_dumps_alone_name_the_rank_conditional_collective() -> None:
+    """Real gloo dumps of the planted hang (fixtures/flight-recorder/record.py), no run dir."""
+    [finding] = [f for f in run_detectors(load_bundle(FIXTURES / "flight-recorder" / "rank0-extra-allreduce"))
+                 if f.id == "rank-conditional-hang"]
+    assert finding.details["seq"] == 4 and finding.details["source"] == "flight recorder"
+    ops = " ".join(str(e.value) for e in finding.evidence)
+    assert "all_reduce" in ops and "barrier" in ops
+    recorded = FIXTURES / "flight-recorder" / "record.py"
+    if any(str(recorded) in str(e.source) for e in finding.evidence):  # the dumps' paths exist here
+        assert finding.ranks == [0] and finding.confidence == "high"
