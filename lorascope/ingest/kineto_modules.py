@@ -35,8 +35,15 @@ def module_class(qualified: str) -> str:
     return "base"
 
 
+def _correlation(event: dict[str, Any]) -> int | str | None:
+    args = event.get("args")
+    value = args.get("correlation") if isinstance(args, dict) else None
+    return value if isinstance(value, (int, str)) else None
+
+
 def _sequence(event: dict[str, Any]) -> int | None:
-    seq = (event.get("args") or {}).get("Sequence number")
+    args = event.get("args")
+    seq = args.get("Sequence number") if isinstance(args, dict) else None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
@@ -46,12 +53,12 @@ def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any],
     spans = sorted((e for e in events if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
                     and isinstance(e.get("dur"), (int, float))),
                    key=lambda e: (e["ts"], -e["dur"]))
-    stacks: dict[tuple[Any, Any], list[list[Any]]] = {}
+    stacks: dict[tuple[str, str], list[list[Any]]] = {}
     seq_module: dict[int, str | None] = {}
     leaves: list[list[Any]] = []
     launches: dict[Any, str | None] = {}
     for e in spans:
-        stack = stacks.setdefault((e.get("pid"), e.get("tid")), [])
+        stack = stacks.setdefault((repr(e.get("pid")), repr(e.get("tid"))), [])  # any JSON value
         while stack and stack[-1][0] <= e["ts"]:
             stack.pop()
         ctx = stack[-1][1] if stack else None
@@ -71,7 +78,7 @@ def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any],
             stack.append([e["ts"] + e["dur"], ctx, node])
             continue
         elif cat in LAUNCH_CATEGORIES:
-            correlation = (e.get("args") or {}).get("correlation")
+            correlation = _correlation(e)
             if correlation is not None:
                 launches[correlation] = ctx
         stack.append([e["ts"] + e["dur"], ctx, None])
@@ -91,7 +98,7 @@ def table_from_trace(trace: dict[str, Any], source: str | None = None) -> dict[s
     if kernels:
         unit = "kernel"
         for k in kernels:
-            module = launches.get((k.get("args") or {}).get("correlation"))
+            module = launches.get(_correlation(k))
             rows.setdefault((str(k.get("name")), module), []).append(round(float(k["dur"]), 3))
     else:
         unit = "op"
