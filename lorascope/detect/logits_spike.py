@@ -71,22 +71,47 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
                              "spike_bytes": spike, "step_memory_bytes": step_memory, "dtype": rec["dtype"]}
 
 
+def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Evidence], dict] | None:
+    """From an allocator snapshot: the large blocks live at the peak in lm_head / loss
+    frames (and blocks of the same size elsewhere), against the peak."""
+    snapshot = bundle.snapshots[rank]
+    device = snapshot.main
+    if device is None or device.peak is None or not device.logits_blocks:
+        return None
+    logits = sum(b.bytes for b in device.logits_blocks)
+    share = logits / device.peak.allocated if device.peak.allocated else 0.0
+    if logits < MIN_BYTES or share < MIN_SHARE_OF_STEP:
+        return None
+    src = f"{snapshot.path} (blocks live at the trace's peak)"
+    evidence = [Evidence(f"logits-sized block at {b.site}", f"{b.bytes:,} B ({fmt_bytes(b.bytes)})"
+                         + (f"; {b.note}" if b.note else ""), src) for b in device.logits_blocks[:6]]
+    evidence.append(Evidence("share of the peak", f"{fmt_bytes(logits)} of {fmt_bytes(device.peak.allocated)} "
+                             f"allocated = {share:.0%}", src))
+    return share, evidence, {"logits_bytes": logits, "peak_allocated": device.peak.allocated, "source": "snapshot"}
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
-    if run is None:
-        return []
-    hits = {n: f for n, r in run.ranks.items() if (f := _rank_finding(run, r)) is not None}
+    hits = {n: f for n, r in run.ranks.items() if (f := _rank_finding(run, r)) is not None} if run else {}
+    if not hits:
+        hits = {n: f for n in bundle.snapshots if (f := _snapshot_finding(bundle, n)) is not None}
     if not hits:
         return []
     rank = min(hits, key=lambda n: -hits[n][0])
     share, evidence, details = hits[rank]
+    shape = (f" ({details['tokens']:,} tokens x {details['vocab']:,} vocab)" if "tokens" in details
+             else " at the allocator's peak")
+    if share >= 1 and "spike_bytes" in details:
+        title = (f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} with their fp32 copy and gradient) "
+                 f"outweigh everything else the step allocates ({fmt_bytes(details['step_memory_bytes'])}){shape}")
+    else:
+        title = f"the loss's logits take ~{share:.0%} of each step's memory{shape}"
     return [Finding(
         id=ID,
-        title=f"the loss's logits take ~{share:.0%} of each step's memory "
-              f"({details['tokens']:,} tokens x {details['vocab']:,} vocab)",
+        title=title,
         severity="error" if share >= 0.5 else "warning",
         confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
-        confidence_reason=(f"logits measured at the loss on {len(hits)} rank(s); their fp32 footprint is "
+        confidence_reason=(f"logits measured at the loss on {len(hits)} rank(s); their footprint is "
                            f"{share:.0%} of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"),
         ranks=sorted(hits),
         evidence=evidence,

@@ -28,6 +28,17 @@ MIN_SHARE_OF_GROWTH = 0.25
 MIN_EXCESS_BYTES = 16 * 2**20
 
 
+EXPLANATION = ("In data-parallel training every rank should hold about the same memory. Rank 0 "
+               "often does extra work the others do not: it evaluates or logs alone and keeps the "
+               "outputs, gathers tensors from every rank, or hosts other ranks' CUDA contexts when "
+               "they did not select their own device before initialising. It then runs out of "
+               "memory while the other ranks are comfortable.")
+FIX = ("Run evaluation on every rank and all_reduce the metrics; keep no outputs on rank 0 (move "
+       "gathered tensors to CPU, reduce them to numbers, delete them); call "
+       "torch.cuda.set_device(local_rank) before init_process_group and pass "
+       "barrier(device_ids=[local_rank]).")
+
+
 def _edge_series(rank: RankData, kind: str) -> list[tuple[tuple[int, str, int], int]]:
     """Main-thread samples keyed by (step, phase edge, occurrence), in order."""
     seen: Counter[tuple[int, str]] = Counter()
@@ -95,10 +106,48 @@ def _gpu0_guests(rank0: RankData, others: list[RankData]) -> list[int]:
     return sorted(r.rank for r in others if r.pid in pids)
 
 
+def from_snapshots(bundle: EvidenceBundle) -> list[Finding]:
+    """Several ranks' allocator snapshots: rank 0's allocated bytes at its peak against the
+    others', and the allocations present on rank 0 only (by first user frame)."""
+    comparison = bundle.snapshot_comparison
+    if comparison is None or 0 not in comparison.allocated or len(comparison.allocated) < 2:
+        return []
+    others = [v for r, v in comparison.allocated.items() if r != 0]
+    median = statistics.median(others)
+    excess = comparison.allocated[0] - median
+    only = [a for a in comparison.rank_only if a.rank == 0]
+    # Allocations no other rank has are evidence enough on their own: the floor suffices.
+    alone = sum(a.bytes for a in only if a.only_here) >= MIN_EXCESS_BYTES
+    threshold = MIN_EXCESS_BYTES if alone else max(MIN_EXCESS_BYTES, MIN_EXCESS_SHARE * median)
+    if excess < threshold:
+        return []
+    src = f"{bundle.snapshots[0].path} ({comparison.points[0]})"
+    evidence = [Evidence("rank 0 allocated", fmt_bytes(comparison.allocated[0]), src),
+                Evidence("median of the other ranks", fmt_bytes(median), "their snapshots"),
+                Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%})", "allocated minus the median")]
+    evidence += [Evidence(f"on rank 0 {'only' if a.only_here else 'mostly'}: {a.category}",
+                          f"{fmt_bytes(a.bytes)} at {a.site} (others at most {fmt_bytes(a.others_max)})", src)
+                 for a in only[:5]]
+    return [Finding(
+        id=ID,
+        title=f"rank 0 holds {fmt_bytes(excess)} more than the other ranks"
+              + (f"; the largest part only it holds: {only[0].category} at {only[0].site}" if only else ""),
+        severity="error" if any(d.ooms for d in bundle.snapshots[0].devices) else "warning",
+        confidence="high" if only else "medium",
+        confidence_reason=("allocations present on rank 0 only, found by comparing the ranks' snapshots"
+                           if only else "rank 0's peak is above the others', no allocation is rank 0's alone"),
+        ranks=[0],
+        evidence=evidence,
+        explanation=EXPLANATION,
+        fix=FIX,
+        details={"peaks": {str(r): v for r, v in comparison.allocated.items()}, "source": "snapshots"},
+    )]
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or 0 not in run.ranks or len(run.ranks) < 2:
-        return []
+        return from_snapshots(bundle)
     rank0 = run.ranks[0]
     others = [r for n, r in run.ranks.items() if n != 0]
     peak0 = peak_memory(rank0)
@@ -150,15 +199,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         confidence_reason="; ".join(reasons),
         ranks=[0],
         evidence=evidence,
-        explanation=("In data-parallel training every rank should hold about the same memory. Rank 0 "
-                     "often does extra work the others do not: it evaluates or logs alone and keeps the "
-                     "outputs, gathers tensors from every rank, or hosts other ranks' CUDA contexts when "
-                     "they did not select their own device before initialising. It then runs out of "
-                     "memory while the other ranks are comfortable."),
-        fix=("Run evaluation on every rank and all_reduce the metrics; keep no outputs on rank 0 (move "
-             "gathered tensors to CPU, reduce them to numbers, delete them); call "
-             "torch.cuda.set_device(local_rank) before init_process_group and pass "
-             "barrier(device_ids=[local_rank])."),
+        explanation=EXPLANATION,
+        fix=FIX,
         details={"peaks": {str(r.rank): peak_memory(r) for r in run.ranks.values()},
                  "divergence": point, "gpu0_guest_ranks": guests},
     )]

@@ -38,3 +38,14 @@ def test_flight_recorder_dumps_alone_name_the_rank_conditional_collective() -> N
     recorded = FIXTURES / "flight-recorder" / "record.py"
     if any(str(recorded) in str(e.source) for e in finding.evidence):  # the dumps' paths exist here
         assert finding.ranks == [0] and finding.confidence == "high"
+
+
+def test_snapshots_alone_feed_the_memory_detectors() -> None:
+    """Two ranks' allocator snapshots at an OOM (fixtures/snapshots/build.py): the logits
+    blocks in the loss frames, and what rank 0 alone holds."""
+    findings = {f.id: f for f in run_detectors(load_bundle(FIXTURES / "snapshots" / "lora-oom"))}
+    logits = findings["logits-spike"]
+    assert logits.details["source"] == "snapshot"
+    assert logits.details["logits_bytes"] == 2 * 262_144_000 + 131_072_000
+    asym = findings["rank0-asymmetry"]
+    assert asym.ranks == [0] and "activations" in asym.title
