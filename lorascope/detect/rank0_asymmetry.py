@@ -63,22 +63,33 @@ def _growth(rank: RankData, kind: str) -> int | None:
 
 
 def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> dict[str, Any] | None:
-    """The first aligned phase edge where rank 0 exceeds the others' median by half the
-    final excess, with the excess there."""
+    """Where rank 0 pulls away: the ranks' samples are aligned by phase edge, the gap to
+    the others' median is followed edge to edge, and the interval (from one edge to the
+    next) whose gap increases add up to the most names the phase — robust to an allocator
+    that wobbles at any single edge. ``step`` is where the gap first reached half the
+    final excess."""
     kind = memory_kind(rank0)
     series = [dict(_edge_series(r, kind)) for r in others]
-    previous = "start"
+    previous, last_gap = "start", 0.0
+    growth: dict[tuple[str, str], float] = {}
+    first_step: int | None = None
     for key, value in _edge_series(rank0, kind):
         values = [s[key] for s in series if key in s]
         if len(values) != len(series):
             continue
         step, edge, _ = key
         gap = value - statistics.median(values)
-        if gap >= excess / 2:
-            return {"step": step, "after": previous, "edge": edge, "phase": _phase_between(previous, edge),
-                    "gap": gap}
-        previous = edge
-    return None
+        growth[(previous, edge)] = growth.get((previous, edge), 0.0) + (gap - last_gap)
+        if first_step is None and gap >= excess / 2:
+            first_step = step
+        previous, last_gap = edge, gap
+    if not growth or first_step is None:
+        return None
+    (after, edge), added = max(growth.items(), key=lambda kv: kv[1])
+    if added <= 0:
+        return None
+    return {"step": first_step, "after": after, "edge": edge, "phase": _phase_between(after, edge),
+            "gap": added}
 
 
 def _phase_between(previous: str, edge: str) -> str:
@@ -173,9 +184,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                  "peak minus the median"),
     ]
     if point is not None:
-        evidence.append(Evidence("rank 0 pulled away", f"at step {point['step']}, between {point['after']} "
-                                 f"and {point['edge']}: {point['phase']} (+{fmt_bytes(point['gap'])} there)",
-                                 "mem records aligned by phase edge"))
+        evidence.append(Evidence("rank 0 pulled away", f"between {point['after']} and {point['edge']}: "
+                                 f"{point['phase']} (+{fmt_bytes(point['gap'])} over the run; half the excess "
+                                 f"reached at step {point['step']})", "mem records aligned by phase edge"))
     if guests:
         evidence.append(Evidence("other ranks' processes on rank 0's GPU",
                                  f"ranks {guests} (NVML process list)", stream_source(run, rank0, "mem.nvml")))

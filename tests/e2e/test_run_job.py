@@ -78,7 +78,9 @@ def test_failing_probes_leave_the_job_unchanged(tmp_path: Path, bare_losses: lis
     run = load_run(out)
     assert sorted(run.ranks) == [0] and any("ranks [1] wrote no stream" in w for w in run.warnings)
     rank0 = run.ranks[0]
-    assert [e["probe"] for e in rank0.probe_errors] == ["memory"]
+    # the memory probe, and the logits probe that takes its readings, switched off
+    assert "memory" in {e["probe"] for e in rank0.probe_errors}
+    assert all("planted failure" in e["error"] for e in rank0.probe_errors)
     assert len(rank0.steps) == 20 and rank0.collectives
 
 
