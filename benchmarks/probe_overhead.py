@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Overhead of lorascope's always-on probes on a real 2-rank LoRA job (a script, not a test).
 
-Runs ``probes/train_lora.py`` under torchrun bare and under ``lorascope run --no-summary``,
+Runs ``probes/train_lora.py`` under torchrun bare and under ``lorascope run --no-summary``
+(by default with ``--trace-window off``: the always-on probes; the bounded kernel-trace
+window profiles two steps and exports a trace, a one-off cost measured with
+``--trace-window 5:2``),
 alternating (bare/probed, then probed/bare, ...) ``--reps`` times each, and prints the
 median step time of each, their ratio, the ratio per pair (its min/max is the spread),
 and whether rank 0's losses were identical with and without probes.
@@ -65,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cpus", default=None,
                    help="taskset CPU list for every run (default: the CPUs this process may use)")
     p.add_argument("--no-pin", action="store_true", help="do not pin runs with taskset")
+    p.add_argument("--trace-window", default="off",
+                   help="the probed runs' kernel-trace window (default off: always-on probes only)")
     p.add_argument("--keep", action="store_true", help="keep the probed runs' directories")
     p.add_argument("job_args", nargs="*", help="extra arguments for train_lora.py (after --)")
     args = p.parse_args()
@@ -91,7 +96,8 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
            str(JOB), "--steps", str(args.steps), "--print-losses", *args.job_args]
     if variant == "probed":
         out = work / f"probed-{index:02d}"
-        cmd = [*pin, sys.executable, "-m", "lorascope", "run", "--no-summary", "--out", str(out), "--", *job]
+        cmd = [*pin, sys.executable, "-m", "lorascope", "run", "--no-summary", "--trace-window", args.trace_window,
+               "--out", str(out), "--", *job]
     else:
         cmd = [*pin, *job]
     run = Run(variant, port)

@@ -57,6 +57,11 @@ class Session:
             fields["t"] = time.time()
             self.stream.write(fields)
 
+    def record_line(self, line: str) -> None:
+        """A record pre-formatted as one JSON line (see CollectiveProbe)."""
+        if self.active:
+            self.stream.write_line(line.encode())
+
     def fail(self, probe: str, exc: BaseException) -> None:
         """Switch a probe off for the rest of the job, and say why in the stream."""
         if probe in self.disabled:
