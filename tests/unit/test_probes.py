@@ -90,14 +90,14 @@ def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_
 def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     record_launch(out, "test", ["job.py"])
-    attach = ("import psutil\n"
-              "def broken(self): raise OSError('planted: /proc unreadable')\n"
-              "psutil.Process.memory_info = broken\n"
+    attach = ("from lorascope.probes.memory import MemoryProbe\n"
+              "def broken(self, *args): raise OSError('planted: /proc unreadable')\n"
+              "MemoryProbe._cuda = broken\n"
               f"lorascope.attach({str(out)!r})")
     proc = run_job(tmp_path, attach, {}, 29812)
     assert proc.returncode == 0, proc.stderr
     assert "probe 'memory' switched off" in proc.stderr
     rank = load_run(out).ranks[0]
-    assert [e["probe"] for e in rank.probe_errors] == ["memory"]
-    assert "planted" in rank.probe_errors[0]["error"]
+    assert "memory" in {e["probe"] for e in rank.probe_errors}
+    assert all("planted" in e["error"] for e in rank.probe_errors)
     assert len(rank.steps) == 3 and len(rank.collectives) == 5  # the other probes go on
