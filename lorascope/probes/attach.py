@@ -138,17 +138,18 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     collectives = CollectiveProbe(session)
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
-    def on_step_end() -> None:
-        collectives.resolve_device_times()
-        dumper.progress()
-
-    steps = StepProbe(session, memory, GradProbe(session), logits, kernels, on_step_end=on_step_end)
 
     def flight(reason: str) -> None:
         dump_flight_recorder(session, prefix, reason)
 
     dumper = Dumper(session, collectives.pending, session.guarded("dumps")(memory.reading), flight,
                     pg_timeout=lambda: collectives.pg_timeout, stall_override=_env_float(ENV_STALL_SECONDS))
+
+    def on_step_end() -> None:
+        collectives.resolve_device_times()
+        dumper.progress()
+
+    steps = StepProbe(session, memory, GradProbe(session), logits, kernels, on_step_end=on_step_end)
 
     def on_end() -> None:
         memory.stop()
@@ -157,12 +158,13 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
 
     ExitProbe(session, on_end, on_crash=flight).install()
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
-    _hook(session, "torch.distributed.distributed_c10d", collectives.install)
-    _hook(session, "torch", steps.install_torch)
-    _hook(session, "torch", logits.install)
-    _hook(session, "torch.nn.parallel.distributed", steps.install_ddp)
-    _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed)
-    _hook(session, "peft", steps.install_peft)
+    # Each install is its own probe: one that fails to install leaves the others on.
+    _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
+    _hook(session, "torch", steps.install_torch, "steps-torch")
+    _hook(session, "torch", logits.install, "logits")
+    _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
+    _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
+    _hook(session, "peft", steps.install_peft, "configs")
     memory.sample("attach")
     if not dumper.install_signal():
         session.record("probe_error", probe="dumps",
@@ -172,9 +174,8 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     return session
 
 
-def _hook(session: Session, module: str, install: Any) -> None:
-    probe = module.split(".")[0] + "-hooks"
-    importhook.when_imported(module, session.guarded(probe)(install))
+def _hook(session: Session, module: str, install: Any, probe: str) -> None:
+    importhook.when_imported(module, session.guarded(f"{probe}-install")(install))
 
 
 def _device_hint(local_rank: int) -> str:
