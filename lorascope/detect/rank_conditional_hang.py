@@ -23,6 +23,13 @@ RANK_CONDITION = re.compile(r"\b(rank|local_rank|global_rank|is_main_process|is_
                             r"is_world_process_zero|main_process|get_rank\(\))\b")
 
 
+def _condition_in(context: dict[str, Any] | None) -> str | None:
+    for cond in (context or {}).get("conditions", []):
+        if RANK_CONDITION.search(cond):
+            return cond
+    return None
+
+
 @dataclass
 class Divergence:
     group: str
@@ -61,13 +68,7 @@ def first_divergence(run: RunData) -> Divergence | None:
 
 def rank_condition(rank: RankData, site: str | None) -> str | None:
     """The innermost enclosing condition of ``site`` that tests the rank, if any."""
-    if site is None:
-        return None
-    context = rank.sites.get(site, {})
-    for cond in context.get("conditions", []):
-        if RANK_CONDITION.search(cond):
-            return cond
-    return None
+    return _condition_in(rank.sites.get(site)) if site is not None else None
 
 
 def _conditions(run: RunData, div: Divergence) -> dict[int, str | None]:
@@ -104,13 +105,6 @@ def _short_site(site: str | None) -> str:
         return "?"
     path, _, rest = site.partition(":")
     return f"{path.rsplit('/', 1)[-1]}:{rest}"
-
-
-def _condition_in(context: dict[str, Any] | None) -> str | None:
-    for cond in (context or {}).get("conditions", []):
-        if RANK_CONDITION.search(cond):
-            return cond
-    return None
 
 
 EXPLANATION = ("Collectives match up by order: every rank of a process group must call the same "
