@@ -7,6 +7,7 @@ REPS times and prints the wall time of each (the anchor: torch's default watchdo
 
     python benchmarks/hang_latency.py --reps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,12 @@ def free_port() -> int:
 def stuck(out: Path) -> bool:
     try:
         run = load_run(out)
-    except Exception:  # noqa: BLE001 - still being written
+    except Exception:
         return False
     return len(run.ranks) == 2 and all(
         any(c.pending and c.site and "rank_conditional_collective" in c.site for c in r.collectives)
-        for r in run.ranks.values())
+        for r in run.ranks.values()
+    )
 
 
 def main() -> None:
@@ -49,11 +51,34 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="lorascope-hang-bench-")) / "run"
     job = subprocess.Popen(
-        [sys.executable, "-m", "lorascope", "run", "--no-summary", "--out", str(out), "--",
-         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(free_port()), str(REPO / "probes" / "train_lora.py"), "--steps", "20",
-         "--fault", "rank-conditional-hang", "--fault-step", "3"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "lorascope",
+            "run",
+            "--no-summary",
+            "--out",
+            str(out),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(REPO / "probes" / "train_lora.py"),
+            "--steps",
+            "20",
+            "--fault",
+            "rank-conditional-hang",
+            "--fault-step",
+            "3",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 300
         while not stuck(out):
@@ -63,13 +88,17 @@ def main() -> None:
         times = []
         for _ in range(args.reps):
             start = time.perf_counter()
-            res = subprocess.run([sys.executable, "-m", "lorascope", "hang", str(out), "--no-html"],
-                                 capture_output=True, text=True)
+            res = subprocess.run(
+                [sys.executable, "-m", "lorascope", "hang", str(out), "--no-html"], capture_output=True, text=True
+            )
             times.append(time.perf_counter() - start)
             verdict = next((line for line in res.stdout.splitlines() if line.startswith("verdict:")), res.stderr)
         print(f"lorascope hang, 2 ranks, planted rank-conditional collective: {verdict}")
-        print("seconds to verdict: " + ", ".join(f"{t:.2f}" for t in times)
-              + f"  (median {statistics.median(times):.2f}, goal < 5)")
+        print(
+            "seconds to verdict: "
+            + ", ".join(f"{t:.2f}" for t in times)
+            + f"  (median {statistics.median(times):.2f}, goal < 5)"
+        )
     finally:
         for proc in [job, *(psutil.Process(job.pid).children(recursive=True) if job.poll() is None else [])]:
             try:

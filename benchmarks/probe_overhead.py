@@ -22,6 +22,7 @@ may use), so that both variants see the same cores.
 
     python benchmarks/probe_overhead.py --reps 5 --steps 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,14 +63,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="runs of each variant (default 5)")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run discarded (default 5)")
-    p.add_argument("--port", type=int, default=29800,
-                   help="first torchrun master port; run i uses port+i (default 29800)")
+    p.add_argument(
+        "--port", type=int, default=29800, help="first torchrun master port; run i uses port+i (default 29800)"
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--cpus", default=None,
-                   help="taskset CPU list for every run (default: the CPUs this process may use)")
+    p.add_argument(
+        "--cpus", default=None, help="taskset CPU list for every run (default: the CPUs this process may use)"
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin runs with taskset")
-    p.add_argument("--trace-window", default="off",
-                   help="the probed runs' kernel-trace window (default off: always-on probes only)")
+    p.add_argument(
+        "--trace-window",
+        default="off",
+        help="the probed runs' kernel-trace window (default off: always-on probes only)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the probed runs' directories")
     p.add_argument("job_args", nargs="*", help="extra arguments for train_lora.py (after --)")
     args = p.parse_args()
@@ -90,14 +96,35 @@ def pin_prefix(args: argparse.Namespace) -> list[str]:
     return [taskset, "-c", cpus]
 
 
-def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, index: int,
-             pin: list[str]) -> Run:
-    job = ["torchrun", "--nproc_per_node", str(args.nproc), "--master_port", str(port),
-           str(JOB), "--steps", str(args.steps), "--print-losses", *args.job_args]
+def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, index: int, pin: list[str]) -> Run:
+    job = [
+        "torchrun",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--master_port",
+        str(port),
+        str(JOB),
+        "--steps",
+        str(args.steps),
+        "--print-losses",
+        *args.job_args,
+    ]
     if variant == "probed":
         out = work / f"probed-{index:02d}"
-        cmd = [*pin, sys.executable, "-m", "lorascope", "run", "--no-summary", "--trace-window", args.trace_window,
-               "--out", str(out), "--", *job]
+        cmd = [
+            *pin,
+            sys.executable,
+            "-m",
+            "lorascope",
+            "run",
+            "--no-summary",
+            "--trace-window",
+            args.trace_window,
+            "--out",
+            str(out),
+            "--",
+            *job,
+        ]
     else:
         cmd = [*pin, *job]
     run = Run(variant, port)
@@ -119,8 +146,10 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     run.wall_s = time.perf_counter() - start
     if run.rc != 0 or len(arrivals) != args.steps:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        sys.exit(f"probe_overhead: the {variant} run on port {port} failed (exit {run.rc}, "
-                 f"{len(arrivals)}/{args.steps} steps); its stderr ends:\n" + "\n".join(tail))
+        sys.exit(
+            f"probe_overhead: the {variant} run on port {port} failed (exit {run.rc}, "
+            f"{len(arrivals)}/{args.steps} steps); its stderr ends:\n" + "\n".join(tail)
+        )
     run.step_s = [arrivals[s] - arrivals[s - 1] for s in range(args.warmup + 1, args.steps + 1)]
     if variant == "probed" and not list((work / f"probed-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
         print(f"  warning: the probed run {index} wrote no rank stream (probes not attached?)")
@@ -135,8 +164,10 @@ def main() -> None:
     args = parse_args()
     pin = pin_prefix(args)
     work = Path(tempfile.mkdtemp(prefix="lorascope-overhead-"))
-    print(f"probe_overhead: {args.reps} pairs, {args.steps} steps/run, first {args.warmup} discarded, "
-          f"{args.nproc} ranks; pinned to CPUs: {pin[-1] if pin else 'no'}; work dir {work}")
+    print(
+        f"probe_overhead: {args.reps} pairs, {args.steps} steps/run, first {args.warmup} discarded, "
+        f"{args.nproc} ranks; pinned to CPUs: {pin[-1] if pin else 'no'}; work dir {work}"
+    )
     pairs: list[tuple[Run, Run]] = []
     port = args.port
     try:
@@ -148,8 +179,10 @@ def main() -> None:
                 port += 1
             bare, probed = done["bare"], done["probed"]
             pairs.append((bare, probed))
-            print(f"  pair {rep + 1}: bare {ms(bare.median)} probed {ms(probed.median)} "
-                  f"ratio {probed.median / bare.median:.3f}   (wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s)")
+            print(
+                f"  pair {rep + 1}: bare {ms(bare.median)} probed {ms(probed.median)} "
+                f"ratio {probed.median / bare.median:.3f}   (wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s)"
+            )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -159,9 +192,11 @@ def main() -> None:
     bare_med = statistics.median(s for r in bare_runs for s in r.step_s)
     probed_med = statistics.median(s for r in probed_runs for s in r.step_s)
     ratios = [p.median / b.median for b, p in pairs]
-    job_ratio = statistics.median(p.mean_step_s / b.mean_step_s for b, p in pairs
-                                  if b.mean_step_s and p.mean_step_s) if all(
-        b.mean_step_s and p.mean_step_s for b, p in pairs) else None
+    job_ratio = (
+        statistics.median(p.mean_step_s / b.mean_step_s for b, p in pairs if b.mean_step_s and p.mean_step_s)
+        if all(b.mean_step_s and p.mean_step_s for b, p in pairs)
+        else None
+    )
     reference = bare_runs[0].losses
     same_losses = all(r.losses == reference for r in bare_runs + probed_runs)
     bare_vs_probed = all(p.losses == b.losses for b, p in pairs)
@@ -174,11 +209,15 @@ def main() -> None:
     print(f"  median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
     if job_ratio is not None:
         print(f"job's own mean_step_s ratio (median over pairs; it skips 2 steps): {job_ratio:.3f}")
-    print(f"wall time per run, median: bare {statistics.median(r.wall_s for r in bare_runs):.1f} s, "
-          f"probed {statistics.median(r.wall_s for r in probed_runs):.1f} s")
-    print(f"losses identical bare vs probed: {'yes' if bare_vs_probed else 'NO'}"
-          f" (all {len(pairs) * 2} runs identical: {'yes' if same_losses else 'no'}; "
-          f"{len(reference)} steps, last {reference[-1]})")
+    print(
+        f"wall time per run, median: bare {statistics.median(r.wall_s for r in bare_runs):.1f} s, "
+        f"probed {statistics.median(r.wall_s for r in probed_runs):.1f} s"
+    )
+    print(
+        f"losses identical bare vs probed: {'yes' if bare_vs_probed else 'NO'}"
+        f" (all {len(pairs) * 2} runs identical: {'yes' if same_losses else 'no'}; "
+        f"{len(reference)} steps, last {reference[-1]})"
+    )
 
 
 if __name__ == "__main__":

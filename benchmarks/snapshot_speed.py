@@ -18,6 +18,7 @@ Then runs each tool in its own process and reports wall time, CPU time and peak 
 (``getrusage`` of the child): ``lorascope analyze FILE`` (text discarded) and
 ``python -m torch.cuda._memory_viz stats FILE``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,21 +100,39 @@ class Stacks:
     """Frames (dicts written inline the first time, referenced after) and stacks of them."""
 
     def __init__(self, rng: random.Random, n_frames: int = 3000, n_stacks: int = 6000, depth: int = 48) -> None:
-        cpp = [("??", 0, n) for n in (
-            "torch::unwind::unwind()", "torch::CapturedTraceback::gather(bool, bool, bool)",
-            "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(signed char, unsigned long, "
-            "CUstream_st*)", "at::native::empty_cuda(...)", "at::_ops::empty_strided::call(...)",
-            "_PyEval_EvalFrameDefault")]
-        pkgs = ["torch/nn/modules", "transformers/models/llama", "peft/tuners/lora", "deepspeed/runtime/zero",
-                "torch/optim", "accelerate", "torch/utils"]
-        py = [(f"{SITE}/{pkgs[i % len(pkgs)]}/module_{i % 211}.py", 10 + i % 900, f"function_{i}")
-              for i in range(n_frames)]
+        cpp = [
+            ("??", 0, n)
+            for n in (
+                "torch::unwind::unwind()",
+                "torch::CapturedTraceback::gather(bool, bool, bool)",
+                "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(signed char, unsigned long, "
+                "CUstream_st*)",
+                "at::native::empty_cuda(...)",
+                "at::_ops::empty_strided::call(...)",
+                "_PyEval_EvalFrameDefault",
+            )
+        ]
+        pkgs = [
+            "torch/nn/modules",
+            "transformers/models/llama",
+            "peft/tuners/lora",
+            "deepspeed/runtime/zero",
+            "torch/optim",
+            "accelerate",
+            "torch/utils",
+        ]
+        py = [
+            (f"{SITE}/{pkgs[i % len(pkgs)]}/module_{i % 211}.py", 10 + i % 900, f"function_{i}")
+            for i in range(n_frames)
+        ]
         self.frames = cpp + py
         self.memo_of: dict[int, int] = {}
         #: A stack's bytes once all its frames are written (then it is only references).
         self.ready: dict[int, bytes] = {}
-        self.stacks = [list(range(len(cpp))) + rng.sample(range(len(cpp), len(self.frames)), depth - len(cpp))
-                       for _ in range(n_stacks)]
+        self.stacks = [
+            list(range(len(cpp))) + rng.sample(range(len(cpp), len(self.frames)), depth - len(cpp))
+            for _ in range(n_stacks)
+        ]
 
     def write(self, w: PickleWriter, s: int) -> None:
         """A new list object per entry, as torch builds one per traceback."""
@@ -214,8 +233,10 @@ class Workload:
         batch_start = self.entries
         w.buf += b"("
         while w.f.tell() < target_bytes * 0.95:
-            step = [self.alloc(rng.choice(SIZES[:5]) if rng.random() < 0.97 else rng.choice(SIZES[5:]))
-                    for _ in range(rng.randint(150, 250))]
+            step = [
+                self.alloc(rng.choice(SIZES[:5]) if rng.random() < 0.97 else rng.choice(SIZES[5:]))
+                for _ in range(rng.randint(150, 250))
+            ]
             for addr in step[:-2] if rng.random() < 0.02 else step:
                 self.release(addr)
             if self.entries - batch_start >= 1000:
@@ -291,8 +312,12 @@ def write_snapshot(path: Path, target_bytes: int, seed: int = 0) -> int:
         load.write_segments()
         w.shared_string("allocator_settings")
         w.dict_start()
-        for key, value in (("PYTORCH_CUDA_ALLOC_CONF", ""), ("max_split_size", -1),
-                           ("garbage_collection_threshold", 0.0), ("expandable_segments", False)):
+        for key, value in (
+            ("PYTORCH_CUDA_ALLOC_CONF", ""),
+            ("max_split_size", -1),
+            ("garbage_collection_threshold", 0.0),
+            ("expandable_segments", False),
+        ):
             w.shared_string(key)
             if isinstance(value, bool):
                 w.buf += b"\x89"
@@ -342,12 +367,18 @@ def main() -> None:
     if not (args.reuse and path.exists()):
         start = time.perf_counter()
         entries = write_snapshot(path, args.size_mb * MiB)
-        print(f"generated {path.stat().st_size / MiB:.0f} MiB, {entries:,} trace entries "
-              f"in {time.perf_counter() - start:.0f} s")
+        print(
+            f"generated {path.stat().st_size / MiB:.0f} MiB, {entries:,} trace entries "
+            f"in {time.perf_counter() - start:.0f} s"
+        )
     print(f"snapshot: {path} ({path.stat().st_size / MiB:.0f} MiB)")
-    runs = [("python -m torch.cuda._memory_viz stats", [sys.executable, "-m", "torch.cuda._memory_viz", "stats",
-                                                         str(path)]),
-            ("lorascope analyze", [sys.executable, "-m", "lorascope", "analyze", str(path)])]
+    runs = [
+        (
+            "python -m torch.cuda._memory_viz stats",
+            [sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
+        ),
+        ("lorascope analyze", [sys.executable, "-m", "lorascope", "analyze", str(path)]),
+    ]
     print(f"{'tool':<42} {'wall s':>8} {'CPU s':>8} {'peak RSS MiB':>13}")
     for name, cmd in runs:
         wall, cpu, rss, rc, tail = measure(cmd)

@@ -3,6 +3,7 @@
 Importing this package is cheap on purpose (it runs inside training jobs): the probes
 are imported only when :func:`attach` is called.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Errors that carry the exit code the CLI returns; caught in one place (lorascope.cli)."""
+
 from __future__ import annotations
 
 

@@ -4,6 +4,7 @@
 "artifacts"); ``render_artifacts(data)`` lays the same data out for a terminal, one
 block per artifact kind, largest things first.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
@@ -51,11 +52,12 @@ def artifacts_data(bundle: EvidenceBundle) -> dict[str, Any]:
     if bundle.trace_comparison is not None:
         out["trace_comparison"] = _plain(bundle.trace_comparison)
     if bundle.flight_records:
-        out["flight_records"] = {str(r): {**_plain(d), "entries": len(d.entries)}
-                                 for r, d in sorted(bundle.flight_records.items())}
+        out["flight_records"] = {
+            str(r): {**_plain(d), "entries": len(d.entries)} for r, d in sorted(bundle.flight_records.items())
+        }
     if bundle.flight_alignment is not None:
         align = _plain(bundle.flight_alignment)
-        for g, group in zip(align["groups"], bundle.flight_alignment.groups):
+        for g, group in zip(align["groups"], bundle.flight_alignment.groups, strict=True):
             g["disagreements"] = [{**_plain(d), "describe": d.describe()} for d in group.disagreements]
             g["progress"] = {str(r): {**_plain(p), "pending": p.pending} for r, p in group.progress.items()}
         out["flight_alignment"] = align
@@ -92,8 +94,10 @@ def _sites(groups: list[dict[str, Any]], indent: str) -> list[str]:
     for g in groups[:TOP]:
         callers = [s for s in g["stack"][1:3]]
         via = f"  < {' < '.join(callers)}" if callers else ""
-        lines.append(f"{indent}{size(g['bytes']):>10}  {g['category']:<11} {g['site']} "
-                     f"({g['count']} block{'s' if g['count'] != 1 else ''}){via}")
+        lines.append(
+            f"{indent}{size(g['bytes']):>10}  {g['category']:<11} {g['site']} "
+            f"({g['count']} block{'s' if g['count'] != 1 else ''}){via}"
+        )
     return lines
 
 
@@ -110,39 +114,51 @@ def _render_snapshots(data: dict[str, Any]) -> list[str]:
         lines.append(f"allocator snapshot, rank {rank}: {snap['path']}")
         settings = snap["settings"]
         exp = settings["expandable_segments"]
-        lines.append(f"  allocator settings: expandable_segments {'on' if exp else 'off' if exp is False else 'unknown'}"
-                     + (f", PYTORCH_CUDA_ALLOC_CONF={settings['alloc_conf']!r}" if settings["alloc_conf"] else "")
-                     + ("" if settings["present"] else " (no allocator_settings in this file)"))
+        lines.append(
+            f"  allocator settings: expandable_segments {'on' if exp else 'off' if exp is False else 'unknown'}"
+            + (f", PYTORCH_CUDA_ALLOC_CONF={settings['alloc_conf']!r}" if settings["alloc_conf"] else "")
+            + ("" if settings["present"] else " (no allocator_settings in this file)")
+        )
         for dev in snap["devices"]:
             st = dev["state"]
-            lines.append(f"  device {dev['device']} at the snapshot: reserved {size(st['reserved'])}, allocated "
-                         f"{size(st['allocated'])}, cached free {size(st['inactive'])} in {st['segments']} segments "
-                         f"(largest free block {size(st['largest_free_block'])}, fragmentation "
-                         f"{st['fragmentation']:.0%})")
+            lines.append(
+                f"  device {dev['device']} at the snapshot: reserved {size(st['reserved'])}, allocated "
+                f"{size(st['allocated'])}, cached free {size(st['inactive'])} in {st['segments']} segments "
+                f"(largest free block {size(st['largest_free_block'])}, fragmentation "
+                f"{st['fragmentation']:.0%})"
+            )
             if dev["trace_entries"]:
-                mid = (f", starts mid-run ({size(dev['allocated_before_trace'])} allocated before its first entry)"
-                       if dev["trace_starts_mid_run"] else "")
+                mid = (
+                    f", starts mid-run ({size(dev['allocated_before_trace'])} allocated before its first entry)"
+                    if dev["trace_starts_mid_run"]
+                    else ""
+                )
                 lines.append(f"  trace: {dev['trace_entries']} entries{mid}")
             peak = dev["peak"]
             if peak is not None:
                 where = f" at entry #{peak['index']}" if peak["index"] is not None else " at the trace start"
                 inside = f", inside {' > '.join(peak['annotations'])}" if peak["annotations"] else ""
-                lines.append(f"  peak: {size(peak['allocated'])} allocated (reserved {size(peak['reserved'])})"
-                             f"{where}{inside}")
+                lines.append(
+                    f"  peak: {size(peak['allocated'])} allocated (reserved {size(peak['reserved'])}){where}{inside}"
+                )
                 lines.extend(_point(peak, "    "))
             else:
                 lines.append("  live allocations at the snapshot (no trace to replay):")
                 lines.append(f"    by category: {_categories(st['by_category'])}")
                 lines.extend(_sites(st["by_site"], "    "))
             if dev["logits_blocks"]:
-                blocks = "; ".join(f"{size(b['bytes'])} at {b['site']}" + (f" ({b['note']})" if b["note"] else "")
-                                   for b in dev["logits_blocks"][:4])
+                blocks = "; ".join(
+                    f"{size(b['bytes'])} at {b['site']}" + (f" ({b['note']})" if b["note"] else "")
+                    for b in dev["logits_blocks"][:4]
+                )
                 lines.append(f"    logits-sized blocks at the peak: {blocks}")
             for oom in dev["ooms"]:
                 live = oom["live"]
-                lines.append(f"  OOM at entry #{oom['index']}: tried to allocate {size(oom['requested'])}, the device "
-                             f"had {size(oom['device_free'])} free; {size(live['allocated'])} allocated, reserved "
-                             f"{size(live['reserved'])}")
+                lines.append(
+                    f"  OOM at entry #{oom['index']}: tried to allocate {size(oom['requested'])}, the device "
+                    f"had {size(oom['device_free'])} free; {size(live['allocated'])} allocated, reserved "
+                    f"{size(live['reserved'])}"
+                )
                 lines.extend(_point(live, "    "))
         lines.extend(f"  warning: {w}" for w in snap["warnings"])
     cmp = data.get("snapshot_comparison")
@@ -162,33 +178,44 @@ def _render_traces(data: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for rank, t in data.get("traces", {}).items():
         world = f", world size {t['world_size']}" if t["world_size"] else ""
-        lines.append(f"kernel trace, rank {rank} ({t['device']}{', ' + t['backend'] if t['backend'] else ''}{world}): "
-                     f"{t['path']}")
+        lines.append(
+            f"kernel trace, rank {rank} ({t['device']}{', ' + t['backend'] if t['backend'] else ''}{world}): "
+            f"{t['path']}"
+        )
         d = t["durations"]
         what = "GPU kernels" if t["unit"] == "kernel" else "leaf CPU ops (no GPU kernels in this trace)"
         steps = f"{len(t['steps'])} steps in " if t["steps"] else ""
-        lines.append(f"  {steps}{_ms(t['span_us'])}: {d['count']} {what}, busy {_ms(t['busy_us'])}, idle "
-                     f"{_ms(t['idle_us'])} in {t['idle_gaps']} gaps; compute {_ms(t['compute_us'])}, "
-                     f"communication {_ms(t['comm_us'])}")
-        under = "; ".join(f"under {float(th):g} us: {n} ({share:.1%} of the time)" for th, (n, share) in d["under"].items())
+        lines.append(
+            f"  {steps}{_ms(t['span_us'])}: {d['count']} {what}, busy {_ms(t['busy_us'])}, idle "
+            f"{_ms(t['idle_us'])} in {t['idle_gaps']} gaps; compute {_ms(t['compute_us'])}, "
+            f"communication {_ms(t['comm_us'])}"
+        )
+        under = "; ".join(
+            f"under {float(th):g} us: {n} ({share:.1%} of the time)" for th, (n, share) in d["under"].items()
+        )
         lines.append(f"  durations: median {_us(d['p50_us'])}, p90 {_us(d['p90_us'])}, max {_us(d['max_us'])}; {under}")
-        for k in t["top"][:TOP // 2]:
-            lines.append(f"    {_ms(k['total_us']):>10}  {k['count']:>6}x  median {_us(k['median_us']):>10}  {k['name'][:90]}")
+        for k in t["top"][: TOP // 2]:
+            lines.append(
+                f"    {_ms(k['total_us']):>10}  {k['count']:>6}x  median {_us(k['median_us']):>10}  {k['name'][:90]}"
+            )
         if t["collective_ops"]:
             ops = ", ".join(f"{op} x{n} ({_ms(us)})" for op, (n, us) in t["collective_ops"].items())
             lines.append(f"  collectives: {ops}")
         hta = t["hta"]
         if hta:
-            lines.append(f"  HTA: GPU idle {_ms(hta['idle_us'])}, compute {_ms(hta['compute_us'])}, non-compute "
-                         f"{_ms(hta['non_compute_us'])}; {hta['short_kernels']} of {hta['launches_matched']} "
-                         f"matched launches are short by HTA's rule (GPU time < launch time)")
+            lines.append(
+                f"  HTA: GPU idle {_ms(hta['idle_us'])}, compute {_ms(hta['compute_us'])}, non-compute "
+                f"{_ms(hta['non_compute_us'])}; {hta['short_kernels']} of {hta['launches_matched']} "
+                f"matched launches are short by HTA's rule (GPU time < launch time)"
+            )
         elif t["hta_note"]:
             lines.append(f"  HTA: {t['hta_note']}")
         lines.extend(f"  warning: {w}" for w in t["warnings"])
     cmp = data.get("trace_comparison")
     if cmp:
-        per_rank = "; ".join(f"rank {r['rank']} compute {_ms(r['compute_us'])}, comm {_ms(r['comm_us'])}"
-                             for r in cmp["ranks"])
+        per_rank = "; ".join(
+            f"rank {r['rank']} compute {_ms(r['compute_us'])}, comm {_ms(r['comm_us'])}" for r in cmp["ranks"]
+        )
         lines.append(f"traces compared: {per_rank}")
         lines.append(f"  {'straggler: ' if cmp['straggler'] is not None else ''}{cmp['reason']}")
     return lines
@@ -206,21 +233,30 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         return []
     backends = sorted({b for d in dumps.values() for b in d["backends"]})
     versions = sorted({d["version"] for d in dumps.values() if d["version"]})
-    lines = [f"flight-recorder dumps: ranks {', '.join(dumps)} ({'/'.join(backends) or 'backend unknown'}, "
-             f"format {'/'.join(versions) or '?'})"]
+    lines = [
+        f"flight-recorder dumps: ranks {', '.join(dumps)} ({'/'.join(backends) or 'backend unknown'}, "
+        f"format {'/'.join(versions) or '?'})"
+    ]
     for g in (data.get("flight_alignment") or {}).get("groups", []):
         window = f", #{g['window'][0]}..#{g['window'][1]} held by every rank" if g["window"] else ""
-        lines.append(f"  group {g['group']}{' (' + g['desc'] + ')' if g['desc'] else ''}, ranks "
-                     f"{g['expected_ranks'] if g['expected_ranks'] is not None else 'unknown'}{window}")
+        lines.append(
+            f"  group {g['group']}{' (' + g['desc'] + ')' if g['desc'] else ''}, ranks "
+            f"{g['expected_ranks'] if g['expected_ranks'] is not None else 'unknown'}{window}"
+        )
         if g["missing_dumps"]:
             lines.append(f"    no dump from ranks {g['missing_dumps']}")
         for r, p in g["progress"].items():
             last = p["last_entry"]
-            on = f" (on {_entry(last)}{' at ' + _call_site(last['frames']) if last['frames'] else ''})" \
-                if p["pending"] and last else ""
-            lines.append(f"    rank {r}: last enqueued #{p['last_enqueued']}, started "
-                         f"{'#' + str(p['last_started']) if p['last_started'] is not None else '-'}, completed "
-                         f"#{p['last_completed']}{on}")
+            on = (
+                f" (on {_entry(last)}{' at ' + _call_site(last['frames']) if last['frames'] else ''})"
+                if p["pending"] and last
+                else ""
+            )
+            lines.append(
+                f"    rank {r}: last enqueued #{p['last_enqueued']}, started "
+                f"{'#' + str(p['last_started']) if p['last_started'] is not None else '-'}, completed "
+                f"#{p['last_completed']}{on}"
+            )
         for d in g["disagreements"][:3]:
             lines.append(f"    disagreement: {d['describe']}")
             if d["extra_on"]:
@@ -252,21 +288,26 @@ def _render_logs(data: dict[str, Any]) -> list[str]:
 
         def at(x: dict[str, Any]) -> str:
             return f"  line {x['line']}" + (f" (rank {x['rank']})" if x["rank"] is not None else "") + ": "
+
         for w in log["watchdog_timeouts"][:TOP]:
             numel = f", {w['numel_in']} elements" if w["numel_in"] is not None else ""
-            lines.append(f"{at(w)}NCCL watchdog timeout on {w['op']} #{w['seq']}{numel}, after "
-                         f"{w['ran_ms']} ms (timeout {w['timeout_ms']} ms)")
+            lines.append(
+                f"{at(w)}NCCL watchdog timeout on {w['op']} #{w['seq']}{numel}, after "
+                f"{w['ran_ms']} ms (timeout {w['timeout_ms']} ms)"
+            )
         for p in log["nccl_progress"][:TOP]:
             lines.append(f"{at(p)}last enqueued work #{p['last_enqueued']}, last completed #{p['last_completed']}")
         for o in log["ooms"][:TOP]:
             others = ", ".join(f"pid {pid} {size(b)}" for pid, b in o["other_processes"].items())
-            lines.append(f"{at(o)}CUDA OOM: tried to allocate {size(o['requested'])}, free {size(o['free'])}, "
-                         f"allocated by PyTorch {size(o['allocated_by_pytorch'])}, reserved but unallocated "
-                         f"{size(o['reserved_unallocated'])}" + (f"; other processes on the GPU: {others}" if others else ""))
+            lines.append(
+                f"{at(o)}CUDA OOM: tried to allocate {size(o['requested'])}, free {size(o['free'])}, "
+                f"allocated by PyTorch {size(o['allocated_by_pytorch'])}, reserved but unallocated "
+                f"{size(o['reserved_unallocated'])}" + (f"; other processes on the GPU: {others}" if others else "")
+            )
         for c in log["cache_flushes"][:TOP]:
             lines.append(f"{at(c)}DeepSpeed: {c['flushes']} allocator cache flushes since the last step")
         counts = log["counts"]
-        for x in log["lines_of_note"][:TOP * 2]:
+        for x in log["lines_of_note"][: TOP * 2]:
             lines.append(f"{at(x)}{x['kind']}: {x['text'][:160]}")
         if counts:
             lines.append("  counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
@@ -278,4 +319,3 @@ def _render_logs(data: dict[str, Any]) -> list[str]:
 def render_artifacts(data: dict[str, Any]) -> str:
     lines = _render_snapshots(data) + _render_traces(data) + _render_flight(data) + _render_logs(data)
     return "\n".join(lines)
-

@@ -1,4 +1,5 @@
 """Findings as terminal text: the verdict first, then evidence and the fix."""
+
 from __future__ import annotations
 
 import textwrap

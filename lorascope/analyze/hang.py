@@ -2,19 +2,25 @@
 completed and the pending collective per process group, the first rank that diverged
 and the kind of hang, with the fix. Pure: works on loaded data (live dumps from
 `lorascope hang`, or the stall watchdog's dumps in a dead run's directory)."""
+
 from __future__ import annotations
 
 import re
 from typing import Any
 
 from lorascope.detect.rank_conditional_hang import (
-    Divergence, detect_odd_ranks, first_divergence, rank_condition,
+    Divergence,
+    detect_odd_ranks,
+    first_divergence,
+    rank_condition,
 )
 from lorascope.rundir.reader import RankData, RunData
 
 #: Stack frames in these places are not where the job "is".
-_LIBRARY = re.compile(r"^<frozen |/(torch|deepspeed|lorascope|threading\.py|concurrent|multiprocessing|"
-                      r"site-packages|dist-packages|lib/python3\.\d+)/")
+_LIBRARY = re.compile(
+    r"^<frozen |/(torch|deepspeed|lorascope|threading\.py|concurrent|multiprocessing|"
+    r"site-packages|dist-packages|lib/python3\.\d+)/"
+)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)", re.M)
 #: A rank whose last record is this much older than the newest rank's is not moving.
@@ -22,16 +28,24 @@ MOVING_WITHIN_S = 2.0
 
 FIXES = {
     "rank-conditional": "Run the collective on every rank; act on its result on rank 0 only.",
-    "dead-rank": ("A rank is gone and the others wait for it: find why it died (its exception or "
-                  "signal below; no record at all means SIGKILL, usually the OOM killer: check dmesg)."),
-    "stuck-outside": ("The odd rank is not in any collective: it is stuck in its own code (data "
-                      "loading, I/O, a deadlock). Look at its stack; give the data loader a timeout "
-                      "and workers; check the filesystem."),
-    "straggler": ("One rank is still moving but slower: look for uneven data (sequence lengths), "
-                  "thermal or CPU contention, or a slow node."),
-    "collective-stuck": ("Every rank waits in the same collective: the transport is stuck (network, "
-                         "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
-                         "TORCH_NCCL_ASYNC_ERROR_HANDLING."),
+    "dead-rank": (
+        "A rank is gone and the others wait for it: find why it died (its exception or "
+        "signal below; no record at all means SIGKILL, usually the OOM killer: check dmesg)."
+    ),
+    "stuck-outside": (
+        "The odd rank is not in any collective: it is stuck in its own code (data "
+        "loading, I/O, a deadlock). Look at its stack; give the data loader a timeout "
+        "and workers; check the filesystem."
+    ),
+    "straggler": (
+        "One rank is still moving but slower: look for uneven data (sequence lengths), "
+        "thermal or CPU contention, or a slow node."
+    ),
+    "collective-stuck": (
+        "Every rank waits in the same collective: the transport is stuck (network, "
+        "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING."
+    ),
     "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
 }
 
@@ -75,9 +89,15 @@ def _death_time(rank: RankData) -> float:
 
 def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
     dump = rank.dumps[-1] if rank.dumps else None
-    pending = dump["pending"] if dump else [
-        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-        for c in rank.collectives if c.pending]
+    pending = (
+        dump["pending"]
+        if dump
+        else [
+            {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+            for c in rank.collectives
+            if c.pending
+        ]
+    )
     last_done: dict[str, int] = {}
     for coll in rank.collectives:
         if not coll.pending:
@@ -96,13 +116,23 @@ def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float
     if state == "in-collective":
         p = pending[0]
         cond = rank_condition(rank, p.get("site"))
-        where = (f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}"
-                 + (f", under `{cond}`" if cond else ""))
+        where = f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}" + (
+            f", under `{cond}`" if cond else ""
+        )
     elif state in ("outside-collectives", "moving"):
         where = f"in its own code at {frame or '?'} (no collective in flight)"
-    return {"rank": rank.rank, "pid": rank.pid, "host": rank.host, "state": state, "where": where,
-            "step": len(rank.steps), "pending": pending, "last_completed": last_done,
-            "stack_frame": frame, "dumped": dump["reason"] if dump else None}
+    return {
+        "rank": rank.rank,
+        "pid": rank.pid,
+        "host": rank.host,
+        "state": state,
+        "where": where,
+        "step": len(rank.steps),
+        "pending": pending,
+        "last_completed": last_done,
+        "stack_frame": frame,
+        "dumped": dump["reason"] if dump else None,
+    }
 
 
 def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, Any]:
@@ -121,12 +151,25 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
     if div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
         cond = rank_condition(run.ranks[odd[0]], call.site if call else None)
-        first = {**first, "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}"
-                 + (f", under `{cond}`" if cond else "")} if call and first else first
+        first = (
+            {
+                **first,
+                "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}"
+                + (f", under `{cond}`" if cond else ""),
+            }
+            if call and first
+            else first
+        )
     verdict = _verdict(kind, odd, first)
-    return {"kind": kind, "verdict": verdict, "fix": FIXES[kind], "odd_ranks": odd,
-            "first_diverged": first, "ranks": states,
-            "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()]}
+    return {
+        "kind": kind,
+        "verdict": verdict,
+        "fix": FIXES[kind],
+        "odd_ranks": odd,
+        "first_diverged": first,
+        "ranks": states,
+        "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
+    }
 
 
 def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None]:

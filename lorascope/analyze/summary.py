@@ -1,4 +1,5 @@
 """The per-rank summary `lorascope analyze` prints: a data builder and a text renderer."""
+
 from __future__ import annotations
 
 import statistics
@@ -25,22 +26,31 @@ def _peak_memory(rank: RankData) -> dict[str, int | None]:
 def _ended(rank: RankData) -> dict[str, Any]:
     """How the rank ended, as far as its stream tells."""
     if rank.exception is not None:
-        return {"status": "exception", "code": 1,
-                "detail": f"{rank.exception['type']}: {rank.exception['message']}".strip()}
+        return {
+            "status": "exception",
+            "code": 1,
+            "detail": f"{rank.exception['type']}: {rank.exception['message']}".strip(),
+        }
     if rank.signal is not None:
         return {"status": "signal", "code": -rank.signal["signum"], "detail": rank.signal["name"]}
     if rank.end is not None:
         return {"status": rank.end["status"], "code": rank.end["code"], "detail": None}
-    return {"status": "unknown", "code": None,
-            "detail": "no end record: killed (e.g. SIGKILL, OOM killer) or still running"}
+    return {
+        "status": "unknown",
+        "code": None,
+        "detail": "no end record: killed (e.g. SIGKILL, OOM killer) or still running",
+    }
 
 
 def _collectives(rank: RankData) -> dict[str, Any]:
     last: dict[str, int] = {}
     for coll in rank.collectives:
         last[coll.group] = max(last.get(coll.group, 0), coll.seq)
-    pending = [{"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-               for c in rank.collectives if c.pending]
+    pending = [
+        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+        for c in rank.collectives
+        if c.pending
+    ]
     return {"count": len(rank.collectives), "last_seq": last, "pending": pending}
 
 
@@ -105,21 +115,26 @@ def render_text(data: dict[str, Any]) -> str:
     """A short human-readable table, one line per rank."""
     manifest = data["manifest"]
     versions = ", ".join(f"{k} {v}" for k, v in manifest["versions"].items() if v)
-    lines = [f"run {data['run_dir']}: world size {manifest['world_size']}, "
-             f"hosts {', '.join(manifest['hosts'])}",
-             f"  {versions}" if versions else "",
-             f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
-             f"{'colls':>6}  last seq per group      ended"]
+    lines = [
+        f"run {data['run_dir']}: world size {manifest['world_size']}, hosts {', '.join(manifest['hosts'])}",
+        f"  {versions}" if versions else "",
+        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
+        f"{'colls':>6}  last seq per group      ended",
+    ]
     for r in data["ranks"]:
         peak = r["peak_memory"]
         mem = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
         med = "-" if r["step_time_median_s"] is None else f"{r['step_time_median_s'] * 1000:.0f} ms"
         last = " ".join(f"{g}#{s}" for g, s in r["collectives"]["last_seq"].items()) or "-"
-        lines.append(f"{r['rank']:>4} {r['pid']:>8} {r['steps']:>5} {med:>10} {_mib(mem):>10} "
-                     f"{r['collectives']['count']:>6}  {last:<22} {_ended_text(r['ended'])}")
+        lines.append(
+            f"{r['rank']:>4} {r['pid']:>8} {r['steps']:>5} {med:>10} {_mib(mem):>10} "
+            f"{r['collectives']['count']:>6}  {last:<22} {_ended_text(r['ended'])}"
+        )
         for pending in r["collectives"]["pending"]:
-            lines.append(f"       pending: {pending['op']} #{pending['seq']} on {pending['group']} "
-                         f"({pending['bytes']} B) at {pending['site']}")
+            lines.append(
+                f"       pending: {pending['op']} #{pending['seq']} on {pending['group']} "
+                f"({pending['bytes']} B) at {pending['site']}"
+            )
         for err in r["probe_errors"]:
             lines.append(f"       probe switched off: {err}")
     lines.extend(f"warning: {w}" for w in data["warnings"])

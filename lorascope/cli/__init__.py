@@ -1,4 +1,5 @@
 """The `lorascope` command: a click group built from one list of subcommand modules."""
+
 from __future__ import annotations
 
 import sys
@@ -7,8 +8,8 @@ from collections.abc import Sequence
 import click
 
 from lorascope import __version__
-from lorascope.errors import LorascopeError
 from lorascope.cli import analyze, hang, plan, report, run
+from lorascope.errors import LorascopeError
 
 #: Every subcommand, one module each; each module exposes ``command``.
 COMMANDS = [run, analyze, hang, report, plan]

@@ -1,4 +1,5 @@
 """`lorascope analyze PATH [--json] [--fail-on LEVEL]`: what went wrong, and what each rank did."""
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,33 @@ FINDINGS_EXIT = 4
 @click.command("analyze")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print findings and summary as JSON.")
-@click.option("--fail-on", type=click.Choice(["warning", "error"]), default=None,
-              help=f"Exit with status {FINDINGS_EXIT} when a finding of this severity or worse exists.")
-@click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Also write the HTML report to this file (as `lorascope report`).")
-@click.option("--kind", type=click.Choice(KINDS), default=None,
-              help="Read PATH (or every file in the folder PATH) as this kind instead of detecting it.")
-@click.option("--hta/--no-hta", default=None,
-              help="Add HolisticTraceAnalysis figures to GPU traces (default: when it is installed).")
-def command(path: Path, as_json: bool, fail_on: str | None, html_out: Path | None, kind: str | None,
-            hta: bool | None) -> int:
+@click.option(
+    "--fail-on",
+    type=click.Choice(["warning", "error"]),
+    default=None,
+    help=f"Exit with status {FINDINGS_EXIT} when a finding of this severity or worse exists.",
+)
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the HTML report to this file (as `lorascope report`).",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(KINDS),
+    default=None,
+    help="Read PATH (or every file in the folder PATH) as this kind instead of detecting it.",
+)
+@click.option(
+    "--hta/--no-hta",
+    default=None,
+    help="Add HolisticTraceAnalysis figures to GPU traces (default: when it is installed).",
+)
+def command(
+    path: Path, as_json: bool, fail_on: str | None, html_out: Path | None, kind: str | None, hta: bool | None
+) -> int:
     """Name what went wrong, and summarise it per rank.
 
     PATH is a lorascope run directory, or artifacts a job left: an allocator snapshot

@@ -1,5 +1,6 @@
 """`lorascope hang RUN_DIR` (or `--pid PID...`): while a job hangs, where each rank is
 and why, in seconds."""
+
 from __future__ import annotations
 
 import json
@@ -36,16 +37,33 @@ def _render(diagnosis: dict, notes: list[str]) -> str:
 
 @click.command("hang")
 @click.argument("run_dir", type=click.Path(path_type=Path), required=False)
-@click.option("--pid", "pids", type=int, multiple=True,
-              help="Diagnose these processes (a job not started under `lorascope run`), with py-spy.")
-@click.option("--wait", "wait_s", type=float, default=3.0, show_default=True,
-              help="Seconds to wait for the ranks' dumps before falling back to py-spy.")
+@click.option(
+    "--pid",
+    "pids",
+    type=int,
+    multiple=True,
+    help="Diagnose these processes (a job not started under `lorascope run`), with py-spy.",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="Seconds to wait for the ranks' dumps before falling back to py-spy.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON.")
-@click.option("--html", "html", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Where to write the HTML report (default: RUN_DIR/hang-<time>.html).")
+@click.option(
+    "--html",
+    "html",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Where to write the HTML report (default: RUN_DIR/hang-<time>.html).",
+)
 @click.option("--no-html", is_flag=True, help="Write no HTML report.")
-def command(run_dir: Path | None, pids: tuple[int, ...], wait_s: float, as_json: bool,
-            html: Path | None, no_html: bool) -> int:
+def command(
+    run_dir: Path | None, pids: tuple[int, ...], wait_s: float, as_json: bool, html: Path | None, no_html: bool
+) -> int:
     """Diagnose a hung job now: dump every rank's stacks and pending collectives (the job
     keeps running), then say which rank diverged where, and the fix."""
     if (run_dir is None) == (not pids):
@@ -69,10 +87,14 @@ def command(run_dir: Path | None, pids: tuple[int, ...], wait_s: float, as_json:
         except BadInputError as exc:
             notes.append(f"rank {n} did not answer the dump signal and {exc}")
             continue
-        pending = [{"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-                   for c in run.ranks[n].collectives if c.pending]
-        run.ranks[n].dumps.append({"k": "dump", "t": time.time(), "reason": "py-spy", "step": 0,
-                                   "stacks": stacks, "pending": pending})
+        pending = [
+            {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+            for c in run.ranks[n].collectives
+            if c.pending
+        ]
+        run.ranks[n].dumps.append(
+            {"k": "dump", "t": time.time(), "reason": "py-spy", "step": 0, "stacks": stacks, "pending": pending}
+        )
         notes.append(f"rank {n} did not answer the dump signal in {wait_s:g} s: stacks read with py-spy")
     diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
     if not no_html:

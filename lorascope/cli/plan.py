@@ -1,5 +1,6 @@
 """`lorascope plan`: the per-GPU memory budget of a LoRA job before launch, and what to
 change so that it fits."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,46 +44,97 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 @click.command("plan")
-@click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A transformers config.json (or the model directory holding it).")
-@click.option("--preset", type=click.Choice(sorted(PRESETS), case_sensitive=False),
-              help="A built-in model shape instead of --model (no download).")
-@click.option("--lora-config", "lora_path", type=click.Path(path_type=Path),
-              help="A PEFT adapter_config.json; the --lora-* flags override it.")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    help="A transformers config.json (or the model directory holding it).",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS), case_sensitive=False),
+    help="A built-in model shape instead of --model (no download).",
+)
+@click.option(
+    "--lora-config",
+    "lora_path",
+    type=click.Path(path_type=Path),
+    help="A PEFT adapter_config.json; the --lora-* flags override it.",
+)
 @click.option("--lora-r", type=int, help="LoRA rank (PEFT default 8).")
 @click.option("--lora-alpha", type=float, help="LoRA alpha (PEFT default 8).")
-@click.option("--lora-targets", help="all-linear, module names (q_proj,v_proj) or a regex "
-                                     "(PEFT default for Llama/Mistral/Qwen2: q_proj,v_proj).")
+@click.option(
+    "--lora-targets",
+    help="all-linear, module names (q_proj,v_proj) or a regex (PEFT default for Llama/Mistral/Qwen2: q_proj,v_proj).",
+)
 @click.option("--lora-dropout", type=float, help="LoRA dropout (adds per-module input copies).")
 @click.option("--rslora/--no-rslora", default=None, help="rank-stabilised scaling (no memory effect).")
 @click.option("--dora/--no-dora", default=None, help="DoRA magnitude vectors.")
-@click.option("--precision", type=click.Choice(PRECISIONS),
-              help="Base weights: bf16, fp16, fp32 or 4bit (NF4, bf16 compute). Default bf16, or "
-                   "what --ds-config enables.")
-@click.option("--fp32-adapters", is_flag=True,
-              help="Adapters kept in fp32 over a 16-bit base (PEFT autocast, no DeepSpeed mixed precision).")
-@click.option("--ds-config", "ds_path", type=click.Path(path_type=Path),
-              help="A DeepSpeed config JSON: ZeRO stage, offload, buckets, bf16/fp16. Flags override it.")
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    help="Base weights: bf16, fp16, fp32 or 4bit (NF4, bf16 compute). Default bf16, or what --ds-config enables.",
+)
+@click.option(
+    "--fp32-adapters",
+    is_flag=True,
+    help="Adapters kept in fp32 over a 16-bit base (PEFT autocast, no DeepSpeed mixed precision).",
+)
+@click.option(
+    "--ds-config",
+    "ds_path",
+    type=click.Path(path_type=Path),
+    help="A DeepSpeed config JSON: ZeRO stage, offload, buckets, bf16/fp16. Flags override it.",
+)
 @click.option("--zero", type=click.IntRange(0, 3), help="ZeRO stage (default 0).")
 @click.option("--offload-optimizer/--no-offload-optimizer", default=None, help="ZeRO CPU optimizer offload.")
 @click.option("--offload-params/--no-offload-params", default=None, help="ZeRO-3 CPU parameter offload.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs per node.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seq", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length.")
-@click.option("--micro-batch", type=click.IntRange(min=1), default=None,
-              help="Sequences per GPU per step (default: the DeepSpeed config's, else 1).")
+@click.option(
+    "--micro-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences per GPU per step (default: the DeepSpeed config's, else 1).",
+)
 @click.option("--checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True)
 @click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True)
-@click.option("--loss", type=click.Choice(LOSSES), default="fp32-upcast", show_default=True,
-              help="fp32-upcast: transformers' default; native: no upcast; chunked: fused/chunked CE.")
+@click.option(
+    "--loss",
+    type=click.Choice(LOSSES),
+    default="fp32-upcast",
+    show_default=True,
+    help="fp32-upcast: transformers' default; native: no upcast; chunked: fused/chunked CE.",
+)
 @click.option("--gpu-mem", default="80GiB", show_default=True, help="Memory of one GPU, e.g. 80GiB, 24GiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def command(model_path: Path | None, preset: str | None, lora_path: Path | None, lora_r: int | None,
-            lora_alpha: float | None, lora_targets: str | None, lora_dropout: float | None,
-            rslora: bool | None, dora: bool | None, precision: str | None, fp32_adapters: bool,
-            ds_path: Path | None, zero: int | None, offload_optimizer: bool | None,
-            offload_params: bool | None, gpus: int, nodes: int, seq: int, micro_batch: int | None,
-            checkpointing: str, attention: str, loss: str, gpu_mem: str, as_json: bool) -> int:
+def command(
+    model_path: Path | None,
+    preset: str | None,
+    lora_path: Path | None,
+    lora_r: int | None,
+    lora_alpha: float | None,
+    lora_targets: str | None,
+    lora_dropout: float | None,
+    rslora: bool | None,
+    dora: bool | None,
+    precision: str | None,
+    fp32_adapters: bool,
+    ds_path: Path | None,
+    zero: int | None,
+    offload_optimizer: bool | None,
+    offload_params: bool | None,
+    gpus: int,
+    nodes: int,
+    seq: int,
+    micro_batch: int | None,
+    checkpointing: str,
+    attention: str,
+    loss: str,
+    gpu_mem: str,
+    as_json: bool,
+) -> int:
     """Per-GPU memory budget of a LoRA fine-tuning job, term by term, and what makes it fit."""
     if (model_path is None) == (preset is None):
         raise UsageError("give exactly one of --model CONFIG_JSON and --preset NAME")
@@ -94,21 +146,40 @@ def command(model_path: Path | None, preset: str | None, lora_path: Path | None,
         shape, source = preset_shape(preset), f"preset {preset.lower()}"
 
     base_lora = lora_from_config(load_config_file(lora_path)) if lora_path else LoraSpec()
-    lora = dataclasses.replace(base_lora, **_given(
-        r=lora_r, alpha=lora_alpha, dropout=lora_dropout, rslora=rslora, dora=dora,
-        targets=_targets(lora_targets) if lora_targets is not None else None))
+    lora = dataclasses.replace(
+        base_lora,
+        **_given(
+            r=lora_r,
+            alpha=lora_alpha,
+            dropout=lora_dropout,
+            rslora=rslora,
+            dora=dora,
+            targets=_targets(lora_targets) if lora_targets is not None else None,
+        ),
+    )
 
     ds = load_config_file(ds_path) if ds_path else {}
-    zero_setup = dataclasses.replace(zero_from_ds_config(ds, shape.hidden), **_given(
-        stage=zero, offload_optimizer=offload_optimizer, offload_params=offload_params))
+    zero_setup = dataclasses.replace(
+        zero_from_ds_config(ds, shape.hidden),
+        **_given(stage=zero, offload_optimizer=offload_optimizer, offload_params=offload_params),
+    )
     if ds_path and precision is None:
         precision = ds_precision(ds)
     if micro_batch is None:
         from_ds = ds.get("train_micro_batch_size_per_gpu")
         micro_batch = from_ds if isinstance(from_ds, int) and not isinstance(from_ds, bool) else 1
-    setup = TrainingSetup(precision=precision or "bf16", fp32_adapters=fp32_adapters, zero=zero_setup,
-                          gpus_per_node=gpus, nodes=nodes, seq=seq, micro_batch=micro_batch,
-                          checkpointing=checkpointing, attention=attention, loss=loss)
+    setup = TrainingSetup(
+        precision=precision or "bf16",
+        fp32_adapters=fp32_adapters,
+        zero=zero_setup,
+        gpus_per_node=gpus,
+        nodes=nodes,
+        seq=seq,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        attention=attention,
+        loss=loss,
+    )
     plan = build_plan(PlanInputs(shape, lora, setup, parse_bytes(gpu_mem), source)).to_dict()
     click.echo(json.dumps(plan, indent=2) if as_json else render_text(plan))
     return 0

@@ -1,4 +1,5 @@
 """`lorascope report RUN_DIR -o OUT.html`: the findings and charts as one self-contained page."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,13 @@ from lorascope.report.write import write_report
 
 @click.command("report")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("-o", "--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
-              help="The HTML file to write (one file, no network needed to open it).")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The HTML file to write (one file, no network needed to open it).",
+)
 def command(path: Path, out: Path) -> int:
     """Write an HTML report: the verdict, each finding with its chart, and the run facts."""
     bundle = load_bundle(path)

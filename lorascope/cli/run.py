@@ -1,5 +1,6 @@
 """`lorascope run [--out DIR] -- CMD...`: run a launch command with the probes injected
 into every rank; the exit status is the job's."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,7 @@ def _prepare(out: Path) -> Path:
     return bootstrap
 
 
-def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: float,
-               trace_window: str) -> dict[str, str]:
+def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: float, trace_window: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap), env.get("PYTHONPATH", "")) if p)
     env["LORASCOPE_RUN_DIR"] = str(out)
@@ -46,6 +46,7 @@ def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: floa
 
 def _wait(proc: subprocess.Popen[bytes]) -> int:
     """Wait for the job; SIGTERM/SIGHUP are passed on, Ctrl-C reaches it through the terminal."""
+
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
 
@@ -60,17 +61,28 @@ def _wait(proc: subprocess.Popen[bytes]) -> int:
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Run directory (default: lorascope-runs/<date-time>). Several launchers of one "
-                   "multi-node job may share it.")
-@click.option("--sample-interval", type=float, default=0.5, show_default=True,
-              help="Seconds between background memory samples (0: step and phase edges only).")
-@click.option("--trace-window", default="5:2", show_default=True,
-              help="Kernel trace: START:STEPS traces steps START+1..START+STEPS; 'off' for none.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Run directory (default: lorascope-runs/<date-time>). Several launchers of one multi-node job may share it.",
+)
+@click.option(
+    "--sample-interval",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Seconds between background memory samples (0: step and phase edges only).",
+)
+@click.option(
+    "--trace-window",
+    default="5:2",
+    show_default=True,
+    help="Kernel trace: START:STEPS traces steps START+1..START+STEPS; 'off' for none.",
+)
 @click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def command(out: Path | None, sample_interval: float, trace_window: str, summary: bool,
-            cmd: tuple[str, ...]) -> int:
+def command(out: Path | None, sample_interval: float, trace_window: str, summary: bool, cmd: tuple[str, ...]) -> int:
     """Run CMD (torchrun, deepspeed, python ...) with the probes in every rank."""
     if sample_interval < 0:
         raise UsageError("--sample-interval must be >= 0")

@@ -1,4 +1,5 @@
 """Small helpers the detectors share: memory metrics, sizes, where evidence lives."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The Finding: what a detector concludes, with the evidence and the fix."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -4,6 +4,7 @@ a rank stuck in its own code outside any collective, a straggler, or a collectiv
 is itself stuck. The diagnosis is lorascope.analyze.hang's, the same `lorascope hang`
 prints live; here it runs on the dumps the stall watchdog left in the run directory.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,28 +28,42 @@ def liveness(run: RunData) -> dict[int, bool]:
 
 def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
     """The diagnosis as a Finding (also what `lorascope hang` adds to its report)."""
-    evidence = [Evidence(f"rank {s['rank']} ({s['state']})", s["where"] or s["state"],
-                         stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"]
-                                       else "coll records"))
-                for s in diagnosis["ranks"]]
+    evidence = [
+        Evidence(
+            f"rank {s['rank']} ({s['state']})",
+            s["where"] or s["state"],
+            stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"),
+        )
+        for s in diagnosis["ranks"]
+    ]
     stalls = [r for r in run.ranks.values() if r.stall]
     if stalls:
         s = stalls[0].stall
-        evidence.append(Evidence("stall watchdog", f"no step for {s['seconds']:.0f} s (limit {s['limit']:.0f} s) "
-                                 f"after step {s['step']}", stream_source(run, stalls[0], "stall record")))
+        evidence.append(
+            Evidence(
+                "stall watchdog",
+                f"no step for {s['seconds']:.0f} s (limit {s['limit']:.0f} s) after step {s['step']}",
+                stream_source(run, stalls[0], "stall record"),
+            )
+        )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
     return Finding(
         id=ID,
         title=diagnosis["verdict"],
         severity="error",
         confidence="high" if dumped and diagnosis["kind"] != "unknown" else "medium",
-        confidence_reason=("every rank's stack and pending collectives were dumped while it hung"
-                           if dumped else "from the ranks' streams only (no dump taken while it hung)"),
+        confidence_reason=(
+            "every rank's stack and pending collectives were dumped while it hung"
+            if dumped
+            else "from the ranks' streams only (no dump taken while it hung)"
+        ),
         ranks=diagnosis["odd_ranks"] or [s["rank"] for s in diagnosis["ranks"]],
         evidence=evidence,
-        explanation=("A distributed job hangs when one rank stops taking part in the collectives the others "
-                     "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
-                     "kills it with a message naming a sequence number and no rank or line."),
+        explanation=(
+            "A distributed job hangs when one rank stops taking part in the collectives the others "
+            "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
+            "kills it with a message naming a sequence number and no rank or line."
+        ),
         fix=diagnosis["fix"],
         details={"hang": diagnosis},
     )

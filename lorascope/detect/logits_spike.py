@@ -5,6 +5,7 @@ Evidence: the logits the probes saw at the first steps (shape, dtype, bytes, B·
 memory reading right before and after the loss, and how that footprint compares with
 the rank's peak. Thresholds: docs/detectors.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,23 +53,51 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
     if spike < MIN_BYTES or share < MIN_SHARE_OF_STEP:
         return None
     src = stream_source(run, rank, "logits records")
-    evidence = [Evidence("logits" if rec in heads else "loss input",
-                         f"shape {rec['shape']} {rec['dtype']} = {rec['bytes']:,} B ({fmt_bytes(rec['bytes'])})", src),
-                Evidence("B·T·V", f"{tokens:,} tokens x {vocab:,} vocab = {tokens * vocab:,} logits "
-                         f"({fmt_bytes(fp32_bytes)} in fp32)", src)]
+    evidence = [
+        Evidence(
+            "logits" if rec in heads else "loss input",
+            f"shape {rec['shape']} {rec['dtype']} = {rec['bytes']:,} B ({fmt_bytes(rec['bytes'])})",
+            src,
+        ),
+        Evidence(
+            "B·T·V",
+            f"{tokens:,} tokens x {vocab:,} vocab = {tokens * vocab:,} logits ({fmt_bytes(fp32_bytes)} in fp32)",
+            src,
+        ),
+    ]
     loss_rec = max(loss_inputs, key=lambda r: r["bytes"]) if loss_inputs else None
     if loss_rec is not None and loss_rec is not rec:
-        evidence.append(Evidence("loss input", f"shape {loss_rec['shape']} {loss_rec['dtype']} = "
-                                 f"{fmt_bytes(loss_rec['bytes'])}", src))
+        evidence.append(
+            Evidence(
+                "loss input", f"shape {loss_rec['shape']} {loss_rec['dtype']} = {fmt_bytes(loss_rec['bytes'])}", src
+            )
+        )
     before, after = (loss_rec or {}).get("mem_before"), (loss_rec or {}).get("mem_after")
     if isinstance(before, dict) and isinstance(after, dict) and before.get("rss") and after.get("rss"):
-        evidence.append(Evidence("RSS across the loss", f"{fmt_bytes(before['rss'])} -> {fmt_bytes(after['rss'])}", src))
-    evidence.append(Evidence(f"share of the step's memory ({memory_kind(rank)})",
-                             f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}",
-                             f"{LIVE_COPIES} x fp32 logits vs peak minus memory before the first forward"))
-    return share, evidence, {"tokens": tokens, "vocab": vocab, "fp32_bytes": fp32_bytes,
-                             "logits_shape": rec["shape"], "logits_bytes": rec["bytes"],
-                             "spike_bytes": spike, "step_memory_bytes": step_memory, "dtype": rec["dtype"]}
+        evidence.append(
+            Evidence("RSS across the loss", f"{fmt_bytes(before['rss'])} -> {fmt_bytes(after['rss'])}", src)
+        )
+    evidence.append(
+        Evidence(
+            f"share of the step's memory ({memory_kind(rank)})",
+            f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}",
+            f"{LIVE_COPIES} x fp32 logits vs peak minus memory before the first forward",
+        )
+    )
+    return (
+        share,
+        evidence,
+        {
+            "tokens": tokens,
+            "vocab": vocab,
+            "fp32_bytes": fp32_bytes,
+            "logits_shape": rec["shape"],
+            "logits_bytes": rec["bytes"],
+            "spike_bytes": spike,
+            "step_memory_bytes": step_memory,
+            "dtype": rec["dtype"],
+        },
+    )
 
 
 def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Evidence], dict] | None:
@@ -83,10 +112,21 @@ def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Ev
     if logits < MIN_BYTES or share < MIN_SHARE_OF_STEP:
         return None
     src = f"{snapshot.path} (blocks live at the trace's peak)"
-    evidence = [Evidence(f"logits-sized block at {b.site}", f"{b.bytes:,} B ({fmt_bytes(b.bytes)})"
-                         + (f"; {b.note}" if b.note else ""), src) for b in device.logits_blocks[:6]]
-    evidence.append(Evidence("share of the peak", f"{fmt_bytes(logits)} of {fmt_bytes(device.peak.allocated)} "
-                             f"allocated = {share:.0%}", src))
+    evidence = [
+        Evidence(
+            f"logits-sized block at {b.site}",
+            f"{b.bytes:,} B ({fmt_bytes(b.bytes)})" + (f"; {b.note}" if b.note else ""),
+            src,
+        )
+        for b in device.logits_blocks[:6]
+    ]
+    evidence.append(
+        Evidence(
+            "share of the peak",
+            f"{fmt_bytes(logits)} of {fmt_bytes(device.peak.allocated)} allocated = {share:.0%}",
+            src,
+        )
+    )
     return share, evidence, {"logits_bytes": logits, "peak_allocated": device.peak.allocated, "source": "snapshot"}
 
 
@@ -99,29 +139,42 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return []
     rank = min(hits, key=lambda n: -hits[n][0])
     share, evidence, details = hits[rank]
-    shape = (f" ({details['tokens']:,} tokens x {details['vocab']:,} vocab)" if "tokens" in details
-             else " at the allocator's peak")
+    shape = (
+        f" ({details['tokens']:,} tokens x {details['vocab']:,} vocab)"
+        if "tokens" in details
+        else " at the allocator's peak"
+    )
     if share >= 1 and "spike_bytes" in details:
-        title = (f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} with their fp32 copy and gradient) "
-                 f"outweigh everything else the step allocates ({fmt_bytes(details['step_memory_bytes'])}){shape}")
+        title = (
+            f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} with their fp32 copy and gradient) "
+            f"outweigh everything else the step allocates ({fmt_bytes(details['step_memory_bytes'])}){shape}"
+        )
     else:
         title = f"the loss's logits take ~{share:.0%} of each step's memory{shape}"
-    return [Finding(
-        id=ID,
-        title=title,
-        severity="error" if share >= 0.5 else "warning",
-        confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
-        confidence_reason=(f"logits measured at the loss on {len(hits)} rank(s); their footprint is "
-                           f"{share:.0%} of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"),
-        ranks=sorted(hits),
-        evidence=evidence,
-        explanation=("A causal-LM loss materialises one score per token per vocabulary entry. With a large "
-                     "vocabulary the logits (B·T·V), their fp32 upcast for the loss, the log-softmax and "
-                     "their gradient are live together at the loss, and they, not the adapters or the "
-                     "frozen layers, set the peak. LoRA makes the rest of the step small, so this "
-                     "dominates."),
-        fix=("Use a chunked or fused cross-entropy that never materialises full logits (Liger Kernel's "
-             "fused linear cross-entropy, Apple's Cut Cross Entropy); lower the micro-batch or sequence "
-             "length; compute logits only where labels are (logits_to_keep / num_logits_to_keep)."),
-        details=details,
-    )]
+    return [
+        Finding(
+            id=ID,
+            title=title,
+            severity="error" if share >= 0.5 else "warning",
+            confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
+            confidence_reason=(
+                f"logits measured at the loss on {len(hits)} rank(s); their footprint is "
+                f"{share:.0%} of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"
+            ),
+            ranks=sorted(hits),
+            evidence=evidence,
+            explanation=(
+                "A causal-LM loss materialises one score per token per vocabulary entry. With a large "
+                "vocabulary the logits (B·T·V), their fp32 upcast for the loss, the log-softmax and "
+                "their gradient are live together at the loss, and they, not the adapters or the "
+                "frozen layers, set the peak. LoRA makes the rest of the step small, so this "
+                "dominates."
+            ),
+            fix=(
+                "Use a chunked or fused cross-entropy that never materialises full logits (Liger Kernel's "
+                "fused linear cross-entropy, Apple's Cut Cross Entropy); lower the micro-batch or sequence "
+                "length; compute logits only where labels are (logits_to_keep / num_logits_to_keep)."
+            ),
+            details=details,
+        )
+    ]

@@ -6,6 +6,7 @@ category and by the first user frame; else the CUDA OOM message of the job's log
 numbers, other processes on the same GPU). The fix follows the category that held the
 most. Thresholds and reasoning: docs/artifacts.md.
 """
+
 from __future__ import annotations
 
 from lorascope.detect.common import fmt_bytes
@@ -19,17 +20,19 @@ ID = "oom"
 #: What to change, by the category that held the most memory at the OOM.
 FIXES = {
     "logits": "the loss's logits dominate: use a chunked or fused cross-entropy (Liger, Cut Cross Entropy), "
-              "a smaller micro-batch or sequence length, or logits_to_keep",
+    "a smaller micro-batch or sequence length, or logits_to_keep",
     "activations": "activations dominate: enable gradient checkpointing (use_reentrant=False), shorten "
-                   "sequences or pack them, or lower the micro-batch size",
+    "sequences or pack them, or lower the micro-batch size",
     "optimizer": "optimizer state dominates: shard it (ZeRO stage 1/2/3), offload it, or use an 8-bit optimizer; "
-                 "with LoRA make sure the optimizer only holds the adapter parameters",
+    "with LoRA make sure the optimizer only holds the adapter parameters",
     "weights": "the weights dominate: shard them (ZeRO-3 / FSDP), load the base model quantized (QLoRA), "
-               "or use a smaller model per GPU",
+    "or use a smaller model per GPU",
     "gradients": "gradients dominate: check that only the adapters require grad, and shard gradients (ZeRO-2/3)",
 }
-DEFAULT_FIX = ("see what held the memory below; lower the micro-batch size, or shard states with ZeRO; "
-               "if much is reserved but unallocated, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+DEFAULT_FIX = (
+    "see what held the memory below; lower the micro-batch size, or shard states with ZeRO; "
+    "if much is reserved but unallocated, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+)
 
 
 def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: int) -> Finding:
@@ -39,55 +42,90 @@ def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: 
     evidence = [
         Evidence("request that failed", f"{oom.requested:,} B ({fmt_bytes(oom.requested)})", src),
         Evidence("free on the device then", fmt_bytes(oom.device_free), src),
-        Evidence("allocated / reserved at the OOM", f"{fmt_bytes(live.allocated)} / {fmt_bytes(live.reserved)}",
-                 f"{snap.path} (trace replayed to entry {oom.index})"),
-        Evidence("by category", ", ".join(f"{c} {fmt_bytes(b)}" for c, b in live.by_category.items()),
-                 f"{snap.path} (frames of the live allocations)"),
+        Evidence(
+            "allocated / reserved at the OOM",
+            f"{fmt_bytes(live.allocated)} / {fmt_bytes(live.reserved)}",
+            f"{snap.path} (trace replayed to entry {oom.index})",
+        ),
+        Evidence(
+            "by category",
+            ", ".join(f"{c} {fmt_bytes(b)}" for c, b in live.by_category.items()),
+            f"{snap.path} (frames of the live allocations)",
+        ),
     ]
-    evidence += [Evidence(f"held by {g.site}", f"{fmt_bytes(g.bytes)} {g.category} in {g.count} blocks",
-                          f"{snap.path} (first user frame)") for g in live.by_site[:3]]
+    evidence += [
+        Evidence(
+            f"held by {g.site}",
+            f"{fmt_bytes(g.bytes)} {g.category} in {g.count} blocks",
+            f"{snap.path} (first user frame)",
+        )
+        for g in live.by_site[:3]
+    ]
     if live.annotations:
         evidence.append(Evidence("inside", " > ".join(live.annotations), f"{snap.path}: external_annotations"))
     share = live.by_category.get(top, 0) / live.allocated if top and live.allocated else 0.0
     return Finding(
-        id=ID, title=f"rank {rank} ran out of memory asking for {fmt_bytes(oom.requested)}; "
-                     f"{top or 'unattributed'} memory held {share:.0%} of it",
-        severity="error", confidence="high",
+        id=ID,
+        title=f"rank {rank} ran out of memory asking for {fmt_bytes(oom.requested)}; "
+        f"{top or 'unattributed'} memory held {share:.0%} of it",
+        severity="error",
+        confidence="high",
         confidence_reason="the allocator's own OOM record, with every live allocation replayed to it",
-        ranks=[rank], evidence=evidence,
+        ranks=[rank],
+        evidence=evidence,
         explanation="The caching allocator could not find or create a block for the request. The live "
-                    "allocations at that moment say what the memory was spent on; the largest category is "
-                    "where a change pays most.",
+        "allocations at that moment say what the memory was spent on; the largest category is "
+        "where a change pays most.",
         fix=FIXES.get(top or "", DEFAULT_FIX),
-        details={"requested": oom.requested, "by_category": live.by_category,
-                 "sites": [g.site for g in live.by_site[:10]]})
+        details={
+            "requested": oom.requested,
+            "by_category": live.by_category,
+            "sites": [g.site for g in live.by_site[:10]],
+        },
+    )
 
 
 def _log_finding(path: str, report: OomReport) -> Finding:
     src = f"{path}:{report.line}"
     evidence = [Evidence("request that failed", fmt_bytes(report.requested), src)]
-    for label, value in (("free on the device", report.free), ("allocated by PyTorch", report.allocated_by_pytorch),
-                         ("reserved but unallocated", report.reserved_unallocated),
-                         ("total capacity", report.total_capacity)):
+    for label, value in (
+        ("free on the device", report.free),
+        ("allocated by PyTorch", report.allocated_by_pytorch),
+        ("reserved but unallocated", report.reserved_unallocated),
+        ("total capacity", report.total_capacity),
+    ):
         if value is not None:
             evidence.append(Evidence(label, fmt_bytes(value), src))
     if report.other_processes:
-        evidence.append(Evidence("other processes on the GPU", ", ".join(
-            f"pid {pid}: {fmt_bytes(b)}" for pid, b in report.other_processes.items()), src))
+        evidence.append(
+            Evidence(
+                "other processes on the GPU",
+                ", ".join(f"pid {pid}: {fmt_bytes(b)}" for pid, b in report.other_processes.items()),
+                src,
+            )
+        )
     ranks = [report.rank] if report.rank is not None else []
     who = f"rank {report.rank}" if report.rank is not None else "a rank"
     return Finding(
-        id=ID, title=f"{who} ran out of CUDA memory asking for {fmt_bytes(report.requested)}",
-        severity="error", confidence="medium",
+        id=ID,
+        title=f"{who} ran out of CUDA memory asking for {fmt_bytes(report.requested)}",
+        severity="error",
+        confidence="medium",
         confidence_reason="the OOM message of the job's log; without an allocator snapshot it does not say "
-                          "what held the memory",
-        ranks=ranks, evidence=evidence,
+        "what held the memory",
+        ranks=ranks,
+        evidence=evidence,
         explanation="The job's log carries torch's OOM message. Its numbers tell whether the memory was in use "
-                    "(allocated by PyTorch), cached (reserved but unallocated) or held by other processes.",
-        fix=DEFAULT_FIX + ("; other processes hold memory on this GPU: give each rank its own device "
-                           "(torch.cuda.set_device(local_rank) before init_process_group)"
-                           if report.other_processes else ""),
-        details={"log": path, "line": report.line})
+        "(allocated by PyTorch), cached (reserved but unallocated) or held by other processes.",
+        fix=DEFAULT_FIX
+        + (
+            "; other processes hold memory on this GPU: give each rank its own device "
+            "(torch.cuda.set_device(local_rank) before init_process_group)"
+            if report.other_processes
+            else ""
+        ),
+        details={"log": path, "line": report.line},
+    )
 
 
 def _log_reports(bundle: EvidenceBundle) -> dict[int, tuple[str, OomReport]]:
@@ -109,8 +147,11 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 finding = _snapshot_finding(rank, snap, device.ooms[0], device.device)
                 if rank in logged:  # the log's message adds what the snapshot cannot see
                     path, report = logged[rank]
-                    finding.evidence += [e for e in _log_finding(path, report).evidence
-                                         if e.label in ("reserved but unallocated", "other processes on the GPU")]
+                    finding.evidence += [
+                        e
+                        for e in _log_finding(path, report).evidence
+                        if e.label in ("reserved but unallocated", "other processes on the GPU")
+                    ]
                 findings.append(finding)
                 with_snapshot.add(rank)
                 break

@@ -29,6 +29,7 @@ apart on CPU, so model states are not compared there. Only memory *above* the pl
 deviation: below it is a peak between two readings or the allocator's reuse. Tolerances and severity rules:
 docs/detectors.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -117,10 +118,19 @@ class Comparison:
         return self.lower <= self.measured <= self.upper
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "label": self.label, "planned": self.planned,
-                "planned_low": self.planned_low, "measured": self.measured, "lower": self.lower,
-                "upper": self.upper, "excess": self.excess, "tolerance": dataclasses.asdict(self.tolerance),
-                "formula": self.formula, "source": self.source}
+        return {
+            "key": self.key,
+            "label": self.label,
+            "planned": self.planned,
+            "planned_low": self.planned_low,
+            "measured": self.measured,
+            "lower": self.lower,
+            "upper": self.upper,
+            "excess": self.excess,
+            "tolerance": dataclasses.asdict(self.tolerance),
+            "formula": self.formula,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -145,11 +155,11 @@ class _FirstStep:
     """The readings of the first step, in the rank's memory kind."""
 
     kind: str
-    base: int            # at the first forward.begin
-    step: int            # its step counter
-    forward: list[int]   # every reading from there to the forward.end after it
-    whole: list[int]     # every reading from there to the end of the step
-    loss_inside: bool    # cross_entropy ran before that forward.end
+    base: int  # at the first forward.begin
+    step: int  # its step counter
+    forward: list[int]  # every reading from there to the forward.end after it
+    whole: list[int]  # every reading from there to the end of the step
+    loss_inside: bool  # cross_entropy ran before that forward.end
 
 
 def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
@@ -167,8 +177,7 @@ def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
 
 def _first_step(rank: RankData) -> _FirstStep | None:
     kind, mem = memory_kind(rank), rank.mem
-    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin"
-                  and mem_value(m, kind) is not None), None)
+    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin" and mem_value(m, kind) is not None), None)
     if start is None:
         return None
     end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == "forward.end"), None)
@@ -178,13 +187,20 @@ def _first_step(rank: RankData) -> _FirstStep | None:
     t0, t_fwd, t_step = (float(mem[i]["t"]) for i in (start, end, last))
 
     def values(stop: int, t_stop: float) -> list[int]:
-        out = [int(v) for m in mem[start:stop + 1] if (v := mem_value(m, kind)) is not None]
-        return out + [v for t, before, after in _loss_readings(rank, kind) if t0 <= t <= t_stop
-                      for v in (before, after)]
+        out = [int(v) for m in mem[start : stop + 1] if (v := mem_value(m, kind)) is not None]
+        return out + [
+            v for t, before, after in _loss_readings(rank, kind) if t0 <= t <= t_stop for v in (before, after)
+        ]
 
     loss_inside = any(t0 <= t <= t_fwd for t, _, _ in _loss_readings(rank, kind))
-    return _FirstStep(kind, int(mem_value(mem[start], kind) or 0), int(mem[start]["step"]),
-                      values(end, t_fwd), values(last, t_step), loss_inside)
+    return _FirstStep(
+        kind,
+        int(mem_value(mem[start], kind) or 0),
+        int(mem[start]["step"]),
+        values(end, t_fwd),
+        values(last, t_step),
+        loss_inside,
+    )
 
 
 def _batch_shape(rank: RankData) -> tuple[int, int] | None:
@@ -227,8 +243,9 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
     micro, seq = shape
     options = {"checkpointing": _checkpointing(rank), "loss": _loss(rank), **overrides}
     try:
-        return plan_from_configs(model, lora, rank.configs.get("deepspeed"), int(rank.start["world_size"]),
-                                 seq, micro, **options)
+        return plan_from_configs(
+            model, lora, rank.configs.get("deepspeed"), int(rank.start["world_size"]), seq, micro, **options
+        )
     except LorascopeError:
         return None
 
@@ -244,13 +261,21 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
 
     low = act + loss.logits + (loss.saved if inside else 0)
     planned = low + (loss.transient if inside else 0) + gathered
-    out.append(Comparison(
-        "forward", "peak of the first forward", planned, low, max(first.forward) - first.base, tol,
-        f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
-        + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
-        + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
-        + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
-        f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end"))
+    out.append(
+        Comparison(
+            "forward",
+            "peak of the first forward",
+            planned,
+            low,
+            max(first.forward) - first.base,
+            tol,
+            f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
+            + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
+            + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
+            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
+            f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end",
+        )
+    )
 
     spike = max(plan.term("logits").bytes, plan.term("layer_backward").bytes)
     # Allocated for the first time in the step: the gradients (ZeRO-3 zero-fills its flat
@@ -259,31 +284,57 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
     written = plan.term("adapter_gradients").bytes if setup.zero.stage < 3 else 0
     if setup.zero.stage == 0:
         written += plan.term("optimizer_states").bytes + plan.term("master_weights").bytes
-    out.append(Comparison(
-        "step_peak", "peak of the first step", act + spike + gathered + written, low,
-        max(first.whole) - first.base, tol,
-        f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
-        + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else "")
-        + f" + first written in the step {fmt_bytes(written)}",
-        f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
-        "edges and every sampler interval: a peak between two readings is not seen)"))
+    out.append(
+        Comparison(
+            "step_peak",
+            "peak of the first step",
+            act + spike + gathered + written,
+            low,
+            max(first.whole) - first.base,
+            tol,
+            f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
+            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else "")
+            + f" + first written in the step {fmt_bytes(written)}",
+            f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
+            "edges and every sampler interval: a peak between two readings is not seen)",
+        )
+    )
 
     deltas = [after - before for _, before, after in _loss_readings(rank, first.kind)]
     if deltas and setup.loss != "chunked":
         # A loop that shifts the logits itself passes B*(T-1) rows, not B*T.
-        out.append(Comparison(
-            "loss", "memory added inside cross_entropy", loss.saved, loss.saved * (setup.seq - 1) // setup.seq,
-            max(deltas), LOSS_TOLERANCE,
-            f"log-probs {'4' if setup.loss == 'fp32-upcast' else setup.compute_bytes} B x B*T*V ({setup.loss})",
-            f"{src.replace('mem records', 'logits records')}: after - before, first {len(deltas)} call(s)"))
+        out.append(
+            Comparison(
+                "loss",
+                "memory added inside cross_entropy",
+                loss.saved,
+                loss.saved * (setup.seq - 1) // setup.seq,
+                max(deltas),
+                LOSS_TOLERANCE,
+                f"log-probs {'4' if setup.loss == 'fp32-upcast' else setup.compute_bytes} B x B*T*V ({setup.loss})",
+                f"{src.replace('mem records', 'logits records')}: after - before, first {len(deltas)} call(s)",
+            )
+        )
 
     if first.kind == "CUDA allocated":
-        peaks = [m["cuda"]["max_alloc"] for m in rank.mem
-                 if isinstance(m.get("cuda"), dict) and m["cuda"].get("max_alloc") is not None]
+        peaks = [
+            m["cuda"]["max_alloc"]
+            for m in rank.mem
+            if isinstance(m.get("cuda"), dict) and m["cuda"].get("max_alloc") is not None
+        ]
         if peaks:
-            out.append(Comparison(
-                "peak", "max_memory_allocated", plan.allocated, 0, max(peaks), tol,
-                "the plan's counted terms held by torch's allocator", f"{src}: largest cuda.max_alloc"))
+            out.append(
+                Comparison(
+                    "peak",
+                    "max_memory_allocated",
+                    plan.allocated,
+                    0,
+                    max(peaks),
+                    tol,
+                    "the plan's counted terms held by torch's allocator",
+                    f"{src}: largest cuda.max_alloc",
+                )
+            )
     return RankCheck(rank.rank, plan, first.kind, tuple(out))
 
 
@@ -310,13 +361,21 @@ class _Alternative:
 
 
 _ALTERNATIVES = (
-    _Alternative("checkpointing", "none", lambda setup: setup.checkpointing != "none",
-                 "checkpointing is not in effect",
-                 "gradient checkpointing is recorded as {checkpointing} but not in effect: the forward "
-                 "kept what a job without it keeps"),
-    _Alternative("attention", "eager", lambda setup: setup.attention != "eager",
-                 "the attention is eager",
-                 "the attention is eager, not {attention}: it saves the B·heads·T·T score matrices"),
+    _Alternative(
+        "checkpointing",
+        "none",
+        lambda setup: setup.checkpointing != "none",
+        "checkpointing is not in effect",
+        "gradient checkpointing is recorded as {checkpointing} but not in effect: the forward "
+        "kept what a job without it keeps",
+    ),
+    _Alternative(
+        "attention",
+        "eager",
+        lambda setup: setup.attention != "eager",
+        "the attention is eager",
+        "the attention is eager, not {attention}: it saves the B·heads·T·T score matrices",
+    ),
 )
 
 
@@ -335,8 +394,7 @@ def _explain(run: RunData, rank: RankData, check: RankCheck) -> _Explanation | N
         if not alt.applies(setup):
             continue
         replanned = check_rank(rank, run, **{alt.option: alt.value})
-        if replanned is not None and all(
-                (c := replanned.comparison(k)) is not None and c.agrees for k in keys):
+        if replanned is not None and all((c := replanned.comparison(k)) is not None and c.agrees for k in keys):
             text = alt.text.format(checkpointing=setup.checkpointing, attention=setup.attention)
             return _Explanation(alt, text, replanned)
     return None
@@ -344,8 +402,10 @@ def _explain(run: RunData, rank: RankData, check: RankCheck) -> _Explanation | N
 
 def _fmt_comparison(c: Comparison) -> str:
     ratio = f" ({c.measured / c.planned:.1f}x)" if c.planned else ""
-    return (f"measured {fmt_bytes(c.measured)}, planned {fmt_bytes(c.planned)}{ratio}, allowed up to "
-            f"{fmt_bytes(c.upper)}; plan = {c.formula}")
+    return (
+        f"measured {fmt_bytes(c.measured)}, planned {fmt_bytes(c.planned)}{ratio}, allowed up to "
+        f"{fmt_bytes(c.upper)}; plan = {c.formula}"
+    )
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
@@ -363,47 +423,72 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     cuda = check.memory == "CUDA allocated"
     exact = check.memory != "RSS"  # allocator counters: live bytes, not pages
 
-    evidence = [Evidence(f"rank {rank_no}: {c.label} ({check.memory})", _fmt_comparison(c), c.source)
-                for c in check.deviations]
-    evidence += [Evidence(f"rank {n}: {c.deviations[0].label} ({c.memory})", _fmt_comparison(c.deviations[0]),
-                          c.deviations[0].source) for n, c in sorted(deviating.items()) if n != rank_no]
-    evidence.append(Evidence(
-        "plan inputs", f"B={setup.micro_batch}, T={setup.seq}, V={check.plan.inputs.shape.vocab}, "
-                       f"{setup.precision}, ZeRO-{setup.zero.stage} over {setup.world}, checkpointing "
-                       f"{setup.checkpointing}, {setup.attention} attention, loss {setup.loss}",
-        "config records (model, lora, deepspeed), logits shape and dtype, grad_setup"))
-    reason = (f"{check.memory} readings; {worst.label} is {fmt_bytes(worst.excess)} beyond the tolerance "
-              f"(+{worst.tolerance.above:.0%} + {fmt_bytes(worst.tolerance.abs)} over the plan)")
+    evidence = [
+        Evidence(f"rank {rank_no}: {c.label} ({check.memory})", _fmt_comparison(c), c.source) for c in check.deviations
+    ]
+    evidence += [
+        Evidence(
+            f"rank {n}: {c.deviations[0].label} ({c.memory})", _fmt_comparison(c.deviations[0]), c.deviations[0].source
+        )
+        for n, c in sorted(deviating.items())
+        if n != rank_no
+    ]
+    evidence.append(
+        Evidence(
+            "plan inputs",
+            f"B={setup.micro_batch}, T={setup.seq}, V={check.plan.inputs.shape.vocab}, "
+            f"{setup.precision}, ZeRO-{setup.zero.stage} over {setup.world}, checkpointing "
+            f"{setup.checkpointing}, {setup.attention} attention, loss {setup.loss}",
+            "config records (model, lora, deepspeed), logits shape and dtype, grad_setup",
+        )
+    )
+    reason = (
+        f"{check.memory} readings; {worst.label} is {fmt_bytes(worst.excess)} beyond the tolerance "
+        f"(+{worst.tolerance.above:.0%} + {fmt_bytes(worst.tolerance.abs)} over the plan)"
+    )
     title = f"{worst.label} is {fmt_bytes(worst.measured)}, the plan {fmt_bytes(worst.planned)}"
-    explanation = ("The plan for this job, made from the configs it recorded, accounts for every tensor "
-                   "the step needs; the readings are above it by more than allocator effects explain, so "
-                   "the job does something the plan does not assume: checkpointing not applied (it needs "
-                   "model.train() and layers that honour it), another attention implementation, outputs "
-                   "or hidden states the loop keeps alive, an extra copy of the logits.")
+    explanation = (
+        "The plan for this job, made from the configs it recorded, accounts for every tensor "
+        "the step needs; the readings are above it by more than allocator effects explain, so "
+        "the job does something the plan does not assume: checkpointing not applied (it needs "
+        "model.train() and layers that honour it), another attention implementation, outputs "
+        "or hidden states the loop keeps alive, an extra copy of the logits."
+    )
     if explained is not None:
         again = explained.replanned.comparison(worst.key)
-        evidence.append(Evidence(
-            f"re-planned with {explained.alternative.option} {explained.alternative.value}",
-            f"{worst.label}: planned {fmt_bytes(again.planned if again else None)}, measured "
-            f"{fmt_bytes(worst.measured)}: within tolerance", "lorascope.plan.plan_from_configs"))
+        evidence.append(
+            Evidence(
+                f"re-planned with {explained.alternative.option} {explained.alternative.value}",
+                f"{worst.label}: planned {fmt_bytes(again.planned if again else None)}, measured "
+                f"{fmt_bytes(worst.measured)}: within tolerance",
+                "lorascope.plan.plan_from_configs",
+            )
+        )
         reason += "; the plan with one setting changed agrees with every deviating reading"
         title += f": {explained.alternative.short}"
         explanation = explained.text[0].upper() + explained.text[1:] + ". " + explanation
-    return [Finding(
-        id=ID,
-        title=title,
-        severity="error" if any(ended_with_oom(run.ranks[n]) for n in deviating)
-        or (cuda and worst.excess >= CUDA_ERROR_EXCESS) else "warning",
-        confidence="high" if exact or explained is not None else "medium",
-        confidence_reason=reason,
-        ranks=sorted(deviating),
-        evidence=evidence,
-        explanation=explanation,
-        fix=("Run `lorascope plan` with the job's settings and compare term by term (`--json`); check "
-             "that gradient checkpointing is enabled on the model DeepSpeed wraps and in effect (the "
-             "model in train mode), and that the loop keeps only the loss of each step."),
-        details={"memory": check.memory,
-                 "plan": dataclasses.asdict(setup) | {"vocab": check.plan.inputs.shape.vocab},
-                 "explanation": explained.text if explained is not None else None,
-                 "ranks": {str(n): [c.to_dict() for c in checks[n].comparisons] for n in sorted(checks)}},
-    )]
+    return [
+        Finding(
+            id=ID,
+            title=title,
+            severity="error"
+            if any(ended_with_oom(run.ranks[n]) for n in deviating) or (cuda and worst.excess >= CUDA_ERROR_EXCESS)
+            else "warning",
+            confidence="high" if exact or explained is not None else "medium",
+            confidence_reason=reason,
+            ranks=sorted(deviating),
+            evidence=evidence,
+            explanation=explanation,
+            fix=(
+                "Run `lorascope plan` with the job's settings and compare term by term (`--json`); check "
+                "that gradient checkpointing is enabled on the model DeepSpeed wraps and in effect (the "
+                "model in train mode), and that the loop keeps only the loss of each step."
+            ),
+            details={
+                "memory": check.memory,
+                "plan": dataclasses.asdict(setup) | {"vocab": check.plan.inputs.shape.vocab},
+                "explanation": explained.text if explained is not None else None,
+                "ranks": {str(n): [c.to_dict() for c in checks[n].comparisons] for n in sorted(checks)},
+            },
+        )
+    ]

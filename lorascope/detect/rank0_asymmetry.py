@@ -5,6 +5,7 @@ Evidence: each rank's peak against the median of the others; the point of the lo
 samples taken at the same phase edges; on CUDA, other ranks' PIDs that NVML lists on
 rank 0's GPU (their CUDA contexts landed on GPU 0). Thresholds: docs/detectors.md.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -12,7 +13,12 @@ from collections import Counter
 from typing import Any
 
 from lorascope.detect.common import (
-    ended_with_oom, fmt_bytes, mem_value, memory_kind, peak_memory, stream_source,
+    ended_with_oom,
+    fmt_bytes,
+    mem_value,
+    memory_kind,
+    peak_memory,
+    stream_source,
 )
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
@@ -28,15 +34,19 @@ MIN_SHARE_OF_GROWTH = 0.25
 MIN_EXCESS_BYTES = 16 * 2**20
 
 
-EXPLANATION = ("In data-parallel training every rank should hold about the same memory. Rank 0 "
-               "often does extra work the others do not: it evaluates or logs alone and keeps the "
-               "outputs, gathers tensors from every rank, or hosts other ranks' CUDA contexts when "
-               "they did not select their own device before initialising. It then runs out of "
-               "memory while the other ranks are comfortable.")
-FIX = ("Run evaluation on every rank and all_reduce the metrics; keep no outputs on rank 0 (move "
-       "gathered tensors to CPU, reduce them to numbers, delete them); call "
-       "torch.cuda.set_device(local_rank) before init_process_group and pass "
-       "barrier(device_ids=[local_rank]).")
+EXPLANATION = (
+    "In data-parallel training every rank should hold about the same memory. Rank 0 "
+    "often does extra work the others do not: it evaluates or logs alone and keeps the "
+    "outputs, gathers tensors from every rank, or hosts other ranks' CUDA contexts when "
+    "they did not select their own device before initialising. It then runs out of "
+    "memory while the other ranks are comfortable."
+)
+FIX = (
+    "Run evaluation on every rank and all_reduce the metrics; keep no outputs on rank 0 (move "
+    "gathered tensors to CPU, reduce them to numbers, delete them); call "
+    "torch.cuda.set_device(local_rank) before init_process_group and pass "
+    "barrier(device_ids=[local_rank])."
+)
 
 
 def _edge_series(rank: RankData, kind: str) -> list[tuple[tuple[int, str, int], int]]:
@@ -88,8 +98,7 @@ def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> di
     (after, edge), added = max(growth.items(), key=lambda kv: kv[1])
     if added <= 0:
         return None
-    return {"step": first_step, "after": after, "edge": edge, "phase": _phase_between(after, edge),
-            "gap": added}
+    return {"step": first_step, "after": after, "edge": edge, "phase": _phase_between(after, edge), "gap": added}
 
 
 def _phase_between(previous: str, edge: str) -> str:
@@ -133,26 +142,38 @@ def from_snapshots(bundle: EvidenceBundle) -> list[Finding]:
     if excess < threshold:
         return []
     src = f"{bundle.snapshots[0].path} ({comparison.points[0]})"
-    evidence = [Evidence("rank 0 allocated", fmt_bytes(comparison.allocated[0]), src),
-                Evidence("median of the other ranks", fmt_bytes(median), "their snapshots"),
-                Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%})", "allocated minus the median")]
-    evidence += [Evidence(f"on rank 0 {'only' if a.only_here else 'mostly'}: {a.category}",
-                          f"{fmt_bytes(a.bytes)} at {a.site} (others at most {fmt_bytes(a.others_max)})", src)
-                 for a in only[:5]]
-    return [Finding(
-        id=ID,
-        title=f"rank 0 holds {fmt_bytes(excess)} more than the other ranks"
-              + (f"; the largest part only it holds: {only[0].category} at {only[0].site}" if only else ""),
-        severity="error" if any(d.ooms for d in bundle.snapshots[0].devices) else "warning",
-        confidence="high" if only else "medium",
-        confidence_reason=("allocations present on rank 0 only, found by comparing the ranks' snapshots"
-                           if only else "rank 0's peak is above the others', no allocation is rank 0's alone"),
-        ranks=[0],
-        evidence=evidence,
-        explanation=EXPLANATION,
-        fix=FIX,
-        details={"peaks": {str(r): v for r, v in comparison.allocated.items()}, "source": "snapshots"},
-    )]
+    evidence = [
+        Evidence("rank 0 allocated", fmt_bytes(comparison.allocated[0]), src),
+        Evidence("median of the other ranks", fmt_bytes(median), "their snapshots"),
+        Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%})", "allocated minus the median"),
+    ]
+    evidence += [
+        Evidence(
+            f"on rank 0 {'only' if a.only_here else 'mostly'}: {a.category}",
+            f"{fmt_bytes(a.bytes)} at {a.site} (others at most {fmt_bytes(a.others_max)})",
+            src,
+        )
+        for a in only[:5]
+    ]
+    return [
+        Finding(
+            id=ID,
+            title=f"rank 0 holds {fmt_bytes(excess)} more than the other ranks"
+            + (f"; the largest part only it holds: {only[0].category} at {only[0].site}" if only else ""),
+            severity="error" if any(d.ooms for d in bundle.snapshots[0].devices) else "warning",
+            confidence="high" if only else "medium",
+            confidence_reason=(
+                "allocations present on rank 0 only, found by comparing the ranks' snapshots"
+                if only
+                else "rank 0's peak is above the others', no allocation is rank 0's alone"
+            ),
+            ranks=[0],
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIX,
+            details={"peaks": {str(r): v for r, v in comparison.allocated.items()}, "source": "snapshots"},
+        )
+    ]
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
@@ -168,32 +189,56 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     median = statistics.median(peaks)
     excess = peak0 - median
     kind = memory_kind(rank0)
-    growth = statistics.median(g for r in others if (g := _growth(r, kind)) is not None) \
-        if any(_growth(r, kind) is not None for r in others) else None
-    threshold = max(MIN_EXCESS_BYTES, min(MIN_EXCESS_SHARE * median,
-                                          MIN_SHARE_OF_GROWTH * growth if growth else float("inf")))
+    growth = (
+        statistics.median(g for r in others if (g := _growth(r, kind)) is not None)
+        if any(_growth(r, kind) is not None for r in others)
+        else None
+    )
+    threshold = max(
+        MIN_EXCESS_BYTES, min(MIN_EXCESS_SHARE * median, MIN_SHARE_OF_GROWTH * growth if growth else float("inf"))
+    )
     if excess < threshold:
         return []
     point = divergence_point(rank0, others, excess)
     guests = _gpu0_guests(rank0, others)
     evidence = [
         Evidence(f"rank 0 peak ({kind})", fmt_bytes(peak0), stream_source(run, rank0, "mem records")),
-        Evidence(f"median peak of ranks {', '.join(str(r.rank) for r in others)}", fmt_bytes(median),
-                 "mem records of those ranks"),
-        Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%} over the others)",
-                 "peak minus the median"),
+        Evidence(
+            f"median peak of ranks {', '.join(str(r.rank) for r in others)}",
+            fmt_bytes(median),
+            "mem records of those ranks",
+        ),
+        Evidence(
+            "rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%} over the others)", "peak minus the median"
+        ),
     ]
     if point is not None:
-        evidence.append(Evidence("rank 0 pulled away", f"between {point['after']} and {point['edge']}: "
-                                 f"{point['phase']} (+{fmt_bytes(point['gap'])} over the run; half the excess "
-                                 f"reached at step {point['step']})", "mem records aligned by phase edge"))
+        evidence.append(
+            Evidence(
+                "rank 0 pulled away",
+                f"between {point['after']} and {point['edge']}: "
+                f"{point['phase']} (+{fmt_bytes(point['gap'])} over the run; half the excess "
+                f"reached at step {point['step']})",
+                "mem records aligned by phase edge",
+            )
+        )
     if guests:
-        evidence.append(Evidence("other ranks' processes on rank 0's GPU",
-                                 f"ranks {guests} (NVML process list)", stream_source(run, rank0, "mem.nvml")))
+        evidence.append(
+            Evidence(
+                "other ranks' processes on rank 0's GPU",
+                f"ranks {guests} (NVML process list)",
+                stream_source(run, rank0, "mem.nvml"),
+            )
+        )
     oom = ended_with_oom(rank0)
     if oom:
-        evidence.append(Evidence("rank 0 ended with", rank0.exception["message"].splitlines()[0][:300],
-                                 stream_source(run, rank0, "exception record")))
+        evidence.append(
+            Evidence(
+                "rank 0 ended with",
+                rank0.exception["message"].splitlines()[0][:300],
+                stream_source(run, rank0, "exception record"),
+            )
+        )
     reasons = [f"excess {excess / threshold:.1f}x the threshold"]
     if point is not None:
         reasons.append(f"divergence located at {point['edge']}")
@@ -201,17 +246,22 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         reasons.append("other ranks' contexts seen on GPU 0")
     confidence = "high" if excess >= 2 * threshold and (point is not None or guests) else "medium"
     phase = point["phase"] if point else None
-    return [Finding(
-        id=ID,
-        title=f"rank 0 holds {fmt_bytes(excess)} more memory than the other ranks"
-              + (f"; it pulled away in {phase if ' ' in phase else 'the ' + phase + ' phase'}" if phase else ""),
-        severity="error" if oom else "warning",
-        confidence=confidence,
-        confidence_reason="; ".join(reasons),
-        ranks=[0],
-        evidence=evidence,
-        explanation=EXPLANATION,
-        fix=FIX,
-        details={"peaks": {str(r.rank): peak_memory(r) for r in run.ranks.values()},
-                 "divergence": point, "gpu0_guest_ranks": guests},
-    )]
+    return [
+        Finding(
+            id=ID,
+            title=f"rank 0 holds {fmt_bytes(excess)} more memory than the other ranks"
+            + (f"; it pulled away in {phase if ' ' in phase else 'the ' + phase + ' phase'}" if phase else ""),
+            severity="error" if oom else "warning",
+            confidence=confidence,
+            confidence_reason="; ".join(reasons),
+            ranks=[0],
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIX,
+            details={
+                "peaks": {str(r.rank): peak_memory(r) for r in run.ranks.values()},
+                "divergence": point,
+                "gpu0_guest_ranks": guests,
+            },
+        )
+    ]

@@ -5,6 +5,7 @@ first number at which they disagree (a different op or size) is the divergence. 
 whose call site sits inside a rank condition (``if rank == 0:``, ``is_main_process``),
 read from the source context the probes recorded.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,10 @@ from lorascope.ingest.flight_align import call_site
 from lorascope.rundir.reader import Collective, RankData, RunData
 
 ID = "rank-conditional-hang"
-RANK_CONDITION = re.compile(r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
-                            r"is_world_process_zero|main_process|get_rank\(\))\b")
+RANK_CONDITION = re.compile(
+    r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
+    r"is_world_process_zero|main_process|get_rank\(\))\b"
+)
 
 
 def _condition_in(context: dict[str, Any] | None) -> str | None:
@@ -80,8 +83,9 @@ def detect_odd_ranks(run: RunData, div: Divergence) -> list[int]:
     condition (beating the `else` branch, where the ranks doing the usual thing are),
     else the minority (op, bytes); none when it cannot be told."""
     conditions = _conditions(run, div)
-    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] \
-        or [n for n, cond in conditions.items() if cond]
+    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] or [
+        n for n, cond in conditions.items() if cond
+    ]
     if len(odd) == len(div.calls):
         odd = []
     if not odd:
@@ -107,15 +111,19 @@ def _short_site(site: str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{rest}"
 
 
-EXPLANATION = ("Collectives match up by order: every rank of a process group must call the same "
-               "collectives in the same sequence. A collective inside a block only some ranks "
-               "enter (evaluation, logging or saving on rank 0, a ZeRO-3 parameter gather on the "
-               "main process) pairs with a different call on the others; they wait on each other "
-               "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
-               "mismatched sizes.")
-FIX = ("Run the collective on every rank and act on the result on rank 0 only: move the "
-       "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
-       "all ranks, then `if rank == 0: log(...)`).")
+EXPLANATION = (
+    "Collectives match up by order: every rank of a process group must call the same "
+    "collectives in the same sequence. A collective inside a block only some ranks "
+    "enter (evaluation, logging or saving on rank 0, a ZeRO-3 parameter gather on the "
+    "main process) pairs with a different call on the others; they wait on each other "
+    "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
+    "mismatched sizes."
+)
+FIX = (
+    "Run the collective on every rank and act on the result on rank 0 only: move the "
+    "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
+    "all ranks, then `if rank == 0: log(...)`)."
+)
 
 
 def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
@@ -127,39 +135,56 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
         return []  # sizes/dtypes: collective-mismatch; missing ranks: a hang of another kind
     sites = {r: call_site(e.frames) for r, e in first.entries.items()}
     conditions = {r: _condition_in(bundle.sources.get(s or "")) for r, s in sites.items()}
-    odd = sorted(r for r, c in conditions.items() if c and not c.startswith("else of:")) \
-        or sorted(first.extra_on)
+    odd = sorted(r for r, c in conditions.items() if c and not c.startswith("else of:")) or sorted(first.extra_on)
     if len(odd) == len(first.entries):
         odd = []
     evidence = []
     for r, entry in sorted(first.entries.items()):
         sizes = f" {list(entry.input_sizes)}" if entry.input_sizes else ""
         done = "completed" if entry.completed else "not completed"
-        evidence.append(Evidence(f"rank {r} at group {first.group} #{first.seq}",
-                                 f"{entry.op}{sizes} {'/'.join(entry.input_dtypes)} at {sites[r] or '?'} — {done}",
-                                 f"flight-recorder dump of rank {r}"))
+        evidence.append(
+            Evidence(
+                f"rank {r} at group {first.group} #{first.seq}",
+                f"{entry.op}{sizes} {'/'.join(entry.input_dtypes)} at {sites[r] or '?'} — {done}",
+                f"flight-recorder dump of rank {r}",
+            )
+        )
         context = bundle.sources.get(sites[r] or "")
         if context and context.get("line"):
-            evidence.append(Evidence(f"rank {r} source", context["line"] + (
-                f"   inside `{conditions[r]}`" if conditions[r] else ""), sites[r] or "?"))
+            evidence.append(
+                Evidence(
+                    f"rank {r} source",
+                    context["line"] + (f"   inside `{conditions[r]}`" if conditions[r] else ""),
+                    sites[r] or "?",
+                )
+            )
     who = f"rank {odd[0]}" if odd else "the ranks"
     odd_entry = first.entries.get(odd[0]) if odd else None
-    return [Finding(
-        id=ID,
-        title=f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"
-              + (f": {odd_entry.op} at {_short_site(sites[odd[0]])}"
-                 + (f" inside `{conditions[odd[0]]}`" if conditions[odd[0]] else "") if odd_entry else ""),
-        severity="error",
-        confidence="high" if any(conditions.values()) else "medium",
-        confidence_reason=("the odd rank's call site is inside a rank condition" if any(conditions.values())
-                           else "the flight-recorder dumps disagree on the op; the source was not readable "
-                                "here to find the rank condition"),
-        ranks=odd or sorted(first.entries),
-        evidence=evidence,
-        explanation=EXPLANATION,
-        fix=FIX,
-        details={"group": first.group, "seq": first.seq, "odd_ranks": odd, "source": "flight recorder"},
-    )]
+    return [
+        Finding(
+            id=ID,
+            title=f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"
+            + (
+                f": {odd_entry.op} at {_short_site(sites[odd[0]])}"
+                + (f" inside `{conditions[odd[0]]}`" if conditions[odd[0]] else "")
+                if odd_entry
+                else ""
+            ),
+            severity="error",
+            confidence="high" if any(conditions.values()) else "medium",
+            confidence_reason=(
+                "the odd rank's call site is inside a rank condition"
+                if any(conditions.values())
+                else "the flight-recorder dumps disagree on the op; the source was not readable "
+                "here to find the rank condition"
+            ),
+            ranks=odd or sorted(first.entries),
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIX,
+            details={"group": first.group, "seq": first.seq, "odd_ranks": odd, "source": "flight recorder"},
+        )
+    ]
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
@@ -172,44 +197,65 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     evidence: list[Evidence] = []
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
-        evidence.append(Evidence(f"rank {n} at {div.group} #{div.seq}", _describe(call),
-                                 stream_source(run, rank, "coll records")))
+        evidence.append(
+            Evidence(f"rank {n} at {div.group} #{div.seq}", _describe(call), stream_source(run, rank, "coll records"))
+        )
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})
             if context.get("line"):
                 cond = conditions[n]
-                evidence.append(Evidence(f"rank {n} source", f"{context['line']}"
-                                         + (f"   inside `{cond}`" if cond else ""), call.site))
+                evidence.append(
+                    Evidence(
+                        f"rank {n} source", f"{context['line']}" + (f"   inside `{cond}`" if cond else ""), call.site
+                    )
+                )
     crashed = [r for r in run.ranks.values() if r.exception]
     if crashed:
-        evidence.append(Evidence("how it ended", f"rank {crashed[0].rank}: {crashed[0].exception['type']}: "
-                                 f"{crashed[0].exception['message'].splitlines()[0][:200]}",
-                                 stream_source(run, crashed[0], "exception record")))
+        evidence.append(
+            Evidence(
+                "how it ended",
+                f"rank {crashed[0].rank}: {crashed[0].exception['type']}: "
+                f"{crashed[0].exception['message'].splitlines()[0][:200]}",
+                stream_source(run, crashed[0], "exception record"),
+            )
+        )
     others = sorted(set(div.calls) - set(odd))
     who = f"ranks {', '.join(map(str, odd))} vs {', '.join(map(str, others))}" if odd else "the ranks"
     first_odd = div.calls.get(odd[0]) if odd else None
-    headline = (f"{who} disagree from collective #{div.seq} on {div.group}"
-                + (f": rank {odd[0]} runs {first_odd.op} at {_short_site(first_odd.site)}"
-                   f"{' inside `' + conditions[odd[0]] + '`' if conditions.get(odd[0]) else ''}"
-                   if first_odd else ""))
+    headline = f"{who} disagree from collective #{div.seq} on {div.group}" + (
+        f": rank {odd[0]} runs {first_odd.op} at {_short_site(first_odd.site)}"
+        f"{' inside `' + conditions[odd[0]] + '`' if conditions.get(odd[0]) else ''}"
+        if first_odd
+        else ""
+    )
     confidence = "high" if any(conditions.values()) else "medium"
-    reason = ("the odd rank's call site is inside a rank condition" if confidence == "high"
-              else "sequences disagree but no rank condition was found at the call sites")
+    reason = (
+        "the odd rank's call site is inside a rank condition"
+        if confidence == "high"
+        else "sequences disagree but no rank condition was found at the call sites"
+    )
     details: dict[str, Any] = {
-        "group": div.group, "seq": div.seq, "odd_ranks": odd,
-        "calls": {str(n): None if c is None else {"op": c.op, "bytes": c.bytes, "dtype": c.dtype,
-                                                  "site": c.site, "pending": c.pending, "err": c.err}
-                  for n, c in div.calls.items()},
+        "group": div.group,
+        "seq": div.seq,
+        "odd_ranks": odd,
+        "calls": {
+            str(n): None
+            if c is None
+            else {"op": c.op, "bytes": c.bytes, "dtype": c.dtype, "site": c.site, "pending": c.pending, "err": c.err}
+            for n, c in div.calls.items()
+        },
     }
-    return [Finding(
-        id=ID,
-        title=headline,
-        severity="error",
-        confidence=confidence,
-        confidence_reason=reason,
-        ranks=sorted(odd) or sorted(div.calls),
-        evidence=evidence,
-        explanation=EXPLANATION,
-        fix=FIX,
-        details=details,
-    )]
+    return [
+        Finding(
+            id=ID,
+            title=headline,
+            severity="error",
+            confidence=confidence,
+            confidence_reason=reason,
+            ranks=sorted(odd) or sorted(div.calls),
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIX,
+            details=details,
+        )
+    ]

@@ -1,11 +1,21 @@
 """The one list of detectors, and running them."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from lorascope.detect import (
-    allocator_fragmentation, collective_mismatch, hung_ranks, logits_spike, oom, plan_deviation,
-    rank0_asymmetry, rank_conditional_hang, reentrant_dead_grads, straggler, tiny_kernel_tail,
+    allocator_fragmentation,
+    collective_mismatch,
+    hung_ranks,
+    logits_spike,
+    oom,
+    plan_deviation,
+    rank0_asymmetry,
+    rank_conditional_hang,
+    reentrant_dead_grads,
+    straggler,
+    tiny_kernel_tail,
 )
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
@@ -35,7 +45,8 @@ def run_detectors(bundle: EvidenceBundle, detectors: list[Detector] | None = Non
     for detector in DETECTORS if detectors is None else detectors:
         try:
             findings.extend(detector(bundle))
-        except Exception as exc:  # noqa: BLE001
-            bundle.warnings.append(f"detector {detector.__module__}.{detector.__name__} failed: "
-                                   f"{exc.__class__.__name__}: {exc}")
+        except Exception as exc:
+            bundle.warnings.append(
+                f"detector {detector.__module__}.{detector.__name__} failed: {exc.__class__.__name__}: {exc}"
+            )
     return sorted(findings, key=Finding.sort_key)

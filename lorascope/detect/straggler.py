@@ -5,6 +5,7 @@ at least 1.1x the other ranks' median, and the least time in communication (it a
 last, so it waits least). Confidence is medium when every rank's trace is there, low
 when only some are (a straggler among the ranks not traced would go unseen).
 """
+
 from __future__ import annotations
 
 from lorascope.detect.finding import Evidence, Finding
@@ -18,16 +19,28 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if cmp is None or cmp.straggler is None:
         return []
     partial = cmp.world_size is not None and cmp.world_size > len(cmp.ranks)
-    evidence = [Evidence(f"rank {t.rank}", f"compute {t.compute_us / 1000:.1f} ms, communication "
-                         f"{t.comm_us / 1000:.1f} ms over {t.steps or '?'} steps",
-                         str(bundle.traces[t.rank].path)) for t in cmp.ranks]
-    return [Finding(
-        id=ID, title=f"rank {cmp.straggler} is the straggler: the other ranks wait for it at the collectives",
-        severity="warning", confidence="low" if partial else "medium",
-        confidence_reason=cmp.reason + ("; only some ranks' traces were given" if partial else ""),
-        ranks=[cmp.straggler], evidence=evidence,
-        explanation="In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
-                    "compute shows as extra communication time on all the others.",
-        fix="look for what this rank does more (rank-0 logging, eval, checkpoint writing, a slower GPU or a "
+    evidence = [
+        Evidence(
+            f"rank {t.rank}",
+            f"compute {t.compute_us / 1000:.1f} ms, communication "
+            f"{t.comm_us / 1000:.1f} ms over {t.steps or '?'} steps",
+            str(bundle.traces[t.rank].path),
+        )
+        for t in cmp.ranks
+    ]
+    return [
+        Finding(
+            id=ID,
+            title=f"rank {cmp.straggler} is the straggler: the other ranks wait for it at the collectives",
+            severity="warning",
+            confidence="low" if partial else "medium",
+            confidence_reason=cmp.reason + ("; only some ranks' traces were given" if partial else ""),
+            ranks=[cmp.straggler],
+            evidence=evidence,
+            explanation="In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
+            "compute shows as extra communication time on all the others.",
+            fix="look for what this rank does more (rank-0 logging, eval, checkpoint writing, a slower GPU or a "
             "throttled one, a different data shard with longer sequences) and even it out",
-        details={"ranks": [t.rank for t in cmp.ranks]})]
+            details={"ranks": [t.rank for t in cmp.ranks]},
+        )
+    ]

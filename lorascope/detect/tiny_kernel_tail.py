@@ -9,6 +9,7 @@ attributed to LoRA modules (the probes' module ranges; backward kernels through 
 autograd sequence numbers); LoRA kernels per step; idle gaps between kernels on the GPU.
 Thresholds and their reasoning: docs/detectors.md.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -44,7 +45,8 @@ def _rank_stats(entry: dict[str, Any], threshold: float) -> dict[str, Any]:
     tiny = [d for d, _ in durations if d < threshold]
     steps = entry.get("steps") or None
     return {
-        "units": len(durations), "steps": steps,
+        "units": len(durations),
+        "steps": steps,
         "tiny_count_share": len(tiny) / len(durations) if durations else 0.0,
         "tiny_time_share": sum(tiny) / total,
         "annotated": any(m is not None for _, m in durations),
@@ -66,13 +68,23 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return []
     unit = table["unit"]
     stats = {int(r): _rank_stats(e, threshold) for r, e in table["ranks"].items()}
-    idle = {r: t.idle_us / (t.busy_us + t.idle_us) for r, t in bundle.traces.items()
-            if hasattr(t, "idle_us") and t.busy_us + t.idle_us > 0 and unit == "kernel"}
-    lora_hits = [r for r, s in stats.items()
-                 if (s["lora_per_step"] or s["lora_units"]) >= MIN_LORA_PER_STEP
-                 and s["lora_tiny_share"] >= MIN_LORA_TINY_SHARE and s["lora_time_share"] >= MIN_LORA_TIME_SHARE]
-    plain_hits = [r for r, s in stats.items() if not s["annotated"] and s["tiny_count_share"] >= MIN_TINY_COUNT_SHARE
-                  and idle.get(r, 0.0) >= MIN_IDLE_SHARE]
+    idle = {
+        r: t.idle_us / (t.busy_us + t.idle_us)
+        for r, t in bundle.traces.items()
+        if hasattr(t, "idle_us") and t.busy_us + t.idle_us > 0 and unit == "kernel"
+    }
+    lora_hits = [
+        r
+        for r, s in stats.items()
+        if (s["lora_per_step"] or s["lora_units"]) >= MIN_LORA_PER_STEP
+        and s["lora_tiny_share"] >= MIN_LORA_TINY_SHARE
+        and s["lora_time_share"] >= MIN_LORA_TIME_SHARE
+    ]
+    plain_hits = [
+        r
+        for r, s in stats.items()
+        if not s["annotated"] and s["tiny_count_share"] >= MIN_TINY_COUNT_SHARE and idle.get(r, 0.0) >= MIN_IDLE_SHARE
+    ]
     hits = lora_hits or plain_hits
     if not hits:
         return []
@@ -80,43 +92,59 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     s = stats[rank]
     source = table["ranks"][str(rank)].get("source") or f"trace of rank {rank}"
     evidence = [
-        Evidence(f"{unit}s under {threshold:g} us", f"{s['tiny_count_share']:.0%} of {s['units']:,} {unit}s, "
-                 f"{s['tiny_time_share']:.0%} of {unit} time", source),
+        Evidence(
+            f"{unit}s under {threshold:g} us",
+            f"{s['tiny_count_share']:.0%} of {s['units']:,} {unit}s, {s['tiny_time_share']:.0%} of {unit} time",
+            source,
+        ),
     ]
     if lora_hits:
         per_step = f", {s['lora_per_step']:,.0f} per step" if s["lora_per_step"] else ""
         evidence += [
-            Evidence(f"LoRA {unit}s (lora_A / lora_B / dropout, scaling, add)",
-                     f"{s['lora_units']:,}{per_step}; {s['lora_tiny_share']:.0%} of them under {threshold:g} us "
-                     f"(median {s['lora_median_us']:.1f} us)", source),
+            Evidence(
+                f"LoRA {unit}s (lora_A / lora_B / dropout, scaling, add)",
+                f"{s['lora_units']:,}{per_step}; {s['lora_tiny_share']:.0%} of them under {threshold:g} us "
+                f"(median {s['lora_median_us']:.1f} us)",
+                source,
+            ),
             Evidence(f"LoRA share of {unit} time", f"{s['lora_time_share']:.0%}", source),
         ]
     if rank in idle:
         evidence.append(Evidence("device idle between kernels", f"{idle[rank]:.0%} of the busy window", source))
     confidence = "high" if lora_hits and len(lora_hits) == len(stats) else "medium"
-    reason = (f"{s['lora_per_step'] or s['lora_units']:,.0f} LoRA {unit}s per step, mostly tiny, "
-              f"{s['lora_time_share']:.0%} of {unit} time, on {len(lora_hits)} of {len(stats)} traced rank(s)"
-              if lora_hits else
-              "tiny kernels dominate and the device idles, but the trace has no module ranges to name LoRA")
-    return [Finding(
-        id=ID,
-        title=(f"LoRA adds {s['lora_units']:,} {unit}s to the traced steps, {s['lora_tiny_share']:.0%} of them "
-               f"under {threshold:g} us ({s['lora_time_share']:.0%} of {unit} time): the step is launch-bound"
-               if lora_hits else
-               f"{s['tiny_count_share']:.0%} of {unit}s are under {threshold:g} us and the device idles "
-               f"{idle.get(rank, 0.0):.0%}: the step is launch-bound"),
-        severity="warning",
-        confidence=confidence,
-        confidence_reason=reason,
-        ranks=sorted(hits),
-        evidence=evidence,
-        explanation=("Each LoRA-adapted layer adds two thin GEMMs (rank r), a dropout, a scaling and an "
-                     "add, forward and backward. With small r, hidden sizes or micro-batches these kernels "
-                     "finish faster than the CPU can launch the next one, so the device waits on Python and "
-                     "the launch path instead of computing: thousands of tiny kernels per step set the step "
-                     "time, not FLOPs."),
-        fix=("Pack sequences or raise the micro-batch so each kernel does more work; set lora_dropout=0 "
-             "(drops a kernel per adapter); torch.compile the model (fuses the LoRA epilogue); use fused "
-             "LoRA kernels (e.g. Unsloth, Liger); target fewer modules or merge adapters for evaluation."),
-        details={"kernels": table, "stats": {str(r): v for r, v in stats.items()}, "threshold_us": threshold},
-    )]
+    reason = (
+        f"{s['lora_per_step'] or s['lora_units']:,.0f} LoRA {unit}s per step, mostly tiny, "
+        f"{s['lora_time_share']:.0%} of {unit} time, on {len(lora_hits)} of {len(stats)} traced rank(s)"
+        if lora_hits
+        else "tiny kernels dominate and the device idles, but the trace has no module ranges to name LoRA"
+    )
+    return [
+        Finding(
+            id=ID,
+            title=(
+                f"LoRA adds {s['lora_units']:,} {unit}s to the traced steps, {s['lora_tiny_share']:.0%} of them "
+                f"under {threshold:g} us ({s['lora_time_share']:.0%} of {unit} time): the step is launch-bound"
+                if lora_hits
+                else f"{s['tiny_count_share']:.0%} of {unit}s are under {threshold:g} us and the device idles "
+                f"{idle.get(rank, 0.0):.0%}: the step is launch-bound"
+            ),
+            severity="warning",
+            confidence=confidence,
+            confidence_reason=reason,
+            ranks=sorted(hits),
+            evidence=evidence,
+            explanation=(
+                "Each LoRA-adapted layer adds two thin GEMMs (rank r), a dropout, a scaling and an "
+                "add, forward and backward. With small r, hidden sizes or micro-batches these kernels "
+                "finish faster than the CPU can launch the next one, so the device waits on Python and "
+                "the launch path instead of computing: thousands of tiny kernels per step set the step "
+                "time, not FLOPs."
+            ),
+            fix=(
+                "Pack sequences or raise the micro-batch so each kernel does more work; set lora_dropout=0 "
+                "(drops a kernel per adapter); torch.compile the model (fuses the LoRA epilogue); use fused "
+                "LoRA kernels (e.g. Unsloth, Liger); target fewer modules or merge adapters for evaluation."
+            ),
+            details={"kernels": table, "stats": {str(r): v for r, v in stats.items()}, "threshold_us": threshold},
+        )
+    ]

@@ -1,6 +1,7 @@
 """Taking evidence from live ranks: the dump signal, a bounded wait for the dumps, and
 py-spy for ranks that do not answer (stuck in C code holding the GIL, dumps turned off,
 or a job not started under `lorascope run`)."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,7 @@ def py_spy_dump(pid: int) -> str:
     if exe is None:
         raise BadInputError("py-spy is not installed (pip install py-spy): cannot read a silent rank's stacks")
     try:
-        res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=PY_SPY_TIMEOUT_S)
+        res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise BadInputError(f"py-spy dump --pid {pid} took over {PY_SPY_TIMEOUT_S:.0f} s") from None
     if res.returncode != 0:

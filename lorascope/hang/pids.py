@@ -1,6 +1,7 @@
 """`lorascope hang --pid PID...`: a job not started under `lorascope run`. Only what can
 be read from outside: each process's rank (from its environment) and its stacks (py-spy),
 grouped by where the main thread is and whether it is inside a collective."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -58,5 +59,11 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
     else:
         kind, odd = "unknown", []
         verdict = "no process is in a collective"
-    return {"kind": kind, "verdict": verdict, "fix": FIXES[kind], "odd_ranks": odd,
-            "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()], "ranks": states}
+    return {
+        "kind": kind,
+        "verdict": verdict,
+        "fix": FIXES[kind],
+        "odd_ranks": odd,
+        "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
+        "ranks": states,
+    }

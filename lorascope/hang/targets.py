@@ -5,6 +5,7 @@ since: it is signalled only if the process now under that pid carries this run's
 ``LORASCOPE_RUN_DIR`` in its environment and started no later than the rank's
 ``start`` record. Ranks on other hosts cannot be signalled from here.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,7 @@ def verify(rank: RankData, run_dir: Path) -> Target:
     """Whether ``rank``'s recorded pid is alive and still that rank's process."""
     pid = rank.pid
     if rank.host != socket.gethostname():
-        return Target(rank.rank, pid, alive=True, ours=False,
-                      why=f"on host {rank.host}: run `lorascope hang` there")
+        return Target(rank.rank, pid, alive=True, ours=False, why=f"on host {rank.host}: run `lorascope hang` there")
     try:
         proc = psutil.Process(pid)
         created = proc.create_time()
@@ -44,9 +44,15 @@ def verify(rank: RankData, run_dir: Path) -> Target:
     except (psutil.AccessDenied, psutil.ZombieProcess) as exc:
         return Target(rank.rank, pid, alive=True, ours=False, why=f"cannot check it: {exc.__class__.__name__}")
     if env_dir is None or os.path.realpath(env_dir) != os.path.realpath(run_dir):
-        return Target(rank.rank, pid, alive=False, ours=False,
-                      why="pid now belongs to another process (not this run's): not signalled")
+        return Target(
+            rank.rank,
+            pid,
+            alive=False,
+            ours=False,
+            why="pid now belongs to another process (not this run's): not signalled",
+        )
     if created > float(rank.start["t"]) + START_SLACK_S:
-        return Target(rank.rank, pid, alive=False, ours=False,
-                      why="pid was reused after the rank started: not signalled")
+        return Target(
+            rank.rank, pid, alive=False, ours=False, why="pid was reused after the rank started: not signalled"
+        )
     return Target(rank.rank, pid, alive=True, ours=True, why="verified")

@@ -6,6 +6,7 @@ content where the format says (Kineto ``distributedInfo``), else from its path
 folder, a file that fails to load becomes a warning; a single file that fails is an
 error.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,12 +59,17 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
             raise BadInputError(f"{path}: not text, so not a log ({describe_unknown(path)})")
         log = read_log(path)
         if not (forced or log.looks_like_a_log):
-            raise BadInputError(f"{path}: text, but not a job log (no timestamps, log levels, rank prefixes "
-                                "or messages lorascope knows)")
+            raise BadInputError(
+                f"{path}: text, but not a job log (no timestamps, log levels, rank prefixes "
+                "or messages lorascope knows)"
+            )
         bundle.logs.append(log)
         return
-    readers = {"snapshot": (read_snapshot, bundle.snapshots), "flight": (read_flight_dump, bundle.flight_records),
-               "kineto": (read_trace, bundle.traces)}
+    readers = {
+        "snapshot": (read_snapshot, bundle.snapshots),
+        "flight": (read_flight_dump, bundle.flight_records),
+        "kineto": (read_trace, bundle.traces),
+    }
     if kind not in readers:
         raise BadInputError(f"{path}: cannot load a file as {kind!r}")
     reader, store = readers[kind]
@@ -113,15 +119,19 @@ def load_files(bundle: EvidenceBundle, files: list[Path], kind: str | None) -> i
 def load_single(bundle: EvidenceBundle, path: Path, kind: str | None) -> None:
     file_kind = kind or detect_kind(path)
     if file_kind is None:
-        raise BadInputError(f"{path}: not a run directory (it is a file), nor an artifact lorascope knows "
-                            f"(allocator snapshot, Kineto trace, flight-recorder dump, job log): "
-                            f"{describe_unknown(path)}")
+        raise BadInputError(
+            f"{path}: not a run directory (it is a file), nor an artifact lorascope knows "
+            f"(allocator snapshot, Kineto trace, flight-recorder dump, job log): "
+            f"{describe_unknown(path)}"
+        )
     if file_kind == "log" and kind is None:
         log = read_log(path)
         if not log.looks_like_a_log:
-            raise BadInputError(f"{path}: not a run directory (it is a file), nor an artifact lorascope knows: "
-                                "text, but not a job log (no timestamps, log levels, rank prefixes or "
-                                "messages lorascope knows)")
+            raise BadInputError(
+                f"{path}: not a run directory (it is a file), nor an artifact lorascope knows: "
+                "text, but not a job log (no timestamps, log levels, rank prefixes or "
+                "messages lorascope knows)"
+            )
         bundle.logs.append(log)
         return
     load_file(bundle, path, file_kind, forced=kind is not None)
@@ -138,5 +148,8 @@ def add_hta(traces: dict[int, KinetoTrace]) -> None:
     for rank, trace in traces.items():
         trace.hta = figures.get(rank)
         if trace.hta is None:
-            trace.hta_note = note or ("CPU-only trace: HTA analyses GPU traces only" if trace.device == "cpu"
-                                      else "HTA gave no figures for this rank")
+            trace.hta_note = note or (
+                "CPU-only trace: HTA analyses GPU traces only"
+                if trace.device == "cpu"
+                else "HTA gave no figures for this rank"
+            )

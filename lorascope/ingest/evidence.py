@@ -5,6 +5,7 @@ kinds of evidence are present and says how sure it is accordingly. The cross-ran
 views are computed once by ``load_bundle`` when two or more ranks' artifacts of a kind
 are loaded, so that detectors and renderers share them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

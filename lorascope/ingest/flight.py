@@ -11,6 +11,7 @@ while the entries name their group ``('0', 'default_pg')``; ``last_started_colle
 is -1 when the backend does not track starts. The dump does not say which rank wrote
 it: the rank comes from the file name (torch names dumps ``<prefix><rank>``).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -63,8 +64,13 @@ class FlightEntry:
 
     def signature(self) -> tuple[Any, ...]:
         """What every rank must agree on for the same collective."""
-        return (self.op, _plain(self.input_sizes), _plain(self.output_sizes),
-                tuple(self.input_dtypes), tuple(self.output_dtypes))
+        return (
+            self.op,
+            _plain(self.input_sizes),
+            _plain(self.output_sizes),
+            tuple(self.input_dtypes),
+            tuple(self.output_dtypes),
+        )
 
 
 @dataclass
@@ -143,9 +149,17 @@ def parse_flight_dump(data: Any, path: Path, rank: int | None = None) -> FlightD
         if not e.completed and done is not None and e.seq is not None and not e.is_p2p and e.seq <= done:
             e.completed = True
     version = data.get("version")
-    return FlightDump(path=path, rank=rank, version=str(version) if version is not None else None,
-                      group_ranks=group_ranks, group_desc=group_desc, status=status, entries=entries,
-                      backends=sorted({e.backend for e in entries if e.backend}), warnings=warnings)
+    return FlightDump(
+        path=path,
+        rank=rank,
+        version=str(version) if version is not None else None,
+        group_ranks=group_ranks,
+        group_desc=group_desc,
+        status=status,
+        entries=entries,
+        backends=sorted({e.backend for e in entries if e.backend}),
+        warnings=warnings,
+    )
 
 
 def _ranks(value: Any) -> list[int] | None:
@@ -180,8 +194,9 @@ def _status(raw: Any) -> dict[str, GroupStatus]:
         return out
     for key, value in raw.items():
         if isinstance(value, Mapping):
-            out[str(key)] = GroupStatus(*(_seq(value.get(f"last_{what}_collective"))
-                                          for what in ("enqueued", "started", "completed")))
+            out[str(key)] = GroupStatus(
+                *(_seq(value.get(f"last_{what}_collective")) for what in ("enqueued", "started", "completed"))
+            )
     return out
 
 
@@ -193,8 +208,9 @@ def _seq(value: Any) -> int | None:
     return None if v is None or v < 0 else v
 
 
-def _reconcile_group_names(entries: list[FlightEntry], ranks: dict[str, list[int] | None],
-                           desc: dict[str, str], status: dict[str, GroupStatus]) -> None:
+def _reconcile_group_names(
+    entries: list[FlightEntry], ranks: dict[str, list[int] | None], desc: dict[str, str], status: dict[str, GroupStatus]
+) -> None:
     """Gloo dumps key ``pg_config`` (and sometimes ``pg_status``) differently from the
     entries' group names: when there is one group on each side, they are the same group."""
     names = {e.group for e in entries}
@@ -236,13 +252,23 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
     state = str(e.get("state") or "?")
     duration = e.get("duration_ms")
     return FlightEntry(
-        record_id=_int(e.get("record_id")), group=group, group_desc=group_desc,
-        seq=_int(e.get("collective_seq_id")), p2p_seq=_int(e.get("p2p_seq_id")),
-        is_p2p=bool(e.get("is_p2p")), op=op, backend=backend,
-        input_sizes=_sizes(e.get("input_sizes")), output_sizes=_sizes(e.get("output_sizes")),
-        input_dtypes=_strings(e.get("input_dtypes")), output_dtypes=_strings(e.get("output_dtypes")),
-        state=state, retired=bool(e.get("retired")), completed=state == "completed",
-        frames=_frames(e.get("frames")), time_created_ns=_int(e.get("time_created_ns")),
+        record_id=_int(e.get("record_id")),
+        group=group,
+        group_desc=group_desc,
+        seq=_int(e.get("collective_seq_id")),
+        p2p_seq=_int(e.get("p2p_seq_id")),
+        is_p2p=bool(e.get("is_p2p")),
+        op=op,
+        backend=backend,
+        input_sizes=_sizes(e.get("input_sizes")),
+        output_sizes=_sizes(e.get("output_sizes")),
+        input_dtypes=_strings(e.get("input_dtypes")),
+        output_dtypes=_strings(e.get("output_dtypes")),
+        state=state,
+        retired=bool(e.get("retired")),
+        completed=state == "completed",
+        frames=_frames(e.get("frames")),
+        time_created_ns=_int(e.get("time_created_ns")),
         timeout_ms=_int(e.get("timeout_ms")),
         duration_ms=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
     )

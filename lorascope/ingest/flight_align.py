@@ -8,6 +8,7 @@ dtypes. For the first disagreement the frames of each rank's entry are kept (for
 that never got there: its last entry, where it is waiting), and, when the later entries
 line up again shifted by one, which ranks ran an extra collective.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -58,9 +59,11 @@ class Disagreement:
 
     def describe(self) -> str:
         parts = [f"rank {r}: {_short(e)}" for r, e in sorted(self.entries.items())]
-        parts += [f"rank {r}: never enqueued #{self.seq}" + (f", waits in {_short(self.waiting_at[r])}"
-                                                             if r in self.waiting_at else "")
-                  for r in self.missing_ranks]
+        parts += [
+            f"rank {r}: never enqueued #{self.seq}"
+            + (f", waits in {_short(self.waiting_at[r])}" if r in self.waiting_at else "")
+            for r in self.missing_ranks
+        ]
         return f"group {self.group} #{self.seq} ({self.kind}): " + "; ".join(parts)
 
 
@@ -122,11 +125,11 @@ def _first_user(frames: list[str]) -> int:
 def align(dumps: dict[int, FlightDump]) -> FlightAlignment:
     """Align every group of the given per-rank dumps (keyed by rank)."""
     result = FlightAlignment(ranks=sorted(dumps))
-    names = sorted({e.group for d in dumps.values() for e in d.entries}
-                   | {g for d in dumps.values() for g in d.group_ranks if g})
+    names = sorted(
+        {e.group for d in dumps.values() for e in d.entries} | {g for d in dumps.values() for g in d.group_ranks if g}
+    )
     for name in names:
-        holders = {r: d for r, d in dumps.items()
-                   if any(e.group == name for e in d.entries) or name in d.group_ranks}
+        holders = {r: d for r, d in dumps.items() if any(e.group == name for e in d.entries) or name in d.group_ranks}
         if holders:
             result.groups.append(_align_group(name, holders))
     return result
@@ -147,9 +150,11 @@ def _progress(rank: int, dump: FlightDump, entries: list[FlightEntry], name: str
     started = [e.seq for e in entries if e.seq is not None and e.state in ("started", "completed")]
     enq = status.last_enqueued if status and status.last_enqueued is not None else max(seqs, default=None)
     return RankProgress(
-        rank=rank, last_enqueued=enq,
+        rank=rank,
+        last_enqueued=enq,
         last_started=status.last_started if status and status.last_started is not None else max(started, default=None),
-        last_completed=status.last_completed if status and status.last_completed is not None
+        last_completed=status.last_completed
+        if status and status.last_completed is not None
         else max(done, default=None),
         last_entry=entries[-1] if entries else None,
     )
@@ -165,14 +170,22 @@ def _align_group(name: str, dumps: dict[int, FlightDump]) -> GroupAlignment:
     p2p_dis, _, p2p_compared = _compare(name, p2p, progress, True)
     desc = next((d.group_desc.get(name, "") for d in dumps.values() if d.group_desc.get(name)), "")
     missing = sorted(set(expected or []) - set(dumps))
-    return GroupAlignment(group=name, desc=desc, expected_ranks=expected, ranks=sorted(dumps),
-                          missing_dumps=missing, window=window, progress=progress,
-                          disagreements=(disagreements + p2p_dis)[:MAX_DISAGREEMENTS],
-                          compared=compared + p2p_compared)
+    return GroupAlignment(
+        group=name,
+        desc=desc,
+        expected_ranks=expected,
+        ranks=sorted(dumps),
+        missing_dumps=missing,
+        window=window,
+        progress=progress,
+        disagreements=(disagreements + p2p_dis)[:MAX_DISAGREEMENTS],
+        compared=compared + p2p_compared,
+    )
 
 
-def _compare(name: str, by_seq: dict[int, dict[int, FlightEntry]], progress: dict[int, RankProgress],
-             p2p: bool) -> tuple[list[Disagreement], tuple[int, int] | None, int]:
+def _compare(
+    name: str, by_seq: dict[int, dict[int, FlightEntry]], progress: dict[int, RankProgress], p2p: bool
+) -> tuple[list[Disagreement], tuple[int, int] | None, int]:
     holding = {r: seqs for r, seqs in by_seq.items() if seqs}
     if len(holding) < 2:
         return [], None, 0
@@ -191,9 +204,18 @@ def _compare(name: str, by_seq: dict[int, dict[int, FlightEntry]], progress: dic
         if kind is None:
             continue
         waiting = {r: progress[r].last_entry for r in missing if progress[r].last_entry is not None}
-        out.append(Disagreement(group=name, seq=seq, kind=kind, entries=entries, missing_ranks=missing,
-                                waiting_at=waiting,  # type: ignore[arg-type]
-                                extra_on=_extra_on(holding, seq), p2p=p2p))
+        out.append(
+            Disagreement(
+                group=name,
+                seq=seq,
+                kind=kind,
+                entries=entries,
+                missing_ranks=missing,
+                waiting_at=waiting,  # type: ignore[arg-type]
+                extra_on=_extra_on(holding, seq),
+                p2p=p2p,
+            )
+        )
         if len(out) >= MAX_DISAGREEMENTS:
             break
     return out, window if window[0] <= window[1] else None, compared
@@ -203,9 +225,14 @@ def _kind(entries: Iterable[FlightEntry], missing: bool) -> str | None:
     es = list(entries)
     if len({e.op for e in es}) > 1:
         return "op"
-    differ = [what for what, key in (("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
-                                     ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))))
-              if len({key(e) for e in es}) > 1]
+    differ = [
+        what
+        for what, key in (
+            ("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
+            ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))),
+        )
+        if len({key(e) for e in es}) > 1
+    ]
     if differ:
         return "+".join(differ)
     return "missing" if missing else None

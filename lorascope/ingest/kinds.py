@@ -10,6 +10,7 @@
 Only the first :data:`HEAD` bytes are read (decompressed for gzip), so sniffing a folder
 of large files is cheap.
 """
+
 from __future__ import annotations
 
 import zlib

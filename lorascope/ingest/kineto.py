@@ -14,6 +14,7 @@ Collectives: NCCL kernels, with the args recent PyTorch attaches (``Collective n
 The reader needs no torch and no holistictraceanalysis (see ``kineto_hta`` for the HTA
 figures added on top when it is installed and accepts the trace).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -155,8 +156,7 @@ def _spans(events: list[Any]) -> list[dict[str, Any]]:
     for e in events:
         if isinstance(e, Mapping) and e.get("ph") == "X":
             ts, dur = _num(e.get("ts")), _num(e.get("dur"))
-            if ts is not None and dur is not None and dur >= 0 and _plain_id(e.get("pid")) \
-                    and _plain_id(e.get("tid")):
+            if ts is not None and dur is not None and dur >= 0 and _plain_id(e.get("pid")) and _plain_id(e.get("tid")):
                 out.append(e)
     return out
 
@@ -181,8 +181,11 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
     device = _device(data, kernels)
     units = kernels if kernels else _leaf_ops(spans)
     unit = "kernel" if kernels else "op"
-    comm = [e for e in kernels if _is_comm(e)] if kernels else \
-        [e for e in spans if str(e.get("name", "")).startswith(_GLOO)]
+    comm = (
+        [e for e in kernels if _is_comm(e)]
+        if kernels
+        else [e for e in spans if str(e.get("name", "")).startswith(_GLOO)]
+    )
     busy, gaps, idle = _busy(_lanes(units, by_device=bool(kernels)))
     compute = [e for e in units if not _is_comm(e)]
     compute_busy = _busy(_lanes(compute, by_device=bool(kernels)))[0] if compute else 0.0
@@ -195,12 +198,25 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
     start = min(float(e["ts"]) for e in spans)
     end = max(float(e["ts"]) + float(e["dur"]) for e in spans)
     return KinetoTrace(
-        path=path, rank=file_rank if file_rank is not None else rank,
+        path=path,
+        rank=file_rank if file_rank is not None else rank,
         world_size=info.get("world_size") if isinstance(info.get("world_size"), int) else None,
-        backend=str(info["backend"]) if info.get("backend") else None, device=device, unit=unit,
-        span_us=end - start, steps=_steps(spans), durations=_durations([float(e["dur"]) for e in units]),
-        top=_top(units), busy_us=busy, idle_gaps=gaps, idle_us=idle, comm_us=comm_busy, compute_us=compute_busy,
-        collectives=collectives, collective_ops=ops, raw=dict(data), warnings=warnings,
+        backend=str(info["backend"]) if info.get("backend") else None,
+        device=device,
+        unit=unit,
+        span_us=end - start,
+        steps=_steps(spans),
+        durations=_durations([float(e["dur"]) for e in units]),
+        top=_top(units),
+        busy_us=busy,
+        idle_gaps=gaps,
+        idle_us=idle,
+        comm_us=comm_busy,
+        compute_us=compute_busy,
+        collectives=collectives,
+        collective_ops=ops,
+        raw=dict(data),
+        warnings=warnings,
     )
 
 
@@ -209,21 +225,31 @@ def _device(data: Mapping[str, Any], kernels: list[dict[str, Any]]) -> str:
         return "cpu"
     props = data.get("deviceProperties")
     names = " ".join(str(p.get("name", "")) for p in props if isinstance(p, Mapping)) if isinstance(props, list) else ""
-    if "AMD" in names or "Radeon" in names or "Instinct" in names or \
-            any(_ROCM_NAME.match(str(k.get("name", ""))) for k in kernels[:200]):
+    if (
+        "AMD" in names
+        or "Radeon" in names
+        or "Instinct" in names
+        or any(_ROCM_NAME.match(str(k.get("name", ""))) for k in kernels[:200])
+    ):
         return "rocm"
     return "cuda"
 
 
 def _leaf_ops(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """CPU ops that contain no other CPU op on their thread."""
-    ops = sorted((e for e in spans if e.get("cat") == "cpu_op"),
-                 key=lambda e: (str(e.get("pid")), str(e.get("tid")), float(e["ts"]), -float(e["dur"])))
+    ops = sorted(
+        (e for e in spans if e.get("cat") == "cpu_op"),
+        key=lambda e: (str(e.get("pid")), str(e.get("tid")), float(e["ts"]), -float(e["dur"])),
+    )
     leaves = []
     for i, e in enumerate(ops):
         nxt = ops[i + 1] if i + 1 < len(ops) else None
-        inside = (nxt is not None and nxt.get("pid") == e.get("pid") and nxt.get("tid") == e.get("tid")
-                  and float(nxt["ts"]) < float(e["ts"]) + float(e["dur"]))
+        inside = (
+            nxt is not None
+            and nxt.get("pid") == e.get("pid")
+            and nxt.get("tid") == e.get("tid")
+            and float(nxt["ts"]) < float(e["ts"]) + float(e["dur"])
+        )
         if not inside:
             leaves.append(e)
     return leaves
@@ -232,8 +258,9 @@ def _leaf_ops(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _is_comm(e: Mapping[str, Any]) -> bool:
     name = str(e.get("name", ""))
     args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
-    return bool(_NCCL_NAME.match(name)) or "Collective name" in args or name.startswith(_GLOO) \
-        or name.startswith("c10d::")
+    return (
+        bool(_NCCL_NAME.match(name)) or "Collective name" in args or name.startswith(_GLOO) or name.startswith("c10d::")
+    )
 
 
 def _lanes(units: list[dict[str, Any]], by_device: bool) -> dict[Any, list[tuple[float, float]]]:
@@ -286,10 +313,17 @@ def _durations(values: list[float]) -> DurationStats:
     for t in TINY_THRESHOLDS_US:
         k = bisect.bisect_left(values, t)
         under[t] = (k, sum(values[:k]) / total if total else 0.0)
-    return DurationStats(count=len(values), total_us=total, p10_us=_percentile(values, 0.1),
-                         p50_us=_percentile(values, 0.5), p90_us=_percentile(values, 0.9),
-                         p99_us=_percentile(values, 0.99), max_us=values[-1] if values else None,
-                         histogram=histogram, under=under)
+    return DurationStats(
+        count=len(values),
+        total_us=total,
+        p10_us=_percentile(values, 0.1),
+        p50_us=_percentile(values, 0.5),
+        p90_us=_percentile(values, 0.9),
+        p99_us=_percentile(values, 0.99),
+        max_us=values[-1] if values else None,
+        histogram=histogram,
+        under=under,
+    )
 
 
 def _top(units: list[dict[str, Any]]) -> list[KernelSummary]:
@@ -297,14 +331,19 @@ def _top(units: list[dict[str, Any]]) -> list[KernelSummary]:
     for e in units:
         by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
     ordered = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
-    return [KernelSummary(name=n, count=len(d), total_us=sum(d), median_us=statistics.median(d), max_us=max(d))
-            for n, d in ordered]
+    return [
+        KernelSummary(name=n, count=len(d), total_us=sum(d), median_us=statistics.median(d), max_us=max(d))
+        for n, d in ordered
+    ]
 
 
 def _steps(spans: list[dict[str, Any]]) -> list[tuple[str, float]]:
-    steps = [(str(e["name"]), float(e["dur"])) for e in spans
-             if str(e.get("name", "")).startswith(("ProfilerStep#", "lorascope.step#"))
-             and e.get("cat") in ("user_annotation", "cpu_op", None)]
+    steps = [
+        (str(e["name"]), float(e["dur"]))
+        for e in spans
+        if str(e.get("name", "")).startswith(("ProfilerStep#", "lorascope.step#"))
+        and e.get("cat") in ("user_annotation", "cpu_op", None)
+    ]
     return sorted(set(steps), key=lambda s: s[0])
 
 
@@ -332,22 +371,35 @@ def _collectives(events: list[dict[str, Any]]) -> list[Collective]:
         args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
         ts, dur = float(e["ts"]), float(e["dur"])
         if "Collective name" in args:
-            out.append(Collective(
-                op=str(args["Collective name"]), ts_us=ts, dur_us=dur, in_nelems=_opt_int(args.get("In msg nelems")),
-                out_nelems=_opt_int(args.get("Out msg nelems")),
-                dtype=str(args["dtype"]) if args.get("dtype") is not None else None,
-                group=str(args.get("Process Group Name")) if args.get("Process Group Name") is not None else None,
-                group_ranks=_group_ranks(args.get("Process Group Ranks")),
-                group_size=_opt_int(args.get("Group size")), source="kernel args"))
+            out.append(
+                Collective(
+                    op=str(args["Collective name"]),
+                    ts_us=ts,
+                    dur_us=dur,
+                    in_nelems=_opt_int(args.get("In msg nelems")),
+                    out_nelems=_opt_int(args.get("Out msg nelems")),
+                    dtype=str(args["dtype"]) if args.get("dtype") is not None else None,
+                    group=str(args.get("Process Group Name")) if args.get("Process Group Name") is not None else None,
+                    group_ranks=_group_ranks(args.get("Process Group Ranks")),
+                    group_size=_opt_int(args.get("Group size")),
+                    source="kernel args",
+                )
+            )
         elif m := _NCCL_NAME.match(name):
             out.append(Collective(op=m.group(1).lower(), ts_us=ts, dur_us=dur, source="kernel name"))
         elif name.startswith(_GLOO):
             dims = args.get("Input Dims")
             types = args.get("Input type")
-            out.append(Collective(op=name[len(_GLOO):], ts_us=ts, dur_us=dur,
-                                  in_nelems=_nelems(dims[0]) if isinstance(dims, list) and dims else None,
-                                  dtype=str(types[0]) if isinstance(types, list) and types else None,
-                                  source="gloo range"))
+            out.append(
+                Collective(
+                    op=name[len(_GLOO) :],
+                    ts_us=ts,
+                    dur_us=dur,
+                    in_nelems=_nelems(dims[0]) if isinstance(dims, list) and dims else None,
+                    dtype=str(types[0]) if isinstance(types, list) and types else None,
+                    source="gloo range",
+                )
+            )
     out.sort(key=lambda c: c.ts_us)
     return out
 

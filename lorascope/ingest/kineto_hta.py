@@ -12,6 +12,7 @@ HTA rejects CPU-only traces (it raises on them); the reason is kept and the anal
 on without it. Importing HTA costs over a second (pandas, plotly), so it is imported
 here, lazily, and only when asked for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,7 +63,7 @@ def hta_figures(files: dict[int, Path]) -> tuple[dict[int, HtaFigures], str | No
             analysis = TraceAnalysis(trace_files={r: str(p.resolve()) for r, p in files.items()}, trace_dir="/")
             breakdown = analysis.get_temporal_breakdown(visualize=False)
             launches = analysis.get_cuda_kernel_launch_stats(ranks=sorted(files), visualize=False)
-    except Exception as exc:  # noqa: BLE001 - HTA raises anything on traces it does not take
+    except Exception as exc:
         return {}, f"HTA rejected the traces ({exc.__class__.__name__}: {str(exc)[:120]})"
     finally:
         logging.disable(previous)
@@ -71,11 +72,17 @@ def hta_figures(files: dict[int, Path]) -> tuple[dict[int, HtaFigures], str | No
         rank = int(row["rank"])
         df = launches.get(rank)
         matched = 0 if df is None else len(df)
-        short = 0 if df is None else int(((df.gpu_duration < df.cpu_duration)
-                                          & (df.cpu_duration <= SHORT_LAUNCH_US)).sum())
+        short = (
+            0 if df is None else int(((df.gpu_duration < df.cpu_duration) & (df.cpu_duration <= SHORT_LAUNCH_US)).sum())
+        )
         delays = 0 if df is None else int((df.launch_delay > LONG_DELAY_US).sum())
-        out[rank] = HtaFigures(idle_us=float(row["idle_time(us)"]), compute_us=float(row["compute_time(us)"]),
-                               non_compute_us=float(row["non_compute_time(us)"]),
-                               kernel_us=float(row["kernel_time(us)"]), launches_matched=matched,
-                               short_kernels=short, long_launch_delays=delays)
+        out[rank] = HtaFigures(
+            idle_us=float(row["idle_time(us)"]),
+            compute_us=float(row["compute_time(us)"]),
+            non_compute_us=float(row["non_compute_time(us)"]),
+            kernel_us=float(row["kernel_time(us)"]),
+            launches_matched=matched,
+            short_kernels=short,
+            long_launch_delays=delays,
+        )
     return out, None

@@ -13,6 +13,7 @@ tiny-kernel-tail detector judges and the report draws. Attribution to LoRA follo
 On a CPU-only trace the "kernels" are the leaf CPU ops (ops with no op under them), so
 nested ops are not counted twice.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,12 +48,16 @@ def _sequence(event: dict[str, Any]) -> int | None:
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
-def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any], str | None]],
-                                                      dict[Any, str | None]]:
+def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any], str | None]], dict[Any, str | None]]:
     """Leaf CPU ops with their module, and the module of every GPU launch by correlation."""
-    spans = sorted((e for e in events if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
-                    and isinstance(e.get("dur"), (int, float))),
-                   key=lambda e: (e["ts"], -e["dur"]))
+    spans = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))
+        ),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
     stacks: dict[tuple[str, str], list[list[Any]]] = {}
     seq_module: dict[int, str | None] = {}
     leaves: list[list[Any]] = []
@@ -64,7 +69,7 @@ def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any],
         ctx = stack[-1][1] if stack else None
         cat, name = e.get("cat"), str(e.get("name", ""))
         if cat == "user_annotation" and name.startswith(MODULE_PREFIX):
-            ctx = module_class(name[len(MODULE_PREFIX):])
+            ctx = module_class(name[len(MODULE_PREFIX) :])
         elif cat == "cpu_op":
             seq = _sequence(e)
             if name.startswith(BACKWARD_PREFIX) and seq is not None:
@@ -92,8 +97,9 @@ def table_from_trace(trace: dict[str, Any], source: str | None = None) -> dict[s
         return None
     events = [e for e in events if isinstance(e, dict)]
     leaf_ops, launches = _attribute(events)
-    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"
-               and isinstance(e.get("dur"), (int, float))]
+    kernels = [
+        e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))
+    ]
     rows: dict[tuple[str, str | None], list[float]] = {}
     if kernels:
         unit = "kernel"
@@ -107,9 +113,15 @@ def table_from_trace(trace: dict[str, Any], source: str | None = None) -> dict[s
     if not rows:
         return None
     steps = sum(1 for e in events if str(e.get("name", "")).startswith(STEP_RANGES))
-    return {"unit": unit, "source": source, "steps": steps or None,
-            "rows": [{"name": n, "module": m, "durations_us": d} for (n, m), d in sorted(
-                rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))]}
+    return {
+        "unit": unit,
+        "source": source,
+        "steps": steps or None,
+        "rows": [
+            {"name": n, "module": m, "durations_us": d}
+            for (n, m), d in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+        ],
+    }
 
 
 def table_from_traces(traces: dict[int, Any], threshold_us: float) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ flight-recorder dump, job log), or a folder of artifacts of one job (per-rank sn
 traces and dumps, and the log, in any mix). ``kind`` forces how PATH (or every file in
 the folder) is read.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,10 @@ def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -
         _load_run(bundle, path)
     elif path.is_dir():
         if not load_files(bundle, list(walk_files(path)), kind):
-            raise BadInputError(f"{path}: nothing lorascope knows in this folder (no manifest.json of a run "
-                                "directory, no allocator snapshot, Kineto trace, flight-recorder dump or job log)")
+            raise BadInputError(
+                f"{path}: nothing lorascope knows in this folder (no manifest.json of a run "
+                "directory, no allocator snapshot, Kineto trace, flight-recorder dump or job log)"
+            )
     else:
         load_single(bundle, path, kind)
     _cross_rank(bundle, hta)

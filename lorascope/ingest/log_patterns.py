@@ -4,6 +4,7 @@ Each pattern is matched against one line after its rank prefix is removed. Messa
 the ones torch, NCCL, gloo and DeepSpeed print (several versions' wording where it
 changed); a line may match several patterns (an OOM line also names other processes).
 """
+
 from __future__ import annotations
 
 import re
@@ -16,11 +17,13 @@ RANK_PREFIX = re.compile(r"^(?:[\w.-]+:\s+)?\[(?:rank|default)(\d+)\]:\s?")
 WATCHDOG = re.compile(
     r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)"
     r"(?:, NumelIn=(?P<numel_in>\d+))?(?:, NumelOut=(?P<numel_out>\d+))?"
-    r"(?:, Timeout\(ms\)=(?P<timeout_ms>\d+))?\)(?: ran for (?P<ran_ms>\d+) milliseconds)?")
+    r"(?:, Timeout\(ms\)=(?P<timeout_ms>\d+))?\)(?: ran for (?P<ran_ms>\d+) milliseconds)?"
+)
 #: The watchdog's progress line (several wordings across torch versions).
 NCCL_PROGRESS = re.compile(
     r"(?:work(?: sequence id)?: (?P<at>\d+)[,.]?\s*(?:PG status: )?)?"
-    r"last enqueued (?:NCCL )?work: (?P<enqueued>\d+),? last completed (?:NCCL )?work: (?P<completed>\d+)")
+    r"last enqueued (?:NCCL )?work: (?P<enqueued>\d+),? last completed (?:NCCL )?work: (?P<completed>\d+)"
+)
 PG_NAME = re.compile(r"\[PG(?: ID)? (?P<pg>\d+)(?: PG GUID \S+?)?(?:\((?P<desc>[^)]*)\))?")
 GLOO_TIMEOUT = re.compile(r"Timed out waiting (?P<timeout_ms>\d+)ms for (?P<what>\w+) operation")
 GLOO_SIZE_MISMATCH = re.compile(r"Received data size doesn't match expected size")
@@ -51,10 +54,21 @@ EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Z]\w*(?:Error|Except
 LOG_MARKERS = re.compile(
     r"^\[?\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}|^[IWEF]\d{4} \d{2}:\d{2}:\d{2}|"
     r"\[(?:INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL)\]|^(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)[: ]|"
-    r"^Traceback \(most recent call last\)|\{'loss': |\d(?:it/s|s/it)\]")
+    r"^Traceback \(most recent call last\)|\{'loss': |\d(?:it/s|s/it)\]"
+)
 
-_UNITS = {"B": 1, "bytes": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_UNITS = {
+    "B": 1,
+    "bytes": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
+}
 
 
 def bytes_of(number: str, unit: str) -> int:

@@ -8,6 +8,7 @@ numbers, the reentrant-checkpointing warning and the errors it leads to, DeepSpe
 allocator cache flushes, exception lines; each with its rank (from the ``[rankN]:``
 prefix) and line number.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -146,7 +147,7 @@ def read_log(path: Path) -> LogAnalysis:
                 rank = int(m.group(1)) if m else None
                 if rank is not None:
                     ranks.add(rank)
-                    line = line[m.end():]  # type: ignore[union-attr]
+                    line = line[m.end() :]  # type: ignore[union-attr]
                 if not result.looks_like_a_log and P.LOG_MARKERS.search(line):
                     result.looks_like_a_log = True
                 _match(line, rank, n, result)
@@ -173,16 +174,32 @@ def _opt_int(text: str | None) -> int | None:
     return int(text) if text is not None else None
 
 
-def _match(line: str, rank: int | None, n: int, result: LogAnalysis) -> None:  # noqa: C901 - one check per pattern
+def _match(line: str, rank: int | None, n: int, result: LogAnalysis) -> None:
     if "WorkNCCL(" in line and (m := P.WATCHDOG.search(line)) and _count(result, "watchdog-timeout"):
-        result.watchdog_timeouts.append(WatchdogTimeout(
-            rank=rank, line=n, seq=int(m["seq"]), op=m["op"], numel_in=_opt_int(m["numel_in"]),
-            numel_out=_opt_int(m["numel_out"]), timeout_ms=_opt_int(m["timeout_ms"]),
-            ran_ms=_opt_int(m["ran_ms"]), group=_group(line)))
+        result.watchdog_timeouts.append(
+            WatchdogTimeout(
+                rank=rank,
+                line=n,
+                seq=int(m["seq"]),
+                op=m["op"],
+                numel_in=_opt_int(m["numel_in"]),
+                numel_out=_opt_int(m["numel_out"]),
+                timeout_ms=_opt_int(m["timeout_ms"]),
+                ran_ms=_opt_int(m["ran_ms"]),
+                group=_group(line),
+            )
+        )
     if "last enqueued" in line and (m := P.NCCL_PROGRESS.search(line)) and _count(result, "nccl-progress"):
-        result.nccl_progress.append(NcclProgress(
-            rank=rank, line=n, at_seq=_opt_int(m["at"]), last_enqueued=int(m["enqueued"]),
-            last_completed=int(m["completed"]), group=_group(line)))
+        result.nccl_progress.append(
+            NcclProgress(
+                rank=rank,
+                line=n,
+                at_seq=_opt_int(m["at"]),
+                last_enqueued=int(m["enqueued"]),
+                last_completed=int(m["completed"]),
+                group=_group(line),
+            )
+        )
     if "out of memory" in line and (m := P.OOM.search(line)) and _count(result, "oom"):
         result.ooms.append(_oom(line, m, rank, n))
     if "cache flushes" in line and (m := P.CACHE_FLUSHES.search(line)) and _count(result, "cache-flushes"):
@@ -209,9 +226,15 @@ def _oom(line: str, m: re.Match[str], rank: int | None, n: int) -> OomReport:
     if unallocated is None and fields["reserved_total"] is not None and fields["allocated_by_pytorch"] is not None:
         unallocated = max(0, fields["reserved_total"] - fields["allocated_by_pytorch"])
     return OomReport(
-        rank=rank, line=n, gpu=int(gpu.group(1)) if gpu else None, requested=P.size_bytes(m),
-        total_capacity=fields["total_capacity"], free=fields["free"], process_in_use=fields["process_in_use"],
-        allocated_by_pytorch=fields["allocated_by_pytorch"], reserved_unallocated=unallocated,
+        rank=rank,
+        line=n,
+        gpu=int(gpu.group(1)) if gpu else None,
+        requested=P.size_bytes(m),
+        total_capacity=fields["total_capacity"],
+        free=fields["free"],
+        process_in_use=fields["process_in_use"],
+        allocated_by_pytorch=fields["allocated_by_pytorch"],
+        reserved_unallocated=unallocated,
         reserved_total=fields["reserved_total"],
-        other_processes={int(p.group(1)): P.bytes_of(p.group(2), p.group(3))
-                         for p in P.OTHER_PROCESS.finditer(line)})
+        other_processes={int(p.group(1)): P.bytes_of(p.group(2), p.group(3)) for p in P.OTHER_PROCESS.finditer(line)},
+    )

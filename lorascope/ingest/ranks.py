@@ -4,6 +4,7 @@ Recognised: ``rank-3``, ``rank_3``, ``rank3``, ``_rank3.``, ``nccl_trace_rank_3`
 flight-recorder prefix), a directory named ``rank-3`` / ``3`` above the file, and a
 trailing ``.3`` / ``-3`` / ``_3`` before the extension when nothing better is there.
 """
+
 from __future__ import annotations
 
 import re

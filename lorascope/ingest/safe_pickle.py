@@ -19,6 +19,7 @@ objects. This reader reads the file in chunks and shares what the snapshot repea
 
 Everything else comes back as ``pickle.load`` would build it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -43,12 +44,18 @@ _SHARED_MAX = 1 << 21
 _REF_LIST = re.compile(rb"\](?:\x94|q.|r....)(?:\(((?:h.|j....)+)e|(h.|j....)a)", re.S)
 
 _UNSAFE_NAMES = {
-    0x52: "REDUCE (calls an object)", 0x62: "BUILD (sets an object's state)",
-    0x69: "INST (imports and instantiates a class)", 0x6F: "OBJ (instantiates a class)",
-    0x81: "NEWOBJ (instantiates a class)", 0x92: "NEWOBJ_EX (instantiates a class)",
-    0x82: "EXT1 (imports from the extension registry)", 0x83: "EXT2 (imports from the extension registry)",
-    0x84: "EXT4 (imports from the extension registry)", 0x50: "PERSID (persistent id)",
-    0x51: "BINPERSID (persistent id)", 0x97: "NEXT_BUFFER (out-of-band buffer)",
+    0x52: "REDUCE (calls an object)",
+    0x62: "BUILD (sets an object's state)",
+    0x69: "INST (imports and instantiates a class)",
+    0x6F: "OBJ (instantiates a class)",
+    0x81: "NEWOBJ (instantiates a class)",
+    0x92: "NEWOBJ_EX (instantiates a class)",
+    0x82: "EXT1 (imports from the extension registry)",
+    0x83: "EXT2 (imports from the extension registry)",
+    0x84: "EXT4 (imports from the extension registry)",
+    0x50: "PERSID (persistent id)",
+    0x51: "BINPERSID (persistent id)",
+    0x97: "NEXT_BUFFER (out-of-band buffer)",
     0x98: "READONLY_BUFFER (out-of-band buffer)",
 }
 
@@ -156,18 +163,27 @@ def _load(src: _Source, name: str) -> Any:
     except (PickleFormatError, UnsafePickleError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
     except IndexError:
-        raise PickleFormatError(f"{name}: the pickle is truncated or corrupt (it ends too early "
-                                "or refers to something that is not there)") from None
-    except (TypeError, ValueError, KeyError, UnicodeDecodeError, struct.error, OverflowError,
-            MemoryError, RecursionError) as exc:
-        raise PickleFormatError(f"{name}: not a valid pickle ({exc.__class__.__name__}: "
-                                f"{str(exc)[:120]})") from None
+        raise PickleFormatError(
+            f"{name}: the pickle is truncated or corrupt (it ends too early or refers to something that is not there)"
+        ) from None
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        UnicodeDecodeError,
+        struct.error,
+        OverflowError,
+        MemoryError,
+        RecursionError,
+    ) as exc:
+        raise PickleFormatError(f"{name}: not a valid pickle ({exc.__class__.__name__}: {str(exc)[:120]})") from None
 
 
 def _unsafe(op: int, detail: str = "") -> UnsafePickleError:
     what = detail or _UNSAFE_NAMES.get(op, f"opcode 0x{op:02x}")
-    return UnsafePickleError(f"refused: the pickle asks to {what}; only plain data is read, "
-                             "nothing was imported or run")
+    return UnsafePickleError(
+        f"refused: the pickle asks to {what}; only plain data is read, nothing was imported or run"
+    )
 
 
 def _pop_mark(stack: list[Any], marks: list[int]) -> list[Any]:
@@ -207,7 +223,7 @@ def _refs(raw: bytes, memo: list[Any]) -> tuple[Any, ...]:
             out.append(_memo_get(memo, raw[i + 1]))
             i += 2
         else:
-            out.append(_memo_get(memo, int.from_bytes(raw[i + 1:i + 5], "little")))
+            out.append(_memo_get(memo, int.from_bytes(raw[i + 1 : i + 5], "little")))
             i += 5
     return tuple(out)
 
@@ -267,7 +283,7 @@ def _short_str(buf: bytes, p: int, strings: dict[bytes, str], memo: list[Any]) -
     end = p + 2 + n
     if buf[end] != 0x94:
         return None
-    raw = buf[p + 2:end]
+    raw = buf[p + 2 : end]
     value = strings.get(raw)
     if value is None:
         value = raw.decode("utf-8", "surrogatepass")
@@ -277,8 +293,9 @@ def _short_str(buf: bytes, p: int, strings: dict[bytes, str], memo: list[Any]) -
     return value, end + 1
 
 
-def _flat_dict(buf: bytes, start: int, memo: list[Any], shared: _RefLists, strings: dict[bytes, str],
-               limit: int) -> tuple[dict[Any, Any], int] | None:  # noqa: C901 - one branch per opcode
+def _flat_dict(
+    buf: bytes, start: int, memo: list[Any], shared: _RefLists, strings: dict[bytes, str], limit: int
+) -> tuple[dict[Any, Any], int] | None:
     """A dict written as ``EMPTY_DICT MEMOIZE MARK (key value)... SETITEMS`` whose keys and
     values are references, numbers, short strings, None/bools or reference lists (every
     allocator trace entry and stack frame): built here directly, without the generic
@@ -299,7 +316,7 @@ def _flat_dict(buf: bytes, start: int, memo: list[Any], shared: _RefLists, strin
                 k = memo[buf[p + 1]]
                 p += 2
             elif o == 0x6A:
-                k = memo[from_bytes(buf[p + 1:p + 5], "little")]
+                k = memo[from_bytes(buf[p + 1 : p + 5], "little")]
                 p += 5
             elif o == 0x8C:
                 got = _short_str(buf, p, strings, memo)
@@ -313,7 +330,7 @@ def _flat_dict(buf: bytes, start: int, memo: list[Any], shared: _RefLists, strin
                 v = memo[buf[p + 1]]
                 p += 2
             elif o == 0x6A:
-                v = memo[from_bytes(buf[p + 1:p + 5], "little")]
+                v = memo[from_bytes(buf[p + 1 : p + 5], "little")]
                 p += 5
             elif o == 0x4B:
                 v = buf[p + 1]
@@ -322,11 +339,11 @@ def _flat_dict(buf: bytes, start: int, memo: list[Any], shared: _RefLists, strin
                 v = buf[p + 1] | buf[p + 2] << 8
                 p += 3
             elif o == 0x4A:
-                v = from_bytes(buf[p + 1:p + 5], "little", signed=True)
+                v = from_bytes(buf[p + 1 : p + 5], "little", signed=True)
                 p += 5
             elif o == 0x8A:
                 n = buf[p + 1]
-                v = from_bytes(buf[p + 2:p + 2 + n], "little", signed=True)
+                v = from_bytes(buf[p + 2 : p + 2 + n], "little", signed=True)
                 p += 2 + n
             elif o == 0x8C:
                 got = _short_str(buf, p, strings, memo)
@@ -365,7 +382,7 @@ def _text_int(raw: bytes) -> Any:
     return int(text.rstrip(b"L"))
 
 
-def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for speed
+def _run(src: _Source) -> Any:
     buf = src.initial()
     pos = 0
     refill_at = _refill_at(buf, src)
@@ -394,7 +411,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             push(value)
             pos += 1
         elif op == 0x6A:  # LONG_BINGET
-            value = memo[from_bytes(buf[pos:pos + 4], "little")]
+            value = memo[from_bytes(buf[pos : pos + 4], "little")]
             if value is _UNSET:
                 raise IndexError(pos)
             push(value)
@@ -417,13 +434,14 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             del stack[k:]
             target = stack[-1]
             if type(target) is not dict or len(items) % 2:
-                raise PickleFormatError("the pickle is corrupt (SETITEMS on something that is not a dict, "
-                                        "or with an odd number of items)")
+                raise PickleFormatError(
+                    "the pickle is corrupt (SETITEMS on something that is not a dict, or with an odd number of items)"
+                )
             it = iter(items)
-            target.update(zip(it, it))
+            target.update(zip(it, it, strict=False))
         elif op == 0x8A:  # LONG1
             n = buf[pos]
-            push(from_bytes(buf[pos + 1:pos + 1 + n], "little", signed=True))
+            push(from_bytes(buf[pos + 1 : pos + 1 + n], "little", signed=True))
             pos += 1 + n
         elif op == 0x4B:  # BININT1
             push(buf[pos])
@@ -432,7 +450,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             push(buf[pos] | buf[pos + 1] << 8)
             pos += 2
         elif op == 0x4A:  # BININT
-            push(from_bytes(buf[pos:pos + 4], "little", signed=True))
+            push(from_bytes(buf[pos : pos + 4], "little", signed=True))
             pos += 4
         elif op == 0x5D:  # EMPTY_LIST, with the shared-reference-list fast path
             found = ref_list(buf, pos - 1) if pos < refill_at else None
@@ -446,12 +464,12 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             elif put == 0x71:
                 _memo_put(memo, buf[pos + 1], value, shared)
             else:
-                _memo_put(memo, from_bytes(buf[pos + 1:pos + 5], "little"), value, shared)
+                _memo_put(memo, from_bytes(buf[pos + 1 : pos + 5], "little"), value, shared)
             push(value)
             pos = end
         elif op == 0x8C:  # SHORT_BINUNICODE
             n = buf[pos]
-            raw = buf[pos + 1:pos + 1 + n]
+            raw = buf[pos + 1 : pos + 1 + n]
             if len(raw) < n:
                 raise IndexError(pos)
             s = strings.get(raw)
@@ -471,7 +489,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             _memo_put(memo, buf[pos], stack[-1], shared)
             pos += 1
         elif op == 0x72:  # LONG_BINPUT
-            _memo_put(memo, from_bytes(buf[pos:pos + 4], "little"), stack[-1], shared)
+            _memo_put(memo, from_bytes(buf[pos : pos + 4], "little"), stack[-1], shared)
             pos += 4
         elif op == 0x95:  # FRAME: a length hint only
             pos += 8
@@ -508,14 +526,14 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
         elif op == 0x74:  # TUPLE
             push(tuple(_pop_mark(stack, marks)))
         elif op == 0x47:  # BINFLOAT
-            push(struct.unpack(">d", buf[pos:pos + 8])[0])
+            push(struct.unpack(">d", buf[pos : pos + 8])[0])
             pos += 8
         elif op == 0x58:  # BINUNICODE
-            raw, buf, pos = src.take(buf, pos + 4, from_bytes(buf[pos:pos + 4], "little"))
+            raw, buf, pos = src.take(buf, pos + 4, from_bytes(buf[pos : pos + 4], "little"))
             push(raw.decode("utf-8", "surrogatepass"))
             refill_at = _refill_at(buf, src)
         elif op == 0x8D:  # BINUNICODE8
-            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos:pos + 8], "little"))
+            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos : pos + 8], "little"))
             push(raw.decode("utf-8", "surrogatepass"))
             refill_at = _refill_at(buf, src)
         elif op == 0x43:  # SHORT_BINBYTES
@@ -523,19 +541,19 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             push(raw)
             refill_at = _refill_at(buf, src)
         elif op == 0x42:  # BINBYTES
-            raw, buf, pos = src.take(buf, pos + 4, from_bytes(buf[pos:pos + 4], "little"))
+            raw, buf, pos = src.take(buf, pos + 4, from_bytes(buf[pos : pos + 4], "little"))
             push(raw)
             refill_at = _refill_at(buf, src)
         elif op == 0x8E:  # BINBYTES8
-            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos:pos + 8], "little"))
+            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos : pos + 8], "little"))
             push(raw)
             refill_at = _refill_at(buf, src)
         elif op == 0x96:  # BYTEARRAY8
-            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos:pos + 8], "little"))
+            raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos : pos + 8], "little"))
             push(bytearray(raw))
             refill_at = _refill_at(buf, src)
         elif op == 0x8B:  # LONG4
-            n = from_bytes(buf[pos:pos + 4], "little", signed=True)
+            n = from_bytes(buf[pos : pos + 4], "little", signed=True)
             if n < 0:
                 raise PickleFormatError("the pickle is corrupt (negative LONG4 length)")
             raw, buf, pos = src.take(buf, pos + 4, n)
@@ -557,7 +575,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
             items = _pop_mark(stack, marks)
             if len(items) % 2:
                 raise PickleFormatError("the pickle is corrupt (DICT with an odd number of items)")
-            push(dict(zip(items[::2], items[1::2])))
+            push(dict(zip(items[::2], items[1::2], strict=True)))
         elif op == 0x30:  # POP
             if marks and marks[-1] == len(stack):
                 marks.pop()
@@ -596,7 +614,7 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
                     raise PickleFormatError("the pickle is corrupt (a STRING is not quoted)")
                 push(text[1:-1].decode("unicode_escape" if b"\\" in text else "latin-1"))
         elif op in (0x54, 0x55):  # BINSTRING, SHORT_BINSTRING (Python 2 str)
-            n = from_bytes(buf[pos:pos + 4], "little", signed=True) if op == 0x54 else buf[pos]
+            n = from_bytes(buf[pos : pos + 4], "little", signed=True) if op == 0x54 else buf[pos]
             if n < 0:
                 raise PickleFormatError("the pickle is corrupt (negative string length)")
             raw, buf, pos = src.take(buf, pos + (4 if op == 0x54 else 1), n)
@@ -613,8 +631,11 @@ def _run(src: _Source) -> Any:  # noqa: C901 - one opcode loop, kept flat for sp
         elif op in _UNSAFE_NAMES:
             raise _unsafe(op)
         else:
-            raise PickleFormatError(f"not a pickle (unknown opcode 0x{op:02x} at byte {pos - 1} of the chunk)"
-                                    if pos > 1 or stack else "not a pickle")
+            raise PickleFormatError(
+                f"not a pickle (unknown opcode 0x{op:02x} at byte {pos - 1} of the chunk)"
+                if pos > 1 or stack
+                else "not a pickle"
+            )
 
 
 def _printable(raw: bytes) -> str:

@@ -9,6 +9,7 @@ unknown addresses) are analysed anyway, with a warning saying what did not add u
 
 No torch needed: the file is read by :mod:`lorascope.ingest.safe_pickle`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,10 @@ from lorascope.ingest.safe_pickle import load_pickle, no_gc
 from lorascope.ingest.snapshot_points import Live, StackInfo, group_by_site
 from lorascope.ingest.snapshot_replay import replay
 from lorascope.ingest.snapshot_types import (
-    AllocatorSettings, AllocatorState, DeviceMemory, SnapshotAnalysis,
+    AllocatorSettings,
+    AllocatorState,
+    DeviceMemory,
+    SnapshotAnalysis,
 )
 
 _KNOWN_KEYS = {"segments", "device_traces", "allocator_settings", "external_annotations"}
@@ -40,20 +44,30 @@ def analyse_snapshot(data: Any, path: Path, rank: int | None = None) -> Snapshot
         data = {"segments": data, "device_traces": []}
     if not isinstance(data, Mapping) or not ({"segments", "device_traces"} & set(data)):
         keys = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
-        raise BadInputError(f"{path}: not an allocator snapshot (no 'segments' or 'device_traces'; "
-                            f"found {keys})")
+        raise BadInputError(f"{path}: not an allocator snapshot (no 'segments' or 'device_traces'; found {keys})")
     warnings: list[str] = []
     segments = _list(data.get("segments"), "segments", warnings)
     traces = _list(data.get("device_traces"), "device_traces", warnings)
     annotations = _list(data.get("external_annotations"), "external_annotations", warnings)
     settings = _settings(data.get("allocator_settings"), segments)
-    devices = sorted({_int(s.get("device"), 0) for s in segments if isinstance(s, Mapping)}
-                     | {i for i, t in enumerate(traces) if isinstance(t, list) and t})
-    analysed = [_device(d, segments, traces[d] if d < len(traces) and isinstance(traces[d], list) else [],
-                        annotations, warnings) for d in devices]
-    return SnapshotAnalysis(path=path, rank=rank, devices=analysed, settings=settings,
-                            other_keys=sorted(str(k) for k in data if k not in _KNOWN_KEYS),
-                            warnings=warnings)
+    devices = sorted(
+        {_int(s.get("device"), 0) for s in segments if isinstance(s, Mapping)}
+        | {i for i, t in enumerate(traces) if isinstance(t, list) and t}
+    )
+    analysed = [
+        _device(
+            d, segments, traces[d] if d < len(traces) and isinstance(traces[d], list) else [], annotations, warnings
+        )
+        for d in devices
+    ]
+    return SnapshotAnalysis(
+        path=path,
+        rank=rank,
+        devices=analysed,
+        settings=settings,
+        other_keys=sorted(str(k) for k in data if k not in _KNOWN_KEYS),
+        warnings=warnings,
+    )
 
 
 def _list(value: Any, name: str, warnings: list[str]) -> list[Any]:
@@ -72,9 +86,14 @@ def _int(value: Any, default: int = 0) -> int:
 def _settings(raw: Any, segments: Sequence[Any]) -> AllocatorSettings:
     expandable_in_segments = any(isinstance(s, Mapping) and s.get("is_expandable") for s in segments)
     if not isinstance(raw, Mapping):
-        return AllocatorSettings(present=False, expandable_segments=True if expandable_in_segments else None,
-                                 max_split_size=None, garbage_collection_threshold=None,
-                                 alloc_conf=None, raw={})
+        return AllocatorSettings(
+            present=False,
+            expandable_segments=True if expandable_in_segments else None,
+            max_split_size=None,
+            garbage_collection_threshold=None,
+            alloc_conf=None,
+            raw={},
+        )
     expandable = raw.get("expandable_segments")
     gc_threshold = raw.get("garbage_collection_threshold")
     conf = raw.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -98,31 +117,43 @@ def _block_frames(block: Mapping[str, Any]) -> Sequence[Any] | None:
     return None
 
 
-def _device(device: int, segments: list[Any], trace: list[Any], annotations: list[Any],
-            warnings: list[str]) -> DeviceMemory:
+def _device(
+    device: int, segments: list[Any], trace: list[Any], annotations: list[Any], warnings: list[str]
+) -> DeviceMemory:
     info = StackInfo()
     state, live_end = _state(device, segments, warnings, info)
     result = replay(trace, live_end, state.reserved if segments else None, annotations, device, info)
     if result.skipped:
-        warnings.append(f"device {device}: {result.skipped} trace entries without a usable action, "
-                        "address or size were skipped")
+        warnings.append(
+            f"device {device}: {result.skipped} trace entries without a usable action, address or size were skipped"
+        )
     if result.unmatched_frees:
-        warnings.append(f"device {device}: {result.unmatched_frees} frees of addresses the trace had "
-                        "already freed (ignored)")
+        warnings.append(
+            f"device {device}: {result.unmatched_frees} frees of addresses the trace had already freed (ignored)"
+        )
     mismatch = result.trace_vs_segments if segments else None
     if mismatch:
-        warnings.append(f"device {device}: replaying the trace ends at {mismatch:+d} bytes from what the "
-                        "segments hold at the snapshot")
+        warnings.append(
+            f"device {device}: replaying the trace ends at {mismatch:+d} bytes from what the "
+            "segments hold at the snapshot"
+        )
     return DeviceMemory(
-        device=device, state=state, trace_entries=len(trace),
-        trace_starts_mid_run=result.allocated_before > 0, allocated_before_trace=result.allocated_before,
-        peak=result.peak, ooms=result.ooms, actions=result.actions,
-        logits_blocks=result.logits_blocks, trace_vs_segments=mismatch,
+        device=device,
+        state=state,
+        trace_entries=len(trace),
+        trace_starts_mid_run=result.allocated_before > 0,
+        allocated_before_trace=result.allocated_before,
+        peak=result.peak,
+        ooms=result.ooms,
+        actions=result.actions,
+        logits_blocks=result.logits_blocks,
+        trace_vs_segments=mismatch,
     )
 
 
-def _state(device: int, segments: list[Any], warnings: list[str], info: StackInfo
-           ) -> tuple[AllocatorState, dict[int, Live]]:
+def _state(
+    device: int, segments: list[Any], warnings: list[str], info: StackInfo
+) -> tuple[AllocatorState, dict[int, Live]]:
     """Totals over the device's segments, and its live blocks by address."""
     live: dict[int, Live] = {}
     reserved = allocated = active = inactive = rounding = largest_free = 0
@@ -160,15 +191,27 @@ def _state(device: int, segments: list[Any], warnings: list[str], info: StackInf
         if blocks is not None and in_blocks != total:
             inconsistent += 1
     if inconsistent:
-        warnings.append(f"device {device}: {inconsistent} of {n_segments} segments have blocks that do not "
-                        "add up to the segment size (analysed as they are)")
+        warnings.append(
+            f"device {device}: {inconsistent} of {n_segments} segments have blocks that do not "
+            "add up to the segment size (analysed as they are)"
+        )
     grouped = group_by_site(list(live.values()), info)
     state = AllocatorState(
-        segments=n_segments, blocks=n_blocks, reserved=reserved, allocated=allocated, active=active,
-        inactive=inactive, rounding=rounding, largest_free_block=largest_free,
+        segments=n_segments,
+        blocks=n_blocks,
+        reserved=reserved,
+        allocated=allocated,
+        active=active,
+        inactive=inactive,
+        rounding=rounding,
+        largest_free_block=largest_free,
         fragmentation=round(1 - largest_free / inactive, 4) if inactive else 0.0,
-        expandable_segments=expandable, large_segments=large, small_segments=small,
-        inconsistent_segments=inconsistent, by_site=grouped.by_site, by_stack=grouped.by_stack,
+        expandable_segments=expandable,
+        large_segments=large,
+        small_segments=small,
+        inconsistent_segments=inconsistent,
+        by_site=grouped.by_site,
+        by_stack=grouped.by_stack,
         by_category=grouped.by_category,
     )
     return state, live

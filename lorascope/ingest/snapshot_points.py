@@ -1,4 +1,5 @@
 """Live allocations at one moment, grouped by where they come from and what they are."""
+
 from __future__ import annotations
 
 import heapq
@@ -71,13 +72,22 @@ def _add(acc: dict[Any, list[Any]], key: Any, size: int, site: str, stack: tuple
 
 def _groups(acc: dict[Any, list[Any]], category_at: int, limit: int) -> list[SiteGroup]:
     ordered = sorted(acc.items(), key=lambda kv: -kv[1][0])
-    groups = [SiteGroup(site=v[3], category=k[category_at], bytes=v[0], count=v[1], largest=v[2],
-                        stack=list(v[4])) for k, v in ordered[:limit]]
+    groups = [
+        SiteGroup(site=v[3], category=k[category_at], bytes=v[0], count=v[1], largest=v[2], stack=list(v[4]))
+        for k, v in ordered[:limit]
+    ]
     rest = ordered[limit:]
     if rest:
-        groups.append(SiteGroup(site=f"<{len(rest)} more>", category="other",
-                                bytes=sum(v[0] for _, v in rest), count=sum(v[1] for _, v in rest),
-                                largest=max(v[2] for _, v in rest), stack=[]))
+        groups.append(
+            SiteGroup(
+                site=f"<{len(rest)} more>",
+                category="other",
+                bytes=sum(v[0] for _, v in rest),
+                count=sum(v[1] for _, v in rest),
+                largest=max(v[2] for _, v in rest),
+                stack=[],
+            )
+        )
     return groups
 
 
@@ -86,8 +96,9 @@ def is_remainder(group: SiteGroup) -> bool:
     return group.site.startswith("<") and group.site.endswith(" more>")
 
 
-def group_by_site(items: Iterable[Live], info: StackInfo | None = None,
-                  relabel: dict[int, str] | None = None) -> Grouped:
+def group_by_site(
+    items: Iterable[Live], info: StackInfo | None = None, relabel: dict[int, str] | None = None
+) -> Grouped:
     """Groups by (site, category) and by (user stack, category), largest first."""
     info = info or StackInfo()
     sites: dict[tuple[str, str], list[Any]] = {}
@@ -103,30 +114,43 @@ def group_by_site(items: Iterable[Live], info: StackInfo | None = None,
         categories[category] = categories.get(category, 0) + size
         _add(sites, (site, category), size, site, stack)
         _add(stacks, (stack, category, site), size, site, stack)
-    return Grouped(by_site=_groups(sites, 1, MAX_GROUPS), by_stack=_groups(stacks, 1, MAX_STACKS),
-                   by_category=dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-                   unattributed=unattributed)
+    return Grouped(
+        by_site=_groups(sites, 1, MAX_GROUPS),
+        by_stack=_groups(stacks, 1, MAX_STACKS),
+        by_category=dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+        unattributed=unattributed,
+    )
 
 
 def _logits_relabel(blocks: list[tuple[int, int, Any]], info: StackInfo) -> dict[int, str]:
     """Indices of blocks the same size as a large loss-frame block (or half / twice it:
     the bf16 logits next to their fp32 copy), which the frames alone do not call logits."""
-    targets = sorted({size for _, size, frames in blocks
-                      if size >= LOGITS_MIN_BYTES and info(frames)[1] == "logits"})[:16]
+    targets = sorted({size for _, size, frames in blocks if size >= LOGITS_MIN_BYTES and info(frames)[1] == "logits"})[
+        :16
+    ]
     if not targets:
         return {}
     wanted = sorted({t for s in targets for t in (s, s // 2, s * 2)})
     out: dict[int, str] = {}
     for i, (_, size, frames) in enumerate(blocks):
-        if size >= LOGITS_MIN_BYTES // 2 and any(abs(size - t) <= _SIZE_SLACK for t in wanted) \
-                and info(frames)[1] != "logits":
+        if (
+            size >= LOGITS_MIN_BYTES // 2
+            and any(abs(size - t) <= _SIZE_SLACK for t in wanted)
+            and info(frames)[1] != "logits"
+        ):
             out[i] = "logits"
     return out
 
 
-def build_point(label: str, index: int | None, time_us: int | None, live: dict[int, Live],
-                reserved: int | None, annotations: list[str], info: StackInfo
-                ) -> tuple[MemoryPoint, list[LiveBlock]]:
+def build_point(
+    label: str,
+    index: int | None,
+    time_us: int | None,
+    live: dict[int, Live],
+    reserved: int | None,
+    annotations: list[str],
+    info: StackInfo,
+) -> tuple[MemoryPoint, list[LiveBlock]]:
     """The MemoryPoint for a live set, and its logits blocks (loss frames or logits-sized)."""
     blocks = [(addr, size, frames) for addr, (size, frames) in live.items()]
     relabel = _logits_relabel(blocks, info)
@@ -140,13 +164,25 @@ def build_point(label: str, index: int | None, time_us: int | None, live: dict[i
             return LiveBlock(addr, size, site, relabel[i], note="same size as the loss's logits")
         return LiveBlock(addr, size, site, category)
 
-    logits = sorted((live_block(i) for i in range(len(blocks))
-                     if blocks[i][1] >= LOGITS_MIN_BYTES // 2
-                     and (i in relabel or info(blocks[i][2])[1] == "logits")),
-                    key=lambda b: -b.bytes)[:LARGEST_BLOCKS]
-    point = MemoryPoint(label=label, index=index, time_us=time_us, allocated=sum(b[1] for b in blocks),
-                        reserved=reserved, by_site=grouped.by_site, by_stack=grouped.by_stack,
-                        by_category=grouped.by_category, largest=[live_block(i) for i in largest_idx],
-                        unattributed=grouped.unattributed,
-                        annotations=annotations)
+    logits = sorted(
+        (
+            live_block(i)
+            for i in range(len(blocks))
+            if blocks[i][1] >= LOGITS_MIN_BYTES // 2 and (i in relabel or info(blocks[i][2])[1] == "logits")
+        ),
+        key=lambda b: -b.bytes,
+    )[:LARGEST_BLOCKS]
+    point = MemoryPoint(
+        label=label,
+        index=index,
+        time_us=time_us,
+        allocated=sum(b[1] for b in blocks),
+        reserved=reserved,
+        by_site=grouped.by_site,
+        by_stack=grouped.by_stack,
+        by_category=grouped.by_category,
+        largest=[live_block(i) for i in largest_idx],
+        unattributed=grouped.unattributed,
+        annotations=annotations,
+    )
     return point, logits

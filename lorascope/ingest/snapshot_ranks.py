@@ -5,6 +5,7 @@ only one rank holds (eval outputs kept on rank 0, a gather to rank 0, logging te
 is the signature of rank-0 asymmetry. Each rank's live set at its peak (the snapshot
 state when there is no trace) is grouped by whole user stack and compared.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,8 +55,7 @@ def _live_groups(s: SnapshotAnalysis) -> tuple[str, int, int | None, list[SiteGr
     return "snapshot", device.state.allocated, device.state.reserved, device.state.by_stack
 
 
-def compare_ranks(snapshots: dict[int, SnapshotAnalysis], min_bytes: int = MIN_BYTES
-                  ) -> SnapshotComparison | None:
+def compare_ranks(snapshots: dict[int, SnapshotAnalysis], min_bytes: int = MIN_BYTES) -> SnapshotComparison | None:
     """None with fewer than two ranks."""
     if len(snapshots) < 2:
         return None
@@ -71,7 +71,15 @@ def compare_ranks(snapshots: dict[int, SnapshotAnalysis], min_bytes: int = MIN_B
         for key, group in groups.items():
             others = max((held[r][key].bytes if key in held[r] else 0) for r in held if r != rank)
             if group.bytes - others >= min_bytes:
-                out.append(RankOnlyAllocation(rank=rank, category=group.category, site=group.site,
-                                              stack=group.stack, bytes=group.bytes, others_max=others))
+                out.append(
+                    RankOnlyAllocation(
+                        rank=rank,
+                        category=group.category,
+                        site=group.site,
+                        stack=group.stack,
+                        bytes=group.bytes,
+                        others_max=others,
+                    )
+                )
     out.sort(key=lambda a: -(a.bytes - a.others_max))
     return SnapshotComparison(points=points, allocated=allocated, reserved=reserved, rank_only=out)

@@ -11,6 +11,7 @@ again up to the last point of interest (the peak, every ``oom`` entry) and group
 live allocations there. A free is counted at the first of ``free_requested`` /
 ``free_completed`` for an address, so traces that record only one kind still work.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -41,8 +42,14 @@ class ReplayResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None,
-           annotations: list[Any], device: int, info: StackInfo | None = None) -> ReplayResult:
+def replay(
+    trace: list[Any],
+    live_end: dict[int, Live],
+    reserved_end: int | None,
+    annotations: list[Any],
+    device: int,
+    info: StackInfo | None = None,
+) -> ReplayResult:
     info = info or StackInfo()
     actions: dict[str, int] = {}
     live: dict[int, int] = {}
@@ -112,8 +119,15 @@ def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None
     logits: list[LiveBlock] = []
     peak: MemoryPoint | None
     if best_i is None:  # nothing in the trace rises above its start
-        peak, logits = build_point("peak", None, _time(trace[0]) if trace else None, start_live,
-                                   reserved(-1) if reserved_end is not None else None, [], info)
+        peak, logits = build_point(
+            "peak",
+            None,
+            _time(trace[0]) if trace else None,
+            start_live,
+            reserved(-1) if reserved_end is not None else None,
+            [],
+            info,
+        )
     else:
         t = _time(trace[best_i])
         peak, logits = build_point("peak", best_i, t, snapshots[best_i], reserved(best_i), opened.at(t), info)
@@ -123,8 +137,15 @@ def replay(trace: list[Any], live_end: dict[int, Live], reserved_end: int | None
         t = _time(raw)
         point, _ = build_point("oom", i, t, snapshots[i], reserved(i), opened.at(t), info)
         free = raw.get("device_free")
-        events.append(OomEvent(index=i, time_us=t, requested=raw.get("size", 0),
-                               device_free=free if isinstance(free, int) else None, live=point))
+        events.append(
+            OomEvent(
+                index=i,
+                time_us=t,
+                requested=raw.get("size", 0),
+                device_free=free if isinstance(free, int) else None,
+                live=point,
+            )
+        )
     return ReplayResult(peak, events, logits, baseline, actions, at_end - allocated_end, skipped, unmatched)
 
 
@@ -133,8 +154,9 @@ def _time(entry: Any) -> int | None:
     return t if isinstance(t, int) else None
 
 
-def _replay_to(trace: list[Any], points: list[int], start: dict[int, Live]
-               ) -> tuple[dict[int, dict[int, Live]], dict[int, int]]:
+def _replay_to(
+    trace: list[Any], points: list[int], start: dict[int, Live]
+) -> tuple[dict[int, dict[int, Live]], dict[int, int]]:
     """Live sets (copies) and reserved deltas right after each entry index in ``points``."""
     live = dict(start)
     wanted = set(points)
@@ -169,9 +191,11 @@ class _Annotations:
     """``external_annotations`` (record_function ranges): which are open at a time."""
 
     def __init__(self, annotations: list[Any], device: int) -> None:
-        events = [(a["time_us"], a.get("stage"), str(a.get("name", "?"))) for a in annotations
-                  if isinstance(a, Mapping) and isinstance(a.get("time_us"), int)
-                  and a.get("device", device) == device]
+        events = [
+            (a["time_us"], a.get("stage"), str(a.get("name", "?")))
+            for a in annotations
+            if isinstance(a, Mapping) and isinstance(a.get("time_us"), int) and a.get("device", device) == device
+        ]
         events.sort(key=lambda x: x[0])
         self.times = [t for t, _, _ in events]
         self.events = events
@@ -180,7 +204,7 @@ class _Annotations:
         if t is None or not self.events:
             return []
         open_: list[str] = []
-        for _, stage, name in self.events[:bisect.bisect_right(self.times, t)]:
+        for _, stage, name in self.events[: bisect.bisect_right(self.times, t)]:
             if stage == "START":
                 open_.append(name)
             elif stage == "END" and name in open_:

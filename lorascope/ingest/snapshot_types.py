@@ -5,6 +5,7 @@ All sizes are bytes. "Allocated" counts blocks handed to tensors (``active_alloc
 reserved but not allocated is the allocator's cache (free for reuse, but only for
 requests that fit in a free block).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

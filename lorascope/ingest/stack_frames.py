@@ -10,6 +10,7 @@ The memory category of an allocation is read from the whole stack, innermost fir
 first frame that says what is going on wins (an allocation in ``optimizer.step`` is
 optimizer state even though the step was called from the training loop).
 """
+
 from __future__ import annotations
 
 import re
@@ -25,18 +26,48 @@ _SITE_PACKAGES = re.compile(r"^.*?[/\\](?:site|dist)-packages[/\\]")
 
 #: (category, pattern on "filename:name"), tried in this order on every frame.
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("logits", re.compile(r"cross_entropy|log_softmax|nll_loss|ForCausalLMLoss|loss_utils\.py|"
-                          r"[/\\]loss[/\\]|lm_head|logits|chunked_loss|fused_linear_cross", re.I)),
-    ("optimizer", re.compile(r"[/\\]optim[/\\]|optimizer|[/\\]zero[/\\]stage.*:(step|_optimizer_step|"
-                             r"_create_fp32|initialize_optimizer)|adam", re.I)),
-    ("gradients", re.compile(r"[/\\]autograd[/\\]|_tensor\.py:backward|:backward$|_engine_run_backward|"
-                             r"reduce_gradients|allreduce_gradients|reduce_ready_partitions", re.I)),
-    ("weights", re.compile(r":(_apply|to|cuda|load_state_dict|_load_from_state_dict|from_pretrained|"
-                           r"_load_pretrained_model|load_checkpoint|reset_parameters|get_peft_model|"
-                           r"_move_model_to_device|_convert_zero_checkpoint|partition_param|"
-                           r"_post_init_method|init_weights|_init_weights)$|partition_parameters\.py", re.I)),
-    ("activations", re.compile(r":(forward|_call_impl|_wrapped_call_impl|checkpoint|_checkpoint_"
-                               r"without_reentrant|recompute_fn)$", re.I)),
+    (
+        "logits",
+        re.compile(
+            r"cross_entropy|log_softmax|nll_loss|ForCausalLMLoss|loss_utils\.py|"
+            r"[/\\]loss[/\\]|lm_head|logits|chunked_loss|fused_linear_cross",
+            re.I,
+        ),
+    ),
+    (
+        "optimizer",
+        re.compile(
+            r"[/\\]optim[/\\]|optimizer|[/\\]zero[/\\]stage.*:(step|_optimizer_step|"
+            r"_create_fp32|initialize_optimizer)|adam",
+            re.I,
+        ),
+    ),
+    (
+        "gradients",
+        re.compile(
+            r"[/\\]autograd[/\\]|_tensor\.py:backward|:backward$|_engine_run_backward|"
+            r"reduce_gradients|allreduce_gradients|reduce_ready_partitions",
+            re.I,
+        ),
+    ),
+    (
+        "weights",
+        re.compile(
+            r":(_apply|to|cuda|load_state_dict|_load_from_state_dict|from_pretrained|"
+            r"_load_pretrained_model|load_checkpoint|reset_parameters|get_peft_model|"
+            r"_move_model_to_device|_convert_zero_checkpoint|partition_param|"
+            r"_post_init_method|init_weights|_init_weights)$|partition_parameters\.py",
+            re.I,
+        ),
+    ),
+    (
+        "activations",
+        re.compile(
+            r":(forward|_call_impl|_wrapped_call_impl|checkpoint|_checkpoint_"
+            r"without_reentrant|recompute_fn)$",
+            re.I,
+        ),
+    ),
 )
 
 

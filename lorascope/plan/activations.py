@@ -18,6 +18,7 @@ tensors autograd really saves for tiny models on CPU. Facts it relies on:
   below ``layers_to_transform``) fewer tensors are saved unless checkpointing (through PEFT's
   input-require-grads hook) or an embedding adapter makes the input require grad.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,15 @@ class LayerSaved:
         return sum(self.parts.values())
 
 
-def _lora_inputs(adapters: list[Adapter], width: int, input_requires_grad: bool, already_saved: bool,
-                 lora: LoraSpec, setup: TrainingSetup, mask_bytes: int) -> tuple[int, int]:
+def _lora_inputs(
+    adapters: list[Adapter],
+    width: int,
+    input_requires_grad: bool,
+    already_saved: bool,
+    lora: LoraSpec,
+    setup: TrainingSetup,
+    mask_bytes: int,
+) -> tuple[int, int]:
     """(input copies, lora_A outputs) saved for the adapted modules sharing one input tensor."""
     if not adapters:
         return 0, 0
@@ -64,17 +72,30 @@ def _lora_inputs(adapters: list[Adapter], width: int, input_requires_grad: bool,
     return inputs, sum(ad.r * a for ad in adapters)
 
 
-def _layer(shape: ModelShape, adapters: dict[str, Adapter], spec: LoraSpec, setup: TrainingSetup,
-           input_requires_grad: bool, mask_bytes: int) -> LayerSaved:
+def _layer(
+    shape: ModelShape,
+    adapters: dict[str, Adapter],
+    spec: LoraSpec,
+    setup: TrainingSetup,
+    input_requires_grad: bool,
+    mask_bytes: int,
+) -> LayerSaved:
     s = setup.compute_bytes
-    h, inter, qw, kw, heads, t = (shape.hidden, shape.intermediate, shape.q_width, shape.kv_width,
-                                  shape.heads, setup.seq)
+    h, inter, qw, kw, heads, t = (
+        shape.hidden,
+        shape.intermediate,
+        shape.q_width,
+        shape.kv_width,
+        shape.heads,
+        setup.seq,
+    )
     out = LayerSaved()
     norm = 4 * h + 4
 
     def adapt(names: tuple[str, ...], width: int, rg: bool, already_saved: bool = False) -> None:
-        inputs, a_out = _lora_inputs([adapters[n] for n in names if n in adapters], width, rg,
-                                     already_saved, spec, setup, mask_bytes)
+        inputs, a_out = _lora_inputs(
+            [adapters[n] for n in names if n in adapters], width, rg, already_saved, spec, setup, mask_bytes
+        )
         out.add("LoRA inputs", inputs)
         out.add("lora_A outputs", a_out)
 
@@ -93,8 +114,7 @@ def _layer(shape: ModelShape, adapters: dict[str, Adapter], spec: LoraSpec, setu
     else:
         # eager: k and v are repeated to all heads; scores are B x heads x T x T. q.k^T saves
         # q for k's gradient and k for q's; probs.v saves v (for the probs' gradient).
-        out.add("attention q/k/v", s * qw * ((1 if k_rg else 0) + (1 if q_rg else 0)
-                                            + (1 if q_rg or k_rg else 0)))
+        out.add("attention q/k/v", s * qw * ((1 if k_rg else 0) + (1 if q_rg else 0) + (1 if q_rg or k_rg else 0)))
         if s == 4:
             scores = 4 * heads * t if attn_rg else 0
         else:
@@ -119,19 +139,25 @@ def _layer(shape: ModelShape, adapters: dict[str, Adapter], spec: LoraSpec, setu
 class ActivationEstimate:
     """Bytes on one GPU for one micro-batch."""
 
-    saved: int                   # held from the forward until the backward reaches them
+    saved: int  # held from the forward until the backward reaches them
     saved_parts: dict[str, int]
-    recompute: int               # one layer's saved tensors, rebuilt in backward (checkpointing)
-    backward_transient: int      # gradients alive while one layer runs backward
-    logits: int                  # logits + loss peak
-    layer_bytes_per_token: int   # the largest layer's saved bytes per token, its input requiring grad
+    recompute: int  # one layer's saved tensors, rebuilt in backward (checkpointing)
+    backward_transient: int  # gradients alive while one layer runs backward
+    logits: int  # logits + loss peak
+    layer_bytes_per_token: int  # the largest layer's saved bytes per token, its input requiring grad
 
 
-def saved_per_layer(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, setup: TrainingSetup,
-                    mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> tuple[list[LayerSaved], bool]:
+def saved_per_layer(
+    shape: ModelShape,
+    layout: AdapterLayout,
+    lora: LoraSpec,
+    setup: TrainingSetup,
+    mask_bytes: int = CUDA_DROPOUT_MASK_BYTES,
+) -> tuple[list[LayerSaved], bool]:
     """Each decoder layer's saved bytes per token, and whether the final norm's input needs grad."""
     embed_trained = layout.on("model.embed_tokens") is not None or any(
-        m.name == "model.embed_tokens" for m in layout.saved_copies)
+        m.name == "model.embed_tokens" for m in layout.saved_copies
+    )
     rg = setup.checkpointing != "none" or embed_trained
     layers = []
     for i in range(shape.layers):
@@ -141,8 +167,13 @@ def saved_per_layer(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, se
     return layers, rg
 
 
-def estimate(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, setup: TrainingSetup,
-             mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> ActivationEstimate:
+def estimate(
+    shape: ModelShape,
+    layout: AdapterLayout,
+    lora: LoraSpec,
+    setup: TrainingSetup,
+    mask_bytes: int = CUDA_DROPOUT_MASK_BYTES,
+) -> ActivationEstimate:
     s, n_tok, h = setup.compute_bytes, setup.tokens, shape.hidden
     layers, final_rg = saved_per_layer(shape, layout, lora, setup, mask_bytes)
     parts: dict[str, int] = {}
@@ -173,8 +204,7 @@ def estimate(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, setup: Tr
         add("lora_A outputs", (8 + embed.r * setup.adapter_bytes) * n_tok)  # token ids + A rows
     # RoPE cos/sin (position ids are 1 x T, shared by the batch and by every layer).
     add("rotary cos/sin", 2 * setup.seq * shape.head_dim * s)
-    full = max(_layer(shape, layout.in_layer(i), lora, setup, True, mask_bytes).total
-               for i in range(shape.layers))
+    full = max(_layer(shape, layout.in_layer(i), lora, setup, True, mask_bytes).total for i in range(shape.layers))
     return ActivationEstimate(
         saved=sum(parts.values()),
         saved_parts=parts,
@@ -245,31 +275,52 @@ def loss_forward(shape: ModelShape, setup: TrainingSetup) -> LossForward:
     return LossForward(0, s * n_tok * shape.hidden, s * chunk_tokens(shape, setup) * vocab)
 
 
-def activation_terms(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec,
-                     setup: TrainingSetup) -> list[Term]:
+def activation_terms(shape: ModelShape, layout: AdapterLayout, lora: LoraSpec, setup: TrainingSetup) -> list[Term]:
     est = estimate(shape, layout, lora, setup)
     n_tok = setup.tokens
     tok = f"B*T = {setup.micro_batch} x {setup.seq} = {count(n_tok)} tokens"
     if setup.checkpointing == "none":
         saved_formula = "sum over layers of per-layer saved bytes/token x B*T"
-        saved_detail = (f"{count(est.layer_bytes_per_token)} B/token per layer x {shape.layers} layers, "
-                        f"{tok} ({setup.attention} attention)")
+        saved_detail = (
+            f"{count(est.layer_bytes_per_token)} B/token per layer x {shape.layers} layers, "
+            f"{tok} ({setup.attention} attention)"
+        )
     else:
         saved_formula = "L x s h x B*T (checkpointed layer inputs) + final norm"
-        saved_detail = f"{shape.layers} x {setup.compute_bytes} x {shape.hidden} x {count(n_tok)} ({setup.checkpointing})"
+        saved_detail = (
+            f"{shape.layers} x {setup.compute_bytes} x {shape.hidden} x {count(n_tok)} ({setup.checkpointing})"
+        )
     backward = est.recompute + est.backward_transient
-    logits_label = {"fp32-upcast": "12 B*T*V (fp32 log-probs, their gradient, the logits' gradient)",
-                    "native": "3 s B*T*V (log-probs, their gradient, the logits' gradient)",
-                    "chunked": f"s chunk*V + s B*T*h (chunk = {chunk_tokens(shape, setup)} tokens)"}[setup.loss]
+    logits_label = {
+        "fp32-upcast": "12 B*T*V (fp32 log-probs, their gradient, the logits' gradient)",
+        "native": "3 s B*T*V (log-probs, their gradient, the logits' gradient)",
+        "chunked": f"s chunk*V + s B*T*h (chunk = {chunk_tokens(shape, setup)} tokens)",
+    }[setup.loss]
     logits_on_top = est.logits >= backward
     return [
-        Term("activations", "activations (saved for backward)", est.saved, saved_formula, saved_detail,
-             parts=dict(est.saved_parts)),
-        Term("layer_backward", "layer backward (recompute + grads)" if est.recompute else "layer backward (grads)",
-             backward, "recomputed layer (checkpointing) + gradient transients of one layer",
-             (f"recompute {count(est.recompute)} B + " if est.recompute else "")
-             + f"transients {count(est.backward_transient)} B",
-             counted=not logits_on_top),
-        Term("logits", f"logits + loss ({setup.loss})", est.logits, logits_label,
-             f"{count(n_tok)} tokens x vocab {count(shape.vocab)}", counted=logits_on_top),
+        Term(
+            "activations",
+            "activations (saved for backward)",
+            est.saved,
+            saved_formula,
+            saved_detail,
+            parts=dict(est.saved_parts),
+        ),
+        Term(
+            "layer_backward",
+            "layer backward (recompute + grads)" if est.recompute else "layer backward (grads)",
+            backward,
+            "recomputed layer (checkpointing) + gradient transients of one layer",
+            (f"recompute {count(est.recompute)} B + " if est.recompute else "")
+            + f"transients {count(est.backward_transient)} B",
+            counted=not logits_on_top,
+        ),
+        Term(
+            "logits",
+            f"logits + loss ({setup.loss})",
+            est.logits,
+            logits_label,
+            f"{count(n_tok)} tokens x vocab {count(shape.vocab)}",
+            counted=logits_on_top,
+        ),
     ]

@@ -1,4 +1,5 @@
 """The per-GPU budget for one set of inputs: every term, the peak, and the verdict."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,11 +55,13 @@ def compute_budget(inputs: PlanInputs) -> Budget:
     shape, setup = inputs.shape, inputs.setup
     layout = resolve(inputs.lora, shape)
     tensors = param_tensors(shape, layout)
-    terms = (model_states.weight_terms(tensors, setup)
-             + model_states.optimizer_terms(tensors, setup)
-             + [model_states.gathered_term(tensors, setup)]
-             + activations.activation_terms(shape, layout, inputs.lora, setup)
-             + buffers.buffer_terms(tensors, setup))
+    terms = (
+        model_states.weight_terms(tensors, setup)
+        + model_states.optimizer_terms(tensors, setup)
+        + [model_states.gathered_term(tensors, setup)]
+        + activations.activation_terms(shape, layout, inputs.lora, setup)
+        + buffers.buffer_terms(tensors, setup)
+    )
     return Budget(count_params(shape, layout), layout, tuple(tensors), tuple(terms))
 
 
@@ -73,26 +76,37 @@ def notes(inputs: PlanInputs, budget: Budget) -> list[str]:
     shape, setup, lora = inputs.shape, inputs.setup, inputs.lora
     out = list(budget.layout.notes)
     if shape.model_type not in KNOWN_MODEL_TYPES:
-        out.append(f"model_type {shape.model_type!r} is planned as a Llama-style decoder "
-                   "(q/k/v/o, gate/up/down, RMSNorm); fused or differently named layers change the counts")
+        out.append(
+            f"model_type {shape.model_type!r} is planned as a Llama-style decoder "
+            "(q/k/v/o, gate/up/down, RMSNorm); fused or differently named layers change the counts"
+        )
     if lora.dora:
-        out.append("DoRA: the magnitude vectors are counted; DoRA's extra activations (the weight norm "
-                   "computed each forward) are not")
+        out.append(
+            "DoRA: the magnitude vectors are counted; DoRA's extra activations (the weight norm "
+            "computed each forward) are not"
+        )
     if setup.checkpointing == "reentrant":
-        out.append("reentrant checkpointing: adapters get no gradient unless the layer inputs require grad "
-                   "(keep PEFT's enable_input_require_grads hook, or use non-reentrant)")
+        out.append(
+            "reentrant checkpointing: adapters get no gradient unless the layer inputs require grad "
+            "(keep PEFT's enable_input_require_grads hook, or use non-reentrant)"
+        )
     if setup.precision == "4bit":
         other = sum(t.numel for t in budget.tensors if not t.trainable and not t.quantizable)
-        out.append(f"4-bit base: peft.prepare_model_for_kbit_training upcasts the non-quantized weights "
-                   f"(embeddings, norms, lm_head: {other:,} params) to fp32, +{gib(2 * other)} GiB "
-                   f"before any ZeRO partitioning; not included")
+        out.append(
+            f"4-bit base: peft.prepare_model_for_kbit_training upcasts the non-quantized weights "
+            f"(embeddings, norms, lm_head: {other:,} params) to fp32, +{gib(2 * other)} GiB "
+            f"before any ZeRO partitioning; not included"
+        )
         if setup.zero.stage == 3:
             out.append("4-bit base under ZeRO-3 needs bnb_4bit_quant_storage set to the compute dtype")
     if setup.attention in ("sdpa", "flash"):
-        out.append(f"{setup.attention} attention assumes no padding mask (packed or equal-length "
-                   "sequences); with one, SDPA falls back to repeating k/v to every head")
-    out.append("allocator fragmentation is not a term: it decides in the 'at the edge' band "
-               f"(over {EDGE_FRACTION:.0%} of the card); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-               "reduces it")
+        out.append(
+            f"{setup.attention} attention assumes no padding mask (packed or equal-length "
+            "sequences); with one, SDPA falls back to repeating k/v to every head"
+        )
+    out.append(
+        "allocator fragmentation is not a term: it decides in the 'at the edge' band "
+        f"(over {EDGE_FRACTION:.0%} of the card); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "reduces it"
+    )
     return out
-

@@ -6,6 +6,7 @@ workspaces takes roughly 0.4-0.6 GiB on Ampere/Hopper with lazy module loading, 
 per-communicator buffers a few hundred MiB on a node of 8. They live outside torch's caching
 allocator (nvidia-smi sees them, torch.cuda.max_memory_allocated does not).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,8 +34,10 @@ def buffer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
         if zero.contiguous_gradients:
             # Allocated at full reduce_bucket_size, however few parameters train.
             buckets = zero.reduce_bucket_size * setup.grad_bytes * copies
-            detail = (f"reduce bucket {count(zero.reduce_bucket_size)} elements x {setup.grad_bytes} B"
-                      f" x {copies} (overlap_comm {'on' if copies == 2 else 'off'})")
+            detail = (
+                f"reduce bucket {count(zero.reduce_bucket_size)} elements x {setup.grad_bytes} B"
+                f" x {copies} (overlap_comm {'on' if copies == 2 else 'off'})"
+            )
             formula = "g reduce_bucket_size x (2 if overlap_comm)"
         else:
             buckets = min(p_t, zero.reduce_bucket_size) * setup.grad_bytes
@@ -45,13 +48,27 @@ def buffer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
         per_param = NF4_BYTES_PER_PARAM if setup.precision == "4bit" else setup.compute_bytes
         prefetch = zero.prefetch_bucket_size * per_param
         buckets = round(bucket + prefetch)
-        detail = (f"reduce bucket {count(zero.reduce_bucket_size if zero.contiguous_gradients else 0)} "
-                  f"x {setup.adapter_bytes} B + prefetch {count(zero.prefetch_bucket_size)} params")
+        detail = (
+            f"reduce bucket {count(zero.reduce_bucket_size if zero.contiguous_gradients else 0)} "
+            f"x {setup.adapter_bytes} B + prefetch {count(zero.prefetch_bucket_size)} params"
+        )
         formula = "a reduce_bucket_size + prefetch_bucket_size x bytes/param"
     return [
         Term("deepspeed_buffers", "DeepSpeed buckets (gradients, prefetch)", round(buckets), formula, detail),
-        Term("nccl", "NCCL communicator buffers", NCCL_BYTES if n > 1 else 0, "fixed (typical)",
-             "outside torch's allocator" if n > 1 else "single GPU: no communicator", allocator=False),
-        Term("framework", "CUDA context, cuBLAS workspace", FRAMEWORK_BYTES, "fixed (typical)",
-             "outside torch's allocator", allocator=False),
+        Term(
+            "nccl",
+            "NCCL communicator buffers",
+            NCCL_BYTES if n > 1 else 0,
+            "fixed (typical)",
+            "outside torch's allocator" if n > 1 else "single GPU: no communicator",
+            allocator=False,
+        ),
+        Term(
+            "framework",
+            "CUDA context, cuBLAS workspace",
+            FRAMEWORK_BYTES,
+            "fixed (typical)",
+            "outside torch's allocator",
+            allocator=False,
+        ),
     ]

@@ -1,5 +1,6 @@
 """Changes that lower the per-GPU peak, each re-planned in full and ranked by the total it
 gives; when no single change fits, the greedy combination that does."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,23 +49,31 @@ def _zero3(i: PlanInputs) -> Candidate | None:
 
 def _qlora(i: PlanInputs) -> Candidate | None:
     if i.setup.precision in ("bf16", "fp16"):
-        return ("QLoRA: 4-bit NF4 base", "--precision 4bit / BitsAndBytesConfig(load_in_4bit=True, "
-                "bnb_4bit_use_double_quant=True)", _with(i, precision="4bit"))
+        return (
+            "QLoRA: 4-bit NF4 base",
+            "--precision 4bit / BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True)",
+            _with(i, precision="4bit"),
+        )
     return None
 
 
 def _checkpointing(i: PlanInputs) -> Candidate | None:
     if i.setup.checkpointing == "none":
-        return ("activation checkpointing (non-reentrant)", "gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False})",
-                _with(i, checkpointing="non-reentrant"))
+        return (
+            "activation checkpointing (non-reentrant)",
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})",
+            _with(i, checkpointing="non-reentrant"),
+        )
     return None
 
 
 def _chunked_loss(i: PlanInputs) -> Candidate | None:
     if i.setup.loss != "chunked":
-        return ("chunked / fused cross-entropy", "--loss chunked / Liger fused linear cross-entropy "
-                "or Cut Cross-Entropy", _with(i, loss="chunked"))
+        return (
+            "chunked / fused cross-entropy",
+            "--loss chunked / Liger fused linear cross-entropy or Cut Cross-Entropy",
+            _with(i, loss="chunked"),
+        )
     return None
 
 
@@ -81,25 +90,33 @@ def _micro_batch(i: PlanInputs) -> Candidate | None:
     # The largest divisor of the micro-batch that fits clear of the edge (so gradient
     # accumulation keeps the global batch exactly), else 1.
     divisors = [d for d in range(mb - 1, 0, -1) if mb % d == 0]
-    best = next((d for d in divisors
-                 if verdict(compute_budget(_with(i, micro_batch=d)).total, i.gpu_mem) == FITS), 1)
-    return (f"micro-batch {best}", f"--micro-batch {best} with gradient_accumulation_steps x{mb // best} "
-            "to keep the global batch", _with(i, micro_batch=best))
+    best = next((d for d in divisors if verdict(compute_budget(_with(i, micro_batch=d)).total, i.gpu_mem) == FITS), 1)
+    return (
+        f"micro-batch {best}",
+        f"--micro-batch {best} with gradient_accumulation_steps x{mb // best} to keep the global batch",
+        _with(i, micro_batch=best),
+    )
 
 
 def _offload_optimizer(i: PlanInputs) -> Candidate | None:
     zero = i.setup.zero
     if zero.stage >= 1 and not zero.offload_optimizer:
-        return ("offload optimizer to CPU", "--offload-optimizer / offload_optimizer.device cpu",
-                _with_zero(i, offload_optimizer=True))
+        return (
+            "offload optimizer to CPU",
+            "--offload-optimizer / offload_optimizer.device cpu",
+            _with_zero(i, offload_optimizer=True),
+        )
     return None
 
 
 def _offload_params(i: PlanInputs) -> Candidate | None:
     zero = i.setup.zero
     if zero.stage == 3 and not zero.offload_params:
-        return ("offload parameters to CPU (slow)", "--offload-params / offload_param.device cpu",
-                _with_zero(i, offload_params=True, offload_optimizer=True))
+        return (
+            "offload parameters to CPU (slow)",
+            "--offload-params / offload_param.device cpu",
+            _with_zero(i, offload_params=True, offload_optimizer=True),
+        )
     return None
 
 
@@ -108,21 +125,35 @@ def _bucket(i: PlanInputs) -> Candidate | None:
     trainable = resolve(i.lora, i.shape).trainable
     size = next((s for s in _BUCKET_SIZES if s >= trainable), None)
     if zero.stage >= 1 and zero.contiguous_gradients and size is not None and size < zero.reduce_bucket_size:
-        return (f"reduce_bucket_size {size:.0e} (sized to {count(trainable)} trainable params)",
-                f"zero_optimization.reduce_bucket_size {size}", _with_zero(i, reduce_bucket_size=size))
+        return (
+            f"reduce_bucket_size {size:.0e} (sized to {count(trainable)} trainable params)",
+            f"zero_optimization.reduce_bucket_size {size}",
+            _with_zero(i, reduce_bucket_size=size),
+        )
     return None
 
 
 def _no_dropout(i: PlanInputs) -> Candidate | None:
     if i.lora.dropout > 0:
-        return ("lora_dropout 0 (no per-module input copies)", "LoraConfig(lora_dropout=0.0)",
-                dataclasses.replace(i, lora=dataclasses.replace(i.lora, dropout=0.0)))
+        return (
+            "lora_dropout 0 (no per-module input copies)",
+            "LoraConfig(lora_dropout=0.0)",
+            dataclasses.replace(i, lora=dataclasses.replace(i.lora, dropout=0.0)),
+        )
     return None
 
 
 CANDIDATES: tuple[Callable[[PlanInputs], Candidate | None], ...] = (
-    _zero3, _qlora, _checkpointing, _chunked_loss, _fused_attention, _micro_batch,
-    _offload_optimizer, _offload_params, _bucket, _no_dropout,
+    _zero3,
+    _qlora,
+    _checkpointing,
+    _chunked_loss,
+    _fused_attention,
+    _micro_batch,
+    _offload_optimizer,
+    _offload_params,
+    _bucket,
+    _no_dropout,
 )
 
 
@@ -158,6 +189,7 @@ def suggest(inputs: PlanInputs, current: int) -> list[Change]:
         hows.append(best.how)
         total = best.total
     if len(labels) > 1:
-        changes.append(Change("combined: " + " + ".join(labels), "; ".join(hows), total,
-                              verdict(total, inputs.gpu_mem)))
+        changes.append(
+            Change("combined: " + " + ".join(labels), "; ".join(hows), total, verdict(total, inputs.gpu_mem))
+        )
     return changes

@@ -1,6 +1,7 @@
 """The plan of a job described by its own configs: the transformers model config, the PEFT
 LoRA config and the DeepSpeed config (what the probes record in a run directory), so that a
 recorded run can be compared with what it should have used."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,8 +15,14 @@ from lorascope.plan.shape import ModelShape, shape_from_config
 from lorascope.plan.training import TrainingSetup, ZeroSetup
 
 #: transformers attn_implementation -> the activation model that matches what it saves.
-_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash",
-              "flex_attention": "flash", "flash": "flash"}
+_ATTENTION = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "flash",
+    "flash_attention_3": "flash",
+    "flex_attention": "flash",
+    "flash": "flash",
+}
 _DTYPES_16 = {"bfloat16": "bf16", "float16": "fp16", "bf16": "bf16", "fp16": "fp16"}
 
 
@@ -40,7 +47,7 @@ def _ds_auto(value: Any, auto: int, key: str) -> int:
     if value == "auto":
         return auto
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise BadInputError(f"DeepSpeed config: {key} must be a number or \"auto\", got {value!r}")
+        raise BadInputError(f'DeepSpeed config: {key} must be a number or "auto", got {value!r}')
     return int(value)
 
 
@@ -77,11 +84,18 @@ def zero_from_ds_config(ds: Mapping[str, Any], hidden: int) -> ZeroSetup:
             offload_optimizer=stage > 0 and _offloaded(zero, "offload_optimizer"),
             offload_params=stage == 3 and _offloaded(zero, "offload_param"),
             reduce_bucket_size=number("reduce_bucket_size", None, hidden * hidden, defaults.reduce_bucket_size),
-            prefetch_bucket_size=number("stage3_prefetch_bucket_size", "prefetch_bucket_size",
-                                        int(0.9 * hidden * hidden), defaults.prefetch_bucket_size),
-            param_persistence_threshold=number("stage3_param_persistence_threshold",
-                                               "param_persistence_threshold", 10 * hidden,
-                                               defaults.param_persistence_threshold),
+            prefetch_bucket_size=number(
+                "stage3_prefetch_bucket_size",
+                "prefetch_bucket_size",
+                int(0.9 * hidden * hidden),
+                defaults.prefetch_bucket_size,
+            ),
+            param_persistence_threshold=number(
+                "stage3_param_persistence_threshold",
+                "param_persistence_threshold",
+                10 * hidden,
+                defaults.param_persistence_threshold,
+            ),
             sub_group_size=number("sub_group_size", None, defaults.sub_group_size, defaults.sub_group_size),
             contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
             overlap_comm=zero.get("overlap_comm") if isinstance(zero.get("overlap_comm"), bool) else None,
@@ -92,7 +106,7 @@ def zero_from_ds_config(ds: Mapping[str, Any], hidden: int) -> ZeroSetup:
 
 
 def ds_precision(ds: Mapping[str, Any]) -> str | None:
-    """"bf16"/"fp16" when the DeepSpeed config enables mixed precision, "fp32" when it
+    """ "bf16"/"fp16" when the DeepSpeed config enables mixed precision, "fp32" when it
     clearly does not, None when it leaves it to the trainer ("auto")."""
     for key in ("bf16", "fp16"):
         enabled = _section(ds, key).get("enabled", False)
@@ -111,12 +125,21 @@ def _model_precision(model_config: Mapping[str, Any]) -> tuple[str | None, bool]
     return _DTYPES_16.get(dtype), four_bit
 
 
-def inputs_from_configs(model_config: Mapping[str, Any], lora_config: Mapping[str, Any],
-                        ds_config: Mapping[str, Any] | None, world_size: int, seq: int,
-                        micro_batch: int | None = None, *, gpus_per_node: int | None = None,
-                        gpu_mem: int = DEFAULT_GPU_MEM, checkpointing: str = "none",
-                        attention: str | None = None, loss: str = "fp32-upcast",
-                        name: str | None = None) -> PlanInputs:
+def inputs_from_configs(
+    model_config: Mapping[str, Any],
+    lora_config: Mapping[str, Any],
+    ds_config: Mapping[str, Any] | None,
+    world_size: int,
+    seq: int,
+    micro_batch: int | None = None,
+    *,
+    gpus_per_node: int | None = None,
+    gpu_mem: int = DEFAULT_GPU_MEM,
+    checkpointing: str = "none",
+    attention: str | None = None,
+    loss: str = "fp32-upcast",
+    name: str | None = None,
+) -> PlanInputs:
     shape: ModelShape = shape_from_config(model_config, name=name)
     ds = ds_config or {}
     zero = zero_from_ds_config(ds, shape.hidden)
@@ -136,27 +159,42 @@ def inputs_from_configs(model_config: Mapping[str, Any], lora_config: Mapping[st
     if micro_batch is None:
         micro_batch = ds.get("train_micro_batch_size_per_gpu")
         if not isinstance(micro_batch, int) or isinstance(micro_batch, bool):
-            raise BadInputError("micro-batch size not given and not in the DeepSpeed config "
-                                "(train_micro_batch_size_per_gpu)")
+            raise BadInputError(
+                "micro-batch size not given and not in the DeepSpeed config (train_micro_batch_size_per_gpu)"
+            )
     if attention is None:
-        attention = str(model_config.get("_attn_implementation") or model_config.get("attn_implementation")
-                        or "sdpa")
+        attention = str(model_config.get("_attn_implementation") or model_config.get("attn_implementation") or "sdpa")
     if attention not in _ATTENTION:
-        raise BadInputError(f"attention implementation {attention!r} is not modelled "
-                            f"(known: {', '.join(sorted(_ATTENTION))})")
+        raise BadInputError(
+            f"attention implementation {attention!r} is not modelled (known: {', '.join(sorted(_ATTENTION))})"
+        )
     per_node = gpus_per_node or world_size
     if world_size < 1 or world_size % per_node:
         raise BadInputError(f"world size {world_size} is not a whole number of nodes of {per_node} GPUs")
-    setup = TrainingSetup(precision=precision, fp32_adapters=fp32_adapters, zero=zero,
-                          gpus_per_node=per_node, nodes=world_size // per_node, seq=seq,
-                          micro_batch=micro_batch, checkpointing=checkpointing,
-                          attention=_ATTENTION[attention], loss=loss)
+    setup = TrainingSetup(
+        precision=precision,
+        fp32_adapters=fp32_adapters,
+        zero=zero,
+        gpus_per_node=per_node,
+        nodes=world_size // per_node,
+        seq=seq,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        attention=_ATTENTION[attention],
+        loss=loss,
+    )
     return PlanInputs(shape, lora_from_config(lora_config), setup, gpu_mem, source="recorded configs")
 
 
-def plan_from_configs(model_config: Mapping[str, Any], lora_config: Mapping[str, Any],
-                      ds_config: Mapping[str, Any] | None, world_size: int, seq: int,
-                      micro_batch: int | None = None, **options: Any) -> Plan:
+def plan_from_configs(
+    model_config: Mapping[str, Any],
+    lora_config: Mapping[str, Any],
+    ds_config: Mapping[str, Any] | None,
+    world_size: int,
+    seq: int,
+    micro_batch: int | None = None,
+    **options: Any,
+) -> Plan:
     """The plan for a job from its recorded configs.
 
     ``model_config`` is a transformers ``config.to_dict()``, ``lora_config`` a PEFT
@@ -165,5 +203,6 @@ def plan_from_configs(model_config: Mapping[str, Any], lora_config: Mapping[str,
     cast). ``micro_batch`` defaults to the config's train_micro_batch_size_per_gpu.
     Keyword options: gpus_per_node, gpu_mem (bytes), checkpointing, attention, loss, name.
     """
-    return build_plan(inputs_from_configs(model_config, lora_config, ds_config, world_size, seq,
-                                          micro_batch, **options))
+    return build_plan(
+        inputs_from_configs(model_config, lora_config, ds_config, world_size, seq, micro_batch, **options)
+    )

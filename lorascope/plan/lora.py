@@ -5,6 +5,7 @@ The matching rules mirror PEFT 0.21 (``check_target_module_exists``,
 trainable count equals ``PeftModel.get_nb_trainable_parameters()`` for the same model and
 config; tests/unit/test_plan_params.py checks it on real PEFT models built on the meta device.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,15 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorascope.errors import BadInputError, UsageError
-from lorascope.plan.shape import Module, ModelShape, modules
+from lorascope.plan.shape import ModelShape, Module, modules
 
 ALL_LINEAR = "all-linear"
 #: PEFT's default target_modules for llama, mistral and qwen2 when none are given.
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 BIAS_MODES = ("none", "all", "lora_only")
 #: LoraConfig fields that change the parameter layout in ways this model does not follow.
-_UNMODELLED = ("layer_replication", "target_parameters", "trainable_token_indices", "use_qalora",
-               "use_bdlora", "alora_invocation_tokens")
+_UNMODELLED = (
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+    "use_qalora",
+    "use_bdlora",
+    "alora_invocation_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -222,12 +229,17 @@ def resolve(spec: LoraSpec, shape: ModelShape) -> AdapterLayout:
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         # PEFT expands all-linear to every nn.Linear except the output embedding (lm_head).
         targets = tuple(m.name for m in candidates if m.kind == "linear" and m.name != "lm_head")
-    adapters = tuple(Adapter(m, _rank(spec, m.name), spec.dora, spec.lora_bias and m.kind == "linear")
-                     for m in candidates if _is_target(spec, targets, m.name))
+    adapters = tuple(
+        Adapter(m, _rank(spec, m.name), spec.dora, spec.lora_bias and m.kind == "linear")
+        for m in candidates
+        if _is_target(spec, targets, m.name)
+    )
     if not adapters:
-        raise UsageError(f"LoRA targets {spec.targets_text!r} match no module of this model "
-                         f"(its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                         f"down_proj, lm_head; embedding: embed_tokens)")
+        raise UsageError(
+            f"LoRA targets {spec.targets_text!r} match no module of this model "
+            f"(its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+            f"down_proj, lm_head; embedding: embed_tokens)"
+        )
     if spec.lora_bias and spec.dora:
         raise UsageError("PEFT does not allow lora_bias together with DoRA")
     if spec.lora_bias and any(a.module.kind == "embedding" for a in adapters):

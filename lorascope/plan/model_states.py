@@ -8,6 +8,7 @@ the optimizer owns (the frozen base stays replicated); ZeRO-3 partitions every p
 frozen or not, except those at or under ``stage3_param_persistence_threshold`` elements,
 which stay whole on every rank next to their partition.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -22,8 +23,7 @@ ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4
 
 
-def _resident(tensors: Sequence[ParamTensor], setup: TrainingSetup,
-              size: Callable[[ParamTensor], float]) -> float:
+def _resident(tensors: Sequence[ParamTensor], setup: TrainingSetup, size: Callable[[ParamTensor], float]) -> float:
     """Bytes of these parameters that live on each GPU under the ZeRO stage."""
     zero, n = setup.zero, setup.world
     if zero.stage < 3:
@@ -44,8 +44,7 @@ def _placement(setup: TrainingSetup) -> str:
         return f"replicated (ZeRO-{zero.stage} does not partition parameters)"
     if zero.offload_params:
         return "partitions offloaded to CPU; params <= persistence threshold stay whole"
-    return (f"/ {setup.world} GPUs (ZeRO-3); params <= {count(zero.param_persistence_threshold)} "
-            f"elements stay whole")
+    return f"/ {setup.world} GPUs (ZeRO-3); params <= {count(zero.param_persistence_threshold)} elements stay whole"
 
 
 def weight_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[Term]:
@@ -56,8 +55,10 @@ def weight_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
     base = _resident(frozen, setup, lambda t: tensor_bytes(t, setup))
     if setup.precision == "4bit":
         quantized = sum(t.numel for t in frozen if t.quantizable)
-        base_detail = (f"{count(quantized)} NF4 layer weights x 0.516 B + {count(p_f - quantized)} others "
-                       f"x {setup.compute_bytes} B, {_placement(setup)}")
+        base_detail = (
+            f"{count(quantized)} NF4 layer weights x 0.516 B + {count(p_f - quantized)} others "
+            f"x {setup.compute_bytes} B, {_placement(setup)}"
+        )
         base_formula = "(0.516 P_q + s P_other) [/N]"
     else:
         base_detail = f"{count(p_f)} x {setup.compute_bytes} B, {_placement(setup)}"
@@ -65,8 +66,13 @@ def weight_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
     adapters = _resident(trainable, setup, lambda t: tensor_bytes(t, setup))
     return [
         Term("base_weights", f"base weights (frozen, {setup.precision})", round(base), base_formula, base_detail),
-        Term("adapter_weights", f"adapter weights ({'fp32' if setup.adapter_bytes == 4 else '16-bit'})",
-             round(adapters), "a P_train [/N]", f"{count(p_t)} x {setup.adapter_bytes} B, {_placement(setup)}"),
+        Term(
+            "adapter_weights",
+            f"adapter weights ({'fp32' if setup.adapter_bytes == 4 else '16-bit'})",
+            round(adapters),
+            "a P_train [/N]",
+            f"{count(p_t)} x {setup.adapter_bytes} B, {_placement(setup)}",
+        ),
     ]
 
 
@@ -95,8 +101,9 @@ def optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> lis
         # builds the fp32 copy one optimizer sub-group at a time.
         grads = shard * g + min(shard, zero.sub_group_size) * fp32_copy
         grad_formula = "g P_train/N + c min(P_train/N, sub_group_size)"
-    grad_detail = (f"{count(p_t)} trainable, g = {g} B kept, c = {fp32_copy} B fp32 copy at the step"
-                   + (f", ZeRO-{zero.stage} over {n} GPUs" if zero.stage else ""))
+    grad_detail = f"{count(p_t)} trainable, g = {g} B kept, c = {fp32_copy} B fp32 copy at the step" + (
+        f", ZeRO-{zero.stage} over {n} GPUs" if zero.stage else ""
+    )
 
     where = "on CPU (offload_optimizer)" if offloaded else (f"/ {n} GPUs" if zero.stage else "replicated")
     adam = 0 if offloaded else shard * ADAM_STATE_BYTES
@@ -107,8 +114,13 @@ def optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> lis
         master_detail = "none: the trainable weights are fp32 and are their own master copy"
     return [
         Term("adapter_gradients", "adapter gradients", round(grads), grad_formula, grad_detail),
-        Term("optimizer_states", "optimizer state (Adam m, v fp32)", round(adam), "8 P_train [/N]",
-             f"{count(p_t)} x 8 B, {where}"),
+        Term(
+            "optimizer_states",
+            "optimizer state (Adam m, v fp32)",
+            round(adam),
+            "8 P_train [/N]",
+            f"{count(p_t)} x 8 B, {where}",
+        ),
         Term("master_weights", "master weights (fp32)", round(master), "4 P_train [/N]", master_detail),
     ]
 
@@ -118,12 +130,21 @@ def gathered_term(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> Term:
     full 16-bit gradient of a trainable one before reduce-scattering it). The largest
     module bounds what one fetch holds; the prefetch bucket is under communication buffers."""
     if setup.zero.stage < 3:
-        return Term("zero3_gathered", "ZeRO-3 gathered parameters", 0, "0 (ZeRO-3 only)",
-                    f"ZeRO-{setup.zero.stage} keeps parameters whole")
+        return Term(
+            "zero3_gathered",
+            "ZeRO-3 gathered parameters",
+            0,
+            "0 (ZeRO-3 only)",
+            f"ZeRO-{setup.zero.stage} keeps parameters whole",
+        )
     per_module: dict[str, float] = defaultdict(float)
     for t in tensors:
         per_module[t.module] += tensor_bytes(t, setup) + (t.numel * setup.adapter_bytes if t.trainable else 0)
     largest = max(per_module, key=per_module.__getitem__)
-    return Term("zero3_gathered", "ZeRO-3 gathered parameters", round(per_module[largest]),
-                "bytes of the largest module (+ its 16-bit gradient if trainable)",
-                f"{largest}: whole on every GPU while it runs")
+    return Term(
+        "zero3_gathered",
+        "ZeRO-3 gathered parameters",
+        round(per_module[largest]),
+        "bytes of the largest module (+ its 16-bit gradient if trainable)",
+        f"{largest}: whole on every GPU while it runs",
+    )

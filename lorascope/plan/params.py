@@ -1,4 +1,5 @@
 """Parameter tensors of the adapted model and their counts: the input of the model-state terms."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -62,8 +63,14 @@ class ParamCounts:
         return self.total - self.trainable
 
     def to_dict(self) -> dict[str, int | str]:
-        return {"base": self.base, "trainable": self.trainable, "frozen": self.frozen, "total": self.total,
-                "largest_module": self.largest_module, "largest_module_params": self.largest_module_numel}
+        return {
+            "base": self.base,
+            "trainable": self.trainable,
+            "frozen": self.frozen,
+            "total": self.total,
+            "largest_module": self.largest_module,
+            "largest_module_params": self.largest_module_numel,
+        }
 
 
 def count_params(shape: ModelShape, layout: AdapterLayout) -> ParamCounts:

@@ -1,5 +1,6 @@
 """Built-in model shapes, as the transformers config fields of the published checkpoints
 (no download). Each preset goes through the same parser as a user's config.json."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,12 +9,18 @@ from lorascope.errors import UsageError
 from lorascope.plan.shape import ModelShape, shape_from_config
 
 
-def _cfg(model_type: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int,
-         tied: bool = False) -> dict[str, Any]:
+def _cfg(
+    model_type: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool = False
+) -> dict[str, Any]:
     return {
-        "model_type": model_type, "hidden_size": hidden, "intermediate_size": inter,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "vocab_size": vocab, "tie_word_embeddings": tied,
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
     }
 
 

@@ -1,4 +1,5 @@
 """Text rendering of a plan, from the same dict ``--json`` prints."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,8 +38,10 @@ def render_text(plan: dict[str, Any]) -> str:
         lines.append(f"  {term['label']:<{width}}{figure:>12}  {how}")
     total = plan["total_bytes"]
     lines.append("  " + "-" * (width + 14))
-    lines.append(f"  {'peak':<{width}}{human(total):>12}  of {human(card)} ({total / card:.0%}); "
-                 f"torch allocator part {human(plan['allocated_bytes'])}")
+    lines.append(
+        f"  {'peak':<{width}}{human(total):>12}  of {human(card)} ({total / card:.0%}); "
+        f"torch allocator part {human(plan['allocated_bytes'])}"
+    )
     headroom = card - total
     room = f"{human(headroom)} headroom" if headroom >= 0 else f"{human(-headroom)} over"
     lines += ["", f"verdict: {plan['verdict']} ({room})"]
@@ -50,4 +53,3 @@ def render_text(plan: dict[str, Any]) -> str:
     if plan["notes"]:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan["notes"]]
     return "\n".join(lines)
-

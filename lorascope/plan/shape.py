@@ -1,6 +1,7 @@
 """The shape of a Llama-style decoder, read from a transformers ``config.json``, and the
 modules a transformers model of that shape has, named exactly as ``named_modules()`` names
 them (PEFT matches LoRA targets against those names)."""
+
 from __future__ import annotations
 
 import json
@@ -128,8 +129,9 @@ def shape_from_config(config: Mapping[str, Any], name: str | None = None) -> Mod
     heads = _positive_int(config, "num_attention_heads")
     kv_heads = _positive_int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
-        raise BadInputError(f"model config: num_attention_heads {heads} is not a multiple of "
-                            f"num_key_value_heads {kv_heads}")
+        raise BadInputError(
+            f"model config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     head_dim = config.get("head_dim") or None
     if head_dim is None:
         if hidden % heads:

@@ -1,4 +1,5 @@
 """One line of the per-GPU budget."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,9 +24,15 @@ class Term:
     parts: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"key": self.key, "label": self.label, "bytes": self.bytes,
-                               "formula": self.formula, "detail": self.detail,
-                               "counted": self.counted, "allocator": self.allocator}
+        out: dict[str, Any] = {
+            "key": self.key,
+            "label": self.label,
+            "bytes": self.bytes,
+            "formula": self.formula,
+            "detail": self.detail,
+            "counted": self.counted,
+            "allocator": self.allocator,
+        }
         if self.parts:
             out["parts"] = dict(self.parts)
         return out

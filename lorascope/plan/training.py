@@ -1,5 +1,6 @@
 """How the job trains: precision, ZeRO, parallelism, batch shape and the implementation
 choices (checkpointing, attention, loss) that move the activation peak."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,14 +63,20 @@ class TrainingSetup:
     loss: str = "fp32-upcast"
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (("precision", self.precision, PRECISIONS),
-                                     ("checkpointing", self.checkpointing, CHECKPOINTING),
-                                     ("attention", self.attention, ATTENTION),
-                                     ("loss", self.loss, LOSSES)):
+        for name, value, allowed in (
+            ("precision", self.precision, PRECISIONS),
+            ("checkpointing", self.checkpointing, CHECKPOINTING),
+            ("attention", self.attention, ATTENTION),
+            ("loss", self.loss, LOSSES),
+        ):
             if value not in allowed:
                 raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        for name, number in (("gpus per node", self.gpus_per_node), ("nodes", self.nodes),
-                             ("sequence length", self.seq), ("micro-batch", self.micro_batch)):
+        for name, number in (
+            ("gpus per node", self.gpus_per_node),
+            ("nodes", self.nodes),
+            ("sequence length", self.seq),
+            ("micro-batch", self.micro_batch),
+        ):
             if number < 1:
                 raise UsageError(f"{name} must be at least 1, got {number}")
 

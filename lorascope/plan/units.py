@@ -1,4 +1,5 @@
 """Byte quantities: parsing what users type (``80GiB``) and printing plan figures."""
+
 from __future__ import annotations
 
 import re
@@ -11,10 +12,18 @@ GIB = 1 << 30
 #: decimal only when spelled "KB"/"MB"/"GB"/"TB".
 _MULTIPLIERS = {
     "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 _QUANTITY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*")
 

@@ -2,6 +2,7 @@
 ``lorascope run`` injects, or from ``lorascope.attach()`` in a script). Never raises:
 a probe that cannot start says why on stderr (and in the run directory when it can)
 and the job goes on without it."""
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,9 @@ def _say_failed(run_dir: Path | None, why: str) -> None:
             pass
 
 
-def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | None = None,
-           trace_window: str | None = None) -> bool:
+def attach(
+    out: str | os.PathLike[str] | None = None, sample_interval: float | None = None, trace_window: str | None = None
+) -> bool:
     """Start the probes in this process once; later calls return whether they are on."""
     global _session
     if _session is not None and _session.pid == os.getpid():
@@ -102,12 +104,14 @@ def attach(out: str | os.PathLike[str] | None = None, sample_interval: float | N
         run_dir = Path(out) if out is not None else _default_run_dir()
         run_dir = run_dir.absolute()
         ensure_manifest(run_dir)
-        _session = _start(run_dir, _sample_interval() if sample_interval is None else sample_interval,
-                          _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None
-                                        else trace_window))
+        _session = _start(
+            run_dir,
+            _sample_interval() if sample_interval is None else sample_interval,
+            _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None else trace_window),
+        )
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
         return True
-    except Exception as exc:  # noqa: BLE001 - the job must go on
+    except Exception as exc:
         _say_failed(run_dir, "".join(traceback.format_exception_only(type(exc), exc)).strip())
         return False
 
@@ -117,8 +121,7 @@ def _trace_window(text: str | None) -> tuple[int, int] | None:
     try:
         return parse_window(text)
     except ValueError as exc:
-        print(f"lorascope: {exc}; tracing steps {DEFAULT_WINDOW[0] + 1}-{sum(DEFAULT_WINDOW)} instead",
-              file=sys.stderr)
+        print(f"lorascope: {exc}; tracing steps {DEFAULT_WINDOW[0] + 1}-{sum(DEFAULT_WINDOW)} instead", file=sys.stderr)
         return DEFAULT_WINDOW
 
 
@@ -128,12 +131,27 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     pid = os.getpid()
     prefix = stream_prefix(run_dir, rank, host, pid)
     stream = Stream(prefix, on_error=lambda exc: _say_failed(run_dir, f"stream write failed: {exc}"))
-    session = Session(stream, rank=rank, local_rank=_env_int("LOCAL_RANK", 0),
-                      world_size=_env_int("WORLD_SIZE", 1), sample_interval=sample_interval)
-    session.record("start", rank=rank, world_size=session.world_size, local_rank=session.local_rank,
-                   pid=pid, ppid=os.getppid(), host=host, argv=list(sys.argv),
-                   versions=_versions(), device=_device_hint(session.local_rank),
-                   sample_interval=sample_interval, launch_id=os.environ.get("LORASCOPE_LAUNCH_ID"))
+    session = Session(
+        stream,
+        rank=rank,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        sample_interval=sample_interval,
+    )
+    session.record(
+        "start",
+        rank=rank,
+        world_size=session.world_size,
+        local_rank=session.local_rank,
+        pid=pid,
+        ppid=os.getppid(),
+        host=host,
+        argv=list(sys.argv),
+        versions=_versions(),
+        device=_device_hint(session.local_rank),
+        sample_interval=sample_interval,
+        launch_id=os.environ.get("LORASCOPE_LAUNCH_ID"),
+    )
     memory = MemoryProbe(session)
     collectives = CollectiveProbe(session)
     kernels = KernelWindow(session, trace_window, prefix)
@@ -142,8 +160,14 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     def flight(reason: str) -> None:
         dump_flight_recorder(session, prefix, reason)
 
-    dumper = Dumper(session, collectives.pending, session.guarded("dumps")(memory.reading), flight,
-                    pg_timeout=lambda: collectives.pg_timeout, stall_override=_env_float(ENV_STALL_SECONDS))
+    dumper = Dumper(
+        session,
+        collectives.pending,
+        session.guarded("dumps")(memory.reading),
+        flight,
+        pg_timeout=lambda: collectives.pg_timeout,
+        stall_override=_env_float(ENV_STALL_SECONDS),
+    )
 
     def on_step_end() -> None:
         collectives.resolve_device_times()
@@ -167,8 +191,11 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     _hook(session, "peft", steps.install_peft, "configs")
     memory.sample("attach")
     if not dumper.install_signal():
-        session.record("probe_error", probe="dumps",
-                       error="attached after threads started: no on-demand dumps (the stall watchdog still runs)")
+        session.record(
+            "probe_error",
+            probe="dumps",
+            error="attached after threads started: no on-demand dumps (the stall watchdog still runs)",
+        )
     memory.start_sampler()
     dumper.start_watchdog()
     return session

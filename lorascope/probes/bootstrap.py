@@ -7,11 +7,12 @@ probed rank (a spawned DataLoader worker inherits both), then runs the
 ``sitecustomize`` that would have run without lorascope, if any. It must never fail the
 process: without lorascope importable it only chains.
 """
+
 from __future__ import annotations
 
 import os
 
-SITECUSTOMIZE = '''\
+SITECUSTOMIZE = """\
 # Written by `lorascope run`: attaches lorascope's probes to each rank of this run, then
 # runs the sitecustomize that would have run without it. Safe to delete with the run.
 def _lorascope_bootstrap():
@@ -35,7 +36,7 @@ def _lorascope_bootstrap():
 
 _lorascope_bootstrap()
 del _lorascope_bootstrap
-'''
+"""
 
 
 def sitecustomize_source() -> str:

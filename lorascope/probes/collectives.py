@@ -7,6 +7,7 @@ Calls nested inside another recorded call (``all_gather_object`` uses ``all_gath
 are not counted twice. On CUDA the device time comes from CUDA events resolved later,
 when they are done: nothing here waits for the device.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,24 +27,37 @@ from lorascope.probes.sources import describe
 #: op -> (position, keyword) of the argument whose bytes the record reports: the rank's
 #: own contribution, so that ranks agree on it (all_gather: the input, not the output).
 PAYLOAD_ARG: dict[str, tuple[int, str]] = {
-    "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
-    "send": (0, "tensor"), "recv": (0, "tensor"), "isend": (0, "tensor"), "irecv": (0, "tensor"),
-    "gather": (0, "tensor"), "scatter": (0, "tensor"),
-    "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-    "_all_gather_base": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
-    "_reduce_scatter_base": (1, "input"), "reduce_scatter": (1, "input_list"),
-    "all_to_all_single": (1, "input"), "all_to_all": (1, "input_tensor_list"),
-    "all_reduce_coalesced": (0, "tensors"), "all_gather_coalesced": (1, "input_tensor_list"),
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "reduce": (0, "tensor"),
+    "send": (0, "tensor"),
+    "recv": (0, "tensor"),
+    "isend": (0, "tensor"),
+    "irecv": (0, "tensor"),
+    "gather": (0, "tensor"),
+    "scatter": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "_all_gather_base": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "_reduce_scatter_base": (1, "input"),
+    "reduce_scatter": (1, "input_list"),
+    "all_to_all_single": (1, "input"),
+    "all_to_all": (1, "input_tensor_list"),
+    "all_reduce_coalesced": (0, "tensors"),
+    "all_gather_coalesced": (1, "input_tensor_list"),
     "batch_isend_irecv": (0, "p2p_op_list"),
-    "barrier": (-1, ""), "monitored_barrier": (-1, ""),
-    "all_gather_object": (-1, ""), "gather_object": (-1, ""),
-    "broadcast_object_list": (-1, ""), "scatter_object_list": (-1, ""),
+    "barrier": (-1, ""),
+    "monitored_barrier": (-1, ""),
+    "all_gather_object": (-1, ""),
+    "gather_object": (-1, ""),
+    "broadcast_object_list": (-1, ""),
+    "scatter_object_list": (-1, ""),
 }
 
 MAX_PENDING_EVENTS = 4096
 
-_COLL = ('{"k":"coll","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,'
-         '"site":%s,"step":%d}\n')
+_COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,"site":%s,"step":%d}\n'
 _COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
 
 
@@ -124,7 +138,7 @@ class CollectiveProbe:
                 timeout = signature.bind_partial(*args, **kwargs).arguments.get("timeout")
                 if timeout is not None:
                     probe.pg_timeout = float(timeout.total_seconds())
-            except Exception:  # noqa: BLE001 - the call itself reports bad arguments
+            except Exception:
                 pass
             return original(*args, **kwargs)
 
@@ -152,8 +166,7 @@ class CollectiveProbe:
                 return original(*args, **kwargs)
             local.depth = 1
             try:
-                started = probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos,
-                                       payload_kw, always_async)
+                started = probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos, payload_kw, always_async)
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
@@ -173,11 +186,22 @@ class CollectiveProbe:
         return wrapper
 
     # -- one call -----------------------------------------------------------------
-    def _begin(self, op: str, args: tuple, kwargs: dict, group_pos: int, async_pos: int,
-               payload_pos: int, payload_kw: str, always_async: bool) -> tuple | None:
+    def _begin(
+        self,
+        op: str,
+        args: tuple,
+        kwargs: dict,
+        group_pos: int,
+        async_pos: int,
+        payload_pos: int,
+        payload_kw: str,
+        always_async: bool,
+    ) -> tuple | None:
         try:
             group = kwargs.get("group", args[group_pos] if 0 <= group_pos < len(args) else None)
-            is_async = always_async or bool(kwargs.get("async_op", args[async_pos] if 0 <= async_pos < len(args) else False))
+            is_async = always_async or bool(
+                kwargs.get("async_op", args[async_pos] if 0 <= async_pos < len(args) else False)
+            )
             gid = self._gid(group)
             seq = self._seq.get(gid, 0) + 1
             self._seq[gid] = seq
@@ -196,15 +220,33 @@ class CollectiveProbe:
             site = self._site()
             # Formatted by hand: json.dumps of the record cost ~20 us per call, twice per
             # collective; strings are escaped once each (cached).
-            self.session.record_line(_COLL % (time.time(), seq, gid, _json(op), _json_int(nbytes), _json(dtype),
-                                              "true" if is_async else "false", _json(site), self.session.step))
-            self._in_flight[(gid, seq)] = {"group": self._group_names.get(gid, str(gid)), "seq": seq,
-                                           "op": op, "bytes": nbytes, "site": site, "since": time.time()}
+            self.session.record_line(
+                _COLL
+                % (
+                    time.time(),
+                    seq,
+                    gid,
+                    _json(op),
+                    _json_int(nbytes),
+                    _json(dtype),
+                    "true" if is_async else "false",
+                    _json(site),
+                    self.session.step,
+                )
+            )
+            self._in_flight[(gid, seq)] = {
+                "group": self._group_names.get(gid, str(gid)),
+                "seq": seq,
+                "op": op,
+                "bytes": nbytes,
+                "site": site,
+                "since": time.time(),
+            }
             events = None
             if first is not None and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)
             return gid, seq, events
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.session.fail("collectives", exc)
             return None
 
@@ -218,7 +260,7 @@ class CollectiveProbe:
                 events[1].record()
                 self._events.append((gid, seq, events[0], events[1]))
             self.session.record_line(_COLL_END % (time.time(), seq, gid, _json(err)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.session.fail("collectives", exc)
 
     def _cuda_events(self, tensor: Any) -> tuple[Any, Any]:
@@ -253,15 +295,15 @@ class CollectiveProbe:
         if c10d is not None and group is not None:
             try:
                 name = str(c10d._get_process_group_name(group))
-            except Exception:  # noqa: BLE001 - older torch, or a fake group
+            except Exception:
                 name = str(getattr(group, "group_name", gid))
             try:
                 ranks = [int(r) for r in c10d.get_process_group_ranks(group)]
-            except Exception:  # noqa: BLE001
+            except Exception:
                 ranks = None
             try:
                 backend = str(c10d.get_backend(group))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 backend = None
         if group is not None and c10d is not None and group is c10d.GroupMember.WORLD:
             name = "default_pg"
@@ -290,8 +332,11 @@ class CollectiveProbe:
         """Called once per code object (the answer is cached by _site)."""
         for name in ("torch", "deepspeed", "lorascope"):
             module = sys.modules.get(name)
-            if module is not None and getattr(module, "__file__", None) \
-                    and filename.startswith(os.path.dirname(module.__file__) + os.sep):
+            if (
+                module is not None
+                and getattr(module, "__file__", None)
+                and filename.startswith(os.path.dirname(module.__file__) + os.sep)
+            ):
                 return True
         return self._stdlib_file(filename)
 

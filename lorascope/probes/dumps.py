@@ -11,6 +11,7 @@ DUMP_SIGNAL is SIGURG: its default action is to ignore it, so a process without
 lorascope's thread (or not lorascope's at all) is never harmed by one; training stacks
 do not use it (it is raised only for sockets that asked for out-of-band data).
 """
+
 from __future__ import annotations
 
 import signal
@@ -38,9 +39,15 @@ def stall_seconds(pg_timeout: float | None, override: float | None) -> float:
 
 
 class Dumper:
-    def __init__(self, session: Session, pending: Callable[[], list[dict[str, Any]]],
-                 reading: Callable[[], dict[str, Any] | None], flight: Callable[[str], None],
-                 pg_timeout: Callable[[], float | None], stall_override: float | None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        pending: Callable[[], list[dict[str, Any]]],
+        reading: Callable[[], dict[str, Any] | None],
+        flight: Callable[[str], None],
+        pg_timeout: Callable[[], float | None],
+        stall_override: float | None,
+    ) -> None:
         self.session = session
         self._pending = pending
         self._reading = reading
@@ -55,9 +62,15 @@ class Dumper:
     def _dump(self, reason: str) -> None:
         with self._lock:  # one dump at a time (a signal during the watchdog's)
             session = self.session
-            session.record("dump", reason=reason, step=session.step, stacks=thread_stacks()[-100_000:],
-                           pending=self._pending(), mem=self._reading(),
-                           since_progress=round(time.time() - self.last_progress, 3))
+            session.record(
+                "dump",
+                reason=reason,
+                step=session.step,
+                stacks=thread_stacks()[-100_000:],
+                pending=self._pending(),
+                mem=self._reading(),
+                since_progress=round(time.time() - self.last_progress, 3),
+            )
             self._flight(f"{reason}-{int(time.time())}")
 
     # -- on demand ----------------------------------------------------------------
@@ -88,6 +101,7 @@ class Dumper:
             time.sleep(min(1.0, limit / 5))
             if self.session.step > 0 and time.time() - self.last_progress > limit:
                 self._stall_fired = True  # once: the evidence is taken, the job is left alone
-                self.session.record("stall", seconds=round(time.time() - self.last_progress, 3),
-                                    limit=limit, step=self.session.step)
+                self.session.record(
+                    "stall", seconds=round(time.time() - self.last_progress, 3), limit=limit, step=self.session.step
+                )
                 self.dump("stall")

@@ -2,6 +2,7 @@
 that ended it (full text, e.g. a CUDA OOM message), a terminating signal with every
 thread's stack, and an ``end`` record at exit. A rank killed by SIGKILL writes no ``end``;
 the reader says so."""
+
 from __future__ import annotations
 
 import atexit
@@ -30,8 +31,7 @@ def thread_stacks() -> str:
 
 
 class ExitProbe:
-    def __init__(self, session: Session, on_end: Callable[[], None],
-                 on_crash: Callable[[str], None]) -> None:
+    def __init__(self, session: Session, on_end: Callable[[], None], on_crash: Callable[[str], None]) -> None:
         self.session = session
         self._on_end = on_end
         self._on_crash = session.guarded("flight")(on_crash)
@@ -49,8 +49,9 @@ class ExitProbe:
         previous = warnings.showwarning
         probe = self
 
-        def showwarning(message: Any, category: type, filename: str, lineno: int,
-                        file: Any = None, line: str | None = None) -> None:
+        def showwarning(
+            message: Any, category: type, filename: str, lineno: int, file: Any = None, line: str | None = None
+        ) -> None:
             probe._warning(message, category, filename, lineno)
             previous(message, category, filename, lineno, file, line)
 
@@ -61,9 +62,14 @@ class ExitProbe:
             return
         self._seen_warnings += 1
         try:
-            self.session.record("warning", category=category.__name__, message=str(message)[:4000],
-                                filename=str(filename), lineno=int(lineno))
-        except Exception as exc:  # noqa: BLE001
+            self.session.record(
+                "warning",
+                category=category.__name__,
+                message=str(message)[:4000],
+                filename=str(filename),
+                lineno=int(lineno),
+            )
+        except Exception as exc:
             self.session.fail("warnings", exc)
 
     def _install_excepthook(self) -> None:
@@ -71,12 +77,16 @@ class ExitProbe:
 
         def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
             try:
-                self.session.record("exception", type=exc_type.__name__, message=str(exc)[:20000],
-                                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
-                                    stacks=thread_stacks()[-50000:])
+                self.session.record(
+                    "exception",
+                    type=exc_type.__name__,
+                    message=str(exc)[:20000],
+                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
+                    stacks=thread_stacks()[-50000:],
+                )
                 self._on_crash("exception")
                 self._write_end("exception", 1)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             previous(exc_type, exc, tb)
 
@@ -87,7 +97,7 @@ class ExitProbe:
         previous = sys.exit
         probe = self
 
-        def exit(code: Any = None) -> None:  # noqa: A001
+        def exit(code: Any = None) -> None:
             probe._exit_code = code if isinstance(code, int) else (0 if code is None else 1)
             previous(code)
 
@@ -121,5 +131,5 @@ class ExitProbe:
     def _at_exit(self) -> None:
         try:
             self._write_end("exit", self._exit_code if self._exit_code is not None else 0)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass

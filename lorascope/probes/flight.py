@@ -5,6 +5,7 @@ flight recorder (gloo included); ``lorascope run`` sets that variable for the jo
 it is unset. The dump is written as torch writes it (a pickle of plain data) next to
 the rank's stream.
 """
+
 from __future__ import annotations
 
 import os

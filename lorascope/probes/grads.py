@@ -12,6 +12,7 @@ ZeRO-1/2 the gradient is assembled with ``safe_get_full_grad``, which every rank
 for the same tensors in the same order. The all-zero test reads the values, a device
 synchronisation paid once, at the first step only.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,10 +59,13 @@ class GradProbe:
         if self._setup_done or model is None:
             return
         self._setup_done = True
-        self.session.record("grad_setup", step=self.session.step,
-                            checkpointing=checkpointing_settings(model),
-                            input_require_grads_hooks=input_require_grads_hooks(model),
-                            training=bool(getattr(model, "training", True)))
+        self.session.record(
+            "grad_setup",
+            step=self.session.step,
+            checkpointing=checkpointing_settings(model),
+            input_require_grads_hooks=input_require_grads_hooks(model),
+            training=bool(getattr(model, "training", True)),
+        )
 
     def _after_backward(self, model: Any, zero_stage: int | None = None) -> None:
         if self._grads_done or model is None:
@@ -74,8 +78,13 @@ class GradProbe:
                 continue
             names.append(name)
             status.append(self._status(param, zero_stage))
-        self.session.record("grads", step=self.session.step, names=names, status="".join(status),
-                            scope="local-partition" if zero_stage == 3 else "full")
+        self.session.record(
+            "grads",
+            step=self.session.step,
+            names=names,
+            status="".join(status),
+            scope="local-partition" if zero_stage == 3 else "full",
+        )
 
     @staticmethod
     def _status(param: Any, zero_stage: int | None) -> str:

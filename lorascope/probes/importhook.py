@@ -5,6 +5,7 @@ functions, without importing torch themselves (``import torch`` costs seconds an
 tax every Python process the launcher starts). A meta-path finder wraps the loader of the
 watched modules; the module's own spec and loader are restored once it has run.
 """
+
 from __future__ import annotations
 
 import importlib.abc

@@ -7,6 +7,7 @@ per 40 steps). While the window is open, every module of the model runs inside a
 (on CPU: ops) can be attributed to ``lora_A`` / ``lora_B`` / base layers by containment.
 The export takes a few seconds, once, at the step that closes the window.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -85,8 +86,10 @@ class KernelWindow:
         if self.model is not None:
             self._names = {id(m): name for name, m in self.model.named_modules() if name}
             modules = torch.nn.modules.module
-            self._hooks = [modules.register_module_forward_pre_hook(self._enter),
-                           modules.register_module_forward_hook(self._exit)]
+            self._hooks = [
+                modules.register_module_forward_pre_hook(self._enter),
+                modules.register_module_forward_hook(self._exit),
+            ]
         self._profiler = profile(activities=activities, record_shapes=True)
         self._profiler.start()
         self._open_step_range()
@@ -119,8 +122,13 @@ class KernelWindow:
         with open(raw, "rb") as src, gzip.open(final, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
         os.unlink(raw)
-        self.session.record("trace_window", edge="end", step=self.session.step,
-                            file=final.name, steps=[self.window[0] + 1, self.session.step])
+        self.session.record(
+            "trace_window",
+            edge="end",
+            step=self.session.step,
+            file=final.name,
+            steps=[self.window[0] + 1, self.session.step],
+        )
 
     def close(self) -> None:
         """At exit with the window still open: stop it and write what was traced."""

@@ -2,6 +2,7 @@
 output and of the loss input (B·T·V), with a memory reading right before and after the
 loss. Only the first ``MAX_CALLS`` calls of each are looked at; then the wrappers step
 aside (the hot path pays nothing afterwards)."""
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,11 @@ MAX_CALLS = 2
 
 
 def _tensor_facts(tensor: Any) -> dict[str, Any]:
-    return {"shape": [int(d) for d in tensor.shape], "dtype": str(tensor.dtype).removeprefix("torch."),
-            "bytes": int(tensor.numel() * tensor.element_size())}
+    return {
+        "shape": [int(d) for d in tensor.shape],
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "bytes": int(tensor.numel() * tensor.element_size()),
+    }
 
 
 class LogitsProbe:
@@ -77,4 +81,3 @@ class LogitsProbe:
         if before is not None:
             fields["mem_before"], fields["mem_after"] = before, after
         self.session.record("logits", where=where, step=self.session.step, **fields)
-

@@ -9,6 +9,7 @@ No reading synchronises the device. The rank's CUDA device is learnt from the ma
 thread (the current device is per thread) and only once CUDA is initialised by the job:
 the probe never creates a CUDA context itself.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,11 +20,25 @@ from typing import Any
 
 import psutil
 
+from lorascope.probes.session import Session
+
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-        "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo2() -> Any:
@@ -44,8 +59,6 @@ def heap_in_use() -> int | None:
         return None
     info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
-
-from lorascope.probes.session import Session
 
 
 class _Rss:
@@ -80,17 +93,19 @@ class MemoryProbe:
 
     def _cuda(self, from_main_thread: bool) -> dict[str, int] | None:
         torch = sys.modules.get("torch")
-        if torch is None or getattr(torch.__spec__, "_initializing", False) \
-                or not torch.cuda.is_initialized():
+        if torch is None or getattr(torch.__spec__, "_initializing", False) or not torch.cuda.is_initialized():
             return None
         if from_main_thread:
             self._device = torch.cuda.current_device()
         if self._device is None:
             return None
         dev = self._device
-        return {"device": dev, "alloc": torch.cuda.memory_allocated(dev),
-                "reserved": torch.cuda.memory_reserved(dev),
-                "max_alloc": torch.cuda.max_memory_allocated(dev)}
+        return {
+            "device": dev,
+            "alloc": torch.cuda.memory_allocated(dev),
+            "reserved": torch.cuda.memory_reserved(dev),
+            "max_alloc": torch.cuda.max_memory_allocated(dev),
+        }
 
     def _read_nvml(self) -> dict[str, Any] | None:
         if self._device is None:
@@ -106,8 +121,7 @@ class MemoryProbe:
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
-        return {"used": int(info.used), "total": int(info.total),
-                "pids": sorted(int(p.pid) for p in procs)}
+        return {"used": int(info.used), "total": int(info.total), "pids": sorted(int(p.pid) for p in procs)}
 
     def reading(self, from_main_thread: bool = True) -> dict[str, Any]:
         """RSS, plus the allocator counters on CUDA (and NVML from the sampler thread)."""

@@ -1,5 +1,6 @@
 """The probe session of one rank process: its stream, its step counter, and the rule
 that a failing probe records why and switches itself off instead of raising."""
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,7 @@ def plain(value: Any, depth: int = 0) -> Any:
 class Session:
     """State shared by the probes of one rank process."""
 
-    def __init__(self, stream: Stream, rank: int, local_rank: int, world_size: int,
-                 sample_interval: float) -> None:
+    def __init__(self, stream: Stream, rank: int, local_rank: int, world_size: int, sample_interval: float) -> None:
         self.stream = stream
         self.rank = rank
         self.local_rank = local_rank
@@ -81,7 +81,7 @@ class Session:
                     return None
                 try:
                     return fn(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     self.fail(probe, exc)
                     return None
 

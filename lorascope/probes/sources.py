@@ -1,6 +1,7 @@
 """The source context of a call site, recorded once per site so that the run directory
 explains itself on any machine: the line's text and the ``if`` / ``while`` conditions
 that enclose it (innermost first), e.g. ``if rank == 0:`` around a collective."""
+
 from __future__ import annotations
 
 import ast

@@ -6,6 +6,7 @@ records its wall time and the loss when one was seen.
 Reading the loss must not synchronise the device: on CPU it is read at once; on CUDA
 it is copied without blocking and read at the next step end, once its event is done.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,15 @@ class StepProbe:
     """Drives the probes that hang off the training loop: phases, steps, and the ones
     that need the model (gradient health, logits, the kernel-trace window)."""
 
-    def __init__(self, session: Session, memory: MemoryProbe, grads: GradProbe,
-                 logits: LogitsProbe, kernels: KernelWindow,
-                 on_step_end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        memory: MemoryProbe,
+        grads: GradProbe,
+        logits: LogitsProbe,
+        kernels: KernelWindow,
+        on_step_end: Callable[[], None],
+    ) -> None:
         self.session = session
         self.memory = memory
         self.grads = grads
@@ -113,8 +120,9 @@ class StepProbe:
         self.logits.watch_model(model)
         peft_config = getattr(model, "peft_config", None)
         if isinstance(peft_config, dict):
-            self._record_config("lora", {name: c.to_dict() if hasattr(c, "to_dict") else c
-                                         for name, c in peft_config.items()})
+            self._record_config(
+                "lora", {name: c.to_dict() if hasattr(c, "to_dict") else c for name, c in peft_config.items()}
+            )
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             self._record_config("model", config.to_dict())

@@ -6,6 +6,7 @@ where the members disagree (a different op, size or dtype, or a member that neve
 the call while others did) is where a rank-conditional collective shows; pending calls
 (a ``coll`` with no ``coll_end``) are where the ranks wait.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -49,7 +50,7 @@ def _first_difference(a: list[Any], b: list[Any], chunk: int = 512) -> int:
     of the other). Compares chunk by chunk, so the work runs in C."""
     n = min(len(a), len(b))
     i = 0
-    while i < n and a[i:i + chunk] == b[i:i + chunk]:
+    while i < n and a[i : i + chunk] == b[i : i + chunk]:
         i += chunk
     while i < n and a[i] == b[i]:
         i += 1
@@ -89,15 +90,18 @@ def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -
     for r, c in made.items():
         by_sig[_signature(c)].append(r)
     if len(by_sig) > 1:
-        parts = [f"ranks {','.join(map(str, rs))}: {_describe(made[rs[0]])}"
-                 for rs in sorted(by_sig.values())]
+        parts = [f"ranks {','.join(map(str, rs))}: {_describe(made[rs[0]])}" for rs in sorted(by_sig.values())]
         return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
     missing = sorted(r for r, c in present.items() if c is None)
     if not missing:
         return None
-    return {"seq": seq, "kind": "missing", "ranks": missing,
-            "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(next(iter(made.values())))}; "
-                    f"ranks {','.join(map(str, missing))} never did"}
+    return {
+        "seq": seq,
+        "kind": "missing",
+        "ranks": missing,
+        "text": f"ranks {','.join(map(str, sorted(made)))} called {_describe(next(iter(made.values())))}; "
+        f"ranks {','.join(map(str, missing))} never did",
+    }
 
 
 def _finding_pointer(findings: list[Finding]) -> tuple[str, int] | None:
@@ -138,14 +142,17 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     for group, calls in by_group.items():
         members = _members(run, group, set(calls))
         if pointer is not None and pointer[0] == group:
-            first = _at(calls, members, pointer[1]) or {"seq": pointer[1], "kind": "finding", "ranks": [],
-                                                        "text": "named by the detector"}
+            first = _at(calls, members, pointer[1]) or {
+                "seq": pointer[1],
+                "kind": "finding",
+                "ranks": [],
+                "text": "named by the detector",
+            }
         else:
             seq = _candidate(calls, members)
             first = None if seq is None else _at(calls, members, seq)
         pending = sum(c.end is None for per in calls.values() for c in per.values())
-        summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group,
-                          members, first, calls))
+        summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group, members, first, calls))
     summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))
     _, _, _, group, members, first, calls = summaries[0]
     lo_seq = min(s for per in calls.values() for s in per)
@@ -162,11 +169,17 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
             if call is None and seq > max(per, default=0) and not first:
                 continue  # a rank simply not there yet, in a run that never disagreed
             dur = None if call is None or call.end is None else round((call.end - call.start) * 1000, 3)
-            cells.append([seq, row, op_index[call.op] if call else -1, STATUS[_cell(call)], dur,
-                          call.bytes if call else None])
+            cells.append(
+                [seq, row, op_index[call.op] if call else -1, STATUS[_cell(call)], dur, call.bytes if call else None]
+            )
     t_lo, t_hi = _window(w_lo, w_hi, focus, TABLE_WINDOW)
-    table = [{"rank": r, "cells": [_table_cell(calls.get(r, {}).get(s), s == focus, sites_of) for s in
-                                   range(t_lo, t_hi + 1)]} for r in members]
+    table = [
+        {
+            "rank": r,
+            "cells": [_table_cell(calls.get(r, {}).get(s), s == focus, sites_of) for s in range(t_lo, t_hi + 1)],
+        }
+        for r in members
+    ]
     return {
         "available": True,
         "group": group,
@@ -186,9 +199,15 @@ def _table_cell(c: Collective | None, focus: bool, sites_of: dict[str, dict[str,
     status = _cell(c)
     site = c.site if c else None
     context = sites_of.get(site or "", {})
-    return {"text": _describe(c) if c else "—", "status": status, "focus": focus, "site": site,
-            "line": context.get("line"), "conditions": context.get("conditions") or [],
-            "err": c.err if c else None}
+    return {
+        "text": _describe(c) if c else "—",
+        "status": status,
+        "focus": focus,
+        "site": site,
+        "line": context.get("line"),
+        "conditions": context.get("conditions") or [],
+        "err": c.err if c else None,
+    }
 
 
 def op_times(run: RunData) -> dict[str, Any]:
@@ -206,7 +225,15 @@ def op_times(run: RunData) -> dict[str, Any]:
     for op in ops:
         per = totals[op]
         ranks_sorted = sorted(per, key=lambda r: (per[r], r))
-        rows.append({"op": op, "calls": counts[op], "min": round(per[ranks_sorted[0]], 6),
-                     "min_rank": ranks_sorted[0], "median": round(statistics.median(per.values()), 6),
-                     "max": round(per[ranks_sorted[-1]], 6), "max_rank": ranks_sorted[-1]})
+        rows.append(
+            {
+                "op": op,
+                "calls": counts[op],
+                "min": round(per[ranks_sorted[0]], 6),
+                "min_rank": ranks_sorted[0],
+                "median": round(statistics.median(per.values()), 6),
+                "max": round(per[ranks_sorted[-1]], 6),
+                "max_rank": ranks_sorted[-1],
+            }
+        )
     return {"rows": rows}

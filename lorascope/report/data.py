@@ -5,6 +5,7 @@ tables) and ``charts``, which is embedded in the page as JSON for the chart code
 deterministic (no clock, no random, sorted where order is not meaningful) and scrubbed
 of secrets. Tests check the data; :func:`lorascope.report.render.render` only lays it out.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -13,8 +14,8 @@ from typing import Any
 from lorascope import __version__
 from lorascope.analyze.summary import build_summary
 from lorascope.detect.finding import Finding
-from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest import kineto_modules
+from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.report import collectives, kernels, memory, steps
 from lorascope.report.facts import run_facts, utc
 from lorascope.report.findings import finding_data
@@ -36,10 +37,11 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
     if run is not None:
         for rank in run.ranks.values():
             if rank.end is None and rank.exception is None and rank.signal is None:
-                lines.append(f"rank {rank.rank}: the stream ends without an end record (killed by SIGKILL or the "
-                             f"OOM killer, or still running); its last record is shown")
-            lines.extend(f"rank {rank.rank}: probe {e['probe']} switched off: {e['error']}"
-                         for e in rank.probe_errors)
+                lines.append(
+                    f"rank {rank.rank}: the stream ends without an end record (killed by SIGKILL or the "
+                    f"OOM killer, or still running); its last record is shown"
+                )
+            lines.extend(f"rank {rank.rank}: probe {e['probe']} switched off: {e['error']}" for e in rank.probe_errors)
     return lines
 
 
@@ -51,8 +53,9 @@ def _kernel_section(bundle: EvidenceBundle, findings: list[Finding]) -> dict[str
         return kernels.section(table, "")
     files = [f for r in (bundle.run.ranks.values() if bundle.run else []) for f in r.trace_files]
     if files:
-        return kernels.section(None, f"the run holds {len(files)} kernel trace file(s), but none was loaded "
-                                     f"for this report")
+        return kernels.section(
+            None, f"the run holds {len(files)} kernel trace file(s), but none was loaded for this report"
+        )
     return kernels.section(None, "no kernel trace in this run")
 
 
@@ -60,29 +63,49 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
     if findings:
         top = findings[0]
         others = [f["id"] for f in findings[1:]]
-        return {"level": top["severity"], "headline": top["title"], "id": top["id"],
-                "ranks": top["ranks"], "confidence": top["confidence"],
-                "also": others}
+        return {
+            "level": top["severity"],
+            "headline": top["title"],
+            "id": top["id"],
+            "ranks": top["ranks"],
+            "confidence": top["confidence"],
+            "also": others,
+        }
     if facts is None:
-        return {"level": "unknown", "headline": "no run directory: only the loaded artifacts are shown",
-                "ranks": [], "also": []}
+        return {
+            "level": "unknown",
+            "headline": "no run directory: only the loaded artifacts are shown",
+            "ranks": [],
+            "also": [],
+        }
     bad = [r for r in facts["ranks"] if r["bad"]]
     if bad:
         first = bad[0]
         detail = first["ended"]["detail"] or first["end_label"]
-        return {"level": "warning", "ranks": [r["rank"] for r in bad], "also": [],
-                "headline": f"no detector named a cause, but rank {first['rank']} ended badly: "
-                            f"{detail.splitlines()[0][:200] if detail else first['end_label']}"}
+        return {
+            "level": "warning",
+            "ranks": [r["rank"] for r in bad],
+            "also": [],
+            "headline": f"no detector named a cause, but rank {first['rank']} ended badly: "
+            f"{detail.splitlines()[0][:200] if detail else first['end_label']}",
+        }
     if not facts["ranks"]:
         return {"level": "unknown", "headline": "no rank wrote a stream", "ranks": [], "also": []}
-    return {"level": "ok", "ranks": [], "also": [],
-            "headline": f"no problem found: all {len(facts['ranks'])} ranks exited 0"}
+    return {
+        "level": "ok",
+        "ranks": [],
+        "also": [],
+        "headline": f"no problem found: all {len(facts['ranks'])} ranks exited 0",
+    }
 
 
-def _figures(run: RunData, peak: dict[str, Any], step_stats: list[dict[str, Any]],
-             facts: dict[str, Any]) -> list[dict[str, str]]:
-    figures = [{"label": "world size", "value": str(facts["world_size"])},
-               {"label": "steps", "value": str(max((s["steps"] for s in step_stats), default=0))}]
+def _figures(
+    run: RunData, peak: dict[str, Any], step_stats: list[dict[str, Any]], facts: dict[str, Any]
+) -> list[dict[str, str]]:
+    figures = [
+        {"label": "world size", "value": str(facts["world_size"])},
+        {"label": "steps", "value": str(max((s["steps"] for s in step_stats), default=0))},
+    ]
     if facts["duration_s"] is not None:
         figures.append({"label": "duration", "value": f"{facts['duration_s']:.1f} s"})
     medians = [s["median"] for s in step_stats if s["median"] is not None]
@@ -124,13 +147,15 @@ def build_report_data(bundle: EvidenceBundle, findings: list[Finding]) -> dict[s
         data["facts"] = facts
         data["figures"] = _figures(run, peak, step_data["stats"], facts)
         data["collective_table"] = {k: align.pop(k) for k in ("table", "table_seqs")} if align["available"] else None
-        data["charts"].update({
-            "origin_utc": utc(origin),
-            "memory": memory.timeline(run, origin, ends),
-            "peak": peak,
-            "collectives": align,
-            "op_times": collectives.op_times(run),
-            "steps": step_data,
-        })
+        data["charts"].update(
+            {
+                "origin_utc": utc(origin),
+                "memory": memory.timeline(run, origin, ends),
+                "peak": peak,
+                "collectives": align,
+                "op_times": collectives.op_times(run),
+                "steps": step_data,
+            }
+        )
     data["verdict"] = _verdict(found, data["facts"])
     return scrub(data)

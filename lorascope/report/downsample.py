@@ -5,6 +5,7 @@ spike that explains an OOM, so each bucket keeps its minimum and its maximum (in
 and the first and last points of the series are always kept: the end of a rank and its
 peak survive any amount of thinning.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left

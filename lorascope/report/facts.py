@@ -3,6 +3,7 @@
 Lists are scrubbed (:func:`scrub`) before they are joined into text, so that an option
 and its secret value in two argv elements are still recognised.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ def utc(t: float | None) -> str | None:
 
 def _warnings(rank: RankData) -> list[dict[str, Any]]:
     seen = Counter((w["category"], w["message"], w["filename"], w["lineno"]) for w in rank.warnings)
-    return [{"category": c, "message": m, "where": f"{f}:{n}", "count": k}
-            for (c, m, f, n), k in list(seen.items())[:MAX_WARNINGS_PER_RANK]]
+    return [
+        {"category": c, "message": m, "where": f"{f}:{n}", "count": k}
+        for (c, m, f, n), k in list(seen.items())[:MAX_WARNINGS_PER_RANK]
+    ]
 
 
 def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
@@ -38,14 +41,16 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
         "device": rank.start.get("device"),
         "argv": shlex.join(str(a) for a in scrub(rank.start.get("argv", []))),
         "steps": summary["steps"],
-        "step_median_ms": None if summary["step_time_median_s"] is None
+        "step_median_ms": None
+        if summary["step_time_median_s"] is None
         else round(summary["step_time_median_s"] * 1000, 1),
         "collectives": summary["collectives"]["count"],
         "ended": summary["ended"],
         "end_label": end["label"],
         "bad": end["bad"],
-        "exception": None if exc is None else {"type": exc["type"], "message": exc["message"],
-                                               "traceback": exc["traceback"]},
+        "exception": None
+        if exc is None
+        else {"type": exc["type"], "message": exc["message"], "traceback": exc["traceback"]},
         "signal": None if rank.signal is None else {"name": rank.signal["name"]},
         "stacks": (exc or rank.signal or {}).get("stacks"),
         "warnings": _warnings(rank),
@@ -65,12 +70,19 @@ def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, A
         "start_utc": utc(start),
         "duration_s": None if start is None or end is None else round(end - start, 1),
         "versions": manifest["versions"],
-        "launches": [{"command": shlex.join(str(a) for a in scrub(launch["command"])), "cwd": launch["cwd"],
-                      "host": launch["host"], "exit_status": launch["exit_status"],
-                      "start_utc": utc(launch["start"]),
-                      "duration_s": None if launch["end"] is None else round(launch["end"] - launch["start"], 1)}
-                     for launch in manifest["launches"]],
-        "configs": [{"name": n, "text": json.dumps(scrub(configs[n]), indent=2, sort_keys=True, default=str)}
-                    for n in names],
+        "launches": [
+            {
+                "command": shlex.join(str(a) for a in scrub(launch["command"])),
+                "cwd": launch["cwd"],
+                "host": launch["host"],
+                "exit_status": launch["exit_status"],
+                "start_utc": utc(launch["start"]),
+                "duration_s": None if launch["end"] is None else round(launch["end"] - launch["start"], 1),
+            }
+            for launch in manifest["launches"]
+        ],
+        "configs": [
+            {"name": n, "text": json.dumps(scrub(configs[n]), indent=2, sort_keys=True, default=str)} for n in names
+        ],
         "ranks": [_rank_facts(run.ranks[r["rank"]], r, ends[r["rank"]]) for r in summary["ranks"]],
     }

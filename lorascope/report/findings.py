@@ -3,6 +3,7 @@
 ``details`` is free-form; the page renders it generically (tables for lists of records,
 key/value lists for mappings), so this module only makes it plain, bounded data.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ Every ``FIXTURES/<scenario>/manifest.json`` is a recorded run directory; its rep
 ``OUT/<scenario>.html``. Rendering is deterministic, so a fixture that did not change
 gives the same file, and the committed reports show exactly what the code renders.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -25,6 +25,7 @@ The page shows the histogram over all ranks with log-spaced bins (four per decad
 edge exactly at the threshold), each bin split into LoRA and other; per rank the count
 and time shares under the threshold and attributed to LoRA; the top names by time.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,14 +86,33 @@ def section(table: dict[str, Any] | None, message: str) -> dict[str, Any]:
                 if is_lora:
                     lora += 1
                     lora_t += d
-        shares.append({"rank": int(rank_key), "count": count, "time_us": round(time, 1),
-                       "steps": per.get("steps"), "source": per.get("source"),
-                       "tiny_count": _share(tiny, count), "tiny_time": _share(tiny_t, time),
-                       "lora_count": _share(lora, count), "lora_time": _share(lora_t, time)})
+        shares.append(
+            {
+                "rank": int(rank_key),
+                "count": count,
+                "time_us": round(time, 1),
+                "steps": per.get("steps"),
+                "source": per.get("source"),
+                "tiny_count": _share(tiny, count),
+                "tiny_time": _share(tiny_t, time),
+                "lora_count": _share(lora, count),
+                "lora_time": _share(lora_t, time),
+            }
+        )
     ks = sorted(set(lora_bins) | set(other_bins))
-    bins = [{"lo": round(_edge(k, threshold), 4), "hi": round(_edge(k + 1, threshold), 4),
-             "lora": lora_bins.get(k, 0), "other": other_bins.get(k, 0)}
-            for k in range(ks[0], ks[-1] + 1)] if ks else []
+    bins = (
+        [
+            {
+                "lo": round(_edge(k, threshold), 4),
+                "hi": round(_edge(k + 1, threshold), 4),
+                "lora": lora_bins.get(k, 0),
+                "other": other_bins.get(k, 0),
+            }
+            for k in range(ks[0], ks[-1] + 1)
+        ]
+        if ks
+        else []
+    )
     top = sorted(names.items(), key=lambda kv: (-kv[1][1], kv[0][0]))[:TOP_NAMES]
     return {
         "available": bool(bins),
@@ -103,8 +123,16 @@ def section(table: dict[str, Any] | None, message: str) -> dict[str, Any]:
         "bins": bins,
         "threshold_bin": next((i for i, b in enumerate(bins) if b["lo"] >= threshold * 0.999), len(bins)),
         "ranks": shares,
-        "top": [{"name": n, "module": m, "count": int(c), "total_us": round(t, 1),
-                 "mean_us": round(t / c, 2) if c else None} for (n, m), (c, t) in top],
+        "top": [
+            {
+                "name": n,
+                "module": m,
+                "count": int(c),
+                "total_us": round(t, 1),
+                "mean_us": round(t / c, 2) if c else None,
+            }
+            for (n, m), (c, t) in top
+        ],
     }
 
 

@@ -3,6 +3,7 @@
 The figure per sample is CUDA allocated bytes when the job used CUDA, else the process
 RSS (what the probes can read on a CPU run); the chart says which.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -33,8 +34,11 @@ def _samples(rank: RankData, cuda: bool) -> tuple[list[float], list[float]]:
     """(times, bytes) of the rank's samples, in time order (the sampler thread and the
     training thread stamp records before they take the stream's lock)."""
     if cuda:
-        pairs = [(m["t"], c["alloc"]) for m in rank.mem
-                 if isinstance(c := m.get("cuda"), dict) and c.get("alloc") is not None]
+        pairs = [
+            (m["t"], c["alloc"])
+            for m in rank.mem
+            if isinstance(c := m.get("cuda"), dict) and c.get("alloc") is not None
+        ]
     else:
         pairs = [(m["t"], m["rss"]) for m in rank.mem if m.get("rss") is not None]
     pairs.sort()
@@ -66,7 +70,7 @@ def _step_markers(run: RunData, origin: float) -> list[list[float]]:
         return []
     steps = rank.steps
     stride = max(1, -(-len(steps) // MAX_STEP_MARKERS))
-    picked = steps[stride - 1::stride]
+    picked = steps[stride - 1 :: stride]
     if picked[-1] is not steps[-1]:
         picked.append(steps[-1])
     return [[secs(float(s["t"]), origin), s["step"]] for s in picked]
@@ -78,8 +82,9 @@ def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
     spans: dict[tuple[str, int, bool], dict[str, Any]] = {}
 
     def add(name: str, step: int, begin: float, end: float, rank: int, is_open: bool) -> None:
-        span = spans.setdefault((name, step, is_open), {"name": name, "step": step, "from": begin,
-                                                        "to": end, "ranks": [], "open": is_open})
+        span = spans.setdefault(
+            (name, step, is_open), {"name": name, "step": step, "from": begin, "to": end, "ranks": [], "open": is_open}
+        )
         span["from"], span["to"] = min(span["from"], begin), max(span["to"], end)
         span["ranks"].append(rank)
 
@@ -97,8 +102,10 @@ def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
             add(name, step, begin, rank.last_time, rank.rank, True)
     ordered = sorted(spans.values(), key=lambda s: (s["from"], s["name"]))
     stride = max(1, -(-len(ordered) // MAX_PHASE_MARKERS))
-    return [{**s, "from": secs(s["from"], origin), "to": secs(s["to"], origin), "ranks": sorted(s["ranks"])}
-            for s in ordered[::stride]]
+    return [
+        {**s, "from": secs(s["from"], origin), "to": secs(s["to"], origin), "ranks": sorted(s["ranks"])}
+        for s in ordered[::stride]
+    ]
 
 
 def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -112,12 +119,14 @@ def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> di
         total += len(ts)
         ts, vs = thin(ts, vs, keep)
         shown += len(ts)
-        series.append({
-            "rank": rank.rank,
-            "t": [secs(t, origin) for t in ts],
-            "mib": [mib(v) for v in vs],
-            "end": {"t": secs(ts[-1], origin), "mib": mib(vs[-1]), **ends[rank.rank]} if ts else None,
-        })
+        series.append(
+            {
+                "rank": rank.rank,
+                "t": [secs(t, origin) for t in ts],
+                "mib": [mib(v) for v in vs],
+                "end": {"t": secs(ts[-1], origin), "mib": mib(vs[-1]), **ends[rank.rank]} if ts else None,
+            }
+        )
     return {
         "metric": "CUDA allocated" if cuda else "RSS",
         "series": series,

@@ -9,6 +9,7 @@ texts) reaches the page only through Jinja2's autoescaping or as JSON read with
 Policy allows no network access at all and only the page's own two scripts, by hash: even
 markup that slipped through could neither load nor run anything.
 """
+
 from __future__ import annotations
 
 import base64
@@ -25,9 +26,14 @@ _ASSETS = resources.files("lorascope.report") / "assets"
 
 @functools.cache
 def _environment() -> Environment:
-    env = Environment(loader=PackageLoader("lorascope.report", "templates"), autoescape=True,
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                      keep_trailing_newline=True)
+    env = Environment(
+        loader=PackageLoader("lorascope.report", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
     env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False}
     return env
 
@@ -47,8 +53,21 @@ def _csp_hash(script: str) -> str:
 def render(data: dict[str, Any]) -> str:
     """The page for ``build_report_data``'s result; same data, same bytes."""
     scripts = [_script("vendor/echarts/echarts.common.min.js"), _script("report.js")]
-    csp = ("default-src 'none'; script-src " + " ".join(_csp_hash(s) for s in scripts)
-           + "; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'")
-    return _environment().get_template("report.html.j2").render(
-        data=data, charts=data["charts"], css=(_ASSETS / "report.css").read_text(encoding="utf-8"),
-        echarts_js=scripts[0], report_js=scripts[1], csp=csp, echarts_version=ECHARTS_VERSION)
+    csp = (
+        "default-src 'none'; script-src "
+        + " ".join(_csp_hash(s) for s in scripts)
+        + "; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
+    )
+    return (
+        _environment()
+        .get_template("report.html.j2")
+        .render(
+            data=data,
+            charts=data["charts"],
+            css=(_ASSETS / "report.css").read_text(encoding="utf-8"),
+            echarts_js=scripts[0],
+            report_js=scripts[1],
+            csp=csp,
+            echarts_version=ECHARTS_VERSION,
+        )
+    )

@@ -7,6 +7,7 @@ carry one (``HF_TOKEN=hf_... torchrun ...``, ``--wandb-api-key KEY``, a config f
 replaces such values with :data:`REDACTED`. It errs on the side of redacting: a false
 positive costs a config value in the page, a false negative leaks a credential.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,8 +19,21 @@ REDACTED = "[redacted]"
 #: ``_ - .`` and camelCase): ``hub_token`` and ``WANDB_API_KEY`` match, ``max_tokens`` and
 #: ``tokenizer_class`` do not. ``num_key_value_heads`` matches, but only string values are
 #: redacted in configs (a number is never a credential).
-_SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "pwd", "credential",
-                 "credentials", "apikey", "auth", "cookie", "passphrase", "privatekey")
+_SECRET_WORDS = (
+    "token",
+    "key",
+    "secret",
+    "password",
+    "passwd",
+    "pwd",
+    "credential",
+    "credentials",
+    "apikey",
+    "auth",
+    "cookie",
+    "passphrase",
+    "privatekey",
+)
 _WORDS = "|".join(_SECRET_WORDS)
 _PART = "[A-Za-z0-9]+"
 #: A name whose parts include a secret word, e.g. ``HF_TOKEN``, ``api-key``, ``db.password``.
@@ -29,8 +43,7 @@ _VALUE = r"(\"[^\"]*\"|'[^']*'|[^\s\"',;]+)"
 #: ``NAME=value`` with an environment-variable-like NAME (``HF_TOKEN=hf_...``), or ``--api-key=value``.
 _ENV_ASSIGN = re.compile(rf"(?<![A-Za-z0-9_.-])(-{{0,2}}{_NAME})={_VALUE}", re.IGNORECASE)
 #: ``--api-key value`` (the ``=`` form is covered by _ENV_ASSIGN); numbers are kept.
-_FLAG_SPACE = re.compile(rf"(?<![A-Za-z0-9_])(--?{_NAME})(\s+)(?![-\d])(\"[^\"]*\"|'[^']*'|\S+)",
-                         re.IGNORECASE)
+_FLAG_SPACE = re.compile(rf"(?<![A-Za-z0-9_])(--?{_NAME})(\s+)(?![-\d])(\"[^\"]*\"|'[^']*'|\S+)", re.IGNORECASE)
 _FLAG_ALONE = re.compile(rf"^--?{_NAME}$", re.IGNORECASE)
 #: Quoted ``"api_key": "value"`` / ``'token': 'value'`` pairs inside text (repr'd dicts).
 _QUOTED_PAIR = re.compile(rf"""(["']{_NAME}["']\s*:\s*)(["'])(.*?)\2""", re.IGNORECASE)
@@ -39,7 +52,8 @@ _URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/:@]+:)([^\s/@]+)(@)", r
 #: Tokens recognisable by their shape, wherever they appear.
 _KNOWN_TOKENS = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
-    r"|xox[abpors]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|glpat-[A-Za-z0-9_-]{20,})\b")
+    r"|xox[abpors]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16}|glpat-[A-Za-z0-9_-]{20,})\b"
+)
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _PLAIN = (int, float, bool, type(None))
@@ -54,8 +68,12 @@ def is_secret_name(name: str) -> bool:
 
 def scrub_text(text: str) -> str:
     """Redact secret-looking values inside free text (a command line, a message, a stack)."""
-    text = _ENV_ASSIGN.sub(lambda m: m.group(0) if _NUMBER.match(m.group(2)) and m.group(1).startswith("-")
-                           else f"{m.group(1)}={REDACTED}", text)
+    text = _ENV_ASSIGN.sub(
+        lambda m: (
+            m.group(0) if _NUMBER.match(m.group(2)) and m.group(1).startswith("-") else f"{m.group(1)}={REDACTED}"
+        ),
+        text,
+    )
     text = _FLAG_SPACE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
     text = _QUOTED_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}{m.group(2)}", text)
     text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}{m.group(3)}", text)
@@ -82,8 +100,10 @@ def scrub(value: Any) -> Any:
     if isinstance(value, str):
         return scrub_text(value)
     if isinstance(value, dict):
-        return {k: (REDACTED if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v
-                    else scrub(v)) for k, v in value.items()}
+        return {
+            k: (REDACTED if isinstance(k, str) and is_secret_name(k) and isinstance(v, str) and v else scrub(v))
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         if all(type(v) in _PLAIN for v in value):  # chart columns: nothing to scrub, and long
             return list(value)

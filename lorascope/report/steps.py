@@ -3,6 +3,7 @@
 A straggler shows as one rank whose median step time stands above the others'; the
 per-step lines show when it started.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,11 +36,23 @@ def step_series(run: RunData) -> dict[str, Any]:
         with_loss = [s for s in rank.steps if type(s["loss"]) in _NUMBERS and math.isfinite(s["loss"])]
         xs, ys = thin([s["step"] for s in with_loss], [s["loss"] for s in with_loss], keep)
         losses.append({"rank": rank.rank, "step": xs, "loss": [round(y, 5) for y in ys]})
-        bad_losses += [[rank.rank, s["step"], str(s.get("loss_text") or s["loss"])] for s in rank.steps
-                       if type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"])]
+        bad_losses += [
+            [rank.rank, s["step"], str(s.get("loss_text") or s["loss"])]
+            for s in rank.steps
+            if type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"])
+        ]
         values = [s["dur"] for s in steps if s["dur"] > 0]
-        stats.append({"rank": rank.rank, "steps": len(rank.steps),
-                      "median": round(statistics.median(values), 4) if values else None,
-                      "p95": round(_percentile(values, 0.95), 4) if values else None})
-    return {"time": times, "loss": losses if any(s["step"] for s in losses) else None,
-            "stats": stats, "non_finite_losses": bad_losses[:MAX_LISTED_LOSSES]}
+        stats.append(
+            {
+                "rank": rank.rank,
+                "steps": len(rank.steps),
+                "median": round(statistics.median(values), 4) if values else None,
+                "p95": round(_percentile(values, 0.95), 4) if values else None,
+            }
+        )
+    return {
+        "time": times,
+        "loss": losses if any(s["step"] for s in losses) else None,
+        "stats": stats,
+        "non_finite_losses": bad_losses[:MAX_LISTED_LOSSES],
+    }

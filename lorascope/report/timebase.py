@@ -1,4 +1,5 @@
 """Shared conventions of the chart data: one time origin, rounding, units."""
+
 from __future__ import annotations
 
 from lorascope.rundir.reader import RunData

@@ -1,4 +1,5 @@
 """Writing a report file: the one path both `lorascope report` and `analyze --html` take."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@
 A torn last line (a rank killed mid-write) is skipped with a warning; anything else that
 breaks format v1 is a BadInputError naming the file and line.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,12 @@ from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.schema import (
-    FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX, SchemaError, validate_manifest,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    RANKS_DIR,
+    STREAM_SUFFIX,
+    SchemaError,
+    validate_manifest,
     validate_record,
 )
 
@@ -107,7 +113,8 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         raise BadInputError(f"{path}: format version {version} does not exist (v1 is the first)")
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise FormatVersionError(
-            f"{path}: run directory format v{version} is newer than this lorascope reads (v{FORMAT_VERSION}); upgrade lorascope")
+            f"{path}: run directory format v{version} is newer than this lorascope reads (v{FORMAT_VERSION}); upgrade lorascope"
+        )
     try:
         validate_manifest(manifest)
     except SchemaError as exc:
@@ -148,8 +155,10 @@ def _iter_records(path: Path, warnings: list[str]):
         try:
             rec = json.loads(lines[-1])
         except (UnicodeDecodeError, ValueError):
-            warnings.append(f"{path}:{len(lines)}: skipped a torn last record "
-                            f"({len(lines[-1])} bytes; the process was killed while writing it)")
+            warnings.append(
+                f"{path}:{len(lines)}: skipped a torn last record "
+                f"({len(lines[-1])} bytes; the process was killed while writing it)"
+            )
         else:
             yield len(lines), rec
 
@@ -158,8 +167,10 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
     indices = [i for i, _ in segs]
     missing = sorted(set(range(indices[-1] + 1)) - set(indices))
     if missing:
-        warnings.append(f"rank {rank}: stream segments {missing[0]}-{missing[-1]} were rotated away "
-                        f"(bounded stream); the first and the newest segments are kept")
+        warnings.append(
+            f"rank {rank}: stream segments {missing[0]}-{missing[-1]} were rotated away "
+            f"(bounded stream); the first and the newest segments are kept"
+        )
     data: RankData | None = None
     pending: dict[tuple[int, int], Collective] = {}
     for _, path in segs:
@@ -195,14 +206,26 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
 
 
 #: Kinds kept as lists on RankData (attribute names), and kinds of which the last is kept.
-_LISTED = {"mem": "mem", "step": "steps", "phase": "phases", "warning": "warnings",
-           "probe_error": "probe_errors", "dump": "dumps", "logits": "logits"}
-_LATEST = {"exception": "exception", "signal": "signal", "end": "end", "stall": "stall",
-           "grad_setup": "grad_setup", "grads": "grads"}
+_LISTED = {
+    "mem": "mem",
+    "step": "steps",
+    "phase": "phases",
+    "warning": "warnings",
+    "probe_error": "probe_errors",
+    "dump": "dumps",
+    "logits": "logits",
+}
+_LATEST = {
+    "exception": "exception",
+    "signal": "signal",
+    "end": "end",
+    "stall": "stall",
+    "grad_setup": "grad_setup",
+    "grads": "grads",
+}
 
 
-def _apply(data: RankData, kind: str, rec: dict[str, Any],
-           pending: dict[tuple[int, int], Collective]) -> None:
+def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective]) -> None:
     if kind in _LISTED:
         getattr(data, _LISTED[kind]).append(rec)
     elif kind in _LATEST:
@@ -222,9 +245,17 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any],
                 break
     elif kind == "coll":
         group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
-        coll = Collective(seq=rec["seq"], group=group, op=rec["op"], bytes=rec["bytes"],
-                          dtype=rec["dtype"], is_async=rec["async"], site=rec["site"],
-                          step=rec["step"], start=float(rec["t"]))
+        coll = Collective(
+            seq=rec["seq"],
+            group=group,
+            op=rec["op"],
+            bytes=rec["bytes"],
+            dtype=rec["dtype"],
+            is_async=rec["async"],
+            site=rec["site"],
+            step=rec["step"],
+            start=float(rec["t"]),
+        )
         pending[(rec["gid"], rec["seq"])] = coll
         data.collectives.append(coll)
     elif kind == "coll_end":
@@ -262,16 +293,19 @@ def load_run(path: str | Path) -> RunData:
         loaded = [_load_process(rank, segs, warnings) for segs in procs.values()]
         loaded.sort(key=lambda d: float(d.start["t"]))
         if len(loaded) > 1:
-            warnings.append(f"rank {rank}: {len(loaded)} processes wrote this rank (a restart?); "
-                            f"the latest, pid {loaded[-1].pid}, is analysed")
+            warnings.append(
+                f"rank {rank}: {len(loaded)} processes wrote this rank (a restart?); "
+                f"the latest, pid {loaded[-1].pid}, is analysed"
+            )
         ranks[rank] = loaded[-1]
     errors_log = run_dir / "probe-errors.log"
     if errors_log.exists():
         lines = errors_log.read_text(errors="replace").splitlines()
         warnings.extend(line.removeprefix("lorascope: ") for line in lines[:50] if line.strip())
     if not ranks:
-        warnings.append("no rank wrote a stream (the job failed before its ranks started, "
-                        "or the probes could not attach)")
+        warnings.append(
+            "no rank wrote a stream (the job failed before its ranks started, or the probes could not attach)"
+        )
     else:
         expected = max(r.start["world_size"] for r in ranks.values())
         absent = sorted(set(range(expected)) - set(ranks))

@@ -5,6 +5,7 @@ Every per-rank stream is JSON Lines; every record is an object with ``k`` (its k
 :data:`RECORD_FIELDS`; extra fields are allowed (readers ignore what they do not know),
 unknown kinds are skipped with a warning. A change that breaks this bumps FORMAT_VERSION.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,8 +27,16 @@ _OPT_STR = (str, type(None))
 
 #: kind -> {field: accepted types}. ``bool`` is rejected where an int is required.
 RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "start": {"rank": _INT, "world_size": _INT, "local_rank": _INT, "pid": _INT,
-              "host": _STR, "argv": (list,), "versions": (dict,), "device": _STR},
+    "start": {
+        "rank": _INT,
+        "world_size": _INT,
+        "local_rank": _INT,
+        "pid": _INT,
+        "host": _STR,
+        "argv": (list,),
+        "versions": (dict,),
+        "device": _STR,
+    },
     "segment": {"index": _INT},
     "config": {"name": _STR, "value": (dict,)},
     "mem": {"src": _STR, "step": _INT, "rss": _OPT_INT},
@@ -35,8 +44,16 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "phase": {"name": _STR, "edge": _STR, "step": _INT},
     "step": {"step": _INT, "dur": _NUM, "loss": _OPT_NUM, "src": _STR},
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
-    "coll": {"seq": _INT, "gid": _INT, "op": _STR, "bytes": _OPT_INT, "dtype": _OPT_STR,
-             "async": (bool,), "site": _OPT_STR, "step": _INT},
+    "coll": {
+        "seq": _INT,
+        "gid": _INT,
+        "op": _STR,
+        "bytes": _OPT_INT,
+        "dtype": _OPT_STR,
+        "async": (bool,),
+        "site": _OPT_STR,
+        "step": _INT,
+    },
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
     "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
@@ -58,8 +75,14 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 END_STATUSES = ("exit", "exception", "signal")
 
 LAUNCH_FIELDS: dict[str, tuple[type, ...]] = {
-    "id": _STR, "host": _STR, "pid": _INT, "command": (list,), "cwd": _STR,
-    "start": _NUM, "end": _OPT_NUM, "exit_status": _OPT_INT,
+    "id": _STR,
+    "host": _STR,
+    "pid": _INT,
+    "command": (list,),
+    "cwd": _STR,
+    "start": _NUM,
+    "end": _OPT_NUM,
+    "exit_status": _OPT_INT,
 }
 
 

@@ -6,6 +6,7 @@ leaves every record up to the last one in the file (at worst the last line is to
 which readers skip with a warning). A stream is bounded: past ``segment_bytes`` it moves
 to a new segment file, and only the first segment and the newest ``keep_segments`` stay.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ def _write_all(fd: int, data: bytes) -> None:
     """os.write may write less than asked (a full disk, a signal): finish the record."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def stream_prefix(run_dir: Path, rank: int, host: str, pid: int) -> Path:
@@ -47,9 +48,13 @@ class Stream:
     A failed write calls ``on_error`` once and turns the stream off: the job goes on.
     """
 
-    def __init__(self, prefix: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 keep_segments: int = DEFAULT_KEEP_SEGMENTS,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        prefix: Path,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        keep_segments: int = DEFAULT_KEEP_SEGMENTS,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._prefix = prefix
         self._segment_bytes = segment_bytes
         self._keep = max(1, keep_segments)
@@ -78,7 +83,7 @@ class Stream:
         record.setdefault("t", time.time())
         try:
             self.write_line(_encode(record))
-        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+        except Exception as exc:
             self._fail(exc)
 
     def write_line(self, data: bytes) -> None:
@@ -92,7 +97,7 @@ class Stream:
                     self._rotate()
                 _write_all(self._fd, data)
                 self._size += len(data)
-        except Exception as exc:  # noqa: BLE001 - a probe never raises into the job
+        except Exception as exc:
             self._fail(exc)
 
     def _rotate(self) -> None:
@@ -159,9 +164,16 @@ def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: A
     with _locked_manifest(run_dir) as manifest:
         entry = next((e for e in manifest["launches"] if e.get("id") == launch_id), None)
         if entry is None:
-            entry = {"id": launch_id, "host": socket.gethostname(), "pid": os.getpid(),
-                     "command": command, "cwd": os.getcwd(), "start": time.time(),
-                     "end": None, "exit_status": None}
+            entry = {
+                "id": launch_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "command": command,
+                "cwd": os.getcwd(),
+                "start": time.time(),
+                "end": None,
+                "exit_status": None,
+            }
             manifest["launches"].append(entry)
         entry.update(fields)
 

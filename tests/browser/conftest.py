@@ -1,6 +1,7 @@
 """A real headless Chromium (Debian's ``chromium``, driven by the ``playwright`` package with
 ``executable_path``; Playwright's own browser download is never used). Tests skip with the
 reason when either is missing."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,17 @@ import pytest
 
 #: The flags a closed network needs: without the background-networking ones Chromium keeps
 #: trying to reach Google's services (requests a test would count).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 
 
 def chromium_path() -> str | None:

@@ -1,5 +1,6 @@
 """The reports in a real headless browser: they load offline, draw every chart, and run
 nothing that arrived in the data."""
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,10 @@ class Loaded:
         self.page = browser.new_page(viewport={"width": 1280, "height": 900})
         self.errors: list[str] = []
         self.requests: list[str] = []
-        self.page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}")
-                     if m.type in ("error", "warning") else None)
+        self.page.on(
+            "console",
+            lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None,
+        )
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
         self.page.on("request", lambda r: self.requests.append(r.url))
         self.url = path.resolve().as_uri()
@@ -82,6 +85,7 @@ def test_hostile_text_never_runs(browser: Any, tmp_path: Path, artifacts: Path) 
     run_dir, findings = xss_run(tmp_path / "run")
     from lorascope.report.data import build_report_data
     from lorascope.report.render import render as render_page
+
     out = tmp_path / "xss.html"
     out.write_text(render_page(build_report_data(load_bundle(run_dir), findings)))
     loaded = Loaded(browser, out)

@@ -1,5 +1,6 @@
 """Helpers for the end-to-end tests: they run the real 2-rank LoRA job (probes/train_lora.py)
 on CPU over gloo, under `lorascope run`."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,17 @@ def job_env() -> dict[str, str]:
 
 
 def torchrun(port: int, *args: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(port), TRAIN, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(port),
+        TRAIN,
+        *args,
+    ]
 
 
 @dataclass
@@ -40,15 +50,21 @@ class Finished:
     proc: subprocess.CompletedProcess[str]
 
     def summary(self) -> dict:
-        res = subprocess.run([*LORASCOPE, "analyze", str(self.out), "--json"],
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [*LORASCOPE, "analyze", str(self.out), "--json"], capture_output=True, text=True, timeout=60
+        )
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout)
 
 
 def probed(out: Path, cmd: list[str], *extra: str) -> Finished:
-    proc = subprocess.run([*LORASCOPE, "run", "--out", str(out), *extra, "--", *cmd],
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT, env=job_env())
+    proc = subprocess.run(
+        [*LORASCOPE, "run", "--out", str(out), *extra, "--", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+        env=job_env(),
+    )
     return Finished(out, proc)
 
 
@@ -67,7 +83,12 @@ def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Finished:
 @pytest.fixture(scope="session")
 def bare_losses() -> list[str]:
     """Rank 0's losses of the same 20-step job without lorascope."""
-    bare = subprocess.run(torchrun(free_port(), "--steps", "20", "--print-losses"),
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT, env=job_env())
+    bare = subprocess.run(
+        torchrun(free_port(), "--steps", "20", "--print-losses"),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+        env=job_env(),
+    )
     assert bare.returncode == 0, bare.stderr[-3000:]
     return losses(bare.stdout)

@@ -1,6 +1,7 @@
 """Each failure mode, planted in the real 2-rank LoRA job (two plantings each), is named
 by `lorascope analyze` as its top finding, with the right ranks and evidence numbers;
 the healthy job is named nothing."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,7 @@ FIVE = {"rank0-asymmetry", "logits-spike", "reentrant-dead-grads", "rank-conditi
 
 
 def analyze(fin: Finished) -> dict:
-    res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -29,10 +29,13 @@ def run_fault(tmp_path: Path, *args: str) -> tuple[Finished, dict]:
     return fin, analyze(fin)
 
 
-@pytest.mark.parametrize("planting", [
-    ["--fault", "rank-conditional-hang", "--fault-step", "3"],
-    ["--fault", "rank-conditional-gather", "--fault-step", "3"],
-])
+@pytest.mark.parametrize(
+    "planting",
+    [
+        ["--fault", "rank-conditional-hang", "--fault-step", "3"],
+        ["--fault", "rank-conditional-gather", "--fault-step", "3"],
+    ],
+)
 def test_rank_conditional_hang(tmp_path: Path, planting: list[str]) -> None:
     fin, data = run_fault(tmp_path, "--steps", "6", "--pg-timeout", "15", *planting)
     assert fin.proc.returncode != 0
@@ -44,16 +47,22 @@ def test_rank_conditional_hang(tmp_path: Path, planting: list[str]) -> None:
     run = load_run(fin.out)
     group = top["details"]["group"]
     rank0 = [c for c in run.ranks[0].collectives if c.group == group]
-    odd = next(c for c in rank0 if c.site and "train_lora.py" in c.site
-               and "rank == 0" in " ".join(run.ranks[0].sites[c.site]["conditions"]))
+    odd = next(
+        c
+        for c in rank0
+        if c.site and "train_lora.py" in c.site and "rank == 0" in " ".join(run.ranks[0].sites[c.site]["conditions"])
+    )
     assert top["details"]["seq"] == odd.seq
     assert "rank == 0" in top["title"]
 
 
-@pytest.mark.parametrize("planting", [
-    ["--fault", "reentrant-dead-grads"],
-    ["--fault", "reentrant-partial"],
-])
+@pytest.mark.parametrize(
+    "planting",
+    [
+        ["--fault", "reentrant-dead-grads"],
+        ["--fault", "reentrant-partial"],
+    ],
+)
 def test_reentrant_dead_grads(tmp_path: Path, planting: list[str]) -> None:
     fin, data = run_fault(tmp_path, "--steps", "3", *planting)
     top = data["findings"][0]
@@ -73,10 +82,13 @@ def test_reentrant_dead_grads(tmp_path: Path, planting: list[str]) -> None:
         assert "None of the inputs have requires_grad=True" in labels
 
 
-@pytest.mark.parametrize("planting, shape", [
-    (["--fault", "logits-spike"], [4, 128, 32000]),
-    (["--fault", "logits-spike-internal", "--micro-batch", "2", "--seq", "192"], [2, 192, 32000]),
-])
+@pytest.mark.parametrize(
+    "planting, shape",
+    [
+        (["--fault", "logits-spike"], [4, 128, 32000]),
+        (["--fault", "logits-spike-internal", "--micro-batch", "2", "--seq", "192"], [2, 192, 32000]),
+    ],
+)
 def test_logits_spike(tmp_path: Path, planting: list[str], shape: list[int]) -> None:
     fin, data = run_fault(tmp_path, "--steps", "3", *planting)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
@@ -87,10 +99,13 @@ def test_logits_spike(tmp_path: Path, planting: list[str], shape: list[int]) -> 
     assert top["details"]["logits_bytes"] == b * t * v * 4  # fp32 model: element size 4
 
 
-@pytest.mark.parametrize("planting", [
-    ["--fault", "rank0-asymmetry-eval", "--eval-batch", "256"],
-    ["--fault", "rank0-asymmetry-gather"],
-])
+@pytest.mark.parametrize(
+    "planting",
+    [
+        ["--fault", "rank0-asymmetry-eval", "--eval-batch", "256"],
+        ["--fault", "rank0-asymmetry-gather"],
+    ],
+)
 def test_rank0_asymmetry(tmp_path: Path, planting: list[str]) -> None:
     fin, data = run_fault(tmp_path, "--steps", "10", *planting)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
@@ -102,20 +117,26 @@ def test_rank0_asymmetry(tmp_path: Path, planting: list[str]) -> None:
     assert top["details"]["divergence"]["phase"] == expected
 
 
-@pytest.mark.parametrize("config", [
-    ["--steps", "8"],
-    ["--steps", "30", "--hidden", "128", "--intermediate", "256", "--layers", "4", "--vocab", "2048"],
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ["--steps", "8"],
+        ["--steps", "30", "--hidden", "128", "--intermediate", "256", "--layers", "4", "--vocab", "2048"],
+    ],
+)
 def test_healthy_job_reports_none_of_the_five(tmp_path: Path, config: list[str]) -> None:
     fin, data = run_fault(tmp_path, *config)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
     assert not {f["id"] for f in data["findings"]} & FIVE, data["findings"]
 
 
-@pytest.mark.parametrize("planting", [
-    ["--fault", "tiny-kernel-tail"],
-    ["--fault", "tiny-kernel-tail", "--engine", "torch"],
-])
+@pytest.mark.parametrize(
+    "planting",
+    [
+        ["--fault", "tiny-kernel-tail"],
+        ["--fault", "tiny-kernel-tail", "--engine", "torch"],
+    ],
+)
 def test_tiny_kernel_tail(tmp_path: Path, planting: list[str]) -> None:
     fin, data = run_fault(tmp_path, "--steps", "8", *planting)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]

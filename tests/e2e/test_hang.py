@@ -1,5 +1,6 @@
 """`lorascope hang` on real hung 2-rank jobs (gloo, CPU), while they hang; the stall
 watchdog; and that no pid outside the run is ever signalled."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,23 @@ pytestmark = pytest.mark.e2e
 def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess.Popen[str]]:
     """A probed 2-rank job with a planted hang; ended (its whole process group) on exit."""
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
-    cmd = [*LORASCOPE, "run", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
-           "--nproc_per_node", "2", "--master_port", str(free_port()), *extra, TRAIN, *args]
+    cmd = [
+        *LORASCOPE,
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *extra,
+        TRAIN,
+        *args,
+    ]
     proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
@@ -55,7 +71,7 @@ def wait_until(out: Path, check: Callable[[RunData], bool], timeout: float = 240
             run = load_run(out)
             if len(run.ranks) == 2 and check(run):
                 return run
-        except Exception:  # noqa: BLE001 - the run directory is being written
+        except Exception:
             pass
         time.sleep(0.5)
     raise AssertionError("the job did not reach the expected state")
@@ -66,8 +82,7 @@ def pending_in_job(rank: RankData, func: str) -> bool:
 
 
 def hang(out: Path, *extra: str) -> dict:
-    res = subprocess.run([*LORASCOPE, "hang", str(out), "--json", *extra], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run([*LORASCOPE, "hang", str(out), "--json", *extra], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -75,30 +90,38 @@ def hang(out: Path, *extra: str) -> dict:
 def test_rank_conditional_collective(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with hung_job(out, "--steps", "20", "--fault", "rank-conditional-hang", "--fault-step", "3"):
-        run = wait_until(out, lambda r: pending_in_job(r.ranks[0], "rank_conditional_collective")
-                         and pending_in_job(r.ranks[1], "rank_conditional_collective"))
+        run = wait_until(
+            out,
+            lambda r: (
+                pending_in_job(r.ranks[0], "rank_conditional_collective")
+                and pending_in_job(r.ranks[1], "rank_conditional_collective")
+            ),
+        )
         line = next(c.site for c in run.ranks[0].collectives if c.pending)
         data = hang(out)
     assert data["kind"] == "rank-conditional" and data["odd_ranks"] == [0]
     assert data["first_diverged"]["rank"] == 0
     assert line in data["first_diverged"]["where"] and "if d.rank == 0:" in data["first_diverged"]["where"]
-    report = next(n for n in data["notes"] if n.startswith("report: "))[len("report: "):]
+    report = next(n for n in data["notes"] if n.startswith("report: "))[len("report: ") :]
     assert Path(report).stat().st_size > 10_000
 
 
 def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3"):
-        run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 2
-                         and any(c.pending for c in r.ranks[0].collectives))
+        run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 2 and any(c.pending for c in r.ranks[0].collectives))
         time.sleep(1)
         data = hang(out, "--no-html")
         assert data["kind"] == "stuck-outside" and data["odd_ranks"] == [1]
         assert "train_lora.py" in data["first_diverged"]["where"] and "in fetch" in data["first_diverged"]["where"]
         # the same job seen from outside, as if it had not been started under lorascope
         pids = [str(r.pid) for r in run.ranks.values()]
-        res = subprocess.run([*LORASCOPE, "hang", "--json", *sum((["--pid", p] for p in pids), [])],
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [*LORASCOPE, "hang", "--json", *sum((["--pid", p] for p in pids), [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         outside = json.loads(res.stdout)
     assert outside["kind"] == "stuck-outside" and outside["odd_ranks"] == ["rank 1"]
@@ -113,8 +136,13 @@ def test_killed_rank(tmp_path: Path) -> None:
         os.kill(run.ranks[1].pid, signal.SIGKILL)
         # On gloo the survivor does not hang: its collective fails as the peer's socket
         # closes. The launcher (monitoring every 10 minutes here) keeps the job "up".
-        wait_until(out, lambda r: r.ranks[0].exception is not None
-                   or (any(c.pending for c in r.ranks[0].collectives) and time.time() - r.ranks[0].last_time > 1))
+        wait_until(
+            out,
+            lambda r: (
+                r.ranks[0].exception is not None
+                or (any(c.pending for c in r.ranks[0].collectives) and time.time() - r.ranks[0].last_time > 1)
+            ),
+        )
         data = hang(out, "--no-html")
     assert data["kind"] == "dead-rank" and data["odd_ranks"] == [1]
     assert "SIGKILL" in data["first_diverged"]["where"]
@@ -125,8 +153,7 @@ def test_stall_watchdog_dumps_before_the_timeout_and_analyze_agrees(tmp_path: Pa
     """pg timeout 15 s: the watchdog dumps at 5 s; the job then dies of the timeout and
     `lorascope analyze` of the dead run gives the live verdict."""
     out = tmp_path / "run"
-    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3",
-                  "--pg-timeout", "15") as proc:
+    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3", "--pg-timeout", "15") as proc:
         proc.wait(timeout=240)
     run = load_run(out)
     rank0 = run.ranks[0]

@@ -3,6 +3,7 @@ configs the probes recorded agrees per rank with the memory readings within the 
 tolerance (docs/detectors.md: HEAP_TOLERANCE for the heap in use, RSS_TOLERANCE for RSS,
 LOSS_TOLERANCE around cross_entropy), and `lorascope analyze` names no plan deviation on
 the healthy job. Run with `-s` to see the figures."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,20 @@ CONFIGS = {
     "default": ["--steps", "3"],
     "larger": ["--steps", "3", "--hidden", "128", "--intermediate", "256", "--layers", "4", "--vocab", "2048"],
     # Activations large enough (~94 MiB planned) that the comparison is not all allowance.
-    "activations": ["--steps", "2", "--hidden", "128", "--intermediate", "512", "--layers", "4",
-                    "--seq", "256", "--micro-batch", "8"],
+    "activations": [
+        "--steps",
+        "2",
+        "--hidden",
+        "128",
+        "--intermediate",
+        "512",
+        "--layers",
+        "4",
+        "--seq",
+        "256",
+        "--micro-batch",
+        "8",
+    ],
 }
 
 
@@ -37,11 +50,11 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def without_heap(rank: RankData) -> RankData:
     """The same rank as a probe without the heap figure would have recorded it (RSS only)."""
+
     def strip(reading: dict) -> dict:
         return {k: v for k, v in reading.items() if k != "heap"}
 
-    logits = [{k: strip(v) if k in ("mem_before", "mem_after") else v for k, v in rec.items()}
-              for rec in rank.logits]
+    logits = [{k: strip(v) if k in ("mem_before", "mem_after") else v for k, v in rec.items()} for rec in rank.logits]
     return dataclasses.replace(rank, mem=[strip(m) for m in rank.mem], logits=logits)
 
 
@@ -50,22 +63,25 @@ def test_planned_and_measured_agree_per_rank(job: tuple[str, Finished]) -> None:
     run = load_run(fin.out)
     assert sorted(run.ranks) == [0, 1]
     for n, rank in run.ranks.items():
-        checks = {"heap in use": plan_deviation.check_rank(rank, run),
-                  "RSS": plan_deviation.check_rank(without_heap(rank), run)}
+        checks = {
+            "heap in use": plan_deviation.check_rank(rank, run),
+            "RSS": plan_deviation.check_rank(without_heap(rank), run),
+        }
         for memory, check in checks.items():
             assert check is not None and check.memory == memory
             assert {c.key for c in check.comparisons} == {"forward", "step_peak", "loss"}
             for c in check.comparisons:
-                print(f"{name} rank {n} {check.memory} {c.key}: planned {fmt_bytes(c.planned)} (live at least "
-                      f"{fmt_bytes(c.planned_low)}), measured {fmt_bytes(c.measured)} = "
-                      f"{c.measured / c.planned:.2f}x, tolerance [{fmt_bytes(c.lower)}, {fmt_bytes(c.upper)}]")
+                print(
+                    f"{name} rank {n} {check.memory} {c.key}: planned {fmt_bytes(c.planned)} (live at least "
+                    f"{fmt_bytes(c.planned_low)}), measured {fmt_bytes(c.measured)} = "
+                    f"{c.measured / c.planned:.2f}x, tolerance [{fmt_bytes(c.lower)}, {fmt_bytes(c.upper)}]"
+                )
                 assert c.agrees, (name, n, memory, c)
 
 
 def test_healthy_job_has_no_plan_deviation(job: tuple[str, Finished]) -> None:
     _, fin = job
-    res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     findings = json.loads(res.stdout)["findings"]
     assert not [f for f in findings if f["id"] == "plan-deviation" and f["severity"] in ("warning", "error")]

@@ -1,4 +1,5 @@
 """`lorascope run` on the real 2-rank DeepSpeed + PEFT LoRA job (CPU, gloo)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,14 @@ import pytest
 
 from lorascope.rundir.reader import load_run
 from tests.e2e.conftest import (
-    LORASCOPE, TRAIN, Finished, free_port, job_env, losses, probed, torchrun,
+    LORASCOPE,
+    TRAIN,
+    Finished,
+    free_port,
+    job_env,
+    losses,
+    probed,
+    torchrun,
 )
 
 pytestmark = pytest.mark.e2e
@@ -68,10 +76,15 @@ def test_failing_probes_leave_the_job_unchanged(tmp_path: Path, bare_losses: lis
     (theirs / "sitecustomize.py").write_text(
         "from lorascope.probes.memory import MemoryProbe\n"
         "def broken(self, *args): raise RuntimeError('planted failure')\n"
-        "MemoryProbe._cuda = broken\n")
+        "MemoryProbe._cuda = broken\n"
+    )
     proc = subprocess.run(
         [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), "--steps", "20", "--print-losses")],
-        capture_output=True, text=True, timeout=300, env={**job_env(), "PYTHONPATH": str(theirs)})
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**job_env(), "PYTHONPATH": str(theirs)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(proc.stdout) == bare_losses
     assert "probes off in pid" in (out / "probe-errors.log").read_text()
@@ -85,8 +98,18 @@ def test_failing_probes_leave_the_job_unchanged(tmp_path: Path, bare_losses: lis
 
 
 def test_deepspeed_launcher_job_is_fully_recorded(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(free_port()), TRAIN, "--steps", "6"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        TRAIN,
+        "--steps",
+        "6",
+    ]
     assert_complete_two_rank_run(probed(tmp_path / "run", cmd), steps=6)
 
 
@@ -104,11 +127,38 @@ def test_plain_torch_loop_is_recorded(tmp_path: Path) -> None:
 
 def test_two_node_launch_makes_one_run(tmp_path: Path) -> None:
     out, port = tmp_path / "run", free_port()
-    procs = [subprocess.Popen(
-        [*LORASCOPE, "run", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
-         "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), TRAIN, "--steps", "4"],
-        env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                *LORASCOPE,
+                "run",
+                "--out",
+                str(out),
+                "--",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                TRAIN,
+                "--steps",
+                "4",
+            ],
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
@@ -124,7 +174,7 @@ def _wait_for_steps(run_dir: Path, rank: int, steps: int, deadline: float) -> in
     while time.time() < deadline:
         try:
             data = load_run(run_dir).ranks.get(rank)
-        except Exception:  # noqa: BLE001 - the manifest may not be there yet
+        except Exception:
             data = None
         if data is not None and len(data.steps) >= steps:
             return data.pid
@@ -134,9 +184,13 @@ def _wait_for_steps(run_dir: Path, rank: int, steps: int, deadline: float) -> in
 
 def test_sigkilled_rank_is_read_up_to_its_last_record(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen([*LORASCOPE, "run", "--out", str(out), "--",
-                             *torchrun(free_port(), "--steps", "500")],
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), "--steps", "500")],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pid = _wait_for_steps(out, 1, 3, time.time() + 240)
     os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)

@@ -1,5 +1,6 @@
 """The recorded run-directory fixtures (real 2-rank CPU runs, fixtures/record_runs.py):
 each failure mode's run is named by its own detector first; the healthy run by none."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,11 @@ def test_every_failure_mode_has_a_fixture() -> None:
 
 def test_flight_recorder_dumps_alone_name_the_rank_conditional_collective() -> None:
     """Real gloo dumps of the planted hang (fixtures/flight-recorder/record.py), no run dir."""
-    [finding] = [f for f in run_detectors(load_bundle(FIXTURES / "flight-recorder" / "rank0-extra-allreduce"))
-                 if f.id == "rank-conditional-hang"]
+    [finding] = [
+        f
+        for f in run_detectors(load_bundle(FIXTURES / "flight-recorder" / "rank0-extra-allreduce"))
+        if f.id == "rank-conditional-hang"
+    ]
     assert finding.details["seq"] == 4 and finding.details["source"] == "flight recorder"
     ops = " ".join(str(e.value) for e in finding.evidence)
     assert "all_reduce" in ops and "barrier" in ops

@@ -8,6 +8,7 @@ example is loaded the way `lorascope analyze` does (the forced kind, then the de
 and the summary renderer), and exactly two outcomes are accepted: a result, or a
 BadInputError (what the CLI prints as one line). Anything else is a crash.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,11 @@ if ROCM_TRACE.is_file():
 
 #: The detectors written against these artifacts (the others are fuzzed by their own tests).
 OURS = ("oom", "allocator_fragmentation", "collective_mismatch", "straggler")
-_EDIT = st.tuples(st.sampled_from(["flip", "cut", "insert", "delete", "repeat"]),
-                  st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=12))
+_EDIT = st.tuples(
+    st.sampled_from(["flip", "cut", "insert", "delete", "repeat"]),
+    st.floats(0, 1, exclude_max=True),
+    st.binary(min_size=1, max_size=12),
+)
 _DIR = Path(tempfile.mkdtemp(prefix="lorascope-fuzz-"))
 
 
@@ -60,9 +64,9 @@ def _mutate(data: bytes, edits: list[tuple[str, float, bytes]]) -> bytes:
         elif op == "insert":
             buf[i:i] = noise
         elif op == "delete":
-            del buf[i:i + len(noise) * 8]
+            del buf[i : i + len(noise) * 8]
         elif op == "repeat":
-            buf[i:i] = buf[i:i + len(noise) * 16]
+            buf[i:i] = buf[i : i + len(noise) * 16]
     return bytes(buf)
 
 
@@ -78,8 +82,12 @@ def _analyse(path: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(INPUTS))
-@settings(max_examples=150, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(edits=st.lists(_EDIT, min_size=1, max_size=4))
 def test_mutated_real_inputs_load_or_fail_cleanly(name: str, edits: list[tuple[str, float, bytes]]) -> None:
     kind, data = INPUTS[name]
@@ -116,8 +124,12 @@ def _encode(name: str, obj: Any) -> bytes:
 
 
 @pytest.mark.parametrize("name", sorted(STRUCTURED))
-@settings(max_examples=120, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(picks=st.lists(_PICK, min_size=1, max_size=6))
 def test_odd_content_is_analysed_or_refused_cleanly(name: str, picks: list[tuple[float, Any, bool]]) -> None:
     kind, data = STRUCTURED[name]

@@ -1,8 +1,8 @@
 """`lorascope hang` signals only processes proven to be the run's ranks."""
+
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,25 +26,41 @@ def fake_run(tmp_path: Path, pid: int, started: float) -> Path:
     record_launch(run, "h-1", ["job"])
     for rank, rank_pid in ((0, pid), (1, pid)):
         stream = Stream(stream_prefix(run, rank, socket.gethostname(), rank_pid + rank))
-        stream.write({"k": "start", "t": started, "rank": rank, "world_size": 2, "local_rank": rank,
-                      "pid": rank_pid, "host": socket.gethostname(), "argv": [], "versions": {},
-                      "device": "cpu"})
+        stream.write(
+            {
+                "k": "start",
+                "t": started,
+                "rank": rank,
+                "world_size": 2,
+                "local_rank": rank,
+                "pid": rank_pid,
+                "host": socket.gethostname(),
+                "argv": [],
+                "versions": {},
+                "device": "cpu",
+            }
+        )
         stream.close()
     return run
 
 
 def listener(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], Path]:
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(marker)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER, str(marker)], stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc, marker
 
 
 def hang(run: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lorascope", "hang", str(run), "--wait", "0.5",
-                           "--no-html"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": ""})  # no py-spy on PATH: nothing else reads it
+    return subprocess.run(
+        [sys.executable, "-m", "lorascope", "hang", str(run), "--wait", "0.5", "--no-html"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": ""},
+    )  # no py-spy on PATH: nothing else reads it
 
 
 def test_a_pid_now_owned_by_another_process_is_not_signalled(tmp_path: Path) -> None:

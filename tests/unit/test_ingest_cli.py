@@ -1,5 +1,6 @@
 """`lorascope analyze` on artifacts, through the real CLI: a summary for good inputs, one
 line and a non-zero status (never a traceback) for every bad input of every loader."""
+
 from __future__ import annotations
 
 import gzip
@@ -9,11 +10,9 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures"
@@ -26,8 +25,13 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lorascope", "analyze", *args, "--no-hta"],
-                          capture_output=True, text=True, env=ENV, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lorascope", "analyze", *args, "--no-hta"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
 
 
 def _truncated(src: Path) -> Callable[[Path], Path]:
@@ -36,6 +40,7 @@ def _truncated(src: Path) -> Callable[[Path], Path]:
         out = tmp / f"truncated-{src.name}"
         out.write_bytes(data[: len(data) // 2])
         return out
+
     return make
 
 
@@ -91,16 +96,29 @@ def _truncated_gz_log(tmp: Path) -> Path:
 
 #: (loader forced with --kind, or None for detection; how to make the bad input)
 CASES: list[tuple[str | None, Callable[[Path], Path]]] = [
-    *[(kind, make) for kind in ("snapshot", "flight", "kineto", "log")
-      for make in (_empty, _random)],
-    ("snapshot", _truncated(SNAPSHOT)), ("snapshot", lambda t: TRACE), ("snapshot", _other_pickle),
-    ("flight", _truncated(FLIGHT)), ("flight", _truncated(FLIGHT_JSON)), ("flight", lambda t: SNAPSHOT),
-    ("kineto", _truncated(TRACE)), ("kineto", lambda t: FLIGHT_JSON),
-    ("log", _truncated_gz_log), ("log", lambda t: SNAPSHOT),
-    ("rundir", lambda t: SNAPSHOT), ("rundir", _empty_folder),
-    (None, _empty), (None, _random), (None, _png), (None, _other_json), (None, _other_pickle),
-    (None, _truncated(SNAPSHOT)), (None, _truncated(TRACE)), (None, _truncated_gz_log),
-    (None, _junk_folder), (None, _empty_folder),
+    *[(kind, make) for kind in ("snapshot", "flight", "kineto", "log") for make in (_empty, _random)],
+    ("snapshot", _truncated(SNAPSHOT)),
+    ("snapshot", lambda t: TRACE),
+    ("snapshot", _other_pickle),
+    ("flight", _truncated(FLIGHT)),
+    ("flight", _truncated(FLIGHT_JSON)),
+    ("flight", lambda t: SNAPSHOT),
+    ("kineto", _truncated(TRACE)),
+    ("kineto", lambda t: FLIGHT_JSON),
+    ("log", _truncated_gz_log),
+    ("log", lambda t: SNAPSHOT),
+    ("rundir", lambda t: SNAPSHOT),
+    ("rundir", _empty_folder),
+    (None, _empty),
+    (None, _random),
+    (None, _png),
+    (None, _other_json),
+    (None, _other_pickle),
+    (None, _truncated(SNAPSHOT)),
+    (None, _truncated(TRACE)),
+    (None, _truncated_gz_log),
+    (None, _junk_folder),
+    (None, _empty_folder),
 ]
 
 
@@ -113,7 +131,7 @@ def test_every_bad_input_is_one_line_and_a_nonzero_status(tmp_path: Path) -> Non
         jobs.append((kind, target, [str(target)] + (["--kind", kind] if kind else [])))
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda job: _cli(*job[2]), jobs))
-    for (kind, target, _), proc in zip(jobs, results):
+    for (kind, target, _), proc in zip(jobs, results, strict=True):
         what = f"--kind {kind} {target.name}"
         assert proc.returncode == 3, (what, proc.returncode, proc.stderr)
         assert proc.stdout == "", what
@@ -131,13 +149,27 @@ def test_summaries_and_json_for_each_kind(tmp_path: Path) -> None:
     shutil.copy(TRACE, folder / "rank-0.trace.json.gz")
     text, js = _cli(str(folder)), _cli(str(folder), "--json", "--fail-on", "error")
     assert text.returncode == 0, text.stderr
-    for needle in ("oom  ERROR", "allocator snapshot, rank 0", "peak:", "OOM at entry", "kernel trace, rank 0",
-                   "flight-recorder dumps: ranks 0, 1", "disagreement: group 0 #4 (size+dtype)",
-                   "NCCL watchdog timeout on ALLREDUCE #118", "collective-mismatch"):
+    for needle in (
+        "oom  ERROR",
+        "allocator snapshot, rank 0",
+        "peak:",
+        "OOM at entry",
+        "kernel trace, rank 0",
+        "flight-recorder dumps: ranks 0, 1",
+        "disagreement: group 0 #4 (size+dtype)",
+        "NCCL watchdog timeout on ALLREDUCE #118",
+        "collective-mismatch",
+    ):
         assert needle in text.stdout, needle
     assert js.returncode == 4
     data = json.loads(js.stdout)
-    assert set(data["artifacts"]) == {"snapshots", "snapshot_comparison", "traces", "flight_records",
-                                      "flight_alignment", "logs"}
+    assert set(data["artifacts"]) == {
+        "snapshots",
+        "snapshot_comparison",
+        "traces",
+        "flight_records",
+        "flight_alignment",
+        "logs",
+    }
     assert {f["id"] for f in data["findings"]} >= {"oom", "allocator-fragmentation", "collective-mismatch"}
     assert data["artifacts"]["snapshots"]["0"]["devices"][0]["ooms"][0]["index"] == 59

@@ -1,5 +1,6 @@
 """The artifact-only detectors (oom, allocator-fragmentation, collective-mismatch,
 straggler) on the recorded artifacts, and their silence on healthy ones."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """Flight-recorder dumps recorded from the real 2-rank gloo job (fixtures/flight-recorder/),
 read and aligned: the planted hang, a healthy run, a same-bytes dtype mismatch."""
+
 from __future__ import annotations
 
 import copy
@@ -42,8 +43,10 @@ def test_planted_hang_first_disagreement_with_frames() -> None:
     assert first.entries[0].op == "all_reduce" and first.entries[0].input_sizes == [[1]]
     assert first.entries[1].op == "barrier"
     assert any("record.py:" in f and "rank_main" in f for f in first.entries[0].frames)
-    assert {r: (p.last_enqueued, p.last_completed, p.pending) for r, p in group.progress.items()} == \
-        {0: (4, 3, True), 1: (4, 3, True)}
+    assert {r: (p.last_enqueued, p.last_completed, p.pending) for r, p in group.progress.items()} == {
+        0: (4, 3, True),
+        1: (4, 3, True),
+    }
 
 
 def test_json_dumps_align_the_same_without_frames() -> None:

@@ -1,5 +1,6 @@
 """Kinds by content, --kind, ranks from paths, and a folder of one job's artifacts loaded
 into one bundle."""
+
 from __future__ import annotations
 
 import gzip
@@ -18,16 +19,19 @@ FIX = ROOT / "fixtures"
 REAL = ROOT.parent / "shared" / "real-traces"
 
 
-@pytest.mark.parametrize("path, kind", [
-    (FIX / "snapshots" / "lora-oom" / "rank-0.pickle", "snapshot"),
-    (FIX / "snapshots" / "lora-oom" / "job.log", "log"),
-    (FIX / "flight-recorder" / "healthy" / "rank-0.pickle", "flight"),
-    (FIX / "flight-recorder" / "rank0-extra-allreduce" / "rank-1.json", "flight"),
-    (FIX / "healthy", "rundir"),
-    (FIX / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz", "kineto"),
-    (FIX / "healthy" / "manifest.json", None),
-    (FIX, None),
-])
+@pytest.mark.parametrize(
+    "path, kind",
+    [
+        (FIX / "snapshots" / "lora-oom" / "rank-0.pickle", "snapshot"),
+        (FIX / "snapshots" / "lora-oom" / "job.log", "log"),
+        (FIX / "flight-recorder" / "healthy" / "rank-0.pickle", "flight"),
+        (FIX / "flight-recorder" / "rank0-extra-allreduce" / "rank-1.json", "flight"),
+        (FIX / "healthy", "rundir"),
+        (FIX / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz", "kineto"),
+        (FIX / "healthy" / "manifest.json", None),
+        (FIX, None),
+    ],
+)
 def test_kind_by_content(path: Path, kind: str | None) -> None:
     assert detect_kind(path) == kind
 
@@ -38,10 +42,19 @@ def test_kind_ignores_names(tmp_path: Path) -> None:
     assert detect_kind(disguised) == "flight"
 
 
-@pytest.mark.parametrize("name, rank", [
-    ("rank-3.pickle", 3), ("snapshot_rank7.pickle", 7), ("nccl_trace_rank_12", 12), ("oom_snapshot_2.pickle", 2),
-    ("trace.json.gz", None), ("snapshot_1716000000.pickle", None), ("ranks/rank-5/x.json.gz", 5), ("4/dump.pkl", 4),
-])
+@pytest.mark.parametrize(
+    "name, rank",
+    [
+        ("rank-3.pickle", 3),
+        ("snapshot_rank7.pickle", 7),
+        ("nccl_trace_rank_12", 12),
+        ("oom_snapshot_2.pickle", 2),
+        ("trace.json.gz", None),
+        ("snapshot_1716000000.pickle", None),
+        ("ranks/rank-5/x.json.gz", 5),
+        ("4/dump.pkl", 4),
+    ],
+)
 def test_rank_from_path(name: str, rank: int | None) -> None:
     assert rank_from_path(Path(name)) == rank
 
@@ -49,8 +62,9 @@ def test_rank_from_path(name: str, rank: int | None) -> None:
 def test_mixed_folder_of_one_job(tmp_path: Path) -> None:
     for r in (0, 1):
         shutil.copy(FIX / "snapshots" / "lora-oom" / f"rank-{r}.pickle", tmp_path / f"snapshot_rank{r}.pickle")
-        shutil.copy(FIX / "flight-recorder" / "rank0-extra-allreduce" / f"rank-{r}.pickle",
-                    tmp_path / f"nccl_trace_rank_{r}")
+        shutil.copy(
+            FIX / "flight-recorder" / "rank0-extra-allreduce" / f"rank-{r}.pickle", tmp_path / f"nccl_trace_rank_{r}"
+        )
     shutil.copy(FIX / "snapshots" / "lora-oom" / "job.log", tmp_path / "job.log")
     traces = tmp_path / "traces"
     traces.mkdir()

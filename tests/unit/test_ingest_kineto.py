@@ -1,6 +1,7 @@
 """Kineto traces: the real GPU traces in ../shared/real-traces (CUDA with and without
 collective args, ROCm) and the CPU trace of the recorded healthy run. Expected numbers
 are counted here from the raw JSON, not hard-coded."""
+
 from __future__ import annotations
 
 import gzip
@@ -30,14 +31,18 @@ def _kernels(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @needs_real
-@pytest.mark.parametrize("name", ["128rank-job.rank-0.json.gz", "128rank-job.rank-1.json.gz",
-                                  "a100-nccl-collective-args.rank-0.json.gz"])
+@pytest.mark.parametrize(
+    "name", ["128rank-job.rank-0.json.gz", "128rank-job.rank-1.json.gz", "a100-nccl-collective-args.rank-0.json.gz"]
+)
 def test_cuda_traces(name: str) -> None:
     raw = _raw(REAL / name)
     trace = read_trace(REAL / name)
     kernels = _kernels(raw)
-    assert (trace.rank, trace.world_size, trace.backend) == (raw["distributedInfo"]["rank"],
-                                                             raw["distributedInfo"]["world_size"], "nccl")
+    assert (trace.rank, trace.world_size, trace.backend) == (
+        raw["distributedInfo"]["rank"],
+        raw["distributedInfo"]["world_size"],
+        "nccl",
+    )
     assert trace.device == "cuda" and trace.unit == "kernel"
     assert trace.durations.count == len(kernels)
     assert trace.durations.total_us == pytest.approx(sum(e["dur"] for e in kernels))
@@ -50,8 +55,12 @@ def test_cuda_traces(name: str) -> None:
     if with_args:
         c = next(c for c in trace.collectives if c.source == "kernel args")
         e = next(e for e in with_args if e["ts"] == c.ts_us)
-        assert (c.op, c.in_nelems, c.dtype, c.group_ranks) == (e["args"]["Collective name"],
-                                                               e["args"]["In msg nelems"], e["args"]["dtype"], [0, 1])
+        assert (c.op, c.in_nelems, c.dtype, c.group_ranks) == (
+            e["args"]["Collective name"],
+            e["args"]["In msg nelems"],
+            e["args"]["dtype"],
+            [0, 1],
+        )
     steps = {e["name"] for e in raw["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
     assert {name for name, _ in trace.steps} == steps
     assert 0 < trace.busy_us <= trace.span_us and trace.comm_us > 0
@@ -101,11 +110,14 @@ def test_hta_figures_on_gpu_traces_and_its_refusal_of_cpu_ones() -> None:
     assert figures == {} and note is not None and note.startswith("HTA rejected")
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"traceEvents": []}, "without any timed event"),
-    ({"schemaVersion": 1}, "not a Kineto trace"),
-    ([1, 2], "not a Kineto trace"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"traceEvents": []}, "without any timed event"),
+        ({"schemaVersion": 1}, "not a Kineto trace"),
+        ([1, 2], "not a Kineto trace"),
+    ],
+)
 def test_not_a_trace(data: Any, message: str) -> None:
     with pytest.raises(BadInputError, match=message):
         analyse_trace(data, Path("t.json"))

@@ -1,4 +1,5 @@
 """Job logs: the lines that matter, streamed, with ranks and numbers."""
+
 from __future__ import annotations
 
 import gzip
@@ -27,8 +28,14 @@ def test_the_job_log_fixture() -> None:
     log = read_log(JOB_LOG)
     assert log.ranks == [0, 1] and log.lines == 7 and log.looks_like_a_log
     (timeout,) = log.watchdog_timeouts
-    assert (timeout.rank, timeout.seq, timeout.op, timeout.numel_in, timeout.timeout_ms, timeout.ran_ms) == \
-        (1, 118, "ALLREDUCE", 1, 1_800_000, 1_800_083)
+    assert (timeout.rank, timeout.seq, timeout.op, timeout.numel_in, timeout.timeout_ms, timeout.ran_ms) == (
+        1,
+        118,
+        "ALLREDUCE",
+        1,
+        1_800_000,
+        1_800_083,
+    )
     (progress,) = log.nccl_progress
     assert (progress.last_enqueued, progress.last_completed, progress.group) == (118, 117, "default_pg")
     (oom,) = log.ooms
@@ -49,8 +56,11 @@ def test_older_messages_and_other_launchers(tmp_path: Path) -> None:
     oom = log.ooms[0]
     assert oom.rank is None and oom.requested == 20 * MiB and oom.free == int(3.44 * MiB)
     assert oom.reserved_unallocated == int(14.71 * GiB) - int(14.56 * GiB)
-    assert {k: v for k, v in log.counts.items() if k.startswith(("gloo", "no-grad"))} == \
-        {"gloo-size-mismatch": 1, "gloo-timeout": 1, "no-grad-error": 1}
+    assert {k: v for k, v in log.counts.items() if k.startswith(("gloo", "no-grad"))} == {
+        "gloo-size-mismatch": 1,
+        "gloo-timeout": 1,
+        "no-grad-error": 1,
+    }
 
 
 def test_streams_big_gzipped_logs_and_cuts_long_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

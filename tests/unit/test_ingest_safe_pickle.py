@@ -1,4 +1,5 @@
 """The safe unpickler: plain data only, the same values pickle builds, nothing ever run."""
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,48 @@ from lorascope.ingest.safe_pickle import PickleFormatError, UnsafePickleError, l
 
 SHARED = {"filename": "train.py", "line": 3, "name": "main"}
 PLAIN: list[Any] = [
-    None, True, False, 0, 1, -1, 255, 256, 65535, 65536, 2**31, -2**31 - 1, 2**64, -2**1000, 1.5, float("inf"),
-    "", "x" * 300, "é\u1234\U0001F600", (), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), [], [SHARED] * 3,
-    {1: 2, "k": [1, 2]}, list(range(3000)), {i: str(i) for i in range(2500)},
-    [{"action": "alloc", "addr": 2**47, "size": 512, "stream": 0, "time_us": 2**50, "compile_context": "N/A",
-      "user_metadata": "", "frames": [SHARED, SHARED]}] * 4,
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    255,
+    256,
+    65535,
+    65536,
+    2**31,
+    -(2**31) - 1,
+    2**64,
+    -(2**1000),
+    1.5,
+    float("inf"),
+    "",
+    "x" * 300,
+    "é\u1234\U0001f600",
+    (),
+    (1,),
+    (1, 2),
+    (1, 2, 3),
+    (1, 2, 3, 4),
+    [],
+    [SHARED] * 3,
+    {1: 2, "k": [1, 2]},
+    list(range(3000)),
+    {i: str(i) for i in range(2500)},
+    [
+        {
+            "action": "alloc",
+            "addr": 2**47,
+            "size": 512,
+            "stream": 0,
+            "time_us": 2**50,
+            "compile_context": "N/A",
+            "user_metadata": "",
+            "frames": [SHARED, SHARED],
+        }
+    ]
+    * 4,
     {"nested": {"a": None, "b": True, "c": [SHARED]}, "y": [1]},
 ]
 
@@ -69,23 +107,28 @@ def test_a_malicious_pickle_runs_nothing(tmp_path: Path, protocol: int, how: str
     data = pickle.dumps({"segments": [], "device_traces": [[{"frames": _Payload(marker, how)}]]}, protocol=protocol)
     path = tmp_path / "evil.pickle"
     path.write_bytes(data)
-    with pytest.raises(UnsafePickleError, match=r"refused: the pickle asks to import (builtins|__builtin__|posix|os)\.(exec|system)"):
+    with pytest.raises(
+        UnsafePickleError, match=r"refused: the pickle asks to import (builtins|__builtin__|posix|os)\.(exec|system)"
+    ):
         load_pickle(path)
     assert not marker.exists()
     pickle.loads(data)  # the control: pickle itself runs it
     assert marker.exists()
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"", "empty"),
-    (pickle.dumps({"a": [1, 2, 3]}, protocol=4)[:-5], "truncated"),
-    (bytes(range(256)), "not"),
-    (b"\x80\x04K\x01K\x02.", "unbalanced"),
-    (b"\x80\x09N.", "protocol"),
-    (b"\x80\x04\x8c\xffabc", "truncated"),
-    (b"\x80\x04j\x00\x00\x00\x10.", "truncated or corrupt"),
-    (b"\x80\x04R.", "refused"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty"),
+        (pickle.dumps({"a": [1, 2, 3]}, protocol=4)[:-5], "truncated"),
+        (bytes(range(256)), "not"),
+        (b"\x80\x04K\x01K\x02.", "unbalanced"),
+        (b"\x80\x09N.", "protocol"),
+        (b"\x80\x04\x8c\xffabc", "truncated"),
+        (b"\x80\x04j\x00\x00\x00\x10.", "truncated or corrupt"),
+        (b"\x80\x04R.", "refused"),
+    ],
+)
 def test_broken_pickles_raise_one_clear_error(data: bytes, message: str) -> None:
     with pytest.raises((PickleFormatError, UnsafePickleError), match=message):
         loads_pickle(data)
@@ -94,8 +137,12 @@ def test_broken_pickles_raise_one_clear_error(data: bytes, message: str) -> None
 def test_values_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(safe_pickle, "_CHUNK", 4096)
     monkeypatch.setattr(safe_pickle, "_LOW_WATER", 512)
-    obj = {"long": "z" * 10_000, "bytes": b"b" * 9000, "list": [[SHARED, SHARED] for _ in range(500)],
-           "entries": [{"addr": i * 512, "size": i, "name": f"n{i % 7}"} for i in range(2000)]}
+    obj = {
+        "long": "z" * 10_000,
+        "bytes": b"b" * 9000,
+        "list": [[SHARED, SHARED] for _ in range(500)],
+        "entries": [{"addr": i * 512, "size": i, "name": f"n{i % 7}"} for i in range(2000)],
+    }
     path = tmp_path / "big.pickle"
     path.write_bytes(pickle.dumps(obj, protocol=4))
     assert _norm(load_pickle(path)) == _norm(obj)

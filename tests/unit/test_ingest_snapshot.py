@@ -1,5 +1,6 @@
 """Allocator snapshots: state, fragmentation, trace replay to the peak and the OOM, sites,
 categories, logits-sized blocks, rank-only allocations; odd real-world layouts."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -105,8 +106,9 @@ def test_legacy_list_of_segments_with_history() -> None:
     data = _alloc_snapshot()
     for seg in data["segments"]:
         for block in seg["blocks"]:
-            block["history"] = [{"addr": block.pop("address"), "real_size": block["size"],
-                                 "frames": block.pop("frames")}]
+            block["history"] = [
+                {"addr": block.pop("address"), "real_size": block["size"], "frames": block.pop("frames")}
+            ]
             if block["state"] == "inactive" and block is seg["blocks"][-1]:
                 block["state"] = "active_pending_free"
     snap = analyse_snapshot(data["segments"], Path("old.pickle"))

@@ -5,6 +5,7 @@ Saved tensors are read off the autograd graph (each node's ``_saved_*`` tensors,
 once per storage, parameters and Python scalars left out). On CPU dropout saves its mask
 in the input dtype (CUDA's fused dropout saves a bool mask): the model is asked for that.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,20 +24,29 @@ from lorascope.plan.shape import shape_from_config  # noqa: E402
 from lorascope.plan.training import TrainingSetup  # noqa: E402
 
 B, T = 3, 40
-LLAMA = {"model_type": "llama", "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 96,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 500,
+}
 QWEN2 = {**LLAMA, "model_type": "qwen2", "num_key_value_heads": 4}
 _MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 
 
-def saved_bytes(config: dict[str, Any], attention: str, dtype: Any, fp32_adapters: bool,
-                **lora: Any) -> tuple[int, int]:
+def saved_bytes(
+    config: dict[str, Any], attention: str, dtype: Any, fp32_adapters: bool, **lora: Any
+) -> tuple[int, int]:
     """(bytes autograd saves for backward outside the loss, bytes the loss node saves)."""
     config_cls, model_cls = _MODELS[config["model_type"]]
     fields = {k: v for k, v in config.items() if k != "model_type"}
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        **fields, attn_implementation=attention, use_cache=False)).to(dtype)
+    model = getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(**fields, attn_implementation=attention, use_cache=False)
+    ).to(dtype)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=fp32_adapters)
     model.train()
     ids = torch.randint(0, config["vocab_size"], (B, T))
@@ -95,18 +105,26 @@ def _case_id(case: tuple[Any, ...]) -> str:
     config, attention, dtype, fp32_adapters, lora = case
     targets = lora["target_modules"]
     extras = [k for k in lora if k != "target_modules"] + (["fp32-adapters"] if fp32_adapters else [])
-    return "-".join([config["model_type"], attention, str(dtype).removeprefix("torch."),
-                     targets if isinstance(targets, str) else "+".join(targets), *extras])
+    return "-".join(
+        [
+            config["model_type"],
+            attention,
+            str(dtype).removeprefix("torch."),
+            targets if isinstance(targets, str) else "+".join(targets),
+            *extras,
+        ]
+    )
 
 
-@pytest.mark.parametrize(("config", "attention", "dtype", "fp32_adapters", "lora"), CASES,
-                         ids=[_case_id(case) for case in CASES])
-def test_saved_activations_match_autograd(config: dict[str, Any], attention: str, dtype: Any,
-                                          fp32_adapters: bool, lora: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("config", "attention", "dtype", "fp32_adapters", "lora"), CASES, ids=[_case_id(case) for case in CASES]
+)
+def test_saved_activations_match_autograd(
+    config: dict[str, Any], attention: str, dtype: Any, fp32_adapters: bool, lora: dict[str, Any]
+) -> None:
     body, head = saved_bytes(config, attention, dtype, fp32_adapters, r=8, **lora)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    setup = TrainingSetup(precision=precision, fp32_adapters=fp32_adapters, attention=attention,
-                          seq=T, micro_batch=B)
+    setup = TrainingSetup(precision=precision, fp32_adapters=fp32_adapters, attention=attention, seq=T, micro_batch=B)
     shape = shape_from_config(config)
     spec = LoraSpec.from_peft_dict(peft.LoraConfig(r=8, **lora).to_dict())
     planned = estimate(shape, resolve(spec, shape), spec, setup, mask_bytes=setup.compute_bytes)
@@ -138,11 +156,14 @@ def test_logits_spike_matches_the_allocator(loss: str, tmp_path: Path) -> None:
     vocab, batch, seq = 4000, 2, 64
     logits = torch.randn(batch, seq, vocab, dtype=torch.bfloat16, requires_grad=True)
     if loss == "fp32-upcast":
+
         def loss_fn(x: Any, y: Any) -> Any:
             return ForCausalLMLoss(x, y, vocab)
     else:
+
         def loss_fn(x: Any, y: Any) -> Any:
             return torch.nn.functional.cross_entropy(x.view(-1, vocab), y.view(-1))
+
     measured = loss_peak(logits, loss_fn, tmp_path / "trace.json")
     shape = shape_from_config({**LLAMA, "vocab_size": vocab})
     planned = logits_bytes(shape, TrainingSetup(seq=seq, micro_batch=batch, loss=loss))

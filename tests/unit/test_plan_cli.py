@@ -1,5 +1,6 @@
 """`lorascope plan` end to end: the CLI (text, --json, errors), the verdict and the ranked
 changes, `plan_from_configs` on the configs a recorded run holds, and import hygiene."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,24 @@ from lorascope.plan.presets import preset_config
 from lorascope.plan.training import TrainingSetup, ZeroSetup
 from lorascope.plan.units import GIB, parse_bytes
 
-ISSUE_EXAMPLE = ["--lora-r", "16", "--lora-targets", "all-linear", "--zero", "3", "--gpus", "4",
-                 "--gpu-mem", "80GiB", "--seq", "4096", "--micro-batch", "2", "--checkpointing", "non-reentrant"]
+ISSUE_EXAMPLE = [
+    "--lora-r",
+    "16",
+    "--lora-targets",
+    "all-linear",
+    "--zero",
+    "3",
+    "--gpus",
+    "4",
+    "--gpu-mem",
+    "80GiB",
+    "--seq",
+    "4096",
+    "--micro-batch",
+    "2",
+    "--checkpointing",
+    "non-reentrant",
+]
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -32,8 +49,14 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 def llama3_8b_config_json(tmp_path: Path) -> Path:
     """A config.json as the Hub ships it (extra keys the plan ignores)."""
-    config = {**preset_config("llama-3-8b"), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
-              "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05}
+    config = {
+        **preset_config("llama-3-8b"),
+        "architectures": ["LlamaForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return path
@@ -43,8 +66,19 @@ def test_issue_example_from_config_json(tmp_path: Path, capsys: pytest.CaptureFi
     code, out, err = run_cli(["--model", str(llama3_8b_config_json(tmp_path)), *ISSUE_EXAMPLE], capsys)
     assert code == 0 and err == ""
     assert "41,943,040 trainable" in out
-    for label in ("base weights", "adapter weights", "adapter gradients", "optimizer state", "master weights",
-                  "activations", "logits + loss", "DeepSpeed buckets", "NCCL", "CUDA context", "verdict: fits"):
+    for label in (
+        "base weights",
+        "adapter weights",
+        "adapter gradients",
+        "optimizer state",
+        "master weights",
+        "activations",
+        "logits + loss",
+        "DeepSpeed buckets",
+        "NCCL",
+        "CUDA context",
+        "verdict: fits",
+    ):
         assert label in out
 
 
@@ -65,8 +99,21 @@ def test_json_is_the_same_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_70b_preset_ranked_changes_and_combination(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--preset", "llama-3-70b", "--lora-r", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
-            "--zero", "2", "--gpus", "8", "--seq", "4096", "--json"]
+    args = [
+        "--preset",
+        "llama-3-70b",
+        "--lora-r",
+        "16",
+        "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj",
+        "--zero",
+        "2",
+        "--gpus",
+        "8",
+        "--seq",
+        "4096",
+        "--json",
+    ]
     code, out, _ = run_cli(args, capsys)
     assert code == 0
     data = json.loads(out)
@@ -81,14 +128,18 @@ def test_70b_preset_ranked_changes_and_combination(capsys: pytest.CaptureFixture
 
 
 def test_change_totals_are_full_replans() -> None:
-    inputs = PlanInputs(preset_shape("llama-3-8b"), LoraSpec(r=16, targets="all-linear"),
-                        TrainingSetup(zero=ZeroSetup(stage=1), gpus_per_node=2, seq=8192, micro_batch=4,
-                                      attention="eager"), gpu_mem=80 * GIB)
+    inputs = PlanInputs(
+        preset_shape("llama-3-8b"),
+        LoraSpec(r=16, targets="all-linear"),
+        TrainingSetup(zero=ZeroSetup(stage=1), gpus_per_node=2, seq=8192, micro_batch=4, attention="eager"),
+        gpu_mem=80 * GIB,
+    )
     plan = build_plan(inputs)
     by_label = {c.label: c.total for c in plan.changes}
     replans = {
         "ZeRO-3 (partition the frozen base too)": dataclasses.replace(
-            inputs.setup, zero=dataclasses.replace(inputs.setup.zero, stage=3)),
+            inputs.setup, zero=dataclasses.replace(inputs.setup.zero, stage=3)
+        ),
         "SDPA attention": dataclasses.replace(inputs.setup, attention="sdpa"),
         "activation checkpointing (non-reentrant)": dataclasses.replace(inputs.setup, checkpointing="non-reentrant"),
     }
@@ -103,32 +154,42 @@ def test_verdict_bands() -> None:
         assert build_plan(dataclasses.replace(inputs, gpu_mem=card)).verdict == expected
 
 
-@pytest.mark.parametrize(("args", "code", "message"), [
-    (["--model", "/nonexistent/config.json"], 3, "no such file"),
-    (["--preset", "llama-3-8b", "--gpu-mem", "lots"], 2, "memory size"),
-    (["--preset", "llama-3-8b", "--gpu-mem", "80"], 2, "memory size"),
-    ([], 2, "exactly one of --model"),
-    (["--preset", "llama-3-8b", "--lora-targets", "nothing_here"], 2, "match no module"),
-    (["--preset", "llama-3-8b", "--zero", "1", "--offload-params"], 2, "ZeRO stage 3"),
-])
-def test_errors_are_one_line(args: list[str], code: int, message: str,
-                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--model", "/nonexistent/config.json"], 3, "no such file"),
+        (["--preset", "llama-3-8b", "--gpu-mem", "lots"], 2, "memory size"),
+        (["--preset", "llama-3-8b", "--gpu-mem", "80"], 2, "memory size"),
+        ([], 2, "exactly one of --model"),
+        (["--preset", "llama-3-8b", "--lora-targets", "nothing_here"], 2, "match no module"),
+        (["--preset", "llama-3-8b", "--zero", "1", "--offload-params"], 2, "ZeRO stage 3"),
+    ],
+)
+def test_errors_are_one_line(args: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     exit_code, out, err = run_cli(args, capsys)
     assert exit_code == code
     assert out == "" and err.count("\n") == 1 and err.startswith("lorascope: error:") and message in err
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    ('{"hidden_size": 4096}', "lacks intermediate_size"),
-    ('{"hidden_size": 4096, "intermediate_size": 1, "num_hidden_layers": 2, "num_attention_heads": 3, '
-     '"vocab_size": 10}', "not divisible"),
-    ('{"hidden_size": 64, "intermediate_size": 1, "num_hidden_layers": 2, "num_attention_heads": 4, '
-     '"vocab_size": 10, "num_local_experts": 8}', "mixture-of-experts"),
-])
-def test_unusable_config_json(tmp_path: Path, content: str, message: str,
-                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"hidden_size": 4096}', "lacks intermediate_size"),
+        (
+            '{"hidden_size": 4096, "intermediate_size": 1, "num_hidden_layers": 2, "num_attention_heads": 3, '
+            '"vocab_size": 10}',
+            "not divisible",
+        ),
+        (
+            '{"hidden_size": 64, "intermediate_size": 1, "num_hidden_layers": 2, "num_attention_heads": 4, '
+            '"vocab_size": 10, "num_local_experts": 8}',
+            "mixture-of-experts",
+        ),
+    ],
+)
+def test_unusable_config_json(tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.json"
     path.write_text(content)
     exit_code, _, err = run_cli(["--model", str(path)], capsys)
@@ -137,14 +198,43 @@ def test_unusable_config_json(tmp_path: Path, content: str, message: str,
 
 def test_ds_and_lora_config_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-                              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                    "reduce_bucket_size": "auto"}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": "auto"},
+            }
+        )
+    )
     adapter = tmp_path / "adapter_config.json"
-    adapter.write_text(json.dumps({"peft_type": "LORA", "r": 64, "lora_alpha": 16,
-                                   "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.05}))
-    code, out, _ = run_cli(["--preset", "llama-3-8b", "--ds-config", str(ds), "--lora-config", str(adapter),
-                            "--lora-r", "16", "--gpus", "8", "--json"], capsys)
+    adapter.write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 64,
+                "lora_alpha": 16,
+                "target_modules": ["q_proj", "v_proj"],
+                "lora_dropout": 0.05,
+            }
+        )
+    )
+    code, out, _ = run_cli(
+        [
+            "--preset",
+            "llama-3-8b",
+            "--ds-config",
+            str(ds),
+            "--lora-config",
+            str(adapter),
+            "--lora-r",
+            "16",
+            "--gpus",
+            "8",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     data = json.loads(out)
     assert data["setup"]["zero_stage"] == 3 and data["setup"]["offload_optimizer"]
@@ -179,13 +269,31 @@ def test_plan_from_recorded_configs_equals_cli_plan(capsys: pytest.CaptureFixtur
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     model_config = _recorded(model.base_model.model.config.to_dict())
     lora_config = _recorded({name: c.to_dict() for name, c in model.peft_config.items()})
-    ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
-                 "bf16": {"enabled": True}}
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     plan = plan_from_configs(model_config, lora_config, ds_config, world_size=2, seq=32)
     assert plan.params.trainable == model.get_nb_trainable_parameters()[0]
-    code, out, _ = run_cli(["--preset", "tiny-llama", "--lora-r", "8", "--lora-alpha", "16", "--lora-targets",
-                            "all-linear", "--zero", "3", "--gpus", "2", "--seq", "32", "--micro-batch", "4",
-                            "--json"], capsys)
+    code, out, _ = run_cli(
+        [
+            "--preset",
+            "tiny-llama",
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            "all-linear",
+            "--zero",
+            "3",
+            "--gpus",
+            "2",
+            "--seq",
+            "32",
+            "--micro-batch",
+            "4",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     cli_terms = {t["key"]: t["bytes"] for t in json.loads(out)["terms"]}
     assert {t.key: t.bytes for t in plan.terms} == cli_terms
@@ -197,16 +305,19 @@ def test_plan_from_configs_precision_rules() -> None:
     no_ds = plan_from_configs(model, lora, None, world_size=1, seq=2048, micro_batch=1)
     assert no_ds.inputs.setup.precision == "bf16" and no_ds.inputs.setup.fp32_adapters
     assert no_ds.term("master_weights").bytes == 0  # fp32 adapters are their own master
-    ds_bf16 = plan_from_configs(model, lora, {"bf16": {"enabled": True}}, world_size=8, seq=2048,
-                                micro_batch=1, gpus_per_node=4)
+    ds_bf16 = plan_from_configs(
+        model, lora, {"bf16": {"enabled": True}}, world_size=8, seq=2048, micro_batch=1, gpus_per_node=4
+    )
     assert not ds_bf16.inputs.setup.fp32_adapters and ds_bf16.inputs.setup.nodes == 2
     qlora = {**model, "quantization_config": {"load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16"}}
     assert plan_from_configs(qlora, lora, None, world_size=1, seq=512, micro_batch=1).inputs.setup.precision == "4bit"
 
 
 def test_no_torch_at_import() -> None:
-    code = ("import sys, lorascope.plan, lorascope.cli.plan, lorascope.cli; "
-            "bad = [m for m in ('torch', 'transformers', 'peft', 'deepspeed') if m in sys.modules]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
+    code = (
+        "import sys, lorascope.plan, lorascope.cli.plan, lorascope.cli; "
+        "bad = [m for m in ('torch', 'transformers', 'peft', 'deepspeed') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr

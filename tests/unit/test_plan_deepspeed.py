@@ -6,6 +6,7 @@ DeepSpeed's estimator"): (1) with every parameter trainable the plan must give D
 per-GPU figure; (2) under LoRA, the plan's adapter states must be DeepSpeed's figure for the
 trainable parameters alone, and the frozen base only its 16-bit weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,7 @@ def gpu_column(printed: str) -> dict[str, float]:
     return {re.sub(r"OffloadDeviceEnum\.|\s", "", options): float(gpu) for _, gpu, options in rows}
 
 
-@pytest.mark.parametrize(("preset", "gpus", "nodes"), [("llama-3-8b", 8, 1), ("llama-3-70b", 8, 2),
-                                                        ("qwen2-7b", 4, 1)])
+@pytest.mark.parametrize(("preset", "gpus", "nodes"), [("llama-3-8b", 8, 1), ("llama-3-70b", 8, 2), ("qwen2-7b", 4, 1)])
 @pytest.mark.parametrize("offload", [False, True])
 def test_zero2_full_finetune_equals_deepspeed(preset: str, gpus: int, nodes: int, offload: bool) -> None:
     tensors = full_finetune(preset)
@@ -70,16 +70,25 @@ def test_zero2_full_finetune_equals_deepspeed(preset: str, gpus: int, nodes: int
 @pytest.mark.parametrize(("preset", "gpus", "nodes"), [("llama-3-8b", 8, 1), ("llama-3-70b", 8, 2)])
 @pytest.mark.parametrize(("offload", "offload_params"), [(False, False), (True, False), (True, True)])
 def test_zero3_full_finetune_equals_deepspeed_with_fp32_grad_accumulation(
-        preset: str, gpus: int, nodes: int, offload: bool, offload_params: bool) -> None:
+    preset: str, gpus: int, nodes: int, offload: bool, offload_params: bool
+) -> None:
     """DeepSpeed's 18 bytes per parameter are ZeRO-3's holdings with grad_accum_dtype fp32
     (no persistent parameters, which the estimator ignores)."""
     tensors = full_finetune(preset)
     total = sum(t.numel for t in tensors)
     largest = count_params(preset_shape(preset), NO_ADAPTERS).largest_module_numel
     _, ds_gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
-        total, largest, gpus, nodes, cpu_offload=offload, cpu_offload_params=offload_params)
-    plan = setup(3, gpus, nodes, offload_optimizer=offload, offload_params=offload_params,
-                 param_persistence_threshold=0, grad_accum_dtype="fp32")
+        total, largest, gpus, nodes, cpu_offload=offload, cpu_offload_params=offload_params
+    )
+    plan = setup(
+        3,
+        gpus,
+        nodes,
+        offload_optimizer=offload,
+        offload_params=offload_params,
+        param_persistence_threshold=0,
+        grad_accum_dtype="fp32",
+    )
     gathered = model_states.gathered_term(tensors, plan).bytes
     assert states(tensors, plan) + gathered == pytest.approx(ds_gpu, abs=8)
 
@@ -91,8 +100,9 @@ def test_zero3_default_grad_accumulation_adds_the_16bit_gradient_partition() -> 
     total = sum(t.numel for t in tensors)
     largest = count_params(preset_shape("llama-3-8b"), NO_ADAPTERS).largest_module_numel
     # 16 GPUs: each rank's partition (~0.5e9) is under one optimizer sub-group (1e9 elements).
-    _, ds_gpu, _ = stage3.estimate_zero3_model_states_mem_needs(total, largest, 8, 2, cpu_offload=False,
-                                                                cpu_offload_params=False)
+    _, ds_gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
+        total, largest, 8, 2, cpu_offload=False, cpu_offload_params=False
+    )
     plan = setup(3, 8, 2, param_persistence_threshold=0)
     ours = states(tensors, plan) + model_states.gathered_term(tensors, plan).bytes
     assert ours - ds_gpu == pytest.approx(2 * total / 16, abs=8)
@@ -107,11 +117,20 @@ def test_all_cold_tables_for_llama3_70b(capsys: pytest.CaptureFixture[str]) -> N
     table3 = gpu_column(capsys.readouterr().out)
     stage2.estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=8, num_nodes=4)
     table2 = gpu_column(capsys.readouterr().out)
-    for options, offload, offload_params in (("offload_param=none,offload_optimizer=none,zero_init=1", False, False),
-                                             ("offload_param=none,offload_optimizer=cpu,zero_init=1", True, False),
-                                             ("offload_param=cpu,offload_optimizer=cpu,zero_init=1", True, True)):
-        plan = setup(3, 8, 4, offload_optimizer=offload, offload_params=offload_params,
-                     param_persistence_threshold=0, grad_accum_dtype="fp32")
+    for options, offload, offload_params in (
+        ("offload_param=none,offload_optimizer=none,zero_init=1", False, False),
+        ("offload_param=none,offload_optimizer=cpu,zero_init=1", True, False),
+        ("offload_param=cpu,offload_optimizer=cpu,zero_init=1", True, True),
+    ):
+        plan = setup(
+            3,
+            8,
+            4,
+            offload_optimizer=offload,
+            offload_params=offload_params,
+            param_persistence_threshold=0,
+            grad_accum_dtype="fp32",
+        )
         ours = states(tensors, plan) + model_states.gathered_term(tensors, plan).bytes
         assert ours / GIB == pytest.approx(table3[options], abs=0.006), options
     for options, offload in (("offload_optimizer=none", False), ("offload_optimizer=cpu", True)):
@@ -122,15 +141,22 @@ def test_all_cold_tables_for_llama3_70b(capsys: pytest.CaptureFixture[str]) -> N
 def test_all_live_on_a_real_model(capsys: pytest.CaptureFixture[str]) -> None:
     """*_all_live reads a real module (it de-duplicates parameters by data_ptr, so it needs
     storage: on the meta device every data_ptr is 0). to_empty gives storage without init."""
-    config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 3,
-              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": True}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "tie_word_embeddings": True,
+    }
     fields = {k: v for k, v in config.items() if k != "model_type"}
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).to(torch.bfloat16)
     model = model.to_empty(device="cpu")
     model.tie_weights()
-    tensors = [dataclasses.replace(t, trainable=True)
-               for t in param_tensors(shape_from_config(config), NO_ADAPTERS)]
+    tensors = [dataclasses.replace(t, trainable=True) for t in param_tensors(shape_from_config(config), NO_ADAPTERS)]
     assert stage3.model_to_params(model)[0] == sum(t.numel for t in tensors)
     stage3.estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
     table3 = gpu_column(capsys.readouterr().out)
@@ -172,6 +198,7 @@ def test_lora_adapter_states_are_deepspeed_on_the_trainable_params(stage: int) -
     else:
         plan = setup(3, 8, param_persistence_threshold=0, grad_accum_dtype="fp32")
         _, ds_gpu, ds_largest = stage3.estimate_zero3_model_states_mem_needs(
-            trainable, 0, 8, 1, cpu_offload=False, cpu_offload_params=False)
+            trainable, 0, 8, 1, cpu_offload=False, cpu_offload_params=False
+        )
         assert states(tensors, plan, ("base_weights",)) == pytest.approx(2 * frozen / 8, abs=1)
     assert states(tensors, plan, adapter_keys) == pytest.approx(ds_gpu, abs=8)

@@ -1,5 +1,6 @@
 """plan-deviation on synthetic ranks: the plan is made from the recorded configs, the readings
 are written around it, and the finding fires only beyond the tolerance of the memory kind."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,14 @@ import pytest
 
 from lorascope.detect import logits_spike, plan_deviation, rank0_asymmetry
 from lorascope.detect.plan_deviation import (
-    CUDA_TOLERANCE, HEAP_TOLERANCE, LOSS_TOLERANCE, RSS_TOLERANCE, Comparison, RankCheck, check_rank, detect,
+    CUDA_TOLERANCE,
+    HEAP_TOLERANCE,
+    LOSS_TOLERANCE,
+    RSS_TOLERANCE,
+    Comparison,
+    RankCheck,
+    check_rank,
+    detect,
     plan_for_rank,
 )
 from lorascope.detect.registry import DETECTORS
@@ -22,25 +30,62 @@ from lorascope.rundir.reader import RankData, RunData
 MIB = 2**20
 B, T, V = 8, 256, 512
 #: The probes' test-bed model at --hidden 128 --intermediate 512 --layers 4 (what config.to_dict() gives).
-MODEL = {"model_type": "llama", "vocab_size": V, "hidden_size": 128, "intermediate_size": 512,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-         "max_position_embeddings": T, "tie_word_embeddings": False, "attention_bias": False,
-         "mlp_bias": False, "dtype": None}
-LORA = {"default": {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16,
-                    "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none"}}
-DEEPSPEED = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
-             "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": V,
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": T,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "dtype": None,
+}
+LORA = {
+    "default": {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "target_modules": "all-linear",
+        "bias": "none",
+    }
+}
+DEEPSPEED = {
+    "train_micro_batch_size_per_gpu": B,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 3},
+    "bf16": {"enabled": False},
+}
 BASE = 2 * 2**30
 LOGITS = 4 * B * T * V
 
 
-def rank(n: int = 0, *, forward: int, kind: str = "heap", backward: int = 0, loss: int = LOGITS,
-         checkpointing: bool | None = None, loss_dtype: str = "float32", loss_after_forward: bool = False,
-         cuda_peak: int = 0, exception: str | None = None, configs: dict[str, Any] | None = None,
-         logits: bool = True, head: bool = True) -> RankData:
+def rank(
+    n: int = 0,
+    *,
+    forward: int,
+    kind: str = "heap",
+    backward: int = 0,
+    loss: int = LOGITS,
+    checkpointing: bool | None = None,
+    loss_dtype: str = "float32",
+    loss_after_forward: bool = False,
+    cuda_peak: int = 0,
+    exception: str | None = None,
+    configs: dict[str, Any] | None = None,
+    logits: bool = True,
+    head: bool = True,
+) -> RankData:
     """A rank whose first forward adds ``forward`` bytes of ``kind`` ("heap", "rss" or "cuda"),
     whose backward reads ``backward`` bytes above that once, and whose cross_entropy call adds
     ``loss`` bytes."""
+
     def reading(value: int) -> dict[str, Any]:
         if kind == "heap":
             return {"rss": 450 * MIB, "heap": value}
@@ -52,28 +97,70 @@ def rank(n: int = 0, *, forward: int, kind: str = "heap", backward: int = 0, los
         return {"k": "mem", "t": t, "src": src, "step": step, **reading(value)}
 
     top = BASE + forward
-    mem = [sample("attach", 1.0, 20 * MIB), sample("forward.begin", 10.0, BASE),
-           sample("forward.end", 11.0, top), sample("backward.begin", 11.1, top),
-           sample("sampler", 11.5, top + backward), sample("backward.end", 12.0, BASE),
-           sample("step", 12.5, BASE, 1), sample("forward.begin", 13.0, BASE, 1),
-           sample("sampler", 13.5, BASE + 100 * forward, 1)]
+    mem = [
+        sample("attach", 1.0, 20 * MIB),
+        sample("forward.begin", 10.0, BASE),
+        sample("forward.end", 11.0, top),
+        sample("backward.begin", 11.1, top),
+        sample("sampler", 11.5, top + backward),
+        sample("backward.end", 12.0, BASE),
+        sample("step", 12.5, BASE, 1),
+        sample("forward.begin", 13.0, BASE, 1),
+        sample("sampler", 13.5, BASE + 100 * forward, 1),
+    ]
     t_loss = 11.05 if loss_after_forward else 10.9
     records = []
     if head:
-        records.append({"k": "logits", "t": 10.8, "where": "lm_head_output", "step": 0, "shape": [B, T, V],
-                        "dtype": loss_dtype, "bytes": LOGITS, "vocab": V, "tokens": B * T})
-    records.append({"k": "logits", "t": t_loss, "where": "loss_input", "step": 0, "shape": [B * T, V],
-                    "dtype": loss_dtype, "bytes": LOGITS, "vocab": V, "tokens": B * T,
-                    "mem_before": reading(top - loss), "mem_after": reading(top)})
+        records.append(
+            {
+                "k": "logits",
+                "t": 10.8,
+                "where": "lm_head_output",
+                "step": 0,
+                "shape": [B, T, V],
+                "dtype": loss_dtype,
+                "bytes": LOGITS,
+                "vocab": V,
+                "tokens": B * T,
+            }
+        )
+    records.append(
+        {
+            "k": "logits",
+            "t": t_loss,
+            "where": "loss_input",
+            "step": 0,
+            "shape": [B * T, V],
+            "dtype": loss_dtype,
+            "bytes": LOGITS,
+            "vocab": V,
+            "tokens": B * T,
+            "mem_before": reading(top - loss),
+            "mem_after": reading(top),
+        }
+    )
     grad_setup = None
     if checkpointing is not None:
-        grad_setup = {"k": "grad_setup", "t": 10.95, "step": 0, "training": True, "input_require_grads_hooks": 1,
-                      "checkpointing": {"enabled": checkpointing, "use_reentrant": [False] if checkpointing else []}}
+        grad_setup = {
+            "k": "grad_setup",
+            "t": 10.95,
+            "step": 0,
+            "training": True,
+            "input_require_grads_hooks": 1,
+            "checkpointing": {"enabled": checkpointing, "use_reentrant": [False] if checkpointing else []},
+        }
     end = {"k": "end", "t": 14.0, "status": "exception" if exception else "exit", "code": 1 if exception else 0}
-    return RankData(rank=n, start={"k": "start", "t": 0.0, "rank": n, "world_size": 2, "pid": 100 + n, "host": "h"},
-                    files=[], configs={"model": MODEL, "lora": LORA, "deepspeed": DEEPSPEED} if configs is None
-                    else configs, mem=mem, logits=records if logits else [], grad_setup=grad_setup,
-                    exception={"type": "OutOfMemoryError", "message": exception} if exception else None, end=end)
+    return RankData(
+        rank=n,
+        start={"k": "start", "t": 0.0, "rank": n, "world_size": 2, "pid": 100 + n, "host": "h"},
+        files=[],
+        configs={"model": MODEL, "lora": LORA, "deepspeed": DEEPSPEED} if configs is None else configs,
+        mem=mem,
+        logits=records if logits else [],
+        grad_setup=grad_setup,
+        exception={"type": "OutOfMemoryError", "message": exception} if exception else None,
+        end=end,
+    )
 
 
 def bundle(*ranks: RankData) -> EvidenceBundle:
@@ -197,8 +284,12 @@ def test_activations_far_above_a_checkpointed_plan() -> None:
     without = planned()
     with_ckpt = planned(checkpointing=True)
     assert with_ckpt < without / 5
-    f = detect(bundle(rank(0, forward=without + 3 * MIB, checkpointing=True),
-                      rank(1, forward=without + 4 * MIB, checkpointing=True)))
+    f = detect(
+        bundle(
+            rank(0, forward=without + 3 * MIB, checkpointing=True),
+            rank(1, forward=without + 4 * MIB, checkpointing=True),
+        )
+    )
     assert len(f) == 1
     finding = f[0]
     assert finding.ranks == [0, 1]

@@ -1,5 +1,6 @@
 """The probes in a real (single-process, gloo) torch.distributed job, in a subprocess so
 that patching torch never leaks into the test process."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,14 @@ JOB = textwrap.dedent("""
 def run_job(tmp_path: Path, attach: str, env: dict[str, str], port: int) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "job.py"
     script.write_text(JOB.format(attach=attach, port=port))
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env}, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        cwd=tmp_path,
+    )
 
 
 def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None:
@@ -53,8 +60,13 @@ def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None
     assert all(s["src"] == "torch" and s["loss"] is not None for s in rank.steps)
     ops = [(c.op, c.bytes, c.seq) for c in rank.collectives]
     # all_gather_object's inner all_gather calls are not counted twice
-    assert ops == [("all_reduce", 16, 1), ("all_reduce", 16, 2), ("all_reduce", 16, 3),
-                   ("all_gather_object", None, 4), ("barrier", 0, 5)]
+    assert ops == [
+        ("all_reduce", 16, 1),
+        ("all_reduce", 16, 2),
+        ("all_reduce", 16, 3),
+        ("all_gather_object", None, 4),
+        ("barrier", 0, 5),
+    ]
     assert all(c.site and c.site.startswith(str(tmp_path / "job.py")) for c in rank.collectives)
     phases = {(p["name"], p["edge"]) for p in rank.phases}
     assert {("backward", "begin"), ("optimizer", "end")} <= phases
@@ -73,16 +85,24 @@ def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
     env = {"PYTHONPATH": f"{boot}{os.pathsep}{theirs}", "LORASCOPE_RUN_DIR": str(out)}
-    code = "import builtins, sys; print(getattr(builtins, 'THEIRS_RAN', False), 'lorascope.probes.attach' in sys.modules)"
-    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, **env})
+    code = (
+        "import builtins, sys; print(getattr(builtins, 'THEIRS_RAN', False), 'lorascope.probes.attach' in sys.modules)"
+    )
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
     assert plain.stdout.split() == ["True", "False"], plain.stderr  # not a rank: nothing attached
-    rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    rank = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"},
+    )
     assert rank.stdout.split() == ["True", "True"], rank.stderr
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0",
-                                "LORASCOPE_ATTACHED_PID": "1"})
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "LORASCOPE_ATTACHED_PID": "1"},
+    )
     assert child.stdout.split() == ["True", "False"]  # a child of a probed rank stays out
     assert len(load_run(out).ranks) == 1
 
@@ -90,10 +110,12 @@ def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_
 def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     record_launch(out, "test", ["job.py"])
-    attach = ("from lorascope.probes.memory import MemoryProbe\n"
-              "def broken(self, *args): raise OSError('planted: /proc unreadable')\n"
-              "MemoryProbe._cuda = broken\n"
-              f"lorascope.attach({str(out)!r})")
+    attach = (
+        "from lorascope.probes.memory import MemoryProbe\n"
+        "def broken(self, *args): raise OSError('planted: /proc unreadable')\n"
+        "MemoryProbe._cuda = broken\n"
+        f"lorascope.attach({str(out)!r})"
+    )
     proc = run_job(tmp_path, attach, {}, 29812)
     assert proc.returncode == 0, proc.stderr
     assert "probe 'memory' switched off" in proc.stderr

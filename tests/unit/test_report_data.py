@@ -1,4 +1,5 @@
 """The report's data builder, checked on the data (the page only lays it out)."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,18 @@ HEALTHY = REPO / "fixtures" / "healthy"
 
 
 def finding(id_: str = "rank-conditional-hang", **details: object) -> Finding:
-    return Finding(id=id_, title="the ranks disagree", severity="error", confidence="high",
-                   confidence_reason="because", ranks=[0], evidence=[Evidence("x", 1, "ranks/rank-0")],
-                   explanation="why", fix="fix", details=dict(details))
+    return Finding(
+        id=id_,
+        title="the ranks disagree",
+        severity="error",
+        confidence="high",
+        confidence_reason="because",
+        ranks=[0],
+        evidence=[Evidence("x", 1, "ranks/rank-0")],
+        explanation="why",
+        fix="fix",
+        details=dict(details),
+    )
 
 
 def test_healthy_fixture_data() -> None:
@@ -53,10 +63,15 @@ def test_kernel_section_says_what_is_missing() -> None:
 
 def test_disagreement_and_pending_are_found(tmp_path: Path) -> None:
     odd = Call("all_reduce", site="t.py:5 in ev", end=False)
-    ranks = [RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), odd],
-                      sites={"t.py:5 in ev": ("dist.all_reduce(x)", ["if rank == 0:"])}),
-             RankSpec(calls=[Call("all_reduce"), Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)],
-                      ends=False)]
+    ranks = [
+        RankSpec(
+            calls=[Call("all_reduce"), Call("all_reduce"), odd],
+            sites={"t.py:5 in ev": ("dist.all_reduce(x)", ["if rank == 0:"])},
+        ),
+        RankSpec(
+            calls=[Call("all_reduce"), Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)], ends=False
+        ),
+    ]
     data = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])
     col = data["charts"]["collectives"]
     assert col["first"]["seq"] == 3 and col["first"]["kind"] == "mismatch"
@@ -66,13 +81,19 @@ def test_disagreement_and_pending_are_found(tmp_path: Path) -> None:
     assert [c["status"] for c in focus] == ["pending", "pending"]
     assert focus[0]["line"] == "dist.all_reduce(x)" and focus[0]["conditions"] == ["if rank == 0:"]
     assert any("rank 1: the stream ends without an end record" in m for m in data["missing"])
-    assert data["charts"]["memory"]["series"][1]["end"] == {"t": data["charts"]["memory"]["series"][1]["end"]["t"],
-                                                            "mib": 130.0, "label": "no end record", "bad": True}
+    assert data["charts"]["memory"]["series"][1]["end"] == {
+        "t": data["charts"]["memory"]["series"][1]["end"]["t"],
+        "mib": 130.0,
+        "label": "no end record",
+        "bad": True,
+    }
 
 
 def test_a_call_only_some_ranks_made_is_a_disagreement(tmp_path: Path) -> None:
-    ranks = [RankSpec(calls=[Call("all_reduce")] * 3), RankSpec(calls=[Call("all_reduce")] * 2,
-                                                                 exception=("RuntimeError", "boom"))]
+    ranks = [
+        RankSpec(calls=[Call("all_reduce")] * 3),
+        RankSpec(calls=[Call("all_reduce")] * 2, exception=("RuntimeError", "boom")),
+    ]
     col = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])["charts"]["collectives"]
     assert col["first"]["seq"] == 3 and col["first"]["kind"] == "missing" and col["first"]["ranks"] == [1]
 
@@ -95,11 +116,14 @@ def test_oom_end_and_verdict_without_findings(tmp_path: Path) -> None:
 
 
 def test_phases_non_finite_losses_and_breakdown(tmp_path: Path) -> None:
-    ranks = [RankSpec(phases=[("eval", 1), ("save", 3)], losses=[2.0, float("nan"), 1.5, float("inf")]),
-             RankSpec(phases=[("eval", 1)])]
+    ranks = [
+        RankSpec(phases=[("eval", 1), ("save", 3)], losses=[2.0, float("nan"), 1.5, float("inf")]),
+        RankSpec(phases=[("eval", 1)]),
+    ]
     breakdown = {"0": {"weights": 100 << 20, "logits": 50 << 20}, "1": {"weights": 100 << 20}}
-    data = build_report_data(load_bundle(write_run(tmp_path, ranks)),
-                             [finding("rank0-asymmetry", memory_breakdown=breakdown)])
+    data = build_report_data(
+        load_bundle(write_run(tmp_path, ranks)), [finding("rank0-asymmetry", memory_breakdown=breakdown)]
+    )
     phases = data["charts"]["memory"]["phases"]
     assert [(p["name"], p["ranks"]) for p in phases] == [("eval", [0, 1]), ("save", [0])]
     steps = data["charts"]["steps"]
@@ -111,9 +135,18 @@ def test_phases_non_finite_losses_and_breakdown(tmp_path: Path) -> None:
 
 
 def test_kernel_table_from_a_finding(tmp_path: Path) -> None:
-    table = {"unit": "op", "threshold_us": 10.0, "ranks": {"0": {"rows": [
-        {"name": "aten::mm", "module": "lora_A", "durations_us": [2.0, 3.0]},
-        {"name": "aten::mm", "module": "base", "durations_us": [100.0, 5.0]}]}}}
+    table = {
+        "unit": "op",
+        "threshold_us": 10.0,
+        "ranks": {
+            "0": {
+                "rows": [
+                    {"name": "aten::mm", "module": "lora_A", "durations_us": [2.0, 3.0]},
+                    {"name": "aten::mm", "module": "base", "durations_us": [100.0, 5.0]},
+                ]
+            }
+        },
+    }
     bundle = load_bundle(write_run(tmp_path, [RankSpec()]))
     data = build_report_data(bundle, [finding("tiny-kernel-tail", kernels=table)])
     k = data["charts"]["kernels"]
@@ -121,7 +154,7 @@ def test_kernel_table_from_a_finding(tmp_path: Path) -> None:
     assert k["ranks"][0]["tiny_count"] == 0.75 and k["ranks"][0]["lora_count"] == 0.5
     assert k["ranks"][0]["lora_time"] == round(5 / 110, 4)
     assert sum(b["lora"] for b in k["bins"]) == 2 and sum(b["other"] for b in k["bins"]) == 2
-    under = k["bins"][:k["threshold_bin"]]
+    under = k["bins"][: k["threshold_bin"]]
     assert all(b["hi"] <= 10.0 + 1e-9 for b in under) and k["bins"][k["threshold_bin"]]["lo"] == 10.0
     assert data["findings"][0]["chart"] == "chart-kernels"
 
@@ -129,10 +162,19 @@ def test_kernel_table_from_a_finding(tmp_path: Path) -> None:
 def test_kernel_table_from_a_loaded_kineto_trace(tmp_path: Path) -> None:
     def op(name: str, ts: float, dur: float, **args: object) -> dict[str, object]:
         return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args}
+
     events = [
-        {"ph": "X", "cat": "user_annotation", "name": "lorascope.module::m.q_proj.lora_A.default",
-         "pid": 1, "tid": 1, "ts": 0, "dur": 100},
-        op("aten::linear", 1, 50, **{"Sequence number": 7}), op("aten::mm", 2, 40),  # leaf: mm only
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": "lorascope.module::m.q_proj.lora_A.default",
+            "pid": 1,
+            "tid": 1,
+            "ts": 0,
+            "dur": 100,
+        },
+        op("aten::linear", 1, 50, **{"Sequence number": 7}),
+        op("aten::mm", 2, 40),  # leaf: mm only
         op("aten::add", 200, 5),  # outside any module
         op("autograd::engine::evaluate_function: MmBackward0", 300, 30, **{"Sequence number": 7}),
         op("aten::mm", 301, 20),  # backward of the lora_A op

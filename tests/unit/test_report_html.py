@@ -1,4 +1,5 @@
 """The rendered page: self-contained, deterministic, text stays text; the CLI around it."""
+
 from __future__ import annotations
 
 import base64
@@ -57,15 +58,36 @@ def healthy_page() -> str:
 
 
 def xss_run(root: Path) -> tuple[Path, list[Finding]]:
-    ranks = [RankSpec(calls=[Call("all_reduce"), Call(XSS, site=f"train.py:9 in {XSS}", end=False)],
-                      exception=("RuntimeError", f"failed: {XSS}"), warnings=[XSS]),
-             RankSpec(calls=[Call("all_reduce"), Call("barrier", site=f"{XSS}.py:1 in f", end=False)], ends=False)]
-    kernels = {"unit": "kernel", "threshold_us": 5.0,
-               "ranks": {"0": {"source": XSS, "rows": [{"name": f"void {XSS}<float>", "module": "lora_B",
-                                                          "durations_us": [1.0, 2.0, 50.0]}]}}}
-    finding = Finding(id="tiny-kernel-tail", title=f"tiny kernels {XSS}", severity="warning", confidence="low",
-                      confidence_reason=XSS, ranks=[0], evidence=[Evidence(XSS, {"frame": XSS}, XSS)],
-                      explanation=XSS, fix=XSS, details={"kernels": kernels, "frames": [XSS, {"at": XSS}]})
+    ranks = [
+        RankSpec(
+            calls=[Call("all_reduce"), Call(XSS, site=f"train.py:9 in {XSS}", end=False)],
+            exception=("RuntimeError", f"failed: {XSS}"),
+            warnings=[XSS],
+        ),
+        RankSpec(calls=[Call("all_reduce"), Call("barrier", site=f"{XSS}.py:1 in f", end=False)], ends=False),
+    ]
+    kernels = {
+        "unit": "kernel",
+        "threshold_us": 5.0,
+        "ranks": {
+            "0": {
+                "source": XSS,
+                "rows": [{"name": f"void {XSS}<float>", "module": "lora_B", "durations_us": [1.0, 2.0, 50.0]}],
+            }
+        },
+    }
+    finding = Finding(
+        id="tiny-kernel-tail",
+        title=f"tiny kernels {XSS}",
+        severity="warning",
+        confidence="low",
+        confidence_reason=XSS,
+        ranks=[0],
+        evidence=[Evidence(XSS, {"frame": XSS}, XSS)],
+        explanation=XSS,
+        fix=XSS,
+        details={"kernels": kernels, "frames": [XSS, {"at": XSS}]},
+    )
     return write_run(root, ranks, command=["torchrun", XSS]), [finding]
 
 
@@ -106,8 +128,11 @@ def test_hostile_text_arrives_as_text(tmp_path: Path) -> None:
 
 
 def test_artifacts_without_a_run_directory(tmp_path: Path) -> None:
-    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": i * 10, "dur": 1 + i, "pid": 0,
-                              "tid": 7} for i in range(20)]}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "k", "ts": i * 10, "dur": 1 + i, "pid": 0, "tid": 7} for i in range(20)
+        ]
+    }
     bundle = EvidenceBundle(path=tmp_path / "traces", traces={0: trace}, warnings=["rank 1: no trace"])
     data = build_report_data(bundle, [])
     assert data["facts"] is None and data["verdict"]["level"] == "unknown"
@@ -130,6 +155,7 @@ def test_report_command_and_analyze_html(tmp_path: Path) -> None:
 
 def test_report_errors_are_one_line(tmp_path: Path) -> None:
     from lorascope.errors import BadInputError
+
     runner = CliRunner()
     result = runner.invoke(cli, ["report", str(tmp_path / "nope"), "-o", str(tmp_path / "x.html")])
     assert isinstance(result.exception, BadInputError) and "no such file" in str(result.exception)

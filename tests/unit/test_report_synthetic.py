@@ -1,5 +1,6 @@
 """Small synthetic run directories for the report tests, written with the real writer (and
 read back by the real reader), plus a check that they load as intended."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,8 +37,14 @@ class RankSpec:
     sites: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
 
 
-def write_run(root: Path, ranks: list[RankSpec], *, command: list[str] | None = None,
-              argv: list[str] | None = None, configs: dict[str, dict[str, Any]] | None = None) -> Path:
+def write_run(
+    root: Path,
+    ranks: list[RankSpec],
+    *,
+    command: list[str] | None = None,
+    argv: list[str] | None = None,
+    configs: dict[str, dict[str, Any]] | None = None,
+) -> Path:
     """A run directory with one stream per rank; times are fixed, so output is reproducible."""
     record_launch(root, "h-1", command or ["torchrun", "train.py"], start=T0, end=T0 + 100, exit_status=0)
     for n, spec in enumerate(ranks):
@@ -49,8 +56,17 @@ def write_run(root: Path, ranks: list[RankSpec], *, command: list[str] | None = 
             t += 0.1
             stream.write({"k": kind, "t": t, **fields})
 
-        write("start", rank=n, world_size=len(ranks), local_rank=n, pid=100 + n, host="h",
-              argv=argv or ["train.py"], versions={"torch": "2.13.0"}, device="cpu")
+        write(
+            "start",
+            rank=n,
+            world_size=len(ranks),
+            local_rank=n,
+            pid=100 + n,
+            host="h",
+            argv=argv or ["train.py"],
+            versions={"torch": "2.13.0"},
+            device="cpu",
+        )
         for name, value in (configs or {}).items():
             write("config", name=name, value=value)
         write("group", gid=0, name="default_pg", ranks=list(range(len(ranks))), backend="gloo")
@@ -65,15 +81,28 @@ def write_run(root: Path, ranks: list[RankSpec], *, command: list[str] | None = 
             loss = spec.losses[step] if spec.losses else 2.0 - 0.1 * step
             write("step", step=step + 1, dur=0.5 + 0.01 * n, loss=loss, src="torch")
         for seq, call in enumerate(spec.calls, 1):
-            write("coll", seq=seq, gid=0, op=call.op, bytes=call.bytes, dtype=call.dtype, site=call.site,
-                  step=spec.steps, **{"async": False})
+            write(
+                "coll",
+                seq=seq,
+                gid=0,
+                op=call.op,
+                bytes=call.bytes,
+                dtype=call.dtype,
+                site=call.site,
+                step=spec.steps,
+                **{"async": False},
+            )
             if call.end:
                 write("coll_end", seq=seq, gid=0, err=call.err)
         for message in spec.warnings:
             write("warning", category="UserWarning", message=message, filename="train.py", lineno=3)
         if spec.exception:
-            write("exception", type=spec.exception[0], message=spec.exception[1],
-                  traceback=f"Traceback (most recent call last):\n{spec.exception[0]}: {spec.exception[1]}\n")
+            write(
+                "exception",
+                type=spec.exception[0],
+                message=spec.exception[1],
+                traceback=f"Traceback (most recent call last):\n{spec.exception[0]}: {spec.exception[1]}\n",
+            )
             write("end", status="exception", code=1)
         elif spec.ends:
             write("mem", src="end", step=spec.steps, rss=(200 + (50 if n == 0 else 0)) << 20)
@@ -83,8 +112,10 @@ def write_run(root: Path, ranks: list[RankSpec], *, command: list[str] | None = 
 
 
 def test_synthetic_run_loads(tmp_path: Path) -> None:
-    hang = [RankSpec(calls=[Call("all_reduce"), Call("all_reduce", end=False)]),
-            RankSpec(calls=[Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)], ends=False)]
+    hang = [
+        RankSpec(calls=[Call("all_reduce"), Call("all_reduce", end=False)]),
+        RankSpec(calls=[Call("all_reduce"), Call("barrier", bytes=0, dtype=None, end=False)], ends=False),
+    ]
     bundle = load_bundle(write_run(tmp_path, hang))
     run = bundle.run
     assert run is not None and sorted(run.ranks) == [0, 1]

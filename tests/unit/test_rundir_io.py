@@ -1,4 +1,5 @@
 """Writing and reading streams: durability, torn lines, rotation, and clean errors."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,17 @@ from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
 
-START = {"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h",
-         "argv": [], "versions": {}, "device": "cpu"}
+START = {
+    "k": "start",
+    "rank": 0,
+    "world_size": 1,
+    "local_rank": 0,
+    "pid": 42,
+    "host": "h",
+    "argv": [],
+    "versions": {},
+    "device": "cpu",
+}
 
 
 def make_run(tmp_path: Path, records: list[dict], segment_bytes: int = 1 << 20, keep: int = 4) -> Path:
@@ -31,19 +41,44 @@ def stream_file(run: Path) -> Path:
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    run = load_run(make_run(tmp_path, [
-        {"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"},
-        {"k": "coll", "seq": 1, "gid": 0, "op": "all_reduce", "bytes": 8, "dtype": "float32",
-         "async": False, "site": "train.py:3 in main", "step": 0},
-        {"k": "coll_end", "seq": 1, "gid": 0, "err": None},
-        {"k": "coll", "seq": 2, "gid": 0, "op": "barrier", "bytes": 0, "dtype": None,
-         "async": False, "site": None, "step": 1},
-        {"k": "step", "step": 1, "dur": 0.5, "loss": 2.0, "src": "torch"},
-    ]))
+    run = load_run(
+        make_run(
+            tmp_path,
+            [
+                {"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"},
+                {
+                    "k": "coll",
+                    "seq": 1,
+                    "gid": 0,
+                    "op": "all_reduce",
+                    "bytes": 8,
+                    "dtype": "float32",
+                    "async": False,
+                    "site": "train.py:3 in main",
+                    "step": 0,
+                },
+                {"k": "coll_end", "seq": 1, "gid": 0, "err": None},
+                {
+                    "k": "coll",
+                    "seq": 2,
+                    "gid": 0,
+                    "op": "barrier",
+                    "bytes": 0,
+                    "dtype": None,
+                    "async": False,
+                    "site": None,
+                    "step": 1,
+                },
+                {"k": "step", "step": 1, "dur": 0.5, "loss": 2.0, "src": "torch"},
+            ],
+        )
+    )
     rank = run.ranks[0]
     assert rank.pid == 42 and run.warnings == []
     assert [(c.op, c.group, c.pending) for c in rank.collectives] == [
-        ("all_reduce", "default_pg", False), ("barrier", "default_pg", True)]
+        ("all_reduce", "default_pg", False),
+        ("barrier", "default_pg", True),
+    ]
     assert rank.steps[0]["loss"] == 2.0
 
 
@@ -80,8 +115,9 @@ def test_stream_must_begin_with_start(tmp_path: Path) -> None:
 
 
 def test_rotation_keeps_first_and_newest_segments(tmp_path: Path) -> None:
-    steps = [{"k": "step", "step": i, "dur": 0.1, "loss": None, "src": "torch", "pad": "x" * 200}
-             for i in range(1, 101)]
+    steps = [
+        {"k": "step", "step": i, "dur": 0.1, "loss": None, "src": "torch", "pad": "x" * 200} for i in range(1, 101)
+    ]
     run_dir = make_run(tmp_path, steps, segment_bytes=2000, keep=2)
     files = sorted(p.name for p in (run_dir / "ranks" / "rank-0").iterdir())
     assert files[0].endswith(".0000.jsonl") and len(files) == 3
@@ -127,16 +163,23 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     assert run.ranks[0].end is None
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda p: p / "absent", "no such file or directory"),
-    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "f.txt"),
-    (lambda p: p, "no manifest.json"),
-    (lambda p: (p / "manifest.json").write_text("{not json") and p, "unreadable manifest"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: p / "absent", "no such file or directory"),
+        (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "f.txt"),
+        (lambda p: p, "no manifest.json"),
+        (lambda p: (p / "manifest.json").write_text("{not json") and p, "unreadable manifest"),
+    ],
+)
 def test_cli_bad_input_is_one_line(tmp_path: Path, setup, message: str) -> None:
     target = setup(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "lorascope", "analyze", str(target)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorascope", "analyze", str(target)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 3
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,16 +1,45 @@
 """Format v1 validation: what passes, and every way a record or manifest is refused."""
+
 from __future__ import annotations
 
 import pytest
 
 from lorascope.rundir.schema import FORMAT_NAME, SchemaError, validate_manifest, validate_record
 
-START = {"k": "start", "t": 1.0, "rank": 0, "world_size": 2, "local_rank": 0, "pid": 10,
-         "host": "h", "argv": [], "versions": {}, "device": "cpu"}
-COLL = {"k": "coll", "t": 2.0, "seq": 1, "gid": 0, "op": "all_reduce", "bytes": 4,
-        "dtype": "float32", "async": False, "site": None, "step": 0}
-LAUNCH = {"id": "h-1", "host": "h", "pid": 1, "command": ["torchrun"], "cwd": "/",
-          "start": 1.0, "end": None, "exit_status": None}
+START = {
+    "k": "start",
+    "t": 1.0,
+    "rank": 0,
+    "world_size": 2,
+    "local_rank": 0,
+    "pid": 10,
+    "host": "h",
+    "argv": [],
+    "versions": {},
+    "device": "cpu",
+}
+COLL = {
+    "k": "coll",
+    "t": 2.0,
+    "seq": 1,
+    "gid": 0,
+    "op": "all_reduce",
+    "bytes": 4,
+    "dtype": "float32",
+    "async": False,
+    "site": None,
+    "step": 0,
+}
+LAUNCH = {
+    "id": "h-1",
+    "host": "h",
+    "pid": 1,
+    "command": ["torchrun"],
+    "cwd": "/",
+    "start": 1.0,
+    "end": None,
+    "exit_status": None,
+}
 
 
 def test_valid_records_pass() -> None:
@@ -23,18 +52,21 @@ def test_unknown_kind_is_not_an_error() -> None:
     assert validate_record({"k": "from-the-future", "t": 1.0}) is False
 
 
-@pytest.mark.parametrize("record, message", [
-    ([1, 2], "JSON list"),
-    ({"t": 1.0}, "lacks its kind"),
-    ({"k": "mem", "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
-    ({"k": "mem", "t": True, "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
-    ({**COLL, "seq": "1"}, "'seq' is str"),
-    ({**COLL, "bytes": 4.5}, "'bytes' is float"),
-    ({**COLL, "async": 0}, "'async' is int"),
-    ({**START, "rank": True}, "'rank' is a bool"),
-    ({k: v for k, v in COLL.items() if k != "op"}, "lacks the field 'op'"),
-    ({"k": "end", "t": 1.0, "status": "vanished", "code": None}, "status 'vanished'"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ([1, 2], "JSON list"),
+        ({"t": 1.0}, "lacks its kind"),
+        ({"k": "mem", "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
+        ({"k": "mem", "t": True, "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
+        ({**COLL, "seq": "1"}, "'seq' is str"),
+        ({**COLL, "bytes": 4.5}, "'bytes' is float"),
+        ({**COLL, "async": 0}, "'async' is int"),
+        ({**START, "rank": True}, "'rank' is a bool"),
+        ({k: v for k, v in COLL.items() if k != "op"}, "lacks the field 'op'"),
+        ({"k": "end", "t": 1.0, "status": "vanished", "code": None}, "status 'vanished'"),
+    ],
+)
 def test_invalid_records_are_refused(record: object, message: str) -> None:
     with pytest.raises(SchemaError, match=message):
         validate_record(record)
@@ -44,14 +76,17 @@ def test_valid_manifest_passes() -> None:
     validate_manifest({"format": FORMAT_NAME, "version": 1, "launches": [LAUNCH]})
 
 
-@pytest.mark.parametrize("manifest, message", [
-    ("text", "not a JSON object"),
-    ({"format": "other", "version": 1, "launches": []}, "not a lorascope run manifest"),
-    ({"format": FORMAT_NAME, "version": "1", "launches": []}, "integer 'version'"),
-    ({"format": FORMAT_NAME, "version": 1}, "'launches' list"),
-    ({"format": FORMAT_NAME, "version": 1, "launches": [3]}, "launch #0 is not an object"),
-    ({"format": FORMAT_NAME, "version": 1, "launches": [{**LAUNCH, "pid": "1"}]}, "'pid' is str"),
-])
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        ("text", "not a JSON object"),
+        ({"format": "other", "version": 1, "launches": []}, "not a lorascope run manifest"),
+        ({"format": FORMAT_NAME, "version": "1", "launches": []}, "integer 'version'"),
+        ({"format": FORMAT_NAME, "version": 1}, "'launches' list"),
+        ({"format": FORMAT_NAME, "version": 1, "launches": [3]}, "launch #0 is not an object"),
+        ({"format": FORMAT_NAME, "version": 1, "launches": [{**LAUNCH, "pid": "1"}]}, "'pid' is str"),
+    ],
+)
 def test_invalid_manifests_are_refused(manifest: object, message: str) -> None:
     with pytest.raises(SchemaError, match=message):
         validate_manifest(manifest)

@@ -1,5 +1,6 @@
 """The tiny-kernel-tail detector on real GPU traces (../shared/real-traces, read-only) and
 on a synthetic CUDA trace carrying the probes' module ranges."""
+
 from __future__ import annotations
 
 import gzip
@@ -30,8 +31,10 @@ def test_real_gpu_traces(path: Path) -> None:
     total, tiny = independent_counts(path)
     trace = next(iter(bundle.traces.values()))
     idle = trace.idle_us / (trace.busy_us + trace.idle_us)
-    print(f"{path.name}: {total} kernels, {tiny} under {tiny_kernel_tail.TINY_GPU_US:g} us, "
-          f"idle {idle:.0%} -> {[f.title for f in findings] or 'no finding'}")
+    print(
+        f"{path.name}: {total} kernels, {tiny} under {tiny_kernel_tail.TINY_GPU_US:g} us, "
+        f"idle {idle:.0%} -> {[f.title for f in findings] or 'no finding'}"
+    )
     assert total > 0 and trace.unit == "kernel"
     share = tiny / total
     expected = share >= tiny_kernel_tail.MIN_TINY_COUNT_SHARE and idle >= tiny_kernel_tail.MIN_IDLE_SHARE
@@ -42,20 +45,43 @@ def test_real_gpu_traces(path: Path) -> None:
 
 def synthetic_cuda_trace(path: Path, lora_kernels: int, base_kernels: int) -> Path:
     """A Kineto-shaped CUDA trace: module ranges, CPU launches, kernels linked by correlation."""
-    events: list[dict] = [{"ph": "X", "cat": "user_annotation", "name": "lorascope.step#6", "ts": 0,
-                           "dur": 1_000_000, "pid": 1, "tid": 1}]
+    events: list[dict] = [
+        {"ph": "X", "cat": "user_annotation", "name": "lorascope.step#6", "ts": 0, "dur": 1_000_000, "pid": 1, "tid": 1}
+    ]
     ts, corr = 10.0, 0
     for i in range(lora_kernels + base_kernels):
         module = "model.layers.0.q_proj.lora_A.default" if i < lora_kernels else "model.layers.0.q_proj.base_layer"
         corr += 1
         events += [
-            {"ph": "X", "cat": "user_annotation", "name": f"lorascope.module::{module}", "ts": ts, "dur": 8,
-             "pid": 1, "tid": 1},
-            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts + 1, "dur": 5, "pid": 1,
-             "tid": 1, "args": {"correlation": corr}},
-            {"ph": "X", "cat": "kernel", "name": "ampere_sgemm_32x32" if i < lora_kernels else "sm90_gemm_big",
-             "ts": ts + 6, "dur": 2.0 if i < lora_kernels else 40.0, "pid": 0, "tid": 7,
-             "args": {"correlation": corr, "device": 0, "stream": 7}},
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"lorascope.module::{module}",
+                "ts": ts,
+                "dur": 8,
+                "pid": 1,
+                "tid": 1,
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "ts": ts + 1,
+                "dur": 5,
+                "pid": 1,
+                "tid": 1,
+                "args": {"correlation": corr},
+            },
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "ampere_sgemm_32x32" if i < lora_kernels else "sm90_gemm_big",
+                "ts": ts + 6,
+                "dur": 2.0 if i < lora_kernels else 40.0,
+                "pid": 0,
+                "tid": 7,
+                "args": {"correlation": corr, "device": 0, "stream": 7},
+            },
         ]
         ts += 50
     path.write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 0, "world_size": 1}}))
