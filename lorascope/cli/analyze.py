@@ -7,14 +7,13 @@ from pathlib import Path
 
 import click
 
-from lorascope.analyze.artifacts import artifacts_data, render_artifacts
-from lorascope.analyze.findings_text import render_findings
-from lorascope.analyze.summary import build_summary, render_text
+from lorascope.analysis import analyze
 from lorascope.detect.finding import SEVERITY_ORDER
-from lorascope.detect.registry import run_detectors
 from lorascope.ingest.kinds import KINDS
-from lorascope.ingest.load import load_bundle
 from lorascope.report.write import write_report
+from lorascope.text.artifacts import render_artifacts
+from lorascope.text.findings import render_findings
+from lorascope.text.summary import render_text
 
 #: Exit status when --fail-on matches a finding (distinct from input errors).
 FINDINGS_EXIT = 4
@@ -54,25 +53,21 @@ def command(
 
     PATH is a lorascope run directory, or artifacts a job left: an allocator snapshot
     pickle, a Kineto trace, a flight-recorder dump, a job log, or a folder of them."""
-    bundle = load_bundle(path, kind=kind, hta=hta)
-    findings = run_detectors(bundle)
-    data = build_summary(bundle.run) if bundle.run is not None else {"ranks": []}
-    data["warnings"] = bundle.warnings
-    artifacts = artifacts_data(bundle)
-    data["artifacts"] = artifacts
+    analysis = analyze(path, kind=kind, hta=hta)
+    findings = analysis.findings
+    data = analysis.to_data()
     if as_json:
-        data["findings"] = [f.to_dict() for f in findings]
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         click.echo(render_findings(findings))
-        if bundle.run is not None:
+        if analysis.summary is not None:
             click.echo(render_text(data))
-        elif bundle.warnings:
-            click.echo("\n".join(f"warning: {w}" for w in bundle.warnings))
-        if artifacts:
-            click.echo(render_artifacts(artifacts))
+        elif analysis.bundle.warnings:
+            click.echo("\n".join(f"warning: {w}" for w in analysis.bundle.warnings))
+        if data["artifacts"]:
+            click.echo(render_artifacts(data["artifacts"]))
     if html_out is not None:
-        write_report(bundle, findings, html_out)
+        write_report(analysis, html_out)
         click.echo(f"lorascope: report written to {html_out}", err=True)
     if fail_on is not None and any(SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on] for f in findings):
         return FINDINGS_EXIT

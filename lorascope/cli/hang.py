@@ -9,14 +9,13 @@ from pathlib import Path
 
 import click
 
-from lorascope.analyze.hang import diagnose
+from lorascope.analysis import of_run
+from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
-from lorascope.detect.registry import run_detectors
 from lorascope.errors import BadInputError, UsageError
 from lorascope.hang.collect import py_spy_dump, request_dumps, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import verify
-from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import load_run
 
 
@@ -100,10 +99,11 @@ def command(
     if not no_html:
         from lorascope.report.write import write_report
 
-        bundle = EvidenceBundle(path=run_dir, run=run, warnings=list(run.warnings))
-        findings = [f for f in run_detectors(bundle) if f.id != "hung-ranks"]
+        analysis = of_run(run, run_dir)
+        others = [f for f in analysis.findings if f.id != "hung-ranks"]
+        analysis.findings = [hang_finding(run, diagnosis), *others]
         out = html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
-        write_report(bundle, [hang_finding(run, diagnosis), *findings], out)
+        write_report(analysis, out)
         notes.append(f"report: {out}")
     if as_json:
         click.echo(json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))

@@ -17,7 +17,7 @@ from lorascope.plan.from_configs import ds_precision, lora_from_config, zero_fro
 from lorascope.plan.lora import LoraSpec
 from lorascope.plan.shape import load_config_file
 from lorascope.plan.training import ATTENTION, CHECKPOINTING, LOSSES, PRECISIONS, TrainingSetup
-from lorascope.plan.units import parse_bytes
+from lorascope.units import parse_bytes
 
 _REGEX_CHARS = re.compile(r"[*()\[\]|^$\\+?{}]")
 

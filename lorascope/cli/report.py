@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from lorascope.detect.registry import run_detectors
-from lorascope.ingest.load import load_bundle
+from lorascope.analysis import analyze
 from lorascope.report.write import write_report
 
 
@@ -22,7 +21,6 @@ from lorascope.report.write import write_report
 )
 def command(path: Path, out: Path) -> int:
     """Write an HTML report: the verdict, each finding with its chart, and the run facts."""
-    bundle = load_bundle(path)
-    size = write_report(bundle, run_detectors(bundle), out)
+    size = write_report(analyze(path), out)
     click.echo(f"lorascope: report written to {out} ({size / 1024:.0f} KiB)", err=True)
     return 0

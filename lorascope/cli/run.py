@@ -13,13 +13,14 @@ from pathlib import Path
 
 import click
 
-from lorascope.analyze.summary import build_summary, render_text
+from lorascope.analysis.summary import build_summary
 from lorascope.errors import BadInputError, LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.kernels import parse_window
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
+from lorascope.text.summary import render_text
 
 
 def _prepare(out: Path) -> Path:

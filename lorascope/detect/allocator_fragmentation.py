@@ -18,11 +18,11 @@ The fix depends on ``expandable_segments``, read from the snapshot's allocator s
 
 from __future__ import annotations
 
-from lorascope.detect.common import fmt_bytes
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.logs import CacheFlushes, OomReport
-from lorascope.ingest.snapshot_types import SnapshotAnalysis
+from lorascope.ingest.logs.reader import CacheFlushes, OomReport
+from lorascope.ingest.snapshot.types import SnapshotAnalysis
+from lorascope.units import fmt_bytes
 
 ID = "allocator-fragmentation"
 MIN_CACHE_SHARE = 0.3

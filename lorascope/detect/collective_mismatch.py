@@ -11,8 +11,8 @@ on its own: an extra collective on one rank produces it too).
 from __future__ import annotations
 
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.flight_align import Disagreement
 
 ID = "collective-mismatch"
 FIX = (
@@ -56,8 +56,9 @@ def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     findings: list[Finding] = []
-    if bundle.flight_alignment is not None:
-        for group in bundle.flight_alignment.groups:
+    alignment = flight_alignment(bundle)
+    if alignment is not None:
+        for group in alignment.groups:
             first = group.first_disagreement
             if first is not None and first.kind not in ("op", "missing") and not first.extra_on:
                 findings.append(_flight_finding(bundle, first))

@@ -8,15 +8,6 @@ from typing import Any
 from lorascope.rundir.reader import RankData, RunData
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def memory_kind(rank: RankData) -> str:
     """Which figure the memory detectors use for this rank: CUDA allocated bytes, else the
     C heap in use (CPU; memory freed is not counted, unlike RSS), else RSS."""

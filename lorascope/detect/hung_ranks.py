@@ -1,7 +1,7 @@
 """hung-ranks: the job stopped making progress, and why (other than a rank-conditional
 collective, which rank-conditional-hang names): a rank that died while the others wait,
 a rank stuck in its own code outside any collective, a straggler, or a collective that
-is itself stuck. The diagnosis is lorascope.analyze.hang's, the same `lorascope hang`
+is itself stuck. The diagnosis is lorascope.detect.hang.diagnosis's, the same `lorascope hang`
 prints live; here it runs on the dumps the stall watchdog left in the run directory.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.analyze.hang import diagnose
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
 
 ID = "hung-ranks"
@@ -22,7 +23,7 @@ def liveness(run: RunData) -> dict[int, bool]:
     """Once every launcher has ended, a rank without an end record died without a word."""
     launches = run.manifest["launches"]
     if launches and all(launch["end"] is not None for launch in launches):
-        return {n: False for n, r in run.ranks.items() if not (r.end or r.exception or r.signal)}
+        return {n: False for n, r in run.ranks.items() if not ending_of(r).known}
     return {}
 
 

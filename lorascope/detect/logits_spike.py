@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 
-from lorascope.detect.common import fmt_bytes, mem_value, memory_kind, peak_memory, stream_source
+from lorascope.detect.common import mem_value, memory_kind, peak_memory, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.units import fmt_bytes
 
 ID = "logits-spike"
 #: fp32 logits, the log-softmax cross_entropy builds, and the logits' gradient: three

@@ -9,11 +9,11 @@ most. Thresholds and reasoning: docs/artifacts.md.
 
 from __future__ import annotations
 
-from lorascope.detect.common import fmt_bytes
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.logs import OomReport
-from lorascope.ingest.snapshot_types import OomEvent, SnapshotAnalysis
+from lorascope.ingest.logs.reader import OomReport
+from lorascope.ingest.snapshot.types import OomEvent, SnapshotAnalysis
+from lorascope.units import fmt_bytes
 
 ID = "oom"
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect.common import ended_with_oom, fmt_bytes, mem_value, memory_kind, stream_source
+from lorascope.detect.common import ended_with_oom, mem_value, memory_kind, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.errors import LorascopeError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -45,6 +45,7 @@ from lorascope.plan import Plan, plan_from_configs
 from lorascope.plan.activations import loss_forward
 from lorascope.plan.training import TrainingSetup
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.units import fmt_bytes
 
 ID = "plan-deviation"
 MIB = 2**20

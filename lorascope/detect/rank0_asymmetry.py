@@ -12,17 +12,11 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from lorascope.detect.common import (
-    ended_with_oom,
-    fmt_bytes,
-    mem_value,
-    memory_kind,
-    peak_memory,
-    stream_source,
-)
+from lorascope.detect.common import ended_with_oom, mem_value, memory_kind, peak_memory, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
+from lorascope.units import fmt_bytes
 
 ID = "rank0-asymmetry"
 #: Rank 0's excess over the others' median must pass a share of the others' peak ...

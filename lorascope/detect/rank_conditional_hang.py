@@ -8,92 +8,19 @@ read from the source context the probes recorded.
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect.common import fmt_bytes, stream_source
+from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.hang.conditions import condition_in, odd_by_condition
+from lorascope.detect.hang.divergence import conditions_at, first_divergence, odd_ranks
+from lorascope.detect.hang.flight_align import flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.flight_align import call_site
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.ingest.flight.reader import call_site
+from lorascope.rundir.reader import Collective
+from lorascope.units import fmt_bytes
 
 ID = "rank-conditional-hang"
-RANK_CONDITION = re.compile(
-    r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
-    r"is_world_process_zero|main_process|get_rank\(\))\b"
-)
-
-
-def _condition_in(context: dict[str, Any] | None) -> str | None:
-    for cond in (context or {}).get("conditions", []):
-        if RANK_CONDITION.search(cond):
-            return cond
-    return None
-
-
-@dataclass
-class Divergence:
-    group: str
-    seq: int
-    calls: dict[int, Collective | None]  # rank -> its call at seq (None: never issued)
-
-
-def _by_group(rank: RankData) -> dict[str, dict[int, Collective]]:
-    out: dict[str, dict[int, Collective]] = {}
-    for coll in rank.collectives:
-        out.setdefault(coll.group, {})[coll.seq] = coll
-    return out
-
-
-def first_divergence(run: RunData) -> Divergence | None:
-    """The earliest (by time) sequence number at which the ranks that issued it disagree
-    on (op, bytes), over all groups."""
-    tables = {n: _by_group(r) for n, r in run.ranks.items()}
-    groups = sorted({g for t in tables.values() for g in t})
-    found: list[tuple[float, Divergence]] = []
-    for group in groups:
-        members = [n for n, t in tables.items() if group in t]
-        if len(members) < 2:
-            continue
-        last = max(max(tables[n][group]) for n in members)
-        for seq in range(1, last + 1):
-            calls = {n: tables[n][group].get(seq) for n in members}
-            present = [c for c in calls.values() if c is not None]
-            # A rank that never issued the call while others wait in it is not a
-            # disagreement: it is stuck elsewhere or dead (the hang diagnosis tells which).
-            if len({(c.op, c.bytes) for c in present}) > 1:
-                found.append((min(c.start for c in present), Divergence(group, seq, calls)))
-                break
-    return min(found, key=lambda f: f[0])[1] if found else None
-
-
-def rank_condition(rank: RankData, site: str | None) -> str | None:
-    """The innermost enclosing condition of ``site`` that tests the rank, if any."""
-    return _condition_in(rank.sites.get(site)) if site is not None else None
-
-
-def _conditions(run: RunData, div: Divergence) -> dict[int, str | None]:
-    return {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
-
-
-def detect_odd_ranks(run: RunData, div: Divergence) -> list[int]:
-    """The ranks that went their own way at the divergence: directly inside a rank
-    condition (beating the `else` branch, where the ranks doing the usual thing are),
-    else the minority (op, bytes); none when it cannot be told."""
-    conditions = _conditions(run, div)
-    odd = [n for n, cond in conditions.items() if cond and not cond.startswith("else of:")] or [
-        n for n, cond in conditions.items() if cond
-    ]
-    if len(odd) == len(div.calls):
-        odd = []
-    if not odd:
-        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
-        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
-            rare = counts.most_common()[-1][0]
-            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
-    return sorted(odd)
 
 
 def _describe(call: Collective | None) -> str:
@@ -129,13 +56,13 @@ FIX = (
 def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     """The same verdict from torch's flight-recorder dumps alone (no run directory): the
     first sequence number whose op differs between ranks."""
-    alignment = bundle.flight_alignment
+    alignment = flight_alignment(bundle)
     first = alignment.first_disagreement if alignment is not None else None
     if first is None or first.kind != "op":
         return []  # sizes/dtypes: collective-mismatch; missing ranks: a hang of another kind
     sites = {r: call_site(e.frames) for r, e in first.entries.items()}
-    conditions = {r: _condition_in(bundle.sources.get(s or "")) for r, s in sites.items()}
-    odd = sorted(r for r, c in conditions.items() if c and not c.startswith("else of:")) or sorted(first.extra_on)
+    conditions = {r: condition_in(bundle.sources.get(s or "")) for r, s in sites.items()}
+    odd = odd_by_condition(conditions, include_else=False) or sorted(first.extra_on)
     if len(odd) == len(first.entries):
         odd = []
     evidence = []
@@ -192,8 +119,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
     if div is None:
         return from_flight_recorder(bundle)
-    conditions = _conditions(run, div)
-    odd = detect_odd_ranks(run, div)
+    conditions = conditions_at(run, div)
+    odd = odd_ranks(run, div)
     evidence: list[Evidence] = []
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]

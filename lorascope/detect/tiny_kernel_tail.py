@@ -16,8 +16,8 @@ import statistics
 from typing import Any
 
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.kernel_attribution import table_from_traces
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.kineto_modules import table_from_traces
 
 ID = "tiny-kernel-tail"
 #: Tiny: a GPU kernel shorter than a kernel launch (~5 us on current GPUs and drivers) ...

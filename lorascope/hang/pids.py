@@ -8,10 +8,10 @@ from typing import Any
 
 import psutil
 
-from lorascope.analyze.hang import FIXES, PY_SPY_FRAME, main_thread_frame
+from lorascope.detect.hang.diagnosis import FIXES, PY_SPY_FRAME, main_thread_frame
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
-from lorascope.probes.collectives import PAYLOAD_ARG
+from lorascope.rundir.ops import PAYLOAD_ARG
 
 
 def _rank_of(pid: int) -> str:

@@ -1,9 +1,9 @@
 """Everything loaded for one analysis, from a run directory or from loose artifacts.
 
 Each field is filled by a reader in ``lorascope.ingest``; a detector uses whichever
-kinds of evidence are present and says how sure it is accordingly. The cross-rank
-views are computed once by ``load_bundle`` when two or more ranks' artifacts of a kind
-are loaded, so that detectors and renderers share them.
+kinds of evidence are present and says how sure it is accordingly. The comparisons of
+ranks' snapshots and traces are computed once by ``load_bundle`` when two or more ranks'
+artifacts of a kind are loaded, so that detectors and renderers share them.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorascope.ingest.flight import FlightDump
-from lorascope.ingest.flight_align import FlightAlignment
-from lorascope.ingest.kineto import KinetoTrace
-from lorascope.ingest.kineto_ranks import TraceComparison
-from lorascope.ingest.logs import LogAnalysis
-from lorascope.ingest.snapshot_ranks import SnapshotComparison
-from lorascope.ingest.snapshot_types import SnapshotAnalysis
+from lorascope.ingest.flight.reader import FlightDump
+from lorascope.ingest.kineto.compare import TraceComparison
+from lorascope.ingest.kineto.reader import KinetoTrace
+from lorascope.ingest.logs.reader import LogAnalysis
+from lorascope.ingest.snapshot.compare import SnapshotComparison
+from lorascope.ingest.snapshot.types import SnapshotAnalysis
 from lorascope.rundir.reader import RunData
 
 
@@ -37,12 +36,14 @@ class EvidenceBundle:
     logs: list[LogAnalysis] = field(default_factory=list)
     #: Ranks' snapshots compared (what one rank holds that the others do not).
     snapshot_comparison: SnapshotComparison | None = None
-    #: Ranks' flight-recorder dumps aligned per process group (where they disagree).
-    flight_alignment: FlightAlignment | None = None
     #: Ranks' traces compared (timing per rank, the straggler).
     trace_comparison: TraceComparison | None = None
     #: Source context of call sites the detectors need ("file:line in func" -> {"line":
     #: text, "conditions": enclosing if/while lines}), read by ingest when the file exists.
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Views derived from the evidence by the analysis side, computed once on first use and
+    #: kept here so that detectors and renderers share them (e.g. the flight-recorder
+    #: alignment: :func:`lorascope.detect.hang.flight_align.flight_alignment`).
+    derived: dict[str, Any] = field(default_factory=dict)
     #: What the readers could not read or had to skip (one line each).
     warnings: list[str] = field(default_factory=list)

@@ -11,15 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorascope.errors import BadInputError, UsageError
-from lorascope.ingest.artifacts import add_hta, load_files, load_single, walk_files
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.flight_align import align, call_site
+from lorascope.ingest.files import add_hta, load_files, load_single, walk_files
+from lorascope.ingest.flight.reader import call_site
 from lorascope.ingest.kinds import KINDS
-from lorascope.ingest.kineto_ranks import compare_traces
-from lorascope.ingest.snapshot_ranks import compare_ranks
-from lorascope.probes.sources import describe
+from lorascope.ingest.kineto.compare import compare_traces
+from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import MANIFEST_FILE
+from lorascope.rundir.sources import describe
 
 
 def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -> EvidenceBundle:
@@ -72,20 +72,15 @@ def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:
     bundle.snapshot_comparison = compare_ranks(bundle.snapshots)
     bundle.trace_comparison = compare_traces(bundle.traces)
     if bundle.flight_records:
-        bundle.flight_alignment = align(bundle.flight_records)
         _add_sources(bundle)
 
 
 def _add_sources(bundle: EvidenceBundle) -> None:
-    """The source line and enclosing conditions of the call sites in the first
-    flight-recorder disagreement, where the files are readable here (the dumps carry
-    only file:line)."""
-    first = bundle.flight_alignment.first_disagreement if bundle.flight_alignment else None
-    if first is None:
-        return
-    for entry in [*first.entries.values(), *first.waiting_at.values()]:
-        site = call_site(entry.frames)
-        path, _, rest = (site or "").partition(":")
+    """The source line and enclosing conditions of every call site in the flight-recorder
+    dumps, where the files are readable here (the dumps carry only file:line)."""
+    sites = {call_site(e.frames) for dump in bundle.flight_records.values() for e in dump.entries}
+    for site in sorted(s for s in sites if s):
+        path, _, rest = site.partition(":")
         line = rest.split(" ", 1)[0]
-        if site and line.isdigit() and Path(path).is_file():
+        if line.isdigit() and Path(path).is_file():
             bundle.sources[site] = describe(path, int(line))

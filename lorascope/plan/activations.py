@@ -28,7 +28,7 @@ from lorascope.plan.lora import Adapter, AdapterLayout, LoraSpec
 from lorascope.plan.shape import ModelShape
 from lorascope.plan.terms import Term
 from lorascope.plan.training import TrainingSetup
-from lorascope.plan.units import count
+from lorascope.units import count
 
 #: CUDA's fused dropout saves a bool mask; CPU's dropout saves a mask in the input dtype.
 CUDA_DROPOUT_MASK_BYTES = 1

@@ -10,7 +10,7 @@ from lorascope.plan.params import ParamCounts, ParamTensor, count_params, param_
 from lorascope.plan.shape import KNOWN_MODEL_TYPES, ModelShape
 from lorascope.plan.terms import Term
 from lorascope.plan.training import TrainingSetup
-from lorascope.plan.units import GIB, gib
+from lorascope.units import GIB, gib
 
 DEFAULT_GPU_MEM = 80 * GIB
 #: Above this share of the card the plan says "at the edge": fragmentation (reserved but

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from lorascope.plan.params import ParamTensor
 from lorascope.plan.terms import Term
 from lorascope.plan.training import NF4_BYTES_PER_PARAM, TrainingSetup
-from lorascope.plan.units import count
+from lorascope.units import count
 
 FRAMEWORK_BYTES = 512 << 20
 NCCL_BYTES = 256 << 20

@@ -10,7 +10,7 @@ from typing import Any
 
 from lorascope.plan.budget import EDGE, FITS, PlanInputs, compute_budget, verdict
 from lorascope.plan.lora import resolve
-from lorascope.plan.units import count
+from lorascope.units import count
 
 #: reduce_bucket_size values offered when DeepSpeed's bucket dwarfs the trainable count.
 _BUCKET_SIZES = (10_000_000, 20_000_000, 50_000_000, 100_000_000, 200_000_000)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from lorascope.plan.params import ParamTensor, tensor_bytes
 from lorascope.plan.terms import Term
 from lorascope.plan.training import TrainingSetup
-from lorascope.plan.units import count
+from lorascope.units import count
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.plan.units import human
+from lorascope.units import fmt_bytes
 
 
 def _header(plan: dict[str, Any]) -> list[str]:
@@ -33,22 +33,22 @@ def render_text(plan: dict[str, Any]) -> str:
     width = max(len(t["label"]) for t in plan["terms"]) + 2
     lines = _header(plan) + ["", f"  {'per GPU':<{width}}{'':>12}  how"]
     for term in plan["terms"]:
-        figure = human(term["bytes"]) if term["counted"] else f"({human(term['bytes'])})"
+        figure = fmt_bytes(term["bytes"], 2) if term["counted"] else f"({fmt_bytes(term['bytes'], 2)})"
         how = term["detail"] if term["counted"] else "not at the peak: the larger of it and the logits counts"
         lines.append(f"  {term['label']:<{width}}{figure:>12}  {how}")
     total = plan["total_bytes"]
     lines.append("  " + "-" * (width + 14))
     lines.append(
-        f"  {'peak':<{width}}{human(total):>12}  of {human(card)} ({total / card:.0%}); "
-        f"torch allocator part {human(plan['allocated_bytes'])}"
+        f"  {'peak':<{width}}{fmt_bytes(total, 2):>12}  of {fmt_bytes(card, 2)} ({total / card:.0%}); "
+        f"torch allocator part {fmt_bytes(plan['allocated_bytes'], 2)}"
     )
     headroom = card - total
-    room = f"{human(headroom)} headroom" if headroom >= 0 else f"{human(-headroom)} over"
+    room = f"{fmt_bytes(headroom, 2)} headroom" if headroom >= 0 else f"{fmt_bytes(-headroom, 2)} over"
     lines += ["", f"verdict: {plan['verdict']} ({room})"]
     if plan["changes"]:
         lines += ["", "changes that lower the peak (new total per GPU):"]
         for n, change in enumerate(plan["changes"], 1):
-            lines.append(f"  {n}. {change['label']}: {human(change['total_bytes'])}, {change['verdict']}")
+            lines.append(f"  {n}. {change['label']}: {fmt_bytes(change['total_bytes'], 2)}, {change['verdict']}")
             lines.append(f"     {change['how']}")
     if plan["notes"]:
         lines += ["", "notes:"] + [f"  - {note}" for note in plan["notes"]]

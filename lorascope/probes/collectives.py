@@ -22,38 +22,8 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from lorascope.probes.session import Session
-from lorascope.probes.sources import describe
-
-#: op -> (position, keyword) of the argument whose bytes the record reports: the rank's
-#: own contribution, so that ranks agree on it (all_gather: the input, not the output).
-PAYLOAD_ARG: dict[str, tuple[int, str]] = {
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "reduce": (0, "tensor"),
-    "send": (0, "tensor"),
-    "recv": (0, "tensor"),
-    "isend": (0, "tensor"),
-    "irecv": (0, "tensor"),
-    "gather": (0, "tensor"),
-    "scatter": (0, "tensor"),
-    "all_gather": (1, "tensor"),
-    "all_gather_into_tensor": (1, "input_tensor"),
-    "_all_gather_base": (1, "input_tensor"),
-    "reduce_scatter_tensor": (1, "input"),
-    "_reduce_scatter_base": (1, "input"),
-    "reduce_scatter": (1, "input_list"),
-    "all_to_all_single": (1, "input"),
-    "all_to_all": (1, "input_tensor_list"),
-    "all_reduce_coalesced": (0, "tensors"),
-    "all_gather_coalesced": (1, "input_tensor_list"),
-    "batch_isend_irecv": (0, "p2p_op_list"),
-    "barrier": (-1, ""),
-    "monitored_barrier": (-1, ""),
-    "all_gather_object": (-1, ""),
-    "gather_object": (-1, ""),
-    "broadcast_object_list": (-1, ""),
-    "scatter_object_list": (-1, ""),
-}
+from lorascope.rundir.ops import PAYLOAD_ARG
+from lorascope.rundir.sources import describe
 
 MAX_PENDING_EVENTS = 4096
 

@@ -1,10 +1,9 @@
 """Chart data for collectives: every rank's calls aligned by sequence number, and time per op.
 
-Ranks match collectives by order within a process group, so the n-th call of group G on
-one rank pairs with the n-th call of G on every other member. The first sequence number
-where the members disagree (a different op, size or dtype, or a member that never made
-the call while others did) is where a rank-conditional collective shows; pending calls
-(a ``coll`` with no ``coll_end``) are where the ranks wait.
+The first sequence number where a group's members disagree (a different op, size or
+dtype, or a member that never made the call while others did; found by
+:mod:`lorascope.detect.hang.divergence`) is where a rank-conditional collective shows;
+pending calls (a ``coll`` with no ``coll_end``) are where the ranks wait.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from collections import defaultdict
 from typing import Any
 
 from lorascope.detect.finding import Finding
+from lorascope.detect.hang.divergence import RUN_ALL, first_split
+from lorascope.detect.hang.divergence import by_group as groups_of
 from lorascope.rundir.reader import Collective, RunData
 
 #: Sequence numbers shown in the alignment chart, and in the table under it.
@@ -43,40 +44,6 @@ def _members(run: RunData, group: str, users: set[int]) -> list[int]:
             if g.get("name") == group and isinstance(g.get("ranks"), list):
                 listed.update(int(r) for r in g["ranks"] if isinstance(r, int))
     return sorted((listed & set(run.ranks)) | users)
-
-
-def _first_difference(a: list[Any], b: list[Any], chunk: int = 512) -> int:
-    """The first index where two lists differ (the shorter one's length if it is a prefix
-    of the other). Compares chunk by chunk, so the work runs in C."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i : i + chunk] == b[i : i + chunk]:
-        i += chunk
-    while i < n and a[i] == b[i]:
-        i += 1
-    return min(i, n)
-
-
-def _candidate(calls: dict[int, dict[int, Collective]], members: list[int]) -> int | None:
-    """The first sequence number at which some member's (seq, op, bytes, dtype) list departs
-    from the others', counting from the first seq every member still has (older ones may
-    have been rotated away)."""
-    users = [r for r in members if calls.get(r)]
-    if not users:
-        return None
-    start = max(min(calls[r]) for r in users)
-    if len(users) < len(members):  # a member never called into the group at all
-        return start
-    lists = [[(s, (c.op, c.bytes, c.dtype)) for s, c in sorted(calls[r].items()) if s >= start] for r in users]
-    ref = lists[0]
-    seqs = []
-    for other in lists[1:]:
-        i = _first_difference(ref, other)
-        if i < len(ref) and i < len(other):
-            seqs.append(min(ref[i][0], other[i][0]))
-        elif i < len(ref) or i < len(other):  # one stopped where the other went on
-            seqs.append((ref if i < len(ref) else other)[i][0])
-    return min(seqs) if seqs else None
 
 
 def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -> dict[str, Any] | None:
@@ -131,10 +98,7 @@ def _window(first: int, last: int, focus: int | None, size: int) -> tuple[int, i
 def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The focus group's aligned calls: the group where ranks disagree, else one with pending
     calls, else the busiest."""
-    by_group: dict[str, dict[int, dict[int, Collective]]] = defaultdict(dict)
-    for rank in run.ranks.values():
-        for c in rank.collectives:
-            by_group[c.group].setdefault(rank.rank, {})[c.seq] = c
+    by_group = groups_of(run)
     if not by_group:
         return {"available": False}
     pointer = _finding_pointer(findings)
@@ -149,8 +113,8 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
                 "text": "named by the detector",
             }
         else:
-            seq = _candidate(calls, members)
-            first = None if seq is None else _at(calls, members, seq)
+            split = first_split(calls, RUN_ALL, missing=True, members=members)
+            first = None if split is None else _at(calls, members, split.seq)
         pending = sum(c.end is None for per in calls.values() for c in per.values())
         summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group, members, first, calls))
     summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))

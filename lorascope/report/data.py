@@ -12,9 +12,9 @@ import statistics
 from typing import Any
 
 from lorascope import __version__
-from lorascope.analyze.summary import build_summary
+from lorascope.analysis.summary import build_summary
+from lorascope.detect import kernel_attribution
 from lorascope.detect.finding import Finding
-from lorascope.ingest import kineto_modules
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.report import collectives, kernels, memory, steps
 from lorascope.report.facts import run_facts, utc
@@ -22,6 +22,7 @@ from lorascope.report.findings import finding_data
 from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.timebase import run_origin
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
 
 #: Until the tiny-kernel-tail detector supplies its own, the tiny threshold for traces
@@ -36,7 +37,7 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
     run = bundle.run
     if run is not None:
         for rank in run.ranks.values():
-            if rank.end is None and rank.exception is None and rank.signal is None:
+            if not ending_of(rank).known:
                 lines.append(
                     f"rank {rank.rank}: the stream ends without an end record (killed by SIGKILL or the "
                     f"OOM killer, or still running); its last record is shown"
@@ -48,7 +49,7 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
 def _kernel_section(bundle: EvidenceBundle, findings: list[Finding]) -> dict[str, Any]:
     table = kernels.find_table(findings)
     if table is None and bundle.traces:
-        table = kineto_modules.table_from_traces(bundle.traces, DEFAULT_TINY_US)
+        table = kernel_attribution.table_from_traces(bundle.traces, DEFAULT_TINY_US)
     if table is not None:
         return kernels.section(table, "")
     files = [f for r in (bundle.run.ranks.values() if bundle.run else []) for f in r.trace_files]
@@ -120,8 +121,11 @@ def _figures(
     return figures
 
 
-def build_report_data(bundle: EvidenceBundle, findings: list[Finding]) -> dict[str, Any]:
-    """The report as plain data (see the module docstring)."""
+def build_report_data(
+    bundle: EvidenceBundle, findings: list[Finding], summary: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The report as plain data (see the module docstring). ``summary``: the run's
+    :func:`build_summary`, when the caller has it already."""
     run = bundle.run
     found = [finding_data(f) for f in findings]
     data: dict[str, Any] = {
@@ -136,7 +140,7 @@ def build_report_data(bundle: EvidenceBundle, findings: list[Finding]) -> dict[s
         "charts": {"origin_utc": None, "kernels": _kernel_section(bundle, findings)},
     }
     if run is not None:
-        summary = build_summary(run)
+        summary = summary if summary is not None else build_summary(run)
         ends = {r["rank"]: end_mark(r["ended"], run.ranks[r["rank"]]) for r in summary["ranks"]}
         origin = run_origin(run)
         facts = run_facts(run, summary, ends)

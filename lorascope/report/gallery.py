@@ -11,9 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lorascope.detect.registry import run_detectors
+from lorascope.analysis import analyze
 from lorascope.errors import LorascopeError
-from lorascope.ingest.load import load_bundle
 from lorascope.report.write import write_report
 from lorascope.rundir.schema import MANIFEST_FILE
 
@@ -30,8 +29,7 @@ def render_all(fixtures: Path, out: Path) -> list[tuple[Path, str]]:
     for run_dir in scenarios(fixtures):
         target = out / f"{run_dir.name}.html"
         try:
-            bundle = load_bundle(run_dir)
-            size = write_report(bundle, run_detectors(bundle), target)
+            size = write_report(analyze(run_dir), target)
         except LorascopeError as exc:
             results.append((target, str(exc)))
         else:

@@ -2,7 +2,7 @@
 
 The section renders from one documented shape, the **kernel table**, which a detector
 puts in ``Finding.details["kernels"]`` (the tiny-kernel-tail detector does the
-attribution) or which :mod:`lorascope.ingest.kineto_modules` derives from the Kineto traces
+attribution) or which :mod:`lorascope.detect.kernel_attribution` derives from the Kineto traces
 in ``EvidenceBundle.traces``::
 
     {

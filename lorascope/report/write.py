@@ -1,22 +1,22 @@
-"""Writing a report file: the one path both `lorascope report` and `analyze --html` take."""
+"""Writing a report file: the one path `lorascope report`, `analyze --html`, `hang` and
+the gallery take."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lorascope.detect.finding import Finding
+from lorascope.analysis import Analysis
 from lorascope.errors import BadInputError, UsageError
-from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.report.data import build_report_data
 
 
-def write_report(bundle: EvidenceBundle, findings: list[Finding], out: Path) -> int:
-    """Render the report for ``bundle`` into ``out``; returns the page's size in bytes."""
+def write_report(analysis: Analysis, out: Path) -> int:
+    """Render the report of ``analysis`` into ``out``; returns the page's size in bytes."""
     try:
         from lorascope.report.render import render
     except ImportError as exc:
         raise UsageError(f"the HTML report needs jinja2 ({exc}): pip install 'lorascope[analysis]'") from None
-    page = render(build_report_data(bundle, findings)).encode("utf-8")
+    page = render(build_report_data(analysis.bundle, analysis.findings, analysis.summary)).encode("utf-8")
     try:
         out.write_bytes(page)
     except OSError as exc:

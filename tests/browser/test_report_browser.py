@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lorascope.detect.registry import run_detectors
+from lorascope.analysis import analyze
 from lorascope.ingest.load import load_bundle
 from lorascope.report.gallery import scenarios
 from lorascope.report.write import write_report
@@ -45,8 +45,7 @@ class Loaded:
 
 
 def render(run_dir: Path, out: Path) -> Path:
-    bundle = load_bundle(run_dir)
-    write_report(bundle, run_detectors(bundle), out)
+    write_report(analyze(run_dir), out)
     return out
 
 

@@ -23,10 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lorascope.analyze.artifacts import artifacts_data, render_artifacts
+from lorascope.analysis.artifacts import artifacts_data
 from lorascope.detect.registry import run_detectors
 from lorascope.errors import BadInputError
 from lorascope.ingest.load import load_bundle
+from lorascope.text.artifacts import render_artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures"

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from lorascope.detect.hang.flight_align import align
 from lorascope.errors import BadInputError
-from lorascope.ingest.flight import parse_flight_dump, read_flight_dump
-from lorascope.ingest.flight_align import align
+from lorascope.ingest.flight.reader import parse_flight_dump, read_flight_dump
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "flight-recorder"
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.detect.hang.flight_align import flight_alignment
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.kinds import detect_kind
 from lorascope.ingest.load import load_bundle
-from lorascope.ingest.ranks import rank_from_path
+from lorascope.ingest.path_rank import rank_from_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures"
@@ -74,8 +75,8 @@ def test_mixed_folder_of_one_job(tmp_path: Path) -> None:
     bundle = load_bundle(tmp_path, hta=False)
     assert sorted(bundle.snapshots) == [0, 1] and sorted(bundle.flight_records) == [0, 1]
     assert list(bundle.traces) == [0] and len(bundle.logs) == 1
-    assert bundle.snapshot_comparison is not None and bundle.flight_alignment is not None
-    assert bundle.flight_alignment.first_disagreement is not None
+    assert bundle.snapshot_comparison is not None and flight_alignment(bundle) is not None
+    assert flight_alignment(bundle).first_disagreement is not None
     assert any("README" in w and "not a job log" in w for w in bundle.warnings)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.kineto import analyse_trace, read_trace
-from lorascope.ingest.kineto_hta import hta_available, hta_figures
-from lorascope.ingest.kineto_ranks import STRAGGLER_RATIO, compare_traces
+from lorascope.ingest.kineto.compare import STRAGGLER_RATIO, compare_traces
+from lorascope.ingest.kineto.hta import hta_available, hta_figures
+from lorascope.ingest.kineto.reader import analyse_trace, read_trace
 
 REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
 CPU_TRACE = Path(__file__).resolve().parents[2] / "fixtures" / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from lorascope.errors import BadInputError
-from lorascope.ingest import logs
-from lorascope.ingest.logs import read_log
+from lorascope.ingest.logs import reader as logs
+from lorascope.ingest.logs.reader import read_log
 
 JOB_LOG = Path(__file__).resolve().parents[2] / "fixtures" / "snapshots" / "lora-oom" / "job.log"
 MiB, GiB = 1 << 20, 1 << 30

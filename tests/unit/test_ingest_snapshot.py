@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.snapshot import analyse_snapshot, read_snapshot
-from lorascope.ingest.snapshot_ranks import compare_ranks
+from lorascope.ingest.snapshot.compare import compare_ranks
+from lorascope.ingest.snapshot.reader import analyse_snapshot, read_snapshot
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "snapshots"
 MiB = 1 << 20

@@ -18,7 +18,7 @@ from lorascope.plan.budget import EDGE, FITS, NO_FIT, compute_budget
 from lorascope.plan.lora import LoraSpec
 from lorascope.plan.presets import preset_config
 from lorascope.plan.training import TrainingSetup, ZeroSetup
-from lorascope.plan.units import GIB, parse_bytes
+from lorascope.units import GIB, parse_bytes
 
 ISSUE_EXAMPLE = [
     "--lora-r",

@@ -2,7 +2,7 @@
 
 The log may be large (tens of MB, several ranks interleaved): it is never loaded whole.
 Lines longer than :data:`MAX_LINE` are cut (the rest skipped); gzipped logs are read
-as they are. What it extracts (see :mod:`lorascope.ingest.log_patterns`): NCCL watchdog
+as they are. What it extracts (see :mod:`lorascope.ingest.logs.patterns`): NCCL watchdog
 timeouts and progress, gloo timeouts and size mismatches, CUDA OOM messages with their
 numbers, the reentrant-checkpointing warning and the errors it leads to, DeepSpeed's
 allocator cache flushes, exception lines; each with its rank (from the ``[rankN]:``
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from lorascope.errors import BadInputError
-from lorascope.ingest import log_patterns as P
+from lorascope.ingest.logs import patterns as P
 
 MAX_LINE = 64 * 1024
 #: Records kept per kind (all are counted).

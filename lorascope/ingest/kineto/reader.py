@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.kineto_hta import HtaFigures
+from lorascope.ingest.kineto.hta import HtaFigures
 
 #: Duration buckets' upper edges (microseconds) for the distribution.
 BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 1000, 10_000)

@@ -1,80 +1,15 @@
-"""What `lorascope analyze` shows about loaded artifacts: a data builder and a text renderer.
-
-``artifacts_data(bundle)`` is plain JSON-able data (``--json`` prints it under
-"artifacts"); ``render_artifacts(data)`` lays the same data out for a terminal, one
-block per artifact kind, largest things first.
-"""
+"""Loaded artifacts as terminal text: one block per artifact kind, largest things first
+(the data is :func:`lorascope.analysis.artifacts.artifacts_data`'s)."""
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
-from pathlib import Path
 from typing import Any
 
-from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.kineto import KinetoTrace
+from lorascope.ingest.flight.reader import call_site
+from lorascope.units import fmt_bytes
 
-#: Sites and kernels shown per block in the text (all are in the JSON).
+#: Sites and kernels shown per block (all are in the JSON).
 TOP = 6
-
-
-def _plain(value: Any) -> Any:
-    """Dataclasses, paths, tuples and non-string keys made JSON-friendly."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-def _trace_data(trace: KinetoTrace) -> dict[str, Any]:
-    data = {f.name: _plain(getattr(trace, f.name)) for f in fields(trace) if f.name != "raw"}
-    data["collectives"] = data["collectives"][:50]
-    data["collectives_total"] = len(trace.collectives)
-    return data
-
-
-def artifacts_data(bundle: EvidenceBundle) -> dict[str, Any]:
-    """Everything loaded besides the run directory, as plain data (empty parts left out)."""
-    out: dict[str, Any] = {}
-    if bundle.snapshots:
-        out["snapshots"] = {str(r): _plain(s) for r, s in sorted(bundle.snapshots.items())}
-    if bundle.snapshot_comparison is not None:
-        cmp = _plain(bundle.snapshot_comparison)
-        cmp["rank_only"] = [{**_plain(a), "only_here": a.only_here} for a in bundle.snapshot_comparison.rank_only]
-        out["snapshot_comparison"] = cmp
-    if bundle.traces:
-        out["traces"] = {str(r): _trace_data(t) for r, t in sorted(bundle.traces.items())}
-    if bundle.trace_comparison is not None:
-        out["trace_comparison"] = _plain(bundle.trace_comparison)
-    if bundle.flight_records:
-        out["flight_records"] = {
-            str(r): {**_plain(d), "entries": len(d.entries)} for r, d in sorted(bundle.flight_records.items())
-        }
-    if bundle.flight_alignment is not None:
-        align = _plain(bundle.flight_alignment)
-        for g, group in zip(align["groups"], bundle.flight_alignment.groups, strict=True):
-            g["disagreements"] = [{**_plain(d), "describe": d.describe()} for d in group.disagreements]
-            g["progress"] = {str(r): {**_plain(p), "pending": p.pending} for r, p in group.progress.items()}
-        out["flight_alignment"] = align
-    if bundle.logs:
-        out["logs"] = [_plain(log) for log in bundle.logs]
-    return out
-
-
-def size(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KiB") or abs(value) >= 100 else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value} B"
 
 
 def _ms(us: float | None) -> str:
@@ -86,7 +21,7 @@ def _us(us: float | None) -> str:
 
 
 def _categories(cats: dict[str, int]) -> str:
-    return ", ".join(f"{c} {size(b)}" for c, b in cats.items() if b) or "-"
+    return ", ".join(f"{c} {fmt_bytes(b)}" for c, b in cats.items() if b) or "-"
 
 
 def _sites(groups: list[dict[str, Any]], indent: str) -> list[str]:
@@ -95,7 +30,7 @@ def _sites(groups: list[dict[str, Any]], indent: str) -> list[str]:
         callers = [s for s in g["stack"][1:3]]
         via = f"  < {' < '.join(callers)}" if callers else ""
         lines.append(
-            f"{indent}{size(g['bytes']):>10}  {g['category']:<11} {g['site']} "
+            f"{indent}{fmt_bytes(g['bytes']):>10}  {g['category']:<11} {g['site']} "
             f"({g['count']} block{'s' if g['count'] != 1 else ''}){via}"
         )
     return lines
@@ -104,7 +39,7 @@ def _sites(groups: list[dict[str, Any]], indent: str) -> list[str]:
 def _point(p: dict[str, Any], indent: str) -> list[str]:
     lines = [f"{indent}by category: {_categories(p['by_category'])}"]
     if p["unattributed"]:
-        lines.append(f"{indent}{size(p['unattributed'])} allocated before the trace started, stack unknown")
+        lines.append(f"{indent}{fmt_bytes(p['unattributed'])} allocated before the trace started, stack unknown")
     return lines + _sites(p["by_site"], indent)
 
 
@@ -122,14 +57,14 @@ def _render_snapshots(data: dict[str, Any]) -> list[str]:
         for dev in snap["devices"]:
             st = dev["state"]
             lines.append(
-                f"  device {dev['device']} at the snapshot: reserved {size(st['reserved'])}, allocated "
-                f"{size(st['allocated'])}, cached free {size(st['inactive'])} in {st['segments']} segments "
-                f"(largest free block {size(st['largest_free_block'])}, fragmentation "
+                f"  device {dev['device']} at the snapshot: reserved {fmt_bytes(st['reserved'])}, allocated "
+                f"{fmt_bytes(st['allocated'])}, cached free {fmt_bytes(st['inactive'])} in {st['segments']} segments "
+                f"(largest free block {fmt_bytes(st['largest_free_block'])}, fragmentation "
                 f"{st['fragmentation']:.0%})"
             )
             if dev["trace_entries"]:
                 mid = (
-                    f", starts mid-run ({size(dev['allocated_before_trace'])} allocated before its first entry)"
+                    f", starts mid-run ({fmt_bytes(dev['allocated_before_trace'])} allocated before its first entry)"
                     if dev["trace_starts_mid_run"]
                     else ""
                 )
@@ -139,7 +74,7 @@ def _render_snapshots(data: dict[str, Any]) -> list[str]:
                 where = f" at entry #{peak['index']}" if peak["index"] is not None else " at the trace start"
                 inside = f", inside {' > '.join(peak['annotations'])}" if peak["annotations"] else ""
                 lines.append(
-                    f"  peak: {size(peak['allocated'])} allocated (reserved {size(peak['reserved'])}){where}{inside}"
+                    f"  peak: {fmt_bytes(peak['allocated'])} allocated (reserved {fmt_bytes(peak['reserved'])}){where}{inside}"
                 )
                 lines.extend(_point(peak, "    "))
             else:
@@ -148,27 +83,27 @@ def _render_snapshots(data: dict[str, Any]) -> list[str]:
                 lines.extend(_sites(st["by_site"], "    "))
             if dev["logits_blocks"]:
                 blocks = "; ".join(
-                    f"{size(b['bytes'])} at {b['site']}" + (f" ({b['note']})" if b["note"] else "")
+                    f"{fmt_bytes(b['bytes'])} at {b['site']}" + (f" ({b['note']})" if b["note"] else "")
                     for b in dev["logits_blocks"][:4]
                 )
                 lines.append(f"    logits-sized blocks at the peak: {blocks}")
             for oom in dev["ooms"]:
                 live = oom["live"]
                 lines.append(
-                    f"  OOM at entry #{oom['index']}: tried to allocate {size(oom['requested'])}, the device "
-                    f"had {size(oom['device_free'])} free; {size(live['allocated'])} allocated, reserved "
-                    f"{size(live['reserved'])}"
+                    f"  OOM at entry #{oom['index']}: tried to allocate {fmt_bytes(oom['requested'])}, the device "
+                    f"had {fmt_bytes(oom['device_free'])} free; {fmt_bytes(live['allocated'])} allocated, reserved "
+                    f"{fmt_bytes(live['reserved'])}"
                 )
                 lines.extend(_point(live, "    "))
         lines.extend(f"  warning: {w}" for w in snap["warnings"])
     cmp = data.get("snapshot_comparison")
     if cmp:
-        per_rank = ", ".join(f"rank {r} {size(a)}" for r, a in cmp["allocated"].items())
+        per_rank = ", ".join(f"rank {r} {fmt_bytes(a)}" for r, a in cmp["allocated"].items())
         lines.append(f"ranks compared at their peaks: {per_rank}")
         for a in cmp["rank_only"][:TOP]:
             where = a["site"] + (f" < {' < '.join(a['stack'][1:3])}" if len(a["stack"]) > 1 else "")
-            others = "no other rank" if a["only_here"] else f"others at most {size(a['others_max'])}"
-            lines.append(f"  rank {a['rank']} holds {size(a['bytes'])} of {a['category']} at {where} ({others})")
+            others = "no other rank" if a["only_here"] else f"others at most {fmt_bytes(a['others_max'])}"
+            lines.append(f"  rank {a['rank']} holds {fmt_bytes(a['bytes'])} of {a['category']} at {where} ({others})")
         if not cmp["rank_only"]:
             lines.append("  no rank holds anything the others do not")
     return lines
@@ -248,7 +183,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         for r, p in g["progress"].items():
             last = p["last_entry"]
             on = (
-                f" (on {_entry(last)}{' at ' + _call_site(last['frames']) if last['frames'] else ''})"
+                f" (on {_entry(last)}{' at ' + call_site(last['frames']) if last['frames'] else ''})"
                 if p["pending"] and last
                 else ""
             )
@@ -273,13 +208,6 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _call_site(frames: list[str]) -> str:
-    for f in frames:
-        if "torch/distributed/" not in f:
-            return f
-    return frames[0]
-
-
 def _render_logs(data: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for log in data.get("logs", []):
@@ -298,11 +226,12 @@ def _render_logs(data: dict[str, Any]) -> list[str]:
         for p in log["nccl_progress"][:TOP]:
             lines.append(f"{at(p)}last enqueued work #{p['last_enqueued']}, last completed #{p['last_completed']}")
         for o in log["ooms"][:TOP]:
-            others = ", ".join(f"pid {pid} {size(b)}" for pid, b in o["other_processes"].items())
+            others = ", ".join(f"pid {pid} {fmt_bytes(b)}" for pid, b in o["other_processes"].items())
             lines.append(
-                f"{at(o)}CUDA OOM: tried to allocate {size(o['requested'])}, free {size(o['free'])}, "
-                f"allocated by PyTorch {size(o['allocated_by_pytorch'])}, reserved but unallocated "
-                f"{size(o['reserved_unallocated'])}" + (f"; other processes on the GPU: {others}" if others else "")
+                f"{at(o)}CUDA OOM: tried to allocate {fmt_bytes(o['requested'])}, free {fmt_bytes(o['free'])}, "
+                f"allocated by PyTorch {fmt_bytes(o['allocated_by_pytorch'])}, reserved but unallocated "
+                f"{fmt_bytes(o['reserved_unallocated'])}"
+                + (f"; other processes on the GPU: {others}" if others else "")
             )
         for c in log["cache_flushes"][:TOP]:
             lines.append(f"{at(c)}DeepSpeed: {c['flushes']} allocator cache flushes since the last step")

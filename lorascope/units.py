@@ -1,4 +1,5 @@
-"""Byte quantities: parsing what users type (``80GiB``) and printing plan figures."""
+"""Byte quantities: parsing what users type (``80GiB``) and printing them (one formatter
+for every command: findings, artifact summaries, plan tables)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,14 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.2f}"
 
 
-def human(n_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure at 1 or more: 20.59 GiB, 512.0 MiB."""
+def fmt_bytes(n_bytes: float | None, digits: int = 1) -> str:
+    """Bytes in the largest binary unit that keeps the figure at 1 or more: 20.6 GiB,
+    512.0 MiB (``digits`` after the point: plan tables use 2); "-" for None."""
+    if n_bytes is None:
+        return "-"
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n_bytes) >= size:
-            return f"{n_bytes / size:.2f} {unit}"
+            return f"{n_bytes / size:.{digits}f} {unit}"
     return f"{n_bytes:.0f} B"
 
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lorascope.detect.rank_conditional_hang import (
-    Divergence,
-    detect_odd_ranks,
-    first_divergence,
-    rank_condition,
-)
+from lorascope.detect.hang.conditions import rank_condition
+from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
 
 #: Stack frames in these places are not where the job "is".
@@ -68,23 +65,23 @@ def main_thread_frame(stacks: str) -> str | None:
 def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | None:
     """How the rank ended, if it did before ``cutoff`` (the moment the hang was dumped:
     the timeouts that kill every rank afterwards are consequences, not the cause)."""
-    last = rank.exception or rank.signal or rank.end
-    if last is not None and cutoff is not None and float(last["t"]) > cutoff:
+    end = ending_of(rank)
+    if end.t is not None and cutoff is not None and end.t > cutoff:
         return None
     if rank.exception is not None:
         return f"died: {rank.exception['type']}: {rank.exception['message'].splitlines()[0][:160]}"
-    if rank.signal is not None:
-        return f"died: killed by {rank.signal['name']}"
-    if rank.end is not None:
-        return f"exited ({rank.end['status']} {rank.end['code']})"
+    if end.status == "signal":
+        return f"died: killed by {end.detail}"
+    if end.known:
+        return f"exited ({end.status} {end.code})"
     if alive is False:
         return "died: its process is gone without a word (SIGKILL or the OOM killer)"
     return None
 
 
 def _death_time(rank: RankData) -> float:
-    last = rank.exception or rank.signal or rank.end
-    return float(last["t"]) if last is not None else rank.last_time
+    end = ending_of(rank)
+    return end.t if end.t is not None else rank.last_time
 
 
 def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
@@ -178,7 +175,7 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
         by_state.setdefault(s["state"], []).append(s["rank"])
     div = first_divergence(run)
     if div is not None:  # the root cause: what follows (timeouts, deaths) are consequences
-        return "rank-conditional", detect_odd_ranks(run, div), div
+        return "rank-conditional", odd_ranks(run, div), div
     if by_state.get("dead"):
         # The first to die is the cause; the others' errors (a peer closed the connection)
         # follow from it.

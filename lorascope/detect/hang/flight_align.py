@@ -11,10 +11,12 @@ line up again shifted by one, which ranks ran an extra collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
-from lorascope.ingest.flight import FlightDump, FlightEntry
+from lorascope.detect.hang.divergence import Aspects, splits
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.flight.reader import FlightDump, FlightEntry, call_site
 
 #: Disagreements kept per group (the first one matters most).
 MAX_DISAGREEMENTS = 20
@@ -105,21 +107,18 @@ class FlightAlignment:
 def _short(e: FlightEntry) -> str:
     sizes = list(e.input_sizes) if e.input_sizes else ""
     dtypes = "/".join(e.input_dtypes)
-    where = f" at {e.frames[_first_user(e.frames)]}" if e.frames else ""
+    where = f" at {call_site(e.frames)}" if e.frames else ""
     return f"{e.op} {sizes} {dtypes}".rstrip() + where
 
 
-def call_site(frames: list[str]) -> str | None:
-    """The first frame outside torch.distributed: where the job made the call."""
-    return frames[_first_user(frames)] if frames else None
-
-
-def _first_user(frames: list[str]) -> int:
-    """Index of the first frame outside torch.distributed (the call site)."""
-    for i, f in enumerate(frames):
-        if "torch/distributed/" not in f and "torch\\distributed\\" not in f:
-            return i
-    return 0
+def flight_alignment(bundle: EvidenceBundle) -> FlightAlignment | None:
+    """The bundle's flight-recorder dumps aligned, computed once and kept on the bundle."""
+    if not bundle.flight_records:
+        return None
+    if "flight_alignment" not in bundle.derived:
+        bundle.derived["flight_alignment"] = align(bundle.flight_records)
+    found: FlightAlignment = bundle.derived["flight_alignment"]
+    return found
 
 
 def align(dumps: dict[int, FlightDump]) -> FlightAlignment:
@@ -183,6 +182,14 @@ def _align_group(name: str, dumps: dict[int, FlightDump]) -> GroupAlignment:
     )
 
 
+#: What can differ between ranks' entries at one sequence number.
+FLIGHT_ASPECTS: Aspects[FlightEntry] = (
+    ("op", lambda e: e.op),
+    ("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
+    ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))),
+)
+
+
 def _compare(
     name: str, by_seq: dict[int, dict[int, FlightEntry]], progress: dict[int, RankProgress], p2p: bool
 ) -> tuple[list[Disagreement], tuple[int, int] | None, int]:
@@ -192,50 +199,25 @@ def _compare(
     start = max(min(seqs) for seqs in holding.values())
     end = max(max(seqs) for seqs in holding.values())
     window = (start, min(max(seqs) for seqs in holding.values()))
+    compared = sum(1 for seq in range(start, end + 1) if any(seq in seqs for seqs in holding.values()))
     out: list[Disagreement] = []
-    compared = 0
-    for seq in range(start, end + 1):
-        entries = {r: seqs[seq] for r, seqs in holding.items() if seq in seqs}
-        if not entries:
-            continue
-        compared += 1
-        missing = sorted(r for r in holding if r not in entries)
-        kind = _kind(entries.values(), bool(missing))
-        if kind is None:
-            continue
-        waiting = {r: progress[r].last_entry for r in missing if progress[r].last_entry is not None}
+    for split in islice(splits(holding, FLIGHT_ASPECTS, missing=True), MAX_DISAGREEMENTS):
+        entries = {r: e for r, e in split.calls.items() if e is not None}
+        missing = sorted(r for r, e in split.calls.items() if e is None)
+        waiting = {r: e for r in missing if (e := progress[r].last_entry) is not None}
         out.append(
             Disagreement(
                 group=name,
-                seq=seq,
-                kind=kind,
+                seq=split.seq,
+                kind=split.kind,
                 entries=entries,
                 missing_ranks=missing,
-                waiting_at=waiting,  # type: ignore[arg-type]
-                extra_on=_extra_on(holding, seq),
+                waiting_at=waiting,
+                extra_on=_extra_on(holding, split.seq),
                 p2p=p2p,
             )
         )
-        if len(out) >= MAX_DISAGREEMENTS:
-            break
     return out, window if window[0] <= window[1] else None, compared
-
-
-def _kind(entries: Iterable[FlightEntry], missing: bool) -> str | None:
-    es = list(entries)
-    if len({e.op for e in es}) > 1:
-        return "op"
-    differ = [
-        what
-        for what, key in (
-            ("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
-            ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))),
-        )
-        if len({key(e) for e in es}) > 1
-    ]
-    if differ:
-        return "+".join(differ)
-    return "missing" if missing else None
 
 
 def _key(sizes: list[object]) -> object:

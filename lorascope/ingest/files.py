@@ -2,7 +2,7 @@
 
 A file's kind comes from :mod:`lorascope.ingest.kinds` unless forced; its rank from its
 content where the format says (Kineto ``distributedInfo``), else from its path
-(:mod:`lorascope.ingest.ranks`), else the next free number (with a warning). In a
+(:mod:`lorascope.ingest.path_rank`), else the next free number (with a warning). In a
 folder, a file that fails to load becomes a warning; a single file that fails is an
 error.
 """
@@ -15,13 +15,13 @@ from pathlib import Path
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.flight import FlightDump, read_flight_dump
+from lorascope.ingest.flight.reader import FlightDump, read_flight_dump
 from lorascope.ingest.kinds import describe_unknown, detect_kind
-from lorascope.ingest.kineto import KinetoTrace, read_trace
-from lorascope.ingest.kineto_hta import hta_figures
-from lorascope.ingest.logs import read_log
-from lorascope.ingest.ranks import rank_from_path
-from lorascope.ingest.snapshot import read_snapshot
+from lorascope.ingest.kineto.hta import hta_figures
+from lorascope.ingest.kineto.reader import KinetoTrace, read_trace
+from lorascope.ingest.logs.reader import read_log
+from lorascope.ingest.path_rank import rank_from_path
+from lorascope.ingest.snapshot.reader import read_snapshot
 
 #: Files looked at in one folder (a mis-aimed PATH, like a home directory, stays cheap).
 MAX_FILES = 2000

@@ -18,9 +18,9 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.safe_pickle import load_pickle, no_gc
-from lorascope.ingest.snapshot_points import Live, StackInfo, group_by_site
-from lorascope.ingest.snapshot_replay import replay
-from lorascope.ingest.snapshot_types import (
+from lorascope.ingest.snapshot.points import Live, StackInfo, group_by_site
+from lorascope.ingest.snapshot.replay import replay
+from lorascope.ingest.snapshot.types import (
     AllocatorSettings,
     AllocatorState,
     DeviceMemory,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from lorascope.ingest.kineto import KinetoTrace
+from lorascope.ingest.kineto.reader import KinetoTrace
 
 STRAGGLER_RATIO = 1.10
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorascope.ingest.snapshot_points import is_remainder
-from lorascope.ingest.snapshot_types import SiteGroup, SnapshotAnalysis
+from lorascope.ingest.snapshot.points import is_remainder
+from lorascope.ingest.snapshot.types import SiteGroup, SnapshotAnalysis
 
 #: Differences smaller than this are noise (allocator rounding, a few small tensors).
 MIN_BYTES = 1 << 20

@@ -1,10 +1,12 @@
-"""The per-rank summary `lorascope analyze` prints: a data builder and a text renderer."""
+"""The per-rank summary `lorascope analyze` prints, as plain data (the JSON output is this;
+:mod:`lorascope.text.summary` lays it out as a table)."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
 
@@ -20,25 +22,6 @@ def _peak_memory(rank: RankData) -> dict[str, int | None]:
         "cuda_max_allocated_bytes": max((c.get("max_alloc", 0) for c in cuda), default=None),
         "cuda_reserved_bytes": max((c.get("reserved", 0) for c in cuda), default=None),
         "nvml_used_bytes": max(nvml) if nvml else None,
-    }
-
-
-def _ended(rank: RankData) -> dict[str, Any]:
-    """How the rank ended, as far as its stream tells."""
-    if rank.exception is not None:
-        return {
-            "status": "exception",
-            "code": 1,
-            "detail": f"{rank.exception['type']}: {rank.exception['message']}".strip(),
-        }
-    if rank.signal is not None:
-        return {"status": "signal", "code": -rank.signal["signum"], "detail": rank.signal["name"]}
-    if rank.end is not None:
-        return {"status": rank.end["status"], "code": rank.end["code"], "detail": None}
-    return {
-        "status": "unknown",
-        "code": None,
-        "detail": "no end record: killed (e.g. SIGKILL, OOM killer) or still running",
     }
 
 
@@ -70,7 +53,7 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "collectives": _collectives(rank),
         "warnings": len(rank.warnings),
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
-        "ended": _ended(rank),
+        "ended": ending_of(rank).as_dict(),
         "files": rank.files,
     }
 
@@ -97,45 +80,3 @@ def build_summary(run: RunData) -> dict[str, Any]:
         "ranks": [_rank_summary(r) for r in ranks],
         "warnings": run.warnings,
     }
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f} MiB"
-
-
-def _ended_text(ended: dict[str, Any]) -> str:
-    if ended["status"] == "exit":
-        return f"exit {ended['code']}"
-    detail = ended["detail"] or ""
-    first_line = detail.splitlines()[0] if detail else ""
-    return f"{ended['status']}: {first_line[:100]}" if first_line else ended["status"]
-
-
-def render_text(data: dict[str, Any]) -> str:
-    """A short human-readable table, one line per rank."""
-    manifest = data["manifest"]
-    versions = ", ".join(f"{k} {v}" for k, v in manifest["versions"].items() if v)
-    lines = [
-        f"run {data['run_dir']}: world size {manifest['world_size']}, hosts {', '.join(manifest['hosts'])}",
-        f"  {versions}" if versions else "",
-        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
-        f"{'colls':>6}  last seq per group      ended",
-    ]
-    for r in data["ranks"]:
-        peak = r["peak_memory"]
-        mem = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
-        med = "-" if r["step_time_median_s"] is None else f"{r['step_time_median_s'] * 1000:.0f} ms"
-        last = " ".join(f"{g}#{s}" for g, s in r["collectives"]["last_seq"].items()) or "-"
-        lines.append(
-            f"{r['rank']:>4} {r['pid']:>8} {r['steps']:>5} {med:>10} {_mib(mem):>10} "
-            f"{r['collectives']['count']:>6}  {last:<22} {_ended_text(r['ended'])}"
-        )
-        for pending in r["collectives"]["pending"]:
-            lines.append(
-                f"       pending: {pending['op']} #{pending['seq']} on {pending['group']} "
-                f"({pending['bytes']} B) at {pending['site']}"
-            )
-        for err in r["probe_errors"]:
-            lines.append(f"       probe switched off: {err}")
-    lines.extend(f"warning: {w}" for w in data["warnings"])
-    return "\n".join(line for line in lines if line)

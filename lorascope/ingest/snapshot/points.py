@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.ingest.snapshot_types import LiveBlock, MemoryPoint, SiteGroup
-from lorascope.ingest.stack_frames import category_of, site_of, user_frames
+from lorascope.ingest.frames import category_of, site_of, user_frames
+from lorascope.ingest.snapshot.types import LiveBlock, MemoryPoint, SiteGroup
 
 #: A live allocation: (size in bytes, its stack frames or None).
 Live = tuple[int, Any]

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorascope.ingest.snapshot_points import Live, StackInfo, build_point
-from lorascope.ingest.snapshot_types import LiveBlock, MemoryPoint, OomEvent
+from lorascope.ingest.snapshot.points import Live, StackInfo, build_point
+from lorascope.ingest.snapshot.types import LiveBlock, MemoryPoint, OomEvent
 
 _FREES = frozenset(("free_requested", "free_completed", "free"))
 _SEGMENT_GROW = frozenset(("segment_alloc", "segment_map"))

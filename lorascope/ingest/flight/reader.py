@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
+from lorascope.ingest.frames import frame_label, is_python_frame
 from lorascope.ingest.safe_pickle import load_pickle
-from lorascope.ingest.stack_frames import frame_label, is_python_frame
 
 #: Frames kept per entry (innermost first, Python frames only).
 MAX_FRAMES = 12
@@ -272,3 +272,16 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
         timeout_ms=_int(e.get("timeout_ms")),
         duration_ms=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,
     )
+
+
+def call_site(frames: list[str]) -> str | None:
+    """The first frame outside torch.distributed: where the job made the call."""
+    return frames[first_user_index(frames)] if frames else None
+
+
+def first_user_index(frames: list[str]) -> int:
+    """Index of the first frame outside torch.distributed (the call site)."""
+    for i, f in enumerate(frames):
+        if "torch/distributed/" not in f and "torch\\distributed\\" not in f:
+            return i
+    return 0

@@ -1,0 +1,58 @@
+"""One analysis, the path every command takes: load -> detect -> summarise.
+
+:func:`analyze` (a path) and :func:`of_run` (a run already in memory, as `lorascope hang`
+has it) return an :class:`Analysis`: the evidence, the findings and the per-rank summary,
+each computed once. The CLI prints it (:mod:`lorascope.text`), the report renders it
+(:mod:`lorascope.report`), the gallery and the tests use the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorascope.analysis.artifacts import artifacts_data
+from lorascope.analysis.summary import build_summary
+from lorascope.detect.finding import Finding
+from lorascope.detect.registry import run_detectors
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.load import load_bundle
+from lorascope.rundir.reader import RunData
+
+
+@dataclass
+class Analysis:
+    bundle: EvidenceBundle
+    #: Most severe and surest first.
+    findings: list[Finding]
+    #: The per-rank summary (:func:`build_summary`) when the evidence holds a run directory.
+    summary: dict[str, Any] | None
+
+    def to_data(self) -> dict[str, Any]:
+        """What `lorascope analyze --json` prints: the summary, the reading warnings, the
+        loaded artifacts and the findings, as plain data."""
+        data = dict(self.summary) if self.summary is not None else {"ranks": []}
+        data["warnings"] = self.bundle.warnings
+        data["artifacts"] = artifacts_data(self.bundle)
+        data["findings"] = [f.to_dict() for f in self.findings]
+        return data
+
+
+def of_bundle(bundle: EvidenceBundle) -> Analysis:
+    findings = run_detectors(bundle)
+    summary = build_summary(bundle.run) if bundle.run is not None else None
+    return Analysis(bundle=bundle, findings=findings, summary=summary)
+
+
+def analyze(path: Path, kind: str | None = None, hta: bool | None = False) -> Analysis:
+    """Analyse PATH: a run directory, one artifact, or a folder of one job's artifacts
+    (see :func:`lorascope.ingest.load.load_bundle`; ``kind`` forces the reader, ``hta``
+    adds HolisticTraceAnalysis figures to GPU traces, None: when installed)."""
+    return of_bundle(load_bundle(path, kind=kind, hta=hta))
+
+
+def of_run(run: RunData, path: Path) -> Analysis:
+    """An analysis of a run directory already loaded (`lorascope hang` reloads the live
+    run while it waits for the ranks' dumps)."""
+    return of_bundle(EvidenceBundle(path=path, run=run, warnings=list(run.warnings)))

@@ -1,0 +1,161 @@
+"""Where ranks' collectives diverge: the one finder, for run records and flight-recorder
+dumps alike.
+
+Ranks pair collectives by order within a process group: the n-th call of group G on one
+rank pairs with the n-th call of G on every other member. At a sequence number the
+members disagree when their calls differ in an *aspect* (the op; the size; the dtype),
+or, where that counts, when some member never issued the call while others did
+("missing": it is stuck elsewhere, dead, or simply not there yet).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from lorascope.detect.hang.conditions import odd_by_condition, rank_condition
+from lorascope.rundir.reader import Collective, RunData
+
+T = TypeVar("T")
+#: (name, key) pairs: the calls of the members disagree on the aspect when their keys differ.
+Aspects = Sequence[tuple[str, Callable[[T], object]]]
+
+#: Run records: what the hang detectors compare (a dtype alone does not hang a job).
+RUN_OP_SIZE: Aspects[Collective] = (("op", lambda c: c.op), ("size", lambda c: c.bytes))
+#: Run records, every aspect the records carry (the report's alignment chart).
+RUN_ALL: Aspects[Collective] = (*RUN_OP_SIZE, ("dtype", lambda c: c.dtype))
+
+
+def classify(calls: Mapping[int, T | None], aspects: Aspects[T], missing: bool) -> str | None:
+    """How the members' calls at one sequence number disagree: "op" when the ops differ,
+    else the aspects that differ joined by "+" ("size", "size+dtype"), else "missing" when
+    some member never issued it (if ``missing`` counts); None when they agree."""
+    present = [c for c in calls.values() if c is not None]
+    if not present:
+        return None
+    differ = [name for name, key in aspects if len({key(c) for c in present}) > 1]
+    if differ:
+        return differ[0] if differ[0] == "op" else "+".join(differ)
+    return "missing" if missing and len(present) < len(calls) else None
+
+
+@dataclass
+class Split(Generic[T]):
+    """One sequence number at which the members of a group disagree."""
+
+    seq: int
+    kind: str
+    #: Every member's call at ``seq`` (None: it never issued one).
+    calls: dict[int, T | None]
+
+
+def _first_difference(a: list[object], b: list[object], chunk: int = 512) -> int:
+    """The first index where two lists differ (the shorter one's length if it is a prefix
+    of the other). Compares chunk by chunk, so the work runs in C."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + chunk] == b[i : i + chunk]:
+        i += chunk
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)
+
+
+def _agreeing_prefix(
+    tables: Mapping[int, Mapping[int, T]], users: list[int], start: int, end: int, aspects: Aspects[T]
+) -> int:
+    """The first sequence number from ``start`` at which some member's call (or its absence)
+    differs from the first member's in any aspect: nothing before it can disagree."""
+
+    def row(r: int) -> list[object]:
+        calls = tables[r]
+        return [
+            None if (c := calls.get(s)) is None else tuple(key(c) for _, key in aspects) for s in range(start, end + 1)
+        ]
+
+    ref = row(users[0])
+    first = len(ref)
+    for r in users[1:]:
+        first = min(first, _first_difference(ref, row(r)))
+    return start + first
+
+
+def splits(
+    tables: Mapping[int, Mapping[int, T]], aspects: Aspects[T], missing: bool, members: Sequence[int] | None = None
+) -> Iterator[Split[T]]:
+    """Every sequence number at which ``members`` (default: every rank in ``tables``)
+    disagree, in order. ``tables``: rank -> seq -> call. Counting starts at the first
+    sequence number every member that called into the group still holds (older ones may
+    have been rotated out of a stream or a flight-recorder ring buffer)."""
+    members = sorted(tables) if members is None else list(members)
+    users = [r for r in members if tables.get(r)]
+    if not users:
+        return
+    start = max(min(tables[r]) for r in users)
+    end = max(max(tables[r]) for r in users)
+    if len(users) == len(members):  # a member that never called in differs from the start
+        start = _agreeing_prefix(tables, users, start, end, aspects)
+    for seq in range(start, end + 1):
+        calls = {r: tables.get(r, {}).get(seq) for r in members}
+        kind = classify(calls, aspects, missing)
+        if kind is not None:
+            yield Split(seq, kind, calls)
+
+
+def first_split(
+    tables: Mapping[int, Mapping[int, T]], aspects: Aspects[T], missing: bool, members: Sequence[int] | None = None
+) -> Split[T] | None:
+    return next(splits(tables, aspects, missing, members), None)
+
+
+def by_group(run: RunData) -> dict[str, dict[int, dict[int, Collective]]]:
+    """Run records as group -> rank -> seq -> call."""
+    out: dict[str, dict[int, dict[int, Collective]]] = {}
+    for rank in run.ranks.values():
+        for coll in rank.collectives:
+            out.setdefault(coll.group, {}).setdefault(rank.rank, {})[coll.seq] = coll
+    return out
+
+
+@dataclass
+class Divergence:
+    """Where the ranks of a run went different ways: a group and a sequence number."""
+
+    group: str
+    seq: int
+    calls: dict[int, Collective | None]  # rank -> its call at seq (None: never issued)
+
+
+def first_divergence(run: RunData) -> Divergence | None:
+    """The earliest (by time) sequence number, over all groups, at which the ranks that
+    issued it disagree on the op or the size. A rank that never issued the call while
+    others wait in it is not a disagreement: it is stuck elsewhere or dead (the hang
+    diagnosis tells which)."""
+    found: list[tuple[float, Divergence]] = []
+    for group, tables in sorted(by_group(run).items()):
+        if len(tables) < 2:
+            continue
+        split = first_split(tables, RUN_OP_SIZE, missing=False)
+        if split is not None:
+            when = min(c.start for c in split.calls.values() if c is not None)
+            found.append((when, Divergence(group, split.seq, split.calls)))
+    return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def conditions_at(run: RunData, div: Divergence) -> dict[int, str | None]:
+    """Each rank's rank condition around its call at the divergence."""
+    return {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
+
+
+def odd_ranks(run: RunData, div: Divergence) -> list[int]:
+    """The ranks that went their own way at the divergence: inside a rank condition (see
+    :func:`odd_by_condition`), else the minority (op, bytes); none when it cannot be told."""
+    odd = odd_by_condition(conditions_at(run, div), include_else=True)
+    if not odd:
+        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
+        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
+            rare = counts.most_common()[-1][0]
+            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
+    return sorted(odd)

@@ -1,0 +1,1 @@
+"""torch's flight-recorder dumps (pickle or JSON): reading."""

@@ -1,0 +1,1 @@
+"""Kineto Chrome-trace JSON (``torch.profiler`` exports): reading, HTA figures, cross-rank comparison."""

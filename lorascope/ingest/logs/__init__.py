@@ -1,0 +1,1 @@
+"""Job logs: streamed, matched against known failure patterns."""

@@ -1,0 +1,40 @@
+"""How a rank ended, as far as its stream tells: the one reading of a rank's exception,
+signal and end records that the summary, the hang diagnosis and the report share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorascope.rundir.reader import RankData
+
+
+@dataclass(frozen=True)
+class Ending:
+    #: "exception", "signal", the end record's status ("exit", ...), or "unknown" when
+    #: the stream has no word on it (killed by SIGKILL or the OOM killer, or still running).
+    status: str
+    code: int | None
+    detail: str | None
+    #: When the rank recorded it (None: no record).
+    t: float | None
+
+    @property
+    def known(self) -> bool:
+        """The rank recorded how it ended (an exception, a signal or an end record)."""
+        return self.status != "unknown"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "code": self.code, "detail": self.detail}
+
+
+def ending_of(rank: RankData) -> Ending:
+    if rank.exception is not None:
+        exc = rank.exception
+        return Ending("exception", 1, f"{exc['type']}: {exc['message']}".strip(), float(exc["t"]))
+    if rank.signal is not None:
+        sig = rank.signal
+        return Ending("signal", -sig["signum"], sig["name"], float(sig["t"]))
+    if rank.end is not None:
+        return Ending(rank.end["status"], rank.end["code"], None, float(rank.end["t"]))
+    return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)

@@ -1,0 +1,1 @@
+"""Terminal output: findings, the per-rank summary and artifact summaries as text."""
