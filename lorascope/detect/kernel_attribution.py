@@ -137,3 +137,15 @@ def table_from_traces(traces: dict[int, Any], threshold_us: float) -> dict[str, 
         return None
     units = {e.pop("unit") for e in ranks.values()}
     return {"unit": "kernel" if "kernel" in units else "op", "threshold_us": threshold_us, "ranks": ranks}
+
+
+#: Tiny: a GPU kernel shorter than a kernel launch (~5 us on current GPUs and drivers) ...
+TINY_GPU_US = 5.0
+#: ... or a CPU op shorter than the ~10 us of Python and dispatcher overhead around it.
+TINY_CPU_US = 10.0
+
+
+def tiny_threshold_us(traces: dict[int, Any]) -> float:
+    """What counts as tiny in these traces: GPU kernels if any trace has them, else CPU ops."""
+    gpu = any(getattr(t, "unit", "op") == "kernel" for t in traces.values())
+    return TINY_GPU_US if gpu else TINY_CPU_US

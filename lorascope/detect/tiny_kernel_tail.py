@@ -16,14 +16,10 @@ import statistics
 from typing import Any
 
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.kernel_attribution import table_from_traces
+from lorascope.detect.kernel_attribution import table_from_traces, tiny_threshold_us
 from lorascope.ingest.evidence import EvidenceBundle
 
 ID = "tiny-kernel-tail"
-#: Tiny: a GPU kernel shorter than a kernel launch (~5 us on current GPUs and drivers) ...
-TINY_GPU_US = 5.0
-#: ... or a CPU op shorter than the ~10 us of Python and dispatcher overhead around it.
-TINY_CPU_US = 10.0
 #: "Thousands of thin GEMMs per step": LoRA kernels per traced step must reach this
 #: (counts, unlike time shares, do not move with a loaded machine) ...
 MIN_LORA_PER_STEP = 2000
@@ -61,8 +57,7 @@ def _rank_stats(entry: dict[str, Any], threshold: float) -> dict[str, Any]:
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     if not bundle.traces:
         return []
-    gpu = any(getattr(t, "unit", "op") == "kernel" for t in bundle.traces.values())
-    threshold = TINY_GPU_US if gpu else TINY_CPU_US
+    threshold = tiny_threshold_us(bundle.traces)
     table = table_from_traces(bundle.traces, threshold)
     if table is None:
         return []

@@ -142,8 +142,3 @@ def category_of(frames: Sequence[Any] | None) -> str:
             if pattern.search(key):
                 return category
     return "other"
-
-
-def in_loss(frames: Sequence[Any] | None) -> bool:
-    """Whether the stack passes through the loss (cross-entropy, log-softmax, lm_head)."""
-    return category_of(frames) == "logits"

@@ -25,10 +25,6 @@ from lorascope.report.timebase import run_origin
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
 
-#: Until the tiny-kernel-tail detector supplies its own, the tiny threshold for traces
-#: the report summarises itself (microseconds).
-DEFAULT_TINY_US = 10.0
-
 
 def _missing(bundle: EvidenceBundle) -> list[str]:
     """What the report could not see: reading warnings, ranks that left no end record,
@@ -49,7 +45,7 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
 def _kernel_section(bundle: EvidenceBundle, findings: list[Finding]) -> dict[str, Any]:
     table = kernels.find_table(findings)
     if table is None and bundle.traces:
-        table = kernel_attribution.table_from_traces(bundle.traces, DEFAULT_TINY_US)
+        table = kernel_attribution.table_from_traces(bundle.traces, kernel_attribution.tiny_threshold_us(bundle.traces))
     if table is not None:
         return kernels.section(table, "")
     files = [f for r in (bundle.run.ranks.values() if bundle.run else []) for f in r.trace_files]

@@ -60,7 +60,7 @@ def section(table: dict[str, Any] | None, message: str) -> dict[str, Any]:
     """The histogram, the per-rank shares and the top names; or ``message`` when no table."""
     if table is None:
         return {"available": False, "message": message}
-    threshold = float(table.get("threshold_us") or 10.0)
+    threshold = float(table["threshold_us"])
     lora_bins: dict[int, int] = defaultdict(int)
     other_bins: dict[int, int] = defaultdict(int)
     names: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0, 0.0])

@@ -9,7 +9,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from lorascope.detect.common import CUDA_ALLOCATED, RSS, mem_value, memory_kind
 from lorascope.detect.finding import Finding
+from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
 from lorascope.report.timebase import mib, secs
 from lorascope.rundir.reader import RankData, RunData
@@ -22,25 +24,17 @@ MAX_STEP_MARKERS = 40
 #: Phases of every step are not drawn (too dense); other phases (eval, save) are.
 STEP_PHASES = frozenset({"forward", "backward", "optimizer"})
 MAX_PHASE_MARKERS = 200
-#: The categories a detector may break a rank's peak into (``details["memory_breakdown"]``).
-BREAKDOWN_CATEGORIES = ("weights", "optimizer", "gradients", "activations", "logits", "other", "unknown")
 
 
 def uses_cuda(run: RunData) -> bool:
-    return any(isinstance(m.get("cuda"), dict) for r in run.ranks.values() for m in r.mem)
+    return any(memory_kind(r) == CUDA_ALLOCATED for r in run.ranks.values())
 
 
 def _samples(rank: RankData, cuda: bool) -> tuple[list[float], list[float]]:
     """(times, bytes) of the rank's samples, in time order (the sampler thread and the
     training thread stamp records before they take the stream's lock)."""
-    if cuda:
-        pairs = [
-            (m["t"], c["alloc"])
-            for m in rank.mem
-            if isinstance(c := m.get("cuda"), dict) and c.get("alloc") is not None
-        ]
-    else:
-        pairs = [(m["t"], m["rss"]) for m in rank.mem if m.get("rss") is not None]
+    kind = CUDA_ALLOCATED if cuda else RSS
+    pairs = [(m["t"], v) for m in rank.mem if (v := mem_value(m, kind)) is not None]
     pairs.sort()
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -143,7 +137,7 @@ def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[floa
         raw = finding.details.get("memory_breakdown")
         if isinstance(raw, dict) and raw:
             by_rank = {str(k): v for k, v in raw.items() if isinstance(v, dict)}
-            cats = [c for c in BREAKDOWN_CATEGORIES if any(c in v for v in by_rank.values())]
+            cats = [c for c in CATEGORIES if any(c in v for v in by_rank.values())]
             return {c: [mib(by_rank.get(str(r), {}).get(c)) for r in ranks] for c in cats}
     return None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.detect import tiny_kernel_tail
+from lorascope.detect import kernel_attribution, tiny_kernel_tail
 from lorascope.ingest.load import load_bundle
 
 REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
@@ -20,7 +20,7 @@ def independent_counts(path: Path) -> tuple[int, int]:
     """GPU kernels and those under the GPU threshold, counted straight from the JSON."""
     events = json.load(gzip.open(path))["traceEvents"]
     kernels = [e for e in events if isinstance(e, dict) and e.get("cat") == "kernel" and e.get("ph") == "X"]
-    return len(kernels), sum(1 for k in kernels if float(k["dur"]) < tiny_kernel_tail.TINY_GPU_US)
+    return len(kernels), sum(1 for k in kernels if float(k["dur"]) < kernel_attribution.TINY_GPU_US)
 
 
 @pytest.mark.skipif(not TRACES, reason="../shared/real-traces is not beside the repository")
@@ -32,7 +32,7 @@ def test_real_gpu_traces(path: Path) -> None:
     trace = next(iter(bundle.traces.values()))
     idle = trace.idle_us / (trace.busy_us + trace.idle_us)
     print(
-        f"{path.name}: {total} kernels, {tiny} under {tiny_kernel_tail.TINY_GPU_US:g} us, "
+        f"{path.name}: {total} kernels, {tiny} under {kernel_attribution.TINY_GPU_US:g} us, "
         f"idle {idle:.0%} -> {[f.title for f in findings] or 'no finding'}"
     )
     assert total > 0 and trace.unit == "kernel"
@@ -93,7 +93,7 @@ def test_synthetic_cuda_lora_tail_is_attributed(tmp_path: Path) -> None:
     [finding] = tiny_kernel_tail.detect(bundle)
     stats = finding.details["stats"]["0"]
     assert stats["lora_units"] == 3000 and stats["lora_per_step"] == 3000
-    assert finding.details["threshold_us"] == tiny_kernel_tail.TINY_GPU_US
+    assert finding.details["threshold_us"] == kernel_attribution.TINY_GPU_US
     assert stats["lora_time_share"] == pytest.approx(6000 / (6000 + 4000))
     assert "LoRA adds 3,000 kernels" in finding.title and finding.confidence == "high"
 
