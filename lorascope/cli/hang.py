@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,7 +20,7 @@ from lorascope.hang.targets import verify
 from lorascope.rundir.reader import load_run
 
 
-def _render(diagnosis: dict, notes: list[str]) -> str:
+def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
     lines = []
     for group in diagnosis["groups"]:
         ranks = group["ranks"]  # rank numbers, or "rank N" / "pid N" labels in --pid mode

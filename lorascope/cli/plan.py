@@ -143,6 +143,7 @@ def command(
         shape = shape_from_config(config, name=config.get("_name_or_path") or _model_name(model_path))
         source = str(model_path)
     else:
+        assert preset is not None
         shape, source = preset_shape(preset), f"preset {preset.lower()}"
 
     base_lora = lora_from_config(load_config_file(lora_path)) if lora_path else LoraSpec()

@@ -36,7 +36,7 @@ def peak_memory(rank: RankData) -> int | None:
     """CUDA max-allocated where recorded, else the largest heap-in-use or RSS sample."""
     kind = memory_kind(rank)
     if kind == CUDA_ALLOCATED:
-        return max(m["cuda"].get("max_alloc", 0) for m in rank.mem if isinstance(m.get("cuda"), dict))
+        return max(int(m["cuda"].get("max_alloc", 0)) for m in rank.mem if isinstance(m.get("cuda"), dict))
     values = [v for m in rank.mem if (v := mem_value(m, kind)) is not None]
     return max(values) if values else None
 

@@ -40,6 +40,7 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
     stalls = [r for r in run.ranks.values() if r.stall]
     if stalls:
         s = stalls[0].stall
+        assert s is not None
         evidence.append(
             Evidence(
                 "stall watchdog",

@@ -9,6 +9,7 @@ the rank's peak. Thresholds: docs/detectors.md.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from lorascope.detect.common import mem_value, memory_kind, peak_memory, stream_source
 from lorascope.detect.finding import Evidence, Finding
@@ -35,7 +36,7 @@ def _baseline(rank: RankData) -> int | None:
     return None
 
 
-def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], dict] | None:
+def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], dict[str, Any]] | None:
     loss_inputs = [r for r in rank.logits if r["where"] == "loss_input"]
     heads = [r for r in rank.logits if r["where"] == "lm_head_output"]
     if not loss_inputs and not heads:
@@ -101,7 +102,7 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
     )
 
 
-def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Evidence], dict] | None:
+def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Evidence], dict[str, Any]] | None:
     """From an allocator snapshot: the large blocks live at the peak in lm_head / loss
     frames (and blocks of the same size elsewhere), against the peak."""
     snapshot = bundle.snapshots[rank]

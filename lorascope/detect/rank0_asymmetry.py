@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from lorascope.detect.common import ended_with_oom, mem_value, memory_kind, peak_memory, stream_source
-from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
 from lorascope.units import fmt_bytes
@@ -66,7 +66,7 @@ def _growth(rank: RankData, kind: str) -> int | None:
     return None if base is None or peak is None else max(peak - base, 0)
 
 
-def divergence_point(rank0: RankData, others: list[RankData], excess: int) -> dict[str, Any] | None:
+def divergence_point(rank0: RankData, others: list[RankData], excess: float) -> dict[str, Any] | None:
     """Where rank 0 pulls away: the ranks' samples are aligned by phase edge, the gap to
     the others' median is followed edge to edge, and the interval (from one edge to the
     next) whose gap increases add up to the most names the phase — robust to an allocator
@@ -229,7 +229,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         evidence.append(
             Evidence(
                 "rank 0 ended with",
-                rank0.exception["message"].splitlines()[0][:300],
+                (rank0.exception or {"message": ""})["message"].splitlines()[0][:300],
                 stream_source(run, rank0, "exception record"),
             )
         )
@@ -238,7 +238,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         reasons.append(f"divergence located at {point['edge']}")
     if guests:
         reasons.append("other ranks' contexts seen on GPU 0")
-    confidence = "high" if excess >= 2 * threshold and (point is not None or guests) else "medium"
+    confidence: Confidence = "high" if excess >= 2 * threshold and (point is not None or guests) else "medium"
     phase = point["phase"] if point else None
     return [
         Finding(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorascope.detect.common import stream_source
-from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import condition_in, odd_by_condition
 from lorascope.detect.hang.divergence import conditions_at, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import flight_alignment
@@ -117,7 +117,7 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
-    if div is None:
+    if run is None or div is None:
         return from_flight_recorder(bundle)
     conditions = conditions_at(run, div)
     odd = odd_ranks(run, div)
@@ -137,12 +137,11 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                     )
                 )
     crashed = [r for r in run.ranks.values() if r.exception]
-    if crashed:
+    if crashed and (exc := crashed[0].exception) is not None:
         evidence.append(
             Evidence(
                 "how it ended",
-                f"rank {crashed[0].rank}: {crashed[0].exception['type']}: "
-                f"{crashed[0].exception['message'].splitlines()[0][:200]}",
+                f"rank {crashed[0].rank}: {exc['type']}: {exc['message'].splitlines()[0][:200]}",
                 stream_source(run, crashed[0], "exception record"),
             )
         )
@@ -151,11 +150,11 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     first_odd = div.calls.get(odd[0]) if odd else None
     headline = f"{who} disagree from collective #{div.seq} on {div.group}" + (
         f": rank {odd[0]} runs {first_odd.op} at {_short_site(first_odd.site)}"
-        f"{' inside `' + conditions[odd[0]] + '`' if conditions.get(odd[0]) else ''}"
+        f"{' inside `' + str(conditions[odd[0]]) + '`' if conditions.get(odd[0]) else ''}"
         if first_odd
         else ""
     )
-    confidence = "high" if any(conditions.values()) else "medium"
+    confidence: Confidence = "high" if any(conditions.values()) else "medium"
     reason = (
         "the odd rank's call site is inside a rank condition"
         if confidence == "high"

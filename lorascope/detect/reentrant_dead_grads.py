@@ -12,7 +12,7 @@ requires_grad=True", and the errors backward raises in this state.
 from __future__ import annotations
 
 from lorascope.detect.common import stream_source
-from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RunData
 
@@ -70,13 +70,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             )
         )
     failed = [r for r in run.ranks.values() if r.exception and any(t in r.exception["message"] for t in ERROR_TEXTS)]
-    if failed:
+    if failed and (exc := failed[0].exception) is not None:
         ranks.update(r.rank for r in failed)
         evidence.append(
             Evidence(
                 "backward failed",
-                f"{failed[0].exception['type']}: "
-                f"{failed[0].exception['message'].splitlines()[0][:200]} (ranks {[r.rank for r in failed]})",
+                f"{exc['type']}: {exc['message'].splitlines()[0][:200]} (ranks {[r.rank for r in failed]})",
                 stream_source(run, failed[0], "exception record"),
             )
         )
@@ -93,7 +92,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     symptoms = bool(warned) + bool(failed) + bool(dead)
     if not symptoms or not (reentrant or dead):
         return []
-    confidence = "high" if reentrant and symptoms >= 1 and (hookless or symptoms >= 2) else "medium"
+    confidence: Confidence = "high" if reentrant and symptoms >= 1 and (hookless or symptoms >= 2) else "medium"
     reasons = []
     if reentrant:
         reasons.append("reentrant checkpointing recorded" + (" without the input hook" if hookless else ""))

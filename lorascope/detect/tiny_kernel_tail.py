@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.kernel_attribution import table_from_traces, tiny_threshold_us
 from lorascope.ingest.evidence import EvidenceBundle
 
@@ -106,7 +106,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         ]
     if rank in idle:
         evidence.append(Evidence("device idle between kernels", f"{idle[rank]:.0%} of the busy window", source))
-    confidence = "high" if lora_hits and len(lora_hits) == len(stats) else "medium"
+    confidence: Confidence = "high" if lora_hits and len(lora_hits) == len(stats) else "medium"
     reason = (
         f"{s['lora_per_step'] or s['lora_units']:,.0f} LoRA {unit}s per step, mostly tiny, "
         f"{s['lora_time_share']:.0%} of {unit} time, on {len(lora_hits)} of {len(stats)} traced rank(s)"

@@ -34,7 +34,7 @@ def _collective(stacks: str) -> str | None:
 
 
 def diagnose_pids(pids: list[int]) -> dict[str, Any]:
-    states = []
+    states: list[dict[str, Any]] = []
     for pid in pids:
         who = _rank_of(pid)
         stacks = py_spy_dump(pid)

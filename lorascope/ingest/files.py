@@ -10,8 +10,9 @@ error.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -65,7 +66,8 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
             )
         bundle.logs.append(log)
         return
-    readers = {
+    #: kind -> (reader(path, rank from the name), where the bundle keeps that kind by rank)
+    readers: dict[str, tuple[Callable[[Path, int | None], Any], dict[int, Any]]] = {
         "snapshot": (read_snapshot, bundle.snapshots),
         "flight": (read_flight_dump, bundle.flight_records),
         "kineto": (read_trace, bundle.traces),
@@ -74,7 +76,7 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
         raise BadInputError(f"{path}: cannot load a file as {kind!r}")
     reader, store = readers[kind]
     rank = rank_from_path(path)
-    artifact = reader(path, rank)  # type: ignore[operator]
+    artifact = reader(path, rank)
     rank = artifact.rank
     if rank is None:
         rank = _free_rank(store)

@@ -87,6 +87,7 @@ def optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> lis
     shard = p_t / n if zero.stage >= 1 else p_t
     offloaded = zero.offload_optimizer
 
+    grads: float
     if zero.stage == 0:
         grads, grad_formula = p_t * (g + fp32_copy), "(g + c) P_train"
     elif zero.stage == 1:

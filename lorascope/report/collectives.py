@@ -103,6 +103,7 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
         return {"available": False}
     pointer = _finding_pointer(findings)
     summaries = []
+    first: dict[str, Any] | None
     for group, calls in by_group.items():
         members = _members(run, group, set(calls))
         if pointer is not None and pointer[0] == group:

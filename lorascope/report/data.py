@@ -158,4 +158,5 @@ def build_report_data(
             }
         )
     data["verdict"] = _verdict(found, data["facts"])
-    return scrub(data)
+    scrubbed: dict[str, Any] = scrub(data)
+    return scrubbed

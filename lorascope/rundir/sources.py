@@ -24,7 +24,9 @@ def _tree(filename: str) -> ast.AST | None:
 
 
 def _spans(node: ast.AST, lineno: int) -> bool:
-    return node.lineno <= lineno <= (getattr(node, "end_lineno", None) or node.lineno)  # type: ignore[attr-defined]
+    start: int = getattr(node, "lineno", 0)
+    end: int = getattr(node, "end_lineno", None) or start
+    return start <= lineno <= end
 
 
 def describe(filename: str, lineno: int) -> dict[str, Any]:

@@ -183,7 +183,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         for r, p in g["progress"].items():
             last = p["last_entry"]
             on = (
-                f" (on {_entry(last)}{' at ' + call_site(last['frames']) if last['frames'] else ''})"
+                f" (on {_entry(last)}{' at ' + str(call_site(last['frames'])) if last['frames'] else ''})"
                 if p["pending"] and last
                 else ""
             )

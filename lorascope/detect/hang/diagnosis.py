@@ -112,7 +112,8 @@ def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float
     where = ended
     if state == "in-collective":
         p = pending[0]
-        cond = rank_condition(rank, p.get("site"))
+        site = p.get("site")
+        cond = rank_condition(rank, site if isinstance(site, str) else None)
         where = f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}" + (
             f", under `{cond}`" if cond else ""
         )

@@ -67,8 +67,8 @@ def compare_ranks(snapshots: dict[int, SnapshotAnalysis], min_bytes: int = MIN_B
         points[rank], allocated[rank], reserved[rank], groups = _live_groups(snap)
         held[rank] = {(g.category, tuple(g.stack), g.site): g for g in groups if not is_remainder(g)}
     out: list[RankOnlyAllocation] = []
-    for rank, groups in held.items():
-        for key, group in groups.items():
+    for rank, by_key in held.items():
+        for key, group in by_key.items():
             others = max((held[r][key].bytes if key in held[r] else 0) for r in held if r != rank)
             if group.bytes - others >= min_bytes:
                 out.append(

@@ -113,7 +113,8 @@ def _block_frames(block: Mapping[str, Any]) -> Sequence[Any] | None:
         return frames  # type: ignore[no-any-return]
     history = block.get("history")  # torch < 2.1
     if isinstance(history, list) and history and isinstance(history[0], Mapping):
-        return history[0].get("frames")  # type: ignore[no-any-return]
+        frames = history[0].get("frames")
+        return frames if isinstance(frames, (list, tuple)) else None
     return None
 
 
