@@ -12,8 +12,8 @@ from pathlib import Path
 
 from lorascope.errors import BadInputError
 from lorascope.hang.targets import Target
-from lorascope.probes.dumps import DUMP_SIGNAL
 from lorascope.rundir.reader import RunData, load_run
+from lorascope.rundir.schema import DUMP_SIGNAL
 
 POLL_S = 0.2
 PY_SPY_TIMEOUT_S = 20.0

@@ -22,8 +22,8 @@ from typing import Any
 
 from lorascope.probes.exits import thread_stacks
 from lorascope.probes.session import Session
+from lorascope.rundir.schema import DUMP_SIGNAL
 
-DUMP_SIGNAL = signal.SIGURG
 #: The stall watchdog fires after this share of the process-group timeout ...
 STALL_SHARE_OF_PG_TIMEOUT = 1 / 3
 #: ... within these bounds (seconds).

@@ -8,6 +8,7 @@ unknown kinds are skipped with a warning. A change that breaks this bumps FORMAT
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 FORMAT_NAME = "lorascope-run"
@@ -17,6 +18,9 @@ MANIFEST_FILE = "manifest.json"
 RANKS_DIR = "ranks"
 BOOTSTRAP_DIR = "bootstrap"
 STREAM_SUFFIX = ".jsonl"
+#: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
+#: whose default action is to ignore it (see lorascope.probes.dumps).
+DUMP_SIGNAL = signal.SIGURG
 
 _INT = (int,)
 _NUM = (int, float)

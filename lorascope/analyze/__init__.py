@@ -1,1 +1,0 @@
-"""Analysis of loaded run data (pure functions of what the readers return)."""
