@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
@@ -29,11 +30,7 @@ def _collectives(rank: RankData) -> dict[str, Any]:
     last: dict[str, int] = {}
     for coll in rank.collectives:
         last[coll.group] = max(last.get(coll.group, 0), coll.seq)
-    pending = [
-        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-        for c in rank.collectives
-        if c.pending
-    ]
+    pending = pending_calls(rank)
     return {"count": len(rank.collectives), "last_seq": last, "pending": pending}
 
 

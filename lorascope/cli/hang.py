@@ -13,11 +13,11 @@ import click
 from lorascope.analysis import of_run
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
-from lorascope.errors import BadInputError, UsageError
-from lorascope.hang.collect import py_spy_dump, request_dumps, wait_for_dumps
+from lorascope.errors import BadInputError, LorascopeError, UsageError
+from lorascope.hang.collect import read_silent_ranks, request_dumps, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import verify
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import RunData, load_run
 
 
 def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
@@ -33,6 +33,23 @@ def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
     lines.append(f"fix: {diagnosis['fix']}")
     lines.extend(f"note: {n}" for n in notes)
     return "\n".join(lines)
+
+
+def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path) -> str:
+    """The hang's HTML report, best effort: the verdict is out already, and the light
+    install (no jinja2) or an unwritable place must not take it back."""
+    try:
+        from lorascope.report.write import write_report
+    except ImportError as exc:
+        return f"no HTML report: {exc} (pip install 'lorascope[analysis]')"
+    analysis = of_run(run, run_dir)
+    others = [f for f in analysis.findings if f.id != "hung-ranks"]
+    analysis.findings = [hang_finding(run, diagnosis), *others]
+    try:
+        write_report(analysis, out)
+    except LorascopeError as exc:
+        return f"no HTML report: {exc}"
+    return f"report: {out}"
 
 
 @click.command("hang")
@@ -81,33 +98,15 @@ def command(
     asked = request_dumps(targets)
     live = [t.rank for t in targets if t.ours and t.alive]
     run, silent = wait_for_dumps(run_dir, live, asked, wait_s)
-    for n in silent:
-        try:
-            stacks = py_spy_dump(run.ranks[n].pid)
-        except BadInputError as exc:
-            notes.append(f"rank {n} did not answer the dump signal and {exc}")
-            continue
-        pending = [
-            {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-            for c in run.ranks[n].collectives
-            if c.pending
-        ]
-        run.ranks[n].dumps.append(
-            {"k": "dump", "t": time.time(), "reason": "py-spy", "step": 0, "stacks": stacks, "pending": pending}
-        )
-        notes.append(f"rank {n} did not answer the dump signal in {wait_s:g} s: stacks read with py-spy")
+    notes += read_silent_ranks(run, silent, wait_s)
     diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
-    if not no_html:
-        from lorascope.report.write import write_report
-
-        analysis = of_run(run, run_dir)
-        others = [f for f in analysis.findings if f.id != "hung-ranks"]
-        analysis.findings = [hang_finding(run, diagnosis), *others]
-        out = html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
-        write_report(analysis, out)
-        notes.append(f"report: {out}")
+    out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:
+        if out is not None:
+            notes.append(_write_html(run, run_dir, diagnosis, out))
         click.echo(json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
     else:
-        click.echo(_render(diagnosis, notes))
+        click.echo(_render(diagnosis, notes))  # the verdict first: the page can take seconds
+        if out is not None:
+            click.echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
     return 0

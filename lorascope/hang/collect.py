@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
 from lorascope.hang.targets import Target
 from lorascope.rundir.reader import RunData, load_run
@@ -57,3 +58,27 @@ def py_spy_dump(pid: int) -> str:
         line = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise BadInputError(f"py-spy dump --pid {pid} failed: {line}")
     return res.stdout
+
+
+def read_silent_ranks(run: RunData, silent: list[int], wait_s: float) -> list[str]:
+    """Stacks of the ranks that did not answer the dump signal, read from outside with
+    py-spy and added to the run as ``dump`` records; returns a note per rank."""
+    notes = []
+    for n in silent:
+        try:
+            stacks = py_spy_dump(run.ranks[n].pid)
+        except BadInputError as exc:
+            notes.append(f"rank {n} did not answer the dump signal and {exc}")
+            continue
+        run.ranks[n].dumps.append(
+            {
+                "k": "dump",
+                "t": time.time(),
+                "reason": "py-spy",
+                "step": 0,
+                "stacks": stacks,
+                "pending": pending_calls(run.ranks[n]),
+            }
+        )
+        notes.append(f"rank {n} did not answer the dump signal in {wait_s:g} s: stacks read with py-spy")
+    return notes

@@ -84,17 +84,18 @@ def _death_time(rank: RankData) -> float:
     return end.t if end.t is not None else rank.last_time
 
 
+def pending_calls(rank: RankData) -> list[dict[str, Any]]:
+    """The collectives the rank's records show it waiting in (started, never ended)."""
+    return [
+        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
+        for c in rank.collectives
+        if c.pending
+    ]
+
+
 def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
     dump = rank.dumps[-1] if rank.dumps else None
-    pending = (
-        dump["pending"]
-        if dump
-        else [
-            {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-            for c in rank.collectives
-            if c.pending
-        ]
-    )
+    pending = dump["pending"] if dump else pending_calls(rank)
     last_done: dict[str, int] = {}
     for coll in rank.collectives:
         if not coll.pending:
