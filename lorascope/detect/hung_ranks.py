@@ -11,12 +11,19 @@ from typing import Any
 
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.hang.diagnosis import diagnose
+from lorascope.detect.hang.diagnosis import FIXES, diagnose
+from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
 
 ID = "hung-ranks"
+EXPLANATION = (
+    "A distributed job hangs when one rank stops taking part in the collectives the others "
+    "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
+    "kills it with a message naming a sequence number and no rank or line."
+)
 
 
 def liveness(run: RunData) -> dict[int, bool]:
@@ -61,20 +68,67 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
         ),
         ranks=diagnosis["odd_ranks"] or [s["rank"] for s in diagnosis["ranks"]],
         evidence=evidence,
-        explanation=(
-            "A distributed job hangs when one rank stops taking part in the collectives the others "
-            "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
-            "kills it with a message naming a sequence number and no rank or line."
-        ),
+        explanation=EXPLANATION,
         fix=diagnosis["fix"],
         details={"hang": diagnosis},
     )
 
 
+def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
+    """From flight-recorder dumps alone: some ranks wait in a collective that others never
+    enqueued, with no rank condition on the way (rank-conditional-hang names that case)."""
+    alignment = flight_alignment(bundle)
+    first = alignment.first_disagreement if alignment is not None else None
+    if first is None or first.kind != "missing" or any(flight_conditions(bundle, first).values()):
+        return []
+    waiting = sorted(r for r, e in first.entries.items() if not e.completed)
+    if not waiting:
+        return []
+    entry = first.entries[waiting[0]]
+    site = call_site(entry.frames) or "?"
+    missing = first.missing_ranks
+    outside = all(e is None or e.completed for e in (first.waiting_at.get(r) for r in missing))
+    evidence = [
+        Evidence(
+            f"rank {r} at group {first.group} #{first.seq}",
+            f"waits in {first.entries[r].op} at {call_site(first.entries[r].frames) or '?'}",
+            f"flight-recorder dump of rank {r}",
+        )
+        for r in waiting
+    ] + [
+        Evidence(
+            f"rank {r} at group {first.group} #{first.seq}",
+            "never enqueued it; " + last_activity(first.waiting_at.get(r)),
+            f"flight-recorder dump of rank {r}",
+        )
+        for r in missing
+    ]
+    who = ", ".join(map(str, waiting))
+    gone = ", ".join(map(str, missing))
+    return [
+        Finding(
+            id=ID,
+            title=f"rank{'s' if len(waiting) > 1 else ''} {who} wait{'' if len(waiting) > 1 else 's'} in "
+            f"{entry.op} #{first.seq} on group {first.group} at {site}; rank{'s' if len(missing) > 1 else ''} "
+            f"{gone} never enqueued it" + (" (outside any collective)" if outside else ""),
+            severity="error",
+            confidence="medium",
+            confidence_reason="from flight-recorder dumps alone: they show where the waiting ranks are, not "
+            f"what rank {missing[0]} does instead (its stack: `lorascope hang`, or py-spy dump); no rank "
+            "condition on the waiting ranks' call chain",
+            ranks=missing,
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIXES["stuck-outside" if outside else "unknown"],
+            details={"group": first.group, "seq": first.seq, "source": "flight recorder"},
+        )
+    ]
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or len(run.ranks) < 2:
-        return []
+        return from_flight_recorder(bundle)
     stalled = any(r.dumps or r.stall for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting):

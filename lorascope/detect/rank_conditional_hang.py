@@ -12,9 +12,9 @@ from typing import Any
 
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
-from lorascope.detect.hang.conditions import condition_in, odd_by_condition
+from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.divergence import conditions_at, first_divergence, odd_ranks
-from lorascope.detect.hang.flight_align import flight_alignment
+from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.reader import Collective
@@ -53,18 +53,38 @@ FIX = (
 )
 
 
+def _at_site(found: tuple[str, str] | None, site: str | None) -> bool:
+    return found is None or found[1] == site
+
+
+def _where(site: str | None, found: tuple[str, str] | None) -> str:
+    """The call site, and the user's line above it when the condition sits there."""
+    text = f"at {_short_site(site)}"
+    if found is None:
+        return text
+    cond, frame = found
+    return text + (f" inside `{cond}`" if frame == site else f", called from {_short_site(frame)} inside `{cond}`")
+
+
 def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
-    """The same verdict from torch's flight-recorder dumps alone (no run directory): the
-    first sequence number whose op differs between ranks."""
+    """The same verdict from torch's flight-recorder dumps alone (no run directory): at the
+    first sequence number where the ranks disagree, ranks that ran a different op, or that
+    enqueued a call the others never did, from inside a rank condition (on their call
+    site's line or a caller's up to the job's own code)."""
     alignment = flight_alignment(bundle)
     first = alignment.first_disagreement if alignment is not None else None
-    if first is None or first.kind != "op":
-        return []  # sizes/dtypes: collective-mismatch; missing ranks: a hang of another kind
+    if first is None or first.kind not in ("op", "missing"):
+        return []  # sizes/dtypes: collective-mismatch
+    found = flight_conditions(bundle, first)
+    conditions = {r: f[0] if f else None for r, f in found.items()}
+    odd = odd_by_condition(conditions, include_else=False)
+    if first.kind == "missing" and not odd:
+        return []  # no rank condition: hung-ranks says who waits where
+    if not odd:
+        odd = sorted(first.extra_on)
+        if len(odd) == len(first.entries):
+            odd = []
     sites = {r: call_site(e.frames) for r, e in first.entries.items()}
-    conditions = {r: condition_in(bundle.sources.get(s or "")) for r, s in sites.items()}
-    odd = odd_by_condition(conditions, include_else=False) or sorted(first.extra_on)
-    if len(odd) == len(first.entries):
-        odd = []
     evidence = []
     for r, entry in sorted(first.entries.items()):
         sizes = f" {list(entry.input_sizes)}" if entry.input_sizes else ""
@@ -78,30 +98,40 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
         )
         context = bundle.sources.get(sites[r] or "")
         if context and context.get("line"):
-            evidence.append(
-                Evidence(
-                    f"rank {r} source",
-                    context["line"] + (f"   inside `{conditions[r]}`" if conditions[r] else ""),
-                    sites[r] or "?",
-                )
+            cond = found[r]
+            inside = f"   inside `{cond[0]}`" if cond and cond[1] == sites[r] else ""
+            evidence.append(Evidence(f"rank {r} source", context["line"] + inside, sites[r] or "?"))
+        cond = found[r]
+        if cond is not None and cond[1] != sites[r]:
+            line = (bundle.sources.get(cond[1]) or {}).get("line") or "?"
+            evidence.append(Evidence(f"rank {r} called it from", f"{line}   inside `{cond[0]}`", cond[1]))
+    for r in first.missing_ranks:
+        evidence.append(
+            Evidence(
+                f"rank {r} at group {first.group} #{first.seq}",
+                "never enqueued it; " + last_activity(first.waiting_at.get(r)),
+                f"flight-recorder dump of rank {r}",
             )
+        )
     who = f"rank {odd[0]}" if odd else "the ranks"
     odd_entry = first.entries.get(odd[0]) if odd else None
+    title = f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"
+    if odd_entry is not None:
+        title += f": {odd_entry.op} {_where(sites[odd[0]], found[odd[0]])}"
+    if first.missing_ranks:
+        title += f"; rank{'s' if len(first.missing_ranks) > 1 else ''} "
+        title += f"{', '.join(map(str, first.missing_ranks))} never enqueued it"
+    sure = any(conditions.values())
     return [
         Finding(
             id=ID,
-            title=f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"
-            + (
-                f": {odd_entry.op} at {_short_site(sites[odd[0]])}"
-                + (f" inside `{conditions[odd[0]]}`" if conditions[odd[0]] else "")
-                if odd_entry
-                else ""
-            ),
+            title=title,
             severity="error",
-            confidence="high" if any(conditions.values()) else "medium",
+            confidence="high" if sure else "medium",
             confidence_reason=(
                 "the odd rank's call site is inside a rank condition"
-                if any(conditions.values())
+                + ("" if not odd or _at_site(found[odd[0]], sites.get(odd[0])) else ", in a caller's frame")
+                if sure
                 else "the flight-recorder dumps disagree on the op; the source was not readable "
                 "here to find the rank condition"
             ),

@@ -13,7 +13,7 @@ from pathlib import Path
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.files import add_hta, load_files, load_single, walk_files
-from lorascope.ingest.flight.reader import call_site
+from lorascope.ingest.flight.reader import call_chain
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
@@ -77,8 +77,9 @@ def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:
 
 def _add_sources(bundle: EvidenceBundle) -> None:
     """The source line and enclosing conditions of every call site in the flight-recorder
-    dumps, where the files are readable here (the dumps carry only file:line)."""
-    sites = {call_site(e.frames) for dump in bundle.flight_records.values() for e in dump.entries}
+    dumps and of the frames above it up to the job's own code, where the files are readable
+    here (the dumps carry only file:line)."""
+    sites = {f for dump in bundle.flight_records.values() for e in dump.entries for f in call_chain(e.frames)}
     for site in sorted(s for s in sites if s):
         path, _, rest = site.partition(":")
         line = rest.split(" ", 1)[0]

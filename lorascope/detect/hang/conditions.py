@@ -25,6 +25,16 @@ def condition_in(context: dict[str, Any] | None) -> str | None:
     return None
 
 
+def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """The first rank condition along a call chain (call site first, then its callers up
+    to the job's own code): (the condition, the frame it encloses)."""
+    for frame in chain:
+        cond = condition_in(sources.get(frame))
+        if cond is not None:
+            return cond, frame
+    return None
+
+
 def rank_condition(rank: RankData, site: str | None) -> str | None:
     """The rank condition around ``site`` as ``rank`` recorded it."""
     return condition_in(rank.sites.get(site)) if site is not None else None

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 
+from lorascope.detect.hang.conditions import chain_condition
 from lorascope.detect.hang.divergence import Aspects, splits
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.flight.reader import FlightDump, FlightEntry, call_site
+from lorascope.ingest.flight.reader import FlightDump, FlightEntry, call_chain, call_site, is_job_code
 
 #: Disagreements kept per group (the first one matters most).
 MAX_DISAGREEMENTS = 20
@@ -63,7 +64,11 @@ class Disagreement:
         parts = [f"rank {r}: {_short(e)}" for r, e in sorted(self.entries.items())]
         parts += [
             f"rank {r}: never enqueued #{self.seq}"
-            + (f", waits in {_short(self.waiting_at[r])}" if r in self.waiting_at else "")
+            + (
+                f", {'last ran' if self.waiting_at[r].completed else 'waits in'} {_short(self.waiting_at[r])}"
+                if r in self.waiting_at
+                else ""
+            )
             for r in self.missing_ranks
         ]
         return f"group {self.group} #{self.seq} ({self.kind}): " + "; ".join(parts)
@@ -107,7 +112,10 @@ class FlightAlignment:
 def _short(e: FlightEntry) -> str:
     sizes = list(e.input_sizes) if e.input_sizes else ""
     dtypes = "/".join(e.input_dtypes)
-    where = f" at {call_site(e.frames)}" if e.frames else ""
+    chain = call_chain(e.frames)
+    where = f" at {chain[0]}" if chain else ""
+    if len(chain) > 1 and is_job_code(chain[-1]):  # a library made the call: the job's line that led there
+        where += f", from {chain[-1]}"
     return f"{e.op} {sizes} {dtypes}".rstrip() + where
 
 
@@ -243,3 +251,22 @@ def _extra_on(holding: dict[int, dict[int, FlightEntry]], seq: int) -> list[int]
         if agree and pairs > 0:
             extra.append(r)
     return extra if len(extra) < len(holding) else []
+
+
+def flight_conditions(bundle: EvidenceBundle, first: Disagreement) -> dict[int, tuple[str, str] | None]:
+    """Per rank of the disagreement: the rank condition along its call chain, and the frame
+    it encloses (None for ranks that never enqueued the call, or with no condition)."""
+    out: dict[int, tuple[str, str] | None] = {r: None for r in first.missing_ranks}
+    for r, entry in first.entries.items():
+        out[r] = chain_condition(call_chain(entry.frames), bundle.sources)
+    return out
+
+
+def last_activity(entry: FlightEntry | None) -> str:
+    """What a rank that never enqueued a call was doing instead, from its last entry."""
+    if entry is None:
+        return "its dump holds no earlier collective of the group"
+    where = call_site(entry.frames) or "?"
+    if entry.completed:
+        return f"its last, {entry.op} #{entry.seq} at {where}, completed: it is outside any collective"
+    return f"it waits in {entry.op} #{entry.seq} at {where}"

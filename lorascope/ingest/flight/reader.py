@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -274,14 +275,46 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
     )
 
 
+#: Frames that are not where the job made a call: torch.distributed's own, and lorascope's
+#: probe wrapper (the dumps of a probed job carry it).
+_NOT_A_CALL_SITE = re.compile(r"torch[/\\]distributed[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]")
+#: A frame of the job's own code: an absolute path (frames under site-packages lose that
+#: prefix, see frames.short_path) outside the interpreter's standard library.
+_JOB_CODE = re.compile(r"^(/|[A-Za-z]:[/\\])(?!.*[/\\]lib[/\\]python3[.\d]*[/\\])")
+#: Frames followed from the call site outward to the job's own code, at most.
+MAX_CHAIN = 64
+
+
 def call_site(frames: list[str]) -> str | None:
-    """The first frame outside torch.distributed: where the job made the call."""
+    """The first frame outside torch.distributed and lorascope: where the call was made
+    (a library's frame, when a library made it)."""
     return frames[first_user_index(frames)] if frames else None
 
 
 def first_user_index(frames: list[str]) -> int:
-    """Index of the first frame outside torch.distributed (the call site)."""
+    """Index of the call site (see :func:`call_site`); 0 when every frame is torch's."""
     for i, f in enumerate(frames):
-        if "torch/distributed/" not in f and "torch\\distributed\\" not in f:
+        if not _NOT_A_CALL_SITE.search(f):
             return i
     return 0
+
+
+def is_job_code(frame: str) -> bool:
+    """Whether a frame label is in the job's own code (not a library, not the stdlib)."""
+    return bool(_JOB_CODE.match(frame)) and not _NOT_A_CALL_SITE.search(frame)
+
+
+def call_chain(frames: list[str]) -> list[str]:
+    """The frames from the call site outward to the first one in the job's own code
+    (inclusive): where a library call was led to, e.g. a save helper called under
+    ``if rank == 0:`` in the user's loop."""
+    if not frames:
+        return []
+    chain = []
+    for f in frames[first_user_index(frames) :][:MAX_CHAIN]:
+        if _NOT_A_CALL_SITE.search(f):
+            continue
+        chain.append(f)
+        if is_job_code(f):
+            break
+    return chain
