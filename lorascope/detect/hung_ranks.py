@@ -134,6 +134,6 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if not (stalled or waiting):
         return []
     diagnosis = diagnose(run, liveness(run))
-    if diagnosis["kind"] in ("rank-conditional", "unknown"):
+    if diagnosis["kind"] in ("rank-conditional-hang", "unknown"):
         return []  # rank-conditional-hang names the first; the second has nothing to say
     return [hang_finding(run, diagnosis)]

@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from lorascope.detect.hang.diagnosis import FIXES, PY_SPY_FRAME, main_thread_frame
+from lorascope.detect.hang.diagnosis import FIXES, PY_SPY_FRAME, main_thread_frame, verdict_id
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
@@ -51,7 +51,7 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         kind, odd = "stuck-outside", [s["who"] for s in outside]
         verdict = f"{', '.join(odd)} stuck outside any collective ({outside[0]['where']}); the others wait"
     elif len({s["where"] for s in inside}) > 1:
-        kind, odd = "rank-conditional", []
+        kind, odd = "rank-conditional-hang", []
         verdict = "the processes wait in different collectives or call sites: a collective not all ranks run"
     elif inside:
         kind, odd = "collective-stuck", []
@@ -60,6 +60,7 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         kind, odd = "unknown", []
         verdict = "no process is in a collective"
     return {
+        "id": verdict_id(kind),
         "kind": kind,
         "verdict": verdict,
         "fix": FIXES[kind],

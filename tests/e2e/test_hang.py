@@ -99,7 +99,7 @@ def test_rank_conditional_collective(tmp_path: Path) -> None:
         )
         line = next(c.site for c in run.ranks[0].collectives if c.pending)
         data = hang(out)
-    assert data["kind"] == "rank-conditional" and data["odd_ranks"] == [0]
+    assert data["kind"] == data["id"] == "rank-conditional-hang" and data["odd_ranks"] == [0]
     assert data["first_diverged"]["rank"] == 0
     assert line in data["first_diverged"]["where"] and "if d.rank == 0:" in data["first_diverged"]["where"]
     report = next(n for n in data["notes"] if n.startswith("report: "))[len("report: ") :]
@@ -112,7 +112,7 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
         run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 2 and any(c.pending for c in r.ranks[0].collectives))
         time.sleep(1)
         data = hang(out, "--no-html")
-        assert data["kind"] == "stuck-outside" and data["odd_ranks"] == [1]
+        assert data["kind"] == "stuck-outside" and data["id"] == "hung-ranks" and data["odd_ranks"] == [1]
         assert "train_lora.py" in data["first_diverged"]["where"] and "in fetch" in data["first_diverged"]["where"]
         # the same job seen from outside, as if it had not been started under lorascope
         pids = [str(r.pid) for r in run.ranks.values()]

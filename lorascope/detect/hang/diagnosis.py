@@ -24,7 +24,7 @@ PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)
 MOVING_WITHIN_S = 2.0
 
 FIXES = {
-    "rank-conditional": "Run the collective on every rank; act on its result on rank 0 only.",
+    "rank-conditional-hang": "Run the collective on every rank; act on its result on rank 0 only.",
     "dead-rank": (
         "A rank is gone and the others wait for it: find why it died (its exception or "
         "signal below; no record at all means SIGKILL, usually the OOM killer: check dmesg)."
@@ -45,6 +45,12 @@ FIXES = {
     ),
     "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
 }
+
+
+def verdict_id(kind: str) -> str:
+    """The finding id a diagnosis of this kind is reported under, in every output (analyze,
+    hang, the report, JSON): rank-conditional-hang, or hung-ranks for every other kind."""
+    return "rank-conditional-hang" if kind == "rank-conditional-hang" else "hung-ranks"
 
 
 def main_thread_frame(stacks: str) -> str | None:
@@ -161,6 +167,7 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
         )
     verdict = _verdict(kind, odd, first)
     return {
+        "id": verdict_id(kind),
         "kind": kind,
         "verdict": verdict,
         "fix": FIXES[kind],
@@ -177,7 +184,7 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
         by_state.setdefault(s["state"], []).append(s["rank"])
     div = first_divergence(run)
     if div is not None:  # the root cause: what follows (timeouts, deaths) are consequences
-        return "rank-conditional", odd_ranks(run, div), div
+        return "rank-conditional-hang", odd_ranks(run, div), div
     if by_state.get("dead"):
         # The first to die is the cause; the others' errors (a peer closed the connection)
         # follow from it.
@@ -197,7 +204,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
     who = ",".join(map(str, odd))
     where = first["where"] if first else "?"
     return {
-        "rank-conditional": f"rank-conditional collective (rank {who}): {where}",
+        "rank-conditional-hang": f"rank-conditional collective (rank {who}): {where}",
         "dead-rank": f"rank {who} died; the others wait for it ({where})",
         "stuck-outside": f"rank {who} is stuck outside any collective, {where}; the others wait",
         "straggler": f"rank {who} is a straggler still moving; the others wait for it",
