@@ -13,7 +13,7 @@ from typing import Any
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
-from lorascope.detect.hang.divergence import conditions_at, first_divergence, odd_ranks
+from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
@@ -149,7 +149,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
     if run is None or div is None:
         return from_flight_recorder(bundle)
-    conditions = conditions_at(run, div)
+    found = found_at(run, div)
+    conditions = {n: f[0] if f else None for n, f in found.items()}
     odd = odd_ranks(run, div)
     evidence: list[Evidence] = []
     for n, call in sorted(div.calls.items()):
@@ -160,12 +161,16 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})
             if context.get("line"):
-                cond = conditions[n]
+                cond = conditions[n] if _at_site(found[n], call.site) else None
                 evidence.append(
                     Evidence(
                         f"rank {n} source", f"{context['line']}" + (f"   inside `{cond}`" if cond else ""), call.site
                     )
                 )
+            via = found[n]
+            if via is not None and via[1] != call.site:
+                line = rank.sites.get(via[1], {}).get("line") or "?"
+                evidence.append(Evidence(f"rank {n} called it from", f"{line}   inside `{via[0]}`", via[1]))
     crashed = [r for r in run.ranks.values() if r.exception]
     if crashed and (exc := crashed[0].exception) is not None:
         evidence.append(
@@ -179,10 +184,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     who = f"ranks {', '.join(map(str, odd))} vs {', '.join(map(str, others))}" if odd else "the ranks"
     first_odd = div.calls.get(odd[0]) if odd else None
     headline = f"{who} disagree from collective #{div.seq} on {div.group}" + (
-        f": rank {odd[0]} runs {first_odd.op} at {_short_site(first_odd.site)}"
-        f"{' inside `' + str(conditions[odd[0]]) + '`' if conditions.get(odd[0]) else ''}"
-        if first_odd
-        else ""
+        f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else ""
     )
     confidence: Confidence = "high" if any(conditions.values()) else "medium"
     reason = (

@@ -18,16 +18,18 @@ import os
 import sys
 import threading
 import time
-from types import CodeType, ModuleType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from lorascope.probes.session import Session
 from lorascope.rundir.ops import PAYLOAD_ARG
-from lorascope.rundir.sources import describe
+from lorascope.rundir.sources import describe, rank_condition_in
 
 MAX_PENDING_EVENTS = 4096
 
-_COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,"site":%s,"step":%d}\n'
+_COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,"site":%s,"step":%d%s}\n'
+#: Frames followed up from a library call site to the job's own code, at most.
+MAX_VIA_FRAMES = 40
 _COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
 
 
@@ -68,6 +70,8 @@ class CollectiveProbe:
         self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
         self._internal: dict[CodeType, bool] = {}
         self._described: set[str] = set()
+        #: site -> whether a rank condition encloses its line.
+        self._conditioned: dict[str, bool] = {}
         self._stdlib = os.path.dirname(os.__file__) + os.sep
         self._events: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
@@ -142,7 +146,10 @@ class CollectiveProbe:
                 except BaseException as exc:
                     probe._end(started, repr(exc)[:500])
                     raise
-                probe._end(started, None)
+                if result is not None and hasattr(result, "get_future"):
+                    probe._end_when_done(started, result)  # async_op: in flight until its work is
+                else:
+                    probe._end(started, None)
                 return result
             finally:
                 local.depth = 0
@@ -187,7 +194,7 @@ class CollectiveProbe:
                     dtype = _dtype_name(first.dtype)
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
-            site = self._site()
+            site, via = self._site()
             # Formatted by hand: json.dumps of the record cost ~20 us per call, twice per
             # collective; strings are escaped once each (cached).
             self.session.record_line(
@@ -202,6 +209,7 @@ class CollectiveProbe:
                     "true" if is_async else "false",
                     _json(site),
                     self.session.step,
+                    "" if via is None else ',"via":' + _json(via),
                 )
             )
             self._in_flight[(gid, seq)] = {
@@ -232,6 +240,17 @@ class CollectiveProbe:
             self.session.record_line(_COLL_END % (time.time(), seq, gid, _json(err)))
         except Exception as exc:
             self.session.fail("collectives", exc)
+
+    def _end_when_done(self, started: tuple | None, work: Any) -> None:
+        """An ``async_op`` call ends when its work completes (the rank may wait for it much
+        later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
+        The work's future calls back on completion; no wait is added. Without a future
+        (some backends' coalesced work), the call ends now, as a synchronous one."""
+        try:
+            future = work.get_future()
+            future.add_done_callback(lambda f: self._end(started, _failure(f)))
+        except Exception:
+            self._end(started, None)
 
     def _cuda_events(self, tensor: Any) -> tuple[Any, Any]:
         torch = sys.modules["torch"]
@@ -281,7 +300,10 @@ class CollectiveProbe:
         self.session.record("group", gid=gid, name=name, ranks=ranks, backend=backend)
         return gid
 
-    def _site(self) -> str | None:
+    def _site(self) -> tuple[str | None, str | None]:
+        """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
+        that is a library's frame, ``via``: the first caller up to the job's own code whose
+        line sits inside a rank condition (a save helper called under ``if rank == 0:``)."""
         frame = sys._getframe(3)
         internal = self._internal
         while frame is not None:
@@ -290,13 +312,40 @@ class CollectiveProbe:
             if skip is None:
                 skip = internal[code] = self._is_internal(code.co_filename)
             if not skip:
-                site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-                if site not in self._described:
-                    self._described.add(site)
-                    self.session.record("site", site=site, **describe(code.co_filename, frame.f_lineno))
-                return site
+                site = self._describe(frame)
+                via = self._via(frame) if self._library_file(code.co_filename) else None
+                return site, via
             frame = frame.f_back
+        return None, None
+
+    def _describe(self, frame: FrameType) -> str:
+        """The frame as a site, its source context recorded once."""
+        code = frame.f_code
+        site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        if site not in self._described:
+            self._described.add(site)
+            context = describe(code.co_filename, frame.f_lineno)
+            self._conditioned[site] = rank_condition_in(context) is not None
+            self.session.record("site", site=site, **context)
+        return site
+
+    def _via(self, frame: FrameType) -> str | None:
+        if self._conditioned.get(self._describe(frame)):
+            return None  # the condition is at the call site itself
+        caller = frame.f_back
+        for _ in range(MAX_VIA_FRAMES):
+            if caller is None:
+                return None
+            site = self._describe(caller)
+            if self._conditioned.get(site):
+                return site
+            if not self._library_file(caller.f_code.co_filename):
+                return None  # the job's own code, and no rank condition on the way
+            caller = caller.f_back
         return None
+
+    def _library_file(self, filename: str) -> bool:
+        return "-packages" in filename or self._stdlib_file(filename)
 
     def _is_internal(self, filename: str) -> bool:
         """Called once per code object (the answer is cached by _site)."""
@@ -312,3 +361,12 @@ class CollectiveProbe:
 
     def _stdlib_file(self, filename: str) -> bool:
         return filename.startswith(self._stdlib) and "-packages" not in filename
+
+
+def _failure(future: Any) -> str | None:
+    """A completed future's error, as the ``err`` of its ``coll_end``."""
+    try:
+        future.value()
+    except Exception as exc:
+        return repr(exc)[:500]
+    return None

@@ -39,6 +39,9 @@ class Collective:
     end: float | None = None
     err: str | None = None
     device_ms: float | None = None
+    #: When a library made the call (``site`` is its frame): the caller up the stack, in
+    #: library or job code, whose line sits inside a rank condition.
+    via: str | None = None
 
     @property
     def pending(self) -> bool:
@@ -255,6 +258,7 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
             site=rec["site"],
             step=rec["step"],
             start=float(rec["t"]),
+            via=rec["via"] if isinstance(rec.get("via"), str) else None,
         )
         pending[(rec["gid"], rec["seq"])] = coll
         data.collectives.append(coll)

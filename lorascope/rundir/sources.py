@@ -7,9 +7,17 @@ from __future__ import annotations
 import ast
 import functools
 import linecache
+import re
 from typing import Any
 
 MAX_FILE_BYTES = 2_000_000
+#: A condition that tests the rank (``if rank == 0:``, ``is_main_process``, ...).
+RANK_CONDITION = re.compile(
+    r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
+    r"is_world_process_zero|main_process|get_rank\(\))\b"
+)
+#: How :func:`describe` marks the ``else`` branch of a condition.
+ELSE = "else of:"
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,5 +48,13 @@ def describe(filename: str, lineno: int) -> dict[str, Any]:
             if isinstance(node, (ast.If, ast.While)) and node.lineno < lineno and _spans(node, lineno):
                 text = linecache.getline(filename, node.lineno).strip()
                 in_else = any(_spans(child, lineno) for child in node.orelse)
-                found.append((node.lineno, f"else of: {text}" if in_else else text))
+                found.append((node.lineno, f"{ELSE} {text}" if in_else else text))
     return {"line": line, "conditions": [text for _, text in sorted(found, reverse=True)]}
+
+
+def rank_condition_in(context: dict[str, Any] | None) -> str | None:
+    """The innermost enclosing condition in a :func:`describe` context that tests the rank."""
+    for cond in (context or {}).get("conditions", []):
+        if RANK_CONDITION.search(cond):
+            return str(cond)
+    return None

@@ -15,9 +15,7 @@ NO_JINJA = "import sys; sys.modules['jinja2'] = None; from lorascope.cli import 
 
 def _hang(run: Path, *args: str, no_jinja: bool = False) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-c", NO_JINJA] if no_jinja else [sys.executable, "-m", "lorascope"]
-    return subprocess.run(
-        [*cmd, "hang", str(run), "--wait", "0", *args], capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([*cmd, "hang", str(run), "--wait", "0", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_verdict_prints_without_jinja2(tmp_path: Path) -> None:

@@ -4,25 +4,15 @@ the probes or read by ingest for flight-recorder frames."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from lorascope.rundir.reader import RankData
-
-RANK_CONDITION = re.compile(
-    r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
-    r"is_world_process_zero|main_process|get_rank\(\))\b"
-)
-#: How the source reader marks the ``else`` branch of a condition.
-ELSE = "else of:"
+from lorascope.rundir.reader import Collective, RankData
+from lorascope.rundir.sources import ELSE, rank_condition_in
 
 
 def condition_in(context: dict[str, Any] | None) -> str | None:
     """The innermost enclosing condition in ``context`` that tests the rank, if any."""
-    for cond in (context or {}).get("conditions", []):
-        if RANK_CONDITION.search(cond):
-            return str(cond)
-    return None
+    return rank_condition_in(context)
 
 
 def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
@@ -38,6 +28,19 @@ def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tup
 def rank_condition(rank: RankData, site: str | None) -> str | None:
     """The rank condition around ``site`` as ``rank`` recorded it."""
     return condition_in(rank.sites.get(site)) if site is not None else None
+
+
+def call_condition(rank: RankData, call: Collective | None) -> tuple[str, str] | None:
+    """The rank condition of a recorded call: around its call site, else around the
+    caller the probes named (``via``: a library made the call, the user's code under the
+    condition called the library). (the condition, the frame it encloses)."""
+    if call is None:
+        return None
+    for frame in (call.site, call.via):
+        cond = rank_condition(rank, frame)
+        if cond is not None and frame is not None:
+            return cond, frame
+    return None
 
 
 def odd_by_condition(conditions: dict[int, str | None], include_else: bool) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lorascope.detect.hang.conditions import rank_condition
+from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
@@ -155,12 +155,16 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
     first = next((s for s in states if s["rank"] in odd), None)
     if div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
-        cond = rank_condition(run.ranks[odd[0]], call.site if call else None)
+        found = call_condition(run.ranks[odd[0]], call)
+        under = ""
+        if found is not None:
+            under = (
+                f", under `{found[0]}`" if call and found[1] == call.site else f", from {found[1]} under `{found[0]}`"
+            )
         first = (
             {
                 **first,
-                "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}"
-                + (f", under `{cond}`" if cond else ""),
+                "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}" + under,
             }
             if call and first
             else first

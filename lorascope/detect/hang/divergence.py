@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from lorascope.detect.hang.conditions import odd_by_condition, rank_condition
+from lorascope.detect.hang.conditions import call_condition, odd_by_condition
 from lorascope.rundir.reader import Collective, RunData
 
 T = TypeVar("T")
@@ -144,9 +144,15 @@ def first_divergence(run: RunData) -> Divergence | None:
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
+def found_at(run: RunData, div: Divergence) -> dict[int, tuple[str, str] | None]:
+    """Each rank's rank condition around its call at the divergence, and the frame it
+    encloses (the call site, or the caller that led a library to the call)."""
+    return {n: call_condition(run.ranks[n], c) for n, c in div.calls.items()}
+
+
 def conditions_at(run: RunData, div: Divergence) -> dict[int, str | None]:
     """Each rank's rank condition around its call at the divergence."""
-    return {n: rank_condition(run.ranks[n], c.site if c else None) for n, c in div.calls.items()}
+    return {n: f[0] if f else None for n, f in found_at(run, div).items()}
 
 
 def odd_ranks(run: RunData, div: Divergence) -> list[int]:
