@@ -149,7 +149,7 @@ def browser_load(page_path: Path) -> tuple[float, float, dict[str, int]]:
     milliseconds each chart took."""
     from playwright.sync_api import sync_playwright
 
-    from tests.browser.conftest import CHROMIUM_ARGS, chromium_path
+    from tests.helpers import CHROMIUM_ARGS, chromium_path
 
     exe = chromium_path()
     if exe is None:
@@ -202,5 +202,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.browser.conftest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.helpers
     sys.exit(main())

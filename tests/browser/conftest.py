@@ -5,30 +5,13 @@ reason when either is missing."""
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-#: The flags a closed network needs: without the background-networking ones Chromium keeps
-#: trying to reach Google's services (requests a test would count).
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
-
-
-def chromium_path() -> str | None:
-    return os.environ.get("LORASCOPE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+from tests.helpers import CHROMIUM_ARGS, chromium_path
 
 
 @pytest.fixture(scope="session")

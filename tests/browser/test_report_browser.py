@@ -13,7 +13,7 @@ from lorascope.analysis import analyze
 from lorascope.ingest.load import load_bundle
 from lorascope.report.gallery import scenarios
 from lorascope.report.write import write_report
-from tests.unit.test_report_html import XSS, xss_run
+from tests.helpers import XSS, xss_run
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = scenarios(REPO / "fixtures")

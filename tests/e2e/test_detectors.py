@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.rundir.reader import load_run
-from tests.e2e.conftest import LORASCOPE, Finished, free_port, probed, torchrun
+from tests.helpers import LORASCOPE, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e
 

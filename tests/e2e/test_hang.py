@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from lorascope.rundir.reader import RankData, RunData, load_run
-from tests.e2e.conftest import LORASCOPE, TRAIN, free_port, job_env
+from tests.helpers import LORASCOPE, TRAIN, free_port, job_env
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from lorascope.detect import plan_deviation
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData, load_run
 from lorascope.units import fmt_bytes
-from tests.e2e.conftest import LORASCOPE, Finished, free_port, probed, torchrun
+from tests.helpers import LORASCOPE, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e
 

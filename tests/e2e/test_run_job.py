@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.rundir.reader import load_run
-from tests.e2e.conftest import (
+from tests.helpers import (
     LORASCOPE,
     TRAIN,
     Finished,

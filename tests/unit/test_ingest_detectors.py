@@ -9,7 +9,6 @@ from lorascope.detect import allocator_fragmentation, collective_mismatch, oom, 
 from lorascope.ingest.load import load_bundle
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
 
 
 def test_oom_names_what_held_the_memory() -> None:

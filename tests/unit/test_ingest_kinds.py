@@ -17,7 +17,6 @@ from lorascope.ingest.path_rank import rank_from_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures"
-REAL = ROOT.parent / "shared" / "real-traces"
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,13 @@ from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.compare import STRAGGLER_RATIO, compare_traces
 from lorascope.ingest.kineto.hta import hta_available, hta_figures
 from lorascope.ingest.kineto.reader import analyse_trace, read_trace
+from tests.helpers import REAL_TRACES
 
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
+REAL = REAL_TRACES
 CPU_TRACE = Path(__file__).resolve().parents[2] / "fixtures" / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz"
-needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/real-traces is not here")
+needs_real = pytest.mark.skipif(
+    not REAL.is_dir(), reason=f"{REAL_TRACES} is absent (the real GPU traces are kept beside the repository)"
+)
 
 
 def _raw(path: Path) -> dict[str, Any]:

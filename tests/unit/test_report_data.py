@@ -10,7 +10,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
-from tests.unit.test_report_synthetic import Call, RankSpec, write_run
+from tests.helpers import Call, RankSpec, write_run
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTHY = REPO / "fixtures" / "healthy"

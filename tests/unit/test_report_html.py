@@ -11,17 +11,15 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from lorascope.cli import cli
-from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.gallery import render_all
 from lorascope.report.render import render
-from tests.unit.test_report_synthetic import Call, RankSpec, write_run
+from tests.helpers import RankSpec, write_run, xss_run
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTHY = REPO / "fixtures" / "healthy"
-XSS = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
 
 
 class _Page(HTMLParser):
@@ -55,40 +53,6 @@ def parse(page: str) -> _Page:
 
 def healthy_page() -> str:
     return render(build_report_data(load_bundle(HEALTHY), []))
-
-
-def xss_run(root: Path) -> tuple[Path, list[Finding]]:
-    ranks = [
-        RankSpec(
-            calls=[Call("all_reduce"), Call(XSS, site=f"train.py:9 in {XSS}", end=False)],
-            exception=("RuntimeError", f"failed: {XSS}"),
-            warnings=[XSS],
-        ),
-        RankSpec(calls=[Call("all_reduce"), Call("barrier", site=f"{XSS}.py:1 in f", end=False)], ends=False),
-    ]
-    kernels = {
-        "unit": "kernel",
-        "threshold_us": 5.0,
-        "ranks": {
-            "0": {
-                "source": XSS,
-                "rows": [{"name": f"void {XSS}<float>", "module": "lora_B", "durations_us": [1.0, 2.0, 50.0]}],
-            }
-        },
-    }
-    finding = Finding(
-        id="tiny-kernel-tail",
-        title=f"tiny kernels {XSS}",
-        severity="warning",
-        confidence="low",
-        confidence_reason=XSS,
-        ranks=[0],
-        evidence=[Evidence(XSS, {"frame": XSS}, XSS)],
-        explanation=XSS,
-        fix=XSS,
-        details={"kernels": kernels, "frames": [XSS, {"at": XSS}]},
-    )
-    return write_run(root, ranks, command=["torchrun", XSS]), [finding]
 
 
 def test_no_external_reference_and_a_strict_policy() -> None:

@@ -10,7 +10,7 @@ from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.render import render
 from lorascope.report.scrub import REDACTED, scrub, scrub_text
-from tests.unit.test_report_synthetic import RankSpec, write_run
+from tests.helpers import RankSpec, write_run
 
 SECRET = "hf_abcdefghijklmnopqrstuvwxyz0123"
 

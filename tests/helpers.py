@@ -1,0 +1,270 @@
+"""What several test modules share: launching the real job, writing small synthetic run
+directories, hostile text for the report, the browser's command line.
+
+Test modules (and benchmarks/) import from here, never from each other or from a conftest:
+a conftest holds fixtures, which pytest finds by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.detect.finding import Evidence, Finding
+from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+
+# --- real GPU Kineto traces: ../shared/real-traces beside the repository (not in git) ---------
+
+REAL_TRACES = REPO.parent / "shared" / "real-traces"
+#: The files there (its README says what each is). Tests name them rather than glob, so that
+#: a missing one skips saying which, instead of the test quietly covering fewer.
+REAL_TRACE_NAMES = (
+    "128rank-job.rank-0.json.gz",
+    "128rank-job.rank-1.json.gz",
+    "a100-nccl-collective-args.rank-0.json.gz",
+    "mi250-rocm.json.gz",
+)
+
+
+def real_trace(name: str) -> Path:
+    """The real trace NAME; the calling test skips, saying so, where it is absent."""
+    path = REAL_TRACES / name
+    if not path.is_file():
+        pytest.skip(f"{name} is not in {REAL_TRACES} (the real GPU traces are kept beside the repository)")
+    return path
+
+
+# --- the real 2-rank LoRA job (probes/train_lora.py) on CPU over gloo ----------------------
+
+TRAIN = str(REPO / "probes" / "train_lora.py")
+LORASCOPE = [sys.executable, "-m", "lorascope"]
+JOB_TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def job_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(port: int, *args: str, nproc: int = 2) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(port),
+        TRAIN,
+        *args,
+    ]
+
+
+@dataclass
+class Finished:
+    out: Path
+    proc: subprocess.CompletedProcess[str]
+
+    def summary(self) -> dict:
+        res = subprocess.run(
+            [*LORASCOPE, "analyze", str(self.out), "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+
+def probed(out: Path, cmd: list[str], *extra: str) -> Finished:
+    proc = subprocess.run(
+        [*LORASCOPE, "run", "--out", str(out), *extra, "--", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT,
+        env=job_env(),
+    )
+    return Finished(out, proc)
+
+
+def losses(stdout: str) -> list[str]:
+    """The per-step losses rank 0 prints with --print-losses, as exact text."""
+    return re.findall(r"^step \d+ loss (\S+)$", stdout, flags=re.M)
+
+
+# --- small synthetic run directories, written by the real writer -----------------------------
+
+T0 = 1_800_000_000.0
+
+
+@dataclass
+class Call:
+    """One collective on one rank: ``end=False`` leaves it pending (no coll_end)."""
+
+    op: str
+    bytes: int = 4
+    dtype: str | None = "float32"
+    site: str = "train.py:10 in main"
+    end: bool = True
+    err: str | None = None
+
+
+@dataclass
+class RankSpec:
+    steps: int = 4
+    calls: list[Call] = field(default_factory=lambda: [Call("all_reduce")] * 3)
+    exception: tuple[str, str] | None = None
+    ends: bool = True
+    losses: list[float] | None = None
+    phases: list[tuple[str, int]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    sites: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+
+
+def write_run(
+    root: Path,
+    ranks: list[RankSpec],
+    *,
+    command: list[str] | None = None,
+    argv: list[str] | None = None,
+    configs: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """A run directory with one stream per rank; times are fixed, so output is reproducible."""
+    record_launch(root, "h-1", command or ["torchrun", "train.py"], start=T0, end=T0 + 100, exit_status=0)
+    for n, spec in enumerate(ranks):
+        stream = Stream(stream_prefix(root, n, "h", 100 + n))
+        t = T0 + 1 + n * 0.01
+
+        def write(kind: str, stream: Stream = stream, **fields: Any) -> None:
+            nonlocal t
+            t += 0.1
+            stream.write({"k": kind, "t": t, **fields})
+
+        write(
+            "start",
+            rank=n,
+            world_size=len(ranks),
+            local_rank=n,
+            pid=100 + n,
+            host="h",
+            argv=argv or ["train.py"],
+            versions={"torch": "2.13.0"},
+            device="cpu",
+        )
+        for name, value in (configs or {}).items():
+            write("config", name=name, value=value)
+        write("group", gid=0, name="default_pg", ranks=list(range(len(ranks))), backend="gloo")
+        for site, (line, conditions) in spec.sites.items():
+            write("site", site=site, line=line, conditions=conditions)
+        for step in range(spec.steps):
+            write("mem", src="forward.begin", step=step, rss=(100 + 10 * step + (50 if n == 0 else 0)) << 20)
+            for name, at in spec.phases:
+                if at == step:
+                    write("phase", name=name, edge="begin", step=step)
+                    write("phase", name=name, edge="end", step=step)
+            loss = spec.losses[step] if spec.losses else 2.0 - 0.1 * step
+            write("step", step=step + 1, dur=0.5 + 0.01 * n, loss=loss, src="torch")
+        for seq, call in enumerate(spec.calls, 1):
+            write(
+                "coll",
+                seq=seq,
+                gid=0,
+                op=call.op,
+                bytes=call.bytes,
+                dtype=call.dtype,
+                site=call.site,
+                step=spec.steps,
+                **{"async": False},
+            )
+            if call.end:
+                write("coll_end", seq=seq, gid=0, err=call.err)
+        for message in spec.warnings:
+            write("warning", category="UserWarning", message=message, filename="train.py", lineno=3)
+        if spec.exception:
+            write(
+                "exception",
+                type=spec.exception[0],
+                message=spec.exception[1],
+                traceback=f"Traceback (most recent call last):\n{spec.exception[0]}: {spec.exception[1]}\n",
+            )
+            write("end", status="exception", code=1)
+        elif spec.ends:
+            write("mem", src="end", step=spec.steps, rss=(200 + (50 if n == 0 else 0)) << 20)
+            write("end", status="exit", code=0)
+        stream.close()
+    return root
+
+
+# --- hostile text: a run and a finding that carry it everywhere the report shows text ----------
+
+XSS = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+
+
+def xss_run(root: Path) -> tuple[Path, list[Finding]]:
+    ranks = [
+        RankSpec(
+            calls=[Call("all_reduce"), Call(XSS, site=f"train.py:9 in {XSS}", end=False)],
+            exception=("RuntimeError", f"failed: {XSS}"),
+            warnings=[XSS],
+        ),
+        RankSpec(calls=[Call("all_reduce"), Call("barrier", site=f"{XSS}.py:1 in f", end=False)], ends=False),
+    ]
+    kernels = {
+        "unit": "kernel",
+        "threshold_us": 5.0,
+        "ranks": {
+            "0": {
+                "source": XSS,
+                "rows": [{"name": f"void {XSS}<float>", "module": "lora_B", "durations_us": [1.0, 2.0, 50.0]}],
+            }
+        },
+    }
+    finding = Finding(
+        id="tiny-kernel-tail",
+        title=f"tiny kernels {XSS}",
+        severity="warning",
+        confidence="low",
+        confidence_reason=XSS,
+        ranks=[0],
+        evidence=[Evidence(XSS, {"frame": XSS}, XSS)],
+        explanation=XSS,
+        fix=XSS,
+        details={"kernels": kernels, "frames": [XSS, {"at": XSS}]},
+    )
+    return write_run(root, ranks, command=["torchrun", XSS]), [finding]
+
+
+# --- a headless Chromium (Debian's, driven by playwright; its own download never used) --------
+
+#: The flags a closed network needs: without the background-networking ones Chromium keeps
+#: trying to reach Google's services (requests a test would count).
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def chromium_path() -> str | None:
+    return os.environ.get("LORASCOPE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
