@@ -627,7 +627,7 @@ def _run(src: _Source) -> Any:
         elif op == 0x93:  # STACK_GLOBAL
             attr = stack.pop() if stack else "?"
             module = stack.pop() if stack else "?"
-            raise _unsafe(op, f"import {str(module)[:80]}.{str(attr)[:80]}")
+            raise _unsafe(op, "import " + _printable(str(module)) + "." + _printable(str(attr)))
         elif op in _UNSAFE_NAMES:
             raise _unsafe(op)
         else:
@@ -638,5 +638,7 @@ def _run(src: _Source) -> Any:
             )
 
 
-def _printable(raw: bytes) -> str:
-    return raw.decode("ascii", "replace")[:80]
+def _printable(raw: bytes | str) -> str:
+    """A name from the pickle, fit for a one-line message (control characters as '?')."""
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
+    return "".join(c if c.isprintable() else "?" for c in text[:80])

@@ -146,3 +146,17 @@ def test_values_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.Monk
     path = tmp_path / "big.pickle"
     path.write_bytes(pickle.dumps(obj, protocol=4))
     assert _norm(load_pickle(path)) == _norm(obj)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x80\x04\x8c\x05os\nx\r\x8c\x06system\x93.",  # STACK_GLOBAL: names from the stack
+        b"cos\x1bx\nsys\ttem\n.",  # GLOBAL: names from the lines
+    ],
+)
+def test_a_refusal_names_the_import_on_one_printable_line(data: bytes) -> None:
+    with pytest.raises(UnsafePickleError) as raised:
+        loads_pickle(data)
+    message = str(raised.value)
+    assert "asks to import os" in message and message.isprintable(), repr(message)
