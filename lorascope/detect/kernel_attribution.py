@@ -82,7 +82,7 @@ def _attribute(events: list[dict[str, Any]]) -> tuple[list[tuple[dict[str, Any],
             leaves.append(node)
             stack.append([e["ts"] + e["dur"], ctx, node])
             continue
-        elif cat in LAUNCH_CATEGORIES:
+        elif isinstance(cat, str) and cat in LAUNCH_CATEGORIES:  # any JSON value
             correlation = _correlation(e)
             if correlation is not None:
                 launches[correlation] = ctx

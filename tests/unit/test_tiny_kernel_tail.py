@@ -1,5 +1,6 @@
-"""The tiny-kernel-tail detector on real GPU traces (../shared/real-traces, read-only) and
-on a synthetic CUDA trace carrying the probes' module ranges."""
+"""The tiny-kernel-tail detector on real GPU traces (../shared/real-traces, read-only; each
+case skips, naming its file, where it is absent) and on a synthetic CUDA trace carrying
+the probes' module ranges."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from lorascope.detect import kernel_attribution, tiny_kernel_tail
 from lorascope.ingest.load import load_bundle
+from tests.helpers import REAL_TRACE_NAMES, REAL_TRACES, real_trace
 
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
-TRACES = sorted(REAL.glob("*.json.gz")) if REAL.is_dir() else []
+#: Every real trace: the named ones (each skips, saying so, when absent) and any newer file there.
+TRACES = sorted({*REAL_TRACE_NAMES, *(p.name for p in REAL_TRACES.glob("*.json.gz"))})
 
 
 def independent_counts(path: Path) -> tuple[int, int]:
@@ -23,9 +25,9 @@ def independent_counts(path: Path) -> tuple[int, int]:
     return len(kernels), sum(1 for k in kernels if float(k["dur"]) < kernel_attribution.TINY_GPU_US)
 
 
-@pytest.mark.skipif(not TRACES, reason="../shared/real-traces is not beside the repository")
-@pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
-def test_real_gpu_traces(path: Path) -> None:
+@pytest.mark.parametrize("name", TRACES)
+def test_real_gpu_traces(name: str) -> None:
+    path = real_trace(name)
     bundle = load_bundle(path)
     findings = tiny_kernel_tail.detect(bundle)
     total, tiny = independent_counts(path)
@@ -101,3 +103,16 @@ def test_synthetic_cuda_lora_tail_is_attributed(tmp_path: Path) -> None:
 def test_synthetic_cuda_trace_with_big_lora_kernels_is_quiet(tmp_path: Path) -> None:
     bundle = load_bundle(synthetic_cuda_trace(tmp_path / "rank-0.json", lora_kernels=0, base_kernels=500))
     assert tiny_kernel_tail.detect(bundle) == []
+
+
+def test_an_event_category_of_any_json_type_is_read_past(tmp_path: Path) -> None:
+    """An odd value (here a category that is an object) costs that event, not the detector."""
+    path = synthetic_cuda_trace(tmp_path / "rank-0.json", lora_kernels=3000, base_kernels=100)
+    trace = json.loads(path.read_text())
+    trace["traceEvents"].append(
+        {"ph": "X", "cat": {"not": "a category"}, "name": "x", "ts": 5, "dur": 1, "pid": 1, "tid": 1}
+    )
+    path.write_text(json.dumps(trace))
+    bundle = load_bundle(path)
+    [finding] = tiny_kernel_tail.detect(bundle)
+    assert finding.details["stats"]["0"]["lora_units"] == 3000
