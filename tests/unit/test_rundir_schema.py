@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import pytest
 
-from lorascope.rundir.schema import FORMAT_NAME, SchemaError, validate_manifest, validate_record
+from lorascope.rundir.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LAUNCH_FIELDS,
+    MANIFEST_FILE,
+    SchemaError,
+    validate_manifest,
+    validate_record,
+)
+from lorascope.rundir.writer import record_launch, record_ranks
 
 START = {
     "k": "start",
@@ -72,8 +85,30 @@ def test_invalid_records_are_refused(record: object, message: str) -> None:
         validate_record(record)
 
 
-def test_valid_manifest_passes() -> None:
-    validate_manifest({"format": FORMAT_NAME, "version": 1, "launches": [LAUNCH]})
+def test_valid_manifest_passes_unchanged() -> None:
+    manifest = {"format": FORMAT_NAME, "version": 1, "launches": [LAUNCH], "ranks": {"0": {"pid": 10}}}
+    kept = copy.deepcopy(manifest)
+    assert validate_manifest(manifest) is None  # nothing normalised: readers see the file as written
+    assert manifest == kept
+
+
+def test_the_writers_manifest_passes(tmp_path: Path) -> None:
+    """What `lorascope run` writes (record_launch, record_ranks) is what the check accepts."""
+    record_launch(tmp_path, "h-1", ["torchrun", "train.py"])
+    record_launch(tmp_path, "h-1", ["torchrun", "train.py"], end=2.0, exit_status=0)
+    record_ranks(tmp_path, {"0": {"pid": 10, "host": "h"}})
+    manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    assert manifest["format"] == FORMAT_NAME and manifest["version"] == FORMAT_VERSION
+    assert [launch["exit_status"] for launch in manifest["launches"]] == [0]
+    validate_manifest(manifest)
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_FIELDS))
+def test_every_launch_field_is_required(name: str) -> None:
+    """The negative twin of the valid manifest: drop any one field of its launch and it is refused."""
+    launch = {k: v for k, v in LAUNCH.items() if k != name}
+    with pytest.raises(SchemaError, match=f"launch #0 lacks the field '{name}'"):
+        validate_manifest({"format": FORMAT_NAME, "version": 1, "launches": [launch]})
 
 
 @pytest.mark.parametrize(
