@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,10 @@ START = {
     "versions": {},
     "device": "cpu",
 }
+
+
+#: How long the SIGKILL test waits for its writer to reach 2 MB (0.1 s on an idle core).
+WRITER_TIMEOUT_S = 60
 
 
 def make_run(tmp_path: Path, records: list[dict], segment_bytes: int = 1 << 20, keep: int = 4) -> Path:
@@ -153,8 +158,14 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    while stream_file(tmp_path).stat().st_size < 2_000_000:
-        pass
+    deadline = time.monotonic() + WRITER_TIMEOUT_S
+    while (size := stream_file(tmp_path).stat().st_size) < 2_000_000:
+        if (status := proc.poll()) is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            how = "still running" if status is None else f"it exited with {status}"
+            pytest.fail(f"the writer wrote {size:,} bytes, not 2 MB, within {WRITER_TIMEOUT_S} s ({how})")
+        time.sleep(0.005)  # the writer needs the CPU more than this loop does (2 cores, shared)
     proc.kill()
     proc.wait()
     run = load_run(tmp_path)
