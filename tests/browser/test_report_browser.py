@@ -11,6 +11,8 @@ import pytest
 
 from lorascope.analysis import analyze
 from lorascope.ingest.load import load_bundle
+from lorascope.report.data import build_report_data
+from lorascope.report.findings import CHART_FOR
 from lorascope.report.gallery import scenarios
 from lorascope.report.write import write_report
 from tests.helpers import XSS, xss_run
@@ -44,15 +46,13 @@ class Loaded:
         return [u for u in self.requests if u != self.url]
 
 
-def render(run_dir: Path, out: Path) -> Path:
-    write_report(analyze(run_dir), out)
-    return out
-
-
 @pytest.mark.skipif(not SCENARIOS, reason="no fixture run directory")
 @pytest.mark.parametrize("run_dir", SCENARIOS, ids=[p.name for p in SCENARIOS])
 def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, artifacts: Path) -> None:
-    loaded = Loaded(browser, render(run_dir, tmp_path / f"{run_dir.name}.html"))
+    analysis = analyze(run_dir)
+    page_file = tmp_path / f"{run_dir.name}.html"
+    write_report(analysis, page_file)
+    loaded = Loaded(browser, page_file)
     page = loaded.page
     assert loaded.errors == []
     assert loaded.foreign_requests() == []
@@ -70,10 +70,22 @@ def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, 
     assert sorted(page.evaluate("window.lorascopeReport.charts")) == sorted(ids)
     if "chart-kernels" not in ids:
         assert page.locator("#kernels-empty").inner_text().strip()
-    for f in range(page.locator(".finding").count()):  # each finding links to a chart on the page
-        links = page.locator(".finding").nth(f).locator("a.chart-link")
-        if links.count():  # a finding of a kind without a chart has no link
-            assert page.locator(links.first.get_attribute("href")).count() == 1
+    # each finding links to the chart of its kind (CHART_FOR, or the one its details name),
+    # and that chart is on the page and drawn; a finding of a kind without a chart has no link
+    found = build_report_data(analysis.bundle, analysis.findings, analysis.summary)["findings"]
+    assert page.locator(".finding").count() == len(found)
+    for n, finding in enumerate(found):
+        if finding["id"] in CHART_FOR and "chart" not in analysis.findings[n].details:
+            assert finding["chart"] == CHART_FOR[finding["id"]], finding["id"]
+        links = page.locator(".finding").nth(n).locator("a.chart-link")
+        if finding["chart"] is None:
+            assert links.count() == 0, finding["id"]
+            continue
+        assert links.count() == 1, finding["id"]
+        assert links.first.get_attribute("href") == f"#{finding['chart']}"
+        assert finding["chart"] in ids, (finding["id"], finding["chart"], ids)  # drawn (checked above)
+    if run_dir.name in CHART_FOR:  # a fixture named for a detector: its finding is here, linked
+        assert any(f["id"] == run_dir.name and f["chart"] for f in found), [f["id"] for f in found]
     shot = artifacts / f"report-{run_dir.name}.png"
     page.screenshot(path=str(shot), full_page=True)
     print(f"\nscreenshot: {shot}  (loaded and drawn in {loaded.load_s:.2f} s)")
@@ -82,7 +94,6 @@ def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, 
 
 def test_hostile_text_never_runs(browser: Any, tmp_path: Path, artifacts: Path) -> None:
     run_dir, findings = xss_run(tmp_path / "run")
-    from lorascope.report.data import build_report_data
     from lorascope.report.render import render as render_page
 
     out = tmp_path / "xss.html"
