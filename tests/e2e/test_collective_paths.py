@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import LORASCOPE, free_port, job_env
+from tests.helpers import LORASCOPE, free_port, job_env
 
 pytestmark = pytest.mark.e2e
 
