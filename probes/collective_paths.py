@@ -8,6 +8,7 @@ It does not import lorascope.
 Faults (at ``--fault-step``):
 - ``save-rank0``: ``if rank == 0: lorasave.save_full(...)`` (an all_gather inside a library
   module under ``site-packages/``) while rank 1 goes on to a barrier.
+- ``size-mismatch``: the ranks all_reduce tensors of different sizes (gloo aborts).
 - ``async-stall``: rank 1 stalls in its own code (a stuck data loader) while rank 0 has
   issued the step's async all_gather and waits for it.
 Both end when the process-group timeout (``--pg-timeout``) fires.
@@ -31,7 +32,7 @@ import lorasave
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--fault", choices=["none", "save-rank0", "async-stall"], default="none")
+    parser.add_argument("--fault", choices=["none", "save-rank0", "async-stall", "size-mismatch"], default="none")
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--pg-timeout", type=float, default=10.0)
     args = parser.parse_args()
@@ -52,6 +53,8 @@ def main() -> None:
             dist.all_reduce(p.grad)
         opt.step()
         opt.zero_grad()
+        if args.fault == "size-mismatch" and step == args.fault_step:
+            dist.all_reduce(torch.ones(8 if rank == 0 else 4))  # gloo aborts the process
         if args.fault == "save-rank0" and step == args.fault_step:
             if rank == 0:
                 lorasave.save_full(model.weight.detach())

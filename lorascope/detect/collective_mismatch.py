@@ -10,9 +10,13 @@ on its own: an extra collective on one rank produces it too).
 
 from __future__ import annotations
 
+from lorascope.detect.common import short_site, stream_source
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.ending import ending_of
+from lorascope.units import fmt_bytes
 
 ID = "collective-mismatch"
 FIX = (
@@ -54,7 +58,58 @@ def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
     )
 
 
+def _run_finding(bundle: EvidenceBundle) -> Finding | None:
+    """From run records: every rank made the same call from the same line with different
+    sizes (see :func:`size_mismatch`), and how the job ended after it."""
+    run = bundle.run
+    div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
+    if run is None or div is None or not size_mismatch(run, div):
+        return None
+    calls = {n: c for n, c in sorted(div.calls.items()) if c is not None}
+    first = next(iter(calls.values()))
+    sizes = ", ".join(f"{fmt_bytes(c.bytes)} on rank {n}" for n, c in calls.items())
+    evidence = [
+        Evidence(
+            f"rank {n} at {div.group} #{div.seq}",
+            f"{c.op} {fmt_bytes(c.bytes)} {c.dtype or ''} at {c.site or '?'}"
+            + (f" — failed: {c.err[:160]}" if c.err else " — still waiting in it" if c.pending else ""),
+            stream_source(run, run.ranks[n], "coll records"),
+        )
+        for n, c in calls.items()
+    ]
+    # A rank killed by a signal (gloo's abort) is the cause; the others' errors (the peer
+    # closed the connection) follow from it.
+    died = sorted(
+        ((n, e) for n in calls if (e := ending_of(run.ranks[n])).status in ("signal", "exception")),
+        key=lambda d: (d[1].status != "signal", d[0]),
+    )
+    crashed = ""
+    if died:
+        n, end = died[0]
+        detail = (end.detail or end.status).splitlines()[0][:200]
+        crashed = f"; it crashed the job (rank {n}: {detail})"
+        evidence.append(Evidence("how it ended", f"rank {n}: {detail}", stream_source(run, run.ranks[n], "end")))
+    return Finding(
+        id=ID,
+        title=f"ranks {', '.join(map(str, calls))} ran {first.op} #{div.seq} ({div.group}) at "
+        f"{short_site(first.site)} with different sizes ({sizes}){crashed}",
+        severity="error",
+        confidence="high",
+        confidence_reason="every rank recorded the same collective from the same line with a different size, "
+        "inside no rank condition",
+        ranks=sorted(calls),
+        evidence=evidence,
+        explanation="A collective must get the same number of elements of the same type on every rank. Gloo "
+        "aborts when the byte counts differ, NCCL may hang or silently reduce garbage.",
+        fix=FIX,
+        details={"group": div.group, "seq": div.seq, "kind": "size", "source": "run records"},
+    )
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
+    found = _run_finding(bundle)
+    if found is not None:
+        return [found]
     findings: list[Finding] = []
     alignment = flight_alignment(bundle)
     if alignment is not None:

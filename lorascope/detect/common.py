@@ -50,3 +50,11 @@ def stream_source(run: RunData, rank: RankData, what: str) -> str:
 def ended_with_oom(rank: RankData) -> bool:
     text = (rank.exception or {}).get("message", "")
     return "out of memory" in text.lower()
+
+
+def short_site(site: str | None) -> str:
+    """A call site with the file's directory left out: ``train.py:42 in main``."""
+    if not site:
+        return "?"
+    path, _, rest = site.partition(":")
+    return f"{path.rsplit('/', 1)[-1]}:{rest}"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import stream_source
+from lorascope.detect.common import short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
-from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks
+from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
@@ -29,13 +29,6 @@ def _describe(call: Collective | None) -> str:
     size = "" if call.bytes is None else f" ({fmt_bytes(call.bytes)}{', ' + call.dtype if call.dtype else ''})"
     state = "still waiting in it" if call.pending else ("failed: " + call.err[:120] if call.err else "completed")
     return f"{call.op} #{call.seq}{size} at {call.site or '?'} — {state}"
-
-
-def _short_site(site: str | None) -> str:
-    if not site:
-        return "?"
-    path, _, rest = site.partition(":")
-    return f"{path.rsplit('/', 1)[-1]}:{rest}"
 
 
 EXPLANATION = (
@@ -59,11 +52,11 @@ def _at_site(found: tuple[str, str] | None, site: str | None) -> bool:
 
 def _where(site: str | None, found: tuple[str, str] | None) -> str:
     """The call site, and the user's line above it when the condition sits there."""
-    text = f"at {_short_site(site)}"
+    text = f"at {short_site(site)}"
     if found is None:
         return text
     cond, frame = found
-    return text + (f" inside `{cond}`" if frame == site else f", called from {_short_site(frame)} inside `{cond}`")
+    return text + (f" inside `{cond}`" if frame == site else f", called from {short_site(frame)} inside `{cond}`")
 
 
 def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
@@ -149,6 +142,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
     if run is None or div is None:
         return from_flight_recorder(bundle)
+    if size_mismatch(run, div):
+        return []  # collective-mismatch names it
     found = found_at(run, div)
     conditions = {n: f[0] if f else None for n, f in found.items()}
     odd = odd_ranks(run, div)

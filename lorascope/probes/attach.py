@@ -17,7 +17,7 @@ from lorascope import __version__
 from lorascope.probes import importhook
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.dumps import Dumper
-from lorascope.probes.exits import ExitProbe
+from lorascope.probes.exits import ExitProbe, install_fatal_handler
 from lorascope.probes.flight import DEFAULT_BUFFER as DEFAULT_FR_BUFFER
 from lorascope.probes.flight import ENV_BUFFER as ENV_FR_BUFFER
 from lorascope.probes.flight import dump_flight_recorder
@@ -36,6 +36,8 @@ ENV_TRACE_WINDOW = "LORASCOPE_TRACE_WINDOW"
 ENV_STALL_SECONDS = "LORASCOPE_STALL_SECONDS"
 DEFAULT_SAMPLE_INTERVAL = 0.5
 _VERSIONED = ("torch", "deepspeed", "peft", "transformers")
+#: faulthandler's open files (one per attached process), kept referenced for its life.
+_fatal_files: list[object] = []
 
 _session: Session | None = None
 
@@ -181,6 +183,7 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
         kernels.close()
 
     ExitProbe(session, on_end, on_crash=flight).install()
+    _fatal_files.append(session.guarded("fatal")(install_fatal_handler)(session, prefix))
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     # Each install is its own probe: one that fails to install leaves the others on.
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")

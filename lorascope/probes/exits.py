@@ -6,14 +6,16 @@ the reader says so."""
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import signal
 import sys
 import threading
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from lorascope.probes.session import Session
 
@@ -28,6 +30,30 @@ def thread_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         parts.append(f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
     return "\n".join(parts)
+
+
+def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
+    """Python's faulthandler writes every thread's stack to ``PREFIX.fatal.txt`` when the
+    rank dies of SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL: a C++ abort (gloo's "Received
+    data size doesn't match", ``std::terminate``) leaves no exception, no signal record and
+    no end record, only this file (announced by a ``fatal_handler`` record). Left alone when
+    the job enabled faulthandler itself (PYTHONFAULTHANDLER, ``-X faulthandler``). Returns
+    the open file (it must stay open while the process lives)."""
+    if faulthandler.is_enabled():
+        return None
+    path = prefix.with_name(f"{prefix.name}.fatal.txt")
+    file = open(path, "w")  # kept open for the life of the process
+    faulthandler.enable(file=file, all_threads=True)
+    session.record("fatal_handler", file=path.name)
+
+    def tidy() -> None:  # a rank that exits normally leaves no empty file behind
+        if file.tell() == 0:
+            faulthandler.disable()
+            file.close()
+            path.unlink(missing_ok=True)
+
+    atexit.register(tidy)
+    return file
 
 
 class ExitProbe:

@@ -3,10 +3,20 @@ signal and end records that the summary, the hang diagnosis and the report share
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 from lorascope.rundir.reader import RankData
+
+#: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
+FATAL_SIGNALS = {
+    "Aborted": signal.SIGABRT,
+    "Segmentation fault": signal.SIGSEGV,
+    "Bus error": signal.SIGBUS,
+    "Floating-point exception": signal.SIGFPE,
+    "Illegal instruction": signal.SIGILL,
+}
 
 
 @dataclass(frozen=True)
@@ -37,4 +47,8 @@ def ending_of(rank: RankData) -> Ending:
         return Ending("signal", -sig["signum"], sig["name"], float(sig["t"]))
     if rank.end is not None:
         return Ending(rank.end["status"], rank.end["code"], None, float(rank.end["t"]))
+    if rank.fatal is not None:
+        first = rank.fatal.splitlines()[0]
+        signum = FATAL_SIGNALS.get(first.removeprefix("Fatal Python error: ").strip())
+        return Ending("signal", None if signum is None else -signum, f"{first} (faulthandler)\n{rank.fatal}", None)
     return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)

@@ -77,6 +77,9 @@ class RankData:
     #: Kineto traces and flight-recorder dumps the rank wrote, as absolute paths.
     trace_files: list[str] = field(default_factory=list)
     flight_files: list[str] = field(default_factory=list)
+    #: What faulthandler wrote when the rank died of a fatal signal (a C++ abort, a
+    #: segfault): "Fatal Python error: Aborted" and every thread's stack; None when empty.
+    fatal: str | None = None
     last_time: float = 0.0
 
     @property
@@ -192,6 +195,8 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                 data = RankData(rank=rank, start=rec, files=[])
             data.last_time = max(data.last_time, float(rec["t"]))
             _apply(data, kind, rec, pending)
+            if kind == "fatal_handler":
+                data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
             if kind in ("trace_window", "flight_dump") and rec.get("file"):
                 side = path.parent / str(rec["file"])
                 if side.name != rec["file"] or not side.exists():
@@ -316,3 +321,20 @@ def load_run(path: str | Path) -> RunData:
         if absent:
             warnings.append(f"world size is {expected} but ranks {absent} wrote no stream")
     return RunData(path=run_dir, manifest=manifest, ranks=dict(sorted(ranks.items())), warnings=warnings)
+
+
+#: What is read of a faulthandler file, at most (the head names the signal, then stacks).
+MAX_FATAL_BYTES = 64 * 1024
+
+
+def _fatal_text(path: Path, name: str) -> str | None:
+    """The text faulthandler left, if it wrote any (it is empty unless the rank died of a
+    fatal signal)."""
+    if Path(name).name != name or not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_FATAL_BYTES).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    return text or None

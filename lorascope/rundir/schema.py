@@ -60,6 +60,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
+    "fatal_handler": {"file": _STR},
     "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
     "warning": {"category": _STR, "message": _STR, "filename": _STR, "lineno": _INT},
     "exception": {"type": _STR, "message": _STR, "traceback": _STR},

@@ -68,6 +68,21 @@ def test_library_collective_under_the_users_rank_condition(tmp_path: Path) -> No
 def test_healthy_async_steps_end_every_call(tmp_path: Path) -> None:
     data = run_job(tmp_path / "run", "--steps", "5")
     assert data["findings"] == []
+    assert not list((tmp_path / "run").rglob("*.fatal.txt")), "an exit leaves no empty faulthandler file"
     for rank in data["ranks"]:
         assert rank["ended"]["status"] == "exit" and rank["collectives"]["pending"] == []
         assert rank["collectives"]["count"] == 15  # per step: the async all_gather, two all_reduces
+
+
+def test_cpp_abort_is_how_the_rank_ended_and_a_mismatch_is_not_a_hang(tmp_path: Path) -> None:
+    """gloo aborts a rank (SIGABRT from C++, no Python exception) on a size mismatch: the
+    rank's ending is the fatal signal faulthandler wrote down, and the verdict is the
+    mismatch that crashed the job, not a hang."""
+    data = run_job(tmp_path / "run", "--fault", "size-mismatch")
+    top = data["findings"][0]
+    assert top["id"] == "collective-mismatch" and top["ranks"] == [0, 1]
+    assert "with different sizes (32 B on rank 0, 16 B on rank 1)" in top["title"]
+    aborted = [r for r in data["ranks"] if r["ended"]["status"] == "signal" and r["ended"]["code"] == -6]
+    assert aborted and "Fatal Python error: Aborted" in aborted[0]["ended"]["detail"]
+    assert f"rank {aborted[0]['rank']}: Fatal Python error: Aborted" in top["title"]
+    assert all(f["id"] != "rank-conditional-hang" for f in data["findings"])

@@ -165,3 +165,14 @@ def odd_ranks(run: RunData, div: Divergence) -> list[int]:
             rare = counts.most_common()[-1][0]
             odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
     return sorted(odd)
+
+
+def size_mismatch(run: RunData, div: Divergence) -> bool:
+    """Every rank made the same call from the same line with different sizes, and no rank
+    condition encloses it: a collective-mismatch, not a collective only some ranks run
+    (an extra collective on one rank comes from another line)."""
+    calls = list(div.calls.values())
+    if any(c is None for c in calls) or any(found_at(run, div).values()):
+        return False
+    present = [c for c in calls if c is not None]
+    return len({(c.op, c.site) for c in present}) == 1 and len({c.bytes for c in present}) > 1
