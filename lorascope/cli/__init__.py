@@ -1,8 +1,13 @@
-"""The `lorascope` command: a click group built from one list of subcommand modules."""
+"""The `lorascope` command: a click group built from one list of subcommand modules.
+
+Errors are caught here and only here: each becomes one line on stderr and an exit code
+(README "Exit status"); ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Sequence
 
 import click
@@ -10,32 +15,113 @@ import click
 from lorascope import __version__
 from lorascope.cli import analyze, hang, plan, report, run
 from lorascope.errors import LorascopeError
+from lorascope.rundir import limits
+from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
 COMMANDS = [run, analyze, hang, report, plan]
 
+#: Exit codes of failures that are not the project's own errors (those carry theirs).
+EXIT_INTERNAL = 1
+EXIT_RESOURCES = 5
+EXIT_INTERRUPTED = 130
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(str(value))
+        except LorascopeError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_SIZE = _Size()
+#: Set from ``--debug`` (or LORASCOPE_DEBUG=1) once the command line is read.
+_debug = False
+
+
+def _limit(name: str, help_text: str, kind: click.ParamType | type = _SIZE) -> click.Option:
+    default = getattr(limits.Limits(), name)
+    return click.Option(
+        [limits.FLAGS[name]], type=kind, default=None, help=f"{help_text} (default {limits.shown(name, default)})."
+    )
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    params=[
+        _limit("json_bytes", "Largest JSON input read whole: a Kineto trace, a flight-recorder JSON dump"),
+        _limit("stream_bytes", "Largest stream one rank process wrote, all segments"),
+        _limit("record_bytes", "Largest record line of a rank stream (longer ones are skipped, warned)"),
+        _limit("log_bytes", "How much of a job log is read (decompressed)"),
+        _limit("log_lines", "How many lines of a job log are read", int),
+    ],
+)
 @click.version_option(__version__, prog_name="lorascope")
-def cli() -> None:
+@click.option("--debug", is_flag=True, envvar="LORASCOPE_DEBUG", help="On an error, show the traceback too.")
+def cli(debug: bool, **sizes: int | None) -> None:
     """Diagnose distributed LoRA fine-tuning: probe a run, analyse what went wrong."""
+    global _debug
+    _debug = debug
+    limits.configure(**{name: sizes[flag.lstrip("-").replace("-", "_")] for name, flag in limits.FLAGS.items()})
 
 
 for _module in COMMANDS:
     cli.add_command(_module.command)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _failure(exc: BaseException) -> tuple[str, int]:
+    """The line and exit code for an exception that is not the project's own."""
+    if isinstance(exc, MemoryError):
+        return "out of memory (the input is too large for this machine, or hostile)", EXIT_RESOURCES
+    if isinstance(exc, RecursionError):
+        return "the input is nested too deeply to read", EXIT_RESOURCES
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or _one_line(exc)}", EXIT_RESOURCES
+    return (
+        f"internal error ({exc.__class__.__name__}: {_one_line(exc)}); "
+        "please report it with the output of `lorascope --debug ...`",
+        EXIT_INTERNAL,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: LorascopeError becomes one line on stderr and its exit code."""
+    """Console entry point: every failure becomes one line on stderr and an exit code."""
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        rc = cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+        rc = cli.main(args=args, prog_name="lorascope", standalone_mode=False)
     except LorascopeError as exc:
-        click.echo(f"lorascope: error: {exc}", err=True)
+        _report(f"error: {exc}")
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("lorascope: aborted", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _report("aborted")
+        sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # the one place every failure becomes a line
+        line, code = _failure(exc)
+        _report(f"error: {line}")
+        sys.exit(code)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _report(line: str) -> None:
+    if _debug:
+        traceback.print_exc()
+    try:
+        click.echo(f"lorascope: {line}", err=True)
+    except Exception:  # stderr itself is gone: the exit code still says it
+        pass

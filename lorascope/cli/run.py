@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from lorascope.analysis.summary import build_summary
-from lorascope.errors import BadInputError, LorascopeError, UsageError
+from lorascope.errors import LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.kernels import parse_window
 from lorascope.rundir.reader import load_run
@@ -23,14 +23,19 @@ from lorascope.rundir.writer import record_launch, record_ranks
 from lorascope.text.summary import render_text
 
 
-def _prepare(out: Path) -> Path:
-    """Create the run directory and its bootstrap folder; returns the bootstrap path."""
+def _prepare(out: Path) -> Path | None:
+    """Create the run directory and its bootstrap folder; returns the bootstrap path, or
+    None (warned) when it cannot be written: the job then runs without probes."""
     try:
         bootstrap = out / BOOTSTRAP_DIR
         bootstrap.mkdir(parents=True, exist_ok=True)
         (bootstrap / "sitecustomize.py").write_text(sitecustomize_source())
     except OSError as exc:
-        raise BadInputError(f"cannot write the run directory {out}: {exc.strerror}") from None
+        click.echo(
+            f"lorascope: warning: cannot write the run directory {out} ({exc.strerror}); the job runs without probes",
+            err=True,
+        )
+        return None
     return bootstrap
 
 
@@ -97,7 +102,8 @@ def command(out: Path | None, sample_interval: float, trace_window: str, summary
     record_launch(out, launch_id, list(cmd))
     click.echo(f"lorascope: recording to {out}", err=True)
     try:
-        proc = subprocess.Popen(list(cmd), env=_child_env(out, bootstrap, launch_id, sample_interval, trace_window))
+        env = _child_env(out, bootstrap, launch_id, sample_interval, trace_window) if bootstrap else None
+        proc = subprocess.Popen(list(cmd), env=env)
     except OSError as exc:
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)
         raise UsageError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None
@@ -109,7 +115,8 @@ def command(out: Path | None, sample_interval: float, trace_window: str, summary
         record_ranks(out, {str(r["rank"]): {k: r[k] for k in ("pid", "host", "ended")} for r in data["ranks"]})
         if summary:
             click.echo(render_text(data), err=True)
-    except LorascopeError as exc:
-        click.echo(f"lorascope: the run directory could not be summarised: {exc}", err=True)
+    except Exception as exc:  # whatever happened to the run directory, the status is the job's
+        reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
+        click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
     sys.stderr.flush()
     return rc

@@ -23,14 +23,17 @@ from lorascope.ingest.kineto.reader import KinetoTrace, read_trace
 from lorascope.ingest.logs.reader import read_log
 from lorascope.ingest.path_rank import rank_from_path
 from lorascope.ingest.snapshot.reader import read_snapshot
+from lorascope.rundir.safe_open import leaves
 
 #: Files looked at in one folder (a mis-aimed PATH, like a home directory, stays cheap).
 MAX_FILES = 2000
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", ".venv", "bootstrap"}
 
 
-def walk_files(folder: Path) -> Iterator[Path]:
-    """Regular files under FOLDER, sorted, hidden and tool folders skipped."""
+def walk_files(folder: Path, warnings: list[str] | None = None) -> Iterator[Path]:
+    """Regular files under FOLDER, sorted, hidden and tool folders skipped; symlinks that
+    leave FOLDER are not followed (a warning in ``warnings``), FIFOs, devices and sockets
+    not read."""
     count = 0
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
@@ -38,11 +41,18 @@ def walk_files(folder: Path) -> Iterator[Path]:
             if name.startswith("."):
                 continue
             path = Path(root) / name
-            if path.is_file():
-                count += 1
-                if count > MAX_FILES:
-                    return
-                yield path
+            if path.is_symlink() and leaves(folder, path):
+                if warnings is not None:
+                    warnings.append(f"{path}: a symlink out of {folder}: not followed")
+                continue
+            if not path.is_file():
+                if warnings is not None and not path.is_dir():
+                    warnings.append(f"{path}: not a regular file (a FIFO, device or socket): not read")
+                continue
+            count += 1
+            if count > MAX_FILES:
+                return
+            yield path
 
 
 def _free_rank(taken: dict[int, object]) -> int:
@@ -65,6 +75,7 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
                 "or messages lorascope knows)"
             )
         bundle.logs.append(log)
+        bundle.warnings.extend(f"{path}: {w}" for w in log.warnings)
         return
     #: kind -> (reader(path, rank from the name), where the bundle keeps that kind by rank)
     readers: dict[str, tuple[Callable[[Path, int | None], Any], dict[int, Any]]] = {
@@ -103,10 +114,10 @@ def load_files(bundle: EvidenceBundle, files: list[Path], kind: str | None) -> i
     loaded = 0
     errors: list[str] = []
     for path in files:
-        file_kind = kind or detect_kind(path)
-        if file_kind is None or file_kind == "rundir":
-            continue
         try:
+            file_kind = kind or detect_kind(path)
+            if file_kind is None or file_kind == "rundir":
+                continue
             load_file(bundle, path, file_kind, forced=kind is not None)
             loaded += 1
         except BadInputError as exc:
@@ -135,6 +146,7 @@ def load_single(bundle: EvidenceBundle, path: Path, kind: str | None) -> None:
                 "messages lorascope knows)"
             )
         bundle.logs.append(log)
+        bundle.warnings.extend(f"{path}: {w}" for w in log.warnings)
         return
     load_file(bundle, path, file_kind, forced=kind is not None)
 

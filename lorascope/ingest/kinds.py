@@ -16,6 +16,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import MANIFEST_FILE
 
 KINDS = ("rundir", "snapshot", "kineto", "flight", "log")
@@ -26,8 +27,9 @@ _FLIGHT_KEYS = (b"pg_config", b"collective_seq_id", b"pg_status", b"profiling_na
 
 
 def head_bytes(path: Path) -> bytes:
-    """The first HEAD bytes of the file's content (gunzipped when it is gzip)."""
-    with open(path, "rb") as f:
+    """The first HEAD bytes of the file's content (gunzipped when it is gzip). Only
+    regular files are opened (a FIFO or a device is a one-line BadInputError)."""
+    with open_regular(path) as f:
         raw = f.read(HEAD)
     if raw[:2] == b"\x1f\x8b":
         try:

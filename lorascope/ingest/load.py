@@ -19,7 +19,7 @@ from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.sources import describe
+from lorascope.rundir.sources import MAX_FILE_BYTES, describe
 
 
 def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -> EvidenceBundle:
@@ -38,7 +38,7 @@ def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -
     if is_run and kind in (None, "rundir"):
         _load_run(bundle, path)
     elif path.is_dir():
-        if not load_files(bundle, list(walk_files(path)), kind):
+        if not load_files(bundle, list(walk_files(path, bundle.warnings)), kind):
             raise BadInputError(
                 f"{path}: nothing lorascope knows in this folder (no manifest.json of a run "
                 "directory, no allocator snapshot, Kineto trace, flight-recorder dump or job log)"
@@ -83,5 +83,14 @@ def _add_sources(bundle: EvidenceBundle) -> None:
     for site in sorted(s for s in sites if s):
         path, _, rest = site.partition(":")
         line = rest.split(" ", 1)[0]
-        if line.isdigit() and Path(path).is_file():
+        if line.isdigit() and _small_source(Path(path)):
             bundle.sources[site] = describe(path, int(line))
+
+
+def _small_source(path: Path) -> bool:
+    """A regular file small enough to be source (linecache reads files whole; a dump's
+    frames may name anything)."""
+    try:
+        return path.is_file() and path.stat().st_size <= MAX_FILE_BYTES
+    except OSError:
+        return False

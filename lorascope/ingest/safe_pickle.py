@@ -18,11 +18,18 @@ objects. This reader reads the file in chunks and shares what the snapshot repea
 - short strings with the same bytes come back as the same object.
 
 Everything else comes back as ``pickle.load`` would build it.
+
+Bounded by the file: only regular files are read; a declared length (strings, bytes, long
+integers) longer than what the file still holds is "truncated" before anything is
+allocated; the memo never holds more slots than the file has bytes (whatever its indices
+say). Every object built takes bytes of the file and containers hold references, so what
+a load builds is linear in the file's size.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lorascope.errors import BadInputError
+from lorascope.rundir.safe_open import open_regular
 
 #: Bytes read per chunk; the reader refills when fewer than _LOW_WATER remain.
 _CHUNK = 8 << 20
@@ -82,6 +90,8 @@ class _Source:
         self.f = f
         self.first = data
         self.eof = f is None
+        #: Bytes in the whole input: no declared length and no memo index may exceed it.
+        self.size = os.fstat(f.fileno()).st_size if f is not None else len(data or b"")
 
     def initial(self) -> bytes:
         if self.first is not None:
@@ -105,6 +115,8 @@ class _Source:
             return buf[pos:end], buf, end
         parts = [buf[pos:]]
         have = len(parts[0])
+        if self.f is not None and n - have > self.size - self.f.tell():
+            raise PickleFormatError(f"the pickle is truncated (a value declares {n} bytes, more than the file holds)")
         while have < n and not self.eof:
             assert self.f is not None
             chunk = self.f.read(max(_CHUNK, n - have))
@@ -132,7 +144,7 @@ class _Source:
 def load_pickle(path: Path) -> Any:
     """Read a pickle file as plain data; BadInputError subclasses on anything else."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return _load(_Source(f), str(path))
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
@@ -201,7 +213,7 @@ def _memo_put(memo: list[Any], idx: int, value: Any, shared: _RefLists) -> None:
             shared.clear()  # shared reference lists keyed on this slot would be stale
         memo[idx] = value
         return
-    if idx > len(memo) + (1 << 24):
+    if idx > len(memo) + (1 << 24) or idx >= shared.max_memo:
         raise PickleFormatError(f"the pickle is corrupt (memo index {idx} out of range)")
     memo.extend([_UNSET] * (idx - len(memo)))
     memo.append(value)
@@ -244,9 +256,13 @@ class _RefLists:
     regular expression, then are known.
     """
 
-    def __init__(self, memo: list[Any]) -> None:
+    def __init__(self, memo: list[Any], max_memo: int) -> None:
         self.memo = memo
         self.known: dict[bytes, tuple[Any, ...]] = {}
+        #: Memo slots allowed in total: a memo operation takes at least a byte of the
+        #: pickle, so a real pickle never holds more slots than it has bytes (a forged
+        #: one could jump the index ahead and grow the memo to gigabytes).
+        self.max_memo = max_memo
 
     def clear(self) -> None:
         self.known.clear()
@@ -389,7 +405,7 @@ def _run(src: _Source) -> Any:
     stack: list[Any] = []
     marks: list[int] = []
     memo: list[Any] = []
-    shared = _RefLists(memo)
+    shared = _RefLists(memo, max(src.size, 256))
     strings: dict[bytes, str] = {}
     push = stack.append
     memo_append = memo.append

@@ -71,7 +71,7 @@ def section(table: dict[str, Any] | None, message: str) -> dict[str, Any]:
         for row in per.get("rows", []):
             module = row.get("module")
             is_lora = module in LORA_MODULES
-            durs = [float(d) for d in row.get("durations_us", []) if isinstance(d, (int, float)) and d >= 0]
+            durs = [float(d) for d in row.get("durations_us", []) if isinstance(d, (int, float)) and 0 <= d < 1e15]
             agg = names[(str(row.get("name")), module)]
             agg[0] += len(durs)
             agg[1] += sum(durs)

@@ -6,12 +6,17 @@ breaks format v1 is a BadInputError naming the file and line.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError
+from lorascope.rundir import limits
+from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
+from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
 from lorascope.rundir.schema import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -110,10 +115,13 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
     path = run_dir / MANIFEST_FILE
     if not path.exists():
         raise BadInputError(f"{run_dir} is not a lorascope run directory (no {MANIFEST_FILE})")
+    if leaves(run_dir, path):
+        raise BadInputError(f"{path}: a symlink out of the run directory: not followed")
+    data = read_capped(path, limits.current().record_bytes, "record_bytes", "the manifest")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise BadInputError(f"{path}: unreadable manifest ({exc.__class__.__name__}: {exc})") from None
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadInputError(f"{path}: unreadable manifest ({exc.__class__.__name__}: {str(exc)[:100]})") from None
     version = manifest.get("version") if isinstance(manifest, dict) else None
     if isinstance(version, int) and not isinstance(version, bool) and version < 1:
         raise BadInputError(f"{path}: format version {version} does not exist (v1 is the first)")
@@ -128,55 +136,84 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-def _segments(rank_dir: Path) -> dict[str, list[tuple[int, Path]]]:
-    """Segment files per process (``HOST-PID``), in segment order."""
+def _segments(run_dir: Path, rank_dir: Path, warnings: list[str]) -> dict[str, list[tuple[int, Path]]]:
+    """Segment files per process (``HOST-PID``), in segment order; symlinks out of the
+    run directory are not followed (warned)."""
     out: dict[str, list[tuple[int, Path]]] = {}
-    for path in rank_dir.glob("*" + STREAM_SUFFIX):
+    for path in sorted(rank_dir.glob("*" + STREAM_SUFFIX)):
         stem = path.name[: -len(STREAM_SUFFIX)]
         proc, _, index = stem.rpartition(".")
-        if not proc or not index.isdigit():
+        if not proc or not index.isdigit() or len(index) > 9:
+            continue
+        if leaves(run_dir, path):
+            warnings.append(f"{path}: a symlink out of the run directory: not followed")
             continue
         out.setdefault(proc, []).append((int(index), path))
     return {proc: sorted(segs) for proc, segs in out.items()}
 
 
-def _iter_records(path: Path, warnings: list[str]):
-    """Yield (line number, record) pairs; a torn final line is a warning, not an error."""
+def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, record) pairs, reading line by line; a torn final line is a
+    warning, not an error; so are records over the record size limit or nested deeper
+    than MAX_RECORD_DEPTH (skipped, one warning per file)."""
+    max_line = limits.current().record_bytes
+    long_lines: list[int] = []
+    deep_lines: list[int] = []
+    number = 0
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            while line := f.readline(max_line + 1):
+                number += 1
+                if len(line) > max_line and not line.endswith(b"\n"):
+                    long_lines.append(number)
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+                    continue
+                if not line.strip():
+                    continue
+                if maybe_too_deep(line, MAX_RECORD_DEPTH):
+                    deep_lines.append(number)
+                    continue
+                try:
+                    rec = json.loads(line)
+                except (UnicodeDecodeError, ValueError):
+                    if line.endswith(b"\n"):
+                        raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
+                    warnings.append(
+                        f"{path}:{number}: skipped a torn last record "
+                        f"({len(line)} bytes; the process was killed while writing it)"
+                    )
+                    continue
+                yield number, rec
     except OSError as exc:
         raise BadInputError(f"{path}: unreadable ({exc.strerror})") from None
-    lines = data.split(b"\n")
-    torn_tail = lines[-1] != b""
-    body = lines[:-1]
-    for number, line in enumerate(body, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, ValueError):
-            raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
-        yield number, rec
-    if torn_tail:
-        try:
-            rec = json.loads(lines[-1])
-        except (UnicodeDecodeError, ValueError):
+    finally:
+        if long_lines:
             warnings.append(
-                f"{path}:{len(lines)}: skipped a torn last record "
-                f"({len(lines[-1])} bytes; the process was killed while writing it)"
+                f"{path}:{long_lines[0]}: skipped {len(long_lines)} record(s) over {limits.describe('record_bytes')}"
             )
-        else:
-            yield len(lines), rec
+        if deep_lines:
+            warnings.append(
+                f"{path}:{deep_lines[0]}: skipped {len(deep_lines)} record(s) nested deeper than "
+                f"{MAX_RECORD_DEPTH} levels"
+            )
 
 
 def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) -> RankData:
     indices = [i for i, _ in segs]
-    missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-    if missing:
+    gaps = [(a + 1, b - 1) for a, b in zip([-1, *indices], indices, strict=False) if b > a + 1]
+    if gaps:
         warnings.append(
-            f"rank {rank}: stream segments {missing[0]}-{missing[-1]} were rotated away "
+            f"rank {rank}: stream segments {gaps[0][0]}-{gaps[-1][1]} were rotated away "
             f"(bounded stream); the first and the newest segments are kept"
         )
+    total = 0
+    for _, path in segs:
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size
+    if total > limits.current().stream_bytes:
+        raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
+    unknown: dict[str, tuple[str, int]] = {}
     data: RankData | None = None
     pending: dict[tuple[int, int], Collective] = {}
     for _, path in segs:
@@ -186,7 +223,8 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
             except SchemaError as exc:
                 raise BadInputError(f"{path}:{number}: {exc}") from None
             if not known:
-                warnings.append(f"{path}:{number}: skipped a record of unknown kind {rec['k']!r}")
+                where, n = unknown.get(rec["k"], (f"{path}:{number}", 0))
+                unknown[rec["k"]] = (where, n + 1)
                 continue
             kind = rec["k"]
             if data is None:
@@ -201,12 +239,16 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                 side = path.parent / str(rec["file"])
                 if side.name != rec["file"] or not side.exists():
                     warnings.append(f"{path}:{number}: {kind} file {rec['file']!r} is missing")
+                elif leaves(path.parent, side):
+                    warnings.append(f"{side}: a symlink out of the run directory: not followed")
                 elif kind == "trace_window":
                     data.trace_files.append(str(side))
                 else:
                     data.flight_files.append(str(side))
         if data is not None:
             data.files.append(str(path))
+    for kind, (where, n) in unknown.items():
+        warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
     if data is None:
         raise BadInputError(f"{segs[0][1]}: empty rank stream")
     data.collectives.sort(key=lambda c: c.start)
@@ -278,6 +320,22 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
                 break
 
 
+def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
+    """The first lines of probe-errors.log (each cut at 1 KiB)."""
+    path = run_dir / "probe-errors.log"
+    if not path.exists():
+        return []
+    if leaves(run_dir, path):
+        return [f"{path}: a symlink out of the run directory: not followed"]
+    out = []
+    with open_regular(path) as f:
+        while len(out) < most and (raw := f.readline(1024)):
+            line = raw.decode("utf-8", "replace").strip()
+            if line:
+                out.append(line.removeprefix("lorascope: "))
+    return out
+
+
 def load_run(path: str | Path) -> RunData:
     """Load and validate a run directory. Raises BadInputError with a one-line reason."""
     run_dir = Path(path)
@@ -292,10 +350,13 @@ def load_run(path: str | Path) -> RunData:
     rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
     for rank_dir in rank_dirs:
         suffix = rank_dir.name.removeprefix("rank-")
-        if not suffix.isdigit():
+        if not suffix.isdigit() or len(suffix) > 9:
+            continue
+        if leaves(run_dir, rank_dir):
+            warnings.append(f"{rank_dir}: a symlink out of the run directory: not followed")
             continue
         rank = int(suffix)
-        procs = _segments(rank_dir)
+        procs = _segments(run_dir, rank_dir, warnings)
         if not procs:
             warnings.append(f"rank {rank}: no stream files in {rank_dir}")
             continue
@@ -307,10 +368,7 @@ def load_run(path: str | Path) -> RunData:
                 f"the latest, pid {loaded[-1].pid}, is analysed"
             )
         ranks[rank] = loaded[-1]
-    errors_log = run_dir / "probe-errors.log"
-    if errors_log.exists():
-        lines = errors_log.read_text(errors="replace").splitlines()
-        warnings.extend(line.removeprefix("lorascope: ") for line in lines[:50] if line.strip())
+    warnings.extend(_probe_errors(run_dir))
     if not ranks:
         warnings.append(
             "no rank wrote a stream (the job failed before its ranks started, or the probes could not attach)"

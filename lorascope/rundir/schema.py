@@ -91,6 +91,12 @@ LAUNCH_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+#: Integers in records are 64-bit (times, sizes, counts); a larger one is corrupt.
+MAX_INT = (1 << 63) - 1
+#: Ranks in one job, at most (a start record's world_size sizes allocations).
+MAX_WORLD_SIZE = 1 << 20
+
+
 class SchemaError(ValueError):
     """A record or manifest that does not follow format v1."""
 
@@ -104,6 +110,8 @@ def _check_fields(obj: dict[str, Any], fields: dict[str, tuple[type, ...]], what
             raise SchemaError(f"{what} field {name!r} is a bool, expected {_names(types)}")
         if not isinstance(value, types):
             raise SchemaError(f"{what} field {name!r} is {type(value).__name__}, expected {_names(types)}")
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            raise SchemaError(f"{what} field {name!r} is out of range ({str(value)[:20]}...)")
 
 
 def _names(types: tuple[type, ...]) -> str:
@@ -120,10 +128,17 @@ def validate_record(rec: Any) -> bool:
     t = rec.get("t")
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         raise SchemaError(f"a {kind!r} record lacks its time 't'")
+    if not -MAX_INT <= t <= MAX_INT or t != t:
+        raise SchemaError(f"a {kind!r} record has a time 't' out of range ({str(t)[:20]})")
     fields = RECORD_FIELDS.get(kind)
     if fields is None:
         return False
     _check_fields(rec, fields, f"a {kind!r} record")
+    if kind == "start" and not (1 <= rec["world_size"] <= MAX_WORLD_SIZE and 0 <= rec["rank"] < MAX_WORLD_SIZE):
+        raise SchemaError(
+            f"a 'start' record says rank {rec['rank']} of world size {rec['world_size']} "
+            f"(at most {MAX_WORLD_SIZE:,} ranks)"
+        )
     if kind == "end" and rec["status"] not in END_STATUSES:
         raise SchemaError(f"an 'end' record has status {rec['status']!r}, expected one of {END_STATUSES}")
     return True

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -148,8 +149,13 @@ def _locked_manifest(run_dir: Path) -> Iterator[dict[str, Any]]:
         manifest.setdefault("launches", [])
         yield manifest
         tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a full disk: leave no partial file behind
+                tmp.unlink()
+            raise
 
 
 def ensure_manifest(run_dir: Path) -> None:
@@ -159,8 +165,28 @@ def ensure_manifest(run_dir: Path) -> None:
             pass
 
 
-def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: Any) -> None:
-    """Add or update this launcher's entry in manifest.json."""
+def _warn_unwritten(run_dir: Path, what: str, exc: BaseException) -> None:
+    """One line on stderr: the manifest could not be written; the launch goes on."""
+    reason = getattr(exc, "strerror", None) or f"{exc.__class__.__name__}: {exc}"
+    with contextlib.suppress(Exception):
+        sys.stderr.write(
+            f"lorascope: warning: cannot {what} in {run_dir / MANIFEST_FILE} ({reason}); the job is not affected\n"
+        )
+        sys.stderr.flush()
+
+
+def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: Any) -> bool:
+    """Add or update this launcher's entry in manifest.json. Never raises (a full disk, a
+    read-only or vanished run directory): warns in one line and returns False."""
+    try:
+        _record_launch(run_dir, launch_id, command, **fields)
+    except Exception as exc:
+        _warn_unwritten(run_dir, "record the launch", exc)
+        return False
+    return True
+
+
+def _record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: Any) -> None:
     with _locked_manifest(run_dir) as manifest:
         entry = next((e for e in manifest["launches"] if e.get("id") == launch_id), None)
         if entry is None:
@@ -178,7 +204,13 @@ def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: A
         entry.update(fields)
 
 
-def record_ranks(run_dir: Path, ranks: dict[str, Any]) -> None:
-    """Fold the per-rank table (pid, host, how it ended) into manifest.json at the end."""
-    with _locked_manifest(run_dir) as manifest:
-        manifest.setdefault("ranks", {}).update(ranks)
+def record_ranks(run_dir: Path, ranks: dict[str, Any]) -> bool:
+    """Fold the per-rank table (pid, host, how it ended) into manifest.json at the end.
+    Never raises: warns in one line and returns False."""
+    try:
+        with _locked_manifest(run_dir) as manifest:
+            manifest.setdefault("ranks", {}).update(ranks)
+    except Exception as exc:
+        _warn_unwritten(run_dir, "record the ranks", exc)
+        return False
+    return True

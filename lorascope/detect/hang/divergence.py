@@ -64,22 +64,21 @@ def _first_difference(a: list[object], b: list[object], chunk: int = 512) -> int
 
 
 def _agreeing_prefix(
-    tables: Mapping[int, Mapping[int, T]], users: list[int], start: int, end: int, aspects: Aspects[T]
+    tables: Mapping[int, Mapping[int, T]], users: list[int], seqs: list[int], aspects: Aspects[T]
 ) -> int:
-    """The first sequence number from ``start`` at which some member's call (or its absence)
-    differs from the first member's in any aspect: nothing before it can disagree."""
+    """How many of ``seqs`` (the numbers some member holds, in order) pass before some
+    member's call (or its absence) differs from the first member's in any aspect: nothing
+    before that can disagree."""
 
     def row(r: int) -> list[object]:
         calls = tables[r]
-        return [
-            None if (c := calls.get(s)) is None else tuple(key(c) for _, key in aspects) for s in range(start, end + 1)
-        ]
+        return [None if (c := calls.get(s)) is None else tuple(key(c) for _, key in aspects) for s in seqs]
 
     ref = row(users[0])
     first = len(ref)
     for r in users[1:]:
         first = min(first, _first_difference(ref, row(r)))
-    return start + first
+    return first
 
 
 def splits(
@@ -94,10 +93,12 @@ def splits(
     if not users:
         return
     start = max(min(tables[r]) for r in users)
-    end = max(max(tables[r]) for r in users)
+    # The numbers some member holds, never range(start, end): a corrupt stream's or a
+    # forged dump's numbers may be 10^18 apart. Where no member holds one, none disagrees.
+    seqs = sorted({s for r in users for s in tables[r] if s >= start})
     if len(users) == len(members):  # a member that never called in differs from the start
-        start = _agreeing_prefix(tables, users, start, end, aspects)
-    for seq in range(start, end + 1):
+        seqs = seqs[_agreeing_prefix(tables, users, seqs, aspects) :]
+    for seq in seqs:
         calls = {r: tables.get(r, {}).get(seq) for r in members}
         kind = classify(calls, aspects, missing)
         if kind is not None:

@@ -207,7 +207,7 @@ def _compare(
     start = max(min(seqs) for seqs in holding.values())
     end = max(max(seqs) for seqs in holding.values())
     window = (start, min(max(seqs) for seqs in holding.values()))
-    compared = sum(1 for seq in range(start, end + 1) if any(seq in seqs for seqs in holding.values()))
+    compared = len({s for seqs in holding.values() for s in seqs if start <= s <= end})
     out: list[Disagreement] = []
     for split in islice(splits(holding, FLIGHT_ASPECTS, missing=True), MAX_DISAGREEMENTS):
         entries = {r: e for r, e in split.calls.items() if e is not None}

@@ -14,10 +14,8 @@ it: the rank comes from the file name (torch names dumps ``<prefix><rank>``).
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,8 @@ from typing import Any
 from lorascope.errors import BadInputError
 from lorascope.ingest.frames import frame_label, is_python_frame
 from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.rundir import limits
+from lorascope.rundir.safe_open import loads_json, open_regular, read_capped
 
 #: Frames kept per entry (innermost first, Python frames only).
 MAX_FRAMES = 12
@@ -110,21 +110,16 @@ def _int(value: Any) -> int | None:
 
 
 def load_flight_data(path: Path) -> Any:
-    """The raw dump: pickle (safely) or JSON, gzipped or not."""
-    with open(path, "rb") as f:
+    """The raw dump: pickle (safely) or JSON, gzipped or not (JSON read up to the JSON
+    size limit)."""
+    with open_regular(path) as f:
         head = f.read(2)
-    if head == b"\x1f\x8b":
-        try:
-            with gzip.open(path, "rb") as g:
-                return json.loads(g.read())
-        except (OSError, EOFError, ValueError, zlib.error) as exc:
-            raise BadInputError(f"{path}: not a readable gzipped JSON flight-recorder dump ({exc})") from None
     if head[:1] == b"\x80":
         return load_pickle(path)
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: neither a pickle nor JSON ({str(exc)[:100]})") from None
+    data = read_capped(path, limits.current().json_bytes, "json_bytes", "the dump (decompressed)")
+    if data[:1] == b"\x80":
+        raise BadInputError(f"{path}: a gzipped pickle; unzip it first")
+    return loads_json(data, path, "the dump (neither a pickle nor JSON)")
 
 
 def read_flight_dump(path: Path, rank: int | None = None) -> FlightDump:

@@ -18,11 +18,10 @@ figures added on top when it is installed and accepts the trace).
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
+import math
 import re
 import statistics
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.hta import HtaFigures
+from lorascope.rundir import limits
+from lorascope.rundir.safe_open import loads_json, read_capped
 
 #: Duration buckets' upper edges (microseconds) for the distribution.
 BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 1000, 10_000)
@@ -131,15 +132,10 @@ class KinetoTrace:
 
 
 def load_trace_json(path: Path) -> Any:
-    """The trace's JSON (gzipped or not); BadInputError when unreadable."""
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        opener = gzip.open if gz else open
-        with opener(path, "rb") as f:  # type: ignore[operator]
-            return json.load(f)
-    except (OSError, EOFError, ValueError, UnicodeDecodeError, zlib.error) as exc:
-        raise BadInputError(f"{path}: not a readable trace ({exc.__class__.__name__}: {str(exc)[:100]})") from None
+    """The trace's JSON (gzipped or not), read up to the JSON size limit; BadInputError
+    when unreadable or over the limit."""
+    data = read_capped(path, limits.current().json_bytes, "json_bytes", "the trace (decompressed)")
+    return loads_json(data, path, "the trace")
 
 
 def read_trace(path: Path, rank: int | None = None) -> KinetoTrace:
@@ -147,7 +143,14 @@ def read_trace(path: Path, rank: int | None = None) -> KinetoTrace:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A finite number, else None (NaN, Infinity and integers past a float's range too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _spans(events: list[Any]) -> list[dict[str, Any]]:
@@ -348,7 +351,7 @@ def _steps(spans: list[dict[str, Any]]) -> list[tuple[str, float]]:
 
 
 def _opt_int(value: Any) -> int | None:
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= 20:
         return int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

@@ -21,6 +21,8 @@ from typing import IO
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.logs import patterns as P
+from lorascope.rundir import limits
+from lorascope.rundir.safe_open import open_regular
 
 MAX_LINE = 64 * 1024
 #: Records kept per kind (all are counted).
@@ -108,6 +110,8 @@ class LogAnalysis:
     #: How many of each kind the whole log holds (the lists keep the first ones).
     counts: dict[str, int] = field(default_factory=dict)
     cut_lines: int = 0
+    #: Why reading stopped before the end (a size limit), if it did.
+    warnings: list[str] = field(default_factory=list)
     #: Whether anything in the file looks like a job's log (see ``LOG_MARKERS``).
     looks_like_a_log: bool = False
 
@@ -116,22 +120,36 @@ class LogAnalysis:
 
 
 def _open(path: Path) -> IO[bytes]:
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gz else open(path, "rb")
+    f = open_regular(path)
+    gz = f.read(2) == b"\x1f\x8b"
+    f.seek(0)
+    return gzip.GzipFile(fileobj=f, mode="rb") if gz else f  # type: ignore[return-value]
 
 
 def _lines(f: IO[bytes], result: LogAnalysis) -> Iterator[str]:
+    """The log's lines, cut at MAX_LINE, up to the log size and line limits (a warning
+    says where reading stopped)."""
+    bound = limits.current()
+    total = lines = 0
     while True:
         raw = f.readline(MAX_LINE)
         if not raw:
             return
+        total += len(raw)
         if not raw.endswith(b"\n") and len(raw) == MAX_LINE:
             result.cut_lines += 1
-            while True:  # skip the rest of an over-long line
+            while total <= bound.log_bytes:  # skip the rest of an over-long line
                 more = f.readline(MAX_LINE)
+                total += len(more)
                 if not more or more.endswith(b"\n"):
                     break
+        lines += 1
+        if total > bound.log_bytes or lines > bound.log_lines:
+            name, what = ("log_bytes", "bytes") if total > bound.log_bytes else ("log_lines", "lines")
+            result.warnings.append(
+                f"read the first {lines - 1:,} lines only: the log's {what} are over {limits.describe(name)}"
+            )
+            return
         yield raw.decode("utf-8", "replace").rstrip("\r\n")
 
 

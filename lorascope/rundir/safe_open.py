@@ -1,0 +1,166 @@
+"""Opening input files that may be hostile or broken (analysis side).
+
+- Only regular files are read: a FIFO, a device or a socket is refused with one line.
+  The file is opened with ``O_NONBLOCK`` and checked with ``fstat`` on the open
+  descriptor, so a FIFO never blocks and nothing can be swapped in between a check and
+  the open.
+- Reads are bounded: :func:`read_capped` stops at a limit (decompressed bytes for gzip,
+  multi-member gzip included) and says which limit and which flag raises it.
+- JSON nesting: :func:`json_depth` measures it without recursion, for inputs kept and
+  walked later (run-directory records); whole-file JSON is bounded by the parser's own
+  recursion guard (a RecursionError here becomes a one-line error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import zlib
+from pathlib import Path
+from typing import IO, Any
+
+from lorascope.errors import BadInputError
+from lorascope.rundir.limits import LimitError
+
+GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def not_regular(mode: int) -> str | None:
+    """What a non-regular file is, in words ("a FIFO"); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def refuse(path: Path | str, what: str) -> BadInputError:
+    return BadInputError(f"{path}: {what}, not a regular file: refused (only regular files are read)")
+
+
+def open_regular(path: Path | str) -> IO[bytes]:
+    """Open PATH for binary reading if it is a regular file (after symlinks); else BadInputError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise refuse(path, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: Path | str) -> None:
+    """BadInputError unless PATH is a regular file (stat only: nothing is opened)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    what = not_regular(mode)
+    if what is not None:
+        raise refuse(path, what)
+
+
+def is_gzip(head: bytes) -> bool:
+    return head[:2] == GZIP_MAGIC
+
+
+def read_capped(path: Path | str, limit: int, limit_name: str, what: str) -> bytearray:
+    """The whole content of PATH (gunzipped when gzip), or LimitError past ``limit`` bytes.
+
+    Truncated or corrupt gzip is a BadInputError. At most ``limit`` + 1 MiB is held (a
+    bytearray, not copied into bytes: json.loads takes it as it is)."""
+    with open_regular(path) as f:
+        head = f.read(2)
+        out = bytearray(head)
+        if is_gzip(head):
+            out.clear()
+            _inflate(f, head, out, limit, path, limit_name, what)
+        else:
+            while chunk := f.read(_CHUNK):
+                out += chunk
+                if len(out) > limit:
+                    raise LimitError(str(path), what, limit_name)
+    return out
+
+
+def _inflate(f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path | str, name: str, what: str) -> None:
+    """Gunzip f (every member, as gzip does) into out, never past limit + one chunk."""
+    d = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    fed = False
+    data = head
+    try:
+        while True:
+            if not data:
+                data = f.read(_CHUNK)
+                if not data:
+                    break
+            if not fed:  # a new member; zero bytes between members are padding
+                data = data.lstrip(b"\x00")
+                if not data:
+                    continue
+            fed = True
+            out += d.decompress(data, _CHUNK)
+            if len(out) > limit:
+                raise LimitError(str(path), what, name)
+            data = d.unused_data if d.eof else d.unconsumed_tail
+            if d.eof:
+                d, fed = zlib.decompressobj(zlib.MAX_WBITS | 16), False
+    except zlib.error as exc:
+        raise BadInputError(f"{path}: not a readable gzip file ({exc})") from None
+    if fed:
+        raise BadInputError(f"{path}: a truncated gzip file (it ends inside the compressed stream)")
+
+
+def loads_json(data: bytes | bytearray, path: Path | str, what: str) -> Any:
+    """Parse JSON text; BadInputError (one line) when it is not JSON or is nested too deep."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise BadInputError(f"{path}: {what} nested deeper than the JSON reader goes (~1000 levels)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"{path}: {what} is not valid JSON ({str(exc)[:100]})") from None
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(text: bytes) -> int:
+    """How deep JSON TEXT nests (strings ignored), without recursion."""
+    depth = deepest = 0
+    for c in _STRINGS.sub(b"", text).translate(None, _NOT_BRACKETS):
+        if c in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def maybe_too_deep(line: bytes, max_depth: int) -> bool:
+    """Whether LINE nests deeper than max_depth (cheap: only lines with that many brackets
+    are scanned)."""
+    return line.count(b"[") + line.count(b"{") > max_depth and json_depth(line) > max_depth
+
+
+def leaves(root: Path, path: Path) -> bool:
+    """Whether PATH (a symlink, or under one) resolves outside ROOT."""
+    try:
+        return not path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        return True
