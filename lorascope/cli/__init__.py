@@ -27,27 +27,30 @@ EXIT_RESOURCES = 5
 EXIT_INTERRUPTED = 130
 
 
-class _Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_bytes(str(value))
-        except LorascopeError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-_SIZE = _Size()
 #: Set from ``--debug`` (or LORASCOPE_DEBUG=1) once the command line is read.
 _debug = False
 
 
-def _limit(name: str, help_text: str, kind: click.ParamType | type = _SIZE) -> click.Option:
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """A size flag's text (``4GiB``) as bytes."""
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except LorascopeError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def _limit(name: str, help_text: str) -> click.Option:
     default = getattr(limits.Limits(), name)
+    lines = name == "log_lines"
     return click.Option(
-        [limits.FLAGS[name]], type=kind, default=None, help=f"{help_text} (default {limits.shown(name, default)})."
+        [limits.FLAGS[name]],
+        type=click.IntRange(min=1) if lines else str,
+        metavar="N" if lines else "SIZE",
+        callback=None if lines else _size,
+        default=None,
+        help=f"{help_text} (default {limits.shown(name, default)}).",
     )
 
 
@@ -58,7 +61,7 @@ def _limit(name: str, help_text: str, kind: click.ParamType | type = _SIZE) -> c
         _limit("stream_bytes", "Largest stream one rank process wrote, all segments"),
         _limit("record_bytes", "Largest record line of a rank stream (longer ones are skipped, warned)"),
         _limit("log_bytes", "How much of a job log is read (decompressed)"),
-        _limit("log_lines", "How many lines of a job log are read", int),
+        _limit("log_lines", "How many lines of a job log are read"),
     ],
 )
 @click.version_option(__version__, prog_name="lorascope")

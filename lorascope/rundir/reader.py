@@ -327,7 +327,7 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
         return []
     if leaves(run_dir, path):
         return [f"{path}: a symlink out of the run directory: not followed"]
-    out = []
+    out: list[str] = []
     with open_regular(path) as f:
         while len(out) < most and (raw := f.readline(1024)):
             line = raw.decode("utf-8", "replace").strip()

@@ -19,7 +19,7 @@ import re
 import stat
 import zlib
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.limits import LimitError
@@ -47,7 +47,7 @@ def refuse(path: Path | str, what: str) -> BadInputError:
     return BadInputError(f"{path}: {what}, not a regular file: refused (only regular files are read)")
 
 
-def open_regular(path: Path | str) -> IO[bytes]:
+def open_regular(path: Path | str) -> BinaryIO:
     """Open PATH for binary reading if it is a regular file (after symlinks); else BadInputError."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
