@@ -290,17 +290,17 @@ def test_log_bombs_stop_at_the_log_limits(tmp_path: Path) -> None:
 
 
 def test_memory_error_is_one_line_and_debug_shows_the_traceback(tmp_path: Path) -> None:
-    """A limit raised past what the machine (here: a 768 MiB address space) can hold."""
-    bomb = _bomb(tmp_path / "trace.json.gz", b'{"traceEvents": [', b" ", 1100 * MIB)
+    """A limit raised past what the machine (here: a 512 MiB address space) can hold."""
+    bomb = _bomb(tmp_path / "trace.json.gz", b'{"traceEvents": [', b" ", 640 * MIB)
     args = ["--max-json-size", "8GiB", "analyze", str(bomb), "--no-hta"]
-    _one_line(_lorascope(*args, cap=768 * MIB), 5, "out of memory")
+    _one_line(_lorascope(*args, cap=512 * MIB), 5, "out of memory")
     debug = subprocess.run(
         [sys.executable, "-m", "lorascope", "--debug", *args],
         capture_output=True,
         text=True,
         env=ENV,
         timeout=30,
-        preexec_fn=lambda: _cap_memory(768 * MIB),
+        preexec_fn=lambda: _cap_memory(512 * MIB),
     )
     assert debug.returncode == 5
     assert "Traceback" in debug.stderr and "MemoryError" in debug.stderr
