@@ -134,10 +134,15 @@ def test_nan_infinity_and_absurd_integers_in_a_trace(tmp_path: Path) -> None:
         ', {"ph": "X", "ts": 1e308, "dur": 1e308, "pid": 1, "tid": 2, "name": "gloo:all_reduce",'
         ' "args": {"Input Dims": [[' + "9" * 30 + "]]}}]}"
     )
+    text = text[:-2] + ', {"ph": "X", "ts": 5, "dur": 1' + "0" * 400 + ', "name": "k", "cat": "kernel"}]}'
     path = tmp_path / "trace.json"
     path.write_text(text)
-    proc = _analyze(path)
+    proc = _analyze(path, "--json")
     assert proc.returncode == 0, proc.stderr
+    assert any(
+        "4 timed events with NaN, infinite or absurd times were dropped" in w
+        for w in json.loads(proc.stdout)["warnings"]
+    )
 
 
 # --- the safe unpickler ------------------------------------------------------------------

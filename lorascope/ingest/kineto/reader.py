@@ -37,6 +37,8 @@ BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 1000, 10_000)
 #: Thresholds for which the count and time share under them are reported.
 TINY_THRESHOLDS_US = (2.0, 5.0, 10.0)
 TOP_KERNELS = 20
+#: Times and durations past this (microseconds: ~31,700 years) are not a trace's.
+MAX_TIME_US = 1e18
 
 _NCCL_NAME = re.compile(r"^(?:nccl|rccl)(?:Dev)?Kernel_([A-Za-z]+)", re.I)
 _GLOO = "gloo:"
@@ -143,14 +145,23 @@ def read_trace(path: Path, rank: int | None = None) -> KinetoTrace:
 
 
 def _num(value: Any) -> float | None:
-    """A finite number, else None (NaN, Infinity and integers past a float's range too)."""
+    """A number within +-MAX_TIME_US, else None (NaN, Infinity, integers past a float's range)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     try:
         number = float(value)
     except OverflowError:
         return None
-    return number if math.isfinite(number) else None
+    return number if math.isfinite(number) and abs(number) <= MAX_TIME_US else None
+
+
+def _absurd(e: Any) -> bool:
+    """A timed event whose time or duration is a number, but not a usable one."""
+    return (
+        isinstance(e, Mapping)
+        and e.get("ph") == "X"
+        and any(isinstance(v, (int, float)) and _num(v) is None for v in (e.get("ts"), e.get("dur")))
+    )
 
 
 def _spans(events: list[Any]) -> list[dict[str, Any]]:
@@ -177,6 +188,10 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
     file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
     if file_rank is not None and rank is not None and file_rank != rank:
         warnings.append(f"the file name says rank {rank}, the trace says rank {file_rank}: using the trace's")
+    absurd = sum(map(_absurd, data["traceEvents"]))
+    if absurd:  # dropped from .raw too: its readers (the kernel table) take times as they are
+        data = {**data, "traceEvents": [e for e in data["traceEvents"] if not _absurd(e)]}
+        warnings.append(f"{absurd} timed events with NaN, infinite or absurd times were dropped")
     spans = _spans(data["traceEvents"])
     if not spans:
         raise BadInputError(f"{path}: a Kineto trace without any timed event")
