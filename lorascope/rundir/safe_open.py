@@ -108,6 +108,10 @@ def _inflate(f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path |
             if not data:
                 data = f.read(_CHUNK)
                 if not data:
+                    if fed:  # output zlib still holds (it stopped at max_length as the input ran out)
+                        out += d.flush()
+                        if len(out) > limit:
+                            raise LimitError(str(path), what, name)
                     break
             if not fed:  # a new member; zero bytes between members are padding
                 data = data.lstrip(b"\x00")
@@ -122,7 +126,7 @@ def _inflate(f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path |
                 d, fed = zlib.decompressobj(zlib.MAX_WBITS | 16), False
     except zlib.error as exc:
         raise BadInputError(f"{path}: not a readable gzip file ({exc})") from None
-    if fed:
+    if fed and not d.eof:
         raise BadInputError(f"{path}: a truncated gzip file (it ends inside the compressed stream)")
 
 
