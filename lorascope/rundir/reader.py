@@ -117,7 +117,7 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         raise BadInputError(f"{run_dir} is not a lorascope run directory (no {MANIFEST_FILE})")
     if leaves(run_dir, path):
         raise BadInputError(f"{path}: a symlink out of the run directory: not followed")
-    data = read_capped(path, limits.current().record_bytes, "record_bytes", "the manifest")
+    data = read_capped(path, "record_bytes", "the manifest")
     try:
         manifest = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from lorascope.errors import BadInputError
+from lorascope.rundir import limits
 from lorascope.rundir.limits import LimitError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -79,11 +80,13 @@ def is_gzip(head: bytes) -> bool:
     return head[:2] == GZIP_MAGIC
 
 
-def read_capped(path: Path | str, limit: int, limit_name: str, what: str) -> bytearray:
-    """The whole content of PATH (gunzipped when gzip), or LimitError past ``limit`` bytes.
+def read_capped(path: Path | str, limit_name: str, what: str) -> bytearray:
+    """The whole content of PATH (gunzipped when gzip), or LimitError past the limit
+    ``limit_name`` (a field of :class:`~lorascope.rundir.limits.Limits`) in force.
 
-    Truncated or corrupt gzip is a BadInputError. At most ``limit`` + 1 MiB is held (a
+    Truncated or corrupt gzip is a BadInputError. At most the limit + 1 MiB is held (a
     bytearray, not copied into bytes: json.loads takes it as it is)."""
+    limit = getattr(limits.current(), limit_name)
     with open_regular(path) as f:
         head = f.read(2)
         out = bytearray(head)

@@ -24,7 +24,6 @@ from typing import Any
 from lorascope.errors import BadInputError
 from lorascope.ingest.frames import frame_label, is_python_frame
 from lorascope.ingest.safe_pickle import load_pickle
-from lorascope.rundir import limits
 from lorascope.rundir.safe_open import loads_json, open_regular, read_capped
 
 #: Frames kept per entry (innermost first, Python frames only).
@@ -116,7 +115,7 @@ def load_flight_data(path: Path) -> Any:
         head = f.read(2)
     if head[:1] == b"\x80":
         return load_pickle(path)
-    data = read_capped(path, limits.current().json_bytes, "json_bytes", "the dump (decompressed)")
+    data = read_capped(path, "json_bytes", "the dump (decompressed)")
     if data[:1] == b"\x80":
         raise BadInputError(f"{path}: a gzipped pickle; unzip it first")
     return loads_json(data, path, "the dump (neither a pickle nor JSON)")

@@ -29,7 +29,6 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.hta import HtaFigures
-from lorascope.rundir import limits
 from lorascope.rundir.safe_open import loads_json, read_capped
 
 #: Duration buckets' upper edges (microseconds) for the distribution.
@@ -136,7 +135,7 @@ class KinetoTrace:
 def load_trace_json(path: Path) -> Any:
     """The trace's JSON (gzipped or not), read up to the JSON size limit; BadInputError
     when unreadable or over the limit."""
-    data = read_capped(path, limits.current().json_bytes, "json_bytes", "the trace (decompressed)")
+    data = read_capped(path, "json_bytes", "the trace (decompressed)")
     return loads_json(data, path, "the trace")
 
 
