@@ -1,0 +1,64 @@
+"""`lorascope export RUN --perfetto OUT.json.gz`: the whole job as one timeline for
+Perfetto (ui.perfetto.dev, opened locally) and chrome://tracing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import click
+
+from lorascope.analysis import analyze
+from lorascope.errors import BadInputError, UsageError
+from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
+
+
+def _steps(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        return int(first), int(last if sep else first)
+    except ValueError:
+        raise UsageError(f"--steps {text!r}: write a step or a range, e.g. 10:20") from None
+
+
+@click.command("export")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option(
+    "--perfetto",
+    "out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Write the timeline here (Chrome trace-event JSON; gzipped when the name ends in .gz).",
+)
+@click.option("--steps", "steps", default=None, help="Only steps A:B (or one step A) of the first rank.")
+@click.option("--from", "t_from", type=float, default=None, help="Only from this many seconds after the run began.")
+@click.option("--to", "t_to", type=float, default=None, help="Only up to this many seconds after the run began.")
+@click.option("--max-events", type=int, default=MAX_EVENTS, show_default=True, help="Write at most this many events.")
+def command(path: Path, out: Path, steps: str | None, t_from: float | None, t_to: float | None, max_events: int) -> int:
+    """Export the run as one timeline: a process per rank with steps, phases and
+    collectives (flow arrows join a collective across ranks), memory counters, the
+    findings as instants and the kernel-trace window."""
+    if max_events < 1:
+        raise UsageError("--max-events must be at least 1")
+    analysis = analyze(path)
+    run = analysis.bundle.run
+    if run is None:
+        raise BadInputError(f"{path}: not a lorascope run directory (export reads run directories)")
+    window = Window()
+    if steps is not None:
+        window = step_window(run, *_steps(steps))
+    elif t_from is not None or t_to is not None:
+        origin = min((float(r.start["t"]) for r in run.ranks.values()), default=0.0)
+        window = Window(None if t_from is None else origin + t_from, None if t_to is None else origin + t_to)
+    doc = timeline(analysis, window, max_events)
+    data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+    try:
+        out.write_bytes(gzip.compress(data, 6) if out.name.endswith(".gz") else data)
+    except OSError as exc:
+        raise BadInputError(f"cannot write {out}: {exc.strerror}") from None
+    note = doc["metadata"].get("truncated")
+    click.echo(
+        f"lorascope: {len(doc['traceEvents']):,} events written to {out}" + (f" ({note})" if note else ""), err=True
+    )
+    return 0

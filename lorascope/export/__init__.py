@@ -1,0 +1,1 @@
+"""lorascope's evidence in the formats of the tools users already use (Perfetto)."""

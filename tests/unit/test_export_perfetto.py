@@ -1,0 +1,94 @@
+"""`lorascope export RUN --perfetto`: the run as Chrome trace-event JSON, read back and
+checked against the run's own records (fixtures/: real 2-rank runs)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from lorascope.analysis import analyze
+from lorascope.export.perfetto import Window, step_window, timeline
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def export(run: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lorascope", "export", str(run), "--perfetto", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    raw = path.read_bytes()
+    doc = json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
+    assert set(doc) >= {"traceEvents", "displayTimeUnit"}
+    return list(doc["traceEvents"])
+
+
+def test_every_rank_is_a_process_with_its_records(tmp_path: Path) -> None:
+    out = tmp_path / "t.json.gz"
+    res = export(FIXTURES / "healthy", out)
+    assert res.returncode == 0, res.stderr
+    evs = events(out)
+    for e in evs:  # the trace-event format: a phase, a process, a time except for metadata
+        assert isinstance(e["ph"], str) and isinstance(e["pid"], int)
+        assert e["ph"] == "M" or isinstance(e["ts"], (int, float))
+    names = {e["pid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and names[0].startswith("rank 0 (")
+    run = analyze(FIXTURES / "healthy").bundle.run
+    assert run is not None
+    for n, rank in run.ranks.items():
+        slices = [e for e in evs if e["pid"] == n and e["ph"] == "X" and e.get("cat") == "collective"]
+        assert len(slices) == len(rank.collectives)
+        assert sum(1 for e in evs if e["pid"] == n and e["ph"] == "X" and e["name"].startswith("step ")) == len(
+            rank.steps
+        )
+        assert sum(1 for e in evs if e["pid"] == n and e["ph"] == "C") == len(rank.mem)
+    flows = Counter(e["ph"] for e in evs if e["ph"] in "stf")
+    assert flows["s"] == flows["f"] == len(run.ranks[0].collectives)  # each call joins both ranks
+    assert any(e["pid"] == 0 and isinstance(e.get("tid"), int) and e["tid"] >= 1000 for e in evs), "kernel window"
+
+
+def test_the_planted_hang_shows_on_the_right_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "hang.json"
+    assert export(FIXTURES / "rank-conditional-hang", out).returncode == 0
+    evs = events(out)
+    analysis = analyze(FIXTURES / "rank-conditional-hang")
+    seq = analysis.findings[0].details["seq"]
+    at = {
+        e["pid"]: e["name"] for e in evs if e.get("cat") == "collective" and e["ph"] == "X" and f" #{seq} " in e["name"]
+    }
+    assert at == {0: f"all_reduce #{seq} default_pg", 1: f"barrier #{seq} default_pg"}
+    instants = [e for e in evs if e["ph"] == "i"]
+    assert instants and instants[0]["name"].startswith("rank-conditional-hang: ")
+    start = min(e["ts"] for e in evs if e.get("cat") == "collective" and e["ph"] == "X" and f" #{seq} " in e["name"])
+    assert instants[0]["ts"] == start  # at its moment: the diverging call
+
+
+def test_a_step_range_and_a_cap_bound_the_export(tmp_path: Path) -> None:
+    analysis = analyze(FIXTURES / "healthy")
+    run = analysis.bundle.run
+    assert run is not None
+    whole = timeline(analysis)["traceEvents"]
+    window = step_window(run, 3, 4)
+    part = timeline(analysis, window)["traceEvents"]
+    steps = {e["name"] for e in part if e["ph"] == "X" and e["name"].startswith("step ") and e["pid"] == 0}
+    assert steps == {"step 3", "step 4"} and len(part) < len(whole)
+    assert all(window.holds(e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6) for e in part if e["ph"] == "X")
+    capped = timeline(analysis, Window(), max_events=100)
+    assert len(capped["traceEvents"]) == 101 and "left out past the cap of 100" in capped["metadata"]["truncated"]
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    res = export(FIXTURES / "snapshots" / "lora-oom", tmp_path / "x.json")
+    assert res.returncode == 3 and res.stderr.count("\n") == 1 and "not a lorascope run directory" in res.stderr
+    res = export(FIXTURES / "healthy", tmp_path / "x.json", "--steps", "a:b")
+    assert res.returncode == 2 and "--steps" in res.stderr
