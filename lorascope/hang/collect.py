@@ -4,11 +4,13 @@ or a job not started under `lorascope run`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
@@ -45,19 +47,54 @@ def wait_for_dumps(run_dir: Path, ranks: list[int], since: float, wait_s: float)
 
 
 def py_spy_dump(pid: int) -> str:
-    """Every thread's stack of ``pid`` read from outside (ptrace); raises BadInputError
-    when py-spy is missing or cannot read the process."""
+    """Every thread's stack of ``pid``, read from outside (ptrace) with ``py-spy dump
+    --json``, native frames included where py-spy can unwind them (a rank blocked inside
+    NCCL shows where), written as the probes write a thread dump; raises BadInputError when
+    py-spy is missing or cannot read the process."""
     exe = shutil.which("py-spy")
     if exe is None:
         raise BadInputError("py-spy is not installed (pip install py-spy): cannot read a silent rank's stacks")
-    try:
-        res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise BadInputError(f"py-spy dump --pid {pid} took over {PY_SPY_TIMEOUT_S:.0f} s") from None
+    res = _py_spy(exe, pid, "--native")
+    if res.returncode != 0:  # no native unwinding for this process or platform
+        res = _py_spy(exe, pid)
     if res.returncode != 0:
         line = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise BadInputError(f"py-spy dump --pid {pid} failed: {line}")
-    return res.stdout
+    try:
+        threads = json.loads(res.stdout)
+    except ValueError:
+        raise BadInputError(f"py-spy dump --pid {pid} --json printed no JSON") from None
+    if not isinstance(threads, list):
+        raise BadInputError(f"py-spy dump --pid {pid} --json: not a list of threads")
+    return stacks_text([t for t in threads if isinstance(t, dict)])
+
+
+def _py_spy(exe: str, pid: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            [exe, "dump", "--pid", str(pid), "--json", *extra], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise BadInputError(f"py-spy dump --pid {pid} took over {PY_SPY_TIMEOUT_S:.0f} s") from None
+
+
+def stacks_text(threads: list[dict[str, Any]]) -> str:
+    """py-spy's JSON threads (frames innermost first) as the probes' thread dump: a
+    ``Thread NAME:`` line, then each frame outermost first as a traceback line; native
+    frames (a shared object's function) as ``[native] FUNC (LIB)`` lines."""
+    parts = []
+    for thread in threads:
+        name = thread.get("thread_name")
+        if not name and thread.get("os_thread_id") is not None and thread.get("os_thread_id") == thread.get("pid"):
+            name = "MainThread"  # with --native py-spy may not name threads; the main one's id is the pid's
+        lines = [f"Thread {name or thread.get('thread_id')}:"]
+        for frame in reversed([f for f in thread.get("frames") or [] if isinstance(f, dict)]):
+            if frame.get("module"):
+                lines.append(f"  [native] {frame.get('name')} ({frame.get('short_filename')})")
+            else:
+                lines.append(f'  File "{frame.get("filename")}", line {frame.get("line")}, in {frame.get("name")}')
+        parts.append("\n".join(lines))
+    return "\n".join(parts) + "\n"
 
 
 def read_silent_ranks(run: RunData, silent: list[int], wait_s: float) -> list[str]:

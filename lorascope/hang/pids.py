@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from lorascope.detect.hang.diagnosis import FIXES, PY_SPY_FRAME, main_thread_frame, verdict_id
+from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_thread_frames, verdict_id
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
@@ -26,8 +26,7 @@ def _rank_of(pid: int) -> str:
 
 def _collective(stacks: str) -> str | None:
     """The collective the main thread is in, from the function names on its stack."""
-    main = stacks.split('"MainThread"', 1)[-1].split("\n\n", 1)[0]
-    for match in PY_SPY_FRAME.finditer(main):
+    for match in reversed(main_thread_frames(stacks)):  # innermost first
         if match["func"] in PAYLOAD_ARG:
             return match["func"]
     return None

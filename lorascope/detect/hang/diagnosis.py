@@ -19,7 +19,6 @@ _LIBRARY = re.compile(
     r"site-packages|dist-packages|lib/python3\.\d+)/"
 )
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
-PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^()]+):(?P<line>\d+)\)", re.M)
 #: A rank whose last record is this much older than the newest rank's is not moving.
 MOVING_WITHIN_S = 2.0
 
@@ -53,18 +52,19 @@ def verdict_id(kind: str) -> str:
     return "rank-conditional-hang" if kind == "rank-conditional-hang" else "hung-ranks"
 
 
+def main_thread_frames(stacks: str) -> list[re.Match[str]]:
+    """The main thread's Python frames, outermost first, from a thread dump as the probes
+    write it (``Thread NAME:`` and traceback lines; ``lorascope.hang.collect`` writes
+    py-spy's dumps the same way)."""
+    block = stacks.split("Thread MainThread:", 1)
+    text = block[1].split("\nThread ", 1)[0] if len(block) > 1 else stacks
+    return list(_FRAME.finditer(text))
+
+
 def main_thread_frame(stacks: str) -> str | None:
-    """The innermost frame of the main thread that belongs to the job (not a library),
-    from lorascope's dump (outermost first, like a traceback) or py-spy's (innermost first)."""
-    if '"MainThread"' in stacks:  # py-spy: `Thread 0x.. (idle): "MainThread"`, then `    f (file:line)`
-        text = stacks.split('"MainThread"', 1)[1].split("\n\n", 1)[0]
-        frames = [m for m in PY_SPY_FRAME.finditer(text) if not _LIBRARY.search("/" + m["file"])]
-        first = frames[0] if frames else None
-    else:
-        block = stacks.split("Thread MainThread:", 1)
-        text = block[1].split("\nThread ", 1)[0] if len(block) > 1 else stacks
-        frames = [m for m in _FRAME.finditer(text) if not _LIBRARY.search(m["file"])]
-        first = frames[-1] if frames else None
+    """The innermost frame of the main thread that belongs to the job (not a library)."""
+    frames = [m for m in main_thread_frames(stacks) if not _LIBRARY.search(m["file"])]
+    first = frames[-1] if frames else None
     return f"{first['file']}:{first['line']} in {first['func']}" if first else None
 
 

@@ -1,0 +1,92 @@
+"""`lorascope hang --pid`: stacks read with `py-spy dump --json` from real processes (py-spy
+needs ptrace: root, or kernel.yama.ptrace_scope 0), written as the probes' thread dumps and
+diagnosed with the same parser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lorascope.detect.hang.diagnosis import main_thread_frame
+from lorascope.hang.collect import py_spy_dump, stacks_text
+
+#: A process whose main thread waits inside a function named like a collective.
+IN_COLLECTIVE = "import time\ndef all_reduce():\n    time.sleep(60)\nall_reduce()\n"
+OUTSIDE = "import time\ndef load_batch():\n    time.sleep(60)\nload_batch()\n"
+
+
+def _can_trace() -> str | None:
+    if shutil.which("py-spy") is None:
+        return "py-spy is not installed"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if scope.exists() and scope.read_text().strip() not in ("0",) and not hasattr(sys, "getwindowsversion"):
+        import os
+
+        if os.geteuid() != 0:
+            return "ptrace is restricted (yama ptrace_scope) and this is not root"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_can_trace() is not None, reason=str(_can_trace()))
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    for name, code in (("busy.py", IN_COLLECTIVE), ("stuck.py", OUTSIDE)):
+        script = tmp_path / name
+        script.write_text(code)
+        started.append(subprocess.Popen([sys.executable, str(script)]))
+    time.sleep(1.5)  # into the sleep
+    yield started
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def test_py_spy_json_reads_as_a_thread_dump(procs: list[subprocess.Popen[bytes]]) -> None:
+    stacks = py_spy_dump(procs[0].pid)
+    assert stacks.startswith("Thread MainThread:")
+    assert main_thread_frame(stacks) == f"{Path(procs[0].args[1])}:3 in all_reduce"  # type: ignore[index]
+
+
+def test_hang_pid_mode_names_who_is_outside_collectives(procs: list[subprocess.Popen[bytes]]) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "lorascope", "hang", "--json", "--pid", str(procs[0].pid), "--pid", str(procs[1].pid)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["kind"] == "stuck-outside" and data["id"] == "hung-ranks"
+    assert data["odd_ranks"] == [f"pid {procs[1].pid}"]
+    assert "load_batch" in data["ranks"][1]["where"] and data["ranks"][0]["collective"] == "all_reduce"
+
+
+def test_native_frames_are_kept_but_not_taken_for_the_jobs_code() -> None:
+    threads = [
+        {
+            "thread_name": "MainThread",
+            "frames": [
+                {
+                    "name": "ncclGroupEnd",
+                    "filename": "/usr/lib/libnccl.so.2",
+                    "module": "/usr/lib/libnccl.so.2",
+                    "short_filename": "libnccl.so.2",
+                    "line": 0,
+                },
+                {"name": "step", "filename": "/job/train.py", "module": None, "short_filename": "train.py", "line": 42},
+            ],
+        }
+    ]
+    text = stacks_text(threads)
+    assert "[native] ncclGroupEnd (libnccl.so.2)" in text
+    assert main_thread_frame(text) == "/job/train.py:42 in step"
