@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lorascope.detect.common import CUDA_ALLOCATED, RSS, mem_value, memory_kind
+from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_value, memory_kind
 from lorascope.detect.finding import Finding
 from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
@@ -26,14 +26,20 @@ STEP_PHASES = frozenset({"forward", "backward", "optimizer"})
 MAX_PHASE_MARKERS = 200
 
 
-def uses_cuda(run: RunData) -> bool:
-    return any(memory_kind(r) == CUDA_ALLOCATED for r in run.ranks.values())
+#: The figures the memory chart can draw, in the order of its switch.
+METRICS = (CUDA_ALLOCATED, HEAP_IN_USE, RSS)
 
 
-def _samples(rank: RankData, cuda: bool) -> tuple[list[float], list[float]]:
-    """(times, bytes) of the rank's samples, in time order (the sampler thread and the
-    training thread stamp records before they take the stream's lock)."""
-    kind = CUDA_ALLOCATED if cuda else RSS
+def default_metric(run: RunData) -> str:
+    """The figure the memory detectors use (see ``memory_kind``): the chart opens on it, so
+    that it draws what the verdict was read from."""
+    kinds = {memory_kind(r) for r in run.ranks.values()}
+    return next((k for k in METRICS if k in kinds), RSS)
+
+
+def _samples(rank: RankData, kind: str) -> tuple[list[float], list[float]]:
+    """(times, bytes) of the rank's samples of one figure, in time order (the sampler
+    thread and the training thread stamp records before they take the stream's lock)."""
     pairs = [(m["t"], v) for m in rank.mem if (v := mem_value(m, kind)) is not None]
     pairs.sort()
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -103,27 +109,37 @@ def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
 
 
 def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Per rank its samples (thinned, as columns ``t`` / ``mib``) and where and how it ended
-    (``ends``: :func:`end_mark` by rank)."""
-    cuda = uses_cuda(run)
-    keep = per_rank_points(len(run.ranks))
-    series, total, shown = [], 0, 0
-    for rank in run.ranks.values():
-        ts, vs = _samples(rank, cuda)
-        total += len(ts)
-        ts, vs = thin(ts, vs, keep)
-        shown += len(ts)
-        series.append(
-            {
-                "rank": rank.rank,
-                "t": [secs(t, origin) for t in ts],
-                "mib": [mib(v) for v in vs],
-                "end": {"t": secs(ts[-1], origin), "mib": mib(vs[-1]), **ends[rank.rank]} if ts else None,
-            }
-        )
+    """Per figure the run recorded (CUDA allocated, heap in use, RSS), per rank its samples
+    (thinned, as columns ``t`` / ``mib``) and where and how it ended (``ends``:
+    :func:`end_mark` by rank). ``metric`` is the one the detectors use, drawn first."""
+    metric = default_metric(run)
+    recorded = [k for k in METRICS if any(mem_value(m, k) is not None for r in run.ranks.values() for m in r.mem)]
+    metrics = [metric] + [k for k in recorded if k != metric]
+    keep = per_rank_points(len(run.ranks) * len(metrics))
+    by_metric: dict[str, list[dict[str, Any]]] = {}
+    total = shown = 0
+    for kind in metrics:
+        series = by_metric[kind] = []
+        for rank in run.ranks.values():
+            ts, vs = _samples(rank, kind)
+            if kind == metric:
+                total += len(ts)
+            ts, vs = thin(ts, vs, keep)
+            if kind == metric:
+                shown += len(ts)
+            series.append(
+                {
+                    "rank": rank.rank,
+                    "t": [secs(t, origin) for t in ts],
+                    "mib": [mib(v) for v in vs],
+                    "end": {"t": secs(ts[-1], origin), "mib": mib(vs[-1]), **ends[rank.rank]} if ts else None,
+                }
+            )
     return {
-        "metric": "CUDA allocated" if cuda else "RSS",
-        "series": series,
+        "metric": metric,
+        "metrics": metrics,
+        "series": by_metric[metric],
+        "others": {k: v for k, v in by_metric.items() if k != metric},
         "steps": _step_markers(run, origin),
         "phases": _phase_spans(run, origin),
         "samples": total,
@@ -144,14 +160,15 @@ def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[floa
 
 def peaks(run: RunData, summaries: list[dict[str, Any]], findings: list[Finding]) -> dict[str, Any]:
     """Each rank's peak, from the analyze summary's ``peak_memory`` (``summaries``)."""
-    cuda = uses_cuda(run)
+    metric = default_metric(run)
+    cuda = metric == CUDA_ALLOCATED
     ranks = [s["rank"] for s in summaries]
-    peak_key = "cuda_max_allocated_bytes" if cuda else "rss_bytes"
+    peak_key = {CUDA_ALLOCATED: "cuda_max_allocated_bytes", HEAP_IN_USE: "heap_bytes"}.get(metric, "rss_bytes")
     peak = [mib(s["peak_memory"][peak_key]) for s in summaries]
     logits = [mib(max((r["bytes"] for r in run.ranks[n].logits), default=None)) for n in ranks]
     others = [p for r, p in zip(ranks, peak, strict=True) if r != 0 and p is not None]
     return {
-        "metric": "CUDA max allocated" if cuda else "peak RSS",
+        "metric": {CUDA_ALLOCATED: "CUDA max allocated", HEAP_IN_USE: "peak heap in use"}.get(metric, "peak RSS"),
         "ranks": ranks,
         "peak": peak,
         "reserved": [mib(s["peak_memory"]["cuda_reserved_bytes"]) for s in summaries] if cuda else None,

@@ -15,7 +15,7 @@ from lorascope.report.data import build_report_data
 from lorascope.report.findings import CHART_FOR
 from lorascope.report.gallery import scenarios
 from lorascope.report.write import write_report
-from tests.helpers import XSS, xss_run
+from tests.helpers import FIXTURES, XSS, xss_run
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = scenarios(REPO / "fixtures")
@@ -124,4 +124,20 @@ def test_hostile_text_never_runs(browser: Any, tmp_path: Path, artifacts: Path) 
     shot = artifacts / "report-xss.png"
     page.screenshot(path=str(shot), full_page=True)
     print(f"\nscreenshot: {shot}")
+    page.close()
+
+
+def test_memory_chart_switches_between_the_recorded_figures(browser: Any, tmp_path: Path) -> None:
+    """The chart opens on the figure the verdict used (heap in use on CPU) and redraws RSS on a click."""
+    page_file = tmp_path / "mem.html"
+    write_report(analyze(FIXTURES / "rank0-asymmetry"), page_file)
+    loaded = Loaded(browser, page_file)
+    page = loaded.page
+    chart = page.locator("#chart-memory")
+    assert chart.get_attribute("data-metric") == "heap in use"
+    buttons = page.locator("#memory-metrics button")
+    assert buttons.count() == 2 and "what the verdict used" in buttons.nth(0).inner_text()
+    page.locator('#memory-metrics button[data-metric="RSS"]').click()
+    assert chart.get_attribute("data-metric") == "RSS" and int(chart.get_attribute("data-points") or 0) > 0
+    assert loaded.errors == []
     page.close()

@@ -10,7 +10,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
-from tests.helpers import Call, RankSpec, write_run
+from tests.helpers import FIXTURES, Call, RankSpec, write_run
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTHY = REPO / "fixtures" / "healthy"
@@ -37,7 +37,9 @@ def test_healthy_fixture_data() -> None:
     assert data["verdict"]["level"] == "ok"
     assert [s["rank"] for s in charts["memory"]["series"]] == [0, 1]
     assert all(s["end"]["label"] == "exit 0" and not s["end"]["bad"] for s in charts["memory"]["series"])
-    assert charts["memory"]["metric"] == "RSS" and charts["memory"]["steps"]
+    # recorded before the heap probe existed: RSS is all there is
+    assert charts["memory"]["metric"] == "RSS" and charts["memory"]["metrics"] == ["RSS"]
+    assert charts["memory"]["steps"]
     assert charts["collectives"]["available"] and charts["collectives"]["first"] is None
     assert charts["collectives"]["pending"] == []
     assert {r["op"] for r in charts["op_times"]["rows"]} >= {"all_reduce", "broadcast"}
@@ -208,3 +210,13 @@ def test_downsampling_keeps_extremes_and_ends() -> None:
     assert 54_321.0 in tx and max(ty) == 5000.0 and min(ty) == 0.0
     assert tx == sorted(tx) and all(ys[int(x)] == y for x, y in zip(tx, ty, strict=True))
     assert thin([1.0] * 50, list(map(float, range(50))), 10)[1][1:-1] != []  # all x equal: still thinned
+
+
+def test_memory_chart_opens_on_the_figure_the_verdict_used() -> None:
+    """On CPU the memory detectors read the heap in use (RSS keeps freed memory): the chart
+    and the peak bars draw that first, and RSS is there too."""
+    data = build_report_data(load_bundle(FIXTURES / "rank0-asymmetry"), [])
+    memory = data["charts"]["memory"]
+    assert memory["metric"] == "heap in use" and memory["metrics"] == ["heap in use", "RSS"]
+    assert [s["rank"] for s in memory["others"]["RSS"]] == [0, 1] and memory["others"]["RSS"][0]["mib"]
+    assert data["charts"]["peak"]["metric"] == "peak heap in use"

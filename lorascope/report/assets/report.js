@@ -52,8 +52,10 @@
   function zip(xs, ys) { return xs.map(function (x, i) { return [x, ys[i]]; }); }
   function count(series) { return series.reduce(function (n, s) { return n + s.data.length; }, 0); }
 
-  function memoryChart(mem) {
-    var series = mem.series.map(function (s, i) {
+  function memoryChart(mem, metric) {
+    metric = metric || mem.metric;
+    var source = metric === mem.metric ? mem.series : mem.others[metric];
+    var series = source.map(function (s, i) {
       var color = rankColor(s.rank, i);
       var item = { type: "line", name: "rank " + s.rank, data: zip(s.t, s.mib), showSymbol: false, color: color,
                    lineStyle: { width: s.rank === 0 ? 2.5 : 1.2 }, z: s.rank === 0 ? 10 : 2, emphasis: { focus: "series" } };
@@ -61,7 +63,7 @@
     });
     // how each rank ended: one scatter series for all ends (cheaper than a marker per line),
     // and pins with a label for the ranks that ended badly
-    var ends = mem.series.filter(function (s) { return s.end; });
+    var ends = source.filter(function (s) { return s.end; });
     var endPoint = function (s) { return { value: [s.end.t, s.end.mib], name: "rank " + s.rank + ": " + s.end.label }; };
     series.push({ type: "scatter", name: "end of rank", symbolSize: 6, color: "#555", z: 11,
                   data: ends.filter(function (s) { return !s.end.bad; }).map(endPoint) });
@@ -106,10 +108,33 @@
         }).join("<br>");
       } },
       xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: 0, max: "dataMax" },
-      yAxis: yAxis(mem.metric + " (MiB)", true),
+      yAxis: yAxis(metric + " (MiB)", true),
       dataZoom: zoom(0),
       series: series
     }), count(series));
+    var el = document.getElementById("chart-memory");
+    if (el) { el.setAttribute("data-metric", metric); }
+  }
+
+  // One button per figure the run recorded; the chart opens on the one the detectors use.
+  function memorySwitch(mem) {
+    var box = document.getElementById("memory-metrics");
+    if (!box || !mem.metrics || mem.metrics.length < 2) { return; }
+    mem.metrics.forEach(function (m) {
+      var b = document.createElement("button");
+      b.type = "button";
+      b.setAttribute("data-metric", m);
+      b.textContent = m + (m === mem.metric ? " (what the verdict used)" : "");
+      if (m === mem.metric) { b.className = "active"; }
+      b.addEventListener("click", function () {
+        if (charts["chart-memory"]) { charts["chart-memory"].dispose(); delete charts["chart-memory"]; }
+        memoryChart(mem, m);
+        Array.prototype.forEach.call(box.querySelectorAll("button"), function (o) {
+          o.className = o === b ? "active" : "";
+        });
+      });
+      box.appendChild(b);
+    });
   }
 
   function peakChart(peak) {
@@ -278,7 +303,7 @@
   // The page's text is painted before any chart exists; charts are then drawn one per task,
   // so the browser paints between them (the first is on screen while the others draw).
   var queue = [];
-  if (data.memory) { queue.push(["chart-memory", function () { memoryChart(data.memory); }]); }
+  if (data.memory) { queue.push(["chart-memory", function () { memoryChart(data.memory); memorySwitch(data.memory); }]); }
   if (data.peak) { queue.push(["chart-peak", function () { peakChart(data.peak); }]); }
   if (data.collectives && data.collectives.available) {
     queue.push(["chart-collectives", function () { collectivesChart(data.collectives); }]);
