@@ -18,7 +18,7 @@ from lorascope.detect.finding import Finding
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.reader import Progress, RunData
 
 
 @dataclass
@@ -39,17 +39,20 @@ class Analysis:
         return data
 
 
-def of_bundle(bundle: EvidenceBundle) -> Analysis:
-    findings = run_detectors(bundle)
+def of_bundle(bundle: EvidenceBundle, progress: Progress | None = None) -> Analysis:
+    findings = run_detectors(bundle, progress=progress)
     summary = build_summary(bundle.run) if bundle.run is not None else None
     return Analysis(bundle=bundle, findings=findings, summary=summary)
 
 
-def analyze(path: Path, kind: str | None = None, hta: bool | None = False) -> Analysis:
+def analyze(
+    path: Path, kind: str | None = None, hta: bool | None = False, progress: Progress | None = None
+) -> Analysis:
     """Analyse PATH: a run directory, one artifact, or a folder of one job's artifacts
     (see :func:`lorascope.ingest.load.load_bundle`; ``kind`` forces the reader, ``hta``
-    adds HolisticTraceAnalysis figures to GPU traces, None: when installed)."""
-    return of_bundle(load_bundle(path, kind=kind, hta=hta))
+    adds HolisticTraceAnalysis figures to GPU traces, None: when installed; ``progress``
+    is told how far reading and detecting have come)."""
+    return of_bundle(load_bundle(path, kind=kind, hta=hta, progress=progress), progress)
 
 
 def of_run(run: RunData, path: Path) -> Analysis:

@@ -13,6 +13,7 @@ from lorascope.ingest.kinds import KINDS
 from lorascope.report.write import write_report
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings
+from lorascope.text.progress import terminal_progress
 from lorascope.text.summary import render_text
 
 #: Exit status when --fail-on matches a finding (distinct from input errors).
@@ -53,7 +54,8 @@ def command(
 
     PATH is a lorascope run directory, or artifacts a job left: an allocator snapshot
     pickle, a Kineto trace, a flight-recorder dump, a job log, or a folder of them."""
-    analysis = analyze(path, kind=kind, hta=hta)
+    with terminal_progress(not as_json) as progress:
+        analysis = analyze(path, kind=kind, hta=hta, progress=progress)
     findings = analysis.findings
     data = analysis.to_data()
     if as_json:

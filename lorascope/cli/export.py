@@ -12,6 +12,7 @@ import click
 from lorascope.analysis import analyze
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
+from lorascope.text.progress import terminal_progress
 
 
 def _steps(text: str) -> tuple[int, int]:
@@ -41,7 +42,8 @@ def command(path: Path, out: Path, steps: str | None, t_from: float | None, t_to
     findings as instants and the kernel-trace window."""
     if max_events < 1:
         raise UsageError("--max-events must be at least 1")
-    analysis = analyze(path)
+    with terminal_progress(True) as progress:
+        analysis = analyze(path, progress=progress)
     run = analysis.bundle.run
     if run is None:
         raise BadInputError(f"{path}: not a lorascope run directory (export reads run directories)")

@@ -8,6 +8,7 @@ import click
 
 from lorascope.analysis import analyze
 from lorascope.report.write import write_report
+from lorascope.text.progress import terminal_progress
 
 
 @click.command("report")
@@ -21,6 +22,8 @@ from lorascope.report.write import write_report
 )
 def command(path: Path, out: Path) -> int:
     """Write an HTML report: the verdict, each finding with its chart, and the run facts."""
-    size = write_report(analyze(path), out)
+    with terminal_progress(True) as progress:
+        analysis = analyze(path, progress=progress)
+    size = write_report(analysis, out)
     click.echo(f"lorascope: report written to {out} ({size / 1024:.0f} KiB)", err=True)
     return 0

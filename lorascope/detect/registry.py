@@ -19,6 +19,7 @@ from lorascope.detect import (
 )
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import Progress
 
 Detector = Callable[[EvidenceBundle], list[Finding]]
 
@@ -38,11 +39,16 @@ DETECTORS: list[Detector] = [
 ]
 
 
-def run_detectors(bundle: EvidenceBundle, detectors: list[Detector] | None = None) -> list[Finding]:
+def run_detectors(
+    bundle: EvidenceBundle, detectors: list[Detector] | None = None, progress: Progress | None = None
+) -> list[Finding]:
     """All findings, most severe and surest first. A detector that crashes on odd data
     becomes a warning on the bundle, never a failed analysis."""
     findings: list[Finding] = []
-    for detector in DETECTORS if detectors is None else detectors:
+    chosen = DETECTORS if detectors is None else detectors
+    for done, detector in enumerate(chosen, 1):
+        if progress is not None:
+            progress("running detectors", done, len(chosen))
         try:
             findings.extend(detector(bundle))
         except Exception as exc:

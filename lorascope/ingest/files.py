@@ -23,6 +23,7 @@ from lorascope.ingest.kineto.reader import KinetoTrace, read_trace
 from lorascope.ingest.logs.reader import read_log
 from lorascope.ingest.path_rank import rank_from_path
 from lorascope.ingest.snapshot.reader import read_snapshot
+from lorascope.rundir.reader import Progress
 from lorascope.rundir.safe_open import leaves
 
 #: Files looked at in one folder (a mis-aimed PATH, like a home directory, stays cheap).
@@ -109,11 +110,13 @@ def _richer(new: object, old: object) -> bool:
     return False
 
 
-def load_files(bundle: EvidenceBundle, files: list[Path], kind: str | None) -> int:
+def load_files(bundle: EvidenceBundle, files: list[Path], kind: str | None, progress: Progress | None = None) -> int:
     """Load every file (sniffed, or all as KIND); failures become warnings. Returns how many loaded."""
     loaded = 0
     errors: list[str] = []
-    for path in files:
+    for done, path in enumerate(files, 1):
+        if progress is not None:
+            progress("reading artifacts", done, len(files))
         try:
             file_kind = kind or detect_kind(path)
             if file_kind is None or file_kind == "rundir":

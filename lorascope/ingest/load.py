@@ -17,15 +17,18 @@ from lorascope.ingest.flight.reader import call_chain
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import Progress, load_run
 from lorascope.rundir.schema import MANIFEST_FILE
 from lorascope.rundir.sources import MAX_FILE_BYTES, describe
 
 
-def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -> EvidenceBundle:
+def load_bundle(
+    path: Path, kind: str | None = None, hta: bool | None = False, progress: Progress | None = None
+) -> EvidenceBundle:
     """Load PATH with everything the detectors can use.
 
     ``hta``: add HolisticTraceAnalysis figures to GPU traces (None: when installed).
+    ``progress``: told how far the reading has come (rank streams, artifacts).
     """
     if kind is not None and kind not in KINDS:
         raise UsageError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
@@ -36,9 +39,9 @@ def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -
     if kind == "rundir" and not is_run:
         raise BadInputError(f"{path} is not a lorascope run directory (no {MANIFEST_FILE})")
     if is_run and kind in (None, "rundir"):
-        _load_run(bundle, path)
+        _load_run(bundle, path, progress)
     elif path.is_dir():
-        if not load_files(bundle, list(walk_files(path, bundle.warnings)), kind):
+        if not load_files(bundle, list(walk_files(path, bundle.warnings)), kind, progress):
             raise BadInputError(
                 f"{path}: nothing lorascope knows in this folder (no manifest.json of a run "
                 "directory, no allocator snapshot, Kineto trace, flight-recorder dump or job log)"
@@ -49,12 +52,14 @@ def load_bundle(path: Path, kind: str | None = None, hta: bool | None = False) -
     return bundle
 
 
-def _load_run(bundle: EvidenceBundle, path: Path) -> None:
+def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None) -> None:
     """The run directory, and the traces and dumps its ranks wrote next to their streams."""
-    run = load_run(path)
+    run = load_run(path, progress)
     bundle.run = run
     bundle.warnings.extend(run.warnings)
-    for rank in run.ranks.values():
+    for done, rank in enumerate(run.ranks.values(), 1):
+        if progress is not None and (rank.trace_files or rank.flight_files):
+            progress("reading traces and dumps", done, len(run.ranks))
         for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in rank.flight_files]:
             file = Path(name)
             store = bundle.traces if kind == "kineto" else bundle.flight_records

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,9 @@ from lorascope.rundir.schema import (
     validate_manifest,
     validate_record,
 )
+
+#: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -336,8 +339,9 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
     return out
 
 
-def load_run(path: str | Path) -> RunData:
-    """Load and validate a run directory. Raises BadInputError with a one-line reason."""
+def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
+    """Load and validate a run directory. Raises BadInputError with a one-line reason.
+    ``progress`` is told after each rank."""
     run_dir = Path(path)
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")
@@ -348,7 +352,9 @@ def load_run(path: str | Path) -> RunData:
     ranks: dict[int, RankData] = {}
     ranks_dir = run_dir / RANKS_DIR
     rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
-    for rank_dir in rank_dirs:
+    for done, rank_dir in enumerate(rank_dirs, 1):
+        if progress is not None:
+            progress("reading rank streams", done, len(rank_dirs))
         suffix = rank_dir.name.removeprefix("rank-")
         if not suffix.isdigit() or len(suffix) > 9:
             continue
