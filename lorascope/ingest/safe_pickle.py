@@ -641,9 +641,9 @@ def _run(src: _Source) -> Any:
             attr, buf, pos = src.line(buf, pos)
             raise _unsafe(op, "import " + _printable(module) + "." + _printable(attr))
         elif op == 0x93:  # STACK_GLOBAL
-            attr = stack.pop() if stack else "?"
-            module = stack.pop() if stack else "?"
-            raise _unsafe(op, "import " + _printable(str(module)) + "." + _printable(str(attr)))
+            name = stack.pop() if stack else "?"
+            owner = stack.pop() if stack else "?"
+            raise _unsafe(op, "import " + _printable(str(owner)) + "." + _printable(str(name)))
         elif op in _UNSAFE_NAMES:
             raise _unsafe(op)
         else:

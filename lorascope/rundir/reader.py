@@ -136,7 +136,8 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         validate_manifest(manifest)
     except SchemaError as exc:
         raise BadInputError(f"{path}: {exc}") from None
-    return manifest
+    valid: dict[str, Any] = manifest
+    return valid
 
 
 def _segments(run_dir: Path, rank_dir: Path, warnings: list[str]) -> dict[str, list[tuple[int, Path]]]:
@@ -313,9 +314,9 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
         pending[(rec["gid"], rec["seq"])] = coll
         data.collectives.append(coll)
     elif kind == "coll_end":
-        coll = pending.pop((rec["gid"], rec["seq"]), None)
-        if coll is not None:
-            coll.end, coll.err = float(rec["t"]), rec["err"]
+        ended = pending.pop((rec["gid"], rec["seq"]), None)
+        if ended is not None:
+            ended.end, ended.err = float(rec["t"]), rec["err"]
     elif kind == "coll_dev":
         for coll in reversed(data.collectives):
             if coll.seq == rec["seq"] and data.groups.get(rec["gid"], {}).get("name") == coll.group:

@@ -165,13 +165,19 @@ def _absurd(e: Any) -> bool:
 
 def _spans(events: list[Any]) -> list[dict[str, Any]]:
     """Complete ("X") events with a numeric time and duration and a plain pid/tid."""
-    out = []
+    out: list[dict[str, Any]] = []
     for e in events:
-        if isinstance(e, Mapping) and e.get("ph") == "X":
+        if isinstance(e, dict) and e.get("ph") == "X":
             ts, dur = _num(e.get("ts")), _num(e.get("dur"))
             if ts is not None and dur is not None and dur >= 0 and _plain_id(e.get("pid")) and _plain_id(e.get("tid")):
                 out.append(e)
     return out
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` if it is a JSON object, else an empty one (traces from elsewhere carry
+    any JSON value where a dict is expected)."""
+    return value if isinstance(value, Mapping) else {}
 
 
 def _plain_id(value: Any) -> bool:
@@ -183,7 +189,7 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
         found = sorted(map(str, data))[:6] if isinstance(data, Mapping) else type(data).__name__
         raise BadInputError(f"{path}: not a Kineto trace (no 'traceEvents' list; found {found})")
     warnings: list[str] = []
-    info = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), Mapping) else {}
+    info = _mapping(data.get("distributedInfo"))
     file_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
     if file_rank is not None and rank is not None and file_rank != rank:
         warnings.append(f"the file name says rank {rank}, the trace says rank {file_rank}: using the trace's")
@@ -274,7 +280,7 @@ def _leaf_ops(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _is_comm(e: Mapping[str, Any]) -> bool:
     name = str(e.get("name", ""))
-    args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
+    args = _mapping(e.get("args"))
     return (
         bool(_NCCL_NAME.match(name)) or "Collective name" in args or name.startswith(_GLOO) or name.startswith("c10d::")
     )
@@ -283,7 +289,7 @@ def _is_comm(e: Mapping[str, Any]) -> bool:
 def _lanes(units: list[dict[str, Any]], by_device: bool) -> dict[Any, list[tuple[float, float]]]:
     lanes: dict[Any, list[tuple[float, float]]] = {}
     for e in units:
-        args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
+        args = _mapping(e.get("args"))
         device = args.get("device")
         key = (device if isinstance(device, int) else e.get("pid")) if by_device else (e.get("pid"), e.get("tid"))
         lanes.setdefault(key, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
@@ -385,7 +391,7 @@ def _collectives(events: list[dict[str, Any]]) -> list[Collective]:
     out = []
     for e in events:
         name = str(e.get("name", ""))
-        args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
+        args = _mapping(e.get("args"))
         ts, dur = float(e["ts"]), float(e["dur"])
         if "Collective name" in args:
             out.append(
