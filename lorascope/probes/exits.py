@@ -47,10 +47,13 @@ def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
     session.record("fatal_handler", file=path.name)
 
     def tidy() -> None:  # a rank that exits normally leaves no empty file behind
-        if file.tell() == 0:
-            faulthandler.disable()
-            file.close()
-            path.unlink(missing_ok=True)
+        try:
+            if file.tell() == 0:
+                faulthandler.disable()
+                file.close()
+                path.unlink(missing_ok=True)
+        except Exception:
+            pass  # the run directory may be gone or read-only by now: never into the job
 
     atexit.register(tidy)
     return file
