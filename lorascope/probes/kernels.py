@@ -1,6 +1,11 @@
 """A bounded kernel-trace window: ``torch.profiler`` for ``steps`` steps starting after
 step ``start``, exported as Kineto Chrome-trace JSON (gzipped) into the rank's directory.
 
+The profiler runs on a ``torch.profiler.schedule`` stepped at every step end
+(``prof.step()``), as HolisticTraceAnalysis's per-iteration analyses expect: each traced
+step is a ``ProfilerStep#N`` range with N the job's own step number. It starts one step
+early, for the schedule's warm-up step (Kineto skews the first recorded step without one).
+
 Never always-on (DESIGN.md: tracing every step triples RSS and writes ~110 MB per rank
 per 40 steps). While the window is open, every module of the model runs inside a
 ``record_function`` range named ``lorascope.module::<qualified name>``, so that kernels
@@ -20,8 +25,6 @@ from typing import Any
 from lorascope.probes.session import Session
 
 MODULE_PREFIX = "lorascope.module::"
-#: One range per traced step (torch's own ProfilerStep# needs a schedule).
-STEP_PREFIX = "lorascope.step#"
 DEFAULT_WINDOW = (5, 2)
 
 
@@ -47,7 +50,7 @@ class KernelWindow:
         self._hooks: list[Any] = []
         self._ranges: dict[int, list[Any]] = {}
         self._names: dict[int, str] = {}
-        self._step_range: Any = None
+        self._exported: Path | None = None
         self.model: Any = None
         self.on_step_end = session.guarded("kernels")(self._on_step_end)
 
@@ -56,32 +59,21 @@ class KernelWindow:
             return
         start, count = self.window
         step = self.session.step
-        if self._profiler is None and step == start:
-            self._start()
+        if self._profiler is None and self._exported is None and step == start - 1:
+            self._start()  # the warm-up step is step START; START+1 .. START+STEPS are recorded
         elif self._profiler is not None:
-            self._close_step_range()
+            self._profiler.step()  # ProfilerStep#<step + 1> begins; the last one saves the trace
             if step >= start + count:
                 self._stop()
-            else:
-                self._open_step_range()
-
-    def _open_step_range(self) -> None:
-        from torch.autograd.profiler import record_function
-
-        self._step_range = record_function(f"{STEP_PREFIX}{self.session.step + 1}")
-        self._step_range.__enter__()
-
-    def _close_step_range(self) -> None:
-        if self._step_range is not None:
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
 
     def _start(self) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, schedule
 
+        start, count = self.window or DEFAULT_WINDOW
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda: Any = torch.cuda
+        if cuda.is_available() and cuda.is_initialized():
             activities.append(ProfilerActivity.CUDA)
         if self.model is not None:
             self._names = {id(m): name for name, m in self.model.named_modules() if name}
@@ -90,17 +82,22 @@ class KernelWindow:
                 modules.register_module_forward_pre_hook(self._enter),
                 modules.register_module_forward_hook(self._exit),
             ]
-        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler = profile(
+            activities=activities,
+            record_shapes=True,
+            schedule=schedule(skip_first=start, wait=0, warmup=1, active=count, repeat=1),
+            on_trace_ready=self.session.guarded("kernels")(self._export),
+        )
+        self._profiler.step_num = start  # ProfilerStep#N numbered as the job's steps
         self._profiler.start()
-        self._open_step_range()
-        self.session.record("trace_window", edge="begin", step=self.session.step)
+        self.session.record("trace_window", edge="begin", step=self.session.step + 1)
 
     def _enter(self, module: Any, _inputs: Any) -> None:
         name = self._names.get(id(module))
         if name is not None:
             from torch.autograd.profiler import record_function
 
-            rf = record_function(MODULE_PREFIX + name)
+            rf: Any = record_function(MODULE_PREFIX + name)
             rf.__enter__()
             self._ranges.setdefault(id(module), []).append(rf)
 
@@ -109,25 +106,31 @@ class KernelWindow:
         if stack:
             stack.pop().__exit__(None, None, None)
 
-    def _stop(self) -> None:
-        self._close_step_range()
-        profiler, self._profiler = self._profiler, None
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks, self._ranges = [], {}
-        profiler.stop()
+    def _export(self, profiler: Any) -> None:
+        """The schedule's last recorded step ended: write the trace (gzipped)."""
         raw = self._out_prefix.with_name(self._out_prefix.name + ".trace.json")
         profiler.export_chrome_trace(str(raw))
         final = raw.with_name(raw.name + ".gz")
         with open(raw, "rb") as src, gzip.open(final, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst)
         os.unlink(raw)
+        self._exported = final
+
+    def _stop(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._ranges = [], {}
+        profiler.stop()
+        if self._exported is None:
+            return  # stopped before a step was recorded (the job ended in the warm-up step)
+        start = (self.window or DEFAULT_WINDOW)[0]
         self.session.record(
             "trace_window",
             edge="end",
             step=self.session.step,
-            file=final.name,
-            steps=[self.window[0] + 1, self.session.step],
+            file=self._exported.name,
+            steps=[start + 1, self.session.step],
         )
 
     def close(self) -> None:

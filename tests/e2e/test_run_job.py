@@ -214,3 +214,29 @@ def test_crashing_rank_records_its_exception_and_warnings(tmp_path: Path) -> Non
         assert "Traceback" in rank.exception["traceback"]
         assert rank.end is not None and rank.end["status"] == "exception"
         assert any("None of the inputs have requires_grad=True" in w["message"] for w in rank.warnings)
+
+
+def test_kernel_window_is_what_hta_expects(torchrun_run: Finished, tmp_path: Path) -> None:
+    """The default window (steps 6-7) is recorded on a profiler schedule: ProfilerStep#N
+    ranges numbered as the job's steps, lorascope's module ranges inside; HTA reads the
+    ranks' windows and finds the iterations (its temporal breakdown needs GPU kernels:
+    benchmarks/gpu_check.sh runs it on a GPU window)."""
+    import gzip
+    import logging
+    import shutil
+
+    run = load_run(torchrun_run.out)
+    for n, rank in run.ranks.items():
+        [trace] = rank.trace_files
+        names = {str(e.get("name", "")) for e in json.load(gzip.open(trace))["traceEvents"]}
+        assert {"ProfilerStep#6", "ProfilerStep#7"} <= names and "ProfilerStep#5" not in names
+        assert any(x.startswith("lorascope.module::") and "lora_A" in x for x in names)
+        shutil.copy(trace, tmp_path / f"rank-{n}.json.gz")
+    hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis is in the analysis extra")
+    logging.disable(logging.WARNING)
+    try:
+        analysis = hta.TraceAnalysis(trace_dir=str(tmp_path))
+        assert sorted(analysis.t.traces) == [0, 1]
+        assert 6 in set(analysis.t.get_trace(0)["iteration"].tolist())
+    finally:
+        logging.disable(logging.NOTSET)
