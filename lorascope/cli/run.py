@@ -39,13 +39,17 @@ def _prepare(out: Path) -> Path | None:
     return bootstrap
 
 
-def _child_env(out: Path, bootstrap: Path, launch_id: str, sample_interval: float, trace_window: str) -> dict[str, str]:
+def _child_env(
+    out: Path, bootstrap: Path, launch_id: str, sample_interval: float, trace_window: str, memory_history: bool
+) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap), env.get("PYTHONPATH", "")) if p)
     env["LORASCOPE_RUN_DIR"] = str(out)
     env["LORASCOPE_LAUNCH_ID"] = launch_id
     env["LORASCOPE_SAMPLE_INTERVAL"] = str(sample_interval)
     env["LORASCOPE_TRACE_WINDOW"] = trace_window
+    if not memory_history:
+        env["LORASCOPE_MEMORY_HISTORY"] = "off"
     env.pop("LORASCOPE_ATTACHED_PID", None)
     return env
 
@@ -86,9 +90,23 @@ def _wait(proc: subprocess.Popen[bytes]) -> int:
     show_default=True,
     help="Kernel trace: START:STEPS traces steps START+1..START+STEPS; 'off' for none.",
 )
+@click.option(
+    "--memory-history/--no-memory-history",
+    default=True,
+    show_default=True,
+    help="On CUDA ranks, record the allocator's history (Python stacks) for the snapshots "
+    "written at an OOM, a hang dump or a stall. LORASCOPE_MEMORY_HISTORY=N sets the entries kept.",
+)
 @click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def command(out: Path | None, sample_interval: float, trace_window: str, summary: bool, cmd: tuple[str, ...]) -> int:
+def command(
+    out: Path | None,
+    sample_interval: float,
+    trace_window: str,
+    memory_history: bool,
+    summary: bool,
+    cmd: tuple[str, ...],
+) -> int:
     """Run CMD (torchrun, deepspeed, python ...) with the probes in every rank."""
     if sample_interval < 0:
         raise UsageError("--sample-interval must be >= 0")
@@ -102,7 +120,9 @@ def command(out: Path | None, sample_interval: float, trace_window: str, summary
     record_launch(out, launch_id, list(cmd))
     click.echo(f"lorascope: recording to {out}", err=True)
     try:
-        env = _child_env(out, bootstrap, launch_id, sample_interval, trace_window) if bootstrap else None
+        env = (
+            _child_env(out, bootstrap, launch_id, sample_interval, trace_window, memory_history) if bootstrap else None
+        )
         proc = subprocess.Popen(list(cmd), env=env)
     except OSError as exc:
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)

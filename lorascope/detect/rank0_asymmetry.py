@@ -116,8 +116,26 @@ def _gpu0_guests(rank0: RankData, others: list[RankData]) -> list[int]:
     for sample in rank0.mem:
         nvml = sample.get("nvml")
         if isinstance(nvml, dict):
-            pids.update(nvml.get("pids", []))
+            pids.update(nvml.get("pids") or [])
     return sorted(r.rank for r in others if r.pid in pids)
+
+
+def _rank0_only_blocks(bundle: EvidenceBundle) -> list[Evidence]:
+    """With the ranks' allocator snapshots (the probes write them on CUDA): what rank 0
+    holds that the others do not, by category and user frame."""
+    comparison = bundle.snapshot_comparison
+    if comparison is None or 0 not in bundle.snapshots:
+        return []
+    src = f"{bundle.snapshots[0].path} ({comparison.points[0]})"
+    return [
+        Evidence(
+            f"on rank 0 {'only' if a.only_here else 'mostly'}: {a.category}",
+            f"{fmt_bytes(a.bytes)} at {a.site} (others at most {fmt_bytes(a.others_max)})",
+            src,
+        )
+        for a in comparison.rank_only
+        if a.rank == 0
+    ][:5]
 
 
 def from_snapshots(bundle: EvidenceBundle) -> list[Finding]:
@@ -141,14 +159,7 @@ def from_snapshots(bundle: EvidenceBundle) -> list[Finding]:
         Evidence("median of the other ranks", fmt_bytes(median), "their snapshots"),
         Evidence("rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%})", "allocated minus the median"),
     ]
-    evidence += [
-        Evidence(
-            f"on rank 0 {'only' if a.only_here else 'mostly'}: {a.category}",
-            f"{fmt_bytes(a.bytes)} at {a.site} (others at most {fmt_bytes(a.others_max)})",
-            src,
-        )
-        for a in only[:5]
-    ]
+    evidence += _rank0_only_blocks(bundle)
     return [
         Finding(
             id=ID,
@@ -224,6 +235,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 stream_source(run, rank0, "mem.nvml"),
             )
         )
+    evidence += _rank0_only_blocks(bundle)
     oom = ended_with_oom(rank0)
     if oom:
         evidence.append(

@@ -9,6 +9,7 @@ the folder) is read.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -17,7 +18,8 @@ from lorascope.ingest.flight.reader import call_chain
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
-from lorascope.rundir.reader import Progress, load_run
+from lorascope.ingest.snapshot.reader import read_snapshot
+from lorascope.rundir.reader import Progress, RankData, load_run
 from lorascope.rundir.schema import MANIFEST_FILE
 from lorascope.rundir.sources import MAX_FILE_BYTES, describe
 
@@ -69,6 +71,34 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None) -> 
                 load_files(bundle, [file], kind)
             except BadInputError as exc:
                 bundle.warnings.append(f"rank {rank.rank}: {exc}")
+        _load_rank_snapshot(bundle, rank)
+
+
+def rank_snapshot(rank: RankData) -> dict[str, Any] | None:
+    """The allocator snapshot that stands for a rank: the one taken at its OOM, else its
+    latest (a rank writes one per OOM, hang request or stall)."""
+    if not rank.snapshots:
+        return None
+    return next((s for s in rank.snapshots if s["reason"] == "oom"), rank.snapshots[-1])
+
+
+def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
+    """The rank's own snapshot, analysed as that rank's (read with the safe unpickler)."""
+    chosen = rank_snapshot(rank)
+    if chosen is None or rank.rank in bundle.snapshots:
+        return
+    try:
+        snapshot = read_snapshot(Path(chosen["path"]), rank.rank)
+    except BadInputError as exc:
+        bundle.warnings.append(f"rank {rank.rank}: {exc}")
+        return
+    bundle.snapshots[rank.rank] = snapshot
+    bundle.warnings.extend(f"{snapshot.path}: {w}" for w in snapshot.warnings)
+    if len(rank.snapshots) > 1:
+        bundle.warnings.append(
+            f"rank {rank.rank}: {len(rank.snapshots)} allocator snapshots; analysed the "
+            f"{chosen['reason']} one ({Path(chosen['path']).name})"
+        )
 
 
 def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:

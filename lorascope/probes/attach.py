@@ -15,6 +15,8 @@ from typing import Any
 
 from lorascope import __version__
 from lorascope.probes import importhook
+from lorascope.probes.allocator import ENV_SWITCH as ENV_MEMORY_HISTORY
+from lorascope.probes.allocator import AllocatorProbe, parse_switch
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.dumps import Dumper
 from lorascope.probes.exits import ExitProbe, install_fatal_handler
@@ -158,15 +160,20 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     collectives = CollectiveProbe(session)
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
+    allocator = AllocatorProbe(session, prefix, *parse_switch(os.environ.get(ENV_MEMORY_HISTORY)))
 
     def flight(reason: str) -> None:
         dump_flight_recorder(session, prefix, reason)
+
+    def evidence(reason: str) -> None:
+        flight(reason)
+        allocator.dump(reason)
 
     dumper = Dumper(
         session,
         collectives.pending,
         session.guarded("dumps")(memory.reading),
-        flight,
+        evidence,
         pg_timeout=lambda: collectives.pg_timeout,
         stall_override=_env_float(ENV_STALL_SECONDS),
     )
@@ -180,15 +187,18 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     def on_end() -> None:
         memory.stop()
         memory.sample("end")
+        collectives.resolve_device_times()
+        allocator.finish()
         kernels.close()
 
-    ExitProbe(session, on_end, on_crash=flight).install()
+    ExitProbe(session, on_end, on_crash=flight, on_exception=allocator.after_exception).install()
     _fatal_files.append(session.guarded("fatal")(install_fatal_handler)(session, prefix))
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     # Each install is its own probe: one that fails to install leaves the others on.
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
     _hook(session, "torch", steps.install_torch, "steps-torch")
     _hook(session, "torch", logits.install, "logits")
+    _hook(session, "torch", allocator.install, "allocator")
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
     _hook(session, "peft", steps.install_peft, "configs")

@@ -4,8 +4,13 @@ user code): a ``coll`` record before the call (so a hang leaves it pending) and 
 dtype, group and the first call-site frame outside torch / deepspeed / lorascope.
 
 Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
-are not counted twice. On CUDA the device time comes from CUDA events resolved later,
-when they are done: nothing here waits for the device.
+are not counted twice. On CUDA the device time of a synchronous call comes from two
+CUDA events recorded on the payload's current stream around it (the collective's own
+stream waits for that stream before it starts, and that stream waits for the
+collective before the call returns), read at a later step end once the end event is
+done (``Event.query``): nothing here waits for the device. An ``async_op`` call returns
+before its work is waited for, so events around the call would time nothing: it gets
+none (its ``coll_end`` comes when its work completes, from the work's future).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ class CollectiveProbe:
         #: site -> whether a rank condition encloses its line.
         self._conditioned: dict[str, bool] = {}
         self._stdlib = os.path.dirname(os.__file__) + os.sep
-        self._events: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
+        self._events: collections.deque[tuple[int, int, Any, Any, float]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
         self._c10d: ModuleType | None = None
         self._group_names: dict[int, str] = {}
@@ -221,7 +226,7 @@ class CollectiveProbe:
                 "since": time.time(),
             }
             events = None
-            if first is not None and getattr(first, "is_cuda", False):
+            if first is not None and not is_async and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)
             return gid, seq, events
         except Exception as exc:
@@ -235,8 +240,9 @@ class CollectiveProbe:
         self._in_flight.pop((gid, seq), None)
         try:
             if events is not None:
-                events[1].record()
-                self._events.append((gid, seq, events[0], events[1]))
+                start, end, stream, began = events
+                end.record(stream)
+                self._events.append((gid, seq, start, end, time.perf_counter() - began))
             self.session.record_line(_COLL_END % (time.time(), seq, gid, _json(err)))
         except Exception as exc:
             self.session.fail("collectives", exc)
@@ -252,20 +258,31 @@ class CollectiveProbe:
         except Exception:
             self._end(started, None)
 
-    def _cuda_events(self, tensor: Any) -> tuple[Any, Any]:
+    def _cuda_events(self, tensor: Any) -> tuple[Any, Any, Any, float]:
+        """A start event recorded now on the payload device's current stream, the end
+        event to record on the same stream, and the host clock."""
         torch = sys.modules["torch"]
+        stream = torch.cuda.current_stream(tensor.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start, end
+        start.record(stream)
+        return start, end, stream, time.perf_counter()
 
     def _resolve_device_times(self) -> None:
-        """Turn finished CUDA event pairs into ``coll_dev`` records (called at step ends)."""
+        """Turn finished CUDA event pairs into ``coll_dev`` records (called at step ends
+        and at the end). In call order: the first pair not done yet stops the walk, so
+        no event is ever waited for."""
         while self._events:
-            gid, seq, start, end = self._events[0]
+            gid, seq, start, end, host_s = self._events[0]
             if not end.query():
                 return
             self._events.popleft()
-            self.session.record("coll_dev", seq=seq, gid=gid, ms=float(start.elapsed_time(end)))
+            self.session.record(
+                "coll_dev",
+                seq=seq,
+                gid=gid,
+                ms=round(float(start.elapsed_time(end)), 4),
+                host_ms=round(host_s * 1e3, 4),
+            )
 
     # -- groups and call sites ----------------------------------------------------
     def _gid(self, group: Any) -> int:

@@ -60,10 +60,18 @@ def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
 
 
 class ExitProbe:
-    def __init__(self, session: Session, on_end: Callable[[], None], on_crash: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        on_end: Callable[[], None],
+        on_crash: Callable[[str], None],
+        on_exception: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.session = session
         self._on_end = on_end
         self._on_crash = session.guarded("flight")(on_crash)
+        #: Sees the uncaught exception itself (an OOM in its chain dumps an allocator snapshot).
+        self._on_exception = on_exception
         self._seen_warnings = 0
         self._exit_code: int | None = None
 
@@ -113,6 +121,8 @@ class ExitProbe:
                     traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
                     stacks=thread_stacks()[-50000:],
                 )
+                if self._on_exception is not None:
+                    self._on_exception(exc)
                 self._on_crash("exception")
                 self._write_end("exception", 1)
             except Exception:

@@ -120,8 +120,16 @@ class MemoryProbe:
         import pynvml
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
-        return {"used": int(info.used), "total": int(info.total), "pids": sorted(int(p.pid) for p in procs)}
+        out: dict[str, Any] = {"used": int(info.used), "total": int(info.total)}
+        try:  # not every driver or container lists processes: used/total still count
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
+        except pynvml.NVMLError as exc:
+            out["pids"], out["pids_error"] = None, str(exc)
+            return out
+        out["pids"] = sorted(int(p.pid) for p in procs)
+        # usedGpuMemory is None where the driver cannot tell (e.g. without permission)
+        out["pid_used"] = {str(p.pid): p.usedGpuMemory for p in procs}
+        return out
 
     def reading(self, from_main_thread: bool = True) -> dict[str, Any]:
         """RSS, plus the allocator counters on CUDA (and NVML from the sampler thread)."""

@@ -88,6 +88,10 @@ class RankData:
     #: What faulthandler wrote when the rank died of a fatal signal (a C++ abort, a
     #: segfault): "Fatal Python error: Aborted" and every thread's stack; None when empty.
     fatal: str | None = None
+    #: Allocator snapshots the rank wrote: their ``snapshot`` records, ``path`` added
+    #: (absolute), oldest first; and whether allocator history was recorded, and why not.
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    memory_history: dict[str, Any] | None = None
     last_time: float = 0.0
 
     @property
@@ -239,7 +243,7 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
             _apply(data, kind, rec, pending)
             if kind == "fatal_handler":
                 data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
-            if kind in ("trace_window", "flight_dump") and rec.get("file"):
+            if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
                 side = path.parent / str(rec["file"])
                 if side.name != rec["file"] or not side.exists():
                     warnings.append(f"{path}:{number}: {kind} file {rec['file']!r} is missing")
@@ -247,6 +251,8 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                     warnings.append(f"{side}: a symlink out of the run directory: not followed")
                 elif kind == "trace_window":
                     data.trace_files.append(str(side))
+                elif kind == "snapshot":
+                    data.snapshots.append({**rec, "path": str(side)})
                 else:
                     data.flight_files.append(str(side))
         if data is not None:
@@ -276,6 +282,7 @@ _LATEST = {
     "stall": "stall",
     "grad_setup": "grad_setup",
     "grads": "grads",
+    "memory_history": "memory_history",
 }
 
 

@@ -70,6 +70,8 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "logits": {"where": _STR, "step": _INT, "shape": (list,), "dtype": _STR, "bytes": _INT},
     "trace_window": {"edge": _STR, "step": _INT},
     "flight_dump": {"file": _STR, "reason": _STR, "bytes": _INT},
+    "memory_history": {"on": (bool,), "reason": _OPT_STR},
+    "snapshot": {"file": _STR, "reason": _STR, "bytes": _INT},
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
