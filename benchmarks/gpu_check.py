@@ -1,0 +1,606 @@
+"""The GPU check behind ``bash benchmarks/gpu_check.sh``: lorascope's CUDA paths on a real
+GPU, in one command, at most 8 minutes on one GPU; a table of what it verified.
+
+Runs (all the probes/ job, probes/train_lora.py, through benchmarks/gpu_job.py):
+
+- ``single``: 1 rank over NCCL (DDP, ``--engine torch``), a gather to rank 0 every step,
+  the Kineto window on (steps 6-7): allocator history on, CUDA counters and NVML in the
+  memory records, collectives with device times, CUDA kernels attributed to lora_A/lora_B.
+- ``shared``: 2 ranks on the one GPU over gloo with CUDA tensors (NCCL refuses two ranks
+  on one device), the gather fault (rank 0 keeps what it gathers), rank 1 stalled after
+  step 8: the stall watchdog and ``lorascope hang`` each dump an allocator snapshot per
+  rank; the snapshots are analysed (rank 0's own blocks at the gather) and NVML lists
+  both processes on GPU 0.
+- ``spike``: the logits-spike fault, 1 rank; its peak sets the cap of ``oom``: the same
+  job under ``torch.cuda.set_per_process_memory_fraction``, which runs out of memory in
+  the loss: the OOM observer's snapshot, analysed with the loss's frames on top.
+- ``zero3`` (only with DeepSpeed importable, e.g. from the wheels in ``.whl/``): 1 rank
+  under DeepSpeed ZeRO-3.
+- ``overhead``: the healthy job bare, probed, and probed without allocator history,
+  alternated; mean step times.
+
+Writes ``gpu-check.json`` and ``gpu-check.txt`` (figures) to ``$OUT`` if set, else
+``runs/gpu-check/``; and small real GPU fixtures (the single, shared and oom run
+directories) to ``fixtures/gpu/`` (and ``$OUT/fixtures/gpu/``: copy them into the repo
+from there when the check ran on another machine). Exit status: 0 when every check
+passed or was skipped with a reason, 1 otherwise; 0 with "skipped" without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "benchmarks" / "gpu_job.py"
+#: The script's own budget: the shell wrapper kills it at 8 minutes; these leave room.
+BUDGET_S = 7 * 60
+JOB_TIMEOUT_S = 150
+#: Keep fixtures small: files above this are left out (and said so).
+MAX_FIXTURE_FILE = 6 * 2**20
+FIXTURE_RUNS = ("single", "shared", "oom")
+
+
+@dataclass
+class Check:
+    name: str
+    #: True passed, False failed, None skipped / not applicable (``detail`` says why).
+    ok: bool | None
+    detail: str
+
+    @property
+    def mark(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "skip"}[self.ok]
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, ok: bool | None, detail: str) -> None:
+        self.checks.append(Check(name, ok, detail))
+        print(f"gpu_check: {'PASS' if ok else 'FAIL' if ok is False else 'skip'} {name}: {detail}", flush=True)
+
+    def guarded(self, name: str, fn: Any, *args: Any) -> Any:
+        """Run one check; an exception is that check's failure, not the script's."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.add(name, False, f"{type(exc).__name__}: {exc}"[:300])
+            return None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    def table(self) -> str:
+        width = max((len(c.name) for c in self.checks), default=10)
+        lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+        lines += [f"{c.name:<{width}}  {c.mark:<6}  {c.detail}" for c in self.checks]
+        return "\n".join(lines)
+
+
+# -- the machine ----------------------------------------------------------------------
+
+
+def cuda_unavailable() -> str | None:
+    """None when a CUDA device is usable, else why not."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__})"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(JOB),
+        *args,
+    ]
+
+
+def probed(out: Path, cmd: list[str], *options: str) -> list[str]:
+    return [sys.executable, "-m", "lorascope", "run", "--out", str(out), "--no-summary", *options, "--", *cmd]
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A job in its own process group, so that a timeout takes its ranks down with it."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return finish(start(cmd, env))
+
+
+def mean_step_s(stdout: str) -> float | None:
+    """train_lora.py's last line: ``train_lora: done steps=N final_loss=X mean_step_s=S``."""
+    m = re.search(r"train_lora: done .*mean_step_s=([0-9.]+)", stdout)
+    return float(m.group(1)) if m else None
+
+
+def tail(proc: subprocess.CompletedProcess[str], n: int = 400) -> str:
+    return (proc.stderr or proc.stdout or "").strip()[-n:].replace("\n", " | ")
+
+
+# -- checks on a run directory (pure: unit-tested on CPU fixtures) ----------------------
+
+
+def check_ranks_on(run: Any, device: str) -> tuple[bool, str]:
+    devices = {n: r.start.get("device") for n, r in run.ranks.items()}
+    ends = {n: (r.end or {}).get("status") for n, r in run.ranks.items()}
+    ok = bool(devices) and all(d == device for d in devices.values())
+    return ok, f"ranks {sorted(devices)} on {sorted(set(map(str, devices.values())))}, ended {ends}"
+
+
+def check_memory_history(run: Any) -> tuple[bool, str]:
+    states = {n: r.memory_history for n, r in run.ranks.items()}
+    ok = bool(states) and all(s and s.get("on") and s.get("oom_observer") for s in states.values())
+    return ok, "; ".join(f"rank {n}: {_history(s)}" for n, s in states.items())
+
+
+def _history(state: dict[str, Any] | None) -> str:
+    if state is None:
+        return "no memory_history record"
+    if not state.get("on"):
+        return f"off: {state.get('reason')}"
+    return f"on, {state.get('max_entries')} entries, OOM observer {state.get('oom_observer')}"
+
+
+def check_cuda_counters(run: Any) -> tuple[bool, str]:
+    parts, ok = [], bool(run.ranks)
+    for n, rank in run.ranks.items():
+        cuda = [m["cuda"] for m in rank.mem if isinstance(m.get("cuda"), dict)]
+        peak = max((c.get("max_alloc", 0) for c in cuda), default=0)
+        sane = all(c.get("reserved", 0) >= c.get("alloc", 0) >= 0 for c in cuda)
+        ok = ok and bool(cuda) and peak > 0 and sane
+        parts.append(f"rank {n}: {len(cuda)}/{len(rank.mem)} samples with cuda, peak {peak / 2**20:.1f} MiB")
+    return ok, "; ".join(parts)
+
+
+def check_nvml(run: Any) -> tuple[bool, str]:
+    """NVML samples with device-used bytes; whether the ranks' own PIDs are in NVML's list
+    (inside a container NVML may report another PID namespace: said, not failed)."""
+    parts, ok = [], bool(run.ranks)
+    for n, rank in run.ranks.items():
+        nvml = [m["nvml"] for m in rank.mem if isinstance(m.get("nvml"), dict)]
+        used = max((v.get("used", 0) for v in nvml), default=0)
+        pids = sorted({p for v in nvml for p in (v.get("pids") or [])})
+        ok = ok and bool(nvml) and used > 0
+        own = "own pid listed" if rank.pid in pids else f"own pid {rank.pid} not in NVML's {pids[:8]}"
+        parts.append(f"rank {n}: {len(nvml)} samples, used {used / 2**30:.2f} GiB, {own}")
+    return ok, "; ".join(parts)
+
+
+def check_device_times(run: Any) -> tuple[bool, str]:
+    """Every synchronous collective with a CUDA payload got a device time."""
+    parts, ok = [], bool(run.ranks)
+    for n, rank in run.ranks.items():
+        timed = [c for c in rank.collectives if c.bytes and not c.is_async]
+        dev = [c.device_ms for c in timed if c.device_ms is not None]
+        host = [(c.end - c.start) * 1e3 for c in timed if c.end is not None]
+        backends = sorted({str(g.get("backend")) for g in rank.groups.values()})
+        ok = ok and bool(timed) and len(dev) == len(timed) and all(d >= 0 for d in dev)
+        parts.append(
+            f"rank {n} ({'/'.join(backends)}): {len(dev)}/{len(timed)} timed"
+            + (
+                f", device median {statistics.median(dev):.3f} ms vs host {statistics.median(host):.3f} ms"
+                if dev and host
+                else ""
+            )
+        )
+    return ok, "; ".join(parts)
+
+
+def check_kernel_window(bundle: Any) -> tuple[bool, str]:
+    """The trace window holds CUDA kernels, some attributed to lora_A and lora_B."""
+    from lorascope.ingest.kineto_modules import table_from_trace
+
+    if not bundle.traces:
+        return False, "no trace loaded from the run"
+    rank, trace = sorted(bundle.traces.items())[0]
+    table = table_from_trace(trace.raw, str(trace.path)) or {"rows": [], "unit": None}
+    kernels = table["rows"] if table["unit"] == "kernel" else []
+    count = {
+        part: sum(len(r["durations_us"]) for r in kernels if r["module"] and part in r["module"])
+        for part in ("lora_A", "lora_B")
+    }
+    total = sum(len(r["durations_us"]) for r in kernels)
+    ok = trace.device == "cuda" and total > 0 and all(count.values())
+    return ok, f"rank {rank}: {trace.device} trace, {total} kernels, lora_A {count['lora_A']}, lora_B {count['lora_B']}"
+
+
+def check_snapshots(run: Any, bundle: Any, reasons: tuple[str, ...]) -> tuple[bool, str]:
+    """Each rank wrote snapshots for these reasons; each rank's was analysed with frames."""
+    parts, ok = [], bool(run.ranks)
+    for n, rank in run.ranks.items():
+        got = [s["reason"].split("-")[0] for s in rank.snapshots]
+        snap = bundle.snapshots.get(n)
+        device = snap.main if snap is not None else None
+        sites = [g.site for g in device.state.by_site[:2]] if device is not None else []
+        ok = ok and all(r in got for r in reasons) and device is not None and device.state.allocated > 0
+        sizes = ", ".join(f"{s['reason']} {s['bytes'] / 2**20:.1f} MiB in {s.get('ms')} ms" for s in rank.snapshots)
+        parts.append(f"rank {n}: [{sizes}]; top sites {sites}")
+    return ok, "; ".join(parts)
+
+
+def check_oom(run: Any, bundle: Any, findings: list[Any]) -> tuple[bool, str]:
+    """The rank died of an OOM, the observer's snapshot was written, and the oom finding
+    from it puts the loss's logits on top (the planted spike)."""
+    rank = run.ranks.get(0)
+    if rank is None:
+        return False, "rank 0 wrote no stream"
+    exc = (rank.exception or {}).get("type")
+    snaps = [s for s in rank.snapshots if s["reason"] == "oom"]
+    oom = next((f for f in findings if f.id == "oom"), None)
+    if oom is None:
+        return False, f"exception {exc}, oom snapshots {snaps}, but no oom finding"
+    cats = oom.details.get("by_category") or {}
+    top = max(cats, key=cats.get) if cats else None
+    sites = oom.details.get("sites", [])[:3]
+    from_snapshot = str(run.path) in oom.evidence[0].source
+    ok = exc == "OutOfMemoryError" and len(snaps) == 1 and from_snapshot and top == "logits"
+    via = snaps[0].get("via") if snaps else None
+    return ok, f"exception {exc}; snapshot via {via}; top category {top}; top sites {sites}"
+
+
+def check_finding(findings: list[Any], finding_id: str, *needles: str) -> tuple[bool, str]:
+    found = next((f for f in findings if f.id == finding_id), None)
+    if found is None:
+        return False, f"no {finding_id} finding (got {[f.id for f in findings]})"
+    text = " ".join([found.title] + [f"{e.label} {e.value}" for e in found.evidence])
+    missing = [n for n in needles if n not in text]
+    return not missing, found.title + (f"; missing {missing}" if missing else "")
+
+
+def oom_cap_mib(rank: Any) -> int | None:
+    """A cap between what the first step holds when it starts and the step's peak (so the
+    loss, not the model, runs out): from the probes' CUDA counters of the spike run."""
+    cuda = [m for m in rank.mem if isinstance(m.get("cuda"), dict)]
+    start = next((m["cuda"]["alloc"] for m in cuda if m["src"] == "forward.begin"), None)
+    peak = max((m["cuda"].get("max_alloc", 0) for m in cuda), default=0)
+    if start is None or peak <= start:
+        return None
+    return int((start + 0.6 * (peak - start)) / 2**20)
+
+
+def overhead(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Mean step seconds per variant and each probed variant against bare."""
+    means = {k: statistics.mean(v) for k, v in times.items() if v}
+    bare = means.get("bare")
+    return {
+        "mean_step_s": {k: round(v, 5) for k, v in means.items()},
+        "runs": {k: len(v) for k, v in times.items()},
+        "vs_bare": {k: round(v / bare - 1, 4) for k, v in means.items() if bare and k != "bare"},
+    }
+
+
+# -- the runs ---------------------------------------------------------------------------
+
+
+class GpuCheck:
+    def __init__(self, work: Path, out: Path, fixtures: list[Path], started: float) -> None:
+        self.work, self.out, self.fixtures, self.started = work, out, fixtures, started
+        self.report = Report()
+
+    def left_s(self) -> float:
+        return BUDGET_S - (time.time() - self.started)
+
+    def analyse(self, path: Path) -> tuple[Any, Any, list[Any]]:
+        from lorascope.detect.registry import run_detectors
+        from lorascope.ingest.load import load_bundle
+
+        bundle = load_bundle(path)
+        return bundle.run, bundle, run_detectors(bundle)
+
+    def add(self, name: str, result: tuple[bool, str] | None) -> None:
+        if result is not None:
+            self.report.add(name, *result)
+
+    def single(self) -> None:
+        out = self.work / "single"
+        cmd = torchrun(1, "--", "--engine", "torch", "--fault", "rank0-asymmetry-gather", "--steps", "12")
+        proc = run(probed(out, cmd, "--trace-window", "5:2"))
+        self.report.add(
+            "single: 1 rank, NCCL, probed",
+            proc.returncode == 0,
+            f"exit {proc.returncode} {tail(proc) if proc.returncode else ''}".strip(),
+        )
+        analysed = self.report.guarded("single: analysed", self.analyse, out)
+        if analysed is None:
+            return
+        rundata, bundle, _ = analysed
+        g = self.report.guarded
+        self.add("single: ranks on cuda:0", g("single: ranks on cuda:0", check_ranks_on, rundata, "cuda:0"))
+        self.add("allocator history on, OOM observer", g("allocator history", check_memory_history, rundata))
+        self.add("CUDA counters in memory records", g("CUDA counters", check_cuda_counters, rundata))
+        self.add("NVML samples in memory records", g("NVML samples", check_nvml, rundata))
+        self.add("NCCL collectives with device times", g("NCCL device times", check_device_times, rundata))
+        self.add("Kineto window: CUDA kernels in lora_A/lora_B", g("Kineto window", check_kernel_window, bundle))
+        self.keep("single", out)
+
+    def shared(self) -> None:
+        out = self.work / "shared"
+        cmd = torchrun(
+            2,
+            "--share-gpu",
+            "--stall",
+            "1:8:12",
+            "--",
+            "--engine",
+            "torch",
+            "--fault",
+            "rank0-asymmetry-gather",
+            "--gather-numel",
+            str(1 << 20),
+            "--steps",
+            "14",
+        )
+        job = start(probed(out, cmd, "--trace-window", "off"), {"LORASCOPE_STALL_SECONDS": "3"})
+        try:
+            hang = self._hang_during_stall(out, job)
+        finally:
+            proc = finish(job)
+        self.report.add(
+            "shared: 2 ranks on one GPU, gloo, CUDA tensors",
+            proc.returncode == 0,
+            f"exit {proc.returncode} {tail(proc) if proc.returncode else ''}".strip(),
+        )
+        self.report.add("lorascope hang during the stall", hang[0], hang[1])
+        analysed = self.report.guarded("shared: analysed", self.analyse, out)
+        if analysed is None:
+            return
+        rundata, bundle, findings = analysed
+        g = self.report.guarded
+        self.add("shared: ranks on cuda:0", g("shared: ranks on cuda:0", check_ranks_on, rundata, "cuda:0"))
+        self.add("gloo CUDA collectives with device times", g("gloo device times", check_device_times, rundata))
+        self.add(
+            "snapshots at stall and hang, analysed",
+            g("snapshots", check_snapshots, rundata, bundle, ("stall", "signal")),
+        )
+        self.add("NVML: both ranks' processes on GPU 0", g("NVML shared", check_nvml, rundata))
+        self.add(
+            "rank0-asymmetry from CUDA memory + snapshots",
+            g("rank0-asymmetry", check_finding, findings, "rank0-asymmetry", "on rank 0 only", "gather_to_rank0"),
+        )
+        self.keep("shared", out)
+
+    def _hang_during_stall(self, out: Path, job: subprocess.Popen[str]) -> tuple[bool, str]:
+        """Wait for both ranks' stall records, then ask `lorascope hang` (the dump signal)."""
+        from lorascope.errors import LorascopeError
+        from lorascope.rundir.reader import load_run
+
+        deadline = time.time() + 90
+        while time.time() < deadline and job.poll() is None:
+            try:
+                stalled = [r.stall is not None for r in load_run(out).ranks.values()]
+            except LorascopeError:
+                stalled = []
+            if len(stalled) == 2 and all(stalled):
+                res = run([sys.executable, "-m", "lorascope", "hang", str(out), "--json", "--wait", "8"])
+                try:
+                    verdict = json.loads(res.stdout).get("verdict", "")
+                except ValueError:
+                    verdict = tail(res)
+                return res.returncode == 0, f"exit {res.returncode}: {str(verdict)[:200]}"
+            time.sleep(0.3)
+        return False, "the ranks never recorded the stall"
+
+    def spike_and_oom(self) -> None:
+        spike = self.work / "spike"
+        args = ["--engine", "torch", "--fault", "logits-spike", "--steps", "4"]
+        proc = run(probed(spike, torchrun(1, "--", *args), "--trace-window", "off"))
+        self.report.add(
+            "spike: logits-spike job",
+            proc.returncode == 0,
+            f"exit {proc.returncode} {tail(proc) if proc.returncode else ''}".strip(),
+        )
+        analysed = self.report.guarded("spike: analysed", self.analyse, spike)
+        if analysed is None:
+            return
+        rundata, _, findings = analysed
+        self.add(
+            "logits-spike named on GPU", self.report.guarded("logits-spike", check_finding, findings, "logits-spike")
+        )
+        cap = oom_cap_mib(rundata.ranks[0]) if 0 in rundata.ranks else None
+        if cap is None:
+            self.report.add("planted OOM", False, "the spike run gave no CUDA peak to set the cap from")
+            return
+        self.report.figures["oom_cap_mib"] = cap
+        out = self.work / "oom"
+        proc = run(probed(out, torchrun(1, "--memory-cap-mib", str(cap), "--", *args), "--trace-window", "off"))
+        self.report.add(f"oom: job capped at {cap} MiB fails", proc.returncode != 0, f"exit {proc.returncode}")
+        analysed = self.report.guarded("oom: analysed", self.analyse, out)
+        if analysed is None:
+            return
+        rundata, bundle, findings = analysed
+        self.add(
+            "OOM snapshot analysed, loss frames on top",
+            self.report.guarded("OOM snapshot", check_oom, rundata, bundle, findings),
+        )
+        self.keep("oom", out)
+
+    def zero3(self) -> None:
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as exc:
+            self.report.add(
+                "DeepSpeed ZeRO-3, 1 rank",
+                None,
+                f"DeepSpeed not importable ({type(exc).__name__}); prepare .whl/ (see gpu_check.sh)",
+            )
+            return
+        out = self.work / "zero3"
+        proc = run(probed(out, torchrun(1, "--", "--zero", "3", "--steps", "6"), "--trace-window", "off"))
+        ok = proc.returncode == 0
+        detail = f"exit {proc.returncode} {tail(proc) if not ok else ''}".strip()
+        if ok:
+            from lorascope.rundir.reader import load_run
+
+            rank = load_run(out).ranks[0]
+            srcs = {s["src"] for s in rank.steps}
+            timed = sum(c.device_ms is not None for c in rank.collectives)
+            ok = srcs == {"deepspeed"} and len(rank.steps) == 6
+            detail = (
+                f"steps {len(rank.steps)} from {srcs}; {len(rank.collectives)} collectives, {timed} with device times"
+            )
+        self.report.add("DeepSpeed ZeRO-3, 1 rank", ok, detail)
+
+    def overhead(self) -> None:
+        """Bare vs probed vs probed without allocator history, alternated."""
+        args = ["--", "--engine", "torch", "--steps", "60"]
+        variants = {
+            "bare": lambda: torchrun(1, *args),
+            "probed": lambda: probed(self.work / "ovh-probed", torchrun(1, *args), "--trace-window", "off"),
+            "probed_no_history": lambda: probed(
+                self.work / "ovh-nohist", torchrun(1, *args), "--trace-window", "off", "--no-memory-history"
+            ),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(3):
+            if self.left_s() < 75:
+                break
+            for name, make in variants.items():
+                for stale in self.work.glob("ovh-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                proc = run(make())
+                step = mean_step_s(proc.stdout)
+                if proc.returncode == 0 and step is not None:
+                    times[name].append(step)
+        figures = overhead(times)
+        self.report.figures["overhead"] = figures
+        ok = all(bool(v) for v in times.values())
+        vs = ", ".join(f"{k} {v:+.1%}" for k, v in figures["vs_bare"].items())
+        self.report.add(
+            "probes' overhead on GPU (mean step)",
+            ok,
+            f"{figures['mean_step_s']} over {figures['runs']} runs; vs bare: {vs}",
+        )
+
+    def keep(self, name: str, run_dir: Path) -> None:
+        """Copy a run directory as a fixture (bootstrap left out, big files left out)."""
+        for root in self.fixtures:
+            dest = root / name
+            shutil.rmtree(dest, ignore_errors=True)
+            skipped = []
+            for src in sorted(run_dir.rglob("*")):
+                rel = src.relative_to(run_dir)
+                if not src.is_file() or rel.parts[0] == "bootstrap" or src.name.endswith(".lock"):
+                    continue
+                if src.stat().st_size > MAX_FIXTURE_FILE:
+                    skipped.append(f"{rel} ({src.stat().st_size / 2**20:.1f} MiB)")
+                    continue
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / rel)
+            if skipped:
+                (dest / "LEFT_OUT.txt").write_text("\n".join(skipped) + "\n")
+        self.report.figures.setdefault("fixtures", {})[name] = sum(
+            f.stat().st_size for f in (self.fixtures[0] / name).rglob("*") if f.is_file()
+        )
+
+
+def _interrupted(*_: object) -> None:
+    """SIGTERM from the wrapper's time limit: still print what was verified so far."""
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="lorascope's GPU check (see benchmarks/gpu_check.sh)")
+    p.add_argument("--only", nargs="*", choices=("single", "shared", "oom", "zero3", "overhead"), help="run only these")
+    args = p.parse_args(argv)
+    why = cuda_unavailable()
+    if why is not None:
+        print(f"gpu_check: skipped: {why}; nothing checked", flush=True)
+        return 0
+    import torch
+
+    started = time.time()
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / "gpu-check"
+    out.mkdir(parents=True, exist_ok=True)
+    fixtures = [REPO / "fixtures" / "gpu"] + ([out / "fixtures" / "gpu"] if os.environ.get("OUT") else [])
+    work = Path(tempfile.mkdtemp(prefix="lorascope-gpu-check-"))
+    check = GpuCheck(work, out, fixtures, started)
+    check.report.figures["device"] = torch.cuda.get_device_name(0)
+    check.report.figures["torch"] = torch.__version__
+    steps = {
+        "single": check.single,
+        "shared": check.shared,
+        "oom": check.spike_and_oom,
+        "zero3": check.zero3,
+        "overhead": check.overhead,
+    }
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        for name, step in steps.items():
+            if args.only and name not in args.only:
+                continue
+            if check.left_s() < 45:
+                check.report.add(name, False, f"not run: {check.left_s():.0f} s of the budget left")
+                continue
+            check.report.guarded(name, step)
+    except KeyboardInterrupt:
+        check.report.add("budget", False, "stopped by the time limit")
+    check.report.figures["seconds"] = round(time.time() - started, 1)
+    table = check.report.table()
+    print(
+        "\n"
+        + table
+        + f"\n\n{check.report.figures['device']}, torch {check.report.figures['torch']}, {check.report.figures['seconds']} s"
+    )
+    (out / "gpu-check.txt").write_text(table + "\n")
+    (out / "gpu-check.json").write_text(
+        json.dumps({"checks": [asdict(c) for c in check.report.checks], "figures": check.report.figures}, indent=2)
+        + "\n"
+    )
+    print(f"gpu_check: figures in {out}; fixtures in {', '.join(map(str, fixtures))}; runs in {work}")
+    return 0 if check.report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""CUDA device times of collectives (lorascope/probes/collectives.py) are read lazily: at
+a step end, only event pairs the device has finished are resolved, in call order, and
+nothing ever waits. No GPU here: the events are stand-ins with CUDA events' query /
+elapsed_time contract (benchmarks/gpu_check.sh checks the real ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorascope.probes.collectives import CollectiveProbe
+from lorascope.probes.session import Session
+from lorascope.rundir.reader import load_run
+from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+
+
+class Event:
+    """A CUDA event's contract: query() never blocks; elapsed_time() needs both done."""
+
+    def __init__(self, at_ms: float, done: bool) -> None:
+        self.at_ms, self.done = at_ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: Event) -> float:
+        assert self.done and end.done, "elapsed_time on an unfinished event would synchronise"
+        return end.at_ms - self.at_ms
+
+
+def test_only_finished_pairs_resolve_in_call_order(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ensure_manifest(run)
+    session = Session(Stream(stream_prefix(run, 0, "h", 1)), rank=0, local_rank=0, world_size=1, sample_interval=0)
+    session.record("start", rank=0, world_size=1, local_rank=0, pid=1, host="h", argv=[], versions={}, device="cuda:0")
+    session.record("group", gid=0, name="default_pg", ranks=[0], backend="nccl")
+    for seq in (1, 2, 3):
+        for kind in ("coll", "coll_end"):
+            fields = {"bytes": 4, "dtype": "float32", "async": False, "site": None, "step": 0, "op": "all_reduce"}
+            session.record(kind, seq=seq, gid=0, **(fields if kind == "coll" else {"err": None}))
+    probe = CollectiveProbe(session)
+    pairs = [
+        (Event(0.0, True), Event(1.5, True)),
+        (Event(2.0, True), Event(2.25, False)),
+        (Event(3, True), Event(4, True)),
+    ]
+    for seq, (start, end) in enumerate(pairs, 1):
+        probe._events.append((0, seq, start, end, 0.001 * seq))
+
+    probe.resolve_device_times()  # the second is still running: it and all after it wait
+    assert [e[1] for e in probe._events] == [2, 3]
+    pairs[1][1].done = True
+    probe.resolve_device_times()
+    assert not probe._events
+
+    colls = load_run(run).ranks[0].collectives
+    assert [c.device_ms for c in colls] == [1.5, 0.25, 1.0]
+    dev = [
+        line for line in next((run / "ranks" / "rank-0").glob("*.jsonl")).read_text().splitlines() if "coll_dev" in line
+    ]
+    assert '"host_ms":1.0' in dev[0] and '"host_ms":3.0' in dev[2]
+    assert "collectives" not in session.disabled

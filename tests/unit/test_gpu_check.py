@@ -1,0 +1,108 @@
+"""benchmarks/gpu_check.sh on a machine without CUDA (it skips, exit 0), and the checks it
+applies to each GPU run, on CPU runs and real GPU traces: each must fail where the GPU
+evidence is missing and say what it saw."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lorascope.detect.registry import run_detectors
+from lorascope.ingest.load import load_bundle
+from lorascope.rundir.reader import load_run
+from tests.unit.test_allocator_snapshots import OOM_SNAPSHOTS, _add_snapshot
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+FIXTURES = REPO / "fixtures"
+REAL = REPO.parent / "shared" / "real-traces"
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run benchmarks/gpu_check.sh itself")
+
+
+@NO_CUDA
+def test_script_skips_without_cuda() -> None:
+    res = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("gpu_check: skipped: no CUDA device (torch ")
+    assert gpu_check.main([]) == 0
+
+
+def test_checks_fail_on_a_cpu_run_saying_what_they_saw() -> None:
+    run = load_run(FIXTURES / "healthy")
+    ok, detail = gpu_check.check_ranks_on(run, "cuda:0")
+    assert not ok and "['cpu']" in detail and "'exit'" in detail
+    ok, detail = gpu_check.check_memory_history(run)
+    assert not ok and "rank 0: no memory_history record" in detail  # recorded before the probe existed
+    ok, detail = gpu_check.check_cuda_counters(run)
+    assert not ok and "rank 0: 0/" in detail
+    ok, detail = gpu_check.check_nvml(run)
+    assert not ok and "rank 1: 0 samples" in detail
+    ok, detail = gpu_check.check_device_times(run)
+    timed = [c for c in run.ranks[0].collectives if c.bytes and not c.is_async]
+    assert not ok and f"rank 0 (gloo): 0/{len(timed)} timed" in detail
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/real-traces is not beside the repository")
+def test_kernel_window_check_on_a_real_gpu_trace() -> None:
+    """A real CUDA trace (not a LoRA job): kernels counted, none attributed to adapters."""
+    bundle = load_bundle(REAL / "128rank-job.rank-0.json.gz")
+    ok, detail = gpu_check.check_kernel_window(bundle)
+    assert not ok and "cuda trace" in detail and "lora_A 0, lora_B 0" in detail
+    kernels = int(detail.split(" kernels")[0].rsplit(" ", 1)[1])
+    assert kernels > 0
+
+
+def test_snapshot_and_oom_checks_on_a_run_with_the_probes_snapshots(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURES / "rank0-asymmetry", run_dir)
+    for rank in (0, 1):
+        _add_snapshot(run_dir, rank, OOM_SNAPSHOTS / f"rank-{rank}.pickle", "oom")
+    bundle = load_bundle(run_dir)
+    findings = run_detectors(bundle)
+    ok, detail = gpu_check.check_snapshots(bundle.run, bundle, ("oom",))
+    assert ok and "rank 1: [oom " in detail
+    ok, _ = gpu_check.check_snapshots(bundle.run, bundle, ("oom", "stall"))
+    assert not ok
+    ok, detail = gpu_check.check_oom(bundle.run, bundle, findings)
+    assert not ok and "exception None" in detail and "top category" in detail  # the CPU run did not die of it
+    ok, detail = gpu_check.check_finding(findings, "rank0-asymmetry", "on rank 0 only")
+    assert ok, detail
+    ok, detail = gpu_check.check_finding(findings, "rank0-asymmetry", "gather_to_rank0")
+    assert not ok and "missing ['gather_to_rank0']" in detail
+
+
+def test_oom_cap_sits_between_the_step_start_and_its_peak() -> None:
+    mib = 2**20
+    rank = SimpleNamespace(
+        mem=[
+            {"src": "attach", "rss": 1},
+            {"src": "forward.begin", "cuda": {"alloc": 100 * mib, "max_alloc": 100 * mib}},
+            {"src": "backward.end", "cuda": {"alloc": 150 * mib, "max_alloc": 600 * mib}},
+        ]
+    )
+    assert gpu_check.oom_cap_mib(rank) == 400
+    assert gpu_check.oom_cap_mib(SimpleNamespace(mem=[{"src": "step", "rss": 5}])) is None
+
+
+def test_figures_and_table() -> None:
+    out = "step 1\ntrain_lora: done steps=60 final_loss=6.2 mean_step_s=0.0123\n"
+    assert gpu_check.mean_step_s(out) == 0.0123 and gpu_check.mean_step_s("crashed") is None
+    figures = gpu_check.overhead({"bare": [0.010, 0.012], "probed": [0.0121, 0.0121], "probed_no_history": []})
+    assert figures["vs_bare"] == {"probed": 0.1} and figures["runs"]["probed_no_history"] == 0
+    report = gpu_check.Report()
+    report.add("a", True, "fine")
+    report.add("longer name", None, "DeepSpeed not importable")
+    assert report.passed
+    assert report.guarded("c", lambda: 1 / 0) is None and not report.passed
+    lines = report.table().splitlines()
+    assert lines[2].startswith("a            PASS") and "skip" in lines[3] and "ZeroDivisionError" in lines[4]
