@@ -3,7 +3,8 @@ GPU, in one command, at most 8 minutes on one GPU; a table of what it verified.
 
 Runs (all the probes/ job, probes/train_lora.py, through benchmarks/gpu_job.py):
 
-- ``single``: 1 rank over NCCL (DDP, ``--engine torch``), a gather to rank 0 every step,
+- ``single``: 1 rank over NCCL (DDP, ``--engine torch``), a gather to rank 0 every step
+  (the job's own collectives: DDP's bucketed all-reduce runs in C++, out of sight),
   the Kineto window on (steps 6-7): allocator history on, CUDA counters and NVML in the
   memory records, collectives with device times, CUDA kernels attributed to lora_A/lora_B.
 - ``shared``: 2 ranks on the one GPU over gloo with CUDA tensors (NCCL refuses two ranks
@@ -172,11 +173,17 @@ def tail(proc: subprocess.CompletedProcess[str], n: int = 400) -> str:
 # -- checks on a run directory (pure: unit-tested on CPU fixtures) ----------------------
 
 
-def check_ranks_on(run: Any, device: str) -> tuple[bool, str]:
-    devices = {n: r.start.get("device") for n, r in run.ranks.items()}
+def check_ranks_on(run: Any, device: int) -> tuple[bool, str]:
+    """Every rank's CUDA counters are of this device (the ``start`` record's hint comes
+    from the environment alone: a rank sharing GPU 0 still reads cuda:LOCAL_RANK there),
+    and every rank ended normally."""
+    used = {
+        n: sorted({m["cuda"].get("device") for m in r.mem if isinstance(m.get("cuda"), dict)})
+        for n, r in run.ranks.items()
+    }
     ends = {n: (r.end or {}).get("status") for n, r in run.ranks.items()}
-    ok = bool(devices) and all(d == device for d in devices.values())
-    return ok, f"ranks {sorted(devices)} on {sorted(set(map(str, devices.values())))}, ended {ends}"
+    ok = bool(used) and all(d == [device] for d in used.values()) and all(e == "exit" for e in ends.values())
+    return ok, f"CUDA devices per rank {used}, ended {ends}"
 
 
 def check_memory_history(run: Any) -> tuple[bool, str]:
@@ -270,9 +277,14 @@ def check_snapshots(run: Any, bundle: Any, reasons: tuple[str, ...]) -> tuple[bo
     return ok, "; ".join(parts)
 
 
+#: Where the planted spike's memory is allocated: the script's loss, the model's lm_head
+#: call (transformers' CausalLM forward), torch's cross_entropy.
+LOSS_FRAMES = re.compile(r"train_lora\.py:\d+ in compute_loss|modeling_llama\.py:\d+ in forward|in cross_entropy")
+
+
 def check_oom(run: Any, bundle: Any, findings: list[Any]) -> tuple[bool, str]:
     """The rank died of an OOM, the observer's snapshot was written, and the oom finding
-    from it puts the loss's logits on top (the planted spike)."""
+    from it has the loss's frames among its top sites (the planted spike)."""
     rank = run.ranks.get(0)
     if rank is None:
         return False, "rank 0 wrote no stream"
@@ -285,9 +297,23 @@ def check_oom(run: Any, bundle: Any, findings: list[Any]) -> tuple[bool, str]:
     top = max(cats, key=cats.get) if cats else None
     sites = oom.details.get("sites", [])[:3]
     from_snapshot = str(run.path) in oom.evidence[0].source
-    ok = exc == "OutOfMemoryError" and len(snaps) == 1 and from_snapshot and top == "logits"
+    loss_on_top = any(LOSS_FRAMES.search(site) for site in sites)
+    ok = exc == "OutOfMemoryError" and len(snaps) == 1 and from_snapshot and loss_on_top
     via = snaps[0].get("via") if snaps else None
-    return ok, f"exception {exc}; snapshot via {via}; top category {top}; top sites {sites}"
+    return ok, f"exception {exc}; snapshot via {via}; top category {top} of {cats}; top sites {sites}"
+
+
+def check_gpu0_guests(run: Any) -> tuple[bool | None, str]:
+    """NVML on rank 0's GPU lists the other ranks' processes (they share GPU 0 here).
+    Not applicable when NVML reports PIDs of another namespace (a container)."""
+    rank0 = run.ranks.get(0)
+    if rank0 is None:
+        return False, "rank 0 wrote no stream"
+    pids = {p for m in rank0.mem if isinstance(m.get("nvml"), dict) for p in (m["nvml"].get("pids") or [])}
+    if rank0.pid not in pids:
+        return None, f"NVML lists {sorted(pids)[:8]}, not rank 0's own pid {rank0.pid}: another PID namespace"
+    others = {n: r.pid in pids for n, r in run.ranks.items() if n != 0}
+    return bool(others) and all(others.values()), f"other ranks listed on rank 0's GPU: {others}"
 
 
 def check_finding(findings: list[Any], finding_id: str, *needles: str) -> tuple[bool, str]:
@@ -339,13 +365,13 @@ class GpuCheck:
         bundle = load_bundle(path)
         return bundle.run, bundle, run_detectors(bundle)
 
-    def add(self, name: str, result: tuple[bool, str] | None) -> None:
+    def add(self, name: str, result: tuple[bool | None, str] | None) -> None:
         if result is not None:
             self.report.add(name, *result)
 
     def single(self) -> None:
         out = self.work / "single"
-        cmd = torchrun(1, "--", "--engine", "torch", "--fault", "rank0-asymmetry-gather", "--steps", "12")
+        cmd = torchrun(1, "--", "--engine", "torch", "--fault", "rank0-asymmetry-gather", "--steps", "30")
         proc = run(probed(out, cmd, "--trace-window", "5:2"))
         self.report.add(
             "single: 1 rank, NCCL, probed",
@@ -357,7 +383,7 @@ class GpuCheck:
             return
         rundata, bundle, _ = analysed
         g = self.report.guarded
-        self.add("single: ranks on cuda:0", g("single: ranks on cuda:0", check_ranks_on, rundata, "cuda:0"))
+        self.add("single: ranks on cuda:0", g("single: ranks on cuda:0", check_ranks_on, rundata, 0))
         self.add("allocator history on, OOM observer", g("allocator history", check_memory_history, rundata))
         self.add("CUDA counters in memory records", g("CUDA counters", check_cuda_counters, rundata))
         self.add("NVML samples in memory records", g("NVML samples", check_nvml, rundata))
@@ -398,13 +424,14 @@ class GpuCheck:
             return
         rundata, bundle, findings = analysed
         g = self.report.guarded
-        self.add("shared: ranks on cuda:0", g("shared: ranks on cuda:0", check_ranks_on, rundata, "cuda:0"))
+        self.add("shared: ranks on cuda:0", g("shared: ranks on cuda:0", check_ranks_on, rundata, 0))
         self.add("gloo CUDA collectives with device times", g("gloo device times", check_device_times, rundata))
         self.add(
             "snapshots at stall and hang, analysed",
             g("snapshots", check_snapshots, rundata, bundle, ("stall", "signal")),
         )
-        self.add("NVML: both ranks' processes on GPU 0", g("NVML shared", check_nvml, rundata))
+        self.add("NVML samples, both ranks", g("NVML shared", check_nvml, rundata))
+        self.add("NVML: rank 1's process on rank 0's GPU", g("NVML guests", check_gpu0_guests, rundata))
         self.add(
             "rank0-asymmetry from CUDA memory + snapshots",
             g("rank0-asymmetry", check_finding, findings, "rank0-asymmetry", "on rank 0 only", "gather_to_rank0"),
@@ -423,7 +450,7 @@ class GpuCheck:
             except LorascopeError:
                 stalled = []
             if len(stalled) == 2 and all(stalled):
-                res = run([sys.executable, "-m", "lorascope", "hang", str(out), "--json", "--wait", "8"])
+                res = run([sys.executable, "-m", "lorascope", "hang", str(out), "--json", "--wait", "8", "--no-html"])
                 try:
                     verdict = json.loads(res.stdout).get("verdict", "")
                 except ValueError:

@@ -39,8 +39,8 @@ def test_script_skips_without_cuda() -> None:
 
 def test_checks_fail_on_a_cpu_run_saying_what_they_saw() -> None:
     run = load_run(FIXTURES / "healthy")
-    ok, detail = gpu_check.check_ranks_on(run, "cuda:0")
-    assert not ok and "['cpu']" in detail and "'exit'" in detail
+    ok, detail = gpu_check.check_ranks_on(run, 0)
+    assert not ok and "{0: [], 1: []}" in detail and "'exit'" in detail
     ok, detail = gpu_check.check_memory_history(run)
     assert not ok and "rank 0: no memory_history record" in detail  # recorded before the probe existed
     ok, detail = gpu_check.check_cuda_counters(run)
@@ -106,3 +106,23 @@ def test_figures_and_table() -> None:
     assert report.guarded("c", lambda: 1 / 0) is None and not report.passed
     lines = report.table().splitlines()
     assert lines[2].startswith("a            PASS") and "skip" in lines[3] and "ZeroDivisionError" in lines[4]
+
+
+def _rank(pid: int, *pid_lists: list[int] | None) -> SimpleNamespace:
+    return SimpleNamespace(pid=pid, mem=[{"src": "sampler", "nvml": {"used": 1, "pids": p}} for p in pid_lists])
+
+
+def test_gpu0_guests_check() -> None:
+    shared = SimpleNamespace(ranks={0: _rank(10, [10], [10, 11]), 1: _rank(11, [10, 11])})
+    assert gpu_check.check_gpu0_guests(shared) == (True, "other ranks listed on rank 0's GPU: {1: True}")
+    alone = SimpleNamespace(ranks={0: _rank(10, [10]), 1: _rank(11, None)})
+    assert gpu_check.check_gpu0_guests(alone)[0] is False
+    container = SimpleNamespace(ranks={0: _rank(10, [4242, 4243]), 1: _rank(11, [4242, 4243])})
+    ok, detail = gpu_check.check_gpu0_guests(container)
+    assert ok is None and "another PID namespace" in detail
+
+
+def test_loss_frames() -> None:
+    assert gpu_check.LOSS_FRAMES.search("/repo/probes/train_lora.py:345 in compute_loss")
+    assert gpu_check.LOSS_FRAMES.search("transformers/models/llama/modeling_llama.py:480 in forward")
+    assert not gpu_check.LOSS_FRAMES.search("/repo/probes/train_lora.py:413 in gather_to_rank0")
