@@ -41,6 +41,9 @@ def assert_complete_two_rank_run(fin: Finished, steps: int) -> None:
         assert rank.end == {**rank.end, "status": "exit", "code": 0}
         assert rank.probe_errors == []
         assert all(not c.pending and c.err is None for c in rank.collectives)
+        # allocator history needs CUDA: off, silently, with the reason (no snapshot files)
+        assert rank.memory_history == {**rank.memory_history, "on": False}
+        assert "built without CUDA" in rank.memory_history["reason"] and rank.snapshots == []
     seqs = [[(c.group, c.op, c.bytes) for c in r.collectives] for r in run.ranks.values()]
     assert len(seqs[0]) > 10 * steps and seqs[0] == seqs[1], "ranks issue the same collectives in order"
     manifest = json.loads((fin.out / "manifest.json").read_text())
@@ -114,9 +117,10 @@ def test_deepspeed_launcher_job_is_fully_recorded(tmp_path: Path) -> None:
 
 
 def test_plain_torch_loop_is_recorded(tmp_path: Path) -> None:
-    fin = probed(tmp_path / "run", torchrun(free_port(), "--steps", "5", "--engine", "torch"))
+    fin = probed(tmp_path / "run", torchrun(free_port(), "--steps", "5", "--engine", "torch"), "--no-memory-history")
     assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
     for rank in load_run(fin.out).ranks.values():
+        assert rank.memory_history["on"] is False and "switched off" in rank.memory_history["reason"]
         assert [s["src"] for s in rank.steps] == ["torch"] * 5
         assert all(s["loss"] is not None for s in rank.steps)
         assert {p["name"] for p in rank.phases} == {"forward", "backward", "optimizer"}

@@ -73,6 +73,9 @@ def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None
     assert all(m["rss"] > 0 for m in rank.mem) and len(rank.mem) >= 12
     assert rank.end is not None and rank.end["status"] == "exit"
     assert rank.probe_errors == []
+    # torch was imported before attach(): the allocator probe still decided, silently
+    assert rank.memory_history["on"] is False and "built without CUDA" in rank.memory_history["reason"]
+    assert "allocator" not in proc.stderr
 
 
 def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_path: Path) -> None:
