@@ -173,7 +173,7 @@ class AllocatorProbe:
             path = self._prefix.with_name(f"{self._prefix.name}.snapshot.{reason}.pickle")
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
-                pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(data, f)  # as torch.cuda.memory._dump_snapshot writes it
             os.replace(tmp, path)
             traces = data.get("device_traces") or []
             self.session.record(

@@ -5,7 +5,9 @@ A rank stuck in a collective sits in C code with the GIL released, where a Pytho
 signal handler would never run. So the signal is blocked in the main thread at attach
 (threads started later inherit the mask) and taken by a dedicated thread with
 ``sigwait``; that thread reads every thread's stack, the pending collectives, a
-memory reading and torch's flight recorder, and writes them as a ``dump`` record.
+memory reading and torch's flight recorder, and writes them as a ``dump`` record; on a
+CUDA rank it also writes an allocator snapshot (probes/allocator.py). ``kill -URG PID``
+asks one rank for the same.
 
 DUMP_SIGNAL is SIGURG: its default action is to ignore it, so a process without
 lorascope's thread (or not lorascope's at all) is never harmed by one; training stacks
