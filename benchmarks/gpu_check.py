@@ -247,7 +247,7 @@ def check_device_times(run: Any) -> tuple[bool, str]:
 
 def check_kernel_window(bundle: Any) -> tuple[bool, str]:
     """The trace window holds CUDA kernels, some attributed to lora_A and lora_B."""
-    from lorascope.ingest.kineto_modules import table_from_trace
+    from lorascope.detect.kernel_attribution import table_from_trace
 
     if not bundle.traces:
         return False, "no trace loaded from the run"
