@@ -79,11 +79,12 @@ def cap_memory(mib: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours, theirs = _split(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--share-gpu", action="store_true")
     p.add_argument("--memory-cap-mib", type=int)
     p.add_argument("--stall", metavar="RANK:STEP:SECONDS")
-    args = p.parse_args(ours)
+    # whatever is not ours is train_lora.py's (a launcher may have dropped the "--")
+    args, rest = p.parse_known_args(ours)
     train_lora = load_train_lora()
     if args.share_gpu:
         share_gpu(train_lora)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         plant_stall(train_lora, args.stall)
     if args.memory_cap_mib:
         cap_memory(args.memory_cap_mib)
-    train_lora.main(theirs)
+    train_lora.main(rest + theirs)
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:

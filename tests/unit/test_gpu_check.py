@@ -126,3 +126,10 @@ def test_loss_frames() -> None:
     assert gpu_check.LOSS_FRAMES.search("/repo/probes/train_lora.py:345 in compute_loss")
     assert gpu_check.LOSS_FRAMES.search("transformers/models/llama/modeling_llama.py:480 in forward")
     assert not gpu_check.LOSS_FRAMES.search("/repo/probes/train_lora.py:413 in gather_to_rank0")
+
+
+def test_job_wrapper_splits_its_options_from_the_jobs() -> None:
+    import gpu_job
+
+    assert gpu_job._split(["--stall", "1:8:12", "--", "--steps", "3"]) == (["--stall", "1:8:12"], ["--steps", "3"])
+    assert gpu_job._split(["--share-gpu", "--steps", "3"]) == (["--share-gpu", "--steps", "3"], [])
