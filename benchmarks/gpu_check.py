@@ -336,6 +336,13 @@ def oom_cap_mib(rank: Any) -> int | None:
     return int((start + 0.6 * (peak - start)) / 2**20)
 
 
+def peak_rss(run_dir: Path) -> int:
+    """Rank 0's largest RSS sample in a run directory."""
+    from lorascope.rundir.reader import load_run
+
+    return max((m["rss"] or 0) for m in load_run(run_dir).ranks[0].mem)
+
+
 def overhead(times: dict[str, list[float]]) -> dict[str, Any]:
     """Mean step seconds per variant and each probed variant against bare."""
     means = {k: statistics.mean(v) for k, v in times.items() if v}
@@ -529,25 +536,31 @@ class GpuCheck:
                 self.work / "ovh-nohist", torchrun(1, *args), "--trace-window", "off", "--no-memory-history"
             ),
         }
+        dirs = {"probed": self.work / "ovh-probed", "probed_no_history": self.work / "ovh-nohist"}
         times: dict[str, list[float]] = {k: [] for k in variants}
+        rss: dict[str, list[int]] = {k: [] for k in dirs}
         for _ in range(3):
             if self.left_s() < 75:
                 break
             for name, make in variants.items():
-                for stale in self.work.glob("ovh-*"):
+                for stale in dirs.values():
                     shutil.rmtree(stale, ignore_errors=True)
                 proc = run(make())
                 step = mean_step_s(proc.stdout)
                 if proc.returncode == 0 and step is not None:
                     times[name].append(step)
+                if name in dirs and proc.returncode == 0:
+                    rss[name].append(peak_rss(dirs[name]))
         figures = overhead(times)
+        # host memory the allocator history costs: the probed ranks' peak RSS, with and without
+        figures["peak_rss_mib"] = {k: round(statistics.mean(v) / 2**20, 1) for k, v in rss.items() if v}
         self.report.figures["overhead"] = figures
         ok = all(bool(v) for v in times.values())
         vs = ", ".join(f"{k} {v:+.1%}" for k, v in figures["vs_bare"].items())
         self.report.add(
             "probes' overhead on GPU (mean step)",
             ok,
-            f"{figures['mean_step_s']} over {figures['runs']} runs; vs bare: {vs}",
+            f"{figures['mean_step_s']} over {figures['runs']} runs; vs bare: {vs}; peak RSS MiB {figures['peak_rss_mib']}",
         )
 
     def keep(self, name: str, run_dir: Path) -> None:

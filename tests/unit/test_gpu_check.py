@@ -133,3 +133,8 @@ def test_job_wrapper_splits_its_options_from_the_jobs() -> None:
 
     assert gpu_job._split(["--stall", "1:8:12", "--", "--steps", "3"]) == (["--stall", "1:8:12"], ["--steps", "3"])
     assert gpu_job._split(["--share-gpu", "--steps", "3"]) == (["--share-gpu", "--steps", "3"], [])
+
+
+def test_peak_rss_of_a_run() -> None:
+    rank0 = load_run(FIXTURES / "healthy").ranks[0]
+    assert gpu_check.peak_rss(FIXTURES / "healthy") == max(m["rss"] for m in rank0.mem) > 0
