@@ -8,9 +8,11 @@ When recording starts: from ``torch.cuda._lazy_call`` (the queue torch runs righ
 it initialises CUDA, or at once when CUDA is already up), so the probe never creates a
 CUDA context itself and the blocks the job allocates from then on carry Python stacks.
 What is recorded: ``enabled="all"`` (the alloc/free history, a ring of ``max_entries``
-entries), ``context="alloc"`` (stacks of allocations, not of frees: half the capture
-cost; the readers use allocation stacks only), ``stacks="python"`` (C++ unwinding makes
-the dump symbolise for minutes).
+entries), ``context="alloc"`` (stacks of allocations and of live blocks, not of frees:
+half the capture cost; only a block allocated before the ring's oldest entry and freed
+within it loses its stack), ``stacks="python"`` (C++ frames are costly to symbolise at
+the dump; the price: allocations made by autograd's device threads, which have no Python
+stack, show no frames).
 
 When a snapshot is written (``snapshot`` records; files ``HOST-PID.snapshot.REASON.pickle``):
 - ``oom``: from the allocator's OOM observer (``torch._C._cuda_attach_out_of_memory_observer``),
