@@ -47,6 +47,32 @@ def real_trace(name: str) -> Path:
     return path
 
 
+# --- allocator snapshots as the probes write them into a run directory ---------------------
+
+#: Two ranks' snapshots at a LoRA OOM, in torch's pickle format (fixtures/snapshots/build.py).
+OOM_SNAPSHOTS = FIXTURES / "snapshots" / "lora-oom"
+
+
+def _stream(rank_dir: Path) -> Path:
+    [stream] = rank_dir.glob("*.0000.jsonl")
+    return stream
+
+
+def add_snapshot(run: Path, rank: int, source: Path, reason: str) -> Path:
+    """Put SOURCE into RUN as rank RANK's snapshot, as the probe does: the file next to
+    the stream, its ``snapshot`` record before the rank's last record."""
+    stream = _stream(run / "ranks" / f"rank-{rank}")
+    proc = stream.name.removesuffix(".0000.jsonl")
+    target = stream.with_name(f"{proc}.snapshot.{reason}.pickle")
+    shutil.copyfile(source, target)
+    lines = stream.read_text().splitlines(keepends=True)
+    last_t = json.loads(lines[-1])["t"]
+    record = {"file": target.name, "reason": reason, "bytes": target.stat().st_size, "k": "snapshot", "t": last_t}
+    lines.insert(len(lines) - 1, json.dumps(record) + "\n")
+    stream.write_text("".join(lines))
+    return target
+
+
 # --- the real 2-rank LoRA job (probes/train_lora.py) on CPU over gloo ----------------------
 
 TRAIN = str(REPO / "probes" / "train_lora.py")

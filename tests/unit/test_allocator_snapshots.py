@@ -10,7 +10,6 @@ no device (the switch, the OOM chain, the CPU build's off-switch) run for real.
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 from pathlib import Path
@@ -26,29 +25,7 @@ from lorascope.probes.allocator import MAX_REQUESTED, AllocatorProbe, is_oom, pa
 from lorascope.probes.session import Session
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
-
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-OOM_SNAPSHOTS = FIXTURES / "snapshots" / "lora-oom"
-
-
-def _stream(rank_dir: Path) -> Path:
-    [stream] = rank_dir.glob("*.0000.jsonl")
-    return stream
-
-
-def _add_snapshot(run: Path, rank: int, source: Path, reason: str) -> Path:
-    """Put SOURCE into RUN as rank RANK's snapshot, as the probe does: the file next to
-    the stream, its ``snapshot`` record before the rank's last record."""
-    stream = _stream(run / "ranks" / f"rank-{rank}")
-    proc = stream.name.removesuffix(".0000.jsonl")
-    target = stream.with_name(f"{proc}.snapshot.{reason}.pickle")
-    shutil.copyfile(source, target)
-    lines = stream.read_text().splitlines(keepends=True)
-    last_t = json.loads(lines[-1])["t"]
-    record = {"file": target.name, "reason": reason, "bytes": target.stat().st_size, "k": "snapshot", "t": last_t}
-    lines.insert(len(lines) - 1, json.dumps(record) + "\n")
-    stream.write_text("".join(lines))
-    return target
+from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot
 
 
 @pytest.fixture
@@ -57,7 +34,7 @@ def asym_run(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(FIXTURES / "rank0-asymmetry", run)
     for rank in (0, 1):
-        _add_snapshot(run, rank, OOM_SNAPSHOTS / f"rank-{rank}.pickle", "oom")
+        add_snapshot(run, rank, OOM_SNAPSHOTS / f"rank-{rank}.pickle", "oom")
     return run
 
 
@@ -84,8 +61,8 @@ def test_run_dir_snapshot_is_analysed_as_that_ranks(asym_run: Path) -> None:
 def test_oom_snapshot_stands_for_the_rank_over_later_ones(tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(FIXTURES / "rank0-asymmetry", run)
-    _add_snapshot(run, 0, OOM_SNAPSHOTS / "rank-0.pickle", "oom")
-    _add_snapshot(run, 0, FIXTURES / "snapshots" / "fragmented" / "rank-0.pickle", "signal-1795944980")
+    add_snapshot(run, 0, OOM_SNAPSHOTS / "rank-0.pickle", "oom")
+    add_snapshot(run, 0, FIXTURES / "snapshots" / "fragmented" / "rank-0.pickle", "signal-1795944980")
     rank0 = load_run(run).ranks[0]
     assert [s["reason"] for s in rank0.snapshots] == ["oom", "signal-1795944980"]
     assert rank_snapshot(rank0)["reason"] == "oom"
@@ -99,8 +76,8 @@ def test_bad_or_missing_snapshot_files_are_warnings(tmp_path: Path) -> None:
     shutil.copytree(FIXTURES / "rank0-asymmetry", run)
     evil = tmp_path / "evil.pickle"
     evil.write_bytes(pickle.dumps({"segments": [shutil.rmtree]}))  # a GLOBAL opcode: refused, never loaded
-    _add_snapshot(run, 0, evil, "oom")
-    gone = _add_snapshot(run, 1, OOM_SNAPSHOTS / "rank-1.pickle", "oom")
+    add_snapshot(run, 0, evil, "oom")
+    gone = add_snapshot(run, 1, OOM_SNAPSHOTS / "rank-1.pickle", "oom")
     gone.unlink()
     bundle = load_bundle(run)
     assert bundle.snapshots == {}

@@ -16,14 +16,12 @@ import torch
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle
 from lorascope.rundir.reader import load_run
-from tests.unit.test_allocator_snapshots import OOM_SNAPSHOTS, _add_snapshot
+from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot, real_trace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 
-FIXTURES = REPO / "fixtures"
-REAL = REPO.parent / "shared" / "real-traces"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run benchmarks/gpu_check.sh itself")
 
 
@@ -52,10 +50,9 @@ def test_checks_fail_on_a_cpu_run_saying_what_they_saw() -> None:
     assert not ok and f"rank 0 (gloo): 0/{len(timed)} timed" in detail
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/real-traces is not beside the repository")
 def test_kernel_window_check_on_a_real_gpu_trace() -> None:
     """A real CUDA trace (not a LoRA job): kernels counted, none attributed to adapters."""
-    bundle = load_bundle(REAL / "128rank-job.rank-0.json.gz")
+    bundle = load_bundle(real_trace("128rank-job.rank-0.json.gz"))
     ok, detail = gpu_check.check_kernel_window(bundle)
     assert not ok and "cuda trace" in detail and "lora_A 0, lora_B 0" in detail
     kernels = int(detail.split(" kernels")[0].rsplit(" ", 1)[1])
@@ -66,7 +63,7 @@ def test_snapshot_and_oom_checks_on_a_run_with_the_probes_snapshots(tmp_path: Pa
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURES / "rank0-asymmetry", run_dir)
     for rank in (0, 1):
-        _add_snapshot(run_dir, rank, OOM_SNAPSHOTS / f"rank-{rank}.pickle", "oom")
+        add_snapshot(run_dir, rank, OOM_SNAPSHOTS / f"rank-{rank}.pickle", "oom")
     bundle = load_bundle(run_dir)
     findings = run_detectors(bundle)
     ok, detail = gpu_check.check_snapshots(bundle.run, bundle, ("oom",))
