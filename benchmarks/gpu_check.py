@@ -310,6 +310,8 @@ def check_gpu0_guests(run: Any) -> tuple[bool | None, str]:
     if rank0 is None:
         return False, "rank 0 wrote no stream"
     pids = {p for m in rank0.mem if isinstance(m.get("nvml"), dict) for p in (m["nvml"].get("pids") or [])}
+    if not pids:
+        return False, "rank 0's NVML samples list no process"
     if rank0.pid not in pids:
         return None, f"NVML lists {sorted(pids)[:8]}, not rank 0's own pid {rank0.pid}: another PID namespace"
     others = {n: r.pid in pids for n, r in run.ranks.items() if n != 0}

@@ -114,6 +114,7 @@ def test_gpu0_guests_check() -> None:
     assert gpu_check.check_gpu0_guests(shared) == (True, "other ranks listed on rank 0's GPU: {1: True}")
     alone = SimpleNamespace(ranks={0: _rank(10, [10]), 1: _rank(11, None)})
     assert gpu_check.check_gpu0_guests(alone)[0] is False
+    assert gpu_check.check_gpu0_guests(SimpleNamespace(ranks={0: _rank(10), 1: _rank(11)}))[0] is False
     container = SimpleNamespace(ranks={0: _rank(10, [4242, 4243]), 1: _rank(11, [4242, 4243])})
     ok, detail = gpu_check.check_gpu0_guests(container)
     assert ok is None and "another PID namespace" in detail
