@@ -134,9 +134,12 @@ class AllocatorProbe:
         )
         self.recording = True
         attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if attach is not None:
-            attach(self._on_oom)
-            self.oom_observer = True
+        try:
+            if attach is not None:
+                attach(self._on_oom)
+                self.oom_observer = True
+        except Exception:
+            pass  # the history still serves: an uncaught OOM and the dumps on request write snapshots
         self._decide(True, None)
 
     def _finish(self) -> None:
