@@ -85,6 +85,10 @@ def rank_snapshot(rank: RankData) -> dict[str, Any] | None:
 def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
     """The rank's own snapshot, analysed as that rank's (read with the safe unpickler)."""
     chosen = rank_snapshot(rank)
+    history = rank.memory_history
+    used_cuda = any(isinstance(m.get("cuda"), dict) for m in rank.mem)
+    if used_cuda and history is not None and not history.get("on") and "switched off" not in str(history.get("reason")):
+        bundle.warnings.append(f"rank {rank.rank}: no allocator history on this CUDA rank: {history.get('reason')}")
     if chosen is None or rank.rank in bundle.snapshots:
         return
     try:

@@ -10,6 +10,7 @@ no device (the switch, the OOM chain, the CPU build's off-switch) run for real.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -209,3 +210,30 @@ def test_uncaught_oom_dumps_when_no_observer_did(tmp_path: Path, monkeypatch: py
         probe.after_exception(exc)
     [snap] = load_run(tmp_path / "run").ranks[0].snapshots
     assert snap["reason"] == "oom" and snap["via"] == "exception"
+
+
+def test_a_cuda_rank_without_history_says_why(tmp_path: Path) -> None:
+    """Recording failed on a rank that used CUDA: the analysis warns, naming torch's error
+    (a CPU rank, or one switched off by the user, is not worth a line)."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "healthy", run)
+    for rank, reason in ((0, "RuntimeError: cudaMallocAsync does not yet support recordHistory"), (1, "switched off")):
+        stream = next((run / "ranks" / f"rank-{rank}").glob("*.0000.jsonl"))
+        lines = stream.read_text().splitlines(keepends=True)
+        t = json.loads(lines[1])["t"]
+        extra = [
+            {"on": False, "reason": reason, "k": "memory_history", "t": t},
+            {
+                "src": "sampler",
+                "step": 0,
+                "rss": 1,
+                "cuda": {"device": 0, "alloc": 1, "reserved": 2, "max_alloc": 1},
+                "k": "mem",
+                "t": t,
+            },
+        ]
+        stream.write_text(lines[0] + "".join(json.dumps(r) + "\n" for r in extra) + "".join(lines[1:]))
+    warnings = [w for w in load_bundle(run).warnings if "allocator history" in w]
+    assert warnings == [
+        "rank 0: no allocator history on this CUDA rank: RuntimeError: cudaMallocAsync does not yet support recordHistory"
+    ]
