@@ -1,5 +1,9 @@
-"""`lorascope export RUN --perfetto OUT.json.gz`: the whole job as one timeline for
-Perfetto (ui.perfetto.dev, opened locally) and chrome://tracing."""
+"""`lorascope export`: lorascope's evidence in the tools users already use.
+
+``--perfetto OUT.json.gz``: the whole job as one timeline for Perfetto (ui.perfetto.dev,
+opened locally) and chrome://tracing. ``--snapshot RANK -o OUT.pickle``: that rank's
+allocator snapshot as the pickle ``torch.cuda.memory._dump_snapshot`` writes, which
+pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` open."""
 
 from __future__ import annotations
 
@@ -29,17 +33,41 @@ def _steps(text: str) -> tuple[int, int]:
     "--perfetto",
     "out",
     type=click.Path(path_type=Path, dir_okay=False),
-    required=True,
+    default=None,
     help="Write the timeline here (Chrome trace-event JSON; gzipped when the name ends in .gz).",
+)
+@click.option("--snapshot", "snapshot_rank", type=int, default=None, help="Export this rank's allocator snapshot.")
+@click.option(
+    "-o",
+    "--out",
+    "snapshot_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Where --snapshot writes (default: snapshot-rank-RANK.pickle).",
 )
 @click.option("--steps", "steps", default=None, help="Only steps A:B (or one step A) of the first rank.")
 @click.option("--from", "t_from", type=float, default=None, help="Only from this many seconds after the run began.")
 @click.option("--to", "t_to", type=float, default=None, help="Only up to this many seconds after the run began.")
 @click.option("--max-events", type=int, default=MAX_EVENTS, show_default=True, help="Write at most this many events.")
-def command(path: Path, out: Path, steps: str | None, t_from: float | None, t_to: float | None, max_events: int) -> int:
-    """Export the run as one timeline: a process per rank with steps, phases and
-    collectives (flow arrows join a collective across ranks), memory counters, the
-    findings as instants and the kernel-trace window."""
+def command(
+    path: Path,
+    out: Path | None,
+    snapshot_rank: int | None,
+    snapshot_out: Path | None,
+    steps: str | None,
+    t_from: float | None,
+    t_to: float | None,
+    max_events: int,
+) -> int:
+    """Export a run: as one timeline (--perfetto: a process per rank with steps, phases
+    and collectives, flow arrows joining a collective across ranks, memory counters, the
+    findings as instants and the kernel-trace window), or a rank's allocator snapshot
+    (--snapshot) for memory_viz."""
+    if (out is None) == (snapshot_rank is None):
+        raise UsageError("give --perfetto OUT or --snapshot RANK (one of them)")
+    if snapshot_rank is not None:
+        return _snapshot(path, snapshot_rank, snapshot_out or Path(f"snapshot-rank-{snapshot_rank}.pickle"))
+    assert out is not None
     if max_events < 1:
         raise UsageError("--max-events must be at least 1")
     with terminal_progress(True) as progress:
@@ -63,4 +91,22 @@ def command(path: Path, out: Path, steps: str | None, t_from: float | None, t_to
     click.echo(
         f"lorascope: {len(doc['traceEvents']):,} events written to {out}" + (f" ({note})" if note else ""), err=True
     )
+    return 0
+
+
+def _snapshot(path: Path, rank: int, out: Path) -> int:
+    """Copy the rank's snapshot file (the one the analysis used: the OOM one, else the
+    latest) byte for byte, after the safe reader has read it: it is already the standard
+    pickle; nothing is unpickled with pickle.load."""
+    with terminal_progress(True) as progress:
+        bundle = analyze(path, progress=progress).bundle
+    snapshot = bundle.snapshots.get(rank)
+    if snapshot is None:
+        have = ", ".join(map(str, sorted(bundle.snapshots))) or "none"
+        raise BadInputError(f"{path}: no allocator snapshot of rank {rank} (ranks with one: {have})")
+    try:
+        out.write_bytes(Path(snapshot.path).read_bytes())
+    except OSError as exc:
+        raise BadInputError(f"cannot write {out}: {exc.strerror}") from None
+    click.echo(f"lorascope: rank {rank}'s allocator snapshot ({snapshot.path}) written to {out}", err=True)
     return 0

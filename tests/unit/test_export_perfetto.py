@@ -92,3 +92,32 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert res.returncode == 3 and res.stderr.count("\n") == 1 and "not a lorascope run directory" in res.stderr
     res = export(FIXTURES / "healthy", tmp_path / "x.json", "--steps", "a:b")
     assert res.returncode == 2 and "--steps" in res.stderr
+
+
+def test_snapshot_export_is_the_standard_pickle(tmp_path: Path) -> None:
+    """A run directory's allocator snapshot comes out byte for byte as torch wrote it (what
+    memory_viz opens), after the safe reader read it; a rank without one is one line."""
+    import shutil
+
+    from tests.helpers import add_snapshot
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "rank0-asymmetry", run)
+    source = FIXTURES / "snapshots" / "lora-oom" / "rank-1.pickle"
+    add_snapshot(run, 1, source, "oom")
+    out = tmp_path / "rank1.pickle"
+    res = subprocess.run(
+        [sys.executable, "-m", "lorascope", "export", str(run), "--snapshot", "1", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes() == source.read_bytes()
+    res = subprocess.run(
+        [sys.executable, "-m", "lorascope", "export", str(run), "--snapshot", "0", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 3 and "no allocator snapshot of rank 0 (ranks with one: 1)" in res.stderr
