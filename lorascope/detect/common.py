@@ -58,3 +58,32 @@ def short_site(site: str | None) -> str:
         return "?"
     path, _, rest = site.partition(":")
     return f"{path.rsplit('/', 1)[-1]}:{rest}"
+
+
+#: Device memory at or above this share is an error on its own: the next longer batch,
+#: eval pass or fragmented allocation runs out.
+FULL_DEVICE_SHARE = 0.90
+
+
+def device_fill(rank: RankData) -> float | None:
+    """The highest share of the rank's device memory in use (NVML's used over total, every
+    process on the GPU counted); None without a device budget (CPU, or no NVML)."""
+    shares = [
+        nvml["used"] / nvml["total"]
+        for m in rank.mem
+        if isinstance(nvml := m.get("nvml"), dict) and nvml.get("total") and nvml.get("used") is not None
+    ]
+    return max(shares) if shares else None
+
+
+def device_total(rank: RankData) -> int | None:
+    """The rank's device memory, bytes, where NVML recorded it."""
+    totals = [nvml["total"] for m in rank.mem if isinstance(nvml := m.get("nvml"), dict) and nvml.get("total")]
+    return max(totals) if totals else None
+
+
+def run_failed_here(rank: RankData) -> bool:
+    """The memory findings' test for an error: the rank ran out of memory, or its device
+    was at least FULL_DEVICE_SHARE full (docs/detectors.md, severity)."""
+    fill = device_fill(rank)
+    return ended_with_oom(rank) or (fill is not None and fill >= FULL_DEVICE_SHARE)

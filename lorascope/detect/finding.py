@@ -36,8 +36,5 @@ class Finding:
     #: Free-form data for reports and charts (e.g. the aligned collective table).
     details: dict[str, Any] = field(default_factory=dict)
 
-    def sort_key(self) -> tuple[int, int]:
-        return (-SEVERITY_ORDER[self.severity], -CONFIDENCE_ORDER[self.confidence])
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,8 +11,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lorascope.detect.common import mem_value, memory_kind, peak_memory, stream_source
-from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.common import (
+    device_total,
+    mem_value,
+    memory_kind,
+    peak_memory,
+    run_failed_here,
+    stream_source,
+)
+from lorascope.detect.finding import Evidence, Finding, Severity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import fmt_bytes
@@ -26,6 +33,14 @@ LIVE_COPIES = 3
 MIN_SHARE_OF_STEP = 0.25
 #: ... and at least this much in absolute terms.
 MIN_BYTES = 32 * 2**20
+#: Severity follows consequence (docs/detectors.md): an error when the rank ran out of
+#: memory or filled its device; a warning when the spike is a real cost in its own right,
+#: this much or this share of the device; else a note (a large share of a small job's
+#: budget) that projects the term to a training-sized batch.
+WARNING_BYTES = 2**30
+WARNING_DEVICE_SHARE = 0.10
+#: The batch the note projects to: 4 sequences of 4,096 tokens.
+PROJECTED_TOKENS = 4 * 4096
 
 
 def _baseline(rank: RankData) -> int | None:
@@ -98,6 +113,8 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
             "spike_bytes": spike,
             "step_memory_bytes": step_memory,
             "dtype": rec["dtype"],
+            "failed": run_failed_here(rank),
+            "device_total": device_total(rank),
         },
     )
 
@@ -129,7 +146,38 @@ def _snapshot_finding(bundle: EvidenceBundle, rank: int) -> tuple[float, list[Ev
             src,
         )
     )
-    return share, evidence, {"logits_bytes": logits, "peak_allocated": device.peak.allocated, "source": "snapshot"}
+    details = {
+        "logits_bytes": logits,
+        "spike_bytes": logits,
+        "peak_allocated": device.peak.allocated,
+        "source": "snapshot",
+        "failed": bool(device.ooms),
+        "device_total": None,
+    }
+    return share, evidence, details
+
+
+def _severity(details: dict[str, Any]) -> Severity:
+    if details["failed"]:
+        return "error"
+    total = details["device_total"]
+    spike = details["spike_bytes"]
+    if spike >= WARNING_BYTES or (total and spike >= WARNING_DEVICE_SHARE * total):
+        return "warning"
+    return "info"
+
+
+def _projection(details: dict[str, Any]) -> str:
+    """The same term at a training-sized batch, for a small job's note."""
+    vocab = details.get("vocab")
+    if not vocab:
+        return ""
+    per_token = LIVE_COPIES * 4 * vocab
+    return (
+        f" At {PROJECTED_TOKENS:,} tokens per micro-batch (e.g. 4 x 4,096) the same vocabulary's logits "
+        f"take ~{fmt_bytes(per_token * PROJECTED_TOKENS)} ({LIVE_COPIES} x 4 B x {vocab:,} per token): "
+        "`lorascope plan --model CONFIG --seq T --micro-batch B` gives the budget at the real size."
+    )
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
@@ -141,23 +189,32 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return []
     rank = min(hits, key=lambda n: -hits[n][0])
     share, evidence, details = hits[rank]
+    details = {
+        **details,
+        "failed": any(h[2]["failed"] for h in hits.values()),
+        "device_total": min((t for h in hits.values() if (t := h[2]["device_total"])), default=None),
+    }
     shape = (
         f" ({details['tokens']:,} tokens x {details['vocab']:,} vocab)"
         if "tokens" in details
         else " at the allocator's peak"
     )
-    if share >= 1 and "spike_bytes" in details:
+    if share >= 1 and "step_memory_bytes" in details:
         title = (
             f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} with their fp32 copy and gradient) "
             f"outweigh everything else the step allocates ({fmt_bytes(details['step_memory_bytes'])}){shape}"
         )
     else:
         title = f"the loss's logits take ~{share:.0%} of each step's memory{shape}"
+    severity = _severity(details)
+    if severity == "info":
+        amount = "" if "outweigh" in title else f"~{fmt_bytes(details['spike_bytes'])}, "
+        title += f": {amount}no memory pressure in this run"
     return [
         Finding(
             id=ID,
             title=title,
-            severity="error" if share >= 0.5 else "warning",
+            severity=severity,
             confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
             confidence_reason=(
                 f"logits measured at the loss on {len(hits)} rank(s); their footprint is "
@@ -171,6 +228,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 "their gradient are live together at the loss, and they, not the adapters or the "
                 "frozen layers, set the peak. LoRA makes the rest of the step small, so this "
                 "dominates."
+                + (
+                    " Here the run did not run out of memory and the amount is small: a note, not a fault, "
+                    "unless the real job uses longer sequences or a larger micro-batch." + _projection(details)
+                    if severity == "info"
+                    else ""
+                )
             ),
             fix=(
                 "Use a chunked or fused cross-entropy that never materialises full logits (Liger Kernel's "

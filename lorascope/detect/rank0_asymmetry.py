@@ -12,7 +12,14 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from lorascope.detect.common import ended_with_oom, mem_value, memory_kind, peak_memory, stream_source
+from lorascope.detect.common import (
+    ended_with_oom,
+    mem_value,
+    memory_kind,
+    peak_memory,
+    run_failed_here,
+    stream_source,
+)
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
@@ -66,23 +73,44 @@ def _growth(rank: RankData, kind: str) -> int | None:
     return None if base is None or peak is None else max(peak - base, 0)
 
 
+def _gaps(rank0: RankData, others: list[RankData], kind: str) -> list[tuple[tuple[int, str, int], float]]:
+    """Rank 0's reading minus the others' median at each phase edge all ranks sampled."""
+    series = [dict(_edge_series(r, kind)) for r in others]
+    out = []
+    for key, value in _edge_series(rank0, kind):
+        values = [s[key] for s in series if key in s]
+        if len(values) == len(series):
+            out.append((key, value - statistics.median(values)))
+    return out
+
+
+def held_gap(rank0: RankData, others: list[RankData], kind: str) -> float | None:
+    """The most rank 0 held over the others for a whole step: the largest gap present at
+    every one of as many consecutive phase edges as a step has (edges every rank sampled,
+    at the same point of the loop; the ``end`` sample is left out, the ranks exit at
+    different moments). A background-sampler reading that caught one rank mid-loss and
+    not the other (a transient: the logits at the loss) is no excess. None without
+    matched edges."""
+    gaps = [(key, g) for key, g in _gaps(rank0, others, kind) if key[1] != "end"]
+    if not gaps:
+        return None
+    window = max(1, round(statistics.median(Counter(key[0] for key, _ in gaps).values())))
+    values = [g for _, g in gaps]
+    if len(values) <= window:
+        return min(values)
+    return max(min(values[i : i + window]) for i in range(len(values) - window + 1))
+
+
 def divergence_point(rank0: RankData, others: list[RankData], excess: float) -> dict[str, Any] | None:
     """Where rank 0 pulls away: the ranks' samples are aligned by phase edge, the gap to
     the others' median is followed edge to edge, and the interval (from one edge to the
     next) whose gap increases add up to the most names the phase — robust to an allocator
     that wobbles at any single edge. ``step`` is where the gap first reached half the
     final excess."""
-    kind = memory_kind(rank0)
-    series = [dict(_edge_series(r, kind)) for r in others]
     previous, last_gap = "start", 0.0
     growth: dict[tuple[str, str], float] = {}
     first_step: int | None = None
-    for key, value in _edge_series(rank0, kind):
-        values = [s[key] for s in series if key in s]
-        if len(values) != len(series):
-            continue
-        step, edge, _ = key
-        gap = value - statistics.median(values)
+    for (step, edge, _), gap in _gaps(rank0, others, memory_kind(rank0)):
         growth[(previous, edge)] = growth.get((previous, edge), 0.0) + (gap - last_gap)
         if first_step is None and gap >= excess / 2:
             first_step = step
@@ -108,6 +136,21 @@ def _phase_between(previous: str, edge: str) -> str:
     if before in ("eval", "save") and before_side == "end":
         return before  # what that phase produced and rank 0 alone kept
     return "the training loop's own code between steps" if side == "begin" else edge
+
+
+def _rss_note(rank: RankData, kind: str, heap_peak: int) -> str:
+    """Beside a heap figure, the rank's peak RSS, and why the heap reads more when it does."""
+    if kind != "heap in use":
+        return ""
+    rss = max((m["rss"] for m in rank.mem if m.get("rss")), default=None)
+    if not rss:
+        return ""
+    if heap_peak <= rss:
+        return f" (peak RSS {fmt_bytes(rss)})"
+    return (
+        f" (peak RSS {fmt_bytes(rss)}: the heap also counts allocations never touched, such as "
+        "DeepSpeed's reduce bucket, which a GPU would hold in full)"
+    )
 
 
 def _gpu0_guests(rank0: RankData, others: list[RankData]) -> list[int]:
@@ -194,6 +237,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     median = statistics.median(peaks)
     excess = peak0 - median
     kind = memory_kind(rank0)
+    kept = held_gap(rank0, others, kind) if kind != "CUDA allocated" else None
+    if kept is not None and kept < excess:
+        excess = kept
     growth = (
         statistics.median(g for r in others if (g := _growth(r, kind)) is not None)
         if any(_growth(r, kind) is not None for r in others)
@@ -207,14 +253,22 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     point = divergence_point(rank0, others, excess)
     guests = _gpu0_guests(rank0, others)
     evidence = [
-        Evidence(f"rank 0 peak ({kind})", fmt_bytes(peak0), stream_source(run, rank0, "mem records")),
+        Evidence(
+            f"rank 0 peak ({kind})",
+            fmt_bytes(peak0) + _rss_note(rank0, kind, peak0),
+            stream_source(run, rank0, "mem records"),
+        ),
         Evidence(
             f"median peak of ranks {', '.join(str(r.rank) for r in others)}",
             fmt_bytes(median),
             "mem records of those ranks",
         ),
         Evidence(
-            "rank 0 excess", f"{fmt_bytes(excess)} ({excess / median:.0%} over the others)", "peak minus the median"
+            "rank 0 excess",
+            f"{fmt_bytes(excess)} ({excess / median:.0%} over the others)",
+            "peak minus the median"
+            if kept is None or kept >= 0.95 * (peak0 - median)
+            else f"held at every phase edge of a whole step (peaks differ by {fmt_bytes(peak0 - median)})",
         ),
     ]
     if point is not None:
@@ -257,7 +311,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             id=ID,
             title=f"rank 0 holds {fmt_bytes(excess)} more memory than the other ranks"
             + (f"; it pulled away in {phase if ' ' in phase else 'the ' + phase + ' phase'}" if phase else ""),
-            severity="error" if oom else "warning",
+            severity="error" if run_failed_here(rank0) else "warning",
             confidence=confidence,
             confidence_reason="; ".join(reasons),
             ranks=[0],

@@ -17,33 +17,53 @@ from lorascope.detect import (
     straggler,
     tiny_kernel_tail,
 )
-from lorascope.detect.finding import Finding
+from lorascope.detect.finding import CONFIDENCE_ORDER, SEVERITY_ORDER, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import Progress
 
 Detector = Callable[[EvidenceBundle], list[Finding]]
 
-#: Every detector, in the order they run. Each is a pure function of the bundle.
-DETECTORS: list[Detector] = [
-    rank_conditional_hang.detect,
-    hung_ranks.detect,
-    reentrant_dead_grads.detect,
-    logits_spike.detect,
-    rank0_asymmetry.detect,
-    tiny_kernel_tail.detect,
-    plan_deviation.detect,
-    oom.detect,
-    allocator_fragmentation.detect,
-    collective_mismatch.detect,
-    straggler.detect,
+#: Every detector module, in the order of precedence of their findings: at equal
+#: severity, the earlier one's finding comes first. The order follows what explains how
+#: a run ended: a hang (the cause, then who waits where), a crash (collectives that
+#: disagree, a backward that fails), out of memory (its specific causes before the plain
+#: OOM record, which says what held the memory), then what costs time or memory without
+#: failing the run (a rank that keeps memory the others free, the logits, plan deviations,
+#: a straggler, a launch-bound step). docs/detectors.md, "Severity and order".
+MODULES = [
+    rank_conditional_hang,
+    hung_ranks,
+    collective_mismatch,
+    reentrant_dead_grads,
+    rank0_asymmetry,
+    allocator_fragmentation,
+    logits_spike,
+    plan_deviation,
+    oom,
+    straggler,
+    tiny_kernel_tail,
 ]
+#: Every detector, in the order they run. Each is a pure function of the bundle.
+DETECTORS: list[Detector] = [m.detect for m in MODULES]
+PRECEDENCE: dict[str, int] = {m.ID: i for i, m in enumerate(MODULES)}
+
+
+def verdict_order(finding: Finding) -> tuple[int, int, int]:
+    """The sort key of findings: most severe first (severity says consequence: an error
+    explains how the run failed), then by detector precedence, then surest first. The
+    first finding is the top verdict."""
+    return (
+        -SEVERITY_ORDER[finding.severity],
+        PRECEDENCE.get(finding.id, len(PRECEDENCE)),
+        -CONFIDENCE_ORDER[finding.confidence],
+    )
 
 
 def run_detectors(
     bundle: EvidenceBundle, detectors: list[Detector] | None = None, progress: Progress | None = None
 ) -> list[Finding]:
-    """All findings, most severe and surest first. A detector that crashes on odd data
-    becomes a warning on the bundle, never a failed analysis."""
+    """All findings, in verdict order (:func:`verdict_order`). A detector that crashes
+    on odd data becomes a warning on the bundle, never a failed analysis."""
     findings: list[Finding] = []
     chosen = DETECTORS if detectors is None else detectors
     for done, detector in enumerate(chosen, 1):
@@ -55,4 +75,4 @@ def run_detectors(
             bundle.warnings.append(
                 f"detector {detector.__module__}.{detector.__name__} failed: {exc.__class__.__name__}: {exc}"
             )
-    return sorted(findings, key=Finding.sort_key)
+    return sorted(findings, key=verdict_order)

@@ -1,46 +1,206 @@
-"""straggler: one rank computes longer than the others, who wait for it at every collective.
+"""straggler: one rank computes longer than the others, step after step, and they wait
+for it at every collective.
 
-Evidence: the ranks' kernel traces compared (``kineto_ranks``): compute time per step
-at least 1.1x the other ranks' median, and the least time in communication (it arrives
-last, so it waits least). Confidence is medium when every rank's trace is there, low
-when only some are (a straggler among the ranks not traced would go unseen).
+Evidence, per step, from the run records: each rank's own work in the step (the step's
+wall time minus the time it sat in synchronous collectives; outside DeepSpeed also minus
+the backward phase: DDP's gradient all_reduce runs inside it and is not recorded). A
+rank is named only when the effect persists and stands above the noise:
+
+* at least :data:`MIN_STEPS` steps every rank completed (the first step, warm-up, is
+  left out);
+* it is the slowest rank in at least :data:`MIN_PERSISTENCE` of them;
+* its median work is at least :data:`MIN_RATIO` times the others' median;
+* its median excess is at least :data:`NOISE_FACTOR` times the step-to-step noise of
+  the other ranks' work (their median absolute deviation): on a shared machine a rank
+  that lost a core for a few steps is noise, not a straggler.
+
+Kernel traces from elsewhere (no run records) cover a few steps: the traces' comparison
+(``kineto_ranks``) is shown with the artifacts, and a finding is made only when the
+traces cover at least :data:`MIN_STEPS` steps. Numbers and the healthy-run false-alarm
+table: docs/detectors.md.
 """
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
+
+from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.reader import RankData, RunData
 
 ID = "straggler"
+MIN_STEPS = 5
+MIN_PERSISTENCE = 0.75
+#: Healthy runs on the loaded 2-core test machine show one rank persistently up to 1.34x
+#: the other (a core shared with other work): a straggler worth a warning is well beyond.
+MIN_RATIO = 1.5
+NOISE_FACTOR = 3.0
+
+EXPLANATION = (
+    "In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
+    "compute shows as extra time in the collectives on all the others."
+)
+FIX = (
+    "look for what this rank does more (rank-0 logging, eval, checkpoint writing, a slower GPU or a "
+    "throttled one, a different data shard with longer sequences, another process on its cores) and even it out"
+)
 
 
-def detect(bundle: EvidenceBundle) -> list[Finding]:
+@dataclass
+class StepWork:
+    """Per rank, its own work per completed step (seconds), steps 2.. in order."""
+
+    work: dict[int, dict[int, float]]
+    #: How the waiting was taken out: "collectives" or "backward phase (DDP)".
+    wait_from: dict[int, str]
+
+
+def _work(rank: RankData) -> tuple[dict[int, float], str]:
+    """Step number -> the rank's own work in that step: its wall time minus the time in
+    recorded synchronous collectives. Outside DeepSpeed (or in a step without recorded
+    collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
+    inside it, in C++, unrecorded."""
+    waited: dict[int, float] = {}
+    for c in rank.collectives:
+        if c.end is not None and not c.is_async:
+            waited[c.step + 1] = waited.get(c.step + 1, 0.0) + (c.end - c.start)
+    backward: dict[int, float] = {}
+    begin: dict[int, float] = {}
+    for p in rank.phases:
+        if p["name"] != "backward":
+            continue
+        step = p["step"] + 1
+        if p["edge"] == "begin":
+            begin[step] = p["t"]
+        elif step in begin:
+            backward[step] = backward.get(step, 0.0) + p["t"] - begin.pop(step)
+    work, by_backward = {}, 0
+    for s in rank.steps:
+        if s["step"] <= 1:
+            continue
+        wait = waited.get(s["step"], 0.0)
+        if s.get("src") != "deepspeed" or s["step"] not in waited:
+            wait += backward.get(s["step"], 0.0)
+            by_backward += 1
+        work[s["step"]] = max(0.0, s["dur"] - wait)
+    how = "recorded collectives"
+    return work, how + (" and the backward phase (DDP)" if by_backward > len(work) / 2 else "")
+
+
+def step_work(run: RunData) -> StepWork:
+    work, how = {}, {}
+    for n, rank in run.ranks.items():
+        work[n], how[n] = _work(rank)
+    return StepWork(work, how)
+
+
+def _mad(values: list[float]) -> float:
+    median = statistics.median(values)
+    return statistics.median(abs(v - median) for v in values)
+
+
+def from_run(run: RunData) -> Finding | None:
+    if len(run.ranks) < 2:
+        return None
+    sw = step_work(run)
+    common = sorted(set.intersection(*(set(w) for w in sw.work.values())))
+    if len(common) < MIN_STEPS:
+        return None
+    ranks = sorted(sw.work)
+
+    def others_median(r: int, s: int) -> float:
+        return statistics.median(sw.work[o][s] for o in ranks if o != r)
+
+    def median_ratio(r: int) -> float:
+        return statistics.median(sw.work[r][s] / max(others_median(r, s), 1e-9) for s in common)
+
+    cand = max(ranks, key=median_ratio)
+    ratio = median_ratio(cand)
+    slowest = sum(1 for s in common if max(ranks, key=lambda r: sw.work[r][s]) == cand)
+    persistence = slowest / len(common)
+    excess = statistics.median(sw.work[cand][s] - others_median(cand, s) for s in common)
+    noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
+    if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
+        return None
+    evidence = [
+        Evidence(
+            f"rank {r} work per step",
+            f"median {statistics.median(sw.work[r][s] for s in common) * 1000:.1f} ms over {len(common)} steps "
+            f"(noise {_mad([sw.work[r][s] for s in common]) * 1000:.1f} ms MAD; waiting taken out: {sw.wait_from[r]})",
+            stream_source(run, run.ranks[r], "step, coll and phase records"),
+        )
+        for r in ranks
+    ]
+    evidence.append(
+        Evidence(
+            "persistence",
+            f"rank {cand} was the slowest in {slowest} of {len(common)} steps",
+            "per-step work compared across ranks",
+        )
+    )
+    return Finding(
+        id=ID,
+        title=f"rank {cand} is the straggler: it works {ratio:.2f}x the others' median per step, in {slowest} of "
+        f"{len(common)} steps; the others wait for it at the collectives",
+        severity="warning",
+        confidence="high" if persistence >= 0.9 and excess >= 2 * NOISE_FACTOR * noise else "medium",
+        confidence_reason=(
+            f"slowest in {persistence:.0%} of {len(common)} steps (threshold {MIN_PERSISTENCE:.0%}); median excess "
+            f"{excess * 1000:.1f} ms, {excess / noise if noise else float('inf'):.1f}x the other ranks' step-to-step "
+            f"noise ({noise * 1000:.1f} ms; threshold {NOISE_FACTOR:g}x)"
+        ),
+        ranks=[cand],
+        evidence=evidence,
+        explanation=EXPLANATION,
+        fix=FIX,
+        details={
+            "ranks": ranks,
+            "ratio": ratio,
+            "persistence": persistence,
+            "excess_s": excess,
+            "noise_s": noise,
+            "steps": len(common),
+        },
+    )
+
+
+def from_traces(bundle: EvidenceBundle) -> Finding | None:
+    """Traces alone: the comparison's straggler, when the traces cover enough steps to
+    be more than a moment of noise."""
     cmp = bundle.trace_comparison
-    if cmp is None or cmp.straggler is None:
-        return []
+    if cmp is None or cmp.straggler is None or min(t.steps for t in cmp.ranks) < MIN_STEPS:
+        return None
+    per_step = {t.rank: t.compute_us / t.steps for t in cmp.ranks}
+    others = statistics.median(v for r, v in per_step.items() if r != cmp.straggler)
+    if not others or per_step[cmp.straggler] / others < MIN_RATIO:
+        return None
     partial = cmp.world_size is not None and cmp.world_size > len(cmp.ranks)
     evidence = [
         Evidence(
             f"rank {t.rank}",
-            f"compute {t.compute_us / 1000:.1f} ms, communication "
-            f"{t.comm_us / 1000:.1f} ms over {t.steps or '?'} steps",
+            f"compute {t.compute_us / 1000:.1f} ms, communication {t.comm_us / 1000:.1f} ms over {t.steps} steps",
             str(bundle.traces[t.rank].path),
         )
         for t in cmp.ranks
     ]
-    return [
-        Finding(
-            id=ID,
-            title=f"rank {cmp.straggler} is the straggler: the other ranks wait for it at the collectives",
-            severity="warning",
-            confidence="low" if partial else "medium",
-            confidence_reason=cmp.reason + ("; only some ranks' traces were given" if partial else ""),
-            ranks=[cmp.straggler],
-            evidence=evidence,
-            explanation="In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
-            "compute shows as extra communication time on all the others.",
-            fix="look for what this rank does more (rank-0 logging, eval, checkpoint writing, a slower GPU or a "
-            "throttled one, a different data shard with longer sequences) and even it out",
-            details={"ranks": [t.rank for t in cmp.ranks]},
-        )
-    ]
+    return Finding(
+        id=ID,
+        title=f"rank {cmp.straggler} is the straggler: the other ranks wait for it at the collectives",
+        severity="warning",
+        confidence="low" if partial else "medium",
+        confidence_reason=cmp.reason
+        + "; summed over the traced steps (no per-step records to check persistence)"
+        + ("; only some ranks' traces were given" if partial else ""),
+        ranks=[cmp.straggler],
+        evidence=evidence,
+        explanation=EXPLANATION,
+        fix=FIX,
+        details={"ranks": [t.rank for t in cmp.ranks]},
+    )
+
+
+def detect(bundle: EvidenceBundle) -> list[Finding]:
+    finding = from_run(bundle.run) if bundle.run is not None else from_traces(bundle)
+    return [finding] if finding is not None else []

@@ -33,6 +33,33 @@ MIN_TINY_COUNT_SHARE = 0.5
 MIN_IDLE_SHARE = 0.3
 LORA = frozenset({"lora_A", "lora_B", "lora"})
 
+LORA_EXPLANATION = (
+    "Each LoRA-adapted layer adds two thin GEMMs (rank r), a dropout, a scaling and an "
+    "add, forward and backward. With small r, hidden sizes or micro-batches these kernels "
+    "finish faster than the CPU can launch the next one, so the device waits on Python and "
+    "the launch path instead of computing: thousands of tiny kernels per step set the step "
+    "time, not FLOPs."
+)
+LORA_FIX = (
+    "Pack sequences or raise the micro-batch so each kernel does more work; set lora_dropout=0 "
+    "(drops a kernel per adapter); torch.compile the model (fuses the LoRA epilogue); use fused "
+    "LoRA kernels (e.g. Unsloth, Liger); target fewer modules or merge adapters for evaluation."
+)
+#: Without module ranges nothing in the trace says which code launches the tiny kernels:
+#: the finding names the symptom only (LoRA is one cause among many).
+PLAIN_EXPLANATION = (
+    "Most kernels finish faster than the CPU can launch the next one, so the device waits on "
+    "Python and the launch path between them instead of computing. The trace has no module "
+    "ranges, so which part of the model launches them is not known from it: LoRA adapters "
+    "are one usual cause, small element-wise ops, optimizer loops over many tensors and "
+    "small batches are others."
+)
+PLAIN_FIX = (
+    "Record the run with `lorascope run` (its module ranges attribute kernels to modules) or "
+    "look at the trace's top kernels; then fuse or batch the small work: torch.compile or CUDA "
+    "graphs, a larger micro-batch or packed sequences, foreach/fused optimizers."
+)
+
 
 def _rank_stats(entry: dict[str, Any], threshold: float) -> dict[str, Any]:
     durations = [(d, row["module"]) for row in entry["rows"] for d in row["durations_us"]]
@@ -120,26 +147,16 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 f"LoRA adds {s['lora_units']:,} {unit}s to the traced steps, {s['lora_tiny_share']:.0%} of them "
                 f"under {threshold:g} us ({s['lora_time_share']:.0%} of {unit} time): the step is launch-bound"
                 if lora_hits
-                else f"{s['tiny_count_share']:.0%} of {unit}s are under {threshold:g} us and the device idles "
-                f"{idle.get(rank, 0.0):.0%}: the step is launch-bound"
+                else f"the step is launch-bound: {s['tiny_count_share']:.0%} of {unit}s are under {threshold:g} us and "
+                f"the device idles {idle.get(rank, 0.0):.0%}; which modules launch them is unknown (no module ranges)"
             ),
             severity="warning",
             confidence=confidence,
             confidence_reason=reason,
             ranks=sorted(hits),
             evidence=evidence,
-            explanation=(
-                "Each LoRA-adapted layer adds two thin GEMMs (rank r), a dropout, a scaling and an "
-                "add, forward and backward. With small r, hidden sizes or micro-batches these kernels "
-                "finish faster than the CPU can launch the next one, so the device waits on Python and "
-                "the launch path instead of computing: thousands of tiny kernels per step set the step "
-                "time, not FLOPs."
-            ),
-            fix=(
-                "Pack sequences or raise the micro-batch so each kernel does more work; set lora_dropout=0 "
-                "(drops a kernel per adapter); torch.compile the model (fuses the LoRA epilogue); use fused "
-                "LoRA kernels (e.g. Unsloth, Liger); target fewer modules or merge adapters for evaluation."
-            ),
+            explanation=LORA_EXPLANATION if lora_hits else PLAIN_EXPLANATION,
+            fix=LORA_FIX if lora_hits else PLAIN_FIX,
             details={"kernels": table, "stats": {str(r): v for r, v in stats.items()}, "threshold_us": threshold},
         )
     ]

@@ -243,6 +243,33 @@ class StepProbe:
             return
         ddp.forward = self._forward_phases(ddp.forward)
 
+    def install_trainer(self, trainer_module: ModuleType) -> None:
+        """transformers' Trainer: ``evaluate`` / ``predict`` are an eval phase and
+        ``_save_checkpoint`` a save phase, from first to last line: the gathering of
+        predictions and ``compute_metrics`` included. Under DDP the Trainer evaluates the
+        unwrapped model, so no DDP forward marks the evaluation otherwise."""
+        trainer_cls = getattr(trainer_module, "Trainer", None)
+        if trainer_cls is None or getattr(trainer_cls, "__lorascope__", False):
+            return
+        trainer_cls.__lorascope__ = True
+        for method, phase in (("evaluate", "eval"), ("predict", "eval"), ("_save_checkpoint", "save")):
+            original = getattr(trainer_cls, method, None)
+            if original is not None:
+                setattr(trainer_cls, method, self._phase_around(original, phase))
+
+    def _phase_around(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        probe = self
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            probe.phase(phase, "begin")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                probe.phase(phase, "end")
+
+        return wrapper
+
     def install_peft(self, peft: ModuleType) -> None:
         """Record the LoRA and model configs when the job builds its PEFT model."""
         original = getattr(peft, "get_peft_model", None)

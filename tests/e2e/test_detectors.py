@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.rundir.reader import load_run
-from tests.helpers import LORASCOPE, Finished, free_port, probed, torchrun
+from tests.helpers import LORASCOPE, TRAIN, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -128,6 +128,21 @@ def test_healthy_job_reports_none_of_the_five(tmp_path: Path, config: list[str])
     fin, data = run_fault(tmp_path, *config)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
     assert not {f["id"] for f in data["findings"]} & FIVE, data["findings"]
+    # Issue 11: no false alarm of any detector on a healthy run (notes are allowed).
+    assert not [f["title"] for f in data["findings"] if f["severity"] != "info"]
+
+
+def test_straggler_planted_in_other_code(tmp_path: Path) -> None:
+    """probes/variants.py: rank 1 does 150 ms of extra CPU work before every step; the
+    straggler finding names it and states its persistence (issue 11)."""
+    cmd = torchrun(free_port(), "--variant", "straggler", "--steps", "10")
+    cmd[cmd.index(TRAIN)] = str(Path(TRAIN).with_name("variants.py"))
+    fin = probed(tmp_path / "run", cmd)
+    assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
+    top = analyze(fin)["findings"][0]
+    assert top["id"] == "straggler" and top["ranks"] == [1] and top["severity"] == "warning"
+    assert top["details"]["persistence"] >= 0.75 and top["details"]["ratio"] >= 1.5
+    assert f"of {top['details']['steps']} steps" in top["title"]
 
 
 @pytest.mark.parametrize(

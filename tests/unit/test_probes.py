@@ -126,3 +126,44 @@ def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
     assert "memory" in {e["probe"] for e in rank.probe_errors}
     assert all("planted" in e["error"] for e in rank.probe_errors)
     assert len(rank.steps) == 3 and len(rank.collectives) == 5  # the other probes go on
+
+
+TRAINER_JOB = textwrap.dedent("""
+    import os, torch
+    import lorascope
+    lorascope.attach({out!r})
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    model = LlamaForCausalLM(config)
+    rows = [{{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64}} for _ in range(8)]
+    kept = []
+    def compute_metrics(pred):
+        kept.append(pred.predictions)  # the gathered logits, kept (the issue's eval growth)
+        return {{"n": len(kept)}}
+    args = TrainingArguments(output_dir={tmp!r}, use_cpu=True, per_device_train_batch_size=4,
+                             per_device_eval_batch_size=4, max_steps=2, report_to=[], save_strategy="no",
+                             logging_strategy="no", eval_strategy="steps", eval_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                      compute_metrics=compute_metrics)
+    trainer.train()
+    print("evaluated", len(kept))
+""")
+
+
+def test_trainer_evaluation_is_an_eval_phase(tmp_path: Path) -> None:
+    """Issue 11: a rank-0 growth in compute_metrics was placed "between step and
+    forward.begin": the Trainer's evaluation (which under DDP runs the unwrapped model)
+    had no phase edges. evaluate() is now an eval phase, gathering and metrics included."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    script = tmp_path / "job.py"
+    script.write_text(TRAINER_JOB.format(out=str(out), tmp=str(tmp_path / "trainer")))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=os.environ
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "evaluated 2" in proc.stdout
+    phases = [(p["name"], p["edge"], p["step"]) for p in load_run(out).ranks[0].phases]
+    evals = [p for p in phases if p[0] == "eval"]
+    assert evals[:2] == [("eval", "begin", 1), ("eval", "end", 1)] and len(evals) == 4, phases

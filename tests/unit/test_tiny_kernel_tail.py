@@ -45,8 +45,9 @@ def test_real_gpu_traces(name: str) -> None:
         assert f"{share:.0%} of {total:,} kernels" in findings[0].evidence[0].value
 
 
-def synthetic_cuda_trace(path: Path, lora_kernels: int, base_kernels: int) -> Path:
-    """A Kineto-shaped CUDA trace: module ranges, CPU launches, kernels linked by correlation."""
+def synthetic_cuda_trace(path: Path, lora_kernels: int, base_kernels: int, ranges: bool = True) -> Path:
+    """A Kineto-shaped CUDA trace: module ranges (unless ``ranges`` is False), CPU launches,
+    kernels linked by correlation."""
     events: list[dict] = [
         {"ph": "X", "cat": "user_annotation", "name": "lorascope.step#6", "ts": 0, "dur": 1_000_000, "pid": 1, "tid": 1}
     ]
@@ -54,16 +55,19 @@ def synthetic_cuda_trace(path: Path, lora_kernels: int, base_kernels: int) -> Pa
     for i in range(lora_kernels + base_kernels):
         module = "model.layers.0.q_proj.lora_A.default" if i < lora_kernels else "model.layers.0.q_proj.base_layer"
         corr += 1
+        if ranges:
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "user_annotation",
+                    "name": f"lorascope.module::{module}",
+                    "ts": ts,
+                    "dur": 8,
+                    "pid": 1,
+                    "tid": 1,
+                }
+            )
         events += [
-            {
-                "ph": "X",
-                "cat": "user_annotation",
-                "name": f"lorascope.module::{module}",
-                "ts": ts,
-                "dur": 8,
-                "pid": 1,
-                "tid": 1,
-            },
             {
                 "ph": "X",
                 "cat": "cuda_runtime",
@@ -116,3 +120,13 @@ def test_an_event_category_of_any_json_type_is_read_past(tmp_path: Path) -> None
     bundle = load_bundle(path)
     [finding] = tiny_kernel_tail.detect(bundle)
     assert finding.details["stats"]["0"]["lora_units"] == 3000
+
+
+def test_launch_bound_trace_without_module_ranges_blames_no_module(tmp_path: Path) -> None:
+    """Issue 11: a GPU trace without module ranges (a non-LoRA model, a trace from elsewhere)
+    is launch-bound, but nothing in it says LoRA launches the tiny kernels."""
+    path = synthetic_cuda_trace(tmp_path / "rank-0.json", lora_kernels=3000, base_kernels=100, ranges=False)
+    [finding] = tiny_kernel_tail.detect(load_bundle(path))
+    assert "launch-bound" in finding.title and "unknown" in finding.title
+    assert "LoRA" not in finding.title and "LoRA" not in finding.fix
+    assert finding.explanation == tiny_kernel_tail.PLAIN_EXPLANATION and finding.confidence == "medium"

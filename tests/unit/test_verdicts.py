@@ -1,0 +1,169 @@
+"""Issue 11: severity by consequence, the verdict order, and statistical findings that
+survive noise (straggler persistence; rank0-asymmetry counting only what rank 0 keeps)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+
+from lorascope.detect import logits_spike, rank0_asymmetry, registry, straggler
+from lorascope.detect.finding import Finding
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.load import load_bundle
+from lorascope.rundir.reader import Collective, RankData, RunData
+
+FIX = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def finding(id: str, severity: str, confidence: str = "high") -> Finding:
+    return Finding(id, "t", severity, confidence, "r", [0], [], "e", "f")  # type: ignore[arg-type]
+
+
+def test_every_detector_has_a_place_in_the_verdict_order() -> None:
+    assert len(registry.PRECEDENCE) == len(registry.DETECTORS) == len(registry.MODULES)
+
+
+def test_issue_case_a_small_logits_share_does_not_outrank_rank0_asymmetry() -> None:
+    """The issue's job: rank 0 kept gathered predictions (a warning) and the tiny model's
+    logits were most of its small step: the asymmetry is the top verdict."""
+    ordered = sorted(
+        [finding("logits-spike", "warning"), finding("rank0-asymmetry", "warning", "medium")],
+        key=registry.verdict_order,
+    )
+    assert [f.id for f in ordered] == ["rank0-asymmetry", "logits-spike"]
+
+
+def test_errors_come_first_and_the_hang_leads_them() -> None:
+    ordered = sorted(
+        [
+            finding("straggler", "warning"),
+            finding("oom", "error"),
+            finding("logits-spike", "error"),
+            finding("rank-conditional-hang", "error", "medium"),
+            finding("plan-deviation", "info"),
+        ],
+        key=registry.verdict_order,
+    )
+    assert [f.id for f in ordered] == ["rank-conditional-hang", "logits-spike", "oom", "straggler", "plan-deviation"]
+
+
+def test_logits_spike_severity_follows_consequence() -> None:
+    """The planted logits spike (187.5 MiB on a CPU job that did not run out of memory) is a
+    note projecting the term to a real batch; the same logits on a rank that ran out of
+    memory are an error; on a device where they take >= 10% of the memory, a warning."""
+    bundle = load_bundle(FIX / "logits-spike")
+    [note] = logits_spike.detect(bundle)
+    assert note.severity == "info" and "lorascope plan" in note.explanation and "5.9 GiB" in note.explanation
+
+    oom = copy.deepcopy(bundle)
+    oom.run.ranks[1].exception = {"type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate"}
+    assert logits_spike.detect(oom)[0].severity == "error"
+
+    small_gpu = copy.deepcopy(bundle)
+    small_gpu.run.ranks[0].mem.append(
+        {"k": "mem", "src": "sampler", "step": 1, "t": 0.0, "rss": 1, "nvml": {"used": 2**29, "total": 2**30}}
+    )
+    assert logits_spike.detect(small_gpu)[0].severity == "warning"
+
+
+def test_device_at_90_percent_makes_rank0_asymmetry_an_error() -> None:
+    bundle = load_bundle(FIX / "rank0-asymmetry")
+    [plain] = rank0_asymmetry.detect(bundle)
+    assert plain.severity == "warning"
+    full = copy.deepcopy(bundle)
+    full.run.ranks[0].mem.append(
+        {"k": "mem", "src": "sampler", "step": 5, "t": 0.0, "rss": 1, "nvml": {"used": 93, "total": 100}}
+    )
+    assert rank0_asymmetry.detect(full)[0].severity == "error"
+
+
+def test_rank0_asymmetry_ignores_a_transient_caught_by_the_sampler() -> None:
+    """The logits-spike fixture: rank 0's background sampler caught the 62 MiB logits at
+    the loss, rank 1's did not; at every phase edge both ranks read the same heap."""
+    assert rank0_asymmetry.detect(load_bundle(FIX / "logits-spike")) == []
+    [kept] = rank0_asymmetry.detect(load_bundle(FIX / "rank0-asymmetry"))
+    assert "48.0 MiB" in kept.title and "eval" in kept.title
+
+
+# -- straggler -------------------------------------------------------------------------
+
+
+def rank_with_work(n: int, work_s: list[float], wait_s: list[float]) -> RankData:
+    """A rank whose step s takes work + wait seconds, the wait in one all_reduce."""
+    t, steps, colls = 100.0, [], []
+    for i, (w, wait) in enumerate(zip(work_s, wait_s, strict=True)):
+        colls.append(Collective(i + 1, "0", "all_reduce", 4, "float32", False, "x.py:1", i, t + w, t + w + wait))
+        t += w + wait
+        steps.append({"k": "step", "step": i + 1, "dur": w + wait, "t": t})
+    return RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, collectives=colls)
+
+
+def run_of(*ranks: RankData) -> EvidenceBundle:
+    run = RunData(path=Path("/run"), manifest={}, ranks={r.rank: r for r in ranks}, warnings=[])
+    return EvidenceBundle(path=run.path, run=run)
+
+
+def pair(slow: list[float], fast: list[float]) -> EvidenceBundle:
+    """Rank 1 works ``slow``, rank 0 ``fast``; whoever finishes first waits for the other."""
+    return run_of(
+        rank_with_work(0, fast, [max(0.0, s - f) + 0.001 for s, f in zip(slow, fast, strict=True)]),
+        rank_with_work(1, slow, [max(0.0, f - s) + 0.001 for s, f in zip(slow, fast, strict=True)]),
+    )
+
+
+def noisy(mean: float, n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [mean * rng.uniform(0.8, 1.2) for _ in range(n)]
+
+
+def test_a_persistent_straggler_is_named_with_its_persistence() -> None:
+    [f] = straggler.detect(pair(noisy(0.30, 12, 1), noisy(0.15, 12, 2)))
+    assert f.ranks == [1] and f.severity == "warning"
+    assert "in 11 of 11 steps" in f.title and f.details["ratio"] >= 1.5
+    assert "noise" in f.confidence_reason
+
+
+def test_a_rank_slow_for_a_few_steps_is_noise() -> None:
+    slow = noisy(0.15, 12, 3)
+    for s in (4, 5, 6):  # lost its core for three steps
+        slow[s] *= 3
+    assert straggler.detect(pair(slow, noisy(0.15, 12, 4))) == []
+
+
+def test_a_small_persistent_gap_is_below_the_ratio() -> None:
+    """Healthy runs here showed one rank persistently up to 1.34x the other."""
+    assert straggler.detect(pair(noisy(0.20, 12, 5), [0.15] * 12)) == []
+
+
+def test_too_few_steps_say_nothing() -> None:
+    assert straggler.detect(pair([0.3] * 4, [0.1] * 4)) == []
+
+
+@pytest.mark.parametrize("name", ["healthy", "rank0-asymmetry", "tiny-kernel-tail", "logits-spike"])
+def test_recorded_runs_have_no_straggler(name: str) -> None:
+    assert straggler.detect(load_bundle(FIX / name)) == []
+
+
+def ddp_rank(n: int, work_s: list[float], wait_s: list[float]) -> RankData:
+    """A DDP rank: no recorded collective; it waits for the gradient all_reduce inside its
+    backward phase (0.05 s of backward compute plus the wait)."""
+    t, steps, phases = 100.0, [], []
+    for i, (w, wait) in enumerate(zip(work_s, wait_s, strict=True)):
+        phases += [
+            {"k": "phase", "name": "backward", "edge": "begin", "step": i, "t": t + w},
+            {"k": "phase", "name": "backward", "edge": "end", "step": i, "t": t + w + 0.05 + wait},
+        ]
+        t += w + 0.05 + wait
+        steps.append({"k": "step", "step": i + 1, "dur": w + 0.05 + wait, "t": t, "src": "torch"})
+    return RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, phases=phases)
+
+
+def test_a_ddp_straggler_is_found_through_the_backward_phase() -> None:
+    slow, fast = noisy(0.30, 12, 6), noisy(0.12, 12, 7)
+    waits = [max(0.0, s - f) for s, f in zip(slow, fast, strict=True)]
+    bundle = run_of(ddp_rank(0, fast, waits), ddp_rank(1, slow, [0.0] * 12))
+    [f] = straggler.detect(bundle)
+    assert f.ranks == [1] and "backward phase (DDP)" in f.evidence[0].value
