@@ -133,14 +133,17 @@ def test_healthy_job_reports_none_of_the_five(tmp_path: Path, config: list[str])
 
 
 def test_straggler_planted_in_other_code(tmp_path: Path) -> None:
-    """probes/variants.py: rank 1 does 150 ms of extra CPU work before every step; the
-    straggler finding names it and states its persistence (issue 11)."""
-    cmd = torchrun(free_port(), "--variant", "straggler", "--steps", "10")
+    """probes/variants.py: rank 1 does 400 ms of extra CPU work before every step (about 3x
+    a step of the job: a loaded CI machine's noise does not bring it near the 1.5x rule);
+    the straggler finding names it and states its persistence (issue 11)."""
+    cmd = torchrun(free_port(), "--variant", "straggler", "--straggle-ms", "400", "--steps", "10")
     cmd[cmd.index(TRAIN)] = str(Path(TRAIN).with_name("variants.py"))
     fin = probed(tmp_path / "run", cmd)
     assert fin.proc.returncode == 0, fin.proc.stderr[-2000:]
-    top = analyze(fin)["findings"][0]
-    assert top["id"] == "straggler" and top["ranks"] == [1] and top["severity"] == "warning"
+    findings = analyze(fin)["findings"]
+    assert findings and findings[0]["id"] == "straggler", findings
+    top = findings[0]
+    assert top["ranks"] == [1] and top["severity"] == "warning"
     assert top["details"]["persistence"] >= 0.75 and top["details"]["ratio"] >= 1.5
     assert f"of {top['details']['steps']} steps" in top["title"]
 
