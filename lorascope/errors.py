@@ -23,3 +23,7 @@ class BadInputError(LorascopeError):
 
 class FormatVersionError(BadInputError):
     """A run directory written by a newer, incompatible lorascope."""
+
+
+class NothingRecordedError(BadInputError):
+    """A run directory in which no process attached the probes: nothing to analyse."""

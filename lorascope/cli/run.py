@@ -1,12 +1,11 @@
 """`lorascope run [--out DIR] -- CMD...`: run a launch command with the probes injected
-into every rank; the exit status is the job's."""
+into every rank; the exit status is the job's. It ends with one line saying how many
+processes attached the probes (or, when none did, the likely reason)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,22 +13,26 @@ from pathlib import Path
 import click
 
 from lorascope.analysis.summary import build_summary
+from lorascope.cli.supervise import Job
 from lorascope.errors import LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.kernels import parse_window
+from lorascope.rundir.attachments import attached_processes, why_none_attached
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
 from lorascope.text.summary import render_text
 
 
-def _prepare(out: Path) -> Path | None:
-    """Create the run directory and its bootstrap folder; returns the bootstrap path, or
-    None (warned) when it cannot be written: the job then runs without probes."""
+def _prepare(out: Path, config: dict[str, object]) -> Path | None:
+    """Create the run directory and its bootstrap folder (the settings written into it,
+    so that they reach ranks whose launcher passes on nothing but PYTHON* variables);
+    returns the bootstrap path, or None (warned) when it cannot be written: the job then
+    runs without probes."""
     try:
-        bootstrap = out / BOOTSTRAP_DIR
+        bootstrap = Path(str(config["bootstrap_dir"]))
         bootstrap.mkdir(parents=True, exist_ok=True)
-        (bootstrap / "sitecustomize.py").write_text(sitecustomize_source())
+        (bootstrap / "sitecustomize.py").write_text(sitecustomize_source(config))
     except OSError as exc:
         click.echo(
             f"lorascope: warning: cannot write the run directory {out} ({exc.strerror}); the job runs without probes",
@@ -52,22 +55,6 @@ def _child_env(
         env["LORASCOPE_MEMORY_HISTORY"] = "off"
     env.pop("LORASCOPE_ATTACHED_PID", None)
     return env
-
-
-def _wait(proc: subprocess.Popen[bytes]) -> int:
-    """Wait for the job; SIGTERM/SIGHUP are passed on, Ctrl-C reaches it through the terminal."""
-
-    def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        rc = proc.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    return rc if rc >= 0 else 128 - rc
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -115,28 +102,51 @@ def command(
     except ValueError as exc:
         raise UsageError(f"--trace-window: {exc}") from None
     out = (out or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S")).absolute()
-    bootstrap = _prepare(out)
     launch_id = f"{socket.gethostname()}-{os.getpid()}"
+    # One bootstrap folder per launch: the launchers of a multi-node job share the run dir.
+    config = {
+        "run_dir": str(out),
+        "bootstrap_dir": str(out / BOOTSTRAP_DIR / launch_id),
+        "launch_id": launch_id,
+        "sample_interval": sample_interval,
+        "trace_window": trace_window,
+        "memory_history": memory_history,
+    }
+    bootstrap = _prepare(out, config)
     record_launch(out, launch_id, list(cmd))
     click.echo(f"lorascope: recording to {out}", err=True)
     try:
         env = (
             _child_env(out, bootstrap, launch_id, sample_interval, trace_window, memory_history) if bootstrap else None
         )
-        proc = subprocess.Popen(list(cmd), env=env)
+        job = Job(list(cmd), env)
     except OSError as exc:
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)
         raise UsageError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None
-    rc = _wait(proc)
-    record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=rc)
-    try:
-        run = load_run(out)
-        data = build_summary(run)
-        record_ranks(out, {str(r["rank"]): {k: r[k] for k in ("pid", "host", "ended")} for r in data["ranks"]})
-        if summary:
-            click.echo(render_text(data), err=True)
-    except Exception as exc:  # whatever happened to the run directory, the status is the job's
-        reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
-        click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
+    rc = job.wait()
+    record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=rc, signals=job.forwarded)
+    attached = attached_processes(out, launch_id)
+    if attached:
+        try:
+            data = build_summary(load_run(out))
+            record_ranks(out, {str(r["rank"]): {k: r[k] for k in ("pid", "host", "ended")} for r in data["ranks"]})
+            if summary:
+                click.echo(render_text(data), err=True)
+        except Exception as exc:  # whatever happened to the run directory, the status is the job's
+            reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
+            click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
+    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None), err=True)
     sys.stderr.flush()
     return rc
+
+
+def _attached_line(attached: list[dict[str, object]], out: Path, cmd: list[str], launch_id: str, injected: bool) -> str:
+    if not attached:
+        why = why_none_attached(out, [cmd], launch_id) if injected else "the run directory could not be written"
+        return f"lorascope: no process attached the probes: {why}"
+    ranks = sorted({int(str(a["rank"])) for a in attached})
+    hosts = sorted({str(a["host"]) for a in attached})
+    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
+    processes = "1 process" if len(attached) == 1 else f"{len(attached)} processes"
+    return f"lorascope: {processes} attached the probes (ranks {shown}){where}"

@@ -17,6 +17,7 @@ from lorascope import __version__
 from lorascope.probes import importhook
 from lorascope.probes.allocator import ENV_SWITCH as ENV_MEMORY_HISTORY
 from lorascope.probes.allocator import AllocatorProbe, parse_switch
+from lorascope.probes.bootstrap import ENV_ATTACHED_AS, ENV_ATTACHED_PID
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.dumps import Dumper
 from lorascope.probes.exits import ExitProbe, install_fatal_handler
@@ -27,13 +28,13 @@ from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
+from lorascope.probes.ranks import Identity, discover
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
 ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
-ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
 ENV_TRACE_WINDOW = "LORASCOPE_TRACE_WINDOW"
 ENV_STALL_SECONDS = "LORASCOPE_STALL_SECONDS"
 DEFAULT_SAMPLE_INTERVAL = 0.5
@@ -52,13 +53,6 @@ def _versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def _default_run_dir() -> Path:
@@ -86,7 +80,7 @@ def _sample_interval() -> float:
 
 
 def _say_failed(run_dir: Path | None, why: str) -> None:
-    line = f"lorascope: probes off in pid {os.getpid()} (rank {os.environ.get('RANK', '?')}): {why}"
+    line = f"lorascope: probes off in pid {os.getpid()} (rank {discover().rank}): {why}"
     print(line, file=sys.stderr)
     if run_dir is not None:
         try:
@@ -97,9 +91,17 @@ def _say_failed(run_dir: Path | None, why: str) -> None:
 
 
 def attach(
-    out: str | os.PathLike[str] | None = None, sample_interval: float | None = None, trace_window: str | None = None
+    out: str | os.PathLike[str] | None = None,
+    sample_interval: float | None = None,
+    trace_window: str | None = None,
+    *,
+    launch_id: str | None = None,
+    identity: Identity | None = None,
 ) -> bool:
-    """Start the probes in this process once; later calls return whether they are on."""
+    """Start the probes in this process once; later calls return whether they are on.
+
+    Options left None come from ``LORASCOPE_*`` variables, then the defaults; the rank
+    from :func:`lorascope.probes.ranks.discover`."""
     global _session
     if _session is not None and _session.pid == os.getpid():
         return _session.active
@@ -108,12 +110,17 @@ def attach(
         run_dir = Path(out) if out is not None else _default_run_dir()
         run_dir = run_dir.absolute()
         ensure_manifest(run_dir)
+        identity = discover() if identity is None else identity
         _session = _start(
             run_dir,
             _sample_interval() if sample_interval is None else sample_interval,
             _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None else trace_window),
+            identity,
+            os.environ.get("LORASCOPE_LAUNCH_ID") if launch_id is None else launch_id,
         )
+        # Children that inherit this identity (DataLoader workers) are not ranks themselves.
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
+        os.environ[ENV_ATTACHED_AS] = identity.key
         return True
     except Exception as exc:
         _say_failed(run_dir, "".join(traceback.format_exception_only(type(exc), exc)).strip())
@@ -129,8 +136,14 @@ def _trace_window(text: str | None) -> tuple[int, int] | None:
         return DEFAULT_WINDOW
 
 
-def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] | None) -> Session:
-    rank = _env_int("RANK", 0)
+def _start(
+    run_dir: Path,
+    sample_interval: float,
+    trace_window: tuple[int, int] | None,
+    identity: Identity,
+    launch_id: str | None,
+) -> Session:
+    rank = identity.rank
     host = socket.gethostname()
     pid = os.getpid()
     prefix = stream_prefix(run_dir, rank, host, pid)
@@ -138,10 +151,11 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
     session = Session(
         stream,
         rank=rank,
-        local_rank=_env_int("LOCAL_RANK", 0),
-        world_size=_env_int("WORLD_SIZE", 1),
+        local_rank=identity.local_rank,
+        world_size=identity.world_size,
         sample_interval=sample_interval,
     )
+    probed_parent = os.environ.get(ENV_ATTACHED_PID)
     session.record(
         "start",
         rank=rank,
@@ -154,7 +168,9 @@ def _start(run_dir: Path, sample_interval: float, trace_window: tuple[int, int] 
         versions=_versions(),
         device=_device_hint(session.local_rank),
         sample_interval=sample_interval,
-        launch_id=os.environ.get("LORASCOPE_LAUNCH_ID"),
+        launch_id=launch_id,
+        rank_source=identity.source,
+        probed_parent=int(probed_parent) if probed_parent and probed_parent.isdigit() else None,
     )
     memory = MemoryProbe(session)
     collectives = CollectiveProbe(session)

@@ -87,6 +87,7 @@ class CollectiveProbe:
         #: The default process group's timeout in seconds, once the job sets it.
         self.pg_timeout: float | None = None
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
+        self.check_rank = session.guarded("rank-check")(self._check_rank)
 
     # -- installation -------------------------------------------------------------
     def install(self, c10d: ModuleType) -> None:
@@ -105,7 +106,8 @@ class CollectiveProbe:
         self._watch_init(c10d, dist)
 
     def _watch_init(self, c10d: ModuleType, dist: ModuleType | None) -> None:
-        """Learn the process-group timeout the job sets (the stall watchdog scales with it)."""
+        """Learn the process-group timeout the job sets (the stall watchdog scales with it),
+        and check the rank the probes took against torch.distributed's."""
         original = c10d.init_process_group
         if getattr(original, "__lorascope__", False):
             return
@@ -119,13 +121,28 @@ class CollectiveProbe:
                     probe.pg_timeout = float(timeout.total_seconds())
             except Exception:
                 pass
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            probe.check_rank(c10d)
+            return out
 
         init_process_group.__lorascope__ = True  # type: ignore[attr-defined]
         init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
         c10d.init_process_group = init_process_group
         if dist is not None and getattr(dist, "init_process_group", None) is original:
             dist.init_process_group = init_process_group
+
+    def _check_rank(self, c10d: ModuleType) -> None:
+        """A ``dist_init`` record: torch.distributed's rank and world size, which the reader
+        trusts over the launcher variables the probes read at start."""
+        session = self.session
+        rank, world = int(c10d.get_rank()), int(c10d.get_world_size())
+        session.record("dist_init", rank=rank, world_size=world, backend=str(c10d.get_backend()))
+        if (rank, world) != (session.rank, session.world_size):
+            print(
+                f"lorascope: this process was probed as rank {session.rank} of {session.world_size}, "
+                f"but torch.distributed says rank {rank} of {world}; the analysis uses the latter",
+                file=sys.stderr,
+            )
 
     def pending(self) -> list[dict[str, Any]]:
         """The calls in flight now (a copy; read from the dump thread)."""

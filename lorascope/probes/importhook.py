@@ -1,4 +1,5 @@
-"""Post-import hooks: run a callback right after a module finishes executing.
+"""Import hooks: run a callback right after a module finishes executing, or just before
+it starts being looked for.
 
 The probes must patch ``torch.distributed`` before DeepSpeed captures references to its
 functions, without importing torch themselves (``import torch`` costs seconds and would
@@ -19,6 +20,7 @@ from typing import Any
 Hook = Callable[[ModuleType], None]
 
 _hooks: dict[str, list[Hook]] = {}
+_before: dict[str, list[Callable[[], None]]] = {}
 _busy = threading.local()
 
 
@@ -48,6 +50,8 @@ class _HookedLoader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        for early in _before.pop(name, []):
+            early()  # may add hooks for this very module (see before_import)
         if name not in _hooks or getattr(_busy, "name", None) == name:
             return None
         _busy.name = name
@@ -78,5 +82,17 @@ def when_imported(name: str, hook: Hook) -> None:
         hook(module)
         return
     _hooks.setdefault(name, []).append(hook)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def before_import(name: str, hook: Callable[[], None]) -> None:
+    """Call ``hook()`` when ``name`` is first looked for, before it runs (now, if it is
+    already imported). The hook may register ``when_imported`` hooks for ``name``
+    itself; it must not raise."""
+    if name in sys.modules:
+        hook()
+        return
+    _before.setdefault(name, []).append(hook)
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorascope.errors import BadInputError, FormatVersionError
+from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir import limits
+from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
 from lorascope.rundir.schema import (
@@ -79,6 +80,8 @@ class RankData:
     #: On-demand and stall dumps (stacks, pending collectives), oldest first.
     dumps: list[dict[str, Any]] = field(default_factory=list)
     stall: dict[str, Any] | None = None
+    #: torch.distributed's rank and world size, once the process group started.
+    dist_init: dict[str, Any] | None = None
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
@@ -280,6 +283,7 @@ _LATEST = {
     "signal": "signal",
     "end": "end",
     "stall": "stall",
+    "dist_init": "dist_init",
     "grad_setup": "grad_setup",
     "grads": "grads",
     "memory_history": "memory_history",
@@ -357,7 +361,7 @@ def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
         raise BadInputError(f"{run_dir} is not a run directory (it is a file)")
     manifest = _read_manifest(run_dir)
     warnings: list[str] = []
-    ranks: dict[int, RankData] = {}
+    processes: list[RankData] = []
     ranks_dir = run_dir / RANKS_DIR
     rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
     for done, rank_dir in enumerate(rank_dirs, 1):
@@ -369,12 +373,17 @@ def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
         if leaves(run_dir, rank_dir):
             warnings.append(f"{rank_dir}: a symlink out of the run directory: not followed")
             continue
-        rank = int(suffix)
         procs = _segments(run_dir, rank_dir, warnings)
         if not procs:
-            warnings.append(f"rank {rank}: no stream files in {rank_dir}")
+            warnings.append(f"rank {suffix}: no stream files in {rank_dir}")
             continue
-        loaded = [_load_process(rank, segs, warnings) for segs in procs.values()]
+        processes.extend(_load_process(int(suffix), segs, warnings) for segs in procs.values())
+    by_rank: dict[int, list[RankData]] = {}
+    for data in _drop_launchers(processes, warnings):
+        _trust_torch_rank(data, warnings)
+        by_rank.setdefault(data.rank, []).append(data)
+    ranks: dict[int, RankData] = {}
+    for rank, loaded in by_rank.items():
         loaded.sort(key=lambda d: float(d.start["t"]))
         if len(loaded) > 1:
             warnings.append(
@@ -384,14 +393,12 @@ def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
         ranks[rank] = loaded[-1]
     warnings.extend(_probe_errors(run_dir))
     if not ranks:
-        warnings.append(
-            "no rank wrote a stream (the job failed before its ranks started, or the probes could not attach)"
-        )
-    else:
-        expected = max(r.start["world_size"] for r in ranks.values())
-        absent = sorted(set(range(expected)) - set(ranks))
-        if absent:
-            warnings.append(f"world size is {expected} but ranks {absent} wrote no stream")
+        why = why_none_attached(run_dir, [launch["command"] for launch in manifest["launches"]])
+        raise NothingRecordedError(f"{run_dir}: no process attached the probes, nothing to analyse: {why}")
+    expected = max(r.start["world_size"] for r in ranks.values())
+    absent = sorted(set(range(expected)) - set(ranks))
+    if absent:
+        warnings.append(f"world size is {expected} but ranks {absent} wrote no stream")
     return RunData(path=run_dir, manifest=manifest, ranks=dict(sorted(ranks.items())), warnings=warnings)
 
 
@@ -410,3 +417,38 @@ def _fatal_text(path: Path, name: str) -> str | None:
     except OSError:
         return None
     return text or None
+
+
+def _drop_launchers(processes: list[RankData], warnings: list[str]) -> list[RankData]:
+    """A lone process (no rank variables) whose children attached as ranks was their
+    launcher, not a rank: its stream is left out."""
+    parents = {(d.host, d.start.get("probed_parent")) for d in processes if d.start.get("probed_parent")}
+    kept = []
+    for data in processes:
+        if data.start.get("rank_source") == "lone" and (data.host, data.pid) in parents:
+            warnings.append(
+                f"pid {data.pid} on {data.host} attached as a lone process but started probed ranks: "
+                "a launcher, left out of the analysis"
+            )
+        else:
+            kept.append(data)
+    return kept
+
+
+def _trust_torch_rank(data: RankData, warnings: list[str]) -> None:
+    """Where torch.distributed disagrees with the rank the probes took from launcher
+    variables, the process is analysed as torch's rank, and a warning says so."""
+    init = data.dist_init
+    if init is None:
+        return
+    probed = (data.rank, data.start["world_size"])
+    actual = (init["rank"], init["world_size"])
+    if probed == actual:
+        return
+    source = data.start.get("rank_source", "the environment")
+    warnings.append(
+        f"pid {data.pid} on {data.host} was probed as rank {probed[0]} of {probed[1]} (from {source}) but "
+        f"torch.distributed says rank {actual[0]} of {actual[1]}; analysed as rank {actual[0]}"
+    )
+    data.rank = actual[0]
+    data.start = {**data.start, "rank": actual[0], "world_size": actual[1], "probed_as": list(probed)}

@@ -17,6 +17,9 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 RANKS_DIR = "ranks"
 BOOTSTRAP_DIR = "bootstrap"
+#: In BOOTSTRAP_DIR: one JSON line per Python process that loaded the bootstrap, and
+#: what it decided to be (rank, lone, launcher, child).
+PROCESSES_LOG = "processes.jsonl"
 STREAM_SUFFIX = ".jsonl"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
 #: whose default action is to ignore it (see lorascope.probes.dumps).
@@ -42,6 +45,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "device": _STR,
     },
     "segment": {"index": _INT},
+    "dist_init": {"rank": _INT, "world_size": _INT},
     "config": {"name": _STR, "value": (dict,)},
     "mem": {"src": _STR, "step": _INT, "rss": _OPT_INT},
     "loss": {"step": _INT, "loss": _OPT_NUM},

@@ -3,6 +3,7 @@ that patching torch never leaks into the test process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,31 +84,79 @@ def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_
     record_launch(out, "test", ["job.py"])
     boot = out / "bootstrap"
     boot.mkdir()
-    (boot / "sitecustomize.py").write_text(sitecustomize_source())
+    (boot / "sitecustomize.py").write_text(sitecustomize_source({"run_dir": str(out)}))
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
-    env = {"PYTHONPATH": f"{boot}{os.pathsep}{theirs}", "LORASCOPE_RUN_DIR": str(out)}
+    # Only PYTHON* variables: the run directory comes from the bootstrap itself.
+    base = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
+    base["PYTHONPATH"] = os.pathsep.join([str(boot), str(theirs), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
     code = (
         "import builtins, sys; print(getattr(builtins, 'THEIRS_RAN', False), 'lorascope.probes.attach' in sys.modules)"
     )
-    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
-    assert plain.stdout.split() == ["True", "False"], plain.stderr  # not a rank: nothing attached
-    rank = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"},
-    )
-    assert rank.stdout.split() == ["True", "True"], rank.stderr
-    child = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "LORASCOPE_ATTACHED_PID": "1"},
-    )
-    assert child.stdout.split() == ["True", "False"]  # a child of a probed rank stays out
+
+    def run(extra: dict[str, str], *argv: str) -> list[str]:
+        res = subprocess.run([sys.executable, *argv, "-c", code], capture_output=True, text=True, env={**base, **extra})
+        return res.stdout.split() + ([res.stderr] if res.returncode else [])
+
+    assert run({}) == ["True", "False"]  # a lone process that never imports torch: nothing attached
+    assert run({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}) == ["True", "True"]
+    child = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LORASCOPE_ATTACHED_PID": "1"}
+    assert run({**child, "LORASCOPE_ATTACHED_AS": "env:0/1"}) == ["True", "False"]  # a probed rank's child
+    # A launcher imports torch and may see rank variables (`srun torchrun`): still no rank.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--help"]
+    res = subprocess.run(launcher, capture_output=True, env={**base, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert res.returncode == 0
+    roles = [json.loads(line)["role"] for line in (boot / "processes.jsonl").read_text().splitlines()]
+    assert roles == ["lone", "rank", "child", "launcher"]
     assert len(load_run(out).ranks) == 1
+
+
+def test_lone_process_attaches_when_it_imports_torch(tmp_path: Path) -> None:
+    """`python train.py` with no launcher and no rank variables: rank 0 of 1, with steps."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    boot = out / "bootstrap"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text(sitecustomize_source({"run_dir": str(out), "trace_window": "off"}))
+    script = tmp_path / "lone.py"
+    script.write_text(
+        "import torch\n"
+        "m = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    m(torch.ones(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(boot), os.environ.get("PYTHONPATH", "")])}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LORASCOPE_RUN_DIR"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rank = load_run(out).ranks[0]
+    assert rank.start["rank_source"] == "lone" and rank.start["world_size"] == 1
+    assert [s["step"] for s in rank.steps] == [1, 2, 3]
+    assert rank.end is not None and rank.end["status"] == "exit"
+
+
+def test_rank_from_launcher_variables_is_checked_against_torch_distributed(tmp_path: Path) -> None:
+    """The probes take rank 1 of 2 from SLURM variables; the job's process group says rank
+    0 of 1: the disagreement is recorded, said at run time, and the reader uses torch's."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    proc = run_job(
+        tmp_path,
+        f"lorascope.attach({str(out)!r})",
+        {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "RANK": "", "LOCAL_RANK": ""},
+        29813,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "probed as rank 1 of 2, but torch.distributed says rank 0 of 1" in proc.stderr
+    assert (out / "ranks" / "rank-1").is_dir()
+    run = load_run(out)
+    assert list(run.ranks) == [0] and run.world_size == 1
+    assert run.ranks[0].dist_init is not None and run.ranks[0].start["probed_as"] == [1, 2]
+    assert any("probed as rank 1 of 2 (from slurm)" in w for w in run.warnings)
 
 
 def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:

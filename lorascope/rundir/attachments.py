@@ -1,0 +1,92 @@
+"""Which processes of a run attached the probes, and when none did, the likely reason
+(read from the streams' first records and the bootstrap's processes.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+
+#: Interpreter flags that make Python ignore PYTHONPATH (-I, -E) or skip site (-S).
+_NO_BOOTSTRAP_FLAG = re.compile(r"^-[A-Za-z]*[IES][A-Za-z]*$")
+_CONTAINERS = frozenset({"docker", "podman", "nerdctl", "apptainer", "singularity", "enroot", "kubectl", "ctr"})
+
+
+def attached_processes(run_dir: Path, launch_id: str | None = None) -> list[dict[str, Any]]:
+    """The ``start`` record of every process that attached (of one launch, if given)."""
+    out = []
+    for first in sorted((run_dir / RANKS_DIR).glob(f"rank-*/*.0000{STREAM_SUFFIX}")):
+        try:
+            with open(first, "rb") as f:
+                rec = json.loads(f.readline())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("k") == "start":
+            if launch_id is None or rec.get("launch_id") in (None, launch_id):
+                out.append(rec)
+    return out
+
+
+def bootstrap_processes(run_dir: Path) -> list[dict[str, Any]]:
+    """What each Python process that loaded the bootstrap decided to be."""
+    try:
+        lines = (run_dir / BOOTSTRAP_DIR / PROCESSES_LOG).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _flag_reason(command: list[str]) -> str | None:
+    for i, arg in enumerate(command[1:], 1):
+        if os.path.basename(command[i - 1]).startswith("python") and _NO_BOOTSTRAP_FLAG.match(arg):
+            return f"the command runs `python {arg}`, which ignores PYTHONPATH or site, so the bootstrap never loads"
+    return None
+
+
+def _container_reason(command: list[str]) -> str | None:
+    if command and os.path.basename(command[0]) in _CONTAINERS:
+        return (
+            f"the job runs in a container ({os.path.basename(command[0])}), which does not inherit this run's "
+            "PYTHONPATH: mount the run directory and set PYTHONPATH to its bootstrap/ folder inside"
+        )
+    return None
+
+
+def why_none_attached(run_dir: Path, commands: list[list[str]]) -> str:
+    """One sentence: the likely reason no process attached the probes."""
+    for command in commands:
+        reason = _flag_reason(command) or _container_reason(command)
+        if reason:
+            return reason
+    seen = bootstrap_processes(run_dir)
+    if not seen:
+        return (
+            "no Python process loaded the bootstrap: the job is not Python, or the launcher or a "
+            "container entrypoint resets PYTHONPATH, or Python runs with -I/-E"
+        )
+    roles = Counter(str(p.get("role")) for p in seen)
+    lone = [p for p in seen if p.get("role") == "lone"]
+    parts = [f"{n} {role}" for role, n in sorted(roles.items())]
+    count = "1 Python process" if len(seen) == 1 else f"{len(seen)} Python processes"
+    why = f"{count} loaded the bootstrap ({', '.join(parts)}) and none attached"
+    if lone:
+        names = sorted({_shown(p.get("program")) for p in lone})
+        why += f"; a process without rank variables ({', '.join(names)}) attaches when it imports torch, and none did"
+    return why
+
+
+def _shown(program: object) -> str:
+    return "python -c" if program == "-c" else str(program)
