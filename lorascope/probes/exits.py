@@ -20,7 +20,7 @@ from typing import IO, Any
 from lorascope.probes.session import Session
 
 MAX_WARNINGS = 200
-_TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT")
+_TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def thread_stacks() -> str:

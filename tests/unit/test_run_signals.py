@@ -1,0 +1,111 @@
+"""`lorascope run` passes signals on to every process group of the job, escalates a
+second SIGINT/SIGTERM to SIGKILL, records the exit status and leaves no process behind.
+The job here is a real launcher/worker pair shaped like torchrun's (the worker in a
+session of its own); tests/e2e/test_launchers.py does the same to a real torchrun job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+LORASCOPE = [sys.executable, "-m", "lorascope"]
+
+LAUNCHER = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    if os.environ["WORKER_MODE"] == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # like torchrun: the worker in a new session; SIGUSR1 (unhandled) kills this process
+    subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]], start_new_session=True).wait()
+""")
+WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    out = sys.argv[1]
+    mode = os.environ.get("WORKER_MODE", "record")
+    def record(signum, frame):
+        with open(out + ".got", "a") as f:
+            f.write(signal.Signals(signum).name + "\\n")
+        sys.exit(0)
+    for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN if mode == "ignore" else record)
+    with open(out + ".pid", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], Path, int]:
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "worker.py").write_text(WORKER)
+    marker = tmp_path / "w"
+    proc = subprocess.Popen(
+        [*LORASCOPE, "run", "--out", str(tmp_path / "run"), "--", sys.executable, "launcher.py", "worker.py", str(marker)],
+        cwd=tmp_path,
+        env={**os.environ, "WORKER_MODE": mode},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pid_file = marker.with_suffix(".pid")
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    return proc, marker, int(pid_file.read_text())
+
+
+def launch_record(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "run" / "manifest.json").read_text())["launches"][0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT])
+def test_signal_reaches_ranks_in_their_own_sessions(tmp_path: Path, signum: signal.Signals) -> None:
+    proc, marker, worker = start(tmp_path, "record")
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert marker.with_suffix(".got").read_text() == f"{signum.name}\n"
+    assert proc.returncode == 128 + signum  # the launcher died of it, as the job would
+    launch = launch_record(tmp_path)
+    assert launch["exit_status"] == 128 + signum and launch["signals"] == [signum.name]
+    assert f"passing {signum.name} on to the job" in err
+    assert not alive(worker)
+
+
+def test_ranks_outliving_their_launcher_are_cleared(tmp_path: Path) -> None:
+    """The worker ignores SIGUSR1, its launcher dies of it: the orphan is re-parented to
+    `lorascope run`, which terminates it instead of leaving it running."""
+    proc, _, worker = start(tmp_path, "ignore")
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert f"1 processes of the job outlived it (pids {worker})" in err
+    assert not alive(worker)
+
+
+def test_second_sigterm_kills_the_job(tmp_path: Path) -> None:
+    proc, _, worker = start(tmp_path, "ignore")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None and alive(worker)  # the job ignores the first
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert "SIGTERM again: killing the job (SIGKILL)" in err
+    assert launch_record(tmp_path)["signals"] == ["SIGTERM", "SIGKILL"]
+    assert not alive(worker)
