@@ -218,6 +218,7 @@ def _start(
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
     _hook(session, "peft", steps.install_peft, "configs")
+    _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")
     _hook(session, "transformers.trainer", steps.install_trainer, "steps-trainer")
     memory.sample("attach")
     if not dumper.install_signal():

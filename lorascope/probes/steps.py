@@ -1,6 +1,7 @@
-"""Steps and phases: from the DeepSpeed engine (forward / backward / step), and from plain
+"""Steps and phases: from the DeepSpeed engine (forward / backward / step), from plain
 torch loops as far as they can be seen (DDP forward, ``Tensor.backward``, the global
-optimizer-step hooks). Each phase edge also takes a memory sample; each finished step
+optimizer-step hooks), and the Hugging Face ``Trainer``'s evaluation and checkpoint
+saves (its steps come from the engine or the optimizer below it). Each phase edge also takes a memory sample; each finished step
 records its wall time and the loss when one was seen.
 
 Reading the loss must not synchronise the device: on CPU it is read at once; on CUDA
@@ -9,12 +10,13 @@ it is copied without blocking and read at the next step end, once its event is d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -49,6 +51,7 @@ class StepProbe:
         self._loss: Any = None
         self._pending_losses: list[tuple[int, Any, Any]] = []
         self._configs_done: set[str] = set()
+        self._open_spans: set[str] = set()
         self.phase = session.guarded("steps")(self._phase)
         self.step_done = session.guarded("steps")(self._step_done)
         self.see_loss = session.guarded("steps")(self._see_loss)
@@ -158,10 +161,8 @@ class StepProbe:
 
         @functools.wraps(orig_save)
         def save_checkpoint(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            probe.phase("save", "begin")
-            out = orig_save(engine, *args, **kwargs)
-            probe.phase("save", "end")
-            return out
+            with probe.span("save"):
+                return orig_save(engine, *args, **kwargs)
 
         @functools.wraps(orig_step)
         def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
@@ -191,6 +192,21 @@ class StepProbe:
 
         forward.__lorascope__ = True  # type: ignore[attr-defined]
         return forward
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """A phase around a call; nested calls of the same phase (the Trainer's save
+        calling DeepSpeed's) make one phase."""
+        if name in self._open_spans:
+            yield
+            return
+        self._open_spans.add(name)
+        self.phase(name, "begin")
+        try:
+            yield
+        finally:
+            self._open_spans.discard(name)
+            self.phase(name, "end")
 
     def forward_phase_name(self) -> str:
         """A forward under no_grad is an evaluation, not a training forward."""
@@ -242,33 +258,63 @@ class StepProbe:
         if getattr(ddp.forward, "__lorascope__", False):
             return
         ddp.forward = self._forward_phases(ddp.forward)
+        self._after(ddp, "__init__", lambda wrapper, *_: self.record_model(getattr(wrapper, "module", None)))
 
-    def install_trainer(self, trainer_module: ModuleType) -> None:
-        """transformers' Trainer: ``evaluate`` / ``predict`` are an eval phase and
-        ``_save_checkpoint`` a save phase, from first to last line: the gathering of
-        predictions and ``compute_metrics`` included. Under DDP the Trainer evaluates the
-        unwrapped model, so no DDP forward marks the evaluation otherwise."""
-        trainer_cls = getattr(trainer_module, "Trainer", None)
-        if trainer_cls is None or getattr(trainer_cls, "__lorascope__", False):
+    def _after(self, owner: Any, name: str, then: Callable[..., None]) -> None:
+        """Wrap ``owner.name`` so that ``then(result-or-self, *args)`` runs after it."""
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, "__lorascope__", False):
             return
-        trainer_cls.__lorascope__ = True
-        for method, phase in (("evaluate", "eval"), ("predict", "eval"), ("_save_checkpoint", "save")):
-            original = getattr(trainer_cls, method, None)
-            if original is not None:
-                setattr(trainer_cls, method, self._phase_around(original, phase))
 
-    def _phase_around(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(first, *args, **kwargs)
+            then(out if name != "__init__" and out is not None else first, *args)
+            return out
+
+        wrapper.__lorascope__ = True  # type: ignore[attr-defined]
+        setattr(owner, name, wrapper)
+
+    def _around(self, owner: Any, name: str, phase: str) -> None:
+        """Wrap ``owner.name`` in a phase."""
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, "__lorascope__", False):
+            return
         probe = self
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            probe.phase(phase, "begin")
-            try:
+            with probe.span(phase):
                 return original(*args, **kwargs)
-            finally:
-                probe.phase(phase, "end")
 
-        return wrapper
+        wrapper.__lorascope__ = True  # type: ignore[attr-defined]
+        setattr(owner, name, wrapper)
+
+    def install_trainer(self, trainer_module: ModuleType) -> None:
+        """Hugging Face Trainer (and subclasses such as TRL's SFTTrainer): its model and
+        arguments at construction; ``evaluate`` / ``predict`` an eval phase and
+        ``_save_checkpoint`` a save phase, from first to last line (the gathering of
+        predictions and ``compute_metrics`` included). Under DDP the Trainer evaluates
+        the unwrapped model, so no DDP forward marks the evaluation otherwise."""
+        trainer = getattr(trainer_module, "Trainer", None)
+        if trainer is None:
+            return
+
+        def constructed(instance: Any, *_: Any) -> None:
+            self.record_model(getattr(instance, "model", None))
+            args = getattr(instance, "args", None)
+            if args is not None and hasattr(args, "to_dict"):
+                self.record_config("trainer", args.to_dict())
+
+        self._after(trainer, "__init__", constructed)
+        self._around(trainer, "evaluate", "eval")
+        self._around(trainer, "predict", "eval")
+        self._around(trainer, "_save_checkpoint", "save")
+
+    def install_adapters(self, peft_integration: ModuleType) -> None:
+        """transformers' ``model.add_adapter(LoraConfig(...))`` (no PeftModel involved)."""
+        mixin = peft_integration.PeftAdapterMixin
+        self._after(mixin, "add_adapter", lambda model, *_: self.record_model(model))
 
     def install_peft(self, peft: ModuleType) -> None:
         """Record the LoRA and model configs when the job builds its PEFT model."""
@@ -285,3 +331,21 @@ class StepProbe:
 
         get_peft_model.__lorascope__ = True  # type: ignore[attr-defined]
         peft.get_peft_model = get_peft_model
+        self._install_from_pretrained(peft.PeftModel)
+
+    def _install_from_pretrained(self, peft_model: Any) -> None:
+        """``PeftModel.from_pretrained`` (a classmethod; subclasses and AutoPeftModel use it)."""
+        original = peft_model.__dict__.get("from_pretrained")
+        func = getattr(original, "__func__", None)
+        if func is None or getattr(func, "__lorascope__", False):
+            return
+        probe = self
+
+        @functools.wraps(func)
+        def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            model = func(cls, *args, **kwargs)
+            probe.record_model(model)
+            return model
+
+        from_pretrained.__lorascope__ = True  # type: ignore[attr-defined]
+        peft_model.from_pretrained = classmethod(from_pretrained)
