@@ -458,5 +458,23 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
+# The entry point is at the end of the file (a lone process runs as rank 0 of 1); these
+# two lines keep the line numbers that recorded dumps and reports point into.
+
+
+def lone_process_defaults() -> None:
+    """``python probes/train_lora.py`` without a launcher: rank 0 of a world of 1 (the
+    env:// rendezvous needs what a launcher would set)."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+
+
 if __name__ == "__main__":
+    lone_process_defaults()
     main()

@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         report_to=[],
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
-        ddp_backend="gloo" if not torch.cuda.is_available() else None,
+        # gloo on CPU; for one process no backend at all (accelerate would expect a group)
+        ddp_backend="gloo" if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         deepspeed=deepspeed_config(args) if args.engine == "deepspeed" else None,
         seed=args.seed,
         dataloader_num_workers=0,
