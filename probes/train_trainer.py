@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     if trainer.is_world_process_zero():
         print(
-            f"train_trainer: done global_step={trainer.state.global_step} "
-            f"evals={seen['evals']} saves={seen['saves']}",
+            f"train_trainer: done global_step={trainer.state.global_step} evals={seen['evals']} saves={seen['saves']}",
             flush=True,
         )
 

@@ -119,11 +119,15 @@ class Job:
 
     def _clear_leftovers(self) -> None:
         """Processes of the job still running after its main process ended (ranks whose
-        launcher died, re-parented here): SIGTERM, then SIGKILL after a grace period."""
+        launcher died, re-parented here): SIGTERM, then SIGKILL after a grace period.
+        After a forwarded signal they first get the grace period to end of it (a rank
+        writing its stacks and flight-recorder dump)."""
         try:
             left = psutil.Process().children(recursive=True)
         except psutil.Error:
             return
+        if left and self.forwarded:
+            _, left = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
         if not left:
             return
         live = [p for p in left if _running(p)]

@@ -26,7 +26,10 @@ LORASCOPE = [sys.executable, "-m", "lorascope"]
         ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}, (3, 1, 8, "env")),
         ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_PROCID": "0"}, (3, 1, 8, "env")),
         ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "6"}, (5, 1, 6, "slurm")),
-        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}, (2, 0, 4, "ompi")),
+        (
+            {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"},
+            (2, 0, 4, "ompi"),
+        ),
         ({"PMI_RANK": "1", "PMI_SIZE": "2"}, (1, 0, 2, "pmi")),
         ({"RANK": "x", "PMI_RANK": "1", "PMI_SIZE": "2"}, (1, 0, 2, "pmi")),  # unparsable: next source
         ({"RANK": "4"}, (4, 0, 5, "env")),  # no world size: at least rank + 1

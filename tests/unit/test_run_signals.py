@@ -55,7 +55,17 @@ def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], Path, int]:
     (tmp_path / "worker.py").write_text(WORKER)
     marker = tmp_path / "w"
     proc = subprocess.Popen(
-        [*LORASCOPE, "run", "--out", str(tmp_path / "run"), "--", sys.executable, "launcher.py", "worker.py", str(marker)],
+        [
+            *LORASCOPE,
+            "run",
+            "--out",
+            str(tmp_path / "run"),
+            "--",
+            sys.executable,
+            "launcher.py",
+            "worker.py",
+            str(marker),
+        ],
         cwd=tmp_path,
         env={**os.environ, "WORKER_MODE": mode},
         stdout=subprocess.PIPE,
