@@ -19,8 +19,8 @@ options) are written into the generated file itself, so a rank that receives onl
    torch attach this way, its ranks name it as the probed process they came from and
    the reader drops its stream.
 
-Each decision is one line in ``bootstrap/processes.jsonl`` (``lorascope run`` uses it to
-say why nothing attached). It must never fail the process: without lorascope
+Each decision is one line in ``processes.jsonl`` next to the generated file
+(``lorascope run`` uses it to say why nothing attached). It must never fail the process: without lorascope
 importable it only chains to the ``sitecustomize`` that would have run without it.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.probes import ranks
-from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG
+from lorascope.rundir.schema import PROCESSES_LOG
 
 ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
 ENV_ATTACHED_AS = "LORASCOPE_ATTACHED_AS"
@@ -70,9 +70,9 @@ del _lorascope_bootstrap
 
 
 def sitecustomize_source(config: dict[str, Any]) -> str:
-    """The bootstrap file; ``config`` (plain values) holds ``run_dir`` and the options
-    :func:`lorascope.probes.attach.attach` takes (``sample_interval``, ``trace_window``,
-    ``launch_id``)."""
+    """The bootstrap file; ``config`` (plain values) holds ``run_dir``, ``bootstrap_dir``
+    (where the file goes) and the options :func:`lorascope.probes.attach.attach` takes
+    (``sample_interval``, ``trace_window``, ``launch_id``)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return SITECUSTOMIZE.format(config=config, package_root=package_root)
 
@@ -119,7 +119,9 @@ def _attach(config: dict[str, Any], identity: ranks.Identity) -> None:
 
 
 def _note(config: dict[str, Any], decided: str, identity: ranks.Identity) -> None:
-    """One line per process in bootstrap/processes.jsonl; best effort, one write."""
+    """One line per process in processes.jsonl; best effort, one write."""
+    if not config.get("bootstrap_dir"):
+        return
     try:
         line = json.dumps(
             {
@@ -133,7 +135,7 @@ def _note(config: dict[str, Any], decided: str, identity: ranks.Identity) -> Non
                 "program": ranks.program(getattr(sys, "orig_argv", sys.argv)),
             }
         )
-        path = Path(config["run_dir"]) / BOOTSTRAP_DIR / PROCESSES_LOG
+        path = Path(config["bootstrap_dir"]) / PROCESSES_LOG
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (line + "\n").encode())

@@ -32,12 +32,15 @@ def attached_processes(run_dir: Path, launch_id: str | None = None) -> list[dict
     return out
 
 
-def bootstrap_processes(run_dir: Path) -> list[dict[str, Any]]:
-    """What each Python process that loaded the bootstrap decided to be."""
-    try:
-        lines = (run_dir / BOOTSTRAP_DIR / PROCESSES_LOG).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+def bootstrap_processes(run_dir: Path, launch_id: str | None = None) -> list[dict[str, Any]]:
+    """What each Python process that loaded a bootstrap of the run (or of one launch)
+    decided to be."""
+    lines: list[str] = []
+    for log in sorted((run_dir / BOOTSTRAP_DIR).glob(f"{launch_id or '*'}/{PROCESSES_LOG}")):
+        try:
+            lines.extend(log.read_text(errors="replace").splitlines())
+        except OSError:
+            continue
     out = []
     for line in lines:
         try:
@@ -65,13 +68,13 @@ def _container_reason(command: list[str]) -> str | None:
     return None
 
 
-def why_none_attached(run_dir: Path, commands: list[list[str]]) -> str:
+def why_none_attached(run_dir: Path, commands: list[list[str]], launch_id: str | None = None) -> str:
     """One sentence: the likely reason no process attached the probes."""
     for command in commands:
         reason = _flag_reason(command) or _container_reason(command)
         if reason:
             return reason
-    seen = bootstrap_processes(run_dir)
+    seen = bootstrap_processes(run_dir, launch_id)
     if not seen:
         return (
             "no Python process loaded the bootstrap: the job is not Python, or the launcher or a "

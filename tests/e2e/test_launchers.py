@@ -115,7 +115,8 @@ def test_python_vars_only_launch_is_probed_and_sigusr1_ends_it_cleanly(tmp_path:
         assert rank.start["rank_source"] == "env"
         assert rank.signal is not None and rank.signal["name"] == "SIGUSR1"  # with its stacks
         assert not Path(f"/proc/{rank.pid}").exists() or "Z" in Path(f"/proc/{rank.pid}/stat").read_text().split()[2]
-    roles = [json.loads(line)["role"] for line in (out / "bootstrap" / "processes.jsonl").read_text().splitlines()]
+    log = out / "bootstrap" / launch["id"] / "processes.jsonl"
+    roles = [json.loads(line)["role"] for line in log.read_text().splitlines()]
     assert sorted(roles) == ["launcher", "lone", "rank", "rank"]  # the env wrapper, torchrun, 2 ranks
 
 

@@ -84,7 +84,7 @@ def test_bootstrap_attaches_ranks_only_and_chains_to_existing_sitecustomize(tmp_
     record_launch(out, "test", ["job.py"])
     boot = out / "bootstrap"
     boot.mkdir()
-    (boot / "sitecustomize.py").write_text(sitecustomize_source({"run_dir": str(out)}))
+    (boot / "sitecustomize.py").write_text(sitecustomize_source({"run_dir": str(out), "bootstrap_dir": str(boot)}))
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")

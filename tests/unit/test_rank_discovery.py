@@ -105,9 +105,9 @@ def test_no_rank_stream_is_an_error_with_the_likely_reason(tmp_path: Path) -> No
         load_run(tmp_path)
     other = tmp_path / "other"
     record_launch(other, "h-1", ["torchrun", "train.py"])
-    (other / "bootstrap").mkdir()
+    (other / "bootstrap" / "h-1").mkdir(parents=True)
     lines = [{"role": "launcher", "program": "torchrun"}, {"role": "lone", "program": "prep"}]
-    (other / "bootstrap" / "processes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (other / "bootstrap" / "h-1" / "processes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = subprocess.run([*LORASCOPE, "analyze", str(other), "--fail-on", "warning"], capture_output=True, text=True)
     assert res.returncode == 3 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
