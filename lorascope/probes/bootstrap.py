@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from lorascope.probes import ranks
@@ -135,7 +134,7 @@ def _note(config: dict[str, Any], decided: str, identity: ranks.Identity) -> Non
                 "program": ranks.program(getattr(sys, "orig_argv", sys.argv)),
             }
         )
-        path = Path(config["bootstrap_dir"]) / PROCESSES_LOG
+        path = os.path.join(config["bootstrap_dir"], PROCESSES_LOG)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (line + "\n").encode())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 #: (source name, rank variable, local-rank variable, world-size variable), in order.
 SOURCES: tuple[tuple[str, str, str, str], ...] = (
@@ -46,8 +46,10 @@ LAUNCHERS = frozenset(
 _OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 
 
-@dataclass(frozen=True)
-class Identity:
+class Identity(NamedTuple):
+    """A process's place in the job (a NamedTuple: dataclasses would import inspect
+    into every Python process of the job)."""
+
     rank: int
     local_rank: int
     world_size: int
