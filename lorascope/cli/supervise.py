@@ -70,8 +70,8 @@ class Job:
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None) -> None:
         _become_subreaper()
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        self.proc = subprocess.Popen(cmd, env=env, **group)  # type: ignore[call-overload]
+        # A process group of its own (Popen's process_group=0 is 3.11+).
+        self.proc: subprocess.Popen[bytes] = subprocess.Popen(cmd, env=env, preexec_fn=os.setpgrp)
         self.stops = 0
         #: The signals passed on, by name, in order (the manifest records them).
         self.forwarded: list[str] = []
@@ -146,6 +146,6 @@ class Job:
 
 def _running(p: psutil.Process) -> bool:
     try:
-        return p.status() != psutil.STATUS_ZOMBIE
+        return bool(p.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
