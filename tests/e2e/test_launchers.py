@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.rundir.reader import load_run
-from tests.e2e.conftest import LORASCOPE, REPO, TRAIN, Finished, free_port, probed
+from tests.helpers import LORASCOPE, REPO, TRAIN, Finished, free_port, probed
 
 pytestmark = pytest.mark.e2e
 

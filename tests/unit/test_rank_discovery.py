@@ -16,8 +16,7 @@ from lorascope.probes.bootstrap import role
 from lorascope.probes.ranks import Identity, discover, is_launcher, program
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
-
-LORASCOPE = [sys.executable, "-m", "lorascope"]
+from tests.helpers import LORASCOPE
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-LORASCOPE = [sys.executable, "-m", "lorascope"]
+from tests.helpers import LORASCOPE
 
 LAUNCHER = textwrap.dedent("""
     import os, signal, subprocess, sys
