@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -119,3 +121,34 @@ def test_second_sigterm_kills_the_job(tmp_path: Path) -> None:
     assert "SIGTERM again: killing the job (SIGKILL)" in err
     assert launch_record(tmp_path)["signals"] == ["SIGTERM", "SIGKILL"]
     assert not alive(worker)
+
+
+def test_the_terminal_goes_to_the_job(tmp_path: Path) -> None:
+    """On a terminal the job is the foreground group while it runs: it reads its input
+    (no SIGTTIN stop) and Ctrl-C reaches it directly."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `lorascope run` on the pty as its controlling terminal
+        job = "import time; print('got', input('type: '), flush=True); time.sleep(60)"
+        run = [*LORASCOPE, "run", "--no-summary", "--out", str(tmp_path / "run"), "--", sys.executable, "-c", job]
+        os.execvp(run[0], run)
+    seen = b""
+
+    def read_until(token: bytes) -> bool:
+        nonlocal seen
+        deadline = time.time() + 60
+        while token not in seen and time.time() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        return token in seen
+
+    assert read_until(b"type: "), seen
+    os.write(fd, b"hello\n")
+    assert read_until(b"got hello"), seen
+    os.write(fd, b"\x03")
+    assert read_until(b"no process attached"), seen
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT
+    assert b"KeyboardInterrupt" in seen
