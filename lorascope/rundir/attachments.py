@@ -10,7 +10,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from lorascope.errors import BadInputError
+from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+
+#: What is read, at most: of a stream's first line (its start record), of processes.jsonl.
+MAX_START_BYTES = 1 << 20
+MAX_PROCESSES_BYTES = 4 << 20
 
 #: Interpreter flags that make Python ignore PYTHONPATH (-I, -E) or skip site (-S).
 _NO_BOOTSTRAP_FLAG = re.compile(r"^-[A-Za-z]*[IES][A-Za-z]*$")
@@ -22,9 +28,9 @@ def attached_processes(run_dir: Path, launch_id: str | None = None) -> list[dict
     out = []
     for first in sorted((run_dir / RANKS_DIR).glob(f"rank-*/*.0000{STREAM_SUFFIX}")):
         try:
-            with open(first, "rb") as f:
-                rec = json.loads(f.readline())
-        except (OSError, ValueError):
+            with open_regular(first) as f:
+                rec = json.loads(f.readline(MAX_START_BYTES))
+        except (OSError, ValueError, RecursionError, BadInputError):
             continue
         if isinstance(rec, dict) and rec.get("k") == "start":
             if launch_id is None or rec.get("launch_id") in (None, launch_id):
@@ -38,14 +44,15 @@ def bootstrap_processes(run_dir: Path, launch_id: str | None = None) -> list[dic
     lines: list[str] = []
     for log in sorted((run_dir / BOOTSTRAP_DIR).glob(f"{launch_id or '*'}/{PROCESSES_LOG}")):
         try:
-            lines.extend(log.read_text(errors="replace").splitlines())
-        except OSError:
+            with open_regular(log) as f:
+                lines.extend(f.read(MAX_PROCESSES_BYTES).decode(errors="replace").splitlines())
+        except (OSError, BadInputError):
             continue
     out = []
     for line in lines:
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict):
             out.append(rec)
