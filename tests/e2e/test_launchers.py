@@ -40,6 +40,13 @@ def analyze(fin: Finished) -> dict:
     return json.loads(res.stdout)
 
 
+def failure(fin: Finished) -> str:
+    """Why a job failed, for the assertion message: its status, the lines that say error, the tail."""
+    err = fin.proc.stderr
+    said = [line for line in err.splitlines() if "rror" in line or "Traceback" in line]
+    return f"exit status {fin.proc.returncode}\n" + "\n".join(said[:20]) + "\n...\n" + err[-2000:]
+
+
 def last_line(fin: Finished) -> str:
     return fin.proc.stderr.strip().splitlines()[-1]
 
@@ -131,7 +138,7 @@ def trainer_zero3(tmp_path_factory: pytest.TempPathFactory) -> Finished:
 
 def test_trainer_steps_line_up_with_global_step(trainer_zero3: Finished) -> None:
     fin = trainer_zero3
-    assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
+    assert fin.proc.returncode == 0, failure(fin)
     assert "train_trainer: done global_step=6 evals=[3, 6] saves=[3, 6]" in fin.proc.stdout
     run = load_run(fin.out)
     assert sorted(run.ranks) == [0, 1]
@@ -149,7 +156,7 @@ def test_trainer_steps_line_up_with_global_step(trainer_zero3: Finished) -> None
 
 def test_trainer_ddp_logits_spike_is_named(tmp_path: Path) -> None:
     fin = probed(tmp_path / "run", torchrun_trainer("--engine", "ddp", "--fault", "logits-spike", "--steps", "3"))
-    assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
+    assert fin.proc.returncode == 0, failure(fin)
     run = load_run(fin.out)
     assert all([s["src"] for s in r.steps] == ["torch"] * 3 for r in run.ranks.values())
     assert "lora" in run.ranks[0].configs and "deepspeed" not in run.ranks[0].configs
@@ -177,7 +184,7 @@ def test_trainer_add_adapter_config_is_recorded(tmp_path: Path) -> None:
         pytest.skip(f"transformers' add_adapter needs peft >= {MIN_PEFT_VERSION}; peft {version('peft')} is installed")
     cmd = [sys.executable, TRAINER, "--engine", "ddp", "--adapter", "add_adapter", "--steps", "2"]
     fin = probed(tmp_path / "run", cmd)
-    assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
+    assert fin.proc.returncode == 0, failure(fin)
     assert load_run(fin.out).ranks[0].configs["lora"]["default"]["r"] == 8
 
 
@@ -206,7 +213,7 @@ def test_accelerate_launch(tmp_path: Path, processes: int) -> None:
         "3",
     ]
     fin = probed(tmp_path / "run", cmd)
-    assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
+    assert fin.proc.returncode == 0, failure(fin)
     ranks = ", ".join(str(r) for r in range(processes))
     plural = "1 process" if processes == 1 else f"{processes} processes"
     assert last_line(fin) == f"lorascope: {plural} attached the probes (ranks {ranks})"
