@@ -364,17 +364,19 @@ class CollectiveProbe:
         return site
 
     def _via(self, frame: FrameType) -> str | None:
+        """Up from a library's call site to the first frame of the job's own code: that
+        frame, if its line sits inside a rank condition. Library frames on the way are
+        not read (parsing every library file a call passes through would cost memory and
+        time at the first call); the job's own files are read once, as call sites are."""
         if self._conditioned.get(self._describe(frame)):
             return None  # the condition is at the call site itself
         caller = frame.f_back
         for _ in range(MAX_VIA_FRAMES):
             if caller is None:
                 return None
-            site = self._describe(caller)
-            if self._conditioned.get(site):
-                return site
             if not self._library_file(caller.f_code.co_filename):
-                return None  # the job's own code, and no rank condition on the way
+                site = self._describe(caller)
+                return site if self._conditioned.get(site) else None
             caller = caller.f_back
         return None
 
