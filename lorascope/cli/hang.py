@@ -13,7 +13,7 @@ import click
 from lorascope.analysis import of_run
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
-from lorascope.errors import BadInputError, LorascopeError, UsageError
+from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import read_silent_ranks, request_dumps, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import verify
@@ -91,8 +91,6 @@ def command(
         return 0
     assert run_dir is not None
     run = load_run(run_dir)
-    if not run.ranks:
-        raise BadInputError(f"{run_dir}: no rank has written anything yet")
     targets = [verify(rank, run_dir) for rank in run.ranks.values()]
     notes = [f"rank {t.rank} (pid {t.pid}): {t.why}" for t in targets if not t.ours]
     asked = request_dumps(targets)

@@ -12,6 +12,7 @@ from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_threa
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
+from lorascope.rundir.ranks import LONE, discover
 
 
 def _rank_of(pid: int) -> str:
@@ -21,7 +22,8 @@ def _rank_of(pid: int) -> str:
         raise BadInputError(f"pid {pid}: no such process") from None
     except psutil.AccessDenied:
         return f"pid {pid}"
-    return f"rank {env['RANK']}" if "RANK" in env else f"pid {pid}"
+    identity = discover(env)
+    return f"rank {identity.rank}" if identity.source != LONE else f"pid {pid}"
 
 
 def _collective(stacks: str) -> str | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from lorascope.rundir.reader import RankData
+from lorascope.rundir.schema import BOOTSTRAP_DIR
 
 #: Clock slack between the process's start time (/proc, 10 ms ticks) and its first record.
 START_SLACK_S = 1.0
@@ -30,6 +31,20 @@ class Target:
     why: str
 
 
+def _of_run(env: dict[str, str], run_dir: Path) -> bool:
+    """The process was started for this run: ``LORASCOPE_RUN_DIR`` names it, or, for ranks
+    reached only through ``PYTHONPATH`` (a pdsh/ssh remote launch forwards ``PYTHON*``
+    variables only), a ``PYTHONPATH`` entry is this run's bootstrap folder."""
+    root = os.path.realpath(run_dir)
+    named = env.get("LORASCOPE_RUN_DIR")
+    if named is not None and os.path.realpath(named) == root:
+        return True
+    bootstrap = os.path.join(root, BOOTSTRAP_DIR) + os.sep
+    return any(
+        os.path.realpath(entry).startswith(bootstrap) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry
+    )
+
+
 def verify(rank: RankData, run_dir: Path) -> Target:
     """Whether ``rank``'s recorded pid is alive and still that rank's process."""
     pid = rank.pid
@@ -38,12 +53,12 @@ def verify(rank: RankData, run_dir: Path) -> Target:
     try:
         proc = psutil.Process(pid)
         created = proc.create_time()
-        env_dir = proc.environ().get("LORASCOPE_RUN_DIR")
+        env = proc.environ()
     except psutil.NoSuchProcess:
         return Target(rank.rank, pid, alive=False, ours=False, why="process gone")
     except (psutil.AccessDenied, psutil.ZombieProcess) as exc:
         return Target(rank.rank, pid, alive=True, ours=False, why=f"cannot check it: {exc.__class__.__name__}")
-    if env_dir is None or os.path.realpath(env_dir) != os.path.realpath(run_dir):
+    if not _of_run(env, run_dir):
         return Target(
             rank.rank,
             pid,

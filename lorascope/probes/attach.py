@@ -28,9 +28,9 @@ from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
-from lorascope.probes.ranks import Identity, discover
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
+from lorascope.rundir.ranks import Identity, discover
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
@@ -101,7 +101,7 @@ def attach(
     """Start the probes in this process once; later calls return whether they are on.
 
     Options left None come from ``LORASCOPE_*`` variables, then the defaults; the rank
-    from :func:`lorascope.probes.ranks.discover`."""
+    from :func:`lorascope.rundir.ranks.discover`."""
     global _session
     if _session is not None and _session.pid == os.getpid():
         return _session.active

@@ -127,9 +127,9 @@ class CollectiveProbe:
 
         init_process_group.__lorascope__ = True  # type: ignore[attr-defined]
         init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-        c10d.init_process_group = init_process_group
+        c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
         if dist is not None and getattr(dist, "init_process_group", None) is original:
-            dist.init_process_group = init_process_group
+            dist.init_process_group = init_process_group  # type: ignore[attr-defined]
 
     def _check_rank(self, c10d: ModuleType) -> None:
         """A ``dist_init`` record: torch.distributed's rank and world size, which the reader
@@ -181,21 +181,21 @@ class CollectiveProbe:
         wrapper.__name__ = getattr(original, "__name__", op)
         wrapper.__qualname__ = getattr(original, "__qualname__", op)
         wrapper.__doc__ = getattr(original, "__doc__", None)
-        wrapper.__module__ = getattr(original, "__module__", None)
+        wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
         return wrapper
 
     # -- one call -----------------------------------------------------------------
     def _begin(
         self,
         op: str,
-        args: tuple,
-        kwargs: dict,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         group_pos: int,
         async_pos: int,
         payload_pos: int,
         payload_kw: str,
         always_async: bool,
-    ) -> tuple | None:
+    ) -> tuple[Any, ...] | None:
         try:
             group = kwargs.get("group", args[group_pos] if 0 <= group_pos < len(args) else None)
             is_async = always_async or bool(
@@ -250,7 +250,7 @@ class CollectiveProbe:
             self.session.fail("collectives", exc)
             return None
 
-    def _end(self, started: tuple | None, err: str | None) -> None:
+    def _end(self, started: tuple[Any, ...] | None, err: str | None) -> None:
         if started is None:
             return
         gid, seq, events = started
@@ -264,7 +264,7 @@ class CollectiveProbe:
         except Exception as exc:
             self.session.fail("collectives", exc)
 
-    def _end_when_done(self, started: tuple | None, work: Any) -> None:
+    def _end_when_done(self, started: tuple[Any, ...] | None, work: Any) -> None:
         """An ``async_op`` call ends when its work completes (the rank may wait for it much
         later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
         The work's future calls back on completion; no wait is added. Without a future
@@ -338,7 +338,7 @@ class CollectiveProbe:
         """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
         that is a library's frame, ``via``: the first caller up to the job's own code whose
         line sits inside a rank condition (a save helper called under ``if rank == 0:``)."""
-        frame = sys._getframe(3)
+        frame: FrameType | None = sys._getframe(3)
         internal = self._internal
         while frame is not None:
             code = frame.f_code
@@ -387,11 +387,8 @@ class CollectiveProbe:
         """Called once per code object (the answer is cached by _site)."""
         for name in ("torch", "deepspeed", "lorascope"):
             module = sys.modules.get(name)
-            if (
-                module is not None
-                and getattr(module, "__file__", None)
-                and filename.startswith(os.path.dirname(module.__file__) + os.sep)
-            ):
+            file = getattr(module, "__file__", None) if module is not None else None
+            if file and filename.startswith(os.path.dirname(file) + os.sep):
                 return True
         return self._stdlib_file(filename)
 

@@ -140,7 +140,7 @@ class ExitProbe:
             probe._exit_code = code if isinstance(code, int) else (0 if code is None else 1)
             previous(code)
 
-        sys.exit = exit
+        sys.exit = exit  # type: ignore[assignment]
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

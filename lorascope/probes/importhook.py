@@ -38,7 +38,8 @@ class _HookedLoader(importlib.abc.Loader):
         return getattr(self._loader, attr)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
+        module: ModuleType | None = self._loader.create_module(spec)
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         if module.__spec__ is not None:

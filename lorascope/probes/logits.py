@@ -73,7 +73,9 @@ class LogitsProbe:
 
         handle = head.register_forward_hook(hook)
 
-    def _record_logits(self, where: str, tensor: Any, before: dict | None, after: dict | None) -> None:
+    def _record_logits(
+        self, where: str, tensor: Any, before: dict[str, Any] | None, after: dict[str, Any] | None
+    ) -> None:
         fields = _tensor_facts(tensor)
         fields["vocab"] = fields["shape"][-1] if fields["shape"] else None
         fields["tokens"] = int(tensor.numel() // fields["vocab"]) if fields["vocab"] else None

@@ -330,7 +330,7 @@ class StepProbe:
             return model
 
         get_peft_model.__lorascope__ = True  # type: ignore[attr-defined]
-        peft.get_peft_model = get_peft_model
+        peft.get_peft_model = get_peft_model  # type: ignore[attr-defined]
         self._install_from_pretrained(peft.PeftModel)
 
     def _install_from_pretrained(self, peft_model: Any) -> None:

@@ -99,3 +99,31 @@ def test_the_runs_own_rank_is_signalled(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_rank_reached_only_through_pythonpath_is_the_runs(tmp_path: Path) -> None:
+    """A remote rank started over pdsh/ssh sees only PYTHON* variables: its PYTHONPATH entry
+    in this run's bootstrap folder proves it is the run's, and it is signalled; a bootstrap
+    folder of another run does not."""
+    started = time.time() + 1  # the fake rank started after the listener
+    run = tmp_path / "run"
+    proc, marker = listener(tmp_path, {"PYTHONPATH": str(run / "bootstrap" / "h-1")})
+    try:
+        hang(fake_run(tmp_path, proc.pid, started=started))
+        deadline = time.time() + 10
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the run's own rank was not signalled"
+    finally:
+        proc.kill()
+        proc.wait()
+    other = tmp_path / "other"
+    other.mkdir()
+    proc, marker = listener(other, {"PYTHONPATH": str(tmp_path / "elsewhere" / "bootstrap" / "h-1")})
+    try:
+        res = hang(fake_run(other, proc.pid, started=started))
+        time.sleep(0.5)
+        assert not marker.exists() and "not this run's" in res.stdout
+    finally:
+        proc.kill()
+        proc.wait()

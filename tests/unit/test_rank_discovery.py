@@ -13,7 +13,7 @@ import pytest
 
 from lorascope.errors import NothingRecordedError
 from lorascope.probes.bootstrap import role
-from lorascope.probes.ranks import Identity, discover, is_launcher, program
+from lorascope.rundir.ranks import Identity, discover, is_launcher, program
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
 from tests.helpers import LORASCOPE
