@@ -10,16 +10,11 @@ from lorascope.rundir.reader import Collective, RankData
 from lorascope.rundir.sources import ELSE, rank_condition_in
 
 
-def condition_in(context: dict[str, Any] | None) -> str | None:
-    """The innermost enclosing condition in ``context`` that tests the rank, if any."""
-    return rank_condition_in(context)
-
-
 def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
     """The first rank condition along a call chain (call site first, then its callers up
     to the job's own code): (the condition, the frame it encloses)."""
     for frame in chain:
-        cond = condition_in(sources.get(frame))
+        cond = rank_condition_in(sources.get(frame))
         if cond is not None:
             return cond, frame
     return None
@@ -27,7 +22,7 @@ def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tup
 
 def rank_condition(rank: RankData, site: str | None) -> str | None:
     """The rank condition around ``site`` as ``rank`` recorded it."""
-    return condition_in(rank.sites.get(site)) if site is not None else None
+    return rank_condition_in(rank.sites.get(site)) if site is not None else None
 
 
 def call_condition(rank: RankData, call: Collective | None) -> tuple[str, str] | None:
