@@ -212,6 +212,8 @@ def _start(
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     # Each install is its own probe: one that fails to install leaves the others on.
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
+    _hook(session, "torch.distributed._functional_collectives", collectives.install_functional, "collectives-funcol")
+    _hook(session, "torch.nn.parallel.distributed", collectives.install_ddp, "collectives-ddp")
     _hook(session, "torch", steps.install_torch, "steps-torch")
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")
