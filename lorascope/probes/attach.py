@@ -24,6 +24,7 @@ from lorascope.probes.exits import ExitProbe, install_fatal_handler
 from lorascope.probes.flight import DEFAULT_BUFFER as DEFAULT_FR_BUFFER
 from lorascope.probes.flight import ENV_BUFFER as ENV_FR_BUFFER
 from lorascope.probes.flight import dump_flight_recorder
+from lorascope.probes.fsdp import FsdpProbe
 from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
 from lorascope.probes.logits import LogitsProbe
@@ -218,6 +219,9 @@ def _start(
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
+    fsdp = FsdpProbe(session)
+    _hook(session, "torch.distributed.fsdp._fully_shard._fully_shard", fsdp.install_fully_shard, "fsdp")
+    _hook(session, "torch.distributed.fsdp.fully_sharded_data_parallel", fsdp.install_fsdp1, "fsdp1")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
     _hook(session, "peft", steps.install_peft, "configs")
     _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")

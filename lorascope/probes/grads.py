@@ -5,8 +5,8 @@ settings the model's modules carry (``use_reentrant``) and whether an input-requ
 hook is registered on an embedding. After it (between backward and step): for every
 trainable tensor, whether its gradient is missing, all zero, or present.
 
-Under ZeRO-3 each rank looks at its own partition only (``safe_get_local_grad``): no
-collective is added, so a probe failing on one rank can never hang the others; the
+Under ZeRO-3 each rank looks at its own partition only (``safe_get_local_grad``), under
+FSDP2 at its shard of each gradient (a DTensor's ``to_local()``): no collective is added, so a probe failing on one rank can never hang the others; the
 analysis combines the ranks (a gradient is all zero when every partition is). Under
 ZeRO-1/2 the gradient is assembled with ``safe_get_full_grad``, which every rank calls
 for the same tensors in the same order. The all-zero test reads the values, a device
@@ -25,16 +25,27 @@ STATUS_NONE, STATUS_ZERO, STATUS_OK = "n", "z", "o"
 
 
 def checkpointing_settings(model: Any) -> dict[str, Any]:
-    """What the model's modules say about activation checkpointing."""
+    """What the model's modules say about activation checkpointing: transformers'
+    ``gradient_checkpointing`` flags, and torch's ``checkpoint_wrapper`` modules (FSDP
+    jobs' ``apply_activation_checkpointing``; ``wrappers`` counts them)."""
     enabled = False
     reentrant: set[Any] = set()
+    wrappers = 0
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False):
             enabled = True
             func = getattr(module, "_gradient_checkpointing_func", None)
             if isinstance(func, functools.partial):
                 reentrant.add(func.keywords.get("use_reentrant"))
-    return {"enabled": enabled, "use_reentrant": sorted(reentrant, key=repr)}
+        impl = getattr(module, "checkpoint_impl", None)
+        if impl is not None and hasattr(module, "_checkpoint_wrapped_module"):
+            enabled = True
+            wrappers += 1
+            reentrant.add(getattr(impl, "name", str(impl)) == "REENTRANT")
+    out: dict[str, Any] = {"enabled": enabled, "use_reentrant": sorted(reentrant, key=repr)}
+    if wrappers:
+        out["wrappers"] = wrappers
+    return out
 
 
 def input_require_grads_hooks(model: Any) -> int:
@@ -73,17 +84,19 @@ class GradProbe:
         self._grads_done = True
         names: list[str] = []
         status: list[str] = []
+        sharded = zero_stage == 3
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
             names.append(name)
             status.append(self._status(param, zero_stage))
+            sharded = sharded or hasattr(param.grad, "to_local")
         self.session.record(
             "grads",
             step=self.session.step,
             names=names,
             status="".join(status),
-            scope="local-partition" if zero_stage == 3 else "full",
+            scope="local-partition" if sharded else "full",
         )
 
     @staticmethod
@@ -99,4 +112,6 @@ class GradProbe:
             grad = safe_get_full_grad(param)
         if grad is None:
             return STATUS_NONE
+        if hasattr(grad, "to_local"):  # FSDP2's DTensor: this rank's shard, no collective
+            grad = grad.to_local()
         return STATUS_ZERO if int(grad.count_nonzero()) == 0 else STATUS_OK
