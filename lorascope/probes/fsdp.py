@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -66,8 +67,10 @@ def offload_settings(policy: Any) -> dict[str, Any] | None:
 
 
 class FsdpProbe:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, on_model: Callable[[Any], None]) -> None:
         self.session = session
+        #: Called with each sharded module (the steps probe takes the job's model from it).
+        self.on_model = on_model
         self._units = 0
         self._seen: dict[str, list[Any]] = {}
         self._building = threading.local()
@@ -88,6 +91,7 @@ class FsdpProbe:
         def fully_shard(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             probe.record_fully_shard(signature, args, kwargs)
+            probe.on_model(out)
             return out
 
         fully_shard.__lorascope__ = True  # type: ignore[attr-defined]
@@ -131,6 +135,7 @@ class FsdpProbe:
                 probe._building.depth = depth
             if depth == 0:
                 probe.record_fsdp1(fsdp, cls)
+                probe.on_model(getattr(fsdp, "module", None))
 
         __init__.__lorascope__ = True  # type: ignore[attr-defined]
         cls.__init__ = __init__
