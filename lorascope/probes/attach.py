@@ -219,6 +219,7 @@ def _start(
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
+    _hook(session, "torch.distributed.checkpoint.state_dict", steps.install_state_dict, "steps-state-dict")
     fsdp = FsdpProbe(session, steps.adopt_model)
     _hook(session, "torch.distributed.fsdp._fully_shard._fully_shard", fsdp.install_fully_shard, "fsdp")
     _hook(session, "torch.distributed.fsdp.fully_sharded_data_parallel", fsdp.install_fsdp1, "fsdp1")

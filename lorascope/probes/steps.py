@@ -322,6 +322,13 @@ class StepProbe:
         self._around(trainer, "predict", "eval")
         self._around(trainer, "_save_checkpoint", "save")
 
+    def install_state_dict(self, state_dict_module: ModuleType) -> None:
+        """``torch.distributed.checkpoint.state_dict``: taking a model's (or optimizer's)
+        state dict is a save phase (a full state dict gathers FSDP's shards: the memory
+        rank 0 holds then shows in the save phase)."""
+        for name in ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict"):
+            self._around(state_dict_module, name, "save")
+
     def install_adapters(self, peft_integration: ModuleType) -> None:
         """transformers' ``model.add_adapter(LoraConfig(...))`` (no PeftModel involved)."""
         mixin = peft_integration.PeftAdapterMixin

@@ -134,6 +134,11 @@ def test_full_state_dict_funcol_calls_end_at_their_wait_and_name_the_rank_condit
 
 def test_fsdp_settings_and_checkpoint_wrappers_are_recorded(fsdp_rank: tuple[Path, RankData]) -> None:
     _, rank = fsdp_rank
+    # get_model_state_dict is a save phase, after the two training steps
+    assert [(p["name"], p["edge"], p["step"]) for p in rank.phases if p["name"] == "save"] == [
+        ("save", "begin", 2),
+        ("save", "end", 2),
+    ]
     fsdp = rank.configs["fsdp"]  # FSDP1 came last: the reader keeps the last record
     assert fsdp["version"] == 1 and fsdp["units"] == 3 and fsdp["use_orig_params"] is True
     assert fsdp["sharding_strategy"] == "NO_SHARD"  # FSDP1's own choice on one rank
