@@ -52,6 +52,7 @@ class StepProbe:
         self._pending_losses: list[tuple[int, Any, Any]] = []
         self._configs_done: set[str] = set()
         self._open_spans: set[str] = set()
+        self._forward_hooks: list[Any] = []
         self.phase = session.guarded("steps")(self._phase)
         self.step_done = session.guarded("steps")(self._step_done)
         self.see_loss = session.guarded("steps")(self._see_loss)
@@ -140,6 +141,23 @@ class StepProbe:
             return  # fully_shard of a list of modules
         if current is None or any(m is current for m in model.modules()):
             self.record_model(model)
+            self._forward_phases_of(model)
+
+    def _forward_phases_of(self, model: Any) -> None:
+        """Forward (or eval) phases from hooks on the sharded model: FSDP has no wrapper
+        whose forward marks them, as DDP and DeepSpeed do. Moved when a larger root is
+        taken (FSDP2 shards the layers before the root)."""
+        for handle in self._forward_hooks:
+            handle.remove()
+        probe = self
+
+        def begin(*_: Any) -> None:
+            probe.phase(probe.forward_phase_name(), "begin")
+
+        def end(*_: Any) -> None:
+            probe.phase(probe.forward_phase_name(), "end")
+
+        self._forward_hooks = [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
 
     # -- DeepSpeed ----------------------------------------------------------------
     def install_deepspeed(self, engine_module: ModuleType) -> None:

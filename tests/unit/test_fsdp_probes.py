@@ -134,7 +134,9 @@ def test_full_state_dict_funcol_calls_end_at_their_wait_and_name_the_rank_condit
 
 def test_fsdp_settings_and_checkpoint_wrappers_are_recorded(fsdp_rank: tuple[Path, RankData]) -> None:
     _, rank = fsdp_rank
-    # get_model_state_dict is a save phase, after the two training steps
+    # FSDP2's root marks the forward phases; get_model_state_dict is a save phase
+    forwards = [(p["edge"], p["step"]) for p in rank.phases if p["name"] == "forward"]
+    assert forwards == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1)]
     assert [(p["name"], p["edge"], p["step"]) for p in rank.phases if p["name"] == "save"] == [
         ("save", "begin", 2),
         ("save", "end", 2),
