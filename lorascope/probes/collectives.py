@@ -237,13 +237,7 @@ class CollectiveProbe:
             finally:
                 local.depth = 0
 
-        wrapper.__lorascope__ = True  # type: ignore[attr-defined]
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-        wrapper.__name__ = getattr(original, "__name__", op)
-        wrapper.__qualname__ = getattr(original, "__qualname__", op)
-        wrapper.__doc__ = getattr(original, "__doc__", None)
-        wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
-        return wrapper
+        return _like(wrapper, original, op)
 
     def _wrap_functional(self, funcol: ModuleType, name: str, original: Any) -> Any:
         """A functional collective: recorded as an async call (it returns an
@@ -279,8 +273,8 @@ class CollectiveProbe:
         return _like(wrapper, original, name)
 
     def _functional_group(self, funcol: ModuleType, group: Any) -> Any:
-        """The ProcessGroup a functional collective's ``group`` argument names (None: the
-        argument as given, which the group record then names as best it can)."""
+        """The ProcessGroup a functional collective's ``group`` argument names; else the
+        argument as given (the group record then names it as best it can)."""
         c10d = self._c10d
         if c10d is None or isinstance(group, c10d.ProcessGroup):
             return group
@@ -316,7 +310,8 @@ class CollectiveProbe:
         call, finalizer = entry
         finalizer.detach()
         call.left -= 1
-        if call.left <= 0 or err is not None:
+        if call.left == 0 or (err is not None and call.left > 0):
+            call.left = -1  # ended: the call's other outputs end nothing more
             self._end(call.started, err)
 
     def _wrap_wait(self, original: Any) -> Any:
@@ -559,7 +554,8 @@ class CollectiveProbe:
 
 
 class _Awaited:
-    """A functional collective in flight: its call, and how many outputs are unwaited."""
+    """A functional collective in flight: its call, and how many outputs are unwaited
+    (-1 once it has ended)."""
 
     __slots__ = ("started", "left")
 
