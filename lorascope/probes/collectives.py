@@ -61,6 +61,27 @@ def _json(text: str | None) -> str:
     return "null" if text is None else _json_str(text)
 
 
+class _Awaited:
+    """A functional collective in flight: its call, and how many outputs are unwaited
+    (-1 once it has ended)."""
+
+    __slots__ = ("started", "left")
+
+    def __init__(self, started: tuple[Any, ...], left: int) -> None:
+        self.started, self.left = started, left
+
+
+def _like(wrapper: Any, original: Any, name: str) -> Any:
+    """Mark a wrapper as lorascope's and give it the original's name and module."""
+    wrapper.__lorascope__ = True
+    wrapper.__wrapped__ = original
+    wrapper.__name__ = getattr(original, "__name__", name)
+    wrapper.__qualname__ = getattr(original, "__qualname__", name)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
+    return wrapper
+
+
 @functools.lru_cache(maxsize=64)
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
@@ -551,27 +572,6 @@ class CollectiveProbe:
 
     def _stdlib_file(self, filename: str) -> bool:
         return filename.startswith(self._stdlib) and "-packages" not in filename
-
-
-class _Awaited:
-    """A functional collective in flight: its call, and how many outputs are unwaited
-    (-1 once it has ended)."""
-
-    __slots__ = ("started", "left")
-
-    def __init__(self, started: tuple[Any, ...], left: int) -> None:
-        self.started, self.left = started, left
-
-
-def _like(wrapper: Any, original: Any, name: str) -> Any:
-    """Mark a wrapper as lorascope's and give it the original's name and module."""
-    wrapper.__lorascope__ = True
-    wrapper.__wrapped__ = original
-    wrapper.__name__ = getattr(original, "__name__", name)
-    wrapper.__qualname__ = getattr(original, "__qualname__", name)
-    wrapper.__doc__ = getattr(original, "__doc__", None)
-    wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
-    return wrapper
 
 
 def _failure(future: Any) -> str | None:
