@@ -26,14 +26,6 @@ def _peak_memory(rank: RankData) -> dict[str, int | None]:
     }
 
 
-def _collectives(rank: RankData) -> dict[str, Any]:
-    last: dict[str, int] = {}
-    for coll in rank.collectives:
-        last[coll.group] = max(last.get(coll.group, 0), coll.seq)
-    pending = pending_calls(rank)
-    return {"count": len(rank.collectives), "last_seq": last, "pending": pending, "unseen": _unseen(rank)}
-
-
 def _sharding(rank: RankData | None) -> dict[str, Any] | None:
     """How the job shards its model (FSDP2, FSDP1, DeepSpeed ZeRO) and checkpoints its
     activations, from the first rank's configs and its first backward's settings; None
@@ -63,6 +55,14 @@ def _unseen(rank: RankData) -> list[dict[str, Any]]:
     ]
 
 
+def _collectives(rank: RankData) -> dict[str, Any]:
+    last: dict[str, int] = {}
+    for coll in rank.collectives:
+        last[coll.group] = max(last.get(coll.group, 0), coll.seq)
+    pending = pending_calls(rank)
+    return {"count": len(rank.collectives), "last_seq": last, "pending": pending}
+
+
 def _rank_summary(rank: RankData) -> dict[str, Any]:
     durations = [s["dur"] for s in rank.steps if s["dur"] > 0]
     losses = [s["loss"] for s in rank.steps if s["loss"] is not None]
@@ -77,6 +77,7 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "peak_memory": _peak_memory(rank),
         "memory_samples": len(rank.mem),
         "collectives": _collectives(rank),
+        "unseen_collectives": _unseen(rank),
         "warnings": len(rank.warnings),
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
         "ended": ending_of(rank).as_dict(),

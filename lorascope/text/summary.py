@@ -90,7 +90,7 @@ def render_text(data: dict[str, Any]) -> str:
                 f"       pending: {pending['op']} #{pending['seq']} on {pending['group']} "
                 f"({pending['bytes']} B) at {pending['site']}"
             )
-        for unseen in r["collectives"].get("unseen", []):
+        for unseen in r.get("unseen_collectives", []):
             lines.append(f"       not recorded: {unseen['why']}; {unseen['see']} has them")
         for err in r["probe_errors"]:
             lines.append(f"       probe switched off: {err}")
