@@ -77,10 +77,10 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "peak_memory": _peak_memory(rank),
         "memory_samples": len(rank.mem),
         "collectives": _collectives(rank),
-        "unseen_collectives": _unseen(rank),
         "warnings": len(rank.warnings),
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
         "ended": ending_of(rank).as_dict(),
+        "unseen_collectives": _unseen(rank),
         "files": rank.files,
     }
 
