@@ -114,6 +114,7 @@ def reduce_scatter_bytes(tensors: Sequence[ParamTensor], setup: TrainingSetup) -
     compute = setup.adapter_bytes
     reduce = 4 if fsdp.reduce_fp32 else compute
     shard = setup.shard_world
+    grads: float
     if fsdp.strategy == "NO_SHARD":
         # All-reduced in place; only a reduce_dtype cast copies it.
         grads = grad_elems * (reduce if reduce != compute else 0)
