@@ -1,14 +1,15 @@
 """plan-deviation: what a run's memory really did, term by term, against the plan made from
 the run's own recorded configs (``lorascope.plan.plan_from_configs``).
 
-The plan's inputs come from the run: the model, LoRA and DeepSpeed configs the probes
-recorded, the micro-batch and sequence length from the shape of the logits at the output
+The plan's inputs come from the run: the model, LoRA and DeepSpeed configs (or FSDP
+settings) the probes recorded, the micro-batch and sequence length from the shape of the logits at the output
 projection (B, T, V), the checkpointing the model's modules carried (``grad_setup``) and the
 loss implementation from the dtype of the loss input. The readings compared with it:
 
 * ``forward``: the highest reading of the first forward above its beginning: the
   activations saved for backward, the returned logits and, when the loss ran inside the
-  forward, its saved log-probs; ZeRO-3's gathered module may still be held.
+  forward, its saved log-probs; ZeRO-3's gathered module, or FSDP's unsharded units (the
+  root's, kept for backward), may still be held.
 * ``step_peak``: the highest reading of the first step above the same beginning: the
   activations plus the larger of the logits spike and one layer's backward. The readings
   are taken at phase edges and by the sampler, so the peak moment is usually between two
@@ -241,6 +242,8 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
     micro, seq = shape
     options = {"checkpointing": _checkpointing(rank), "loss": _loss(rank), **overrides}
+    if rank.configs.get("fsdp"):
+        options["fsdp"] = rank.configs["fsdp"]
     try:
         return plan_from_configs(
             model, lora, rank.configs.get("deepspeed"), int(rank.start["world_size"]), seq, micro, **options
@@ -249,12 +252,21 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
 
 
+def _gathered(plan: Plan) -> int:
+    """The parameters held whole to compute: ZeRO-3's module or FSDP's unsharded units."""
+    return sum(t.bytes for t in plan.terms if t.key in ("zero3_gathered", "fsdp_unsharded"))
+
+
+def _gathered_label(setup: TrainingSetup) -> str:
+    return "FSDP unsharded" if setup.fsdp is not None else "ZeRO-3 gathered"
+
+
 def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep) -> RankCheck:
     tol = {"CUDA allocated": CUDA_TOLERANCE, "heap in use": HEAP_TOLERANCE}.get(first.kind, RSS_TOLERANCE)
     src = stream_source(run, rank, "mem records") if run is not None else f"ranks/rank-{rank.rank} (mem records)"
     setup = plan.inputs.setup
     loss = loss_forward(plan.inputs.shape, setup)
-    act, gathered = plan.term("activations").bytes, plan.term("zero3_gathered").bytes
+    act, gathered = plan.term("activations").bytes, _gathered(plan)
     inside = first.loss_inside
     out: list[Comparison] = []
 
@@ -271,7 +283,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
             + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
-            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
+            + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else ""),
             f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end",
         )
     )
@@ -281,7 +293,11 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
     # partition at initialisation) and, without ZeRO (which initialises the optimizer states
     # up front), the optimizer's lazily created moments and master copy.
     written = plan.term("adapter_gradients").bytes if setup.zero.stage < 3 else 0
-    if setup.zero.stage == 0:
+    if setup.fsdp is not None:
+        # FSDP creates the sharded gradients at the first reduce-scatter, torch's optimizer
+        # its moments at the first step; one unit's reduce-scatter buffers come and go.
+        written += plan.term("optimizer_states").bytes + plan.term("fsdp_buffers").bytes
+    elif setup.zero.stage == 0:
         written += plan.term("optimizer_states").bytes + plan.term("master_weights").bytes
     elif setup.zero.stage < 3:
         # ZeRO-1/2 allocate their reduce bucket at the first gradient reduction, inside the
@@ -297,7 +313,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             max(first.whole) - first.base,
             tol,
             f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
-            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else "")
+            + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else "")
             + f" + first written in the step {fmt_bytes(written)}",
             f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
             "edges and every sampler interval: a peak between two readings is not seen)",
@@ -440,9 +456,10 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         Evidence(
             "plan inputs",
             f"B={setup.micro_batch}, T={setup.seq}, V={check.plan.inputs.shape.vocab}, "
-            f"{setup.precision}, ZeRO-{setup.zero.stage} over {setup.world}, checkpointing "
+            f"{setup.precision}, {setup.fsdp.label if setup.fsdp else f'ZeRO-{setup.zero.stage}'} over "
+            f"{setup.world}, checkpointing "
             f"{setup.checkpointing}, {setup.attention} attention, loss {setup.loss}",
-            "config records (model, lora, deepspeed), logits shape and dtype, grad_setup",
+            "config records (model, lora, deepspeed or fsdp), logits shape and dtype, grad_setup",
         )
     )
     reason = (

@@ -354,3 +354,66 @@ def test_loss_forward_formulas() -> None:
     assert (fp32.logits, fp32.saved, fp32.transient) == (4 * n, 4 * n, 0)
     chunked = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B, loss="chunked"))
     assert chunked.logits == 0 and chunked.saved == 2 * B * T * 128
+
+
+#: FSDP2 settings as the run directory records them (no DeepSpeed config).
+FSDP2 = {"version": 2, "reshard_after_forward": True, "mixed_precision": None, "offload_params": False}
+
+
+def test_fsdp_runs_are_planned_from_their_settings() -> None:
+    configs = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    data = rank(forward=0, configs=configs)
+    s = planned_setup(data)
+    assert s.fsdp is not None and (s.fsdp.version, s.fsdp.strategy, s.zero.stage) == (2, "FULL_SHARD", 0)
+    # No DeepSpeed config: B and T from the output projection's logits.
+    assert (s.micro_batch, s.seq, s.precision) == (B, T, "fp32")
+    plan = checked(data).plan
+    unsharded = plan.term("fsdp_unsharded").bytes
+    fwd, peak = compared(data), compared(data, "step_peak")
+    assert fwd.planned == fwd.planned_low + unsharded and "FSDP unsharded" in fwd.formula
+    # The sharded gradients (first reduce-scatter), AdamW's moments (first step) and one unit's
+    # reduce-scatter buffers are written in the first step.
+    written = sum(plan.term(k).bytes for k in ("adapter_gradients", "optimizer_states", "fsdp_buffers"))
+    spike = max(plan.term("logits").bytes, plan.term("layer_backward").bytes)
+    assert peak.planned == plan.term("activations").bytes + spike + unsharded + written
+    # Readings at the plan agree; an FSDP1 SHARD_GRAD_OP plan holds more unsharded.
+    assert (
+        detect(bundle(rank(0, forward=fwd.planned, configs=configs), rank(1, forward=fwd.planned, configs=configs)))
+        == []
+    )
+    sgo = {**configs, "fsdp": {"version": 1, "sharding_strategy": "ShardingStrategy.SHARD_GRAD_OP"}}
+    assert checked(rank(forward=0, configs=sgo)).plan.term("fsdp_unsharded").bytes > unsharded
+
+
+def test_fsdp_run_far_above_its_plan() -> None:
+    configs = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    fwd = compared(rank(forward=0, configs=configs)).planned
+    findings = detect(bundle(rank(0, forward=3 * fwd, configs=configs), rank(1, forward=fwd, configs=configs)))
+    assert [f.id for f in findings] == ["plan-deviation"] and findings[0].ranks == [0]
+    inputs = next(e for e in findings[0].evidence if e.label == "plan inputs")
+    assert "FSDP2 fully_shard, reshard_after_forward=True over 2" in inputs.value
+
+
+def test_fsdp_settings_parser() -> None:
+    from lorascope.errors import BadInputError
+    from lorascope.plan.from_configs import fsdp_from_settings
+
+    mp = {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+    setup, precision = fsdp_from_settings({"version": 2, "reshard_after_forward": False, "mixed_precision": mp})
+    assert (setup.strategy, setup.mixed_precision, setup.reduce_fp32, precision) == (
+        "SHARD_GRAD_OP",
+        True,
+        True,
+        "bf16",
+    )
+    setup, precision = fsdp_from_settings({"version": 1, "sharding_strategy": "HYBRID_SHARD", "offload_params": True})
+    assert (setup.version, setup.strategy, setup.offload_params, precision) == (1, "HYBRID_SHARD", True, None)
+    setup, _ = fsdp_from_settings({"version": 2, "mesh_shape": [2, 4]})
+    assert setup.strategy == "HYBRID_SHARD"
+    for bad in ({"version": 3}, {"version": 1, "sharding_strategy": "ZERO3"}, {"version": 2, "mixed_precision": 5}):
+        with pytest.raises(BadInputError):
+            fsdp_from_settings(bad)
+    # Mixed precision plans the compute in bf16 over fp32 shards.
+    data = rank(forward=0, configs={"model": MODEL, "lora": LORA, "fsdp": {**FSDP2, "mixed_precision": mp}})
+    s = planned_setup(data)
+    assert s.precision == "bf16" and s.fsdp is not None and s.fsdp.mixed_precision
