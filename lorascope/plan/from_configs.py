@@ -113,38 +113,48 @@ def _dtype_name(value: Any) -> str:
     )
 
 
+def _values(value: Any) -> list[Any]:
+    """A setting recorded once (FSDP1) or as the distinct values of the units (FSDP2)."""
+    return list(value) if isinstance(value, list) else [value]
+
+
 def fsdp_from_settings(settings: Mapping[str, Any]) -> tuple[FsdpSetup, str | None]:
-    """FSDP settings as the probes record them -> (FsdpSetup, the 16-bit compute precision of
-    its mixed precision or None). Keys read: ``version`` (1 or 2), ``sharding_strategy``
-    (FSDP1, a ShardingStrategy name), ``reshard_after_forward`` (FSDP2), ``mesh_shape`` (2-D:
-    hybrid), ``mixed_precision`` ({param_dtype, reduce_dtype} or None), ``offload_params``."""
+    """The FSDP settings the probes record (the ``fsdp`` config record) -> (FsdpSetup, the
+    16-bit compute precision of its mixed precision or None). Read: ``version`` (1 or 2);
+    FSDP1's ``sharding_strategy`` (a ShardingStrategy name), ``mixed_precision`` and
+    ``cpu_offload``; FSDP2's per-unit lists ``reshard_after_forward`` (layers that reshard
+    make it FULL_SHARD, even beside a root that does not), ``mesh`` (2-D: hybrid),
+    ``mixed_precision`` and ``offload``."""
     if not isinstance(settings, Mapping):
         raise BadInputError("FSDP settings must be a JSON object")
     version = settings.get("version")
     if version not in (1, 2):
         raise BadInputError(f"FSDP settings: version must be 1 or 2, got {version!r}")
-    mesh = settings.get("mesh_shape")
-    hybrid = isinstance(mesh, (list, tuple)) and len(mesh) == 2
     if version == 1:
         strategy = str(settings.get("sharding_strategy") or "FULL_SHARD").rsplit(".", 1)[-1].upper()
         strategy = {"_HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}.get(strategy, strategy)
     else:
-        reshard = settings.get("reshard_after_forward", True)
-        strategy = "HYBRID_SHARD" if hybrid else ("SHARD_GRAD_OP" if reshard is False else "FULL_SHARD")
+        meshes = [m for m in _values(settings.get("mesh")) if isinstance(m, Mapping)]
+        hybrid = any(len(m.get("shape") or []) == 2 for m in meshes)
+        reshard = _values(settings.get("reshard_after_forward", True))
+        keeps = all(r is False for r in reshard)
+        strategy = "HYBRID_SHARD" if hybrid else ("SHARD_GRAD_OP" if keeps else "FULL_SHARD")
     if strategy not in FSDP_STRATEGIES:
         raise BadInputError(f"FSDP settings: sharding strategy {strategy!r} is not modelled")
-    mp = settings.get("mixed_precision") or {}
-    if not isinstance(mp, Mapping):
-        raise BadInputError("FSDP settings: mixed_precision must be an object or null")
+    policies = _values(settings.get("mixed_precision"))
+    if any(p is not None and not isinstance(p, Mapping) for p in policies):
+        raise BadInputError("FSDP settings: mixed_precision must be an object, a list of them, or null")
+    mp = next((p for p in policies if isinstance(p, Mapping)), {})
     param = _DTYPES_16.get(_dtype_name(mp.get("param_dtype")))
     reduce = _dtype_name(mp.get("reduce_dtype"))
+    offload = bool(settings.get("cpu_offload")) or any(isinstance(o, Mapping) for o in _values(settings.get("offload")))
     return (
         FsdpSetup(
             version=version,
             strategy=strategy,
             mixed_precision=param is not None,
             reduce_fp32=param is not None and reduce == "float32",
-            offload_params=bool(settings.get("offload_params")),
+            offload_params=offload,
         ),
         param,
     )

@@ -356,8 +356,17 @@ def test_loss_forward_formulas() -> None:
     assert chunked.logits == 0 and chunked.saved == 2 * B * T * 128
 
 
-#: FSDP2 settings as the run directory records them (no DeepSpeed config).
-FSDP2 = {"version": 2, "reshard_after_forward": True, "mixed_precision": None, "offload_params": False}
+#: FSDP2 settings as the probes record them (lorascope/probes/fsdp.py; no DeepSpeed config):
+#: per setting, the distinct values of the units (the root defaults to no resharding).
+FSDP2 = {
+    "version": 2,
+    "api": "fully_shard",
+    "units": 3,
+    "mesh": [{"shape": [2], "dim_names": None, "device": "cpu"}],
+    "reshard_after_forward": [True, False],
+    "mixed_precision": [None],
+    "offload": [None],
+}
 
 
 def test_fsdp_runs_are_planned_from_their_settings() -> None:
@@ -398,22 +407,23 @@ def test_fsdp_settings_parser() -> None:
     from lorascope.errors import BadInputError
     from lorascope.plan.from_configs import fsdp_from_settings
 
-    mp = {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
-    setup, precision = fsdp_from_settings({"version": 2, "reshard_after_forward": False, "mixed_precision": mp})
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    setup, precision = fsdp_from_settings({"version": 2, "reshard_after_forward": [False], "mixed_precision": [mp]})
     assert (setup.strategy, setup.mixed_precision, setup.reduce_fp32, precision) == (
         "SHARD_GRAD_OP",
         True,
         True,
         "bf16",
     )
-    setup, precision = fsdp_from_settings({"version": 1, "sharding_strategy": "HYBRID_SHARD", "offload_params": True})
+    fsdp1 = {"version": 1, "sharding_strategy": "HYBRID_SHARD", "cpu_offload": True, "mixed_precision": None}
+    setup, precision = fsdp_from_settings(fsdp1)
     assert (setup.version, setup.strategy, setup.offload_params, precision) == (1, "HYBRID_SHARD", True, None)
-    setup, _ = fsdp_from_settings({"version": 2, "mesh_shape": [2, 4]})
-    assert setup.strategy == "HYBRID_SHARD"
+    setup, _ = fsdp_from_settings({**FSDP2, "mesh": [{"shape": [2, 4]}], "offload": [{"policy": "CPUOffloadPolicy"}]})
+    assert setup.strategy == "HYBRID_SHARD" and setup.offload_params
     for bad in ({"version": 3}, {"version": 1, "sharding_strategy": "ZERO3"}, {"version": 2, "mixed_precision": 5}):
         with pytest.raises(BadInputError):
             fsdp_from_settings(bad)
     # Mixed precision plans the compute in bf16 over fp32 shards.
-    data = rank(forward=0, configs={"model": MODEL, "lora": LORA, "fsdp": {**FSDP2, "mixed_precision": mp}})
+    data = rank(forward=0, configs={"model": MODEL, "lora": LORA, "fsdp": {**FSDP2, "mixed_precision": [mp]}})
     s = planned_setup(data)
     assert s.precision == "bf16" and s.fsdp is not None and s.fsdp.mixed_precision
