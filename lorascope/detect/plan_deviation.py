@@ -160,6 +160,10 @@ class _FirstStep:
     forward: list[int]  # every reading from there to the forward.end after it
     whole: list[int]  # every reading from there to the end of the step
     loss_inside: bool  # cross_entropy ran before that forward.end
+    #: The readings that open and close the forward: "forward.begin"/"forward.end", or in a
+    #: loop without forward phases "step"/"backward.begin".
+    opens: str = "forward.begin"
+    closes: str = "forward.end"
 
 
 def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
@@ -175,12 +179,22 @@ def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
     return out
 
 
+def _forward_edges(rank: RankData) -> tuple[str, str]:
+    """The readings around a forward. A plain loop with no forward phase the probes can see
+    (FSDP, a bare model) runs its forward, and its loss, between the end of one step and
+    the next backward: the first step has no reading before it, so the second step's."""
+    if any(m["src"] == "forward.begin" for m in rank.mem):
+        return "forward.begin", "forward.end"
+    return "step", "backward.begin"
+
+
 def _first_step(rank: RankData) -> _FirstStep | None:
     kind, mem = memory_kind(rank), rank.mem
-    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin" and mem_value(m, kind) is not None), None)
+    opens, closes = _forward_edges(rank)
+    start = next((i for i, m in enumerate(mem) if m["src"] == opens and mem_value(m, kind) is not None), None)
     if start is None:
         return None
-    end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == "forward.end"), None)
+    end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == closes), None)
     if end is None or mem_value(mem[end], kind) is None:
         return None
     last = next((i for i in range(end, len(mem)) if mem[i]["src"] == "step"), len(mem) - 1)
@@ -200,6 +214,8 @@ def _first_step(rank: RankData) -> _FirstStep | None:
         values(end, t_fwd),
         values(last, t_step),
         loss_inside,
+        opens,
+        closes,
     )
 
 
@@ -284,7 +300,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
             + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
             + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else ""),
-            f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end",
+            f"{src}: highest reading from the first {first.opens} (step {first.step}) to the {first.closes} after it",
         )
     )
 
@@ -315,7 +331,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
             + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else "")
             + f" + first written in the step {fmt_bytes(written)}",
-            f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
+            f"{src}: highest reading of the step after the first {first.opens} (step {first.step}) above it (readings at phase "
             "edges and every sampler interval: a peak between two readings is not seen)",
         )
     )

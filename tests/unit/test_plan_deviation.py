@@ -3,6 +3,7 @@ are written around it, and the finding fires only beyond the tolerance of the me
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -427,3 +428,30 @@ def test_fsdp_settings_parser() -> None:
     data = rank(forward=0, configs={"model": MODEL, "lora": LORA, "fsdp": {**FSDP2, "mixed_precision": [mp]}})
     s = planned_setup(data)
     assert s.precision == "bf16" and s.fsdp is not None and s.fsdp.mixed_precision
+
+
+def test_a_loop_without_forward_phases_is_read_from_the_second_step() -> None:
+    """FSDP (or a bare model) shows no forward phase: the forward is what happens between the
+    end of a step and the next backward.begin; the first step has no reading before it."""
+    fsdp = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    fwd = compared(rank(forward=0, configs=fsdp)).planned_low
+    data = rank(forward=0, configs=fsdp)
+
+    def reading(src: str, t: float, value: int, step: int) -> dict[str, Any]:
+        return {"k": "mem", "t": t, "src": src, "step": step, "rss": 450 * MIB, "heap": value}
+
+    mem = [
+        reading("attach", 1.0, 20 * MIB, 0),
+        reading("backward.begin", 11.1, BASE + 5 * fwd, 0),  # step 1: no reading before its forward
+        reading("step", 12.5, BASE, 1),
+        reading("sampler", 12.8, BASE + fwd // 2, 1),
+        reading("backward.begin", 13.1, BASE + fwd + MIB, 1),
+        reading("backward.end", 13.5, BASE + MIB, 1),
+        reading("step", 14.0, BASE, 2),
+    ]
+    logits = [dict(rec, t=rec["t"] + 2.1) for rec in data.logits]  # the loss of step 2
+    check = checked(dataclasses.replace(data, mem=mem, logits=logits))
+    forward = check.comparison("forward")
+    assert forward is not None and forward.measured == fwd + MIB and forward.agrees
+    assert "first step (step 1) to the backward.begin" in forward.source
+    assert detect(bundle(dataclasses.replace(data, mem=mem, logits=logits))) == []
