@@ -222,8 +222,10 @@ class Plants:
     def after_step(self, step: int, model: torch.nn.Module) -> None:
         plant, rank = self.args.plant, self.d.rank
         if plant == "rank0-full-state-dict-save" and step == self.args.plant_step:
-            if rank == 0:
-                state = full_state_dict(model)  # the bug: the other ranks never join its all-gathers
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            if rank == 0:  # the bug: the other ranks never join the all-gathers of the full state dict
+                state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 del state
         elif plant == "rank0-state-dict-gather" and step % self.args.save_every == 0:
             state = full_state_dict(model)  # every rank; only rank 0 gets the tensors

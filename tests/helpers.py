@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,8 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(port: int, *args: str, nproc: int = 2) -> list[str]:
+def torchrun(port: int, *args: str, nproc: int = 2, script: str = TRAIN, launcher: Sequence[str] = ()) -> list[str]:
+    """SCRIPT ARGS under torchrun with NPROC ranks on PORT; LAUNCHER: torchrun's own extra options."""
     return [
         sys.executable,
         "-m",
@@ -99,7 +101,8 @@ def torchrun(port: int, *args: str, nproc: int = 2) -> list[str]:
         str(nproc),
         "--master_port",
         str(port),
-        TRAIN,
+        *launcher,
+        script,
         *args,
     ]
 

@@ -31,7 +31,36 @@ def _collectives(rank: RankData) -> dict[str, Any]:
     for coll in rank.collectives:
         last[coll.group] = max(last.get(coll.group, 0), coll.seq)
     pending = pending_calls(rank)
-    return {"count": len(rank.collectives), "last_seq": last, "pending": pending}
+    return {"count": len(rank.collectives), "last_seq": last, "pending": pending, "unseen": _unseen(rank)}
+
+
+def _sharding(rank: RankData | None) -> dict[str, Any] | None:
+    """How the job shards its model (FSDP2, FSDP1, DeepSpeed ZeRO) and checkpoints its
+    activations, from the first rank's configs and its first backward's settings; None
+    when it recorded neither."""
+    if rank is None:
+        return None
+    setup = rank.grad_setup
+    checkpointing = setup["checkpointing"] if setup is not None and setup["checkpointing"].get("enabled") else None
+    fsdp, deepspeed = rank.configs.get("fsdp"), rank.configs.get("deepspeed")
+    engine: str | None = None
+    settings: dict[str, Any] = {}
+    if fsdp:
+        engine, settings = f"FSDP{fsdp.get('version', '')}", fsdp
+    elif deepspeed:
+        zero = deepspeed.get("zero_optimization")
+        engine, settings = "DeepSpeed", {"zero_stage": zero.get("stage", 0) if isinstance(zero, dict) else 0}
+    if engine is None and checkpointing is None:
+        return None
+    return {"engine": engine, "settings": settings, "checkpointing": checkpointing}
+
+
+def _unseen(rank: RankData) -> list[dict[str, Any]]:
+    """Collective paths the rank used that the probes could not see, and where they are."""
+    return [
+        {"path": u["path"], "why": u["why"], "see": "the flight-recorder dump (taken when a rank fails or hangs)"}
+        for u in rank.unseen_collectives
+    ]
 
 
 def _rank_summary(rank: RankData) -> dict[str, Any]:
@@ -73,6 +102,7 @@ def build_summary(run: RunData) -> dict[str, Any]:
             "end": max(ends) if ends else None,
             "versions": first.start["versions"] if first else {},
             "configs": first.configs if first else {},
+            "sharding": _sharding(first),
         },
         "ranks": [_rank_summary(r) for r in ranks],
         "warnings": run.warnings,

@@ -24,6 +24,7 @@ from lorascope.probes.exits import ExitProbe, install_fatal_handler
 from lorascope.probes.flight import DEFAULT_BUFFER as DEFAULT_FR_BUFFER
 from lorascope.probes.flight import ENV_BUFFER as ENV_FR_BUFFER
 from lorascope.probes.flight import dump_flight_recorder
+from lorascope.probes.fsdp import FsdpProbe
 from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
 from lorascope.probes.logits import LogitsProbe
@@ -212,10 +213,15 @@ def _start(
     os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     # Each install is its own probe: one that fails to install leaves the others on.
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
+    _hook(session, "torch.distributed._functional_collectives", collectives.install_functional, "collectives-funcol")
+    _hook(session, "torch.nn.parallel.distributed", collectives.install_ddp, "collectives-ddp")
     _hook(session, "torch", steps.install_torch, "steps-torch")
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")
     _hook(session, "torch.nn.parallel.distributed", steps.install_ddp, "steps-ddp")
+    fsdp = FsdpProbe(session, steps.adopt_model)
+    _hook(session, "torch.distributed.fsdp._fully_shard._fully_shard", fsdp.install_fully_shard, "fsdp")
+    _hook(session, "torch.distributed.fsdp.fully_sharded_data_parallel", fsdp.install_fsdp1, "fsdp1")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
     _hook(session, "peft", steps.install_peft, "configs")
     _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")

@@ -11,6 +11,19 @@ collective before the call returns), read at a later step end once the end event
 done (``Event.query``): nothing here waits for the device. An ``async_op`` call returns
 before its work is waited for, so events around the call would time nothing: it gets
 none (its ``coll_end`` comes when its work completes, from the work's future).
+
+The paths FSDP takes (torch 2.13): FSDP2's all-gathers and reduce-scatters are
+``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (the new names of
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which now call them), FSDP1's
+``dist.all_gather`` (gloo has no all_gather_single) or ``all_gather_single`` and
+``reduce_scatter_single``: all looked up on ``torch.distributed`` at call time, so the
+wrapped functions of ``distributed_c10d`` see them. A full state dict of FSDP2's
+sharded parameters (DTensor ``full_tensor``) goes through the functional collectives
+(``torch.distributed._functional_collectives``), which call C++ ops directly: their
+Python functions are wrapped (``funcol.NAME``), and each ends when its output is waited
+for (``wait_tensor``, wrapped too) or freed. What stays out of reach from Python (the
+autograd backward of functional collectives, DDP's C++ Reducer) is said in the run by a
+``coll_unseen`` record (see :meth:`CollectiveProbe.unseen`); the flight recorder has it.
 """
 
 from __future__ import annotations
@@ -23,11 +36,12 @@ import os
 import sys
 import threading
 import time
+import weakref
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from lorascope.probes.session import Session
-from lorascope.rundir.ops import PAYLOAD_ARG
+from lorascope.rundir.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
 from lorascope.rundir.sources import describe, rank_condition_in
 
 MAX_PENDING_EVENTS = 4096
@@ -77,6 +91,9 @@ class CollectiveProbe:
         self._described: set[str] = set()
         #: site -> whether a rank condition encloses its line.
         self._conditioned: dict[str, bool] = {}
+        #: The same per (code object, line) of the job's callers, and which code is not the job's.
+        self._line_conditioned: dict[tuple[CodeType, int], bool] = {}
+        self._foreign: dict[CodeType, bool] = {}
         self._stdlib = os.path.dirname(os.__file__) + os.sep
         self._events: collections.deque[tuple[int, int, Any, Any, float]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
@@ -86,8 +103,13 @@ class CollectiveProbe:
         self._in_flight: dict[tuple[int, int], dict[str, Any]] = {}
         #: The default process group's timeout in seconds, once the job sets it.
         self.pg_timeout: float | None = None
+        #: id(output tensor) of a functional collective in flight -> its call and the
+        #: finalizer that ends it if the output is freed without a wait.
+        self._awaited: dict[int, tuple[_Awaited, Any]] = {}
+        self._unseen: set[str] = set()
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
+        self.unseen = session.guarded("collectives")(self._record_unseen)
 
     # -- installation -------------------------------------------------------------
     def install(self, c10d: ModuleType) -> None:
@@ -130,6 +152,45 @@ class CollectiveProbe:
         c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
         if dist is not None and getattr(dist, "init_process_group", None) is original:
             dist.init_process_group = init_process_group  # type: ignore[attr-defined]
+
+    def install_functional(self, funcol: ModuleType) -> None:
+        """Wrap the functional collectives and their ``wait_tensor`` (callers look them up
+        on the module at call time: DTensor's ``funcol.all_gather_single(...)``)."""
+        for name in FUNCTIONAL_PAYLOAD_ARG:
+            original = getattr(funcol, name, None)
+            if original is not None and not getattr(original, "__lorascope__", False):
+                setattr(funcol, name, self._wrap_functional(funcol, name, original))
+        wait = getattr(funcol, "wait_tensor", None)
+        if wait is not None and not getattr(wait, "__lorascope__", False):
+            funcol.wait_tensor = self._wrap_wait(wait)  # type: ignore[attr-defined]
+
+    def install_ddp(self, ddp_module: ModuleType) -> None:
+        """DDP's gradient all_reduces come from its C++ Reducer, which no Python wrapper
+        sees: say so in the run when a job builds one."""
+        ddp = ddp_module.DistributedDataParallel
+        original = getattr(ddp, "_ddp_init_helper", None)
+        if original is None or getattr(original, "__lorascope__", False):
+            return
+        probe = self
+
+        @functools.wraps(original)
+        def _ddp_init_helper(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            probe.unseen(
+                "ddp-reducer", "DistributedDataParallel's gradient bucket all_reduces are issued by its C++ Reducer"
+            )
+            return out
+
+        _ddp_init_helper.__lorascope__ = True  # type: ignore[attr-defined]
+        ddp._ddp_init_helper = _ddp_init_helper
+
+    def _record_unseen(self, path: str, why: str) -> None:
+        """A ``coll_unseen`` record, once per path: the job uses a collective path the
+        probes cannot wrap from Python (the analysis points to the flight recorder)."""
+        if path in self._unseen:
+            return
+        self._unseen.add(path)
+        self.session.record("coll_unseen", path=path, why=why, step=self.session.step)
 
     def _check_rank(self, c10d: ModuleType) -> None:
         """A ``dist_init`` record: torch.distributed's rank and world size, which the reader
@@ -183,6 +244,95 @@ class CollectiveProbe:
         wrapper.__doc__ = getattr(original, "__doc__", None)
         wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
         return wrapper
+
+    def _wrap_functional(self, funcol: ModuleType, name: str, original: Any) -> Any:
+        """A functional collective: recorded as an async call (it returns an
+        ``AsyncCollectiveTensor`` before the work is done) on the process group its
+        ``group`` argument names (a group, a mesh, a mesh dimension, a name)."""
+        params = list(inspect.signature(original).parameters)
+        group_pos = params.index("group")
+        payload_pos, payload_kw = FUNCTIONAL_PAYLOAD_ARG[name]
+        op = FUNCTIONAL_PREFIX + name
+        probe = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            local = probe._local
+            if getattr(local, "depth", 0) or "collectives" in probe.session.disabled:
+                return original(*args, **kwargs)
+            local.depth = 1
+            try:
+                group = probe._functional_group(
+                    funcol, kwargs.get("group", args[group_pos] if group_pos < len(args) else None)
+                )
+                payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
+                started = probe._begin(op, (payload,), {"group": group}, -1, -1, 0, payload_kw, True)
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException as exc:
+                    probe._end(started, repr(exc)[:500])
+                    raise
+                probe._end_when_waited(started, result)
+                return result
+            finally:
+                local.depth = 0
+
+        return _like(wrapper, original, name)
+
+    def _functional_group(self, funcol: ModuleType, group: Any) -> Any:
+        """The ProcessGroup a functional collective's ``group`` argument names (None: the
+        argument as given, which the group record then names as best it can)."""
+        c10d = self._c10d
+        if c10d is None or isinstance(group, c10d.ProcessGroup):
+            return group
+        try:
+            return c10d._resolve_process_group(funcol._resolve_group_name(group))
+        except Exception:
+            return group
+
+    def _end_when_waited(self, started: tuple[Any, ...] | None, result: Any) -> None:
+        """A functional collective ends when every output it returned is waited for
+        (``wait_tensor`` on it) or freed; one that returned plain tensors (waited inside,
+        or traced) ends now."""
+        if started is None:
+            return
+        try:
+            outputs = result if isinstance(result, (list, tuple)) else [result]
+            elems = [out.elem for out in outputs if hasattr(out, "trigger_wait") and hasattr(out, "elem")]
+            if not elems:
+                self._end(started, None)
+                return
+            call = _Awaited(started, len(elems))
+            for elem in elems:
+                key = id(elem)
+                self._awaited[key] = (call, weakref.finalize(elem, self._output_done, key, None))
+        except Exception as exc:
+            self._end(started, None)
+            self.session.fail("collectives", exc)
+
+    def _output_done(self, key: int, err: str | None) -> None:
+        entry = self._awaited.pop(key, None)
+        if entry is None:
+            return
+        call, finalizer = entry
+        finalizer.detach()
+        call.left -= 1
+        if call.left <= 0 or err is not None:
+            self._end(call.started, err)
+
+    def _wrap_wait(self, original: Any) -> Any:
+        probe = self
+
+        def wait_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                out = original(tensor, *args, **kwargs)
+            except BaseException as exc:
+                probe._output_done(id(tensor), repr(exc)[:500])
+                raise
+            if probe._awaited:
+                probe._output_done(id(tensor), None)
+            return out
+
+        return _like(wait_tensor, original, "wait_tensor")
 
     # -- one call -----------------------------------------------------------------
     def _begin(
@@ -336,8 +486,9 @@ class CollectiveProbe:
 
     def _site(self) -> tuple[str | None, str | None]:
         """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
-        that is a library's frame, ``via``: the first caller up to the job's own code whose
-        line sits inside a rank condition (a save helper called under ``if rank == 0:``)."""
+        its line sits in no rank condition, ``via``: the nearest caller in the job's own
+        code whose line does (a save helper, a library's or the job's own, called under
+        ``if rank == 0:``)."""
         frame: FrameType | None = sys._getframe(3)
         internal = self._internal
         while frame is not None:
@@ -347,8 +498,7 @@ class CollectiveProbe:
                 skip = internal[code] = self._is_internal(code.co_filename)
             if not skip:
                 site = self._describe(frame)
-                via = self._via(frame) if self._library_file(code.co_filename) else None
-                return site, via
+                return site, self._via(frame, site)
             frame = frame.f_back
         return None, None
 
@@ -363,20 +513,32 @@ class CollectiveProbe:
             self.session.record("site", site=site, **context)
         return site
 
-    def _via(self, frame: FrameType) -> str | None:
-        """Up from a library's call site to the first frame of the job's own code: that
-        frame, if its line sits inside a rank condition. Library frames on the way are
-        not read (parsing every library file a call passes through would cost memory and
-        time at the first call); the job's own files are read once, as call sites are."""
-        if self._conditioned.get(self._describe(frame)):
+    def _via(self, frame: FrameType, site: str) -> str | None:
+        """Up from a call site whose own line sits in no rank condition to the first
+        caller in the job's own code whose line does, at most MAX_VIA_FRAMES frames up.
+        Library (and torch, DeepSpeed, lorascope) frames on the way are not read (parsing
+        every library file a call passes through would cost memory and time at the first
+        call); the job's own files are read once, as call sites are, and each of its
+        lines is looked at once (cached by code object and line)."""
+        if self._conditioned.get(site):
             return None  # the condition is at the call site itself
         caller = frame.f_back
+        foreign, lines = self._foreign, self._line_conditioned
         for _ in range(MAX_VIA_FRAMES):
             if caller is None:
                 return None
-            if not self._library_file(caller.f_code.co_filename):
-                site = self._describe(caller)
-                return site if self._conditioned.get(site) else None
+            code = caller.f_code
+            skip = foreign.get(code)
+            if skip is None:
+                filename = code.co_filename
+                skip = foreign[code] = self._library_file(filename) or self._is_internal(filename)
+            if not skip:
+                key = (code, caller.f_lineno)
+                conditioned = lines.get(key)
+                if conditioned is None:
+                    conditioned = lines[key] = self._conditioned[self._describe(caller)]
+                if conditioned:
+                    return self._describe(caller)
             caller = caller.f_back
         return None
 
@@ -394,6 +556,26 @@ class CollectiveProbe:
 
     def _stdlib_file(self, filename: str) -> bool:
         return filename.startswith(self._stdlib) and "-packages" not in filename
+
+
+class _Awaited:
+    """A functional collective in flight: its call, and how many outputs are unwaited."""
+
+    __slots__ = ("started", "left")
+
+    def __init__(self, started: tuple[Any, ...], left: int) -> None:
+        self.started, self.left = started, left
+
+
+def _like(wrapper: Any, original: Any, name: str) -> Any:
+    """Mark a wrapper as lorascope's and give it the original's name and module."""
+    wrapper.__lorascope__ = True
+    wrapper.__wrapped__ = original
+    wrapper.__name__ = getattr(original, "__name__", name)
+    wrapper.__qualname__ = getattr(original, "__qualname__", name)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__module__ = str(getattr(original, "__module__", None) or wrapper.__module__)
+    return wrapper
 
 
 def _failure(future: Any) -> str | None:

@@ -5,10 +5,8 @@ settings the model's modules carry (``use_reentrant``) and whether an input-requ
 hook is registered on an embedding. After it (between backward and step): for every
 trainable tensor, whether its gradient is missing, all zero, or present.
 
-Under ZeRO-3 each rank looks at its own partition only (``safe_get_local_grad``), and
-under FSDP2 at its shard of a DTensor gradient (``to_local()``: a DTensor reduction would
-all-reduce), and FSDP1 (``use_orig_params=True``) hands each rank views of its shard: no
-collective is added, so a probe failing on one rank can never hang the others; the
+Under ZeRO-3 each rank looks at its own partition only (``safe_get_local_grad``), under
+FSDP2 at its shard of each gradient (a DTensor's ``to_local()``): no collective is added, so a probe failing on one rank can never hang the others; the
 analysis combines the ranks (a gradient is all zero when every partition is). Under
 ZeRO-1/2 the gradient is assembled with ``safe_get_full_grad``, which every rank calls
 for the same tensors in the same order. The all-zero test reads the values, a device
@@ -28,22 +26,26 @@ STATUS_NONE, STATUS_ZERO, STATUS_OK = "n", "z", "o"
 
 def checkpointing_settings(model: Any) -> dict[str, Any]:
     """What the model's modules say about activation checkpointing: transformers'
-    ``gradient_checkpointing`` flag and its checkpoint function's ``use_reentrant``, or
-    torch's ``checkpoint_wrapper`` (``apply_activation_checkpointing``) and its
-    ``checkpoint_impl``."""
+    ``gradient_checkpointing`` flags, and torch's ``checkpoint_wrapper`` modules (FSDP
+    jobs' ``apply_activation_checkpointing``; ``wrappers`` counts them)."""
     enabled = False
     reentrant: set[Any] = set()
+    wrappers = 0
     for module in model.modules():
-        impl = getattr(module, "checkpoint_impl", None)
-        if impl is not None and hasattr(module, "_checkpoint_wrapped_module"):
-            enabled = True
-            reentrant.add(getattr(impl, "name", None) == "REENTRANT")
-        elif getattr(module, "gradient_checkpointing", False):
+        if getattr(module, "gradient_checkpointing", False):
             enabled = True
             func = getattr(module, "_gradient_checkpointing_func", None)
             if isinstance(func, functools.partial):
                 reentrant.add(func.keywords.get("use_reentrant"))
-    return {"enabled": enabled, "use_reentrant": sorted(reentrant, key=repr)}
+        impl = getattr(module, "checkpoint_impl", None)
+        if impl is not None and hasattr(module, "_checkpoint_wrapped_module"):
+            enabled = True
+            wrappers += 1
+            reentrant.add(getattr(impl, "name", str(impl)) == "REENTRANT")
+    out: dict[str, Any] = {"enabled": enabled, "use_reentrant": sorted(reentrant, key=repr)}
+    if wrappers:
+        out["wrappers"] = wrappers
+    return out
 
 
 def input_require_grads_hooks(model: Any) -> int:
@@ -88,7 +90,9 @@ class GradProbe:
                 continue
             names.append(name)
             status.append(self._status(param, zero_stage))
-            sharded = sharded or _is_sharded(name, param)
+            # FSDP2's DTensor gradients, and FSDP1's original parameters (use_orig_params,
+            # named under _fsdp_wrapped_module): views of this rank's shard of the flat one.
+            sharded = sharded or hasattr(param.grad, "to_local") or "_fsdp_wrapped_module." in name
         self.session.record(
             "grads",
             step=self.session.step,
@@ -100,8 +104,6 @@ class GradProbe:
     @staticmethod
     def _status(param: Any, zero_stage: int | None) -> str:
         grad = param.grad
-        if grad is not None and hasattr(grad, "to_local"):
-            grad = grad.to_local()  # FSDP2: this rank's shard, no collective
         if grad is None and zero_stage == 3 and hasattr(param, "ds_id"):
             from deepspeed.utils import safe_get_local_grad
 
@@ -112,10 +114,6 @@ class GradProbe:
             grad = safe_get_full_grad(param)
         if grad is None:
             return STATUS_NONE
+        if hasattr(grad, "to_local"):  # FSDP2's DTensor: this rank's shard, no collective
+            grad = grad.to_local()
         return STATUS_ZERO if int(grad.count_nonzero()) == 0 else STATUS_OK
-
-
-def _is_sharded(name: str, param: Any) -> bool:
-    """An FSDP2 DTensor parameter, or an FSDP1 original parameter (``use_orig_params``,
-    named under ``_fsdp_wrapped_module``): its gradient is this rank's shard."""
-    return hasattr(param, "to_local") or "_fsdp_wrapped_module." in name

@@ -57,6 +57,7 @@ class StepProbe:
         self.see_loss = session.guarded("steps")(self._see_loss)
         self.record_model = session.guarded("configs")(self._record_model)
         self.record_config = session.guarded("configs")(self._record_config)
+        self.adopt_model = session.guarded("configs")(self._adopt_model)
 
     # -- records ------------------------------------------------------------------
     def _phase(self, name: str, edge: str) -> None:
@@ -129,6 +130,16 @@ class StepProbe:
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             self._record_config("model", config.to_dict())
+
+    def _adopt_model(self, model: Any) -> None:
+        """A model a sharding wrapper saw (FSDP's units, which do not say which is the
+        whole model): taken when no model is known yet, or when it contains the one known
+        (FSDP2's root after its layers)."""
+        current = self.model
+        if not hasattr(model, "modules"):
+            return  # fully_shard of a list of modules
+        if current is None or any(m is current for m in model.modules()):
+            self.record_model(model)
 
     # -- DeepSpeed ----------------------------------------------------------------
     def install_deepspeed(self, engine_module: ModuleType) -> None:

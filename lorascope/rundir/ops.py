@@ -17,8 +17,10 @@ PAYLOAD_ARG: dict[str, tuple[int, str]] = {
     "scatter": (0, "tensor"),
     "all_gather": (1, "tensor"),
     "all_gather_into_tensor": (1, "input_tensor"),
+    "all_gather_single": (1, "input_tensor"),
     "_all_gather_base": (1, "input_tensor"),
     "reduce_scatter_tensor": (1, "input"),
+    "reduce_scatter_single": (1, "input"),
     "_reduce_scatter_base": (1, "input"),
     "reduce_scatter": (1, "input_list"),
     "all_to_all_single": (1, "input"),
@@ -32,4 +34,24 @@ PAYLOAD_ARG: dict[str, tuple[int, str]] = {
     "gather_object": (-1, ""),
     "broadcast_object_list": (-1, ""),
     "scatter_object_list": (-1, ""),
+    "send_object_list": (-1, ""),
+    "recv_object_list": (-1, ""),
 }
+
+#: The functional collectives (``torch.distributed._functional_collectives``: DTensor's
+#: redistributions, a full state dict of FSDP2's sharded parameters) -> (position,
+#: keyword) of the payload argument. Recorded as ``funcol.NAME``; they return before the
+#: work is done (an ``AsyncCollectiveTensor``), so they are async calls that end when
+#: their output is waited for (``wait_tensor``). The aliases (``all_gather_tensor``,
+#: ``reduce_scatter_tensor``, ``permute_tensor`` ...) call these.
+FUNCTIONAL_PAYLOAD_ARG: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "self"),
+    "broadcast": (0, "self"),
+    "all_gather_single": (0, "self"),
+    "reduce_scatter_single": (0, "self"),
+    "all_to_all_single": (0, "self"),
+    "all_reduce_coalesced": (0, "self"),
+    "all_gather_single_coalesced": (0, "self"),
+    "reduce_scatter_single_coalesced": (0, "inputs"),
+}
+FUNCTIONAL_PREFIX = "funcol."

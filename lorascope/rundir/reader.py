@@ -75,6 +75,8 @@ class RankData:
     signal: dict[str, Any] | None = None
     end: dict[str, Any] | None = None
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Collective paths the job used that the probes cannot see (``coll_unseen``).
+    unseen_collectives: list[dict[str, Any]] = field(default_factory=list)
     #: Call site -> {"line": source text, "conditions": enclosing if/while lines}.
     sites: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: On-demand and stall dumps (stacks, pending collectives), oldest first.
@@ -275,6 +277,7 @@ _LISTED = {
     "phase": "phases",
     "warning": "warnings",
     "probe_error": "probe_errors",
+    "coll_unseen": "unseen_collectives",
     "dump": "dumps",
     "logits": "logits",
 }

@@ -64,6 +64,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
+    "coll_unseen": {"path": _STR, "why": _STR},
     "fatal_handler": {"file": _STR},
     "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
     "warning": {"category": _STR, "message": _STR, "filename": _STR, "lineno": _INT},

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import LORASCOPE, free_port, job_env
+from tests.helpers import LORASCOPE, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -19,19 +18,7 @@ JOB = str(Path(__file__).resolve().parents[2] / "probes" / "collective_paths.py"
 
 
 def run_job(out: Path, *args: str) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        JOB,
-        "--pg-timeout",
-        "8",
-        *args,
-    ]
+    cmd = torchrun(free_port(), "--pg-timeout", "8", *args, script=JOB)
     env = {**job_env(), "LORASCOPE_STALL_SECONDS": "3"}
     subprocess.run(
         [*LORASCOPE, "run", "--out", str(out), "--", *cmd], capture_output=True, text=True, timeout=180, env=env

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ import psutil
 import pytest
 
 from lorascope.rundir.reader import RankData, RunData, load_run
-from tests.helpers import LORASCOPE, TRAIN, free_port, job_env
+from tests.helpers import LORASCOPE, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -26,23 +25,7 @@ pytestmark = pytest.mark.e2e
 def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess.Popen[str]]:
     """A probed 2-rank job with a planted hang; ended (its whole process group) on exit."""
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
-    cmd = [
-        *LORASCOPE,
-        "run",
-        "--out",
-        str(out),
-        "--",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        *extra,
-        TRAIN,
-        *args,
-    ]
+    cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra)]
     proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.rundir.reader import load_run
-from tests.helpers import LORASCOPE, REPO, TRAIN, Finished, free_port, probed
+from tests.helpers import LORASCOPE, REPO, TRAIN, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -52,17 +52,7 @@ def last_line(fin: Finished) -> str:
 
 
 def torchrun_trainer(*args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        TRAINER,
-        *args,
-    ]
+    return torchrun(free_port(), *args, script=TRAINER)
 
 
 # -- a lone process ------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import record_launch
+from tests.helpers import free_port
 
 JOB = textwrap.dedent("""
     import os, torch, torch.distributed as dist
@@ -35,9 +36,9 @@ JOB = textwrap.dedent("""
 """)
 
 
-def run_job(tmp_path: Path, attach: str, env: dict[str, str], port: int) -> subprocess.CompletedProcess[str]:
+def run_job(tmp_path: Path, attach: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "job.py"
-    script.write_text(JOB.format(attach=attach, port=port))
+    script.write_text(JOB.format(attach=attach, port=free_port()))
     return subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -51,7 +52,7 @@ def run_job(tmp_path: Path, attach: str, env: dict[str, str], port: int) -> subp
 def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None:
     out = tmp_path / "run"
     record_launch(out, "test", ["job.py"])
-    proc = run_job(tmp_path, f"print('first', lorascope.attach({str(out)!r}))", {}, 29811)
+    proc = run_job(tmp_path, f"print('first', lorascope.attach({str(out)!r}))", {})
     assert proc.returncode == 0, proc.stderr
     assert "first True" in proc.stdout and "attached True" in proc.stdout  # twice is harmless
     run = load_run(out)
@@ -148,7 +149,6 @@ def test_rank_from_launcher_variables_is_checked_against_torch_distributed(tmp_p
         tmp_path,
         f"lorascope.attach({str(out)!r})",
         {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "RANK": "", "LOCAL_RANK": ""},
-        29813,
     )
     assert proc.returncode == 0, proc.stderr
     assert "probed as rank 1 of 2, but torch.distributed says rank 0 of 1" in proc.stderr
@@ -168,7 +168,7 @@ def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
         "MemoryProbe._cuda = broken\n"
         f"lorascope.attach({str(out)!r})"
     )
-    proc = run_job(tmp_path, attach, {}, 29812)
+    proc = run_job(tmp_path, attach, {})
     assert proc.returncode == 0, proc.stderr
     assert "probe 'memory' switched off" in proc.stderr
     rank = load_run(out).ranks[0]
