@@ -268,6 +268,16 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
 
 
+def _loop_copy(rank: RankData, setup: TrainingSetup) -> int:
+    """Bytes of a loss input the loop made itself: fewer rows than the B*T logits (the loop
+    shifted them: a copy, alive while cross_entropy runs); 0 when it passes the logits."""
+    for rec in rank.logits:
+        tokens = rec.get("tokens")
+        if rec["where"] == "loss_input" and isinstance(tokens, int) and tokens < setup.tokens:
+            return int(rec["bytes"])
+    return 0
+
+
 def _gathered(plan: Plan) -> int:
     """The parameters held whole to compute: ZeRO-3's module or FSDP's unsharded units."""
     return sum(t.bytes for t in plan.terms if t.key in ("zero3_gathered", "fsdp_unsharded"))
@@ -287,7 +297,10 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
     out: list[Comparison] = []
 
     low = act + loss.logits + (loss.saved if inside else 0)
-    planned = low + (loss.transient if inside else 0) + gathered
+    # While cross_entropy runs, its input is alive: the plan's transient when it is the
+    # upcast copy; a loop that shifts the logits itself passes a copy of its own.
+    transient = max(loss.transient, _loop_copy(rank, setup)) if inside else 0
+    planned = low + transient + gathered
     out.append(
         Comparison(
             "forward",
@@ -298,7 +311,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             tol,
             f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
-            + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
+            + (f" + loss input alive in the call {fmt_bytes(transient)}" if transient else "")
             + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else ""),
             f"{src}: highest reading from the first {first.opens} (step {first.step}) to the {first.closes} after it",
         )

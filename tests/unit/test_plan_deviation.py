@@ -455,3 +455,16 @@ def test_a_loop_without_forward_phases_is_read_from_the_second_step() -> None:
     assert forward is not None and forward.measured == fwd + MIB and forward.agrees
     assert "first step (step 1) to the backward.begin" in forward.source
     assert detect(bundle(dataclasses.replace(data, mem=mem, logits=logits))) == []
+
+
+def test_a_loss_input_the_loop_shifted_itself_is_alive_in_the_call() -> None:
+    """logits[:, :-1] made contiguous by the loop: B*(T-1) rows, a copy held while
+    cross_entropy runs (the FSDP logits planting's loop reads 190.7 MiB there)."""
+    data = rank(forward=0)
+    shifted = [
+        dict(rec, tokens=B * (T - 1), bytes=4 * B * (T - 1) * V) if rec["where"] == "loss_input" else rec
+        for rec in data.logits
+    ]
+    plain, copied = compared(data), compared(dataclasses.replace(data, logits=shifted))
+    assert copied.planned - plain.planned == 4 * B * (T - 1) * V
+    assert copied.planned_low == plain.planned_low and "loss input alive in the call" in copied.formula
