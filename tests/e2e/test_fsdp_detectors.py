@@ -29,8 +29,8 @@ TRAIN_FSDP = str(Path(TRAIN).with_name("train_fsdp.py"))
 SHAPE = ["--hidden", "256", "--intermediate", "512", "--layers", "4", "--vocab", "32000", "--seq", "64"]
 ROOT_BYTES = 2 * 32000 * 256 * 4
 JOBS = {
-    "healthy-fsdp2": ["--steps", "8", *SHAPE],
-    "healthy-fsdp1": ["--fsdp", "1", "--sharding", "SHARD_GRAD_OP", "--steps", "8", *SHAPE],
+    "healthy-fsdp2": ["--steps", "7", *SHAPE],
+    "healthy-fsdp1": ["--fsdp", "1", "--sharding", "SHARD_GRAD_OP", "--steps", "7", *SHAPE],
     "reentrant-fsdp2": ["--steps", "3", "--plant", "reentrant-checkpoint"],
     "reentrant-fsdp1": ["--fsdp", "1", "--steps", "3", "--plant", "reentrant-checkpoint"],
     "logits-spike": ["--steps", "3", "--plant", "logits-spike"],
