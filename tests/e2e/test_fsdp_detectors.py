@@ -52,9 +52,7 @@ JOBS = {
 
 
 def fsdp_job(*args: str) -> list[str]:
-    cmd = torchrun(free_port(), *args)
-    cmd[cmd.index(TRAIN)] = TRAIN_FSDP
-    return cmd
+    return torchrun(free_port(), *args, script=TRAIN_FSDP)
 
 
 @pytest.fixture(scope="module")
