@@ -16,7 +16,15 @@ from lorascope.plan import PRESETS, PlanInputs, build_plan, preset_shape, render
 from lorascope.plan.from_configs import ds_precision, lora_from_config, zero_from_ds_config
 from lorascope.plan.lora import LoraSpec
 from lorascope.plan.shape import load_config_file
-from lorascope.plan.training import ATTENTION, CHECKPOINTING, LOSSES, PRECISIONS, TrainingSetup
+from lorascope.plan.training import (
+    ATTENTION,
+    CHECKPOINTING,
+    FSDP_STRATEGIES,
+    LOSSES,
+    PRECISIONS,
+    FsdpSetup,
+    TrainingSetup,
+)
 from lorascope.units import parse_bytes
 
 _REGEX_CHARS = re.compile(r"[*()\[\]|^$\\+?{}]")
@@ -41,6 +49,28 @@ def _model_name(path: Path) -> str:
 
 def _given(**values: Any) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
+
+
+def _fsdp_setup(
+    strategy: str | None, reshard_after_forward: bool | None, mixed_precision: str, offload_params: bool | None
+) -> FsdpSetup | None:
+    """The FSDP flags as an FsdpSetup (None without --fsdp, where they must not be given)."""
+    if strategy is None:
+        if reshard_after_forward is not None or mixed_precision != "none":
+            raise UsageError("--reshard-after-forward and --fsdp-mixed-precision need --fsdp")
+        return None
+    version, name = (2, "FULL_SHARD") if strategy.lower() == "fully_shard" else (1, strategy.upper())
+    if reshard_after_forward is not None:
+        if version != 2:
+            raise UsageError("--reshard-after-forward is FSDP2's (--fsdp fully_shard); FSDP1 sets it by strategy")
+        name = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+    return FsdpSetup(
+        version=version,
+        strategy=name,
+        mixed_precision=mixed_precision != "none",
+        reduce_fp32=mixed_precision == "param+reduce",
+        offload_params=bool(offload_params),
+    )
 
 
 @click.command("plan")
@@ -87,8 +117,30 @@ def _given(**values: Any) -> dict[str, Any]:
     help="A DeepSpeed config JSON: ZeRO stage, offload, buckets, bf16/fp16. Flags override it.",
 )
 @click.option("--zero", type=click.IntRange(0, 3), help="ZeRO stage (default 0).")
+@click.option(
+    "--fsdp",
+    "fsdp_strategy",
+    type=click.Choice([*FSDP_STRATEGIES, "fully_shard"], case_sensitive=False),
+    help="PyTorch FSDP instead of ZeRO: FSDP1's sharding strategy, or fully_shard (FSDP2).",
+)
+@click.option(
+    "--reshard-after-forward/--no-reshard-after-forward",
+    default=None,
+    help="FSDP2 (--fsdp fully_shard): free each layer's unsharded parameters after its forward (default on).",
+)
+@click.option(
+    "--fsdp-mixed-precision",
+    type=click.Choice(("none", "param", "param+reduce")),
+    default="none",
+    show_default=True,
+    help="FSDP mixed precision: fp32 shards computed in --precision; param+reduce also reduces gradients in fp32.",
+)
 @click.option("--offload-optimizer/--no-offload-optimizer", default=None, help="ZeRO CPU optimizer offload.")
-@click.option("--offload-params/--no-offload-params", default=None, help="ZeRO-3 CPU parameter offload.")
+@click.option(
+    "--offload-params/--no-offload-params",
+    default=None,
+    help="ZeRO-3 CPU parameter offload; under --fsdp, CPUOffload(offload_params=True) / CPUOffloadPolicy.",
+)
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs per node.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seq", type=click.IntRange(min=1), default=2048, show_default=True, help="Sequence length.")
@@ -123,6 +175,9 @@ def command(
     fp32_adapters: bool,
     ds_path: Path | None,
     zero: int | None,
+    fsdp_strategy: str | None,
+    reshard_after_forward: bool | None,
+    fsdp_mixed_precision: str,
     offload_optimizer: bool | None,
     offload_params: bool | None,
     gpus: int,
@@ -159,10 +214,17 @@ def command(
         ),
     )
 
+    fsdp = _fsdp_setup(fsdp_strategy, reshard_after_forward, fsdp_mixed_precision, offload_params)
+    if fsdp is not None and (ds_path or zero or offload_optimizer):
+        raise UsageError("--fsdp shards without DeepSpeed: drop --ds-config, --zero and --offload-optimizer")
     ds = load_config_file(ds_path) if ds_path else {}
     zero_setup = dataclasses.replace(
         zero_from_ds_config(ds, shape.hidden),
-        **_given(stage=zero, offload_optimizer=offload_optimizer, offload_params=offload_params),
+        **_given(
+            stage=zero,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params if fsdp is None else None,
+        ),
     )
     if ds_path and precision is None:
         precision = ds_precision(ds)
@@ -173,6 +235,7 @@ def command(
         precision=precision or "bf16",
         fp32_adapters=fp32_adapters,
         zero=zero_setup,
+        fsdp=fsdp,
         gpus_per_node=gpus,
         nodes=nodes,
         seq=seq,

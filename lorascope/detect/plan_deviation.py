@@ -1,14 +1,15 @@
 """plan-deviation: what a run's memory really did, term by term, against the plan made from
 the run's own recorded configs (``lorascope.plan.plan_from_configs``).
 
-The plan's inputs come from the run: the model, LoRA and DeepSpeed configs the probes
-recorded, the micro-batch and sequence length from the shape of the logits at the output
+The plan's inputs come from the run: the model, LoRA and DeepSpeed configs (or FSDP
+settings) the probes recorded, the micro-batch and sequence length from the shape of the logits at the output
 projection (B, T, V), the checkpointing the model's modules carried (``grad_setup``) and the
 loss implementation from the dtype of the loss input. The readings compared with it:
 
 * ``forward``: the highest reading of the first forward above its beginning: the
   activations saved for backward, the returned logits and, when the loss ran inside the
-  forward, its saved log-probs; ZeRO-3's gathered module may still be held.
+  forward, its saved log-probs; ZeRO-3's gathered module, or FSDP's unsharded units (the
+  root's, kept for backward), may still be held.
 * ``step_peak``: the highest reading of the first step above the same beginning: the
   activations plus the larger of the logits spike and one layer's backward. The readings
   are taken at phase edges and by the sampler, so the peak moment is usually between two
@@ -159,6 +160,10 @@ class _FirstStep:
     forward: list[int]  # every reading from there to the forward.end after it
     whole: list[int]  # every reading from there to the end of the step
     loss_inside: bool  # cross_entropy ran before that forward.end
+    #: The readings that open and close the forward: "forward.begin"/"forward.end", or in a
+    #: loop without forward phases "step"/"backward.begin".
+    opens: str = "forward.begin"
+    closes: str = "forward.end"
 
 
 def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
@@ -174,12 +179,22 @@ def _loss_readings(rank: RankData, kind: str) -> list[tuple[float, int, int]]:
     return out
 
 
+def _forward_edges(rank: RankData) -> tuple[str, str]:
+    """The readings around a forward. A plain loop with no forward phase the probes can see
+    (FSDP, a bare model) runs its forward, and its loss, between the end of one step and
+    the next backward: the first step has no reading before it, so the second step's."""
+    if any(m["src"] == "forward.begin" for m in rank.mem):
+        return "forward.begin", "forward.end"
+    return "step", "backward.begin"
+
+
 def _first_step(rank: RankData) -> _FirstStep | None:
     kind, mem = memory_kind(rank), rank.mem
-    start = next((i for i, m in enumerate(mem) if m["src"] == "forward.begin" and mem_value(m, kind) is not None), None)
+    opens, closes = _forward_edges(rank)
+    start = next((i for i, m in enumerate(mem) if m["src"] == opens and mem_value(m, kind) is not None), None)
     if start is None:
         return None
-    end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == "forward.end"), None)
+    end = next((i for i in range(start + 1, len(mem)) if mem[i]["src"] == closes), None)
     if end is None or mem_value(mem[end], kind) is None:
         return None
     last = next((i for i in range(end, len(mem)) if mem[i]["src"] == "step"), len(mem) - 1)
@@ -199,6 +214,8 @@ def _first_step(rank: RankData) -> _FirstStep | None:
         values(end, t_fwd),
         values(last, t_step),
         loss_inside,
+        opens,
+        closes,
     )
 
 
@@ -241,6 +258,8 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
     micro, seq = shape
     options = {"checkpointing": _checkpointing(rank), "loss": _loss(rank), **overrides}
+    if rank.configs.get("fsdp"):
+        options["fsdp"] = rank.configs["fsdp"]
     try:
         return plan_from_configs(
             model, lora, rank.configs.get("deepspeed"), int(rank.start["world_size"]), seq, micro, **options
@@ -249,17 +268,39 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
         return None
 
 
+def _loop_copy(rank: RankData, setup: TrainingSetup) -> int:
+    """Bytes of a loss input the loop made itself: fewer rows than the B*T logits (the loop
+    shifted them: a copy, alive while cross_entropy runs); 0 when it passes the logits."""
+    for rec in rank.logits:
+        tokens = rec.get("tokens")
+        if rec["where"] == "loss_input" and isinstance(tokens, int) and tokens < setup.tokens:
+            return int(rec["bytes"])
+    return 0
+
+
+def _gathered(plan: Plan) -> int:
+    """The parameters held whole to compute: ZeRO-3's module or FSDP's unsharded units."""
+    return sum(t.bytes for t in plan.terms if t.key in ("zero3_gathered", "fsdp_unsharded"))
+
+
+def _gathered_label(setup: TrainingSetup) -> str:
+    return "FSDP unsharded" if setup.fsdp is not None else "ZeRO-3 gathered"
+
+
 def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep) -> RankCheck:
     tol = {"CUDA allocated": CUDA_TOLERANCE, "heap in use": HEAP_TOLERANCE}.get(first.kind, RSS_TOLERANCE)
     src = stream_source(run, rank, "mem records") if run is not None else f"ranks/rank-{rank.rank} (mem records)"
     setup = plan.inputs.setup
     loss = loss_forward(plan.inputs.shape, setup)
-    act, gathered = plan.term("activations").bytes, plan.term("zero3_gathered").bytes
+    act, gathered = plan.term("activations").bytes, _gathered(plan)
     inside = first.loss_inside
     out: list[Comparison] = []
 
     low = act + loss.logits + (loss.saved if inside else 0)
-    planned = low + (loss.transient if inside else 0) + gathered
+    # While cross_entropy runs, its input is alive: the plan's transient when it is the
+    # upcast copy; a loop that shifts the logits itself passes a copy of its own.
+    transient = max(loss.transient, _loop_copy(rank, setup)) if inside else 0
+    planned = low + transient + gathered
     out.append(
         Comparison(
             "forward",
@@ -270,9 +311,9 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             tol,
             f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
-            + (f" + loss transient {fmt_bytes(loss.transient)}" if inside and loss.transient else "")
-            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else ""),
-            f"{src}: highest reading from the first forward.begin (step {first.step}) to its forward.end",
+            + (f" + loss input alive in the call {fmt_bytes(transient)}" if transient else "")
+            + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else ""),
+            f"{src}: highest reading from the first {first.opens} (step {first.step}) to the {first.closes} after it",
         )
     )
 
@@ -281,7 +322,11 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
     # partition at initialisation) and, without ZeRO (which initialises the optimizer states
     # up front), the optimizer's lazily created moments and master copy.
     written = plan.term("adapter_gradients").bytes if setup.zero.stage < 3 else 0
-    if setup.zero.stage == 0:
+    if setup.fsdp is not None:
+        # FSDP creates the sharded gradients at the first reduce-scatter, torch's optimizer
+        # its moments at the first step; one unit's reduce-scatter buffers come and go.
+        written += plan.term("optimizer_states").bytes + plan.term("fsdp_buffers").bytes
+    elif setup.zero.stage == 0:
         written += plan.term("optimizer_states").bytes + plan.term("master_weights").bytes
     elif setup.zero.stage < 3:
         # ZeRO-1/2 allocate their reduce bucket at the first gradient reduction, inside the
@@ -297,9 +342,9 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             max(first.whole) - first.base,
             tol,
             f"activations {fmt_bytes(act)} + max(logits + loss, layer backward) {fmt_bytes(spike)}"
-            + (f" + ZeRO-3 gathered {fmt_bytes(gathered)}" if gathered else "")
+            + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else "")
             + f" + first written in the step {fmt_bytes(written)}",
-            f"{src}: highest reading of step {first.step} above its first forward.begin (readings at phase "
+            f"{src}: highest reading of the step after the first {first.opens} (step {first.step}) above it (readings at phase "
             "edges and every sampler interval: a peak between two readings is not seen)",
         )
     )
@@ -440,9 +485,10 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         Evidence(
             "plan inputs",
             f"B={setup.micro_batch}, T={setup.seq}, V={check.plan.inputs.shape.vocab}, "
-            f"{setup.precision}, ZeRO-{setup.zero.stage} over {setup.world}, checkpointing "
+            f"{setup.precision}, {setup.fsdp.label if setup.fsdp else f'ZeRO-{setup.zero.stage}'} over "
+            f"{setup.world}, checkpointing "
             f"{setup.checkpointing}, {setup.attention} attention, loss {setup.loss}",
-            "config records (model, lora, deepspeed), logits shape and dtype, grad_setup",
+            "config records (model, lora, deepspeed or fsdp), logits shape and dtype, grad_setup",
         )
     )
     reason = (

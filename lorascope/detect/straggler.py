@@ -61,12 +61,10 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
     """Step number -> the rank's own work in that step: its wall time minus the time in
     recorded synchronous collectives. Outside DeepSpeed (or in a step without recorded
     collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
-    inside it, in C++, unrecorded."""
-    waited: dict[int, float] = {}
-    for c in rank.collectives:
-        if c.end is not None and not c.is_async:
-            waited[c.step + 1] = waited.get(c.step + 1, 0.0) + (c.end - c.start)
+    inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
+    reduce-scatters and backward all-gathers) are then not taken out a second time."""
     backward: dict[int, float] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
     begin: dict[int, float] = {}
     for p in rank.phases:
         if p["name"] != "backward":
@@ -75,14 +73,25 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
         if p["edge"] == "begin":
             begin[step] = p["t"]
         elif step in begin:
-            backward[step] = backward.get(step, 0.0) + p["t"] - begin.pop(step)
+            start = begin.pop(step)
+            backward[step] = backward.get(step, 0.0) + p["t"] - start
+            spans.setdefault(step, []).append((start, p["t"]))
+    waited: dict[int, float] = {}
+    outside_backward: dict[int, float] = {}
+    for c in rank.collectives:
+        if c.end is not None and not c.is_async:
+            step = c.step + 1
+            waited[step] = waited.get(step, 0.0) + (c.end - c.start)
+            if not any(b <= c.start <= e for b, e in spans.get(step, [])):
+                outside_backward[step] = outside_backward.get(step, 0.0) + (c.end - c.start)
     work, by_backward = {}, 0
     for s in rank.steps:
         if s["step"] <= 1:
             continue
-        wait = waited.get(s["step"], 0.0)
-        if s.get("src") != "deepspeed" or s["step"] not in waited:
-            wait += backward.get(s["step"], 0.0)
+        if s.get("src") == "deepspeed" and s["step"] in waited:
+            wait = waited[s["step"]]
+        else:
+            wait = outside_backward.get(s["step"], 0.0) + backward.get(s["step"], 0.0)
             by_backward += 1
         work[s["step"]] = max(0.0, s["dur"] - wait)
     how = "recorded collectives"

@@ -99,6 +99,15 @@ def notes(inputs: PlanInputs, budget: Budget) -> list[str]:
         )
         if setup.zero.stage == 3:
             out.append("4-bit base under ZeRO-3 needs bnb_4bit_quant_storage set to the compute dtype")
+    if setup.fsdp is not None and setup.fsdp.version == 1:
+        out.append(
+            "FSDP1 with use_orig_params=True: each unit's flat parameter requires grad when one adapter in it "
+            "does, so the frozen weights get gradients too (counted), and a frozen Linear whose input no adapter "
+            "saves (targets other than all-linear, or lora_dropout > 0) saves it as well (not counted); FSDP2 "
+            "has neither cost"
+        )
+    if setup.fsdp is not None and setup.fsdp.strategy == "HYBRID_SHARD" and setup.nodes == 1:
+        out.append("HYBRID_SHARD on one node shards like FULL_SHARD: it replicates only across nodes")
     if setup.attention in ("sdpa", "flash"):
         out.append(
             f"{setup.attention} attention assumes no padding mask (packed or equal-length "

@@ -1,5 +1,6 @@
 """Memory outside the model states and activations: the CUDA context, NCCL's buffers, and
-DeepSpeed's gradient buckets and ZeRO-3 prefetch.
+DeepSpeed's gradient buckets and ZeRO-3 prefetch, or FSDP's reduce-scatter and all-gather
+buffers.
 
 The two fixed figures are typical values, not derived: a PyTorch CUDA context with cuBLAS
 workspaces takes roughly 0.4-0.6 GiB on Ampere/Hopper with lazy module loading, and NCCL's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lorascope.plan import fsdp as fsdp_units
 from lorascope.plan.params import ParamTensor
 from lorascope.plan.terms import Term
 from lorascope.plan.training import NF4_BYTES_PER_PARAM, TrainingSetup
@@ -22,7 +24,25 @@ NCCL_BYTES = 256 << 20
 ALLREDUCE_BUCKET = 500_000_000
 
 
-def buffer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[Term]:
+def _fsdp_buffers(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> Term:
+    """One unit's gradient on its way through the reduce-scatter, and FSDP2's flat
+    all-gather output (both transient, taken at once as an upper estimate)."""
+    assert setup.fsdp is not None
+    grads, gather = fsdp_units.reduce_scatter_bytes(tensors, setup)
+    reduce = "fp32" if setup.fsdp.reduce_fp32 else "param_dtype"
+    detail = f"largest unit's unsharded gradient + its {reduce} reduce-scatter copy and 1/{setup.shard_world} output"
+    if gather:
+        detail += " + the largest unit's flat all-gather output (FSDP2 copies it out to the parameters)"
+    return Term(
+        "fsdp_buffers",
+        "FSDP reduce-scatter / all-gather buffers",
+        round(grads + gather),
+        "unit gradient x (a + r) + r/S (+ one unit's all-gather output, FSDP2)",
+        detail,
+    )
+
+
+def _deepspeed_buffers(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> Term:
     zero, n = setup.zero, setup.world
     p_t = sum(t.numel for t in tensors if t.trainable)
     if zero.stage == 0:
@@ -53,8 +73,13 @@ def buffer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
             f"x {setup.adapter_bytes} B + prefetch {count(zero.prefetch_bucket_size)} params"
         )
         formula = "a reduce_bucket_size + prefetch_bucket_size x bytes/param"
+    return Term("deepspeed_buffers", "DeepSpeed buckets (gradients, prefetch)", round(buckets), formula, detail)
+
+
+def buffer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[Term]:
+    n = setup.world
     return [
-        Term("deepspeed_buffers", "DeepSpeed buckets (gradients, prefetch)", round(buckets), formula, detail),
+        _fsdp_buffers(tensors, setup) if setup.fsdp is not None else _deepspeed_buffers(tensors, setup),
         Term(
             "nccl",
             "NCCL communicator buffers",

@@ -71,6 +71,18 @@ class Plan:
                 "reduce_bucket_size": z.reduce_bucket_size,
                 "prefetch_bucket_size": z.prefetch_bucket_size,
                 "param_persistence_threshold": z.param_persistence_threshold,
+                "fsdp": None
+                if s.fsdp is None
+                else {
+                    "version": s.fsdp.version,
+                    "strategy": s.fsdp.strategy,
+                    "reshard_after_forward": s.fsdp.reshard_after_forward,
+                    "mixed_precision": s.fsdp.mixed_precision,
+                    "reduce_dtype": "fp32" if s.fsdp.reduce_fp32 else "param_dtype",
+                    "offload_params": s.fsdp.offload_params,
+                    "shard_world": s.shard_world,
+                    "label": s.fsdp.label,
+                },
             },
             "params": self.params.to_dict(),
             "terms": [t.to_dict() for t in self.terms],

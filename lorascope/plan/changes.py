@@ -41,10 +41,34 @@ def _with_zero(inputs: PlanInputs, **zero_changes: Any) -> PlanInputs:
     return _with(inputs, zero=dataclasses.replace(inputs.setup.zero, **zero_changes))
 
 
+def _with_fsdp(inputs: PlanInputs, **fsdp_changes: Any) -> PlanInputs:
+    assert inputs.setup.fsdp is not None
+    return _with(inputs, fsdp=dataclasses.replace(inputs.setup.fsdp, **fsdp_changes))
+
+
 def _zero3(i: PlanInputs) -> Candidate | None:
-    if i.setup.zero.stage < 3:
+    if i.setup.fsdp is None and i.setup.zero.stage < 3:
         return "ZeRO-3 (partition the frozen base too)", "--zero 3 / zero_optimization.stage 3", _with_zero(i, stage=3)
     return None
+
+
+def _fsdp_full_shard(i: PlanInputs) -> Candidate | None:
+    fsdp = i.setup.fsdp
+    if fsdp is None or fsdp.strategy == "FULL_SHARD":
+        return None
+    if fsdp.version == 2:
+        how = "fully_shard(..., reshard_after_forward=True) on a 1-D mesh over every GPU"
+    else:
+        how = "ShardingStrategy.FULL_SHARD"
+    return "FSDP FULL_SHARD (shard over every GPU, reshard after forward)", how, _with_fsdp(i, strategy="FULL_SHARD")
+
+
+def _fsdp_offload(i: PlanInputs) -> Candidate | None:
+    fsdp = i.setup.fsdp
+    if fsdp is None or fsdp.offload_params:
+        return None
+    how = "CPUOffloadPolicy()" if fsdp.version == 2 else "CPUOffload(offload_params=True)"
+    return "FSDP CPU offload (slow)", f"--offload-params / {how}", _with_fsdp(i, offload_params=True)
 
 
 def _qlora(i: PlanInputs) -> Candidate | None:
@@ -145,6 +169,7 @@ def _no_dropout(i: PlanInputs) -> Candidate | None:
 
 CANDIDATES: tuple[Callable[[PlanInputs], Candidate | None], ...] = (
     _zero3,
+    _fsdp_full_shard,
     _qlora,
     _checkpointing,
     _chunked_loss,
@@ -152,6 +177,7 @@ CANDIDATES: tuple[Callable[[PlanInputs], Candidate | None], ...] = (
     _micro_batch,
     _offload_optimizer,
     _offload_params,
+    _fsdp_offload,
     _bucket,
     _no_dropout,
 )

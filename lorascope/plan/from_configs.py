@@ -1,6 +1,6 @@
 """The plan of a job described by its own configs: the transformers model config, the PEFT
-LoRA config and the DeepSpeed config (what the probes record in a run directory), so that a
-recorded run can be compared with what it should have used."""
+LoRA config and the DeepSpeed config or the FSDP settings (what the probes record in a run
+directory), so that a recorded run can be compared with what it should have used."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lorascope.plan.budget import DEFAULT_GPU_MEM, PlanInputs
 from lorascope.plan.builder import Plan, build_plan
 from lorascope.plan.lora import LoraSpec
 from lorascope.plan.shape import ModelShape, shape_from_config
-from lorascope.plan.training import TrainingSetup, ZeroSetup
+from lorascope.plan.training import FSDP_STRATEGIES, FsdpSetup, TrainingSetup, ZeroSetup
 
 #: transformers attn_implementation -> the activation model that matches what it saves.
 _ATTENTION = {
@@ -105,6 +105,61 @@ def zero_from_ds_config(ds: Mapping[str, Any], hidden: int) -> ZeroSetup:
         raise BadInputError(f"DeepSpeed config: {exc}") from None
 
 
+def _dtype_name(value: Any) -> str:
+    """ "torch.bfloat16" / "bfloat16" / "bf16" -> "bfloat16"-style names, "" for None."""
+    text = str(value or "").replace("torch.", "").lower()
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        text, text
+    )
+
+
+def _values(value: Any) -> list[Any]:
+    """A setting recorded once (FSDP1) or as the distinct values of the units (FSDP2)."""
+    return list(value) if isinstance(value, list) else [value]
+
+
+def fsdp_from_settings(settings: Mapping[str, Any]) -> tuple[FsdpSetup, str | None]:
+    """The FSDP settings the probes record (the ``fsdp`` config record) -> (FsdpSetup, the
+    16-bit compute precision of its mixed precision or None). Read: ``version`` (1 or 2);
+    FSDP1's ``sharding_strategy`` (a ShardingStrategy name), ``mixed_precision`` and
+    ``cpu_offload``; FSDP2's per-unit lists ``reshard_after_forward`` (layers that reshard
+    make it FULL_SHARD, even beside a root that does not), ``mesh`` (2-D: hybrid),
+    ``mixed_precision`` and ``offload``."""
+    if not isinstance(settings, Mapping):
+        raise BadInputError("FSDP settings must be a JSON object")
+    version = settings.get("version")
+    if version not in (1, 2):
+        raise BadInputError(f"FSDP settings: version must be 1 or 2, got {version!r}")
+    if version == 1:
+        strategy = str(settings.get("sharding_strategy") or "FULL_SHARD").rsplit(".", 1)[-1].upper()
+        strategy = {"_HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}.get(strategy, strategy)
+    else:
+        meshes = [m for m in _values(settings.get("mesh")) if isinstance(m, Mapping)]
+        hybrid = any(len(m.get("shape") or []) == 2 for m in meshes)
+        reshard = _values(settings.get("reshard_after_forward", True))
+        keeps = all(r is False for r in reshard)
+        strategy = "HYBRID_SHARD" if hybrid else ("SHARD_GRAD_OP" if keeps else "FULL_SHARD")
+    if strategy not in FSDP_STRATEGIES:
+        raise BadInputError(f"FSDP settings: sharding strategy {strategy!r} is not modelled")
+    policies = _values(settings.get("mixed_precision"))
+    if any(p is not None and not isinstance(p, Mapping) for p in policies):
+        raise BadInputError("FSDP settings: mixed_precision must be an object, a list of them, or null")
+    mp = next((p for p in policies if isinstance(p, Mapping)), {})
+    param = _DTYPES_16.get(_dtype_name(mp.get("param_dtype")))
+    reduce = _dtype_name(mp.get("reduce_dtype"))
+    offload = bool(settings.get("cpu_offload")) or any(isinstance(o, Mapping) for o in _values(settings.get("offload")))
+    return (
+        FsdpSetup(
+            version=version,
+            strategy=strategy,
+            mixed_precision=param is not None,
+            reduce_fp32=param is not None and reduce == "float32",
+            offload_params=offload,
+        ),
+        param,
+    )
+
+
 def ds_precision(ds: Mapping[str, Any]) -> str | None:
     """ "bf16"/"fp16" when the DeepSpeed config enables mixed precision, "fp32" when it
     clearly does not, None when it leaves it to the trainer ("auto")."""
@@ -139,13 +194,20 @@ def inputs_from_configs(
     attention: str | None = None,
     loss: str = "fp32-upcast",
     name: str | None = None,
+    fsdp: Mapping[str, Any] | None = None,
 ) -> PlanInputs:
     shape: ModelShape = shape_from_config(model_config, name=name)
     ds = ds_config or {}
     zero = zero_from_ds_config(ds, shape.hidden)
     loaded_16, four_bit = _model_precision(model_config)
     mixed = ds_precision(ds) if ds_config is not None else None
-    if four_bit:
+    fsdp_setup, fsdp_param = fsdp_from_settings(fsdp) if fsdp is not None else (None, None)
+    if fsdp_setup is not None and ds_config is not None:
+        raise BadInputError("a job records either DeepSpeed or FSDP settings, not both")
+    if fsdp_param is not None and not four_bit:
+        # FSDP mixed precision: fp32 shards, computed in param_dtype (adapters included).
+        precision, fp32_adapters = fsdp_param, False
+    elif four_bit:
         precision, fp32_adapters = "4bit", mixed is None or mixed == "fp32"
     elif mixed in ("bf16", "fp16"):
         # DeepSpeed casts every parameter, adapters included, to its 16-bit dtype.
@@ -175,6 +237,7 @@ def inputs_from_configs(
         precision=precision,
         fp32_adapters=fp32_adapters,
         zero=zero,
+        fsdp=fsdp_setup,
         gpus_per_node=per_node,
         nodes=world_size // per_node,
         seq=seq,
@@ -201,7 +264,8 @@ def plan_from_configs(
     ``LoraConfig.to_dict()`` (or the probes' {adapter name: dict} record), ``ds_config``
     the DeepSpeed config dict (None: no DeepSpeed, i.e. ZeRO off and no mixed-precision
     cast). ``micro_batch`` defaults to the config's train_micro_batch_size_per_gpu.
-    Keyword options: gpus_per_node, gpu_mem (bytes), checkpointing, attention, loss, name.
+    Keyword options: gpus_per_node, gpu_mem (bytes), checkpointing, attention, loss, name,
+    fsdp (the FSDP settings record, ``fsdp_from_settings``; with ``ds_config`` None).
     """
     return build_plan(
         inputs_from_configs(model_config, lora_config, ds_config, world_size, seq, micro_batch, **options)

@@ -1,5 +1,6 @@
 """Model states per GPU: frozen base weights, adapter weights, their gradients, the
-optimizer's moments and fp32 master copy, and the parameters ZeRO-3 gathers to compute.
+optimizer's moments and fp32 master copy, and the parameters ZeRO-3 or FSDP gathers to
+compute (FSDP's own facts: ``lorascope.plan.fsdp``).
 
 DeepSpeed behaviour followed here (0.19): with bf16/fp16 the engine casts every parameter
 to the 16-bit dtype; only parameters with requires_grad enter the optimizer, so the frozen
@@ -14,7 +15,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from lorascope.plan.params import ParamTensor, tensor_bytes
+from lorascope.plan import fsdp as fsdp_units
+from lorascope.plan.params import ParamTensor, stored_bytes, tensor_bytes
 from lorascope.plan.terms import Term
 from lorascope.plan.training import TrainingSetup
 from lorascope.units import count
@@ -24,8 +26,10 @@ MASTER_BYTES = 4
 
 
 def _resident(tensors: Sequence[ParamTensor], setup: TrainingSetup, size: Callable[[ParamTensor], float]) -> float:
-    """Bytes of these parameters that live on each GPU under the ZeRO stage."""
+    """Bytes of these parameters that live on each GPU under the ZeRO stage or FSDP."""
     zero, n = setup.zero, setup.world
+    if setup.fsdp is not None:
+        return 0.0 if setup.fsdp.offload_params else sum(size(t) for t in tensors) / setup.shard_world
     if zero.stage < 3:
         return sum(size(t) for t in tensors)
     total = 0.0
@@ -39,7 +43,14 @@ def _resident(tensors: Sequence[ParamTensor], setup: TrainingSetup, size: Callab
 
 
 def _placement(setup: TrainingSetup) -> str:
-    zero = setup.zero
+    zero, fsdp = setup.zero, setup.fsdp
+    if fsdp is not None:
+        if fsdp.offload_params:
+            return f"{fsdp.label}: shards offloaded to CPU"
+        kept = ", kept fp32 (mixed precision)" if fsdp.mixed_precision else ""
+        if fsdp.strategy == "NO_SHARD":
+            return f"replicated ({fsdp.label}){kept}"
+        return f"/ {setup.shard_world} GPUs ({fsdp.label}){kept}"
     if zero.stage < 3:
         return f"replicated (ZeRO-{zero.stage} does not partition parameters)"
     if zero.offload_params:
@@ -52,32 +63,84 @@ def weight_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[T
     trainable = [t for t in tensors if t.trainable]
     p_f = sum(t.numel for t in frozen)
     p_t = sum(t.numel for t in trainable)
-    base = _resident(frozen, setup, lambda t: tensor_bytes(t, setup))
+    base = _resident(frozen, setup, lambda t: stored_bytes(t, setup))
+    kept = 4 if setup.fsdp_master else setup.compute_bytes
     if setup.precision == "4bit":
         quantized = sum(t.numel for t in frozen if t.quantizable)
         base_detail = (
             f"{count(quantized)} NF4 layer weights x 0.516 B + {count(p_f - quantized)} others "
-            f"x {setup.compute_bytes} B, {_placement(setup)}"
+            f"x {kept} B, {_placement(setup)}"
         )
         base_formula = "(0.516 P_q + s P_other) [/N]"
     else:
-        base_detail = f"{count(p_f)} x {setup.compute_bytes} B, {_placement(setup)}"
-        base_formula = "s P_frozen [/N]"
-    adapters = _resident(trainable, setup, lambda t: tensor_bytes(t, setup))
+        base_detail = f"{count(p_f)} x {kept} B, {_placement(setup)}"
+        base_formula = "s P_frozen [/N]" if setup.fsdp is None else "s_k P_frozen / S"
+    adapters = _resident(trainable, setup, lambda t: stored_bytes(t, setup))
+    adapter_kept = 4 if setup.fsdp_master else setup.adapter_bytes
     return [
-        Term("base_weights", f"base weights (frozen, {setup.precision})", round(base), base_formula, base_detail),
+        Term(
+            "base_weights",
+            f"base weights (frozen, {'fp32 shards' if setup.fsdp_master else setup.precision})",
+            round(base),
+            base_formula,
+            base_detail,
+        ),
         Term(
             "adapter_weights",
-            f"adapter weights ({'fp32' if setup.adapter_bytes == 4 else '16-bit'})",
+            f"adapter weights ({'fp32' if adapter_kept == 4 else '16-bit'})",
             round(adapters),
-            "a P_train [/N]",
-            f"{count(p_t)} x {setup.adapter_bytes} B, {_placement(setup)}",
+            "a P_train [/N]" if setup.fsdp is None else "a_k P_train / S",
+            f"{count(p_t)} x {adapter_kept} B, {_placement(setup)}",
+        ),
+    ]
+
+
+def _fsdp_optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[Term]:
+    """FSDP: the sharded gradients FSDP keeps after each reduce-scatter (in the sharded
+    parameters' dtype), and torch Adam's moments, created like the sharded parameters. The
+    sharded parameters are the optimizer's: no master copy beside them."""
+    assert setup.fsdp is not None
+    fsdp, shard = setup.fsdp, setup.shard_world
+    p_t = sum(t.numel for t in tensors if t.trainable)
+    kept = 4 if fsdp.mixed_precision else setup.adapter_bytes
+    with_grad = fsdp_units.grad_numel(tensors, setup)
+    where = "on CPU (offload_params)" if fsdp.offload_params else f"/ {shard} GPUs ({fsdp.label})"
+    if fsdp.offload_params:
+        grads, grad_formula = 0.0, "0 (sharded gradients go to CPU)"
+    else:
+        grads = with_grad * kept / shard
+        grad_formula = "a_k P_grad / S"
+    if fsdp.version == 1:
+        grad_detail = (
+            f"{count(with_grad)} elements: every parameter of a unit holding an adapter (FSDP1's flat parameter "
+            f"requires grad as a whole) x {kept} B, {where}"
+        )
+    else:
+        grad_detail = f"{count(with_grad)} trainable x {kept} B (FSDP2: frozen parameters get no gradient), {where}"
+    adam = 0.0 if fsdp.offload_params else p_t * 2 * kept / shard
+    return [
+        Term("adapter_gradients", "adapter gradients (sharded)", round(grads), grad_formula, grad_detail),
+        Term(
+            "optimizer_states",
+            f"optimizer state (Adam m, v {'fp32' if kept == 4 else '16-bit'})",
+            round(adam),
+            "2 a_k P_train / S",
+            f"{count(p_t)} x 2 x {kept} B, {where}",
+        ),
+        Term(
+            "master_weights",
+            "master weights (fp32)",
+            0,
+            "0 (the sharded parameters are the optimizer's)",
+            "none: FSDP steps on its sharded parameters" + (", kept fp32" if fsdp.mixed_precision else ""),
         ),
     ]
 
 
 def optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> list[Term]:
     """Gradients, Adam moments and master weights of the trainable parameters."""
+    if setup.fsdp is not None:
+        return _fsdp_optimizer_terms(tensors, setup)
     zero, n = setup.zero, setup.world
     p_t = sum(t.numel for t in tensors if t.trainable)
     g = setup.grad_bytes
@@ -127,9 +190,19 @@ def optimizer_terms(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> lis
 
 
 def gathered_term(tensors: Sequence[ParamTensor], setup: TrainingSetup) -> Term:
-    """ZeRO-3 all-gathers a module's full parameters to run it (and, in backward, holds the
+    """The parameters gathered whole to compute: FSDP's unsharded units (``fsdp_unsharded``),
+    else ZeRO-3's module. ZeRO-3 all-gathers a module's full parameters to run it (and, in backward, holds the
     full 16-bit gradient of a trainable one before reduce-scattering it). The largest
     module bounds what one fetch holds; the prefetch bucket is under communication buffers."""
+    if setup.fsdp is not None:
+        held, how = fsdp_units.held_unsharded(tensors, setup)
+        return Term(
+            "fsdp_unsharded",
+            "FSDP unsharded parameters",
+            round(held),
+            "root unit + 2 layer units (reshard after forward) or all units (not), in param_dtype",
+            f"{how}, {setup.fsdp.label}",
+        )
     if setup.zero.stage < 3:
         return Term(
             "zero3_gathered",

@@ -49,6 +49,14 @@ def tensor_bytes(t: ParamTensor, setup: TrainingSetup) -> float:
     return t.numel * setup.compute_bytes
 
 
+def stored_bytes(t: ParamTensor, setup: TrainingSetup) -> float:
+    """Bytes of one parameter tensor as it is kept between uses: FSDP mixed precision keeps
+    the sharded parameters fp32 and casts only the unsharded copies; otherwise as computed."""
+    if setup.fsdp_master and not (t.quantizable and setup.precision == "4bit"):
+        return t.numel * 4
+    return tensor_bytes(t, setup)
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     base: int

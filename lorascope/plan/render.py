@@ -15,14 +15,19 @@ def _header(plan: dict[str, Any]) -> list[str]:
     if lora["dropout"]:
         extras.append(f"dropout {lora['dropout']:g}")
     offload = [x for x, on in (("optimizer", setup["offload_optimizer"]), ("params", setup["offload_params"])) if on]
+    fsdp = setup.get("fsdp")
+    if fsdp:
+        sharding = fsdp["label"] + (" + mixed precision" if fsdp["mixed_precision"] else "")
+        sharding += " + CPU offload" if fsdp["offload_params"] else ""
+    else:
+        sharding = f"ZeRO-{setup['zero_stage']}{' + CPU offload of ' + ' and '.join(offload) if offload else ''}"
     return [
         f"{model['name']}{source}: {params['base']:,} parameters",
         f"LoRA r={lora['r']} alpha={lora['alpha']:g} on {lora['targets']}"
         + (f" ({', '.join(extras)})" if extras else "")
         + f": {lora['adapted_modules']} modules, {params['trainable']:,} trainable ({share:.2%})",
         f"{setup['precision']}{' + fp32 adapters' if setup['fp32_adapters'] else ''}, "
-        f"ZeRO-{setup['zero_stage']}{' + CPU offload of ' + ' and '.join(offload) if offload else ''} "
-        f"over {setup['world_size']} GPU(s) ({setup['nodes']} node(s) x {setup['gpus_per_node']}), "
+        f"{sharding} over {setup['world_size']} GPU(s) ({setup['nodes']} node(s) x {setup['gpus_per_node']}), "
         f"micro-batch {setup['micro_batch']} x seq {setup['seq']}, checkpointing {setup['checkpointing']}, "
         f"{setup['attention']} attention, {setup['loss']} loss",
     ]

@@ -90,7 +90,9 @@ class GradProbe:
                 continue
             names.append(name)
             status.append(self._status(param, zero_stage))
-            sharded = sharded or hasattr(param.grad, "to_local")
+            # FSDP2's DTensor gradients, and FSDP1's original parameters (use_orig_params,
+            # named under _fsdp_wrapped_module): views of this rank's shard of the flat one.
+            sharded = sharded or hasattr(param.grad, "to_local") or "_fsdp_wrapped_module." in name
         self.session.record(
             "grads",
             step=self.session.step,

@@ -3,6 +3,7 @@ are written around it, and the finding fires only beyond the tolerance of the me
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +355,116 @@ def test_loss_forward_formulas() -> None:
     assert (fp32.logits, fp32.saved, fp32.transient) == (4 * n, 4 * n, 0)
     chunked = loss_forward(shape, TrainingSetup(precision="bf16", seq=T, micro_batch=B, loss="chunked"))
     assert chunked.logits == 0 and chunked.saved == 2 * B * T * 128
+
+
+#: FSDP2 settings as the probes record them (lorascope/probes/fsdp.py; no DeepSpeed config):
+#: per setting, the distinct values of the units (the root defaults to no resharding).
+FSDP2 = {
+    "version": 2,
+    "api": "fully_shard",
+    "units": 3,
+    "mesh": [{"shape": [2], "dim_names": None, "device": "cpu"}],
+    "reshard_after_forward": [True, False],
+    "mixed_precision": [None],
+    "offload": [None],
+}
+
+
+def test_fsdp_runs_are_planned_from_their_settings() -> None:
+    configs = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    data = rank(forward=0, configs=configs)
+    s = planned_setup(data)
+    assert s.fsdp is not None and (s.fsdp.version, s.fsdp.strategy, s.zero.stage) == (2, "FULL_SHARD", 0)
+    # No DeepSpeed config: B and T from the output projection's logits.
+    assert (s.micro_batch, s.seq, s.precision) == (B, T, "fp32")
+    plan = checked(data).plan
+    unsharded = plan.term("fsdp_unsharded").bytes
+    fwd, peak = compared(data), compared(data, "step_peak")
+    assert fwd.planned == fwd.planned_low + unsharded and "FSDP unsharded" in fwd.formula
+    # The sharded gradients (first reduce-scatter), AdamW's moments (first step) and one unit's
+    # reduce-scatter buffers are written in the first step.
+    written = sum(plan.term(k).bytes for k in ("adapter_gradients", "optimizer_states", "fsdp_buffers"))
+    spike = max(plan.term("logits").bytes, plan.term("layer_backward").bytes)
+    assert peak.planned == plan.term("activations").bytes + spike + unsharded + written
+    # Readings at the plan agree; an FSDP1 SHARD_GRAD_OP plan holds more unsharded.
+    assert (
+        detect(bundle(rank(0, forward=fwd.planned, configs=configs), rank(1, forward=fwd.planned, configs=configs)))
+        == []
+    )
+    sgo = {**configs, "fsdp": {"version": 1, "sharding_strategy": "ShardingStrategy.SHARD_GRAD_OP"}}
+    assert checked(rank(forward=0, configs=sgo)).plan.term("fsdp_unsharded").bytes > unsharded
+
+
+def test_fsdp_run_far_above_its_plan() -> None:
+    configs = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    fwd = compared(rank(forward=0, configs=configs)).planned
+    findings = detect(bundle(rank(0, forward=3 * fwd, configs=configs), rank(1, forward=fwd, configs=configs)))
+    assert [f.id for f in findings] == ["plan-deviation"] and findings[0].ranks == [0]
+    inputs = next(e for e in findings[0].evidence if e.label == "plan inputs")
+    assert "FSDP2 fully_shard, reshard_after_forward=True over 2" in inputs.value
+
+
+def test_fsdp_settings_parser() -> None:
+    from lorascope.errors import BadInputError
+    from lorascope.plan.from_configs import fsdp_from_settings
+
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    setup, precision = fsdp_from_settings({"version": 2, "reshard_after_forward": [False], "mixed_precision": [mp]})
+    assert (setup.strategy, setup.mixed_precision, setup.reduce_fp32, precision) == (
+        "SHARD_GRAD_OP",
+        True,
+        True,
+        "bf16",
+    )
+    fsdp1 = {"version": 1, "sharding_strategy": "HYBRID_SHARD", "cpu_offload": True, "mixed_precision": None}
+    setup, precision = fsdp_from_settings(fsdp1)
+    assert (setup.version, setup.strategy, setup.offload_params, precision) == (1, "HYBRID_SHARD", True, None)
+    setup, _ = fsdp_from_settings({**FSDP2, "mesh": [{"shape": [2, 4]}], "offload": [{"policy": "CPUOffloadPolicy"}]})
+    assert setup.strategy == "HYBRID_SHARD" and setup.offload_params
+    for bad in ({"version": 3}, {"version": 1, "sharding_strategy": "ZERO3"}, {"version": 2, "mixed_precision": 5}):
+        with pytest.raises(BadInputError):
+            fsdp_from_settings(bad)
+    # Mixed precision plans the compute in bf16 over fp32 shards.
+    data = rank(forward=0, configs={"model": MODEL, "lora": LORA, "fsdp": {**FSDP2, "mixed_precision": [mp]}})
+    s = planned_setup(data)
+    assert s.precision == "bf16" and s.fsdp is not None and s.fsdp.mixed_precision
+
+
+def test_a_loop_without_forward_phases_is_read_from_the_second_step() -> None:
+    """FSDP (or a bare model) shows no forward phase: the forward is what happens between the
+    end of a step and the next backward.begin; the first step has no reading before it."""
+    fsdp = {"model": MODEL, "lora": LORA, "fsdp": FSDP2}
+    fwd = compared(rank(forward=0, configs=fsdp)).planned_low
+    data = rank(forward=0, configs=fsdp)
+
+    def reading(src: str, t: float, value: int, step: int) -> dict[str, Any]:
+        return {"k": "mem", "t": t, "src": src, "step": step, "rss": 450 * MIB, "heap": value}
+
+    mem = [
+        reading("attach", 1.0, 20 * MIB, 0),
+        reading("backward.begin", 11.1, BASE + 5 * fwd, 0),  # step 1: no reading before its forward
+        reading("step", 12.5, BASE, 1),
+        reading("sampler", 12.8, BASE + fwd // 2, 1),
+        reading("backward.begin", 13.1, BASE + fwd + MIB, 1),
+        reading("backward.end", 13.5, BASE + MIB, 1),
+        reading("step", 14.0, BASE, 2),
+    ]
+    logits = [dict(rec, t=rec["t"] + 2.1) for rec in data.logits]  # the loss of step 2
+    check = checked(dataclasses.replace(data, mem=mem, logits=logits))
+    forward = check.comparison("forward")
+    assert forward is not None and forward.measured == fwd + MIB and forward.agrees
+    assert "first step (step 1) to the backward.begin" in forward.source
+    assert detect(bundle(dataclasses.replace(data, mem=mem, logits=logits))) == []
+
+
+def test_a_loss_input_the_loop_shifted_itself_is_alive_in_the_call() -> None:
+    """logits[:, :-1] made contiguous by the loop: B*(T-1) rows, a copy held while
+    cross_entropy runs (the FSDP logits planting's loop reads 190.7 MiB there)."""
+    data = rank(forward=0)
+    shifted = [
+        dict(rec, tokens=B * (T - 1), bytes=4 * B * (T - 1) * V) if rec["where"] == "loss_input" else rec
+        for rec in data.logits
+    ]
+    plain, copied = compared(data), compared(dataclasses.replace(data, logits=shifted))
+    assert copied.planned - plain.planned == 4 * B * (T - 1) * V
+    assert copied.planned_low == plain.planned_low and "loss input alive in the call" in copied.formula

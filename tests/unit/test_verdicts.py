@@ -167,3 +167,39 @@ def test_a_ddp_straggler_is_found_through_the_backward_phase() -> None:
     bundle = run_of(ddp_rank(0, fast, waits), ddp_rank(1, slow, [0.0] * 12))
     [f] = straggler.detect(bundle)
     assert f.ranks == [1] and "backward phase (DDP)" in f.evidence[0].value
+
+
+def fsdp_rank(n: int, work_s: list[float], wait_s: list[float]) -> RankData:
+    """An FSDP rank (plain torch loop): its recorded reduce-scatters run inside the backward
+    phase (0.05 s of backward compute), where it also waits for the slower rank."""
+    t, steps, phases, colls = 100.0, [], [], []
+    for i, (w, wait) in enumerate(zip(work_s, wait_s, strict=True)):
+        b = t + w
+        phases += [
+            {"k": "phase", "name": "backward", "edge": "begin", "step": i, "t": b},
+            {"k": "phase", "name": "backward", "edge": "end", "step": i, "t": b + 0.05 + wait},
+        ]
+        colls.append(
+            Collective(i + 1, "0", "reduce_scatter", 4, "float32", False, "fsdp.py:1", i, b + 0.01, b + 0.01 + wait)
+        )
+        t += w + 0.05 + wait
+        steps.append({"k": "step", "step": i + 1, "dur": w + 0.05 + wait, "t": t, "src": "torch"})
+    return RankData(
+        rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, phases=phases, collectives=colls
+    )
+
+
+def test_collectives_inside_the_backward_phase_are_not_taken_out_twice() -> None:
+    """Healthy FSDP1 job (issue 16): the waiting rank's reduce-scatter lies inside its backward
+    phase; taking both out left it no work at all, and the other rank read as a 10^6x straggler."""
+    fast, other = noisy(0.12, 12, 8), noisy(0.12, 12, 9)
+    waits = [max(0.0, o - f) + 0.01 for f, o in zip(fast, other, strict=True)]
+    bundle = run_of(fsdp_rank(0, fast, waits), fsdp_rank(1, other, [0.01] * 12))
+    assert straggler.detect(bundle) == []
+    work = straggler.step_work(bundle.run).work  # type: ignore[arg-type]
+    assert all(w > 0.1 for w in work[0].values())
+    # A real straggler is still one.
+    slow = noisy(0.30, 12, 10)
+    waits = [max(0.0, s - f) + 0.01 for f, s in zip(fast, slow, strict=True)]
+    [f] = straggler.detect(run_of(fsdp_rank(0, fast, waits), fsdp_rank(1, slow, [0.01] * 12)))
+    assert f.ranks == [1]
