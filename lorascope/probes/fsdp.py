@@ -135,7 +135,7 @@ class FsdpProbe:
                 probe._building.depth = depth
             if depth == 0:
                 probe.record_fsdp1(fsdp, cls)
-                probe.on_model(getattr(fsdp, "module", None))
+                probe.on_model(fsdp)  # the wrapper: its forward unshards the root
 
         __init__.__lorascope__ = True  # type: ignore[attr-defined]
         cls.__init__ = __init__

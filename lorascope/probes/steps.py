@@ -157,7 +157,13 @@ class StepProbe:
         def end(*_: Any) -> None:
             probe.phase(probe.forward_phase_name(), "end")
 
-        self._forward_hooks = [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
+        # The forward begins before FSDP2's own pre-forward hook unshards the root (FSDP
+        # prepends it: ours, prepended later, runs first) and ends after its post-forward
+        # hook reshards, so the phase holds the unsharded root.
+        self._forward_hooks = [
+            model.register_forward_pre_hook(begin, prepend=True),
+            model.register_forward_hook(end),
+        ]
 
     # -- DeepSpeed ----------------------------------------------------------------
     def install_deepspeed(self, engine_module: ModuleType) -> None:
