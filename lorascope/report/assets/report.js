@@ -49,6 +49,13 @@
     el.setAttribute("data-points", String(points));
     charts[id] = chart;
   }
+  // Over this many ranks a per-rank bar or scatter chart is drawn in ECharts' large mode (one
+  // path per series, no per-bar style): 1,024 bars draw in a fraction of the time.
+  var LARGE = 400;
+  function large(series, n) {
+    if (n > LARGE) { series.forEach(function (s) { s.large = true; s.largeThreshold = LARGE; }); }
+    return series;
+  }
   function zip(xs, ys) { return xs.map(function (x, i) { return [x, ys[i]]; }); }
   function count(series) { return series.reduce(function (n, s) { return n + s.data.length; }, 0); }
 
@@ -168,7 +175,7 @@
       xAxis: { type: "category", data: cats },
       yAxis: yAxis("MiB"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
-      series: series
+      series: large(series, cats.length)
     }), peak.peak.filter(function (v) { return v != null; }).length);
   }
 
@@ -345,7 +352,7 @@
     draw(id, base({
       legend: { show: false },
       toolbox: { show: false },
-      grid: { left: 96, right: 96, top: 16, bottom: 62 },
+      grid: { left: 96, right: 140, top: 16, bottom: 62 },
       tooltip: { trigger: "item", confine: true, formatter: function (p) {
         var c = p.value, row = hm.rows[c[1]];
         var who = hm.who ? " (highest: rank " + hm.who[c[3]] + ")" : "";
@@ -355,7 +362,7 @@
                name: "step", nameLocation: "middle", nameGap: 26, splitArea: { show: false } },
       yAxis: { type: "category", data: hm.rows.map(rowName), inverse: true, axisLabel: { fontSize: 10 } },
       visualMap: { type: "continuous", min: hm.min, max: hm.max > hm.min ? hm.max : hm.min + 1e-9, dimension: 2, calculable: true,
-                   orient: "vertical", right: 4, top: "middle", itemHeight: 120, precision: 3,
+                   orient: "vertical", right: 40, top: "middle", itemHeight: 120, precision: 3,
                    inRange: { color: ["#f7fbff", "#6baed6", "#08306b", "#d62728"] },
                    formatter: function (v) { return fmt(v); } },
       dataZoom: [{ type: "inside", xAxisIndex: 0 }, { type: "slider", xAxisIndex: 0, height: 18, bottom: 8 }],
@@ -390,7 +397,7 @@
       xAxis: { type: "category", data: cats },
       yAxis: yAxis("seconds"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
-      series: series
+      series: large(series, cats.length)
     }), stats.filter(function (s) { return s.median != null; }).length);
   }
 
