@@ -45,9 +45,9 @@ How = Literal["mean", "max"]
 #: rank (a handful of lines each stays readable, and a band over two ranks is just them).
 LINES_UP_TO = 16
 #: Columns of a band chart and of a heatmap; heatmap rows (ranks merged above that). A
-#: heatmap cell costs the browser ~10 µs to draw: 128 x 100 cells keep one under 0.2 s.
+#: heatmap cell costs the browser ~10-20 µs to draw: 128 x 64 cells keep one near 0.1 s.
 MAX_COLUMNS = 400
-HEAT_COLUMNS = 100
+HEAT_COLUMNS = 64
 HEAT_ROWS = 128
 #: Outlier threshold (robust z-score), most outliers drawn, the MAD's floor relative to the median.
 Z_OUTLIER = 3.5

@@ -13,7 +13,7 @@ from lorascope.ingest.load import load_bundle
 from lorascope.report import spread
 from lorascope.report.data import build_report_data
 from lorascope.report.spread import PerStep
-from tests.helpers import RankSpec, write_run
+from tests.helpers import Call, RankSpec, write_run
 
 
 def test_bands_are_the_percentiles_over_ranks_at_each_step() -> None:
@@ -140,3 +140,18 @@ def test_report_data_switches_to_bands_above_the_cutoff(tmp_path: Path) -> None:
     small = build_report_data(load_bundle(write_run(tmp_path / "small", [RankSpec(steps=5)] * 2)), [])
     assert small["charts"]["spread"]["lines"] and len(small["charts"]["steps"]["time"]) == 2
     json.dumps(data, allow_nan=False)
+
+
+def test_many_ranks_bound_the_collective_rows_and_group_the_end_pins(tmp_path: Path) -> None:
+    n = 70
+    specs = [RankSpec(steps=3) for _ in range(n)]
+    specs[66] = RankSpec(steps=3, calls=[Call("all_reduce"), Call("broadcast"), Call("all_reduce")])
+    for r in (5, 9, 40):
+        specs[r] = RankSpec(steps=3, exception=("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2 GiB"))
+    data = build_report_data(load_bundle(write_run(tmp_path, specs)), [])
+    col = data["charts"]["collectives"]
+    assert col["members_total"] == n and len(col["members"]) == 64 == len(data["collective_table"]["table"])
+    assert 66 in col["members"] and col["first"]["seq"] == 2  # the rank that differs is shown
+    assert col["members"] == sorted(col["members"])
+    pins = data["charts"]["memory"]["ends"]
+    assert [(p["label"], p["ranks"], p["count"]) for p in pins] == [("OOM", [5, 9, 40], 3)]

@@ -53,7 +53,13 @@
   // path per series, no per-bar style): 1,024 bars draw in a fraction of the time.
   var LARGE = 400;
   function large(series, n) {
-    if (n > LARGE) { series.forEach(function (s) { s.large = true; s.largeThreshold = LARGE; }); }
+    if (n > LARGE) {
+      series.forEach(function (s) {
+        s.large = true;
+        s.largeThreshold = LARGE;
+        s.data = s.data.map(function (d) { return d != null && typeof d === "object" ? d.value : d; });
+      });
+    }
     return series;
   }
   function zip(xs, ys) { return xs.map(function (x, i) { return [x, ys[i]]; }); }
@@ -419,7 +425,9 @@
   var secs = function (v) { return v.toFixed(3) + " s"; };
   if (data.memory) {
     queue.push(["chart-memory", function () {
-      if (bandsMode) { memoryBands(data.memory, sp, data.memory.metric); } else { memoryChart(data.memory); }
+      if (!bandsMode) { memoryChart(data.memory); } else if (sp.memory[data.memory.metric]) { memoryBands(data.memory, sp, data.memory.metric); } else {
+        document.getElementById("chart-memory").textContent = "No memory sample carries a step number: nothing to draw per step.";
+      }
       memorySwitch(data.memory);
     }]);
   }
@@ -437,7 +445,7 @@
   if (data.kernels && data.kernels.available) { queue.push(["chart-kernels", function () { kernelChart(data.kernels); }]); }
   if (data.steps) {
     queue.push(["chart-step-time", function () {
-      if (bandsMode) { bandsChart("chart-step-time", sp.step_time, "seconds", secs); } else {
+      if (bandsMode) { if (sp.step_time) { bandsChart("chart-step-time", sp.step_time, "seconds", secs); } } else {
         perRankLines("chart-step-time", data.steps.time, "s", "seconds", secs);
       }
     }]);
