@@ -3,7 +3,7 @@ ranks that stand apart from it (outliers, named), and a rank-by-step heatmap.
 
 Everything here is a pure function of per-rank, per-step series (:data:`Series`: per rank,
 its ``(step, value)`` points in ascending step order), so the same charts come from the
-records of a run directory (:func:`lorascope.report.steps.per_step_series`) or from any
+records of a run directory (:func:`lorascope.report.steps.per_step`) or from any
 compact per-rank summary that holds the same series.
 
 Size does not grow with steps: the steps are cut into at most ``max_columns`` equal step
