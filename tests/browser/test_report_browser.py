@@ -178,7 +178,7 @@ def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Pat
     legend = page.evaluate(
         "echarts.getInstanceByDom(document.getElementById('chart-step-time')).getOption().legend[0].data"
     )
-    assert "rank 17 (outlier, z" in " ".join(legend), legend
+    assert "rank 17 (outlier, z" in " ".join(n if isinstance(n, str) else n["name"] for n in legend), legend
     # hover a step of the bands: the spread, the rank at each extreme, the outlier's value
     band_tip = page.evaluate("""() => {
         const el = document.getElementById('chart-step-time');

@@ -301,7 +301,7 @@
     var diff = function (hi, lo) { return b[hi].map(function (v, i) { return v - b[lo][i]; }); };
     var hidden = { type: "line", showSymbol: false, silent: true, lineStyle: { opacity: 0 } };
     var band = function (name, stack, lower, width, color) {
-      return [Object.assign({}, hidden, { name: name, stack: stack, data: lower }),
+      return [Object.assign({}, hidden, { name: name, stack: stack, data: lower, color: color }),
               Object.assign({}, hidden, { name: name, stack: stack, data: width, color: color, areaStyle: { color: color, opacity: 1 } })];
     };
     var series = [].concat(
@@ -323,7 +323,9 @@
     var names = [];
     series.forEach(function (s) { if (names.indexOf(s.name) < 0) { names.push(s.name); } });
     draw(id, base({
-      legend: { type: "scroll", top: 4, left: 10, right: 90, data: names },
+      legend: { type: "scroll", top: 4, left: 10, right: 90, data: names.map(function (n) {
+        return n.indexOf("over ranks") > 0 ? { name: n, icon: "rect" } : n;
+      }) },
       tooltip: { trigger: "axis", confine: true, formatter: function (ps) {
         if (!ps.length) { return ""; }
         var i = ps[0].dataIndex;
@@ -378,7 +380,7 @@
 
   function memoryBands(mem, sp, metric) {
     var pins = { type: "scatter", name: "ended badly", symbol: "pin", symbolSize: 26, color: RANK0, z: 12,
-                 label: { show: true, position: "left", fontSize: 10, color: RANK0, backgroundColor: "rgba(255,255,255,0.85)",
+                 label: { show: true, position: "right", fontSize: 10, color: RANK0, backgroundColor: "rgba(255,255,255,0.85)",
                           formatter: function (p) { return p.name; } },
                  data: metric === mem.metric ? mem.ends.map(function (e) {
                    var who = e.count > 1 ? e.count + " ranks (" + e.ranks.join(",") + (e.count > e.ranks.length ? ",…" : "") + ")" : "rank " + e.ranks[0];
