@@ -9,7 +9,7 @@ pending calls (a ``coll`` with no ``coll_end``) are where the ranks wait.
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from lorascope.detect.finding import Finding
@@ -20,11 +20,27 @@ from lorascope.rundir.reader import Collective, RunData
 #: Sequence numbers shown in the alignment chart, and in the table under it.
 CHART_WINDOW = 48
 TABLE_WINDOW = 12
+#: Ranks (rows) in the chart and the table, at most: those that differ from the others first.
+MAX_ROWS = 64
 #: Ops in the per-op time chart, at most (the most time-consuming first).
 MAX_OPS = 24
 
 #: What a cell's status code means (the page draws each differently).
 STATUS = {"ok": 0, "pending": 1, "error": 2, "absent": 3}
+
+
+def wait_per_step(run: RunData) -> dict[int, list[tuple[int, float]]]:
+    """Per rank, the wall seconds its calls that returned spent in collectives, per step in
+    progress (a call's ``step`` is the steps completed; the time includes waiting for the
+    other ranks, which is what sets a straggler's peers apart)."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    for rank in run.ranks.values():
+        spent: dict[int, float] = defaultdict(float)
+        for c in rank.collectives:
+            if c.end is not None:
+                spent[c.step + 1] += max(0.0, c.end - c.start)
+        out[rank.rank] = sorted(spent.items())
+    return out
 
 
 def _signature(c: Collective) -> tuple[str, int | None, str | None]:
@@ -88,6 +104,24 @@ def _cell(c: Collective | None) -> str:
     return "pending" if c.pending else "ok"
 
 
+def _shown(calls: dict[int, dict[int, Collective]], members: list[int], lo: int, hi: int) -> list[int]:
+    """The rows to draw: all members, or above :data:`MAX_ROWS` the ranks whose call (op,
+    size, dtype, status) at some sequence number of the window differs from what most
+    members have there, then the lowest others, up to :data:`MAX_ROWS`."""
+    if len(members) <= MAX_ROWS:
+        return members
+    odd: set[int] = set()
+    for seq in range(lo, hi + 1):
+        keys = {}
+        for r in members:
+            c = calls.get(r, {}).get(seq)
+            keys[r] = (_signature(c), _cell(c)) if c is not None else None
+        common = Counter(keys.values()).most_common(1)[0][0]
+        odd.update(r for r, k in keys.items() if k != common)
+    picked = sorted(odd)[:MAX_ROWS]
+    return sorted(picked + [r for r in members if r not in odd][: MAX_ROWS - len(picked)])
+
+
 def _window(first: int, last: int, focus: int | None, size: int) -> tuple[int, int]:
     if focus is None:
         return max(first, last - size + 1), last
@@ -126,6 +160,7 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     ops: list[str] = sorted({c.op for per in calls.values() for c in per.values()})
     op_index = {op: i for i, op in enumerate(ops)}
     w_lo, w_hi = _window(lo_seq, hi_seq, focus, CHART_WINDOW)
+    everyone, members = members, _shown(calls, members, w_lo, w_hi)
     cells = []
     for row, r in enumerate(members):
         per = calls.get(r, {})
@@ -150,11 +185,12 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
         "group": group,
         "groups": sorted((s[3], s[2]) for s in summaries),
         "members": members,
+        "members_total": len(everyone),
         "ops": ops,
         "window": [w_lo, w_hi],
         "cells": cells,
         "first": first,
-        "pending": [[r, c.seq, c.op, c.site] for r in members for c in calls.get(r, {}).values() if c.pending],
+        "pending": [[r, c.seq, c.op, c.site] for r in everyone for c in calls.get(r, {}).values() if c.pending],
         "table_seqs": list(range(t_lo, t_hi + 1)),
         "table": table,
     }

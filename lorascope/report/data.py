@@ -16,11 +16,12 @@ from lorascope.analysis.summary import build_summary
 from lorascope.detect import kernel_attribution
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.report import collectives, kernels, memory, steps
+from lorascope.report import collectives, kernels, memory, spread, steps
 from lorascope.report.facts import run_facts, utc
 from lorascope.report.findings import finding_data
 from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
+from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
@@ -115,11 +116,25 @@ def _figures(
     return figures
 
 
+def _named(found: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """By chart id, the ranks the findings that link there name (drawn as their own lines)."""
+    named: dict[str, list[int]] = {}
+    for f in found:
+        if f["chart"]:
+            named.setdefault(f["chart"], []).extend(r for r in f["ranks"] if isinstance(r, int))
+    return named
+
+
 def build_report_data(
-    bundle: EvidenceBundle, findings: list[Finding], summary: dict[str, Any] | None = None
+    bundle: EvidenceBundle,
+    findings: list[Finding],
+    summary: dict[str, Any] | None = None,
+    per_step: PerStep | None = None,
 ) -> dict[str, Any]:
     """The report as plain data (see the module docstring). ``summary``: the run's
-    :func:`build_summary`, when the caller has it already."""
+    :func:`build_summary`, when the caller has it already; ``per_step``: the per-step series
+    the step, loss, collective-wait and memory charts draw, when the caller has them
+    already (e.g. from compact per-rank summaries), else read from the run."""
     run = bundle.run
     found = [finding_data(f) for f in findings]
     data: dict[str, Any] = {
@@ -139,7 +154,8 @@ def build_report_data(
         origin = run_origin(run)
         facts = run_facts(run, summary, ends)
         peak = memory.peaks(run, summary["ranks"], findings)
-        step_data = steps.step_series(run)
+        per_rank = spread.charts(per_step if per_step is not None else steps.per_step(run), _named(found))
+        step_data = steps.step_series(run, per_rank["lines"])
         sites = {site: ctx for rank in run.ranks.values() for site, ctx in rank.sites.items()}
         align = collectives.alignment(run, findings, sites)
         data["facts"] = facts
@@ -148,7 +164,8 @@ def build_report_data(
         data["charts"].update(
             {
                 "origin_utc": utc(origin),
-                "memory": memory.timeline(run, origin, ends),
+                "memory": memory.timeline(run, origin, ends, per_rank["lines"]),
+                "spread": per_rank,
                 "peak": peak,
                 "collectives": align,
                 "op_times": collectives.op_times(run),

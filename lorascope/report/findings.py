@@ -31,6 +31,9 @@ CHART_TITLES: dict[str, str] = {
     "chart-kernels": "kernel durations",
     "chart-step-time": "step time per rank",
     "chart-loss": "loss per step",
+    "chart-memory-heatmap": "memory by rank and step",
+    "chart-step-heatmap": "step time by rank and step",
+    "chart-collective-wait": "time in collectives per step",
 }
 #: Keys of ``details`` the charts consume (rendered there, not repeated as text).
 CHART_KEYS = frozenset({"kernels", "memory_breakdown", "chart"})

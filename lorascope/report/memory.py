@@ -13,7 +13,7 @@ from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_value,
 from lorascope.detect.finding import Finding
 from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
-from lorascope.report.timebase import mib, secs
+from lorascope.report.timebase import MIB, mib, secs
 from lorascope.rundir.reader import RankData, RunData
 
 #: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
@@ -24,6 +24,8 @@ MAX_STEP_MARKERS = 40
 #: Phases of every step are not drawn (too dense); other phases (eval, save) are.
 STEP_PHASES = frozenset({"forward", "backward", "optimizer"})
 MAX_PHASE_MARKERS = 200
+#: Above the lines cutoff: pins for ranks that ended badly, one per way of ending; ranks named on each.
+MAX_END_PINS, MAX_PIN_RANKS = 8, 12
 
 
 #: The figures the memory chart can draw, in the order of its switch.
@@ -43,6 +45,22 @@ def _samples(rank: RankData, kind: str) -> tuple[list[float], list[float]]:
     pairs = [(m["t"], v) for m in rank.mem if (v := mem_value(m, kind)) is not None]
     pairs.sort()
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
+    """Per rank, its highest sample of one figure (MiB) in each step, by the step in progress
+    when it was taken (a sample's ``step`` is the steps completed, so step n's carry n - 1)."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    for rank in run.ranks.values():
+        high: dict[int, int] = {}
+        for m in rank.mem:
+            v = mem_value(m, kind)
+            if v is not None and type(m.get("step")) is int:
+                step = m["step"] + 1
+                if v > high.get(step, -1):
+                    high[step] = v
+        out[rank.rank] = [(s, v / MIB) for s, v in sorted(high.items())]
+    return out
 
 
 def per_rank_points(n_ranks: int, budget: int = TIMELINE_BUDGET) -> int:
@@ -108,17 +126,45 @@ def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
     ]
 
 
-def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Per figure the run recorded (CUDA allocated, heap in use, RSS), per rank its samples
-    (thinned, as columns ``t`` / ``mib``) and where and how it ended (``ends``:
-    :func:`end_mark` by rank). ``metric`` is the one the detectors use, drawn first."""
+def _ends_by_step(run: RunData, kind: str, ends: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where the ranks that ended badly stopped, by step (the band chart's x), one pin per
+    way of ending (at most :data:`MAX_END_PINS`): at the first of them to stop, its last sample
+    of the figure; ``ranks`` (the first :data:`MAX_PIN_RANKS`) and ``count``."""
+    pins: dict[str, dict[str, Any]] = {}
+    for rank in run.ranks.values():
+        last = next((m for m in reversed(rank.mem) if mem_value(m, kind) is not None), None)
+        if not ends[rank.rank]["bad"] or last is None or type(last.get("step")) is not int:
+            continue
+        label, step = ends[rank.rank]["label"], last["step"] + 1
+        pin = pins.setdefault(
+            label, {"label": label, "step": step, "mib": mib(mem_value(last, kind)), "ranks": [], "count": 0}
+        )
+        if step < pin["step"]:
+            pin["step"], pin["mib"] = step, mib(mem_value(last, kind))
+        pin["count"] += 1
+        if len(pin["ranks"]) < MAX_PIN_RANKS:
+            pin["ranks"].append(rank.rank)
+    return sorted(pins.values(), key=lambda p: (p["step"], p["label"]))[:MAX_END_PINS]
+
+
+def recorded_metrics(run: RunData) -> list[str]:
+    """The figures the run recorded, the one the detectors use first."""
     metric = default_metric(run)
     recorded = [k for k in METRICS if any(mem_value(m, k) is not None for r in run.ranks.values() for m in r.mem)]
-    metrics = [metric] + [k for k in recorded if k != metric]
+    return [metric] + [k for k in recorded if k != metric]
+
+
+def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]], lines: bool = True) -> dict[str, Any]:
+    """Per figure the run recorded (CUDA allocated, heap in use, RSS), per rank its samples
+    (thinned, as columns ``t`` / ``mib``; only with ``lines``, see
+    :data:`~lorascope.report.spread.LINES_UP_TO`) and where and how it ended (``ends``:
+    :func:`end_mark` by rank). ``metric`` is the one the detectors use, drawn first."""
+    metrics = recorded_metrics(run)
+    metric = metrics[0]
     keep = per_rank_points(len(run.ranks) * len(metrics))
     by_metric: dict[str, list[dict[str, Any]]] = {}
     total = shown = 0
-    for kind in metrics:
+    for kind in metrics if lines else []:
         series = by_metric[kind] = []
         for rank in run.ranks.values():
             ts, vs = _samples(rank, kind)
@@ -138,8 +184,9 @@ def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]]) -> di
     return {
         "metric": metric,
         "metrics": metrics,
-        "series": by_metric[metric],
+        "series": by_metric[metric] if lines else None,
         "others": {k: v for k, v in by_metric.items() if k != metric},
+        "ends": None if lines else _ends_by_step(run, metric, ends),
         "steps": _step_markers(run, origin),
         "phases": _phase_spans(run, origin),
         "samples": total,

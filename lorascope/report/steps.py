@@ -10,9 +10,11 @@ import math
 import statistics
 from typing import Any
 
+from lorascope.report import collectives, memory
 from lorascope.report.downsample import thin
 from lorascope.report.memory import per_rank_points
-from lorascope.rundir.reader import RunData
+from lorascope.report.spread import PerStep
+from lorascope.rundir.reader import RankData, RunData
 
 STEP_BUDGET = 16_000
 MAX_LISTED_LOSSES = 50
@@ -24,18 +26,35 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def step_series(run: RunData) -> dict[str, Any]:
-    """Per rank, columns ``step`` / ``s`` (seconds) and ``step`` / ``loss``, thinned; the
-    median and 95th percentile step time; the steps whose loss was NaN or infinite."""
+def _finite(rank: RankData, key: str) -> list[dict[str, Any]]:
+    return [s for s in rank.steps if type(s[key]) in _NUMBERS and math.isfinite(s[key])]
+
+
+def per_step(run: RunData) -> PerStep:
+    """The run's per-step series for :func:`lorascope.report.spread.charts`."""
+    return PerStep(
+        step_time={r.rank: sorted((s["step"], float(s["dur"])) for s in _finite(r, "dur")) for r in run.ranks.values()},
+        loss={r.rank: sorted((s["step"], float(s["loss"])) for s in _finite(r, "loss")) for r in run.ranks.values()},
+        wait=collectives.wait_per_step(run),
+        memory={kind: memory.per_step(run, kind) for kind in memory.recorded_metrics(run)},
+    )
+
+
+def step_series(run: RunData, lines: bool = True) -> dict[str, Any]:
+    """Per rank, columns ``step`` / ``s`` (seconds) and ``step`` / ``loss``, thinned (only
+    with ``lines``: above :data:`~lorascope.report.spread.LINES_UP_TO` ranks the page draws
+    bands instead); the median and 95th percentile step time; the steps whose loss was NaN
+    or infinite."""
     keep = per_rank_points(len(run.ranks), STEP_BUDGET)
     times, losses, stats, bad_losses = [], [], [], []
     for rank in run.ranks.values():
-        steps = [s for s in rank.steps if type(s["dur"]) in _NUMBERS and math.isfinite(s["dur"])]
-        xs, ys = thin([s["step"] for s in steps], [s["dur"] for s in steps], keep)
-        times.append({"rank": rank.rank, "step": xs, "s": [round(y, 4) for y in ys]})
-        with_loss = [s for s in rank.steps if type(s["loss"]) in _NUMBERS and math.isfinite(s["loss"])]
-        xs, ys = thin([s["step"] for s in with_loss], [s["loss"] for s in with_loss], keep)
-        losses.append({"rank": rank.rank, "step": xs, "loss": [round(y, 5) for y in ys]})
+        steps = _finite(rank, "dur")
+        if lines:
+            xs, ys = thin([s["step"] for s in steps], [s["dur"] for s in steps], keep)
+            times.append({"rank": rank.rank, "step": xs, "s": [round(y, 4) for y in ys]})
+            with_loss = _finite(rank, "loss")
+            xs, ys = thin([s["step"] for s in with_loss], [s["loss"] for s in with_loss], keep)
+            losses.append({"rank": rank.rank, "step": xs, "loss": [round(y, 5) for y in ys]})
         bad_losses += [
             [rank.rank, s["step"], str(s.get("loss_text") or s["loss"])]
             for s in rank.steps
@@ -51,7 +70,7 @@ def step_series(run: RunData) -> dict[str, Any]:
             }
         )
     return {
-        "time": times,
+        "time": times if lines else None,
         "loss": losses if any(s["step"] for s in losses) else None,
         "stats": stats,
         "non_finite_losses": bad_losses[:MAX_LISTED_LOSSES],

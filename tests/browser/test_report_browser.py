@@ -14,13 +14,22 @@ from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.findings import CHART_FOR
 from lorascope.report.gallery import scenarios
+from lorascope.report.render import render
+from lorascope.report.spread import PerStep
 from lorascope.report.write import write_report
-from tests.helpers import FIXTURES, XSS, xss_run
+from tests.helpers import FIXTURES, XSS, RankSpec, write_run, xss_run
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = scenarios(REPO / "fixtures")
 #: Charts every report of a run directory draws (others depend on the data).
-ALWAYS = {"chart-memory", "chart-peak", "chart-step-time", "chart-step-median"}
+ALWAYS = {
+    "chart-memory",
+    "chart-memory-heatmap",
+    "chart-peak",
+    "chart-step-time",
+    "chart-step-median",
+    "chart-step-heatmap",
+}
 
 
 class Loaded:
@@ -140,4 +149,58 @@ def test_memory_chart_switches_between_the_recorded_figures(browser: Any, tmp_pa
     page.locator('#memory-metrics button[data-metric="RSS"]').click()
     assert chart.get_attribute("data-metric") == "RSS" and int(chart.get_attribute("data-points") or 0) > 0
     assert loaded.errors == []
+    page.close()
+
+
+def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Path) -> None:
+    """Above the lines cutoff: bands with the straggler drawn and named, heatmaps whose hover
+    names the rank and the steps, the collective chart bounded; nothing logged, nothing fetched."""
+    ranks = 40
+    bundle = load_bundle(write_run(tmp_path / "run", [RankSpec(steps=3) for _ in range(ranks)]))
+    steps = range(1, 1201)
+    per = PerStep(
+        step_time={r: [(s, 0.2 + 0.001 * (s % 7) + (0.1 if r == 17 else 0.0)) for s in steps] for r in range(ranks)},
+        loss={r: [(s, 2.0 - s / 1000) for s in steps] for r in range(ranks)},
+        wait={r: [(s, 0.01 if r == 17 else 0.11) for s in steps] for r in range(ranks)},
+        memory={"RSS": {r: [(s, 3000.0 + (800.0 if r == 0 else 0.0) + s % 5) for s in steps] for r in range(ranks)}},
+    )
+    page_file = tmp_path / "many.html"
+    page_file.write_text(render(build_report_data(bundle, [], per_step=per)))
+    loaded = Loaded(browser, page_file)
+    page = loaded.page
+    assert loaded.errors == [] and loaded.foreign_requests() == []
+    drawn = set(page.evaluate("window.lorascopeReport.charts"))
+    new = {"chart-step-heatmap", "chart-memory-heatmap", "chart-collective-wait"}
+    assert ALWAYS | new | {"chart-loss"} <= drawn, drawn
+    for chart, outlier in (("chart-step-time", "17"), ("chart-memory", "0"), ("chart-collective-wait", "17")):
+        el = page.locator(f"#{chart}")
+        assert el.get_attribute("data-mode") == "bands" and el.get_attribute("data-outliers") == outlier, chart
+    legend = page.evaluate(
+        "echarts.getInstanceByDom(document.getElementById('chart-step-time')).getOption().legend[0].data"
+    )
+    assert "rank 17 (outlier, z" in " ".join(n if isinstance(n, str) else n["name"] for n in legend), legend
+    # hover a step of the bands: the spread, the rank at each extreme, the outlier's value
+    band_tip = page.evaluate("""() => {
+        const el = document.getElementById('chart-step-time');
+        const chart = echarts.getInstanceByDom(el);
+        const median = chart.getOption().series.findIndex(s => s.name === 'median rank');
+        chart.dispatchAction({type: 'showTip', seriesIndex: median, dataIndex: 0});
+        return el.querySelector('div:last-child').innerText;
+    }""")
+    assert "steps 1–3 · 40 ranks" in band_tip and "max: 0.30" in band_tip and "(rank 17)" in band_tip, band_tip
+    assert "rank 17 (outlier, z" in band_tip, band_tip
+    # hover a heatmap cell: the tooltip names the rank and the step range
+    tip = page.evaluate("""() => {
+        const el = document.getElementById('chart-step-heatmap');
+        const chart = echarts.getInstanceByDom(el);
+        const data = chart.getOption().series[0].data;
+        const i = data.findIndex(d => d[1] === 17);
+        chart.dispatchAction({type: 'showTip', seriesIndex: 0, dataIndex: i});
+        return el.querySelector('div:last-child').innerText;
+    }""")
+    columns = page.evaluate(
+        "JSON.parse(document.getElementById('report-data').textContent).spread.step_time.heatmap.columns"
+    )
+    assert "rank 17" in tip and f"steps 1–{columns[0][1]}" in tip and "step time" in tip, tip
+    assert int(page.locator("#chart-step-heatmap").get_attribute("data-points") or 0) == ranks * len(columns)
     page.close()

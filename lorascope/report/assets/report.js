@@ -49,6 +49,19 @@
     el.setAttribute("data-points", String(points));
     charts[id] = chart;
   }
+  // Over this many ranks a per-rank bar or scatter chart is drawn in ECharts' large mode (one
+  // path per series, no per-bar style): 1,024 bars draw in a fraction of the time.
+  var LARGE = 400;
+  function large(series, n) {
+    if (n > LARGE) {
+      series.forEach(function (s) {
+        s.large = true;
+        s.largeThreshold = LARGE;
+        s.data = s.data.map(function (d) { return d != null && typeof d === "object" ? d.value : d; });
+      });
+    }
+    return series;
+  }
   function zip(xs, ys) { return xs.map(function (x, i) { return [x, ys[i]]; }); }
   function count(series) { return series.reduce(function (n, s) { return n + s.data.length; }, 0); }
 
@@ -119,8 +132,10 @@
   // One button per figure the run recorded; the chart opens on the one the detectors use.
   function memorySwitch(mem) {
     var box = document.getElementById("memory-metrics");
-    if (!box || !mem.metrics || mem.metrics.length < 2) { return; }
-    mem.metrics.forEach(function (m) {
+    var bands = data.spread && !data.spread.lines;
+    var metrics = (mem.metrics || []).filter(function (m) { return !bands || data.spread.memory[m]; });
+    if (!box || metrics.length < 2) { return; }
+    metrics.forEach(function (m) {
       var b = document.createElement("button");
       b.type = "button";
       b.setAttribute("data-metric", m);
@@ -128,7 +143,7 @@
       if (m === mem.metric) { b.className = "active"; }
       b.addEventListener("click", function () {
         if (charts["chart-memory"]) { charts["chart-memory"].dispose(); delete charts["chart-memory"]; }
-        memoryChart(mem, m);
+        if (bands) { memoryBands(mem, data.spread, m); } else { memoryChart(mem, m); }
         Array.prototype.forEach.call(box.querySelectorAll("button"), function (o) {
           o.className = o === b ? "active" : "";
         });
@@ -166,7 +181,7 @@
       xAxis: { type: "category", data: cats },
       yAxis: yAxis("MiB"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
-      series: series
+      series: large(series, cats.length)
     }), peak.peak.filter(function (v) { return v != null; }).length);
   }
 
@@ -272,6 +287,110 @@
     }), count(series));
   }
 
+  // Above the lines cutoff: per step range, the spread over ranks as two bands (min–max,
+  // p10–p90) and the median, with the outlier ranks (and ranks a finding names) as lines.
+  function bandsChart(id, sp, yName, fmt, extra) {
+    // columns are equal step ranges: a category axis (stacking, which draws the bands, is by index there)
+    var b = sp.bands;
+    var at = function (step) {  // the column holding a step
+      var lo = 0, hi = b.step.length - 1;
+      while (lo < hi) { var mid = (lo + hi + 1) >> 1; if (b.step[mid] <= step) { lo = mid; } else { hi = mid - 1; } }
+      return lo;
+    };
+    var col = function (key) { return b[key]; };
+    var diff = function (hi, lo) { return b[hi].map(function (v, i) { return v - b[lo][i]; }); };
+    var hidden = { type: "line", showSymbol: false, silent: true, lineStyle: { opacity: 0 } };
+    var band = function (name, stack, lower, width, color) {
+      return [Object.assign({}, hidden, { name: name, stack: stack, data: lower, color: color }),
+              Object.assign({}, hidden, { name: name, stack: stack, data: width, color: color, areaStyle: { color: color, opacity: 1 } })];
+    };
+    var series = [].concat(
+      band("min–max over ranks", "minmax", col("min"), diff("max", "min"), "rgba(91,143,209,0.22)"),
+      band("p10–p90 over ranks", "p1090", col("p10"), diff("p90", "p10"), "rgba(91,143,209,0.5)"));
+    series.push({ type: "line", name: "median rank", data: col("median"), showSymbol: false, color: "#1f4e8c", lineStyle: { width: 1.6 } });
+    var drawn = sp.outliers.map(function (o) { return [o, "outlier, z " + o.z]; }).concat(
+      sp.named.map(function (o) { return [o, "named by a finding"]; }));
+    drawn.forEach(function (d, i) {
+      var o = d[0];
+      series.push({ type: "line", name: "rank " + o.rank + " (" + d[1] + ")", showSymbol: o.step.length < 40, symbolSize: 4,
+                    data: o.step.map(function (x, k) { return [at(x), o.value[k]]; }),
+                    color: o.rank === 0 ? RANK0 : PALETTE[(i + 2) % PALETTE.length], lineStyle: { width: 2 }, z: 10 });
+    });
+    (extra || []).forEach(function (s) {
+      s.data = s.data.map(function (p) { return { value: [at(p.step), p.value[1]], name: p.name }; });
+      series.push(s);
+    });
+    var names = [];
+    series.forEach(function (s) { if (names.indexOf(s.name) < 0) { names.push(s.name); } });
+    draw(id, base({
+      legend: { type: "scroll", top: 4, left: 10, right: 90, data: names.map(function (n) {
+        return n.indexOf("over ranks") > 0 ? { name: n, icon: "rect" } : n;
+      }) },
+      tooltip: { trigger: "axis", confine: true, formatter: function (ps) {
+        if (!ps.length) { return ""; }
+        var i = ps[0].dataIndex;
+        var head = b.step[i] === b.to[i] ? "step " + b.step[i] : "steps " + b.step[i] + "–" + b.to[i];
+        var rows = [head + " · " + b.ranks[i] + " ranks",
+                    "max: " + fmt(b.max[i]) + " (rank " + b.max_rank[i] + ")", "p90: " + fmt(b.p90[i]),
+                    "median: " + fmt(b.median[i]), "p10: " + fmt(b.p10[i]), "min: " + fmt(b.min[i]) + " (rank " + b.min_rank[i] + ")"];
+        ps.forEach(function (p) {
+          if (p.seriesName.indexOf("rank ") === 0 && Array.isArray(p.value)) { rows.push(p.seriesName + ": " + fmt(p.value[1])); }
+        });
+        return rows.map(esc).join("<br>");
+      } },
+      xAxis: { type: "category", boundaryGap: false, data: b.step.map(String), name: sp.width > 1 ? "step (" + sp.width + " per point)" : "step",
+               nameLocation: "middle", nameGap: 26 },
+      yAxis: yAxis(yName, true),
+      dataZoom: zoom(0),
+      series: series
+    }), b.step.length * 5 + drawn.reduce(function (n, d) { return n + d[0].step.length; }, 0));
+    var el = document.getElementById(id);
+    if (el) { el.setAttribute("data-mode", "bands"); el.setAttribute("data-outliers", sp.outliers.map(function (o) { return o.rank; }).join(",")); }
+  }
+
+  // Ranks (rows; consecutive ranks share a row when there are many) by step ranges (columns).
+  function heatmapChart(id, hm, name, fmt) {
+    var el = document.getElementById(id);
+    if (!el) { return; }
+    el.style.height = Math.min(640, Math.max(180, hm.rows.length * 14 + 110)) + "px";
+    var rowName = function (r) { return r[0] === r[1] ? "rank " + r[0] : "ranks " + r[0] + "–" + r[1]; };
+    var colName = function (c) { return c[0] === c[1] ? "step " + c[0] : "steps " + c[0] + "–" + c[1]; };
+    var n = hm.columns.length, cells = [];
+    hm.values.forEach(function (v, k) { if (v != null) { cells.push([k % n, Math.floor(k / n), v, k]); } });
+    draw(id, base({
+      legend: { show: false },
+      toolbox: { show: false },
+      grid: { left: 96, right: 140, top: 16, bottom: 62 },
+      tooltip: { trigger: "item", confine: true, formatter: function (p) {
+        var c = p.value, row = hm.rows[c[1]];
+        var who = hm.who ? " (highest: rank " + hm.who[c[3]] + ")" : "";
+        return esc(rowName(row) + who) + "<br>" + esc(colName(hm.columns[c[0]])) + "<br>" + esc(name + ": " + fmt(c[2]));
+      } },
+      xAxis: { type: "category", data: hm.columns.map(function (c) { return c[0] === c[1] ? String(c[0]) : c[0] + "–" + c[1]; }),
+               name: "step", nameLocation: "middle", nameGap: 26, splitArea: { show: false } },
+      yAxis: { type: "category", data: hm.rows.map(rowName), inverse: true, axisLabel: { fontSize: 10 } },
+      visualMap: { type: "continuous", min: hm.min, max: hm.max > hm.min ? hm.max : hm.min + 1e-9, dimension: 2, calculable: true,
+                   orient: "vertical", right: 40, top: "middle", itemHeight: 120, precision: 3,
+                   inRange: { color: ["#f7fbff", "#6baed6", "#08306b", "#d62728"] },
+                   formatter: function (v) { return fmt(v); } },
+      dataZoom: [{ type: "inside", xAxisIndex: 0 }, { type: "slider", xAxisIndex: 0, height: 18, bottom: 8 }],
+      series: [{ type: "heatmap", name: name, data: cells, progressive: 0, emphasis: { disabled: true }, select: { disabled: true } }]
+    }), cells.length);
+  }
+
+  function memoryBands(mem, sp, metric) {
+    var pins = { type: "scatter", name: "ended badly", symbol: "pin", symbolSize: 26, color: RANK0, z: 12,
+                 label: { show: true, position: "right", fontSize: 10, color: RANK0, backgroundColor: "rgba(255,255,255,0.85)",
+                          formatter: function (p) { return p.name; } },
+                 data: metric === mem.metric ? mem.ends.map(function (e) {
+                   var who = e.count > 1 ? e.count + " ranks (" + e.ranks.join(",") + (e.count > e.ranks.length ? ",…" : "") + ")" : "rank " + e.ranks[0];
+                   return { step: e.step, value: [e.step, e.mib], name: who + ": " + e.label };
+                 }) : [] };
+    bandsChart("chart-memory", sp.memory[metric], metric + " (MiB, highest per step)", fmtMiB, pins.data.length ? [pins] : []);
+    var el = document.getElementById("chart-memory");
+    if (el) { el.setAttribute("data-metric", metric); }
+  }
+
   function stepMedianChart(stats) {
     var cats = stats.map(function (s) { return "rank " + s.rank; });
     var series = [
@@ -286,7 +405,7 @@
       xAxis: { type: "category", data: cats },
       yAxis: yAxis("seconds"),
       dataZoom: cats.length > 16 ? zoom(0) : [],
-      series: series
+      series: large(series, cats.length)
     }), stats.filter(function (s) { return s.median != null; }).length);
   }
 
@@ -303,7 +422,23 @@
   // The page's text is painted before any chart exists; charts are then drawn one per task,
   // so the browser paints between them (the first is on screen while the others draw).
   var queue = [];
-  if (data.memory) { queue.push(["chart-memory", function () { memoryChart(data.memory); memorySwitch(data.memory); }]); }
+  var sp = data.spread;
+  var bandsMode = sp && !sp.lines;
+  var secs = function (v) { return v.toFixed(3) + " s"; };
+  if (data.memory) {
+    queue.push(["chart-memory", function () {
+      if (!bandsMode) { memoryChart(data.memory); } else if (sp.memory[data.memory.metric]) { memoryBands(data.memory, sp, data.memory.metric); } else {
+        document.getElementById("chart-memory").textContent = "No memory sample carries a step number: nothing to draw per step.";
+      }
+      memorySwitch(data.memory);
+    }]);
+  }
+  var memHeat = sp && sp.memory[data.memory ? data.memory.metric : ""];
+  if (memHeat) {
+    queue.push(["chart-memory-heatmap", function () {
+      heatmapChart("chart-memory-heatmap", memHeat.heatmap, data.memory.metric, fmtMiB);
+    }]);
+  }
   if (data.peak) { queue.push(["chart-peak", function () { peakChart(data.peak); }]); }
   if (data.collectives && data.collectives.available) {
     queue.push(["chart-collectives", function () { collectivesChart(data.collectives); }]);
@@ -312,12 +447,25 @@
   if (data.kernels && data.kernels.available) { queue.push(["chart-kernels", function () { kernelChart(data.kernels); }]); }
   if (data.steps) {
     queue.push(["chart-step-time", function () {
-      perRankLines("chart-step-time", data.steps.time, "s", "seconds", function (v) { return v.toFixed(3) + " s"; });
+      if (bandsMode) { if (sp.step_time) { bandsChart("chart-step-time", sp.step_time, "seconds", secs); } } else {
+        perRankLines("chart-step-time", data.steps.time, "s", "seconds", secs);
+      }
     }]);
+    if (sp && sp.step_time) {
+      queue.push(["chart-step-heatmap", function () { heatmapChart("chart-step-heatmap", sp.step_time.heatmap, "step time", secs); }]);
+    }
+    if (sp && sp.wait) {
+      queue.push(["chart-collective-wait", function () {
+        if (bandsMode) { bandsChart("chart-collective-wait", sp.wait, "seconds in collectives", secs); } else {
+          perRankLines("chart-collective-wait", sp.wait.ranks, "value", "seconds in collectives", secs);
+        }
+      }]);
+    }
     queue.push(["chart-step-median", function () { stepMedianChart(data.steps.stats); }]);
-    if (data.steps.loss) {
+    if (data.steps.loss || (bandsMode && sp.loss)) {
       queue.push(["chart-loss", function () {
-        perRankLines("chart-loss", data.steps.loss, "loss", "loss", function (v) { return v.toFixed(4); });
+        var fmt = function (v) { return v.toFixed(4); };
+        if (bandsMode && sp.loss) { bandsChart("chart-loss", sp.loss, "loss", fmt); } else { perRankLines("chart-loss", data.steps.loss, "loss", "loss", fmt); }
       }]);
     }
   }
