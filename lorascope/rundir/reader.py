@@ -315,6 +315,20 @@ def _load_process(
     return data
 
 
+def recount(data: RankData) -> RankData:
+    """Compute what the reader counts while it reads (tallies, sums, totals) from the
+    lists of a RankData built in memory (a test's, a synthetic run's), which keeps them all."""
+    log = CollectiveLog()
+    for coll in sorted(data.collectives, key=lambda c: c.start):
+        log.add(coll)
+        if coll.end is not None:
+            log.ended(coll)
+    data.collectives = log.finish()
+    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+    data.totals = totals(data)
+    return data
+
+
 #: Kinds kept as lists on RankData (attribute names), and kinds of which the last is kept.
 _LISTED = {
     "mem": "mem",

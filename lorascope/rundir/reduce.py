@@ -302,7 +302,7 @@ def totals(data: Any) -> dict[str, Any]:
     """What is computed over every step-keyed record before any is dropped: counts, the
     median step time, the last loss, and the per-step series."""
     durations = [s["dur"] for s in data.steps if s["dur"] > 0]
-    losses = [s["loss"] for s in data.steps if s["loss"] is not None]
+    losses = [s["loss"] for s in data.steps if s.get("loss") is not None]
     peak: dict[int, float] = {}
     cuda = any(isinstance(m.get("cuda"), dict) for m in data.mem)
     for m in data.mem:
