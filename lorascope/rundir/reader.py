@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -36,9 +37,10 @@ from lorascope.rundir.schema import (
 Progress = Callable[[str, int, int], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Collective:
-    """One collective or p2p call on one rank, its start joined with its end (if any)."""
+    """One collective or p2p call on one rank, its start joined with its end (if any).
+    Slotted, its strings shared: a rank keeps thousands (:mod:`lorascope.rundir.reduce`)."""
 
     seq: int
     group: str
@@ -195,6 +197,18 @@ def _segments(run_dir: Path, rank_dir: Path, warnings: list[str]) -> dict[str, l
     return {proc: sorted(segs) for proc, segs in out.items()}
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _loads(line: bytes) -> Any:
+    """json.loads of one line, without its encoding sniffing in the common case (plain
+    UTF-8); anything else takes json.loads itself, so the result is the same."""
+    try:
+        return _DECODER.decode(line.decode())
+    except ValueError:  # UnicodeDecodeError included
+        return json.loads(line)
+
+
 def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
@@ -218,7 +232,7 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                     deep_lines.append(number)
                     continue
                 try:
-                    rec = json.loads(line)
+                    rec = _loads(line)
                 except (UnicodeDecodeError, ValueError):
                     if line.endswith(b"\n"):
                         raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
@@ -355,7 +369,28 @@ _LATEST = {
 def _apply(
     data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
 ) -> None:
-    if kind in _LISTED:
+    if kind == "coll":
+        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
+        coll = Collective(
+            seq=rec["seq"],
+            group=group,
+            op=sys.intern(rec["op"]),
+            bytes=rec["bytes"],
+            dtype=_shared(rec["dtype"]),
+            is_async=rec["async"],
+            site=_shared(rec["site"]),
+            step=rec["step"],
+            start=float(rec["t"]),
+            via=sys.intern(rec["via"]) if isinstance(rec.get("via"), str) else None,
+        )
+        pending[(rec["gid"], rec["seq"])] = coll
+        log.add(coll)
+    elif kind == "coll_end":
+        ended = pending.pop((rec["gid"], rec["seq"]), None)
+        if ended is not None:
+            ended.end, ended.err = float(rec["t"]), rec["err"]
+            log.ended(ended)
+    elif kind in _LISTED:
         getattr(data, _LISTED[kind]).append(rec)
     elif kind in _LATEST:
         setattr(data, _LATEST[kind], rec)
@@ -372,32 +407,16 @@ def _apply(
                 if rec.get("text"):
                     step["loss_text"] = rec["text"]
                 break
-    elif kind == "coll":
-        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
-        coll = Collective(
-            seq=rec["seq"],
-            group=group,
-            op=rec["op"],
-            bytes=rec["bytes"],
-            dtype=rec["dtype"],
-            is_async=rec["async"],
-            site=rec["site"],
-            step=rec["step"],
-            start=float(rec["t"]),
-            via=rec["via"] if isinstance(rec.get("via"), str) else None,
-        )
-        pending[(rec["gid"], rec["seq"])] = coll
-        log.add(coll)
-    elif kind == "coll_end":
-        ended = pending.pop((rec["gid"], rec["seq"]), None)
-        if ended is not None:
-            ended.end, ended.err = float(rec["t"]), rec["err"]
-            log.ended(ended)
     elif kind == "coll_dev":
         name = data.groups.get(rec["gid"], {}).get("name")
         found = log.find(name, rec["seq"]) if isinstance(name, str) else None
         if found is not None:
             found.device_ms = float(rec["ms"])
+
+
+def _shared(text: str | None) -> str | None:
+    """One copy of a string many records repeat (an op, a dtype, a call site)."""
+    return None if text is None else sys.intern(text)
 
 
 def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:

@@ -61,8 +61,8 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-def _digest() -> Any:
-    return hashlib.blake2b(digest_size=12)
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=12).digest()
 
 
 @dataclass
@@ -102,7 +102,8 @@ class CollectiveLog:
         self.extra: list[Collective] = []
         self.coll_wait: dict[int, float] = {}
         self.op_totals: dict[str, tuple[float, int]] = {}
-        self._open: dict[str, dict[int, tuple[Any, Any]]] = {}
+        #: Per group, the (seq, op, bytes, dtype) of the calls of the windows still open.
+        self._open: dict[str, dict[int, list[tuple[int, str, int | None, str | None]]]] = {}
         self._order: list[tuple[float, int, Collective]] = []
         #: Per step (+1), the (start, seconds) of its completed synchronous calls, until
         #: :meth:`outside_backward` has used them.
@@ -110,34 +111,43 @@ class CollectiveLog:
         self._n = 0
 
     def add(self, coll: Collective) -> None:
-        tally = self.tallies.setdefault(coll.group, GroupTally())
+        group, seq = coll.group, coll.seq
+        tally = self.tallies.get(group)
+        if tally is None:
+            tally = self.tallies[group] = GroupTally(first_seq=seq)
+            self.head[group] = []
         tally.calls += 1
-        if tally.first_seq is None:
-            tally.first_seq = coll.seq
-        tally.last_seq = max(tally.last_seq, coll.seq)
+        if seq > tally.last_seq:
+            tally.last_seq = seq
         tally.ops.add(coll.op)
         self._hash(coll)
-        head = self.head.setdefault(coll.group, [])
+        head = self.head[group]
         if len(head) < HEAD_CALLS:
             head.append(coll)
-            tally.head_last = coll.seq
+            tally.head_last = seq
         else:
-            tail = self.tail.setdefault(coll.group, deque(maxlen=TAIL_CALLS))
+            tail = self.tail.get(group)
+            if tail is None:
+                tail = self.tail[group] = deque(maxlen=TAIL_CALLS)
             if len(tail) == TAIL_CALLS:
                 old = tail[0]
-                if old.pending or self._asked(old):
+                if old.end is None or (self.windows and self._asked(old)):
                     self.extra.append(old)
             tail.append(coll)
             tally.tail_first = tail[0].seq
-        heapq.heappush(self._order, (coll.start, self._n, coll))
+        order = self._order
+        heapq.heappush(order, (coll.start, self._n, coll))
         self._n += 1
-        self._release(False)
+        if order[0][2].end is not None or len(order) > MAX_REORDER:
+            self._release(False)
 
     def ended(self, coll: Collective) -> None:
         """A call completed (its end record was read)."""
         tally = self.tallies[coll.group]
-        tally.last_done = max(tally.last_done, coll.seq)
-        self._release(False)
+        if coll.seq > tally.last_done:
+            tally.last_done = coll.seq
+        if self._order and self._order[0][2].end is not None:
+            self._release(False)
 
     def find(self, group: str, seq: int) -> Collective | None:
         """The newest kept call of ``group`` with ``seq``."""
@@ -153,18 +163,17 @@ class CollectiveLog:
     def _hash(self, coll: Collective) -> None:
         index = (coll.seq - 1) // WINDOW
         opened = self._open.setdefault(coll.group, {})
-        pair = opened.get(index)
-        if pair is None:
+        calls = opened.get(index)
+        if calls is None:
             for old in [i for i in opened if i < index - 1]:
                 self._close(coll.group, old)
-            pair = opened[index] = (_digest(), _digest())
-        text = f"{coll.seq}\x00{coll.op}\x00{coll.bytes}\n".encode()
-        pair[0].update(text)
-        pair[1].update(text + f"{coll.dtype}\n".encode())
+            calls = opened[index] = []
+        calls.append((coll.seq, coll.op, coll.bytes, coll.dtype))
 
     def _close(self, group: str, index: int) -> None:
-        a, b = self._open[group].pop(index)
-        self.tallies[group].digests[index] = (a.digest(), b.digest())
+        calls = self._open[group].pop(index)
+        op_size = _digest(repr([c[:3] for c in calls]).encode())
+        self.tallies[group].digests[index] = (op_size, _digest(repr(calls).encode()))
 
     def _release(self, everything: bool) -> None:
         """Sum completed calls in the order they started: a call waits while an older one
