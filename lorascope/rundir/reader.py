@@ -339,6 +339,7 @@ def recount(data: RankData) -> RankData:
             log.ended(coll)
     data.collectives = log.finish()
     data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+    data.coll_wait_outside_backward = log.outside_backward(data.phases)
     data.totals = totals(data)
     return data
 
