@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from lorascope.detect.hang.diagnosis import pending_calls
@@ -56,28 +55,25 @@ def _unseen(rank: RankData) -> list[dict[str, Any]]:
 
 
 def _collectives(rank: RankData) -> dict[str, Any]:
-    last: dict[str, int] = {}
-    for coll in rank.collectives:
-        last[coll.group] = max(last.get(coll.group, 0), coll.seq)
+    last = {group: tally.last_seq for group, tally in rank.tallies.items()}
     pending = pending_calls(rank)
-    return {"count": len(rank.collectives), "last_seq": last, "pending": pending}
+    return {"count": rank.collectives_total, "last_seq": last, "pending": pending}
 
 
 def _rank_summary(rank: RankData) -> dict[str, Any]:
-    durations = [s["dur"] for s in rank.steps if s["dur"] > 0]
-    losses = [s["loss"] for s in rank.steps if s["loss"] is not None]
+    totals = rank.totals
     return {
         "rank": rank.rank,
         "pid": rank.pid,
         "host": rank.host,
         "device": rank.start["device"],
-        "steps": len(rank.steps),
-        "step_time_median_s": statistics.median(durations) if durations else None,
-        "last_loss": losses[-1] if losses else None,
+        "steps": totals["steps"],
+        "step_time_median_s": totals["step_time_median_s"],
+        "last_loss": totals["last_loss"],
         "peak_memory": _peak_memory(rank),
-        "memory_samples": len(rank.mem),
+        "memory_samples": totals["mem"],
         "collectives": _collectives(rank),
-        "warnings": len(rank.warnings),
+        "warnings": totals["warnings"],
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
         "ended": ending_of(rank).as_dict(),
         "unseen_collectives": _unseen(rank),

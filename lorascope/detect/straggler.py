@@ -62,9 +62,9 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
     recorded synchronous collectives. Outside DeepSpeed (or in a step without recorded
     collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
     inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
-    reduce-scatters and backward all-gathers) are then not taken out a second time."""
+    reduce-scatters and backward all-gathers) are then not taken out a second time. The
+    collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.reduce`)."""
     backward: dict[int, float] = {}
-    spans: dict[int, list[tuple[float, float]]] = {}
     begin: dict[int, float] = {}
     for p in rank.phases:
         if p["name"] != "backward":
@@ -73,17 +73,8 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
         if p["edge"] == "begin":
             begin[step] = p["t"]
         elif step in begin:
-            start = begin.pop(step)
-            backward[step] = backward.get(step, 0.0) + p["t"] - start
-            spans.setdefault(step, []).append((start, p["t"]))
-    waited: dict[int, float] = {}
-    outside_backward: dict[int, float] = {}
-    for c in rank.collectives:
-        if c.end is not None and not c.is_async:
-            step = c.step + 1
-            waited[step] = waited.get(step, 0.0) + (c.end - c.start)
-            if not any(b <= c.start <= e for b, e in spans.get(step, [])):
-                outside_backward[step] = outside_backward.get(step, 0.0) + (c.end - c.start)
+            backward[step] = backward.get(step, 0.0) + p["t"] - begin.pop(step)
+    waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
     work, by_backward = {}, 0
     for s in rank.steps:
         if s["step"] <= 1:

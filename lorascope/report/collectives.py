@@ -151,13 +151,14 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
             split = first_split(calls, RUN_ALL, missing=True, members=members)
             first = None if split is None else _at(calls, members, split.seq)
         pending = sum(c.end is None for per in calls.values() for c in per.values())
-        summaries.append((first is not None, pending > 0, sum(map(len, calls.values())), group, members, first, calls))
+        made = sum(t.calls for r in run.ranks.values() if (t := r.tallies.get(group)) is not None)
+        summaries.append((first is not None, pending > 0, made, group, members, first, calls))
     summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))
     _, _, _, group, members, first, calls = summaries[0]
     lo_seq = min(s for per in calls.values() for s in per)
     hi_seq = max(s for per in calls.values() for s in per)
     focus = first["seq"] if first else None
-    ops: list[str] = sorted({c.op for per in calls.values() for c in per.values()})
+    ops: list[str] = sorted({op for r in run.ranks.values() if (t := r.tallies.get(group)) for op in t.ops})
     op_index = {op: i for i, op in enumerate(ops)}
     w_lo, w_hi = _window(lo_seq, hi_seq, focus, CHART_WINDOW)
     everyone, members = members, _shown(calls, members, w_lo, w_hi)
@@ -217,10 +218,9 @@ def op_times(run: RunData) -> dict[str, Any]:
     totals: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[str, int] = defaultdict(int)
     for rank in run.ranks.values():
-        for c in rank.collectives:
-            if c.end is not None:
-                totals[c.op][rank.rank] += c.end - c.start
-                counts[c.op] += 1
+        for op, (total, calls) in rank.op_totals.items():
+            totals[op][rank.rank] += total
+            counts[op] += calls
     ops = sorted(totals, key=lambda op: (-sum(totals[op].values()), op))[:MAX_OPS]
     rows = []
     for op in ops:

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir import limits
+from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
+from lorascope.rundir.reduce import KEEP_WARNINGS, CollectiveLog, GroupTally, decimate, steps_per_rank, totals
 from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
 from lorascope.rundir.schema import (
     FORMAT_VERSION,
@@ -32,9 +37,10 @@ from lorascope.rundir.schema import (
 Progress = Callable[[str, int, int], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Collective:
-    """One collective or p2p call on one rank, its start joined with its end (if any)."""
+    """One collective or p2p call on one rank, its start joined with its end (if any).
+    Slotted, its strings shared: a rank keeps thousands (:mod:`lorascope.rundir.reduce`)."""
 
     seq: int
     group: str
@@ -98,10 +104,36 @@ class RankData:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     memory_history: dict[str, Any] | None = None
     last_time: float = 0.0
+    #: The reduction (:mod:`lorascope.rundir.reduce`): ``collectives`` holds the first and
+    #: the newest calls of each group, the pending ones and the windows where ranks differ;
+    #: ``mem``, ``phases``, ``steps`` and ``logits`` every ``stride``-th step between the
+    #: first and the last ones (stride 1: all), ``warnings`` the first ones. What was
+    #: computed over everything read: per group, the calls counted (:class:`GroupTally`);
+    #: per step, the time in synchronous collectives (key: step + 1, the step record's
+    #: number); per op, (total seconds, completed calls); ``totals``: counts per kind,
+    #: median step time, last loss, per-step series.
+    tallies: dict[str, GroupTally] = field(default_factory=dict)
+    coll_wait: dict[int, float] = field(default_factory=dict)
+    #: The same, of the calls that started outside the step's backward phases.
+    coll_wait_outside_backward: dict[int, float] = field(default_factory=dict)
+    op_totals: dict[str, tuple[float, int]] = field(default_factory=dict)
+    totals: dict[str, Any] = field(default_factory=dict)
+    stride: int = 1
 
     @property
     def pid(self) -> int:
         return int(self.start["pid"])
+
+    @property
+    def collectives_total(self) -> int:
+        return sum(t.calls for t in self.tallies.values())
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        """A per-step series over the whole run, bounded (``step_time_s``,
+        ``peak_memory_bytes``): (step, value) pairs, the max over consecutive steps where
+        the run has more steps than points."""
+        steps, values = self.totals["series"][name]
+        return list(zip(steps, values, strict=True))
 
     @property
     def host(self) -> str:
@@ -165,6 +197,18 @@ def _segments(run_dir: Path, rank_dir: Path, warnings: list[str]) -> dict[str, l
     return {proc: sorted(segs) for proc, segs in out.items()}
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _loads(line: bytes) -> Any:
+    """json.loads of one line, without its encoding sniffing in the common case (plain
+    UTF-8); anything else takes json.loads itself, so the result is the same."""
+    try:
+        return _DECODER.decode(line.decode())
+    except ValueError:  # UnicodeDecodeError included
+        return json.loads(line)
+
+
 def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
@@ -188,7 +232,7 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                     deep_lines.append(number)
                     continue
                 try:
-                    rec = json.loads(line)
+                    rec = _loads(line)
                 except (UnicodeDecodeError, ValueError):
                     if line.endswith(b"\n"):
                         raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
@@ -212,7 +256,16 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
             )
 
 
-def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) -> RankData:
+def _load_process(
+    rank: int,
+    segs: list[tuple[int, Path]],
+    warnings: list[str],
+    budget: int,
+    windows: dict[str, list[tuple[int, int]]] | None = None,
+) -> RankData:
+    """One process's stream, reduced while it is read (see :mod:`lorascope.rundir.reduce`):
+    step-keyed records within ``budget`` steps; ``windows``: group -> sequence ranges of
+    collectives to keep in full besides the bounded ones."""
     indices = [i for i, _ in segs]
     gaps = [(a + 1, b - 1) for a, b in zip([-1, *indices], indices, strict=False) if b > a + 1]
     if gaps:
@@ -229,6 +282,7 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
     unknown: dict[str, tuple[str, int]] = {}
     data: RankData | None = None
     pending: dict[tuple[int, int], Collective] = {}
+    log = CollectiveLog(windows)
     for _, path in segs:
         for number, rec in _iter_records(path, warnings):
             try:
@@ -245,7 +299,7 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                     raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
                 data = RankData(rank=rank, start=rec, files=[])
             data.last_time = max(data.last_time, float(rec["t"]))
-            _apply(data, kind, rec, pending)
+            _apply(data, kind, rec, pending, log)
             if kind == "fatal_handler":
                 data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
             if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
@@ -266,7 +320,27 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
         warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
     if data is None:
         raise BadInputError(f"{segs[0][1]}: empty rank stream")
-    data.collectives.sort(key=lambda c: c.start)
+    data.collectives = log.finish()
+    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+    data.coll_wait_outside_backward = log.outside_backward(data.phases)
+    data.totals = totals(data)
+    data.warnings = data.warnings[:KEEP_WARNINGS]
+    data.stride = decimate(data, budget)
+    return data
+
+
+def recount(data: RankData) -> RankData:
+    """Compute what the reader counts while it reads (tallies, sums, totals) from the
+    lists of a RankData built in memory (a test's, a synthetic run's), which keeps them all."""
+    log = CollectiveLog()
+    for coll in sorted(data.collectives, key=lambda c: c.start):
+        log.add(coll)
+        if coll.end is not None:
+            log.ended(coll)
+    data.collectives = log.finish()
+    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+    data.coll_wait_outside_backward = log.outside_backward(data.phases)
+    data.totals = totals(data)
     return data
 
 
@@ -293,8 +367,31 @@ _LATEST = {
 }
 
 
-def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective]) -> None:
-    if kind in _LISTED:
+def _apply(
+    data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
+) -> None:
+    if kind == "coll":
+        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
+        coll = Collective(
+            seq=rec["seq"],
+            group=group,
+            op=sys.intern(rec["op"]),
+            bytes=rec["bytes"],
+            dtype=_shared(rec["dtype"]),
+            is_async=rec["async"],
+            site=_shared(rec["site"]),
+            step=rec["step"],
+            start=float(rec["t"]),
+            via=sys.intern(rec["via"]) if isinstance(rec.get("via"), str) else None,
+        )
+        pending[(rec["gid"], rec["seq"])] = coll
+        log.add(coll)
+    elif kind == "coll_end":
+        ended = pending.pop((rec["gid"], rec["seq"]), None)
+        if ended is not None:
+            ended.end, ended.err = float(rec["t"]), rec["err"]
+            log.ended(ended)
+    elif kind in _LISTED:
         getattr(data, _LISTED[kind]).append(rec)
     elif kind in _LATEST:
         setattr(data, _LATEST[kind], rec)
@@ -311,31 +408,16 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
                 if rec.get("text"):
                     step["loss_text"] = rec["text"]
                 break
-    elif kind == "coll":
-        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
-        coll = Collective(
-            seq=rec["seq"],
-            group=group,
-            op=rec["op"],
-            bytes=rec["bytes"],
-            dtype=rec["dtype"],
-            is_async=rec["async"],
-            site=rec["site"],
-            step=rec["step"],
-            start=float(rec["t"]),
-            via=rec["via"] if isinstance(rec.get("via"), str) else None,
-        )
-        pending[(rec["gid"], rec["seq"])] = coll
-        data.collectives.append(coll)
-    elif kind == "coll_end":
-        ended = pending.pop((rec["gid"], rec["seq"]), None)
-        if ended is not None:
-            ended.end, ended.err = float(rec["t"]), rec["err"]
     elif kind == "coll_dev":
-        for coll in reversed(data.collectives):
-            if coll.seq == rec["seq"] and data.groups.get(rec["gid"], {}).get("name") == coll.group:
-                coll.device_ms = float(rec["ms"])
-                break
+        name = data.groups.get(rec["gid"], {}).get("name")
+        found = log.find(name, rec["seq"]) if isinstance(name, str) else None
+        if found is not None:
+            found.device_ms = float(rec["ms"])
+
+
+def _shared(text: str | None) -> str | None:
+    """One copy of a string many records repeat (an op, a dtype, a call site)."""
+    return None if text is None else sys.intern(text)
 
 
 def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
@@ -354,33 +436,107 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
     return out
 
 
+#: Below this many bytes of rank streams the ranks are read in this process: a worker
+#: pool's start (~0.1 s a worker) costs more than it saves (measured: benchmarks/rundir_scale.py).
+POOL_MIN_BYTES = 48 << 20
+
+#: One process's stream to read: (rank, segments, step budget, windows to keep in full).
+_Job = tuple[int, list[tuple[int, Path]], int, dict[str, list[tuple[int, int]]] | None]
+
+
+def read_process(job: _Job, configured: limits.Limits) -> tuple[RankData | str, list[str]]:
+    """Read one process's stream (a pure function of its files, run in a worker): the
+    reduced RankData, or the one-line reason it is bad input, and the reading warnings."""
+    limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
+    warnings: list[str] = []
+    rank, segs, budget, windows = job
+    try:
+        return _load_process(rank, segs, warnings, budget, windows), warnings
+    except BadInputError as exc:
+        return str(exc), warnings
+
+
+def _read_all(
+    jobs: list[_Job], parallel: bool, progress: Progress | None, what: str
+) -> list[tuple[RankData, list[str]]]:
+    """Read every job, over a pool of worker processes when ``parallel``; in job order."""
+    configured = limits.current()
+    out = []
+    pool = ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) if parallel else None
+    try:
+        results = (
+            (f.result() for f in [pool.submit(read_process, job, configured) for job in jobs])
+            if pool is not None
+            else (read_process(job, configured) for job in jobs)
+        )
+        for done, (data, warnings) in enumerate(results, 1):
+            if progress is not None:
+                progress(what, done, len(jobs))
+            if isinstance(data, str):
+                raise BadInputError(data)
+            out.append((data, warnings))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return out
+
+
+def _stream_bytes(jobs: list[_Job]) -> int:
+    total = 0
+    for _, segs, _, _ in jobs:
+        for _, path in segs:
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+    return total
+
+
 def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
     """Load and validate a run directory. Raises BadInputError with a one-line reason.
-    ``progress`` is told after each rank."""
+    ``progress`` is told after each rank. Each process's stream is reduced while it is
+    read (:mod:`lorascope.rundir.reduce`), by worker processes when there is enough to
+    read; the ranks are then aligned (:mod:`lorascope.rundir.align`)."""
     run_dir = Path(path)
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")
     if not run_dir.is_dir():
         raise BadInputError(f"{run_dir} is not a run directory (it is a file)")
     manifest = _read_manifest(run_dir)
-    warnings: list[str] = []
-    processes: list[RankData] = []
+    warnings: list[str | int] = []
+    jobs: list[_Job] = []
     ranks_dir = run_dir / RANKS_DIR
     rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
-    for done, rank_dir in enumerate(rank_dirs, 1):
-        if progress is not None:
-            progress("reading rank streams", done, len(rank_dirs))
+    found: list[tuple[int, dict[str, list[tuple[int, Path]]]]] = []
+    for rank_dir in rank_dirs:
         suffix = rank_dir.name.removeprefix("rank-")
         if not suffix.isdigit() or len(suffix) > 9:
             continue
         if leaves(run_dir, rank_dir):
             warnings.append(f"{rank_dir}: a symlink out of the run directory: not followed")
             continue
-        procs = _segments(run_dir, rank_dir, warnings)
+        seg_warnings: list[str] = []
+        procs = _segments(run_dir, rank_dir, seg_warnings)
+        warnings.extend(seg_warnings)
         if not procs:
             warnings.append(f"rank {suffix}: no stream files in {rank_dir}")
             continue
-        processes.extend(_load_process(int(suffix), segs, warnings) for segs in procs.values())
+        found.append((int(suffix), procs))
+    budget = steps_per_rank(len(found))
+    for rank, procs in found:
+        for segs in procs.values():
+            warnings.append(len(jobs))  # where this stream's reading warnings go
+            jobs.append((rank, segs, budget, None))
+    parallel = len(jobs) > 1 and (os.cpu_count() or 1) > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
+    results = _read_all(jobs, parallel, progress, "reading rank streams")
+    flat = [w for item in warnings for w in (results[item][1] if isinstance(item, int) else [item])]
+    ranks = _choose(run_dir, manifest, [data for data, _ in results], flat)
+    _align(ranks, jobs, results, parallel, progress)
+    return RunData(path=run_dir, manifest=manifest, ranks=ranks, warnings=flat)
+
+
+def _choose(
+    run_dir: Path, manifest: dict[str, Any], processes: list[RankData], warnings: list[str]
+) -> dict[int, RankData]:
+    """One process per rank (the latest, warned), launchers left out; none at all is an error."""
     by_rank: dict[int, list[RankData]] = {}
     for data in _drop_launchers(processes, warnings):
         _trust_torch_rank(data, warnings)
@@ -402,7 +558,40 @@ def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
     absent = sorted(set(range(expected)) - set(ranks))
     if absent:
         warnings.append(f"world size is {expected} but ranks {absent} wrote no stream")
-    return RunData(path=run_dir, manifest=manifest, ranks=dict(sorted(ranks.items())), warnings=warnings)
+    return dict(sorted(ranks.items()))
+
+
+def _align(
+    ranks: dict[int, RankData],
+    jobs: list[_Job],
+    results: list[tuple[RankData, list[str]]],
+    parallel: bool,
+    progress: Progress | None,
+) -> None:
+    """Make the ranks' reduced records comparable: one step stride for all, the
+    collective windows where they differ read again in full where a rank dropped them,
+    then the calls only some ranks hold dropped."""
+    stride = max(r.stride for r in ranks.values())
+    for data in ranks.values():
+        if data.stride != stride:
+            data.stride = decimate(data, steps_per_rank(len(jobs)), stride)
+    needed, reread = windows_needed(ranks)
+    if reread:
+        job_of = {id(data): job for job, (data, _) in zip(jobs, results, strict=True)}
+        again = [(n, (*job_of[id(ranks[n])][:3], reread[n])) for n in sorted(reread)]
+        for (n, _), (data, _) in zip(
+            again, _read_all([j for _, j in again], parallel, progress, "reading divergence windows"), strict=True
+        ):
+            have = {(c.group, c.seq) for c in ranks[n].collectives}
+            ranks[n].collectives.extend(
+                c for c in data.collectives if (c.group, c.seq) not in have and _inside(c, reread[n])
+            )
+            ranks[n].collectives.sort(key=lambda c: c.start)
+    trim(ranks, needed)
+
+
+def _inside(coll: Collective, windows: dict[str, list[tuple[int, int]]]) -> bool:
+    return any(lo <= coll.seq <= hi for lo, hi in windows.get(coll.group, ()))
 
 
 #: What is read of a faulthandler file, at most (the head names the signal, then stacks).

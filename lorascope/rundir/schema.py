@@ -104,12 +104,19 @@ MAX_INT = (1 << 63) - 1
 MAX_WORLD_SIZE = 1 << 20
 
 
+_ABSENT = object()
+
+
 class SchemaError(ValueError):
     """A record or manifest that does not follow format v1."""
 
 
 def _check_fields(obj: dict[str, Any], fields: dict[str, tuple[type, ...]], what: str) -> None:
     for name, types in fields.items():
+        value = obj.get(name, _ABSENT)
+        kind = type(value)
+        if kind in types and (kind is not int or -MAX_INT <= value <= MAX_INT):
+            continue  # the common case, decided by the exact type (the checks below say why not)
         if name not in obj:
             raise SchemaError(f"{what} lacks the field {name!r}")
         value = obj[name]

@@ -13,7 +13,7 @@ from lorascope.detect import logits_spike, rank0_asymmetry, registry, straggler
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.reader import Collective, RankData, RunData, recount
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -98,7 +98,7 @@ def rank_with_work(n: int, work_s: list[float], wait_s: list[float]) -> RankData
         colls.append(Collective(i + 1, "0", "all_reduce", 4, "float32", False, "x.py:1", i, t + w, t + w + wait))
         t += w + wait
         steps.append({"k": "step", "step": i + 1, "dur": w + wait, "t": t})
-    return RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, collectives=colls)
+    return recount(RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, collectives=colls))
 
 
 def run_of(*ranks: RankData) -> EvidenceBundle:
@@ -158,7 +158,7 @@ def ddp_rank(n: int, work_s: list[float], wait_s: list[float]) -> RankData:
         ]
         t += w + 0.05 + wait
         steps.append({"k": "step", "step": i + 1, "dur": w + 0.05 + wait, "t": t, "src": "torch"})
-    return RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, phases=phases)
+    return recount(RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], steps=steps, phases=phases))
 
 
 def test_a_ddp_straggler_is_found_through_the_backward_phase() -> None:

@@ -102,10 +102,7 @@ def pending_calls(rank: RankData) -> list[dict[str, Any]]:
 def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
     dump = rank.dumps[-1] if rank.dumps else None
     pending = dump["pending"] if dump else pending_calls(rank)
-    last_done: dict[str, int] = {}
-    for coll in rank.collectives:
-        if not coll.pending:
-            last_done[coll.group] = max(last_done.get(coll.group, 0), coll.seq)
+    last_done = {group: tally.last_done for group, tally in rank.tallies.items() if tally.last_done}
     ended = _ended(rank, alive, cutoff)
     frame = main_thread_frame(dump["stacks"]) if dump else None
     if ended is not None:
@@ -132,7 +129,7 @@ def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float
         "host": rank.host,
         "state": state,
         "where": where,
-        "step": len(rank.steps),
+        "step": rank.totals["steps"],
         "pending": pending,
         "last_completed": last_done,
         "stack_frame": frame,

@@ -1,0 +1,242 @@
+"""Analysis at scale: a run directory in the real format, RANKS x STEPS, read back by
+`lorascope analyze` and `lorascope report`.
+
+The streams are a real recording replicated: fixtures/rank-conditional-hang (the probes/
+ZeRO-3 job, 2 ranks, one warm-up step, one steady step, then rank 0 enters an all_reduce
+under ``if d.rank == 0:`` that rank 1 never joins). Every rank's stream is the recorded
+prologue and warm-up, the steady step repeated (times, step numbers and sequence numbers
+advanced), and the recorded end: rank 0's for rank 0, rank 1's for every other rank. So
+the run ends in a rank-conditional hang. Planted on top:
+
+* rank 0 holds 512 MiB more (RSS and tensor heap) from step STEPS/3 on (rank0-asymmetry);
+* rank ``RANKS // 2 + 1`` computes twice as long every step, the others wait for it in
+  their first synchronous collective (straggler).
+
+Prints per size: what was written, wall time and peak memory (RSS of the command and its
+worker processes together, sampled every 50 ms) of `lorascope analyze --json` and
+`lorascope report`, the bytes read per second and per core, and whether each planting
+was named (rank0-asymmetry on rank 0, straggler on its rank, rank-conditional-hang).
+
+    python benchmarks/rundir_scale.py [--ranks 64,256,1024] [--steps 10000] [--dir /tmp/rundir-scale] [--keep]
+
+Each run directory is deleted after it is measured (unless --keep); check `df` first:
+a rank-step is ~18 KB, so 64 x 10,000 writes ~12 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO / "fixtures" / "rank-conditional-hang"
+EXTRA = 512 * 2**20
+SLOWER = 2.0
+#: Records that point to side files the copy does not have.
+DROPPED = {"trace_window", "flight_dump", "snapshot", "fatal_handler"}
+
+
+def _records(rank: int) -> list[dict[str, Any]]:
+    [path] = (TEMPLATE / "ranks" / f"rank-{rank}").glob("*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _line(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, separators=(",", ":")) + "\n"
+
+
+def _template(rec: dict[str, Any]) -> str:
+    """The record as a format string: {t}, {step}, {seq}, {rss}, {heap} where it holds them."""
+    marked = dict(rec)
+    for key in ("t", "step", "seq", "rss", "heap"):
+        if isinstance(marked.get(key), int | float) and not isinstance(marked.get(key), bool):
+            marked[key] = f"@{key}@"
+    text = _line(marked).replace("{", "{{").replace("}", "}}")
+    for key in ("t", "step", "seq", "rss", "heap"):
+        text = text.replace(f'"@{key}@"', "{" + key + "!r}")
+    return text
+
+
+def write_rank(args: tuple[Path, int, int, int, int]) -> int:
+    """Write rank ``rank``'s stream; returns its bytes."""
+    out, rank, world, steps, straggler = args
+    recs = _records(0 if rank == 0 else 1)
+    first, second = [i for i, r in enumerate(recs) if r["k"] == "step"][:2]
+    prologue, block, ending = recs[: first + 1], recs[first + 1 : second + 1], recs[second + 1 :]
+    t1, t2 = recs[first]["t"], recs[second]["t"]
+    span = t2 - t1
+    period = SLOWER * span
+    per_step: dict[int, int] = {}
+    for r in block:
+        if r["k"] == "coll":
+            per_step[r["gid"]] = per_step.get(r["gid"], 0) + 1
+    pid = 100_000 + rank
+    plant = max(2, steps // 3)
+    # where each steady-step record falls in its step, for this rank
+    waited = next(r["t"] - t1 for r in block if r["k"] == "coll" and not r["async"])
+    offsets = []
+    for r in block:
+        off = r["t"] - t1
+        if rank == straggler:
+            off *= SLOWER
+        elif off > waited or (off == waited and r["k"] != "coll"):
+            off += period - span
+        offsets.append(off)
+    templates = [_template(r) for r in block]
+    path = out / "ranks" / f"rank-{rank}" / f"bench-{pid}.0000.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(path, "w") as f:
+
+        def emit(rec: dict[str, Any]) -> None:
+            nonlocal written
+            text = _line(rec)
+            written += len(text)
+            f.write(text)
+
+        for r in prologue:
+            if r["k"] in DROPPED:
+                continue
+            r = dict(r)
+            if r["k"] == "start":
+                r.update(rank=rank, world_size=world, local_rank=rank % 8, pid=pid)
+            elif r["k"] == "group":
+                r["ranks"] = list(range(world))
+            elif r["k"] == "dist_init":
+                r.update(rank=rank, world_size=world)
+            emit(r)
+        for j in range(steps - 1):
+            base = t1 + j * period
+            chunk = []
+            for r, tmpl, off in zip(block, templates, offsets, strict=True):
+                extra = EXTRA if rank == 0 and r.get("step", 0) + j >= plant else 0
+                chunk.append(
+                    tmpl.format(
+                        t=base + off,
+                        step=r.get("step", 0) + j,
+                        seq=r.get("seq", 0) + j * per_step.get(r.get("gid", -1), 0),
+                        rss=r.get("rss", 0) + extra,
+                        heap=r.get("heap", 0) + extra,
+                    )
+                )
+            text = "".join(chunk).replace('"dur":' + repr(recs[second]["dur"]), '"dur":' + repr(period))
+            written += len(text)
+            f.write(text)
+        shift = (steps - 2) * period + (period - span)
+        for r in ending:
+            if r["k"] in DROPPED:
+                continue
+            r = dict(r)
+            r["t"] += shift
+            if isinstance(r.get("step"), int):
+                r["step"] += steps - 2
+            if isinstance(r.get("seq"), int):
+                r["seq"] += (steps - 2) * per_step.get(r["gid"], 0)
+            if rank == 0 and r["k"] == "mem":
+                r.update({k: r[k] + EXTRA for k in ("rss", "heap") if isinstance(r.get(k), int)})
+            emit(r)
+    return written
+
+
+def write_run(out: Path, ranks: int, steps: int) -> int:
+    manifest = json.loads((TEMPLATE / "manifest.json").read_text())
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    jobs = [(out, r, ranks, steps, ranks // 2 + 1) for r in range(ranks)]
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        return sum(pool.map(write_rank, jobs, chunksize=4))
+
+
+def measure(cmd: list[str], src: Path) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds (the command and its workers), peak RSS of the process
+    tree (bytes), stdout. On a shared machine the wall time moves with the load; the CPU
+    time does not."""
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    cwd = tempfile.gettempdir()  # `python -m` puts the working directory first on sys.path
+    with tempfile.TemporaryFile() as stdout:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
+        root = psutil.Process(proc.pid)
+        peak = 0
+        while proc.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        stdout.seek(0)
+        return wall, cpu, peak, stdout.read().decode()
+
+
+def named(findings: list[dict[str, Any]], straggler: int) -> dict[str, bool]:
+    def has(fid: str, rank: int | None) -> bool:
+        return any(f["id"] == fid and (rank is None or rank in f["ranks"]) for f in findings)
+
+    return {
+        "rank0-asymmetry": has("rank0-asymmetry", 0),
+        "straggler": has("straggler", straggler),
+        "rank-conditional-hang": has("rank-conditional-hang", None),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="64,256,1024", help="comma-separated rank counts")
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "rundir-scale")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--src", type=Path, default=REPO, help="the lorascope source tree to measure (PYTHONPATH)")
+    parser.add_argument("--no-write", action="store_true", help="measure run directories --keep left")
+    parser.add_argument("--no-report", action="store_true", help="measure `lorascope analyze` only")
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    print(f"{cores} cores, load {os.getloadavg()[0]:.1f}; template {TEMPLATE.relative_to(REPO)}; {args.steps} steps")
+    for ranks in (int(n) for n in args.ranks.split(",")):
+        out = args.dir / f"{ranks}x{args.steps}"
+        start = time.perf_counter()
+        if not args.no_write:
+            shutil.rmtree(out, ignore_errors=True)
+            write_run(out, ranks, args.steps)
+        wrote = time.perf_counter() - start
+        size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl"))
+        lorascope = [sys.executable, "-m", "lorascope"]
+        a_wall, a_cpu, a_peak, text = measure([*lorascope, "analyze", "--json", str(out)], args.src)
+        findings = json.loads(text)["findings"] if text.strip() else []
+        html = out.parent / f"{out.name}.html"
+        report = [*lorascope, "report", str(out), "-o", str(html)]
+        r_wall, r_cpu, r_peak, _ = (0.0, 0.0, 0, "") if args.no_report else measure(report, args.src)
+        page = html.stat().st_size if html.exists() else 0
+        html.unlink(missing_ok=True)
+        mb = size / 1e6
+        print(
+            f"{ranks} ranks x {args.steps} steps: {mb:,.0f} MB of streams (written in {wrote:.0f} s)\n"
+            f"  analyze: {a_wall:.1f} s wall, {a_cpu:.1f} s CPU, peak {a_peak / 2**30:.2f} GiB; "
+            f"{mb / a_wall:.1f} MB/s, {mb / a_cpu:.1f} MB per CPU-second\n"
+            f"  report:  {r_wall:.1f} s wall, {r_cpu:.1f} s CPU, peak {r_peak / 2**30:.2f} GiB, page {page / 1e6:.1f} MB\n"
+            f"  named: {named(findings, ranks // 2 + 1)}; findings: {[(f['id'], f['ranks'][:4]) for f in findings]}",
+            flush=True,
+        )
+        if not args.keep:
+            shutil.rmtree(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Ranks' reduced collective records made comparable (analysis side).
+
+Each rank kept the first and the newest calls of every group and one digest per window of
+sequence numbers (:mod:`lorascope.rundir.reduce`). Where ranks first differ is found by
+comparing the digests of the windows every compared rank completed; that window, and the
+one where the shortest rank stops (from there on some ranks never made the calls others
+did), must be held in full by every rank: :func:`windows_needed` says which ranks must read
+which windows again. :func:`trim` then drops the calls only some ranks hold (between the
+first calls and the newest ones), so that a call one rank kept and another dropped never
+reads as a call the other never made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lorascope.rundir.reduce import WINDOW, WINDOW_PAD, GroupTally
+
+#: group -> sequence ranges (inclusive).
+Windows = dict[str, list[tuple[int, int]]]
+
+
+def _first_differing(tallies: Mapping[int, GroupTally], aspect: int) -> int | None:
+    """The first window index whose digests differ among the ranks that completed it."""
+    indexes = sorted({i for t in tallies.values() for i in t.digests})
+    for index in indexes:
+        done = [t for t in tallies.values() if t.last_seq >= (index + 1) * WINDOW]
+        if len({(d[aspect] if (d := t.digests.get(index)) else None) for t in done}) > 1:
+            return index
+    return None
+
+
+def group_windows(tallies: Mapping[int, GroupTally]) -> list[tuple[int, int]]:
+    """The sequence ranges of one group that every rank must hold in full: the first
+    window where the digests differ (of op and size; of every aspect), and where the
+    shortest rank stops."""
+    out = []
+    for aspect in (0, 1):
+        index = _first_differing(tallies, aspect)
+        if index is not None:
+            out.append((index * WINDOW + 1 - WINDOW_PAD, (index + 1) * WINDOW + WINDOW_PAD))
+    shortest = min(t.last_seq for t in tallies.values())
+    out.append((shortest - WINDOW - WINDOW_PAD, shortest + WINDOW + WINDOW_PAD))
+    return sorted(set(out))
+
+
+def windows_needed(ranks: Mapping[int, Any]) -> tuple[Windows, dict[int, Windows]]:
+    """Per group the ranges every rank must hold, and per rank the ranges (by group) it
+    must read again because it does not hold them. ``ranks``: rank -> RankData."""
+    by_group: dict[str, dict[int, GroupTally]] = {}
+    for n, data in ranks.items():
+        for group, tally in data.tallies.items():
+            by_group.setdefault(group, {})[n] = tally
+    needed: Windows = {}
+    reread: dict[int, Windows] = {}
+    for group, tallies in sorted(by_group.items()):
+        if all(t.tail_first is None for t in tallies.values()):
+            continue  # every rank holds every call
+        needed[group] = group_windows(tallies)
+        for n, tally in tallies.items():
+            missing = [w for w in needed[group] if not tally.holds(*w)]
+            if missing:
+                reread.setdefault(n, {})[group] = missing
+    return needed, reread
+
+
+def trim(ranks: Mapping[int, Any], needed: Windows) -> None:
+    """Drop, in every group some rank holds only in part, the calls between the first ones
+    and the newest ones every rank holds, outside the needed windows (pending calls
+    stay)."""
+    by_group: dict[str, list[GroupTally]] = {}
+    for data in ranks.values():
+        for group, tally in data.tallies.items():
+            by_group.setdefault(group, []).append(tally)
+    cut: dict[str, tuple[int, int, list[tuple[int, int]]]] = {}
+    for group, windows in needed.items():
+        tallies = by_group[group]
+        head = min(t.head_last for t in tallies)
+        tail = max(t.tail_first if t.tail_first is not None else t.last_seq + 1 for t in tallies)
+        cut[group] = (head, tail, windows)
+
+    def kept(c: Any) -> bool:
+        if c.group not in cut or c.pending:
+            return True
+        head, tail, windows = cut[c.group]
+        return c.seq <= head or c.seq >= tail or any(lo <= c.seq <= hi for lo, hi in windows)
+
+    for data in ranks.values():
+        data.collectives = [c for c in data.collectives if kept(c)]

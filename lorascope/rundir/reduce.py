@@ -1,0 +1,331 @@
+"""A rank's stream reduced to a bounded summary while it is read (analysis side).
+
+A long job writes ~100 collective records and ~15 others per rank and step: 1,024 ranks x
+10,000 steps is ~150 GB of records, far more than one machine holds. The reader
+(:mod:`lorascope.rundir.reader`) therefore keeps, per rank, only what the detectors and the
+report use, and counts the rest while it streams past:
+
+* **collectives**, per process group: the first :data:`HEAD_CALLS` and the last
+  :data:`TAIL_CALLS` calls, every call still pending, and a :class:`GroupTally` (count,
+  last sequence number, last completed one, the ops seen, and one digest per
+  :data:`WINDOW` sequence numbers). Ranks are then aligned by comparing digests
+  (:mod:`lorascope.rundir.align`): only the windows where they differ, and the one where the
+  shortest rank stops, are read again in full;
+* what is summed over every call: each step's time in synchronous collectives (the
+  straggler's waiting), and each op's total time and calls (the report), summed in the
+  order the calls started, as a sort of the whole list would;
+* **step-keyed records** (memory samples, phase edges, steps, logits): every record of the
+  first and the last steps, and of every ``stride``-th step between, within a budget of
+  steps per rank (:func:`decimate`); the records that hold a peak are always kept;
+* counts of every listed kind, the median step time and the last loss over all steps, and
+  per-step series (step time, peak memory) bounded to :data:`SERIES_POINTS` points.
+
+A stream within the bounds is kept whole: the reduction changes nothing for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import statistics
+from array import array
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorascope.rundir.reader import Collective
+
+#: Calls kept per process group: the first ones, and the newest ones.
+HEAD_CALLS = 512
+TAIL_CALLS = 1024
+#: Sequence numbers per digest window (ranks are compared window by window).
+WINDOW = 256
+#: Calls read on either side of a window that has to be read again (>= the report's
+#: alignment chart window, so a chart around a divergence has its neighbours).
+WINDOW_PAD = 64
+#: Completed calls waiting behind an older pending one before they are summed anyway.
+MAX_REORDER = 1 << 18
+#: Step-keyed records: rank-steps kept over the whole run, and at least per rank.
+STEP_BUDGET = 1 << 17
+MIN_STEPS_KEPT = 64
+#: Warnings kept per rank (all are counted).
+KEEP_WARNINGS = 200
+#: Points per per-step series, at most (beyond, the max over consecutive steps).
+SERIES_POINTS = 4096
+
+
+def steps_per_rank(ranks: int) -> int:
+    """The step budget of one rank in a run of ``ranks`` ranks."""
+    return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=12).digest()
+
+
+@dataclass
+class GroupTally:
+    """Everything one rank called in one process group, counted (the calls themselves are
+    bounded)."""
+
+    calls: int = 0
+    first_seq: int | None = None
+    last_seq: int = 0
+    #: The highest sequence number of a completed call (0: none completed).
+    last_done: int = 0
+    ops: set[str] = field(default_factory=set)
+    #: Window index -> (digest of seq, op and size; digest with the dtype too).
+    digests: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    #: The last call kept from the start; the first of the newest calls kept (None: all kept).
+    head_last: int = 0
+    tail_first: int | None = None
+
+    def holds(self, lo: int, hi: int) -> bool:
+        """Whether every call of this rank with a sequence number in lo..hi is kept."""
+        if self.first_seq is None or self.tail_first is None:
+            return True
+        lo, hi = max(lo, self.first_seq), min(hi, self.last_seq)
+        return lo > hi or hi <= self.head_last or lo >= self.tail_first
+
+
+class CollectiveLog:
+    """The bounded collective records of one rank, fed call by call as they are read."""
+
+    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None = None) -> None:
+        self.tallies: dict[str, GroupTally] = {}
+        self.head: dict[str, list[Collective]] = {}
+        self.tail: dict[str, deque[Collective]] = {}
+        #: Calls asked for by sequence number (a window read again), per group.
+        self.windows = windows or {}
+        self.extra: list[Collective] = []
+        self.coll_wait: dict[int, float] = {}
+        self.op_totals: dict[str, tuple[float, int]] = {}
+        #: Per group, the (seq, op, bytes, dtype) of the calls of the windows still open.
+        self._open: dict[str, dict[int, list[tuple[int, str, int | None, str | None]]]] = {}
+        self._order: list[tuple[float, int, Collective]] = []
+        #: Per step (+1), the (start, seconds) of its completed synchronous calls, until
+        #: :meth:`outside_backward` has used them.
+        self._sync: dict[int, list[tuple[float, float]]] = {}
+        self._n = 0
+
+    def add(self, coll: Collective) -> None:
+        group, seq = coll.group, coll.seq
+        tally = self.tallies.get(group)
+        if tally is None:
+            tally = self.tallies[group] = GroupTally(first_seq=seq)
+            self.head[group] = []
+        tally.calls += 1
+        if seq > tally.last_seq:
+            tally.last_seq = seq
+        tally.ops.add(coll.op)
+        self._hash(coll)
+        head = self.head[group]
+        if len(head) < HEAD_CALLS:
+            head.append(coll)
+            tally.head_last = seq
+        else:
+            tail = self.tail.get(group)
+            if tail is None:
+                tail = self.tail[group] = deque(maxlen=TAIL_CALLS)
+            if len(tail) == TAIL_CALLS:
+                old = tail[0]
+                if old.end is None or (self.windows and self._asked(old)):
+                    self.extra.append(old)
+            tail.append(coll)
+            tally.tail_first = tail[0].seq
+        order = self._order
+        heapq.heappush(order, (coll.start, self._n, coll))
+        self._n += 1
+        if order[0][2].end is not None or len(order) > MAX_REORDER:
+            self._release(False)
+
+    def ended(self, coll: Collective) -> None:
+        """A call completed (its end record was read)."""
+        tally = self.tallies[coll.group]
+        if coll.seq > tally.last_done:
+            tally.last_done = coll.seq
+        if self._order and self._order[0][2].end is not None:
+            self._release(False)
+
+    def find(self, group: str, seq: int) -> Collective | None:
+        """The newest kept call of ``group`` with ``seq``."""
+        for pool in (self.tail.get(group, ()), self.head.get(group, ())):
+            for coll in reversed(pool):
+                if coll.seq == seq:
+                    return coll
+        return None
+
+    def _asked(self, coll: Collective) -> bool:
+        return any(lo <= coll.seq <= hi for lo, hi in self.windows.get(coll.group, ()))
+
+    def _hash(self, coll: Collective) -> None:
+        index = (coll.seq - 1) // WINDOW
+        opened = self._open.setdefault(coll.group, {})
+        calls = opened.get(index)
+        if calls is None:
+            for old in [i for i in opened if i < index - 1]:
+                self._close(coll.group, old)
+            calls = opened[index] = []
+        calls.append((coll.seq, coll.op, coll.bytes, coll.dtype))
+
+    def _close(self, group: str, index: int) -> None:
+        calls = self._open[group].pop(index)
+        op_size = _digest(repr([c[:3] for c in calls]).encode())
+        self.tallies[group].digests[index] = (op_size, _digest(repr(calls).encode()))
+
+    def _release(self, everything: bool) -> None:
+        """Sum completed calls in the order they started: a call waits while an older one
+        is pending (or, past MAX_REORDER, is summed anyway)."""
+        order = self._order
+        while order and (everything or order[0][2].end is not None or len(order) > MAX_REORDER):
+            _, _, coll = heapq.heappop(order)
+            if coll.end is None:
+                continue
+            took = coll.end - coll.start
+            if not coll.is_async:
+                self.coll_wait[coll.step + 1] = self.coll_wait.get(coll.step + 1, 0.0) + took
+                self._sync.setdefault(coll.step + 1, []).append((coll.start, took))
+            total, n = self.op_totals.get(coll.op, (0.0, 0))
+            self.op_totals[coll.op] = (total + took, n + 1)
+
+    def finish(self) -> list[Collective]:
+        """Close the digests and the sums; the kept calls, in the order they started."""
+        self._release(True)
+        for group, opened in self._open.items():
+            for index in list(opened):
+                self._close(group, index)
+        kept: dict[int, Collective] = {}
+        for pool in (*self.head.values(), *self.tail.values(), self.extra):
+            for coll in pool:
+                kept[id(coll)] = coll
+        for group, tail in self.tail.items():
+            if tail and self.tallies[group].tail_first is not None:
+                self.tallies[group].tail_first = tail[0].seq
+        calls = list(kept.values())
+        calls.sort(key=lambda c: c.start)
+        return calls
+
+    def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
+        """Per step (+1), the time in synchronous calls that started outside every backward
+        phase of the step (FSDP's backward collectives run inside it); call after
+        :meth:`finish`, with every phase record."""
+        spans: dict[int, list[tuple[float, float]]] = {}
+        begin: dict[int, float] = {}
+        for p in phases:
+            if p["name"] != "backward":
+                continue
+            step = p["step"] + 1
+            if p["edge"] == "begin":
+                begin[step] = p["t"]
+            elif step in begin:
+                spans.setdefault(step, []).append((begin.pop(step), p["t"]))
+        out: dict[int, float] = {}
+        for step, calls in self._sync.items():
+            for start, took in calls:
+                if not any(b <= start <= e for b, e in spans.get(step, [])):
+                    out[step] = out.get(step, 0.0) + took
+        self._sync = {}
+        return out
+
+
+def _numbers(rec: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
+    """Every numeric field of a record, one level of nesting (``cuda.reserved``)."""
+    for key, value in rec.items():
+        if isinstance(value, dict) and not prefix:
+            yield from _numbers(value, key + ".")
+            if isinstance(value.get("used"), int | float) and isinstance(value.get("total"), int | float):
+                if value["total"]:
+                    yield key + ".share", value["used"] / value["total"]
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key not in ("t", "step"):
+            yield prefix + key, value
+
+
+def _peaks(records: list[dict[str, Any]], by: str | None = None) -> set[int]:
+    """Indexes of the records that hold the highest value of each numeric field (per
+    ``by`` value, when given)."""
+    best: dict[tuple[Any, str], tuple[float, int]] = {}
+    for i, rec in enumerate(records):
+        tag = rec.get(by) if by else None
+        for name, value in _numbers(rec):
+            key = (tag, name)
+            if key not in best or value > best[key][0]:
+                best[key] = (value, i)
+    return {i for _, i in best.values()}
+
+
+def kept_steps(steps: Iterable[int], budget: int, stride: int | None = None) -> tuple[int, set[int]]:
+    """The step numbers kept of ``steps`` within ``budget``: the first and the last quarter
+    of the budget, and every ``stride``-th between (the smallest power of two that fits,
+    unless given). Returns (stride, kept); stride 1 keeps every step."""
+    ordered = sorted(set(steps))
+    if stride is None and len(ordered) <= budget:
+        return 1, set(ordered)
+    edge = budget // 4
+    head, tail = set(ordered[:edge]), set(ordered[-edge:]) if edge else set()
+    middle = ordered[edge : len(ordered) - edge]
+    if stride is None:
+        stride = 1
+        while sum(1 for s in middle if s % stride == 0) > budget - 2 * edge:
+            stride *= 2
+    if stride == 1:
+        return 1, set(ordered)
+    return stride, head | tail | {s for s in middle if s % stride == 0}
+
+
+def decimate(data: Any, budget: int, stride: int | None = None) -> int:
+    """Keep the step-keyed records of ``data`` (a RankData) for the kept steps, and those
+    holding a peak; returns the stride."""
+    stride, kept = kept_steps((s["step"] for s in data.steps), budget, stride)
+    if stride == 1:
+        return 1
+    last = max((s["step"] for s in data.steps), default=0)
+
+    def keep(rec: dict[str, Any]) -> bool:
+        step = rec.get("step")
+        return not isinstance(step, int) or step in kept or step > last
+
+    peaks = _peaks(data.mem)
+    data.mem = [m for i, m in enumerate(data.mem) if i in peaks or keep(m)]
+    logit_peaks = _peaks(data.logits, by="where")
+    data.logits = [r for i, r in enumerate(data.logits) if i in logit_peaks or keep(r)]
+    data.phases = [p for p in data.phases if keep(p)]
+    data.steps = [s for s in data.steps if keep(s)]
+    return stride
+
+
+def _bounded(points: list[tuple[int, float]]) -> tuple[array[int], array[float]]:
+    """At most SERIES_POINTS points: beyond, the max over runs of consecutive steps."""
+    size = max(1, -(-len(points) // SERIES_POINTS))
+    steps: array[int] = array("q")
+    values: array[float] = array("d")
+    for i in range(0, len(points), size):
+        chunk = points[i : i + size]
+        steps.append(chunk[0][0])
+        values.append(max(v for _, v in chunk))
+    return steps, values
+
+
+def totals(data: Any) -> dict[str, Any]:
+    """What is computed over every step-keyed record before any is dropped: counts, the
+    median step time, the last loss, and the per-step series."""
+    durations = [s["dur"] for s in data.steps if s["dur"] > 0]
+    losses = [s["loss"] for s in data.steps if s.get("loss") is not None]
+    peak: dict[int, float] = {}
+    cuda = any(isinstance(m.get("cuda"), dict) for m in data.mem)
+    for m in data.mem:
+        value = m["cuda"].get("max_alloc") if cuda and isinstance(m.get("cuda"), dict) else m.get("rss")
+        if isinstance(value, int | float) and isinstance(m.get("step"), int):
+            peak[m["step"]] = max(peak.get(m["step"], value), value)
+    return {
+        "steps": len(data.steps),
+        "mem": len(data.mem),
+        "warnings": len(data.warnings),
+        "step_time_median_s": statistics.median(durations) if durations else None,
+        "last_loss": losses[-1] if losses else None,
+        "series": {
+            "step_time_s": _bounded([(s["step"], float(s["dur"])) for s in data.steps]),
+            "peak_memory_bytes": _bounded(sorted(peak.items())),
+        },
+    }

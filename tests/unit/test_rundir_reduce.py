@@ -1,0 +1,117 @@
+"""The per-rank reduction (lorascope/rundir/reduce.py, align.py): with bounds far below a
+recorded run's size, the analysis and the report say what they say when everything is
+kept; a divergence in the middle of a run is found by the digests and read again; the
+worker pool reads what the serial path reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.analysis import analyze
+from lorascope.detect.common import peak_memory
+from lorascope.detect.hang.divergence import first_divergence
+from lorascope.report.data import build_report_data
+from lorascope.rundir import align, reader, reduce
+from lorascope.rundir.reader import load_run
+from tests.helpers import FIXTURES
+
+RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
+
+
+def tight(monkeypatch: pytest.MonkeyPatch, steps: int = 10_000, least: int = 64) -> None:
+    """Bounds a recorded fixture exceeds: 8 first calls, 64 newest, windows of 16."""
+    monkeypatch.setattr(reduce, "HEAD_CALLS", 8)
+    monkeypatch.setattr(reduce, "TAIL_CALLS", 64)
+    monkeypatch.setattr(reduce, "WINDOW", 16)
+    monkeypatch.setattr(align, "WINDOW", 16)
+    monkeypatch.setattr(reduce, "STEP_BUDGET", steps)
+    monkeypatch.setattr(reduce, "MIN_STEPS_KEPT", least)
+
+
+def outcome(path: Path) -> tuple[str, str]:
+    analysis = analyze(path)
+    report = build_report_data(analysis.bundle, analysis.findings, analysis.summary)
+    return (
+        json.dumps(analysis.to_data(), sort_keys=True, default=str),
+        json.dumps(report, sort_keys=True, default=str),
+    )
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_tight_bounds_change_no_output(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = outcome(FIXTURES / name)
+    tight(monkeypatch)
+    run = load_run(FIXTURES / name)
+    kept = {n: len(r.collectives) for n, r in run.ranks.items()}
+    assert all(kept[n] < r.collectives_total for n, r in run.ranks.items()), kept  # it did reduce
+    assert outcome(FIXTURES / name) == whole
+
+
+def _plant_mismatch(dst: Path, seq: int) -> None:
+    """Rank 1's call ``seq`` of the default group becomes a broadcast (its size kept)."""
+    shutil.copytree(FIXTURES / "healthy", dst)
+    [stream] = (dst / "ranks" / "rank-1").glob("*.jsonl")
+    lines = stream.read_text().splitlines(keepends=True)
+    gid = next(r["gid"] for r in map(json.loads, lines) if r["k"] == "group" and r["name"] == "default_pg")
+    for i, line in enumerate(lines):
+        rec: dict[str, Any] = json.loads(line)
+        if rec["k"] == "coll" and rec["gid"] == gid and rec["seq"] == seq:
+            rec["op"] = "broadcast"
+            lines[i] = json.dumps(rec, separators=(",", ":")) + "\n"
+    stream.write_text("".join(lines))
+
+
+def test_a_divergence_mid_run_is_found_by_its_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_mismatch(tmp_path / "run", 200)
+    whole = load_run(tmp_path / "run")
+    found = first_divergence(whole)
+    assert found is not None and (found.group, found.seq) == ("default_pg", 200)
+    expected = outcome(tmp_path / "run")
+    tight(monkeypatch)
+    reduced = load_run(tmp_path / "run")
+    assert all(not r.tallies["default_pg"].holds(190, 210) for r in reduced.ranks.values())  # dropped by the bounds
+    again = first_divergence(reduced)
+    assert again is not None and (again.group, again.seq) == ("default_pg", 200)
+    assert outcome(tmp_path / "run") == expected
+
+
+def test_the_worker_pool_reads_what_one_process_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    serial = outcome(FIXTURES / "rank-conditional-hang")
+    monkeypatch.setattr(reader, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 2)
+    assert outcome(FIXTURES / "rank-conditional-hang") == serial
+
+
+def test_a_bad_stream_in_a_worker_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(FIXTURES / "healthy", tmp_path / "run")
+    [stream] = (tmp_path / "run" / "ranks" / "rank-1").glob("*.jsonl")
+    stream.write_text("not json\n" + stream.read_text())
+    monkeypatch.setattr(reader, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: 2)
+    with pytest.raises(reader.BadInputError, match=r"rank-1/.*:1: not a JSON record"):
+        load_run(tmp_path / "run")
+
+
+def test_step_records_past_the_budget_keep_first_last_strided_and_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = load_run(FIXTURES / "rank0-asymmetry")
+    tight(monkeypatch, steps=8, least=4)  # 2 ranks: 4 steps each, of 8
+    run = load_run(FIXTURES / "rank0-asymmetry")
+    for n, rank in run.ranks.items():
+        steps = [s["step"] for s in rank.steps]
+        assert rank.stride == 4 and steps == [1, 4, 8], steps
+        assert len(rank.mem) < len(whole.ranks[n].mem) and len(rank.phases) < len(whole.ranks[n].phases)
+        assert peak_memory(rank) == peak_memory(whole.ranks[n])
+        assert rank.totals == whole.ranks[n].totals  # counted over every record read
+        assert rank.series("step_time_s") == [(s["step"], float(s["dur"])) for s in whole.ranks[n].steps]
+
+
+def test_kept_steps() -> None:
+    assert reduce.kept_steps(range(1, 11), 16) == (1, set(range(1, 11)))
+    stride, kept = reduce.kept_steps(range(1, 101), 16)
+    assert stride == 16 and kept == {1, 2, 3, 4, 16, 32, 48, 64, 80, 96, 97, 98, 99, 100}
+    assert reduce.kept_steps(range(1, 101), 16, stride=32)[1] == {1, 2, 3, 4, 32, 64, 96, 97, 98, 99, 100}
