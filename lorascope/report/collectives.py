@@ -30,17 +30,11 @@ STATUS = {"ok": 0, "pending": 1, "error": 2, "absent": 3}
 
 
 def wait_per_step(run: RunData) -> dict[int, list[tuple[int, float]]]:
-    """Per rank, the wall seconds its calls that returned spent in collectives, per step in
-    progress (a call's ``step`` is the steps completed; the time includes waiting for the
-    other ranks, which is what sets a straggler's peers apart)."""
-    out: dict[int, list[tuple[int, float]]] = {}
-    for rank in run.ranks.values():
-        spent: dict[int, float] = defaultdict(float)
-        for c in rank.collectives:
-            if c.end is not None:
-                spent[c.step + 1] += max(0.0, c.end - c.start)
-        out[rank.rank] = sorted(spent.items())
-    return out
+    """Per rank, the wall seconds its synchronous calls spent in collectives, per step in
+    progress (the time includes waiting for the other ranks, which is what sets a
+    straggler's peers apart; async calls overlap the rank's own work and are left out).
+    Summed by the reader over every call, not only the calls it kept."""
+    return {rank.rank: sorted(rank.coll_wait.items()) for rank in run.ranks.values()}
 
 
 def _signature(c: Collective) -> tuple[str, int | None, str | None]:
