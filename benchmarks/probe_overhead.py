@@ -5,9 +5,11 @@ Runs ``probes/train_lora.py`` under torchrun bare and under ``lorascope run --no
 (by default with ``--trace-window off``: the always-on probes; the bounded kernel-trace
 window profiles two steps and exports a trace, a one-off cost measured with
 ``--trace-window 5:2``),
-alternating (bare/probed, then probed/bare, ...) ``--reps`` times each, and prints the
-median step time of each, their ratio, the ratio per pair (its min/max is the spread),
-and whether rank 0's losses were identical with and without probes.
+alternating (bare/probed, then probed/bare, ...) ``--reps`` pairs (default 20), and prints
+every pair's median step times and ratio as it goes, then the headline figure: the
+median over pairs of the per-pair overhead (probed median / bare median - 1) with its
+interquartile range, the pooled median step times, and whether rank 0's losses were
+identical with and without probes. ``--json FILE`` writes every number.
 
 Both variants are timed the same way, from outside the job: the job prints
 ``step N loss X`` on rank 0 after each step (``--print-losses``, flushed), and the time
@@ -16,16 +18,18 @@ The first ``--warmup`` steps of every run are discarded. The job's own
 ``mean_step_s`` (which skips only its first 2 steps) is reported as a cross-check.
 
 Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
-few percent only with many repetitions (``--reps 20`` or more). With ``taskset`` on the
+few percent only with many repetitions (20 pairs or more), and say what else the
+machine was running (the load average is printed before and after). With ``taskset`` on the
 machine every run is pinned to the same CPUs (``--cpus``; default: the CPUs this script
 may use), so that both variants see the same cores.
 
-    python benchmarks/probe_overhead.py --reps 5 --steps 30
+    python benchmarks/probe_overhead.py --reps 20 --steps 30
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -60,7 +64,7 @@ class Run:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=5, help="runs of each variant (default 5)")
+    p.add_argument("--reps", type=int, default=20, help="bare/probed pairs (default 20)")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run discarded (default 5)")
     p.add_argument(
@@ -77,6 +81,7 @@ def parse_args() -> argparse.Namespace:
         help="the probed runs' kernel-trace window (default off: always-on probes only)",
     )
     p.add_argument("--keep", action="store_true", help="keep the probed runs' directories")
+    p.add_argument("--json", type=Path, help="also write the figures (every pair's) to this JSON file")
     p.add_argument("job_args", nargs="*", help="extra arguments for train_lora.py (after --)")
     args = p.parse_args()
     if args.reps < 1:
@@ -156,6 +161,21 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     return run
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile (statistics' "inclusive" method)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min, {os.cpu_count()} CPUs)"
+    except OSError:
+        return "unknown"
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:7.1f} ms"
 
@@ -168,6 +188,8 @@ def main() -> None:
         f"probe_overhead: {args.reps} pairs, {args.steps} steps/run, first {args.warmup} discarded, "
         f"{args.nproc} ranks; pinned to CPUs: {pin[-1] if pin else 'no'}; work dir {work}"
     )
+    load_before = load_average()
+    print(f"load average before: {load_before}")
     pairs: list[tuple[Run, Run]] = []
     port = args.port
     try:
@@ -180,8 +202,10 @@ def main() -> None:
             bare, probed = done["bare"], done["probed"]
             pairs.append((bare, probed))
             print(
-                f"  pair {rep + 1}: bare {ms(bare.median)} probed {ms(probed.median)} "
-                f"ratio {probed.median / bare.median:.3f}   (wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s)"
+                f"  pair {rep + 1:2d} ({order[0][0]}{order[1][0]}): bare {ms(bare.median)} probed {ms(probed.median)} "
+                f"overhead {(probed.median / bare.median - 1) * 100:+6.2f}%   "
+                f"(wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s; load {os.getloadavg()[0]:.2f})",
+                flush=True,
             )
     finally:
         if not args.keep:
@@ -191,7 +215,8 @@ def main() -> None:
     probed_runs = [p for _, p in pairs]
     bare_med = statistics.median(s for r in bare_runs for s in r.step_s)
     probed_med = statistics.median(s for r in probed_runs for s in r.step_s)
-    ratios = [p.median / b.median for b, p in pairs]
+    overheads = [(p.median / b.median - 1) * 100 for b, p in pairs]
+    q1, q2, q3 = quartiles(overheads)
     job_ratio = (
         statistics.median(p.mean_step_s / b.mean_step_s for b, p in pairs if b.mean_step_s and p.mean_step_s)
         if all(b.mean_step_s and p.mean_step_s for b, p in pairs)
@@ -200,24 +225,59 @@ def main() -> None:
     reference = bare_runs[0].losses
     same_losses = all(r.losses == reference for r in bare_runs + probed_runs)
     bare_vs_probed = all(p.losses == b.losses for b, p in pairs)
+    load_after = load_average()
 
     print()
+    print(f"per-pair overhead, %:     {' '.join(f'{o:+.2f}' for o in overheads)}")
+    print(
+        f"OVERHEAD (median of {len(pairs)} pairs): {q2:+.2f}%   "
+        f"IQR {q1:+.2f}% .. {q3:+.2f}% ({q3 - q1:.2f} points), min {min(overheads):+.2f}%, max {max(overheads):+.2f}%"
+    )
     print(f"median step time, bare:   {ms(bare_med)}  ({len(bare_runs)} runs x {len(bare_runs[0].step_s)} steps)")
     print(f"median step time, probed: {ms(probed_med)}")
-    print(f"ratio probed/bare:        {probed_med / bare_med:.3f}  ({(probed_med / bare_med - 1) * 100:+.1f}%)")
-    print(f"per-pair ratios:          {' '.join(f'{r:.3f}' for r in ratios)}")
-    print(f"  median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    print(f"pooled ratio probed/bare: {probed_med / bare_med:.3f}  ({(probed_med / bare_med - 1) * 100:+.2f}%)")
     if job_ratio is not None:
         print(f"job's own mean_step_s ratio (median over pairs; it skips 2 steps): {job_ratio:.3f}")
     print(
         f"wall time per run, median: bare {statistics.median(r.wall_s for r in bare_runs):.1f} s, "
         f"probed {statistics.median(r.wall_s for r in probed_runs):.1f} s"
     )
+    print(f"load average before: {load_before}; after: {load_after}")
     print(
         f"losses identical bare vs probed: {'yes' if bare_vs_probed else 'NO'}"
         f" (all {len(pairs) * 2} runs identical: {'yes' if same_losses else 'no'}; "
         f"{len(reference)} steps, last {reference[-1]})"
     )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "pairs": [
+                        {
+                            "bare_ms": b.median * 1e3,
+                            "probed_ms": p.median * 1e3,
+                            "overhead_pct": o,
+                            "bare_first": i % 2 == 0,
+                        }
+                        for i, ((b, p), o) in enumerate(zip(pairs, overheads, strict=True))
+                    ],
+                    "overhead_median_pct": q2,
+                    "overhead_iqr_pct": [q1, q3],
+                    "bare_median_ms": bare_med * 1e3,
+                    "probed_median_ms": probed_med * 1e3,
+                    "losses_identical": bare_vs_probed,
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "trace_window": args.trace_window,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    if not bare_vs_probed:
+        sys.exit("probe_overhead: the probes changed the losses")
 
 
 if __name__ == "__main__":
