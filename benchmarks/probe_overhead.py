@@ -17,6 +17,12 @@ between two consecutive such lines, read as they arrive, is that step's wall tim
 The first ``--warmup`` steps of every run are discarded. The job's own
 ``mean_step_s`` (which skips only its first 2 steps) is reported as a cross-check.
 
+Wall time on a loaded machine swings with what else runs; the CPU time the ranks spend
+per step does much less. So the ranks' CPU time (user + system, every thread, read from
+/proc through psutil when the warm-up's last step line and the run's last step line
+arrive) is reported too, per pair and as the same median over pairs: it is what the
+probes add to the job's work, whatever the machine's load.
+
 Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
 few percent only with many repetitions (20 pairs or more), and say what else the
 machine was running (the load average is printed before and after). With ``taskset`` on the
@@ -41,6 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "probes" / "train_lora.py"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$")
@@ -56,6 +64,7 @@ class Run:
     losses: list[str] = field(default_factory=list)  # repr of rank 0's loss, per step
     mean_step_s: float | None = None  # what the job itself prints
     rc: int = 0
+    cpu_step_s: float | None = None  # the ranks' CPU seconds per post-warm-up step, all ranks together
 
     @property
     def median(self) -> float:
@@ -135,6 +144,8 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     run = Run(variant, port)
     log = work / f"{variant}-{index:02d}.stderr"
     arrivals: dict[int, float] = {}
+    cpu_at: dict[int, float] = {}
+    ranks: list[psutil.Process] = []
     start = time.perf_counter()
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
@@ -143,8 +154,12 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
             now = time.perf_counter()
             line = line.rstrip("\n")
             if m := STEP_LINE.match(line):
-                arrivals[int(m.group(1))] = now
+                step = int(m.group(1))
+                arrivals[step] = now
                 run.losses.append(m.group(2))
+                if step in (args.warmup, args.steps):
+                    ranks = ranks or rank_processes(proc.pid, args.nproc)
+                    cpu_at[step] = ranks_cpu(ranks)
             elif m := DONE_LINE.match(line):
                 run.mean_step_s = float(m.group(1))
         run.rc = proc.wait()
@@ -156,9 +171,39 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
             f"{len(arrivals)}/{args.steps} steps); its stderr ends:\n" + "\n".join(tail)
         )
     run.step_s = [arrivals[s] - arrivals[s - 1] for s in range(args.warmup + 1, args.steps + 1)]
+    if len(cpu_at) == 2 and len(ranks) == args.nproc:
+        run.cpu_step_s = (cpu_at[args.steps] - cpu_at[args.warmup]) / (args.steps - args.warmup)
     if variant == "probed" and not list((work / f"probed-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
         print(f"  warning: the probed run {index} wrote no rank stream (probes not attached?)")
     return run
+
+
+def rank_processes(root: int, nproc: int) -> list[psutil.Process]:
+    """The job's rank processes: descendants of the launch running the job script."""
+    found = []
+    try:
+        for child in psutil.Process(root).children(recursive=True):
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if any(part.endswith("train_lora.py") for part in cmd) and not any("torchrun" in c for c in cmd[:2]):
+                found.append(child)
+    except psutil.Error:
+        return []
+    return found if len(found) == nproc else []
+
+
+def ranks_cpu(ranks: list[psutil.Process]) -> float:
+    """CPU seconds (user + system, all threads) the ranks have used so far."""
+    total = 0.0
+    for rank in ranks:
+        try:
+            times = rank.cpu_times()
+        except psutil.Error:
+            return float("nan")
+        total += times.user + times.system
+    return total
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -174,6 +219,21 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (1/5/15 min, {os.cpu_count()} CPUs)"
     except OSError:
         return "unknown"
+
+
+def cpu_overhead(bare: Run, probed: Run) -> float | None:
+    if bare.cpu_step_s and probed.cpu_step_s:
+        return (probed.cpu_step_s / bare.cpu_step_s - 1) * 100
+    return None
+
+
+def cpu_overhead_text(bare: Run, probed: Run) -> str:
+    value = cpu_overhead(bare, probed)
+    return "n/a" if value is None else f"{value:+.2f}%"
+
+
+def cpu_text(run: Run) -> str:
+    return "n/a" if run.cpu_step_s is None else f"{run.cpu_step_s * 1000:.1f} ms"
 
 
 def ms(seconds: float) -> str:
@@ -203,7 +263,8 @@ def main() -> None:
             pairs.append((bare, probed))
             print(
                 f"  pair {rep + 1:2d} ({order[0][0]}{order[1][0]}): bare {ms(bare.median)} probed {ms(probed.median)} "
-                f"overhead {(probed.median / bare.median - 1) * 100:+6.2f}%   "
+                f"overhead {(probed.median / bare.median - 1) * 100:+6.2f}%; "
+                f"CPU/step {cpu_text(bare)} / {cpu_text(probed)} ({cpu_overhead_text(bare, probed)})   "
                 f"(wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s; load {os.getloadavg()[0]:.2f})",
                 flush=True,
             )
@@ -233,6 +294,16 @@ def main() -> None:
         f"OVERHEAD (median of {len(pairs)} pairs): {q2:+.2f}%   "
         f"IQR {q1:+.2f}% .. {q3:+.2f}% ({q3 - q1:.2f} points), min {min(overheads):+.2f}%, max {max(overheads):+.2f}%"
     )
+    cpu = [c for b, p in pairs if (c := cpu_overhead(b, p)) is not None]
+    if cpu:
+        c1, c2, c3 = quartiles(cpu)
+        print(f"per-pair CPU overhead, %: {' '.join(f'{o:+.2f}' for o in cpu)}")
+        print(
+            f"CPU OVERHEAD (median of {len(cpu)} pairs): {c2:+.2f}%   IQR {c1:+.2f}% .. {c3:+.2f}% "
+            f"(ranks' CPU seconds per step, all ranks: bare "
+            f"{statistics.median(b.cpu_step_s for b, _ in pairs if b.cpu_step_s) * 1000:.1f} ms, probed "
+            f"{statistics.median(p.cpu_step_s for _, p in pairs if p.cpu_step_s) * 1000:.1f} ms)"
+        )
     print(f"median step time, bare:   {ms(bare_med)}  ({len(bare_runs)} runs x {len(bare_runs[0].step_s)} steps)")
     print(f"median step time, probed: {ms(probed_med)}")
     print(f"pooled ratio probed/bare: {probed_med / bare_med:.3f}  ({(probed_med / bare_med - 1) * 100:+.2f}%)")
@@ -257,12 +328,17 @@ def main() -> None:
                             "bare_ms": b.median * 1e3,
                             "probed_ms": p.median * 1e3,
                             "overhead_pct": o,
+                            "bare_cpu_ms": b.cpu_step_s and b.cpu_step_s * 1e3,
+                            "probed_cpu_ms": p.cpu_step_s and p.cpu_step_s * 1e3,
+                            "cpu_overhead_pct": cpu_overhead(b, p),
                             "bare_first": i % 2 == 0,
                         }
                         for i, ((b, p), o) in enumerate(zip(pairs, overheads, strict=True))
                     ],
                     "overhead_median_pct": q2,
                     "overhead_iqr_pct": [q1, q3],
+                    "cpu_overhead_median_pct": quartiles(cpu)[1] if cpu else None,
+                    "cpu_overhead_iqr_pct": [quartiles(cpu)[0], quartiles(cpu)[2]] if cpu else None,
                     "bare_median_ms": bare_med * 1e3,
                     "probed_median_ms": probed_med * 1e3,
                     "losses_identical": bare_vs_probed,

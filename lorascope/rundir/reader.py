@@ -229,6 +229,7 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
     unknown: dict[str, tuple[str, int]] = {}
     data: RankData | None = None
     pending: dict[tuple[int, int], Collective] = {}
+    dropped: tuple[str, int] | None = None
     for _, path in segs:
         for number, rec in _iter_records(path, warnings):
             try:
@@ -244,8 +245,10 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
                 if kind != "start":
                     raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
                 data = RankData(rank=rank, start=rec, files=[])
-            data.last_time = max(data.last_time, float(rec["t"]))
+            data.last_time = max(data.last_time, float(rec["t"]), float(rec["end"]) if kind == "coll_done" else 0.0)
             _apply(data, kind, rec, pending)
+            if kind == "dropped":  # a running total
+                dropped = (f"{path}:{number}", rec["records"])
             if kind == "fatal_handler":
                 data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
             if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
@@ -264,6 +267,8 @@ def _load_process(rank: int, segs: list[tuple[int, Path]], warnings: list[str]) 
             data.files.append(str(path))
     for kind, (where, n) in unknown.items():
         warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
+    if dropped is not None:
+        warnings.append(f"{dropped[0]}: the probes dropped {dropped[1]} record(s) (their queue was full)")
     if data is None:
         raise BadInputError(f"{segs[0][1]}: empty rank stream")
     data.collectives.sort(key=lambda c: c.start)
@@ -311,7 +316,7 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
                 if rec.get("text"):
                     step["loss_text"] = rec["text"]
                 break
-    elif kind == "coll":
+    elif kind == "coll" or kind == "coll_done":
         group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
         coll = Collective(
             seq=rec["seq"],
@@ -325,7 +330,10 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[i
             start=float(rec["t"]),
             via=rec["via"] if isinstance(rec.get("via"), str) else None,
         )
-        pending[(rec["gid"], rec["seq"])] = coll
+        if kind == "coll":
+            pending[(rec["gid"], rec["seq"])] = coll
+        else:  # the call had ended when it was written
+            coll.end, coll.err = float(rec["end"]), rec["err"]
         data.collectives.append(coll)
     elif kind == "coll_end":
         ended = pending.pop((rec["gid"], rec["seq"]), None)
