@@ -29,7 +29,11 @@ machine was running (the load average is printed before and after). With ``tasks
 machine every run is pinned to the same CPUs (``--cpus``; default: the CPUs this script
 may use), so that both variants see the same cores.
 
-    python benchmarks/probe_overhead.py --reps 20 --steps 30
+``--baseline DIR`` adds a third variant to every repetition, probed by the lorascope of
+another checkout (e.g. ``git worktree add /tmp/base HEAD~3``), in rotating order: a
+change's before and after measured under the same load.
+
+    python benchmarks/probe_overhead.py --reps 20 --steps 30 [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ DONE_LINE = re.compile(r"^train_lora: done .*mean_step_s=([0-9.eE+-]+)")
 
 @dataclass
 class Run:
-    variant: str  # "bare" or "probed"
+    variant: str  # "bare", "probed" or "baseline" (probed by --baseline's checkout)
     port: int
     wall_s: float = 0.0
     step_s: list[float] = field(default_factory=list)  # post-warm-up per-step seconds
@@ -90,6 +94,9 @@ def parse_args() -> argparse.Namespace:
         help="the probed runs' kernel-trace window (default off: always-on probes only)",
     )
     p.add_argument("--keep", action="store_true", help="keep the probed runs' directories")
+    p.add_argument(
+        "--baseline", type=Path, help="also run probed with the lorascope checkout in this folder (a before)"
+    )
     p.add_argument("--json", type=Path, help="also write the figures (every pair's) to this JSON file")
     p.add_argument("job_args", nargs="*", help="extra arguments for train_lora.py (after --)")
     args = p.parse_args()
@@ -123,8 +130,11 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
         "--print-losses",
         *args.job_args,
     ]
-    if variant == "probed":
-        out = work / f"probed-{index:02d}"
+    env = None
+    if variant == "baseline":
+        env = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
+    if variant != "bare":
+        out = work / f"{variant}-{index:02d}"
         cmd = [
             *pin,
             sys.executable,
@@ -148,7 +158,7 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     ranks: list[psutil.Process] = []
     start = time.perf_counter()
     with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
             now = time.perf_counter()
@@ -173,8 +183,8 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     run.step_s = [arrivals[s] - arrivals[s - 1] for s in range(args.warmup + 1, args.steps + 1)]
     if len(cpu_at) == 2 and len(ranks) == args.nproc:
         run.cpu_step_s = (cpu_at[args.steps] - cpu_at[args.warmup]) / (args.steps - args.warmup)
-    if variant == "probed" and not list((work / f"probed-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
-        print(f"  warning: the probed run {index} wrote no rank stream (probes not attached?)")
+    if variant != "bare" and not list((work / f"{variant}-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
+        print(f"  warning: the {variant} run {index} wrote no rank stream (probes not attached?)")
     return run
 
 
@@ -251,18 +261,33 @@ def main() -> None:
     load_before = load_average()
     print(f"load average before: {load_before}")
     pairs: list[tuple[Run, Run]] = []
+    baseline_pairs: list[tuple[Run, Run]] = []
+    variants = ["bare", "probed"] + (["baseline"] if args.baseline else [])
     port = args.port
     try:
         for rep in range(args.reps):
-            order = ("bare", "probed") if rep % 2 == 0 else ("probed", "bare")
+            if len(variants) == 2:
+                order = tuple(variants if rep % 2 == 0 else variants[::-1])
+            else:  # every variant first, second and last equally often
+                order = tuple(variants[(rep + i) % 3] for i in range(3))
+                order = order if rep % 6 < 3 else order[::-1]
             done: dict[str, Run] = {}
             for variant in order:
                 done[variant] = run_once(variant, port, args, work, rep, pin)
                 port += 1
             bare, probed = done["bare"], done["probed"]
             pairs.append((bare, probed))
+            if "baseline" in done:
+                base = done["baseline"]
+                baseline_pairs.append((bare, base))
+                print(
+                    f"  pair {rep + 1:2d} baseline: {ms(base.median)} overhead "
+                    f"{(base.median / bare.median - 1) * 100:+6.2f}%; CPU/step {cpu_text(base)} "
+                    f"({cpu_overhead_text(bare, base)})",
+                    flush=True,
+                )
             print(
-                f"  pair {rep + 1:2d} ({order[0][0]}{order[1][0]}): bare {ms(bare.median)} probed {ms(probed.median)} "
+                f"  pair {rep + 1:2d} ({''.join(v[0] for v in order)}): bare {ms(bare.median)} probed {ms(probed.median)} "
                 f"overhead {(probed.median / bare.median - 1) * 100:+6.2f}%; "
                 f"CPU/step {cpu_text(bare)} / {cpu_text(probed)} ({cpu_overhead_text(bare, probed)})   "
                 f"(wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s; load {os.getloadavg()[0]:.2f})",
@@ -319,6 +344,23 @@ def main() -> None:
         f" (all {len(pairs) * 2} runs identical: {'yes' if same_losses else 'no'}; "
         f"{len(reference)} steps, last {reference[-1]})"
     )
+    baseline = None
+    if baseline_pairs:
+        base_wall = [(p.median / b.median - 1) * 100 for b, p in baseline_pairs]
+        base_cpu = [c for b, p in baseline_pairs if (c := cpu_overhead(b, p)) is not None]
+        w1, w2, w3 = quartiles(base_wall)
+        print(f"baseline ({args.baseline}), the same {len(baseline_pairs)} repetitions:")
+        print(f"  per-pair overhead, %:     {' '.join(f'{o:+.2f}' for o in base_wall)}")
+        print(f"  OVERHEAD (median): {w2:+.2f}%   IQR {w1:+.2f}% .. {w3:+.2f}%")
+        baseline = {"overhead_pct": base_wall, "overhead_median_pct": w2, "overhead_iqr_pct": [w1, w3]}
+        if base_cpu:
+            b1, b2, b3 = quartiles(base_cpu)
+            print(f"  per-pair CPU overhead, %: {' '.join(f'{o:+.2f}' for o in base_cpu)}")
+            print(f"  CPU OVERHEAD (median): {b2:+.2f}%   IQR {b1:+.2f}% .. {b3:+.2f}%")
+            baseline.update(cpu_overhead_pct=base_cpu, cpu_overhead_median_pct=b2, cpu_overhead_iqr_pct=[b1, b3])
+        same = all(p.losses == b.losses for b, p in baseline_pairs)
+        baseline["losses_identical"] = same
+        print(f"  losses identical bare vs baseline: {'yes' if same else 'NO'}")
     if args.json is not None:
         args.json.write_text(
             json.dumps(
@@ -347,6 +389,7 @@ def main() -> None:
                     "steps": args.steps,
                     "warmup": args.warmup,
                     "trace_window": args.trace_window,
+                    "baseline": baseline,
                 },
                 indent=2,
             )

@@ -184,6 +184,8 @@ class CollectiveProbe:
         self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
         self._internal: dict[CodeType, bool] = {}
         self._described: set[str] = set()
+        #: (code, line) -> its site text, made once (a call site's lines are few).
+        self._sites: dict[tuple[CodeType, int | None], str] = {}
         #: site -> whether a rank condition encloses its line.
         self._conditioned: dict[str, bool] = {}
         #: The same per (code object, line) of the job's callers, and which code is not the job's.
@@ -581,7 +583,11 @@ class CollectiveProbe:
     def _describe(self, frame: FrameType) -> str:
         """The frame as a site, its source context recorded once."""
         code = frame.f_code
-        site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        key = (code, frame.f_lineno)
+        site = self._sites.get(key)
+        if site is not None:
+            return site
+        site = self._sites[key] = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
         if site not in self._described:
             self._described.add(site)
             context = describe(code.co_filename, frame.f_lineno)
