@@ -117,6 +117,10 @@ def pin_prefix(args: argparse.Namespace) -> list[str]:
     return [taskset, "-c", cpus]
 
 
+class RunFailed(Exception):
+    """A run exited non-zero or printed fewer steps than asked."""
+
+
 def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, index: int, pin: list[str]) -> Run:
     job = [
         "torchrun",
@@ -176,8 +180,8 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     run.wall_s = time.perf_counter() - start
     if run.rc != 0 or len(arrivals) != args.steps:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        sys.exit(
-            f"probe_overhead: the {variant} run on port {port} failed (exit {run.rc}, "
+        raise RunFailed(
+            f"the {variant} run on port {port} failed (exit {run.rc}, "
             f"{len(arrivals)}/{args.steps} steps); its stderr ends:\n" + "\n".join(tail)
         )
     run.step_s = [arrivals[s] - arrivals[s - 1] for s in range(args.warmup + 1, args.steps + 1)]
@@ -273,7 +277,15 @@ def main() -> None:
                 order = order if rep % 6 < 3 else order[::-1]
             done: dict[str, Run] = {}
             for variant in order:
-                done[variant] = run_once(variant, port, args, work, rep, pin)
+                try:
+                    done[variant] = run_once(variant, port, args, work, rep, pin)
+                except RunFailed as exc:  # once: gloo's teardown aborts now and then on a loaded machine
+                    print(f"  retrying: {str(exc).splitlines()[0]}", flush=True)
+                    port += 1
+                    try:
+                        done[variant] = run_once(variant, port, args, work, rep, pin)
+                    except RunFailed as again:
+                        sys.exit(f"probe_overhead: {again}")
                 port += 1
             bare, probed = done["bare"], done["probed"]
             pairs.append((bare, probed))
