@@ -52,6 +52,10 @@ from lorascope.rundir.sources import describe, rank_condition_in
 
 MAX_PENDING_EVENTS = 4096
 
+#: An async call still in flight at a (non-final) flush stays queued while younger than
+#: this (seconds), so that most end in time to be written as one ``coll_done``; the
+#: writer's 40 ms interval plus this stays well under the 100 ms a SIGKILL may lose.
+HOLD_ASYNC = 0.03
 #: Frames followed up from a library call site to the job's own code, at most.
 MAX_VIA_FRAMES = 40
 # Formatted by hand: json.dumps of a record costs ~20 us; strings are escaped once each (cached).
@@ -137,12 +141,15 @@ class _Call:
         #: 0 queued, 1 written as an open ``coll``, 2 written whole (``coll_done``).
         self.state = 0
 
-    def encode(self) -> str:
-        """The first time: ``coll_done`` if the call has ended by now, else ``coll``; the
+    def encode(self, final: bool) -> str | None:
+        """The first time: ``coll_done`` if the call has ended by now, else ``coll`` (an
+        async call younger than HOLD_ASYNC stays queued instead, unless ``final``); the
         second time (queued at its end): ``coll_end`` after an open ``coll``, else nothing.
         The end is set before the call is queued again, so the second time sees it."""
         if self.state == 0:
             end = self.end
+            if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
+                return None
             self.state = 1 if end is None else 2
             head = _COLL % (
                 "coll" if end is None else "coll_done",
@@ -465,7 +472,7 @@ class CollectiveProbe:
             session = self.session
             session.record_entry(call)
             if not is_async:
-                session.flush()  # the rank may block (or die) in this call: on disk first
+                session.flush(final=False)  # the rank may block (or die) in this call: on disk first
             events = None
             if first is not None and not is_async and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)

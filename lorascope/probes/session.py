@@ -64,9 +64,11 @@ class Session:
         if self.stream.alive:
             self.stream.append(entry)
 
-    def flush(self) -> None:
-        """Everything recorded so far onto disk, now (before blocking, and at the end)."""
-        self.stream.flush()
+    def flush(self, final: bool = True) -> None:
+        """What is recorded so far onto disk, now: everything when ``final`` (an
+        exception, a signal, a dump, the end); before a blocking call, all but the async
+        calls started in the last few ms that may still end and become one record."""
+        self.stream.flush(final)
 
     def fail(self, probe: str, exc: BaseException) -> None:
         """Switch a probe off for the rest of the job, and say why in the stream."""

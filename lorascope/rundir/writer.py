@@ -42,8 +42,9 @@ DEFAULT_QUEUE_RECORDS = 32768
 class LazyRecord(Protocol):
     """A queued record formatted by the writer, not by the thread that made it."""
 
-    def encode(self) -> str:
-        """One or more JSON lines, each ending in a newline, or "" for nothing."""
+    def encode(self, final: bool) -> str | None:
+        """One or more JSON lines, each ending in a newline, "" for nothing, or None to
+        stay queued for the next flush (never when ``final``: the process may be ending)."""
         ...
 
 
@@ -51,8 +52,8 @@ def _encode(record: dict[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), default=repr) + "\n"
 
 
-def _encode_entry(entry: dict[str, Any] | LazyRecord) -> str:
-    return _encode(entry) if type(entry) is dict else entry.encode()  # type: ignore[union-attr]
+def _encode_entry(entry: dict[str, Any] | LazyRecord, final: bool) -> str | None:
+    return _encode(entry) if type(entry) is dict else entry.encode(final)  # type: ignore[union-attr]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -134,19 +135,26 @@ class Stream:
             return
         record.setdefault("t", time.time())
         self.append(record)
-        self.flush()
+        self.flush(final=True)
 
-    def flush(self) -> None:
-        """Format and write everything queued, in order, with one ``os.write`` per
-        segment touched."""
+    def flush(self, final: bool = False) -> None:
+        """Format and write what is queued, in order, with one ``os.write`` per segment
+        touched. A LazyRecord may ask to stay queued (a call that may end soon and then
+        be one record), unless ``final`` (an exception, a signal, a dump, the end)."""
         try:
             with self._lock:
                 if self._fd is None:
                     self._queue.clear()
                     return
-                queue, lines = self._queue, []
+                queue, lines, held = self._queue, [], []
                 while queue:
-                    lines.append(_encode_entry(queue.popleft()))
+                    entry = queue.popleft()
+                    line = _encode_entry(entry, final)
+                    if line is None:
+                        held.append(entry)
+                    else:
+                        lines.append(line)
+                queue.extendleft(reversed(held))
                 if self.dropped != self._dropped_told:
                     self._dropped_told = self.dropped
                     lines.append(_encode({"k": "dropped", "t": time.time(), "records": self.dropped}))
@@ -220,7 +228,7 @@ class Stream:
 
     def close(self) -> None:
         """Write what is queued, stop the writer and close."""
-        self.flush()
+        self.flush(final=True)
         self._stop.set()
         with self._lock:
             fd, self._fd = self._fd, None

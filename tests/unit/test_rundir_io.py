@@ -210,7 +210,7 @@ class Ended:
     def __init__(self) -> None:
         self.encoded = 0
 
-    def encode(self) -> str:
+    def encode(self, final: bool) -> str | None:
         self.encoded += 1
         return (
             json.dumps({"k": "step", "t": 1.0, "step": self.encoded, "dur": 0.1, "loss": None, "src": "torch"}) + "\n"
@@ -297,3 +297,28 @@ def test_cli_bad_input_is_one_line(tmp_path: Path, setup, message: str) -> None:
     assert proc.returncode == 3
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path) -> None:
+    """A young async call stays queued at a flush (it may end and be one ``coll_done``),
+    later records are written meanwhile; a final flush (exception, signal, end) writes
+    it as a pending ``coll``, and its end follows as a ``coll_end``."""
+    from lorascope.probes.collectives import HOLD_ASYNC, _Call
+
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    stream.append({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
+    young = _Call(time.time() + 60, 1, 0, "all_gather_into_tensor", 32, "float32", True, None, 0, None)
+    stream.append(young)
+    stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "begin", "step": 0})
+    stream.flush()
+    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
+    assert kinds == ["start", "group", "phase"] and HOLD_ASYNC < 0.06
+    stream.flush(final=True)
+    young.end = young.t + 1
+    stream.append(young)
+    stream.flush()
+    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
+    assert kinds == ["start", "group", "phase", "coll", "coll_end"]
+    assert not load_run(tmp_path).ranks[0].collectives[0].pending
