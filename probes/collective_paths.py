@@ -17,7 +17,8 @@ Both end when the process-group timeout (``--pg-timeout``) fires.
 unbuffered ``os.write`` a line, so a SIGKILL loses none): the pid, then the wall time
 before each collective and after it returns (``wait()`` for the async one) and after each
 optimizer step. tests/e2e/test_collective_paths.py kills a rank and checks the probes'
-records against it.
+records against it. ``--async-reduce`` makes every call async (no synchronous call
+flushes the probes' queue: only their writer thread writes).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=10.0)
     parser.add_argument("--truth", help="write what the job saw to TRUTH.rankR (see above)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in each step")
+    parser.add_argument("--async-reduce", action="store_true", help="all_reduce with async_op=True, then wait")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,8 +71,12 @@ def main() -> None:
         saw("waited")
         for p in model.parameters():
             saw("call")
-            dist.all_reduce(p.grad)
-            saw("returned")
+            if args.async_reduce:
+                dist.all_reduce(p.grad, async_op=True).wait()
+                saw("waited")
+            else:
+                dist.all_reduce(p.grad)
+                saw("returned")
         opt.step()
         saw("step")
         opt.zero_grad()

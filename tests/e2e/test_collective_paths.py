@@ -106,7 +106,7 @@ def _on_disk(run: Path, rank: int) -> list[dict]:
     return records
 
 
-def _kill_at(out: Path, truth: Path, after: float) -> float:
+def _kill_at(out: Path, truth: Path, after: float, *job: str) -> float:
     """Run the job probed, SIGKILL rank 1 ``after`` seconds into its steady state; the kill time."""
     cmd = torchrun(
         free_port(),
@@ -118,6 +118,7 @@ def _kill_at(out: Path, truth: Path, after: float) -> float:
         "5",
         "--truth",
         str(truth),
+        *job,
         script=JOB,
     )
     launch = subprocess.Popen(
@@ -156,7 +157,9 @@ def test_sigkill_loses_at_most_the_last_100_ms_of_records(tmp_path: Path) -> Non
     for kill in range(3):
         out, truth = tmp_path / f"run{kill}", tmp_path / f"truth{kill}"
         after = rng.uniform(0.0, 1.5)
-        killed_at = _kill_at(out, truth, after)
+        # Kills 0 and 1: every call async, so only the writer thread writes (a synchronous
+        # call flushes the queue itself); kill 2: the job as it is.
+        killed_at = _kill_at(out, truth, after, *(["--async-reduce"] if kill < 2 else []))
         cutoff = killed_at - LOSS_BOUND
         where = f"kill {kill} ({after:.3f} s into the steps; seed {seed})"
         _, events = _truth(Path(f"{truth}.rank1"))
@@ -182,5 +185,7 @@ def test_sigkill_loses_at_most_the_last_100_ms_of_records(tmp_path: Path) -> Non
                     assert step in steps, f"{where}: step {step}, {killed_at - t:.3f} s before the kill, is lost"
         assert checked >= 100, f"{where}: only {checked} calls before the cutoff"
         ops = [started[s]["op"] for s in sorted(started)][:3]
+        if kill < 2:
+            assert all(r["async"] for r in started.values()), f"{where}: a synchronous call flushed the queue"
         assert ops == ["all_gather_into_tensor", "all_reduce", "all_reduce"], f"{where}: calls not matched: {ops}"
         assert any(r["k"] == "coll_done" for r in records), "ended calls are written as one record"
