@@ -471,8 +471,13 @@ class CollectiveProbe:
             self._in_flight[(gid, seq)] = call
             session = self.session
             session.record_entry(call)
+            # The rank may block (or die: gloo aborts the process on a size mismatch) in this
+            # call: on disk before it starts. A functional collective is waited for right
+            # away, so it counts as one; an async c10d call's record waits for the writer.
             if not is_async:
-                session.flush(final=False)  # the rank may block (or die) in this call: on disk first
+                session.flush(final=False)
+            elif op.startswith(FUNCTIONAL_PREFIX):
+                session.flush(final=True)
             events = None
             if first is not None and not is_async and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)
