@@ -58,11 +58,15 @@ class Session:
             fields["k"] = kind
             fields["t"] = time.time()
             self.stream.append(fields)
+            if self.ended:  # after the end record (a call ending at interpreter teardown)
+                self.stream.flush(final=True)
 
     def record_entry(self, entry: LazyRecord) -> None:
         """Queue a record that the writer formats (see CollectiveProbe)."""
         if self.stream.alive:
             self.stream.append(entry)
+            if self.ended:  # the writer may be gone: written now
+                self.stream.flush(final=True)
 
     def flush(self, final: bool = True) -> None:
         """What is recorded so far onto disk, now: everything when ``final`` (an
