@@ -173,6 +173,7 @@ def _start(
         rank_source=identity.source,
         probed_parent=int(probed_parent) if probed_parent and probed_parent.isdigit() else None,
     )
+    session.flush()  # the stream's first record, on disk whatever happens next
     memory = MemoryProbe(session)
     collectives = CollectiveProbe(session)
     kernels = KernelWindow(session, trace_window, prefix)
@@ -236,6 +237,7 @@ def _start(
         )
     memory.start_sampler()
     dumper.start_watchdog()
+    stream.start_writer()  # after install_signal: its thread inherits the blocked dump signal
     return session
 
 

@@ -1,7 +1,13 @@
 """Every torch.distributed collective and p2p call, whoever makes it (DeepSpeed, FSDP,
-user code): a ``coll`` record before the call (so a hang leaves it pending) and a
-``coll_end`` after, with a per-rank, per-process-group sequence number, op, bytes,
-dtype, group and the first call-site frame outside torch / deepspeed / lorascope.
+user code), with a per-rank, per-process-group sequence number, op, bytes, dtype, group
+and the first call-site frame outside torch / deepspeed / lorascope.
+
+The hot path keeps a call's raw fields in a ``_Call`` queued on the stream (no
+formatting, no system call); the stream's writer formats it: a call that has ended by
+then is one ``coll_done`` record, one still in flight a ``coll`` record (so a hang, a
+kill or a crash leaves it pending) and later a ``coll_end``. Before a synchronous call
+the queue is flushed from the calling thread, so the call a rank blocks in (or dies in:
+gloo aborts the process on a size mismatch) is on disk before it starts.
 
 Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
 are not counted twice. On CUDA the device time of a synchronous call comes from two
@@ -46,10 +52,16 @@ from lorascope.rundir.sources import describe, rank_condition_in
 
 MAX_PENDING_EVENTS = 4096
 
-_COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,"site":%s,"step":%d%s}\n'
+#: An async call still in flight at a (non-final) flush stays queued while younger than
+#: this (seconds), so that most end in time to be written as one ``coll_done``; the
+#: writer's 40 ms interval plus this stays well under the 100 ms a SIGKILL may lose.
+HOLD_ASYNC = 0.03
 #: Frames followed up from a library call site to the job's own code, at most.
 MAX_VIA_FRAMES = 40
+# Formatted by hand: json.dumps of a record costs ~20 us; strings are escaped once each (cached).
+_COLL = '{"k":"%s","t":%.6f,"seq":%d,"gid":%d,"op":%s,"bytes":%s,"dtype":%s,"async":%s,"site":%s,"step":%d%s'
 _COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
+_DONE_TAIL = ',"end":%.6f,"err":%s}\n'
 
 
 @functools.lru_cache(maxsize=8192)
@@ -102,6 +114,75 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
+class _Call:
+    """One call's raw fields, queued on the stream twice: at its start, and again when it
+    has ended (the writer formats it; ``encode`` runs on whichever thread flushes)."""
+
+    __slots__ = ("t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "end", "err", "state")
+
+    def __init__(
+        self,
+        t: float,
+        seq: int,
+        gid: int,
+        op: str,
+        nbytes: int | None,
+        dtype: str | None,
+        is_async: bool,
+        site: str | None,
+        step: int,
+        via: str | None,
+    ) -> None:
+        self.t, self.seq, self.gid, self.op = t, seq, gid, op
+        self.nbytes, self.dtype, self.is_async = nbytes, dtype, is_async
+        self.site, self.step, self.via = site, step, via
+        self.end: float | None = None
+        self.err: str | None = None
+        #: 0 queued, 1 written as an open ``coll``, 2 written whole (``coll_done``).
+        self.state = 0
+
+    def encode(self, final: bool) -> str | None:
+        """The first time: ``coll_done`` if the call has ended by now, else ``coll`` (an
+        async call younger than HOLD_ASYNC stays queued instead, unless ``final``); the
+        second time (queued at its end): ``coll_end`` after an open ``coll``, else nothing.
+        The end is set before the call is queued again, so the second time sees it."""
+        if self.state == 0:
+            end = self.end
+            if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
+                return None
+            self.state = 1 if end is None else 2
+            head = _COLL % (
+                "coll" if end is None else "coll_done",
+                self.t,
+                self.seq,
+                self.gid,
+                _json(self.op),
+                _json_int(self.nbytes),
+                _json(self.dtype),
+                "true" if self.is_async else "false",
+                _json(self.site),
+                self.step,
+                "" if self.via is None else ',"via":' + _json(self.via),
+            )
+            if end is None:
+                return head + "}\n"
+            return head + _DONE_TAIL % (end, _json(self.err))
+        if self.state == 1 and self.end is not None:
+            self.state = 2
+            return _COLL_END % (self.end, self.seq, self.gid, _json(self.err))
+        return ""
+
+    def pending(self, group: str) -> dict[str, Any]:
+        return {
+            "group": group,
+            "seq": self.seq,
+            "op": self.op,
+            "bytes": self.nbytes,
+            "site": self.site,
+            "since": self.t,
+        }
+
+
 class CollectiveProbe:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -110,6 +191,8 @@ class CollectiveProbe:
         self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
         self._internal: dict[CodeType, bool] = {}
         self._described: set[str] = set()
+        #: (code, line) -> its site text, made once (a call site's lines are few).
+        self._sites: dict[tuple[CodeType, int | None], str] = {}
         #: site -> whether a rank condition encloses its line.
         self._conditioned: dict[str, bool] = {}
         #: The same per (code object, line) of the job's callers, and which code is not the job's.
@@ -121,7 +204,7 @@ class CollectiveProbe:
         self._c10d: ModuleType | None = None
         self._group_names: dict[int, str] = {}
         #: (gid, seq) -> what is in flight now, for on-demand and stall dumps.
-        self._in_flight: dict[tuple[int, int], dict[str, Any]] = {}
+        self._in_flight: dict[tuple[int, int], _Call] = {}
         #: The default process group's timeout in seconds, once the job sets it.
         self.pg_timeout: float | None = None
         #: id(output tensor) of a functional collective in flight -> its call and the
@@ -228,7 +311,8 @@ class CollectiveProbe:
 
     def pending(self) -> list[dict[str, Any]]:
         """The calls in flight now (a copy; read from the dump thread)."""
-        return [dict(c) for c in list(self._in_flight.values())]
+        names = self._group_names
+        return [c.pending(names.get(c.gid, str(c.gid))) for c in list(self._in_flight.values())]
 
     def _wrap(self, op: str, original: Any) -> Any:
         params = list(inspect.signature(original).parameters)
@@ -250,7 +334,7 @@ class CollectiveProbe:
                 except BaseException as exc:
                     probe._end(started, repr(exc)[:500])
                     raise
-                if result is not None and hasattr(result, "get_future"):
+                if result is not None and hasattr(result, "get_future") and started is not None:
                     probe._end_when_done(started, result)  # async_op: in flight until its work is
                 else:
                     probe._end(started, None)
@@ -383,35 +467,21 @@ class CollectiveProbe:
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
             site, via = self._site()
-            # Formatted by hand: json.dumps of the record cost ~20 us per call, twice per
-            # collective; strings are escaped once each (cached).
-            self.session.record_line(
-                _COLL
-                % (
-                    time.time(),
-                    seq,
-                    gid,
-                    _json(op),
-                    _json_int(nbytes),
-                    _json(dtype),
-                    "true" if is_async else "false",
-                    _json(site),
-                    self.session.step,
-                    "" if via is None else ',"via":' + _json(via),
-                )
-            )
-            self._in_flight[(gid, seq)] = {
-                "group": self._group_names.get(gid, str(gid)),
-                "seq": seq,
-                "op": op,
-                "bytes": nbytes,
-                "site": site,
-                "since": time.time(),
-            }
+            call = _Call(time.time(), seq, gid, op, nbytes, dtype, is_async, site, self.session.step, via)
+            self._in_flight[(gid, seq)] = call
+            session = self.session
+            session.record_entry(call)
+            # The rank may block (or die: gloo aborts the process on a size mismatch) in this
+            # call: on disk before it starts. A functional collective is waited for right
+            # away, so it counts as one; an async c10d call's record waits for the writer.
+            if not is_async:
+                session.flush(final=False)
+            elif op.startswith(FUNCTIONAL_PREFIX):
+                session.flush(final=True)
             events = None
             if first is not None and not is_async and getattr(first, "is_cuda", False):
                 events = self._cuda_events(first)
-            return gid, seq, events
+            return call, events
         except Exception as exc:
             self.session.fail("collectives", exc)
             return None
@@ -419,25 +489,29 @@ class CollectiveProbe:
     def _end(self, started: tuple[Any, ...] | None, err: str | None) -> None:
         if started is None:
             return
-        gid, seq, events = started
-        self._in_flight.pop((gid, seq), None)
-        try:
-            if events is not None:
+        call, events = started
+        call.err = err
+        call.end = time.time()  # after err: a writer that sees the end sees the error too
+        self._in_flight.pop((call.gid, call.seq), None)
+        self.session.record_entry(call)
+        if events is not None:
+            try:
                 start, end, stream, began = events
                 end.record(stream)
-                self._events.append((gid, seq, start, end, time.perf_counter() - began))
-            self.session.record_line(_COLL_END % (time.time(), seq, gid, _json(err)))
-        except Exception as exc:
-            self.session.fail("collectives", exc)
+                self._events.append((call.gid, call.seq, start, end, time.perf_counter() - began))
+            except Exception as exc:
+                self.session.fail("collectives", exc)
 
-    def _end_when_done(self, started: tuple[Any, ...] | None, work: Any) -> None:
+    def _end_when_done(self, started: tuple[Any, ...], work: Any) -> None:
         """An ``async_op`` call ends when its work completes (the rank may wait for it much
         later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
-        The work's future calls back on completion; no wait is added. Without a future
-        (some backends' coalesced work), the call ends now, as a synchronous one."""
+        The work's future calls back on completion, from the backend's thread: the
+        callback only takes the time and the work's error (``Work.exception()``, which
+        neither converts the result nor releases the GIL, unlike ``Future.value()``); no
+        wait is added. Without a future (some backends' coalesced work), the call ends now."""
         try:
             future = work.get_future()
-            future.add_done_callback(lambda f: self._end(started, _failure(f)))
+            future.add_done_callback(lambda _: self._end(started, _failure(work)))
         except Exception:
             self._end(started, None)
 
@@ -521,7 +595,11 @@ class CollectiveProbe:
     def _describe(self, frame: FrameType) -> str:
         """The frame as a site, its source context recorded once."""
         code = frame.f_code
-        site = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        key = (code, frame.f_lineno)
+        site = self._sites.get(key)
+        if site is not None:
+            return site
+        site = self._sites[key] = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
         if site not in self._described:
             self._described.add(site)
             context = describe(code.co_filename, frame.f_lineno)
@@ -574,10 +652,10 @@ class CollectiveProbe:
         return filename.startswith(self._stdlib) and "-packages" not in filename
 
 
-def _failure(future: Any) -> str | None:
-    """A completed future's error, as the ``err`` of its ``coll_end``."""
+def _failure(work: Any) -> str | None:
+    """A completed work's error, as the ``err`` of its call."""
     try:
-        future.value()
-    except Exception as exc:
-        return repr(exc)[:500]
-    return None
+        exc = work.exception()
+    except Exception as raised:  # a backend whose work cannot say: it raises its error
+        return repr(raised)[:500]
+    return None if exc is None else repr(exc)[:500]

@@ -73,6 +73,7 @@ class Dumper:
                 mem=self._reading(),
                 since_progress=round(time.time() - self.last_progress, 3),
             )
+            session.flush()
             self._flight(f"{reason}-{int(time.time())}")
 
     # -- on demand ----------------------------------------------------------------

@@ -121,6 +121,7 @@ class ExitProbe:
                     traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
                     stacks=thread_stacks()[-50000:],
                 )
+                self.session.flush()
                 if self._on_exception is not None:
                     self._on_exception(exc)
                 self._on_crash("exception")
@@ -154,6 +155,7 @@ class ExitProbe:
         try:
             name = signal.Signals(signum).name
             self.session.record("signal", signum=signum, name=name, stacks=thread_stacks()[-50000:])
+            self.session.flush()
             self._on_crash("signal")
             self._write_end("signal", -signum)
         finally:
@@ -166,6 +168,7 @@ class ExitProbe:
         self.session.ended = True
         self._on_end()
         self.session.record("end", status=status, code=code)
+        self.session.flush()
 
     def _at_exit(self) -> None:
         try:

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lorascope.rundir.writer import Stream
+from lorascope.rundir.writer import LazyRecord, Stream
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,18 +49,30 @@ class Session:
 
     @property
     def active(self) -> bool:
-        return self.stream.alive and os.getpid() == self.pid
+        """The stream writes (it turns itself off in a forked child, and on a failed write)."""
+        return self.stream.alive
 
     def record(self, kind: str, **fields: Any) -> None:
-        if self.active:
+        """Queue a record; the stream's writer formats and writes it (``flush`` for now)."""
+        if self.stream.alive:
             fields["k"] = kind
             fields["t"] = time.time()
-            self.stream.write(fields)
+            self.stream.append(fields)
+            if self.ended:  # after the end record (a call ending at interpreter teardown)
+                self.stream.flush(final=True)
 
-    def record_line(self, line: str) -> None:
-        """A record pre-formatted as one JSON line (see CollectiveProbe)."""
-        if self.active:
-            self.stream.write_line(line.encode())
+    def record_entry(self, entry: LazyRecord) -> None:
+        """Queue a record that the writer formats (see CollectiveProbe)."""
+        if self.stream.alive:
+            self.stream.append(entry)
+            if self.ended:  # the writer may be gone: written now
+                self.stream.flush(final=True)
+
+    def flush(self, final: bool = True) -> None:
+        """What is recorded so far onto disk, now: everything when ``final`` (an
+        exception, a signal, a dump, the end); before a blocking call, all but the async
+        calls started in the last few ms that may still end and become one record."""
+        self.stream.flush(final)
 
     def fail(self, probe: str, exc: BaseException) -> None:
         """Switch a probe off for the rest of the job, and say why in the stream."""

@@ -283,6 +283,7 @@ def _load_process(
     data: RankData | None = None
     pending: dict[tuple[int, int], Collective] = {}
     log = CollectiveLog(windows)
+    dropped: tuple[str, int] | None = None
     for _, path in segs:
         for number, rec in _iter_records(path, warnings):
             try:
@@ -298,8 +299,10 @@ def _load_process(
                 if kind != "start":
                     raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
                 data = RankData(rank=rank, start=rec, files=[])
-            data.last_time = max(data.last_time, float(rec["t"]))
+            data.last_time = max(data.last_time, float(rec["t"]), float(rec["end"]) if kind == "coll_done" else 0.0)
             _apply(data, kind, rec, pending, log)
+            if kind == "dropped":  # a running total
+                dropped = (f"{path}:{number}", rec["records"])
             if kind == "fatal_handler":
                 data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
             if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
@@ -318,6 +321,8 @@ def _load_process(
             data.files.append(str(path))
     for kind, (where, n) in unknown.items():
         warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
+    if dropped is not None:
+        warnings.append(f"{dropped[0]}: the probes dropped {dropped[1]} record(s) (their queue was full)")
     if data is None:
         raise BadInputError(f"{segs[0][1]}: empty rank stream")
     data.collectives = log.finish()
@@ -370,7 +375,7 @@ _LATEST = {
 def _apply(
     data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
 ) -> None:
-    if kind == "coll":
+    if kind == "coll" or kind == "coll_done":
         group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
         coll = Collective(
             seq=rec["seq"],
@@ -384,8 +389,12 @@ def _apply(
             start=float(rec["t"]),
             via=sys.intern(rec["via"]) if isinstance(rec.get("via"), str) else None,
         )
-        pending[(rec["gid"], rec["seq"])] = coll
         log.add(coll)
+        if kind == "coll":
+            pending[(rec["gid"], rec["seq"])] = coll
+        else:  # the call had ended when it was written
+            coll.end, coll.err = float(rec["end"]), rec["err"]
+            log.ended(coll)
     elif kind == "coll_end":
         ended = pending.pop((rec["gid"], rec["seq"]), None)
         if ended is not None:

@@ -32,6 +32,17 @@ _OPT_INT = (int, type(None))
 _OPT_NUM = (int, float, type(None))
 _OPT_STR = (str, type(None))
 
+_COLL_FIELDS: dict[str, tuple[type, ...]] = {
+    "seq": _INT,
+    "gid": _INT,
+    "op": _STR,
+    "bytes": _OPT_INT,
+    "dtype": _OPT_STR,
+    "async": (bool,),
+    "site": _OPT_STR,
+    "step": _INT,
+}
+
 #: kind -> {field: accepted types}. ``bool`` is rejected where an int is required.
 RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "start": {
@@ -52,16 +63,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "phase": {"name": _STR, "edge": _STR, "step": _INT},
     "step": {"step": _INT, "dur": _NUM, "loss": _OPT_NUM, "src": _STR},
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
-    "coll": {
-        "seq": _INT,
-        "gid": _INT,
-        "op": _STR,
-        "bytes": _OPT_INT,
-        "dtype": _OPT_STR,
-        "async": (bool,),
-        "site": _OPT_STR,
-        "step": _INT,
-    },
+    "coll": _COLL_FIELDS,
+    #: A call that had ended when it was written: a ``coll`` and its ``coll_end`` in one.
+    "coll_done": {**_COLL_FIELDS, "end": _NUM, "err": _OPT_STR},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
     "coll_unseen": {"path": _STR, "why": _STR},
@@ -80,6 +84,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
+    "dropped": {"records": _INT},
     "end": {"status": _STR, "code": _OPT_INT},
 }
 

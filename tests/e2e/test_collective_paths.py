@@ -1,11 +1,16 @@
 """Collective paths through libraries, on a real 2-rank gloo job (probes/collective_paths.py)
-under `lorascope run`: an async collective is in flight until its work completes, and a
-library's collective made under the user's rank condition is named at the user's line."""
+under `lorascope run`: an async collective is in flight until its work completes, a
+library's collective made under the user's rank condition is named at the user's line,
+and a rank killed at random points loses at most its last 100 ms of records."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +78,114 @@ def test_cpp_abort_is_how_the_rank_ended_and_a_mismatch_is_not_a_hang(tmp_path: 
     assert aborted and "Fatal Python error: Aborted" in aborted[0]["ended"]["detail"]
     assert f"rank {aborted[0]['rank']}: Fatal Python error: Aborted" in top["title"]
     assert all(f["id"] != "rank-conditional-hang" for f in data["findings"])
+
+
+#: What a SIGKILL may lose: the records of the last this many seconds (docs/run-format.md).
+LOSS_BOUND = 0.1
+#: An async call's end is taken in the backend's completion callback, which waits for the
+#: GIL: it may come a little after the rank's ``wait()`` returned, which is all the job sees.
+CALLBACK_SLACK = 0.02
+
+
+def _truth(path: Path) -> tuple[int, list[tuple[str, float]]]:
+    events = [(w, float(t)) for w, *_, t in (line.split() for line in path.read_text().splitlines())]
+    pid = int(path.read_text().split()[1])
+    return pid, events[1:]
+
+
+def _on_disk(run: Path, rank: int) -> list[dict]:
+    """The rank's records as the kill left them (a torn last line skipped)."""
+    [stream] = (run / "ranks" / f"rank-{rank}").glob("*.0000.jsonl")
+    lines = stream.read_bytes().split(b"\n")
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            assert i >= len(lines) - 2, f"{stream}:{i + 1}: a corrupt line before the last"
+    return records
+
+
+def _kill_at(out: Path, truth: Path, after: float, *job: str) -> float:
+    """Run the job probed, SIGKILL rank 1 ``after`` seconds into its steady state; the kill time."""
+    cmd = torchrun(
+        free_port(),
+        "--steps",
+        "1000000",
+        "--step-seconds",
+        "0.002",
+        "--pg-timeout",
+        "5",
+        "--truth",
+        str(truth),
+        *job,
+        script=JOB,
+    )
+    launch = subprocess.Popen(
+        [*LORASCOPE, "run", "--out", str(out), "--", *cmd],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=job_env(),
+    )
+    try:
+        rank1 = Path(f"{truth}.rank1")
+        deadline = time.monotonic() + 120
+        while not (rank1.exists() and rank1.read_text().count("step ") >= 50):
+            assert launch.poll() is None and time.monotonic() < deadline, "the job did not reach its steps"
+            time.sleep(0.05)
+        time.sleep(after)
+        pid, _ = _truth(rank1)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        launch.wait(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    return killed_at
+
+
+def test_sigkill_loses_at_most_the_last_100_ms_of_records(tmp_path: Path) -> None:
+    """Records are queued and written by a thread every 40 ms: a SIGKILL at a random point
+    (three of them) must leave on disk every record of the killed rank older than 100 ms
+    before the kill. What the job itself saw (written unbuffered) says which records
+    must be there: each call it made (a ``coll`` or ``coll_done`` with its sequence
+    number), each call's end once it had returned (``coll_done`` or ``coll_end``), each
+    step (a ``step`` record)."""
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    for kill in range(3):
+        out, truth = tmp_path / f"run{kill}", tmp_path / f"truth{kill}"
+        after = rng.uniform(0.0, 1.5)
+        # Kills 0 and 1: every call async, so only the writer thread writes (a synchronous
+        # call flushes the queue itself); kill 2: the job as it is.
+        killed_at = _kill_at(out, truth, after, *(["--async-reduce"] if kill < 2 else []))
+        cutoff = killed_at - LOSS_BOUND
+        where = f"kill {kill} ({after:.3f} s into the steps; seed {seed})"
+        _, events = _truth(Path(f"{truth}.rank1"))
+        records = _on_disk(out, 1)
+        started = {r["seq"]: r for r in records if r["k"] in ("coll", "coll_done")}
+        ended = {r["seq"] for r in records if r["k"] == "coll_done" or r["k"] == "coll_end"}
+        steps = {r["step"] for r in records if r["k"] == "step"}
+        assert not any(r["k"] == "end" for r in records), f"{where}: the rank was not killed"
+        seq, step, checked = 0, 0, 0
+        for what, t in events:
+            if what == "call":
+                seq += 1
+                if t < cutoff:
+                    assert seq in started, f"{where}: call {seq}, made {killed_at - t:.3f} s before the kill, is lost"
+                    checked += 1
+            elif what in ("returned", "waited"):
+                slack = CALLBACK_SLACK if what == "waited" else 0.0
+                if t < cutoff - slack:
+                    assert seq in ended, f"{where}: the end of call {seq} ({killed_at - t:.3f} s before) is lost"
+            elif what == "step":
+                step += 1
+                if t < cutoff:
+                    assert step in steps, f"{where}: step {step}, {killed_at - t:.3f} s before the kill, is lost"
+        assert checked >= 100, f"{where}: only {checked} calls before the cutoff"
+        ops = [started[s]["op"] for s in sorted(started)][:3]
+        if kill < 2:
+            assert all(r["async"] for r in started.values()), f"{where}: a synchronous call flushed the queue"
+        assert ops == ["all_gather_into_tensor", "all_reduce", "all_reduce"], f"{where}: calls not matched: {ops}"
+        assert any(r["k"] == "coll_done" for r in records), "ended calls are written as one record"

@@ -131,6 +131,7 @@ def test_cpu_build_switches_the_probe_off_silently(tmp_path: Path, capsys: pytes
     probe._on_cuda_init()  # already decided: nothing more
     probe.dump("signal-1")
     probe.after_exception(torch.OutOfMemoryError("CUDA out of memory."))
+    session.flush()  # records are queued for the writer thread (not started here)
     rank = load_run(tmp_path / "run").ranks[0]
     assert rank.memory_history == {**rank.memory_history, "on": False}
     assert "built without CUDA" in rank.memory_history["reason"]
@@ -141,6 +142,7 @@ def test_cpu_build_switches_the_probe_off_silently(tmp_path: Path, capsys: pytes
     late = AllocatorProbe(late_session, late_prefix, enabled=True)
     late._on_cuda_init()  # runs torch's real _record_memory_history, which fails on this build
     assert not late.recording
+    late_session.flush()  # records are queued for the writer thread (not started here)
     late_history = load_run(tmp_path / "late").ranks[0].memory_history
     assert late_history["on"] is False and "record_memory_history" in late_history["reason"]
     assert capsys.readouterr().err == ""
@@ -150,6 +152,7 @@ def test_switched_off_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(allocator_mod.ENV_SWITCH, "off")
     session, prefix = _session(tmp_path / "run")
     AllocatorProbe(session, prefix, *parse_switch("off")).install(torch)
+    session.flush()  # records are queued for the writer thread (not started here)
     rank = load_run(tmp_path / "run").ranks[0]
     assert rank.memory_history["on"] is False and "switched off" in rank.memory_history["reason"]
 
@@ -167,6 +170,7 @@ def test_snapshots_written_once_per_oom_and_bounded_on_request(tmp_path: Path, m
     probe.after_exception(torch.OutOfMemoryError("CUDA out of memory."))  # already dumped
     for i in range(MAX_REQUESTED + 2):
         probe.dump(f"signal-{i}")
+    session.flush()  # records are queued for the writer thread (not started here)
     rank = load_run(tmp_path / "run").ranks[0]
     assert [s["reason"] for s in rank.snapshots] == ["oom"] + [f"signal-{i}" for i in range(MAX_REQUESTED)]
     oom = rank.snapshots[0]
@@ -189,6 +193,7 @@ def test_oom_observer_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     probe = AllocatorProbe(session, prefix, enabled=True)
     probe.recording = True
     probe._on_oom(0, 1, 2, 3)
+    session.flush()  # records are queued for the writer thread (not started here)
     rank = load_run(tmp_path / "run").ranks[0]
     assert rank.snapshots == []
     assert [e["probe"] for e in rank.probe_errors] == ["allocator"]
@@ -208,6 +213,7 @@ def test_uncaught_oom_dumps_when_no_observer_did(tmp_path: Path, monkeypatch: py
             raise RuntimeError("step failed") from exc
     except RuntimeError as exc:
         probe.after_exception(exc)
+    session.flush()  # records are queued for the writer thread (not started here)
     [snap] = load_run(tmp_path / "run").ranks[0].snapshots
     assert snap["reason"] == "oom" and snap["via"] == "exception"
 

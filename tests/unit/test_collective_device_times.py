@@ -52,6 +52,7 @@ def test_only_finished_pairs_resolve_in_call_order(tmp_path: Path) -> None:
     probe.resolve_device_times()
     assert not probe._events
 
+    session.flush()  # records are queued for the stream's writer thread (not started here)
     colls = load_run(run).ranks[0].collectives
     assert [c.device_ms for c in colls] == [1.5, 0.25, 1.0]
     dev = [

@@ -174,6 +174,109 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     assert run.ranks[0].end is None
 
 
+COLL = {"op": "all_gather_into_tensor", "bytes": 32, "dtype": "float32", "async": True, "site": None, "step": 0}
+
+
+def test_old_and_new_collective_records_read_alike(tmp_path: Path) -> None:
+    """The two-record form (``coll`` + ``coll_end``, every committed fixture) and the one
+    record the probes now write for a call that had ended (``coll_done``) give the same
+    Collective; a ``coll`` never ended is pending in both."""
+    run = load_run(
+        make_run(
+            tmp_path,
+            [
+                {"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"},
+                {"k": "coll", "t": 10.0, "seq": 1, "gid": 0, **COLL},
+                {"k": "coll_end", "t": 10.5, "seq": 1, "gid": 0, "err": None},
+                {"k": "coll_done", "t": 11.0, "seq": 2, "gid": 0, **COLL, "end": 11.5, "err": None},
+                {"k": "coll_done", "t": 12.0, "seq": 3, "gid": 0, **COLL, "end": 12.25, "err": "RuntimeError('x')"},
+                {"k": "coll", "t": 13.0, "seq": 4, "gid": 0, **COLL},
+            ],
+        )
+    )
+    colls = run.ranks[0].collectives
+    assert [(c.seq, c.start, c.end, c.err, c.pending) for c in colls] == [
+        (1, 10.0, 10.5, None, False),
+        (2, 11.0, 11.5, None, False),
+        (3, 12.0, 12.25, "RuntimeError('x')", False),
+        (4, 13.0, None, None, True),
+    ]
+    assert run.warnings == []
+
+
+class Ended:
+    """A queued record formatted by the writer (the collectives' ``_Call`` contract)."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode(self, final: bool) -> str | None:
+        self.encoded += 1
+        return (
+            json.dumps({"k": "step", "t": 1.0, "step": self.encoded, "dur": 0.1, "loss": None, "src": "torch"}) + "\n"
+        )
+
+
+def test_records_are_queued_until_a_flush(tmp_path: Path) -> None:
+    """``append`` only queues (nothing is formatted or written on the calling thread);
+    ``flush`` and ``write`` write everything queued, in order."""
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    lazy = Ended()
+    stream.append(lazy)
+    stream.append({"k": "phase", "t": 1.0, "name": "forward", "edge": "begin", "step": 0})
+    assert lazy.encoded == 0 and stream_file(tmp_path).read_text().count("\n") == 1
+    stream.flush()
+    assert lazy.encoded == 1 and stream_file(tmp_path).read_text().count("\n") == 3
+    stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "end", "step": 0})
+    stream.write({"k": "end", "t": 3.0, "status": "exit", "code": 0})
+    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
+    assert kinds == ["start", "step", "phase", "phase", "end"]
+
+
+def test_writer_thread_flushes_within_its_interval(tmp_path: Path) -> None:
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    stream.start_writer(interval=0.02)
+    stream.append({"k": "step", "t": 1.0, "step": 1, "dur": 0.1, "loss": None, "src": "torch"})
+    deadline = time.monotonic() + 5
+    while "step" not in stream_file(tmp_path).read_text():
+        assert time.monotonic() < deadline, "the writer thread never flushed"
+        time.sleep(0.005)
+    stream.close()
+
+
+def test_a_full_queue_drops_and_says_how_many(tmp_path: Path) -> None:
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42), queue_records=3)
+    stream.write(dict(START, t=0.5))
+    for i in range(1, 11):
+        stream.append({"k": "step", "t": 1.0 + i, "step": i, "dur": 0.1, "loss": None, "src": "torch"})
+    assert stream.dropped == 7
+    stream.close()
+    run = load_run(tmp_path)
+    assert [s["step"] for s in run.ranks[0].steps] == [1, 2, 3]
+    assert any("the probes dropped 7 record(s) (their queue was full)" in w for w in run.warnings)
+
+
+def test_a_forked_child_writes_nothing(tmp_path: Path) -> None:
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    stream.append({"k": "step", "t": 1.0, "step": 1, "dur": 0.1, "loss": None, "src": "torch"})
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the queue and descriptor are off
+        code = 0 if not stream.alive else 1
+        stream.write({"k": "step", "t": 2.0, "step": 99, "dur": 0.1, "loss": None, "src": "torch"})
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    stream.close()
+    assert [s["step"] for s in load_run(tmp_path).ranks[0].steps] == [1]
+
+
 @pytest.mark.parametrize(
     "setup, message",
     [
@@ -194,3 +297,28 @@ def test_cli_bad_input_is_one_line(tmp_path: Path, setup, message: str) -> None:
     assert proc.returncode == 3
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path) -> None:
+    """A young async call stays queued at a flush (it may end and be one ``coll_done``),
+    later records are written meanwhile; a final flush (exception, signal, end) writes
+    it as a pending ``coll``, and its end follows as a ``coll_end``."""
+    from lorascope.probes.collectives import HOLD_ASYNC, _Call
+
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    stream.append({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
+    young = _Call(time.time() + 60, 1, 0, "all_gather_into_tensor", 32, "float32", True, None, 0, None)
+    stream.append(young)
+    stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "begin", "step": 0})
+    stream.flush()
+    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
+    assert kinds == ["start", "group", "phase"] and HOLD_ASYNC < 0.06
+    stream.flush(final=True)
+    young.end = young.t + 1
+    stream.append(young)
+    stream.flush()
+    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
+    assert kinds == ["start", "group", "phase", "coll", "coll_end"]
+    assert not load_run(tmp_path).ranks[0].collectives[0].pending

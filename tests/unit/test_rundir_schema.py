@@ -55,9 +55,14 @@ LAUNCH = {
 }
 
 
+COLL_DONE = {**COLL, "k": "coll_done", "end": 2.5, "err": None}
+
+
 def test_valid_records_pass() -> None:
     assert validate_record(START)
     assert validate_record(COLL)
+    assert validate_record(COLL_DONE)
+    assert validate_record({"k": "dropped", "t": 3, "records": 12})
     assert validate_record({"k": "end", "t": 3, "status": "exit", "code": 0})
 
 
@@ -77,6 +82,14 @@ def test_unknown_kind_is_not_an_error() -> None:
         ({**COLL, "async": 0}, "'async' is int"),
         ({**START, "rank": True}, "'rank' is a bool"),
         ({k: v for k, v in COLL.items() if k != "op"}, "lacks the field 'op'"),
+        ({k: v for k, v in COLL_DONE.items() if k != "end"}, "'coll_done' record lacks the field 'end'"),
+        ({k: v for k, v in COLL_DONE.items() if k != "err"}, "'coll_done' record lacks the field 'err'"),
+        ({k: v for k, v in COLL_DONE.items() if k != "seq"}, "'coll_done' record lacks the field 'seq'"),
+        ({**COLL_DONE, "end": None}, "'end' is NoneType"),
+        ({**COLL_DONE, "end": True}, "'end' is a bool"),
+        ({**COLL_DONE, "err": 3}, "'err' is int"),
+        ({"k": "dropped", "t": 1.0, "records": "7"}, "'records' is str"),
+        ({"k": "dropped", "t": 1.0}, "lacks the field 'records'"),
         ({"k": "end", "t": 1.0, "status": "vanished", "code": None}, "status 'vanished'"),
     ],
 )
