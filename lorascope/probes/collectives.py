@@ -7,7 +7,8 @@ formatting, no system call); the stream's writer formats it: a call that has end
 then is one ``coll_done`` record, one still in flight a ``coll`` record (so a hang, a
 kill or a crash leaves it pending) and later a ``coll_end``. Before a synchronous call
 the queue is flushed from the calling thread, so the call a rank blocks in (or dies in:
-gloo aborts the process on a size mismatch) is on disk before it starts.
+gloo aborts the process on a size mismatch) is on disk before it starts; so is an async
+call made under a rank condition (at its call site or up the stack: ``via``).
 
 Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
 are not counted twice. On CUDA the device time of a synchronous call comes from two
@@ -473,10 +474,13 @@ class CollectiveProbe:
             session.record_entry(call)
             # The rank may block (or die: gloo aborts the process on a size mismatch) in this
             # call: on disk before it starts. A functional collective is waited for right
-            # away, so it counts as one; an async c10d call's record waits for the writer.
+            # away, so it counts as one; so does an async c10d call made under a rank
+            # condition (the rank-conditional call a peer's mismatch aborts this rank in,
+            # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
+            # call's record waits for the writer (most end in time to be one record).
             if not is_async:
                 session.flush(final=False)
-            elif op.startswith(FUNCTIONAL_PREFIX):
+            elif op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
                 session.flush(final=True)
             events = None
             if first is not None and not is_async and getattr(first, "is_cuda", False):
