@@ -29,6 +29,7 @@ from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.reduce import backward_spans
 
 ID = "straggler"
 MIN_STEPS = 5
@@ -64,16 +65,7 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
     inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
     reduce-scatters and backward all-gathers) are then not taken out a second time. The
     collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.reduce`)."""
-    backward: dict[int, float] = {}
-    begin: dict[int, float] = {}
-    for p in rank.phases:
-        if p["name"] != "backward":
-            continue
-        step = p["step"] + 1
-        if p["edge"] == "begin":
-            begin[step] = p["t"]
-        elif step in begin:
-            backward[step] = backward.get(step, 0.0) + p["t"] - begin.pop(step)
+    backward = {step: sum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
     waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
     work, by_backward = {}, 0
     for s in rank.steps:

@@ -211,16 +211,7 @@ class CollectiveLog:
         """Per step (+1), the time in synchronous calls that started outside every backward
         phase of the step (FSDP's backward collectives run inside it); call after
         :meth:`finish`, with every phase record."""
-        spans: dict[int, list[tuple[float, float]]] = {}
-        begin: dict[int, float] = {}
-        for p in phases:
-            if p["name"] != "backward":
-                continue
-            step = p["step"] + 1
-            if p["edge"] == "begin":
-                begin[step] = p["t"]
-            elif step in begin:
-                spans.setdefault(step, []).append((begin.pop(step), p["t"]))
+        spans = backward_spans(phases)
         out: dict[int, float] = {}
         for step, calls in self._sync.items():
             for start, took in calls:
@@ -329,3 +320,19 @@ def totals(data: Any) -> dict[str, Any]:
             "peak_memory_bytes": _bounded(sorted(peak.items())),
         },
     }
+
+
+def backward_spans(phases: list[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+    """Per step (+1, the step record's number), the (begin, end) times of its backward
+    phases that ended."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    begin: dict[int, float] = {}
+    for p in phases:
+        if p["name"] != "backward":
+            continue
+        step = p["step"] + 1
+        if p["edge"] == "begin":
+            begin[step] = p["t"]
+        elif step in begin:
+            spans.setdefault(step, []).append((begin.pop(step), p["t"]))
+    return spans
