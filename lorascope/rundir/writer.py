@@ -48,8 +48,12 @@ class LazyRecord(Protocol):
         ...
 
 
+#: One encoder for every record (json.dumps with arguments builds a new one at each call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=repr)
+
+
 def _encode(record: dict[str, Any]) -> str:
-    return json.dumps(record, separators=(",", ":"), default=repr) + "\n"
+    return _ENCODER.encode(record) + "\n"
 
 
 def _encode_entry(entry: dict[str, Any] | LazyRecord, final: bool) -> str | None:
