@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import record_launch
@@ -216,3 +218,20 @@ def test_trainer_evaluation_is_an_eval_phase(tmp_path: Path) -> None:
     phases = [(p["name"], p["edge"], p["step"]) for p in load_run(out).ranks[0].phases]
     evals = [p for p in phases if p[0] == "eval"]
     assert evals[:2] == [("eval", "begin", 1), ("eval", "end", 1)] and len(evals) == 4, phases
+
+
+def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase edges on a CUDA rank take the allocator's counters, not mallinfo2 (which
+    walks every free chunk); the background sampler still reads the host heap."""
+    from lorascope.probes import memory
+
+    probe = memory.MemoryProbe.__new__(memory.MemoryProbe)
+    probe._rss = lambda: 1
+    probe._nvml = lambda: None
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "heap_in_use", lambda: calls.append(1) or 5)
+    probe._cuda = lambda from_main_thread: {"device": 0, "alloc": 7, "reserved": 8, "max_alloc": 9}  # type: ignore[method-assign]
+    assert "heap" not in probe.reading(from_main_thread=True) and not calls
+    assert probe.reading(from_main_thread=False)["heap"] == 5 and calls == [1]
+    probe._cuda = lambda from_main_thread: None  # type: ignore[method-assign]
+    assert probe.reading(from_main_thread=True)["heap"] == 5
