@@ -48,9 +48,33 @@ SLOWER = 2.0
 DROPPED = {"trace_window", "flight_dump", "snapshot", "fatal_handler"}
 
 
+#: The probes' own layout of collective records (lorascope.probes.collectives), in order.
+_CALL_KEYS = ("k", "t", "seq", "gid", "op", "bytes", "dtype", "async", "site", "step", "via", "end", "err")
+_END_KEYS = ("k", "t", "seq", "gid", "err")
+
+
 def _records(rank: int) -> list[dict[str, Any]]:
+    """The template rank's records as today's probes write them: the recording predates
+    ``coll_done``, so an async call with its ``coll_end`` becomes one ``coll_done`` (the
+    writer formats an async call once it has ended), and collective records take the
+    probes' key order."""
     [path] = (TEMPLATE / "ranks" / f"rank-{rank}").glob("*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ends = {(r["gid"], r["seq"]): r for r in recs if r["k"] == "coll_end"}
+    merged = set()
+    out = []
+    for r in recs:
+        if r["k"] == "coll" and r["async"] and (r["gid"], r["seq"]) in ends:
+            end = ends[(r["gid"], r["seq"])]
+            merged.add((r["gid"], r["seq"]))
+            r = {**r, "k": "coll_done", "end": end["t"], "err": end["err"]}
+        out.append(r)
+    out = [r for r in out if not (r["k"] == "coll_end" and (r["gid"], r["seq"]) in merged)]
+    for i, r in enumerate(out):
+        keys = _END_KEYS if r["k"] == "coll_end" else _CALL_KEYS if r["k"] in ("coll", "coll_done") else None
+        if keys is not None:
+            out[i] = {key: r[key] for key in keys if key in r}
+    return out
 
 
 def _line(rec: dict[str, Any]) -> str:
@@ -58,13 +82,13 @@ def _line(rec: dict[str, Any]) -> str:
 
 
 def _template(rec: dict[str, Any]) -> str:
-    """The record as a format string: {t}, {step}, {seq}, {rss}, {heap} where it holds them."""
+    """The record as a format string: {t}, {end}, {step}, {seq}, {rss}, {heap} where it holds them."""
     marked = dict(rec)
-    for key in ("t", "step", "seq", "rss", "heap"):
+    for key in ("t", "end", "step", "seq", "rss", "heap"):
         if isinstance(marked.get(key), int | float) and not isinstance(marked.get(key), bool):
             marked[key] = f"@{key}@"
     text = _line(marked).replace("{", "{{").replace("}", "}}")
-    for key in ("t", "step", "seq", "rss", "heap"):
+    for key in ("t", "end", "step", "seq", "rss", "heap"):
         text = text.replace(f'"@{key}@"', "{" + key + "!r}")
     return text
 
@@ -80,7 +104,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     period = SLOWER * span
     per_step: dict[int, int] = {}
     for r in block:
-        if r["k"] == "coll":
+        if r["k"] in ("coll", "coll_done"):
             per_step[r["gid"]] = per_step.get(r["gid"], 0) + 1
     pid = 100_000 + rank
     plant = max(2, steps // 3)
@@ -125,6 +149,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                 chunk.append(
                     tmpl.format(
                         t=base + off,
+                        end=base + off + r.get("end", 0) - r["t"],
                         step=r.get("step", 0) + j,
                         seq=r.get("seq", 0) + j * per_step.get(r.get("gid", -1), 0),
                         rss=r.get("rss", 0) + extra,
@@ -140,6 +165,8 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                 continue
             r = dict(r)
             r["t"] += shift
+            if "end" in r:
+                r["end"] += shift
             if isinstance(r.get("step"), int):
                 r["step"] += steps - 2
             if isinstance(r.get("seq"), int):

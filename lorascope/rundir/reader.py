@@ -20,6 +20,7 @@ from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedE
 from lorascope.rundir import limits
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
+from lorascope.rundir.fastlines import Call, End, parse_call, parse_end
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.reduce import KEEP_WARNINGS, CollectiveLog, GroupTally, decimate, steps_per_rank, totals
 from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
@@ -212,7 +213,9 @@ def _loads(line: bytes) -> Any:
 def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
-    than MAX_RECORD_DEPTH (skipped, one warning per file)."""
+    than MAX_RECORD_DEPTH (skipped, one warning per file). A collective record in the
+    probes' own layout comes as a :class:`Call` or :class:`End`, validated
+    (:mod:`lorascope.rundir.fastlines`); any other record as its parsed JSON."""
     max_line = limits.current().record_bytes
     long_lines: list[int] = []
     deep_lines: list[int] = []
@@ -226,6 +229,11 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                     while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
                         pass
                     continue
+                if line[6:10] == b"coll":
+                    fast = parse_end(line) if line[10:14] == b"_end" else parse_call(line)
+                    if fast is not None:
+                        yield number, fast
+                        continue
                 if not line.strip():
                     continue
                 if maybe_too_deep(line, MAX_RECORD_DEPTH):
@@ -286,6 +294,11 @@ def _load_process(
     dropped: tuple[str, int] | None = None
     for _, path in segs:
         for number, rec in _iter_records(path, warnings):
+            if type(rec) is Call or type(rec) is End:
+                if data is None:
+                    raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+                _collective(data, rec, pending, log)
+                continue
             try:
                 known = validate_record(rec)
             except SchemaError as exc:
@@ -340,8 +353,6 @@ def recount(data: RankData) -> RankData:
     log = CollectiveLog()
     for coll in sorted(data.collectives, key=lambda c: c.start):
         log.add(coll)
-        if coll.end is not None:
-            log.ended(coll)
     data.collectives = log.finish()
     data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
     data.coll_wait_outside_backward = log.outside_backward(data.phases)
@@ -376,30 +387,25 @@ def _apply(
     data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
 ) -> None:
     if kind == "coll" or kind == "coll_done":
-        group = data.groups.get(rec["gid"], {}).get("name", str(rec["gid"]))
-        coll = Collective(
-            seq=rec["seq"],
-            group=group,
-            op=sys.intern(rec["op"]),
-            bytes=rec["bytes"],
-            dtype=_shared(rec["dtype"]),
-            is_async=rec["async"],
-            site=_shared(rec["site"]),
-            step=rec["step"],
-            start=float(rec["t"]),
-            via=sys.intern(rec["via"]) if isinstance(rec.get("via"), str) else None,
+        done = kind == "coll_done"
+        call = Call(
+            kind,
+            float(rec["t"]),
+            rec["seq"],
+            rec["gid"],
+            rec["op"],
+            rec["bytes"],
+            rec["dtype"],
+            rec["async"],
+            rec["site"],
+            rec["step"],
+            rec["via"] if isinstance(rec.get("via"), str) else None,
+            float(rec["end"]) if done else None,
+            rec["err"] if done else None,
         )
-        log.add(coll)
-        if kind == "coll":
-            pending[(rec["gid"], rec["seq"])] = coll
-        else:  # the call had ended when it was written
-            coll.end, coll.err = float(rec["end"]), rec["err"]
-            log.ended(coll)
+        _collective(data, call, pending, log)
     elif kind == "coll_end":
-        ended = pending.pop((rec["gid"], rec["seq"]), None)
-        if ended is not None:
-            ended.end, ended.err = float(rec["t"]), rec["err"]
-            log.ended(ended)
+        _collective(data, End(float(rec["t"]), rec["seq"], rec["gid"], rec["err"]), pending, log)
     elif kind in _LISTED:
         getattr(data, _LISTED[kind]).append(rec)
     elif kind in _LATEST:
@@ -422,6 +428,40 @@ def _apply(
         found = log.find(name, rec["seq"]) if isinstance(name, str) else None
         if found is not None:
             found.device_ms = float(rec["ms"])
+
+
+def _collective(
+    data: RankData, rec: Call | End, pending: dict[tuple[int, int], Collective], log: CollectiveLog
+) -> None:
+    """A call's start (``coll``), its end (``coll_end``), or both at once (``coll_done``)."""
+    if type(rec) is End:
+        data.last_time = max(data.last_time, rec.t)
+        ended = pending.pop((rec.gid, rec.seq), None)
+        if ended is not None:
+            ended.end, ended.err = rec.t, rec.err
+            log.ended(ended)
+        return
+    assert type(rec) is Call
+    group = data.groups.get(rec.gid, {}).get("name", str(rec.gid))
+    coll = Collective(
+        seq=rec.seq,
+        group=group,
+        op=sys.intern(rec.op),
+        bytes=rec.bytes,
+        dtype=_shared(rec.dtype),
+        is_async=rec.is_async,
+        site=_shared(rec.site),
+        step=rec.step,
+        start=rec.t,
+        via=_shared(rec.via),
+    )
+    if rec.end is None:
+        data.last_time = max(data.last_time, rec.t)
+        pending[(rec.gid, rec.seq)] = coll
+    else:  # the call had ended when it was written
+        data.last_time = max(data.last_time, rec.t, rec.end)
+        coll.end, coll.err = rec.end, rec.err
+    log.add(coll)
 
 
 def _shared(text: str | None) -> str | None:

@@ -111,6 +111,7 @@ class CollectiveLog:
         self._n = 0
 
     def add(self, coll: Collective) -> None:
+        """A call read: its start, or (``end`` set) the whole call."""
         group, seq = coll.group, coll.seq
         tally = self.tallies.get(group)
         if tally is None:
@@ -119,6 +120,8 @@ class CollectiveLog:
         tally.calls += 1
         if seq > tally.last_seq:
             tally.last_seq = seq
+        if coll.end is not None and seq > tally.last_done:
+            tally.last_done = seq
         tally.ops.add(coll.op)
         self._hash(coll)
         head = self.head[group]
@@ -136,13 +139,16 @@ class CollectiveLog:
             tail.append(coll)
             tally.tail_first = tail[0].seq
         order = self._order
+        if not order and coll.end is not None:
+            self._sum(coll)  # nothing older pending: summed in order as it is
+            return
         heapq.heappush(order, (coll.start, self._n, coll))
         self._n += 1
         if order[0][2].end is not None or len(order) > MAX_REORDER:
             self._release(False)
 
     def ended(self, coll: Collective) -> None:
-        """A call completed (its end record was read)."""
+        """A call added before its end completed (its end record was read)."""
         tally = self.tallies[coll.group]
         if coll.seq > tally.last_done:
             tally.last_done = coll.seq
@@ -162,7 +168,9 @@ class CollectiveLog:
 
     def _hash(self, coll: Collective) -> None:
         index = (coll.seq - 1) // WINDOW
-        opened = self._open.setdefault(coll.group, {})
+        opened = self._open.get(coll.group)
+        if opened is None:
+            opened = self._open[coll.group] = {}
         calls = opened.get(index)
         if calls is None:
             for old in [i for i in opened if i < index - 1]:
@@ -181,14 +189,17 @@ class CollectiveLog:
         order = self._order
         while order and (everything or order[0][2].end is not None or len(order) > MAX_REORDER):
             _, _, coll = heapq.heappop(order)
-            if coll.end is None:
-                continue
-            took = coll.end - coll.start
-            if not coll.is_async:
-                self.coll_wait[coll.step + 1] = self.coll_wait.get(coll.step + 1, 0.0) + took
-                self._sync.setdefault(coll.step + 1, []).append((coll.start, took))
-            total, n = self.op_totals.get(coll.op, (0.0, 0))
-            self.op_totals[coll.op] = (total + took, n + 1)
+            if coll.end is not None:
+                self._sum(coll)
+
+    def _sum(self, coll: Collective) -> None:
+        assert coll.end is not None
+        took = coll.end - coll.start
+        if not coll.is_async:
+            self.coll_wait[coll.step + 1] = self.coll_wait.get(coll.step + 1, 0.0) + took
+            self._sync.setdefault(coll.step + 1, []).append((coll.start, took))
+        total, n = self.op_totals.get(coll.op, (0.0, 0))
+        self.op_totals[coll.op] = (total + took, n + 1)
 
     def finish(self) -> list[Collective]:
         """Close the digests and the sums; the kept calls, in the order they started."""

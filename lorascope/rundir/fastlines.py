@@ -1,0 +1,95 @@
+"""The probes' collective records read without ``json.loads`` (analysis side).
+
+``coll_done``, ``coll`` and ``coll_end`` are nine lines in ten of a rank's stream and
+most of its bytes. The probes format them by hand in one fixed layout
+(:mod:`lorascope.probes.collectives`); a line in exactly that layout is matched by one
+regular expression, which also checks every field's type and range as format v1 asks
+(``validate_record``), at a third of the cost of ``json.loads`` plus validation. Anything
+else (another key order, whitespace, escapes or non-ASCII in a string, an exponent, a
+number of 19 digits or more, a torn line) is not matched and takes the general path,
+which accepts or rejects it exactly as before: the fast path never decides a line is bad.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+# JSON's own grammar, narrowed: integers of at most 18 digits (inside the 64-bit range
+# format v1 allows), decimals without an exponent (finite), strings of printable ASCII
+# without escapes (their bytes are their text).
+_INT = rb"(-?(?:0|[1-9][0-9]{0,17}))"
+_NUM = rb"(-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]+)?)"
+_STR = rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"'
+_OPT_STR = rb'(?:"([\x20\x21\x23-\x5b\x5d-\x7e]*)"|null)'
+
+_CALL = re.compile(
+    rb'\{"k":"(coll|coll_done)","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"op":' + _STR
+    + rb',"bytes":(?:' + _INT + rb"|null)"
+    + rb',"dtype":' + _OPT_STR + rb',"async":(true|false),"site":' + _OPT_STR + rb',"step":' + _INT
+    + rb'(?:,"via":' + _STR + rb")?"
+    + rb'(?:,"end":' + _NUM + rb',"err":' + _OPT_STR + rb")?\}\n"
+)  # fmt: skip
+_END = re.compile(rb'\{"k":"coll_end","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"err":' + _OPT_STR + rb"\}\n")  # fmt: skip
+
+
+class Call(NamedTuple):
+    """A ``coll`` or ``coll_done`` record's fields (``end`` and ``err`` only for the latter)."""
+
+    kind: str
+    t: float
+    seq: int
+    gid: int
+    op: str
+    bytes: int | None
+    dtype: str | None
+    is_async: bool
+    site: str | None
+    step: int
+    via: str | None
+    end: float | None
+    err: str | None
+
+
+class End(NamedTuple):
+    """A ``coll_end`` record's fields."""
+
+    t: float
+    seq: int
+    gid: int
+    err: str | None
+
+
+def parse_call(line: bytes) -> Call | None:
+    """A ``coll`` / ``coll_done`` line in the probes' layout, else None (read it as JSON)."""
+    m = _CALL.fullmatch(line)
+    if m is None:
+        return None
+    kind, t, seq, gid, op, nbytes, dtype, is_async, site, step, via, end, err = m.groups()
+    if kind == b"coll_done" and end is None:
+        return None  # lacks its end: the general path says so
+    done = kind == b"coll_done"
+    return Call(
+        "coll_done" if done else "coll",
+        float(t),
+        int(seq),
+        int(gid),
+        op.decode(),
+        None if nbytes is None else int(nbytes),
+        None if dtype is None else dtype.decode(),
+        is_async == b"true",
+        None if site is None else site.decode(),
+        int(step),
+        None if via is None else via.decode(),
+        float(end) if done else None,
+        None if err is None or not done else err.decode(),
+    )
+
+
+def parse_end(line: bytes) -> End | None:
+    """A ``coll_end`` line in the probes' layout, else None (read it as JSON)."""
+    m = _END.fullmatch(line)
+    if m is None:
+        return None
+    t, seq, gid, err = m.groups()
+    return End(float(t), int(seq), int(gid), None if err is None else err.decode())
