@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Where the probes' time goes: the CPU time of each probe function, per call and per
+step, measured inside the probed 2-rank ZeRO-3 CPU job (a script, not a test).
+
+``probe_overhead.py`` measures what users see (step time bare vs probed), but on a small
+shared machine its pairs swing by tens of percent. This script measures the probes from
+the inside instead: it runs ``probes/train_lora.py`` under ``lorascope run`` once, with a
+``sitecustomize`` that wraps the probes' functions below and adds up the CPU time of the
+calling thread (``time.thread_time_ns``: not the time spent waiting for the GIL or the
+other rank) on the main thread and on the others (writer, sampler, the backend's
+completion callbacks) apart. The first quarter of the calls (warm-up: call sites read,
+caches filled) is left out. It prints the main thread's CPU time per step (median, from
+one clock read at each ``step`` record), then per function and thread: calls per step,
+median and mean microseconds per call, milliseconds per step; then the probes' total
+per step (the outermost functions only: nested ones are indented under them).
+
+The wrappers themselves cost ~1 us a call (two clock reads): the figures are upper bounds.
+The wrapper code is compiled under a file name inside lorascope's package, so the probes
+take it for their own frames and call sites are the job's, as without it.
+
+    python benchmarks/probe_costs.py [--steps 60] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "probes" / "train_lora.py"
+
+#: (module, owner attribute or "", function, label, parent label or ""): what is timed.
+#: Only functions the probes look up at each call can be wrapped (not those bound once
+#: when a probe is built).
+TIMED = [
+    ("lorascope.probes.collectives", "CollectiveProbe", "_begin", "collective start", ""),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_site", "call site", "collective start"),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_via", "rank condition up the stack", "call site"),
+    ("lorascope.rundir.writer", "Stream", "flush", "flush", "collective start"),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_end_when_done", "async: add completion callback", ""),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_end", "collective end", ""),
+    ("lorascope.probes.memory", "", "heap_in_use", "C heap reading (mallinfo2)", ""),
+    ("lorascope.rundir.writer", "", "_encode_entry", "format a record", "flush"),
+]
+
+HARNESS = textwrap.dedent("""
+    import atexit, importlib, json, os, sys, threading, time
+    if "RANK" in os.environ and "train_lora" in " ".join(sys.argv) and "torchrun" not in sys.argv[0]:
+        import lorascope
+        _acc = {{}}
+        _main = threading.main_thread()
+        _src = '''
+    def make(orig, label, acc, main, clock, current):
+        def timed(*args, **kwargs):
+            t = clock()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                key = label if current() is main else label + "@bg"
+                acc.setdefault(key, []).append(clock() - t)
+        return timed
+    '''
+        _ns = {{}}
+        exec(compile(_src, os.path.join(os.path.dirname(lorascope.__file__), "_probe_costs_harness.py"), "exec"), _ns)
+        _record = importlib.import_module("lorascope.probes.session").Session.record
+        _steps = []
+
+        def _step_clock(self, kind, **fields):
+            if kind == "step" and threading.current_thread() is _main:
+                _steps.append(time.thread_time_ns())
+            return _record(self, kind, **fields)
+
+        importlib.import_module("lorascope.probes.session").Session.record = _step_clock
+        for _mod, _owner, _name, _label, _ in {timed!r}:
+            _m = importlib.import_module(_mod)
+            _o = getattr(_m, _owner) if _owner else _m
+            setattr(_o, _name, _ns["make"](getattr(_o, _name), _label, _acc, _main, time.thread_time_ns, threading.current_thread))
+
+        def _report():
+            with open(os.path.join({out!r}, "rank-%s.json" % os.environ.get("RANK", "x")), "w") as f:
+                json.dump({{"timed": _acc, "steps": _steps}}, f)
+
+        atexit.register(_report)
+""")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--port", type=int, default=29680)
+    p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lorascope-costs-") as tmp:
+        work = Path(tmp)
+        (work / "site").mkdir()
+        (work / "out").mkdir()
+        (work / "site" / "sitecustomize.py").write_text(HARNESS.format(timed=TIMED, out=str(work / "out")))
+        env = {**os.environ, "PYTHONPATH": str(work / "site")}
+        cmd = [
+            sys.executable, "-m", "lorascope", "run", "--no-summary", "--trace-window", "off", "--out",
+            str(work / "run"), "--", str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
+            "--master_port", str(args.port), str(JOB), "--steps", str(args.steps),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        step_s = [float(x.split("=")[1]) for x in proc.stdout.split() if x.startswith("mean_step_s=")]
+        figures = {}
+        for path in sorted((work / "out").glob("rank-*.json")):
+            got = json.loads(path.read_text())
+            marks = got["steps"][len(got["steps"]) // 4 :]
+            main_cpu = statistics.median(b - a for a, b in zip(marks, marks[1:], strict=False)) / 1e6
+            figures[path.stem] = {"main_thread_cpu_ms_per_step": main_cpu, "rows": _figures(got["timed"], args.steps)}
+    for rank, got in figures.items():
+        rows = got["rows"]
+        print(
+            f"{rank}: main thread {got['main_thread_cpu_ms_per_step']:.1f} ms CPU a step (median)"
+            + (f"; mean step {step_s[0] * 1e3:.0f} ms wall (rank 0)" if step_s else "")
+        )
+        print(
+            f"  {'function':44s} {'thread':6s} {'calls/step':>10s} {'median us':>10s} {'mean us':>8s} {'ms/step':>8s}"
+        )
+        total = 0.0
+        for row in rows:
+            indent = "  " * row["depth"]
+            print(
+                f"  {indent + row['label']:44s} {row['thread']:6s} {row['per_step']:10.1f} {row['median_us']:10.1f}"
+                f" {row['mean_us']:8.1f} {row['ms_per_step']:8.2f}"
+            )
+            if row["depth"] == 0:
+                total += row["ms_per_step"]
+        print(
+            f"  probes' CPU per step (outermost functions): {total:.2f} ms, main thread"
+            f" {sum(r['ms_per_step'] for r in rows if r['depth'] == 0 and r['thread'] == 'main'):.2f} ms"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"step_s": step_s, "ranks": figures}, indent=1))
+    return 0
+
+
+def _figures(acc: dict[str, list[int]], steps: int) -> list[dict[str, Any]]:
+    parents = {label: parent for *_, label, parent in TIMED}
+    rows = []
+    for key, times in acc.items():
+        label, _, bg = key.partition("@")
+        kept = times[len(times) // 4 :]
+        if not kept:
+            continue
+        per_step = len(kept) / (steps * 0.75)
+        mean = sum(kept) / len(kept) / 1e3
+        # nested under the parents timed on the same thread (the writer thread's flush
+        # formats records too, but starts no collective)
+        depth, parent = 0, parents.get(label, "")
+        while parent and (parent + ("@" + bg if bg else "")) in acc:
+            depth, parent = depth + 1, parents.get(parent, "")
+        rows.append(
+            {
+                "label": label,
+                "thread": "other" if bg else "main",
+                "depth": depth,
+                "per_step": per_step,
+                "median_us": statistics.median(kept) / 1e3,
+                "mean_us": mean,
+                "ms_per_step": mean * per_step / 1e3,
+            }
+        )
+    order = [label for *_, label, _ in TIMED]
+    rows.sort(key=lambda r: (r["thread"] != "main", order.index(str(r["label"]))))
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
