@@ -18,7 +18,7 @@ The wrappers themselves cost ~1 us a call (two clock reads): the figures are upp
 The wrapper code is compiled under a file name inside lorascope's package, so the probes
 take it for their own frames and call sites are the job's, as without it.
 
-    python benchmarks/probe_costs.py [--steps 60] [--json FILE]
+    python benchmarks/probe_costs.py [--steps 60] [--json FILE] [--src OTHER_CHECKOUT]
 """
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--port", type=int, default=29680)
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    p.add_argument("--src", type=Path, help="the ranks import lorascope from this checkout (a before)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lorascope-costs-") as tmp:
         work = Path(tmp)
         (work / "site").mkdir()
         (work / "out").mkdir()
         (work / "site" / "sitecustomize.py").write_text(HARNESS.format(timed=TIMED, out=str(work / "out")))
-        env = {**os.environ, "PYTHONPATH": str(work / "site")}
+        path = [str(work / "site"), *([str(args.src.resolve())] if args.src else [])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         cmd = [
             sys.executable, "-m", "lorascope", "run", "--no-summary", "--trace-window", "off", "--out",
             str(work / "run"), "--", str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
