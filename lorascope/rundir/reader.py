@@ -442,31 +442,30 @@ def _collective(
             log.ended(ended)
         return
     assert type(rec) is Call
-    group = data.groups.get(rec.gid, {}).get("name", str(rec.gid))
+    gid, intern = rec.gid, sys.intern
+    group = data.groups[gid].get("name", str(gid)) if gid in data.groups else str(gid)
+    # positional, in Collective's field order (the hottest line of a long run's reading)
     coll = Collective(
-        seq=rec.seq,
-        group=group,
-        op=sys.intern(rec.op),
-        bytes=rec.bytes,
-        dtype=_shared(rec.dtype),
-        is_async=rec.is_async,
-        site=_shared(rec.site),
-        step=rec.step,
-        start=rec.t,
-        via=_shared(rec.via),
+        rec.seq,
+        group,
+        intern(rec.op),
+        rec.bytes,
+        None if rec.dtype is None else intern(rec.dtype),
+        rec.is_async,
+        None if rec.site is None else intern(rec.site),
+        rec.step,
+        rec.t,
+        rec.end,
+        rec.err,
+        None,
+        None if rec.via is None else intern(rec.via),
     )
     if rec.end is None:
         data.last_time = max(data.last_time, rec.t)
-        pending[(rec.gid, rec.seq)] = coll
+        pending[(gid, rec.seq)] = coll
     else:  # the call had ended when it was written
         data.last_time = max(data.last_time, rec.t, rec.end)
-        coll.end, coll.err = rec.end, rec.err
     log.add(coll)
-
-
-def _shared(text: str | None) -> str | None:
-    """One copy of a string many records repeat (an op, a dtype, a call site)."""
-    return None if text is None else sys.intern(text)
 
 
 def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
