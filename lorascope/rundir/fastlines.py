@@ -4,7 +4,8 @@
 most of its bytes. The probes format them by hand in one fixed layout
 (:mod:`lorascope.probes.collectives`); a line in exactly that layout is matched by one
 regular expression, which also checks every field's type and range as format v1 asks
-(``validate_record``), at a third of the cost of ``json.loads`` plus validation. Anything
+(``validate_record``), at about half the cost of ``json.loads`` plus validation (~10 us
+against 15-23 us a typical ``coll_done`` line on the loaded 2-core test machine). Anything
 else (another key order, whitespace, escapes or non-ASCII in a string, an exponent, a
 number of 19 digits or more, a torn line) is not matched and takes the general path,
 which accepts or rejects it exactly as before: the fast path never decides a line is bad.
