@@ -1,0 +1,79 @@
+"""Call sites and rank conditions up the stack, with the caches keyed by code id: the
+same answers on the first call, on the cached calls, and past the cap on kept code."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from lorascope.probes import collectives
+from lorascope.probes.collectives import CollectiveProbe
+from lorascope.probes.session import Session
+from lorascope.rundir.writer import Stream
+
+JOB = textwrap.dedent("""
+    def begin(probe):
+        return probe._site()        # _site looks 3 frames up: begin, wrapper, caller
+
+    def wrapper(probe):
+        return begin(probe)
+
+    def collective(probe):
+        return wrapper(probe)       # the call site: no rank condition here
+
+    def save(probe):
+        return collective(probe)
+
+    def loop(probe, rank):
+        out = []
+        for _ in range(3):
+            out.append(save(probe))
+            if rank == 0:
+                out.append(save(probe))
+        return out
+""")
+
+
+def _job(tmp_path: Path) -> ModuleType:
+    path = tmp_path / "job_under_test.py"
+    path.write_text(JOB)
+    spec = importlib.util.spec_from_file_location("job_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _probe(tmp_path: Path) -> tuple[CollectiveProbe, list[dict[str, Any]]]:
+    session = Session(Stream(tmp_path / "ranks" / "rank-0" / "h-1"), 0, 0, 1, 0.0)
+    records: list[dict[str, Any]] = []
+    session.record = lambda kind, **fields: records.append({"k": kind, **fields})  # type: ignore[method-assign]
+    return CollectiveProbe(session), records
+
+
+@pytest.mark.parametrize("cap", [collectives.MAX_KEPT_CODES, 0])
+def test_sites_and_rank_conditions_up_the_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
+    monkeypatch.setattr(collectives, "MAX_KEPT_CODES", cap)
+    job = _job(tmp_path)
+    probe, records = _probe(tmp_path)
+    got = job.loop(probe, 0)
+    path = str(tmp_path / "job_under_test.py")
+    site = f"{path}:9 in collective"
+    # the unconditioned save (line 17) has no via; the one under `if rank == 0:` (line 19) does
+    assert got == [(site, None), (site, f"{path}:19 in loop")] * 3
+    assert job.loop(probe, 1) == [(site, None)] * 3
+    described = {r["site"]: r for r in records if r["k"] == "site"}
+    assert len(described) == len(records)  # each site's source context recorded once
+    assert described[f"{path}:19 in loop"]["conditions"]
+    assert not described[site]["conditions"] and not described[f"{path}:17 in loop"]["conditions"]
+    if cap == 0:  # nothing cached by id: worked out again at every call, the same
+        assert not probe._kept and not probe._internal and not probe._sites and not probe._foreign
+    else:
+        assert all(probe._kept[i] is not None for i in probe._internal)
+        assert sys.getrefcount(job.collective.__code__) > 2  # kept alive by the probe
