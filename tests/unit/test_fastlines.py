@@ -38,8 +38,9 @@ _texts = st.text(min_size=0, max_size=40)
 _ints = st.integers(min_value=-(2**63) + 1, max_value=2**63 - 1)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
+_calls = st.builds(
+    _Call,
+    t=st.floats(min_value=0, max_value=4e9),
     seq=_ints,
     gid=st.integers(min_value=0, max_value=2**40),
     op=_texts,
@@ -49,33 +50,25 @@ _ints = st.integers(min_value=-(2**63) + 1, max_value=2**63 - 1)
     site=st.none() | _texts,
     step=_ints,
     via=st.none() | _texts,
-    ended=st.booleans(),
-    t=st.floats(min_value=0, max_value=4e9),
 )
-def test_probe_lines_parse_as_json_does(
-    seq: int,
-    gid: int,
-    op: str,
-    nbytes: int | None,
-    dtype: str | None,
-    is_async: bool,
-    site: str | None,
-    step: int,
-    via: str | None,
-    ended: bool,
-    t: float,
-) -> None:
+
+
+def _plain(text: str | None) -> bool:
+    """Whether the probes write the string as its own bytes (no escape, ASCII only)."""
+    return text is None or (text.isascii() and text.isprintable() and '"' not in text and "\\" not in text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(call=_calls, ended=st.booleans())
+def test_probe_lines_parse_as_json_does(call: _Call, ended: bool) -> None:
     """Whatever the probes write, the fast path either declines or agrees with JSON."""
-    line = _line(_Call(t, seq, gid, op, nbytes, dtype, is_async, site, step, via), ended)
+    line = _line(call, ended)
     rec = _as_json(line)
     fast = parse_call(line)
     if fast is None:  # escapes, non-ASCII, 19-digit numbers: json's to read
+        numbers = [call.seq, call.step, call.nbytes or 0]
         assert (
-            any(
-                not s.isascii() or '"' in s or "\\" in s or not s.isprintable()
-                for s in [op, dtype or "", site or "", via or ""]
-            )
-            or max(abs(seq), abs(step), abs(nbytes or 0)) >= 10**18
+            not all(_plain(s) for s in (call.op, call.dtype, call.site, call.via)) or max(map(abs, numbers)) >= 10**18
         )
         return
     assert fast.kind == rec["k"]
