@@ -77,11 +77,12 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
         )
         for n, c in calls.items()
     ]
-    # A rank killed by a signal (gloo's abort) is the cause; the others' errors (the peer
-    # closed the connection) follow from it.
+    # A rank that raised a fatal signal (gloo's abort) is the cause; the others' errors (the
+    # peer closed the connection) follow from it, and a signal sent from outside (the
+    # launcher's SIGTERM to the ranks left once one died) follows from both.
     died = sorted(
         ((n, e) for n in calls if (e := ending_of(run.ranks[n])).status in ("signal", "exception")),
-        key=lambda d: (d[1].status != "signal", d[0]),
+        key=lambda d: (not d[1].fatal, d[1].status != "exception", d[0]),
     )
     crashed = ""
     if died:

@@ -19,6 +19,9 @@ FATAL_SIGNALS = {
 }
 
 
+_FATAL_NUMBERS = {int(s) for s in FATAL_SIGNALS.values()}
+
+
 @dataclass(frozen=True)
 class Ending:
     #: "exception", "signal", the end record's status ("exit", ...), or "unknown" when
@@ -28,6 +31,12 @@ class Ending:
     detail: str | None
     #: When the rank recorded it (None: no record).
     t: float | None
+
+    @property
+    def fatal(self) -> bool:
+        """Killed by a fatal signal the process raised itself (an abort, a segfault), not
+        one sent to it (a launcher's SIGTERM once another rank died)."""
+        return self.status == "signal" and self.code is not None and -self.code in _FATAL_NUMBERS
 
     @property
     def known(self) -> bool:

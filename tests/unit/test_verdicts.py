@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lorascope.detect import logits_spike, rank0_asymmetry, registry, straggler
+from lorascope.detect import collective_mismatch, logits_spike, rank0_asymmetry, registry, straggler
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
@@ -203,3 +204,33 @@ def test_collectives_inside_the_backward_phase_are_not_taken_out_twice() -> None
     waits = [max(0.0, s - f) + 0.01 for f, s in zip(fast, slow, strict=True)]
     [f] = straggler.detect(run_of(fsdp_rank(0, fast, waits), fsdp_rank(1, slow, [0.01] * 12)))
     assert f.ranks == [1]
+
+
+def mismatched_rank(n: int, nbytes: int, **ending: Any) -> RankData:
+    """A rank whose third all_reduce, from the same line as every rank's, has its own size."""
+    colls = [
+        Collective(
+            i + 1, "0", "all_reduce", 4 if i < 2 else nbytes, "float32", False, "t.py:9", i, 100.0 + i, 100.5 + i
+        )
+        for i in range(3)
+    ]
+    colls[-1].end = None  # the rank died in it
+    rank = RankData(rank=n, start={"rank": n, "pid": n, "host": "h"}, files=[], collectives=colls, **ending)
+    return recount(rank)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_mismatch_names_the_rank_that_aborted_not_the_one_the_launcher_stopped(order: tuple[int, int]) -> None:
+    """gloo aborts one rank (faulthandler: SIGABRT); torchrun then sends SIGTERM to the
+    rest. Whichever rank number each has, the abort is how the job crashed (seen in CI: a
+    loaded machine let the SIGTERM land before the other rank's own abort)."""
+    aborted, stopped = order
+    ranks = {
+        aborted: mismatched_rank(
+            aborted, 32, fatal="Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):"
+        ),
+        stopped: mismatched_rank(stopped, 16, signal={"k": "signal", "t": 103.0, "signum": 15, "name": "SIGTERM"}),
+    }
+    [found] = collective_mismatch.detect(run_of(ranks[0], ranks[1]))
+    assert f"it crashed the job (rank {aborted}: Fatal Python error: Aborted" in found.title
+    assert "SIGTERM" not in found.title
