@@ -20,7 +20,7 @@ was named (rank0-asymmetry on rank 0, straggler on its rank, rank-conditional-ha
     python benchmarks/rundir_scale.py [--ranks 64,256,1024] [--steps 10000] [--dir /tmp/rundir-scale] [--keep]
 
 Each run directory is deleted after it is measured (unless --keep); check `df` first:
-a rank-step is ~18 KB, so 64 x 10,000 writes ~12 GB.
+a rank-step is ~16 KB, so 64 x 10,000 writes ~10 GB.
 """
 
 from __future__ import annotations
