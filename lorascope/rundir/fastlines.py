@@ -22,7 +22,7 @@ from typing import NamedTuple
 _INT = rb"(-?(?:0|[1-9][0-9]{0,17}))"
 _NUM = rb"(-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]+)?)"
 _STR = rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"'
-_OPT_STR = rb'(?:"([\x20\x21\x23-\x5b\x5d-\x7e]*)"|null)'
+_OPT_STR = rb"(?:" + _STR + rb"|null)"
 
 _CALL = re.compile(
     rb'\{"k":"(coll|coll_done)","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"op":' + _STR

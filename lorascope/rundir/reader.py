@@ -312,7 +312,7 @@ def _load_process(
                 if kind != "start":
                     raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
                 data = RankData(rank=rank, start=rec, files=[])
-            data.last_time = max(data.last_time, float(rec["t"]), float(rec["end"]) if kind == "coll_done" else 0.0)
+            data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
             _apply(data, kind, rec, pending, log)
             if kind == "dropped":  # a running total
                 dropped = (f"{path}:{number}", rec["records"])
