@@ -26,14 +26,14 @@ def _peak_memory(rank: RankData) -> dict[str, int | None]:
 
 
 def _sharding(rank: RankData | None) -> dict[str, Any] | None:
-    """How the job shards its model (FSDP2, FSDP1, DeepSpeed ZeRO) and checkpoints its
+    """How the job shards (FSDP2, FSDP1, DeepSpeed ZeRO) or replicates (DDP) its model and checkpoints its
     activations, from the first rank's configs and its first backward's settings; None
     when it recorded neither."""
     if rank is None:
         return None
     setup = rank.grad_setup
     checkpointing = setup["checkpointing"] if setup is not None and setup["checkpointing"].get("enabled") else None
-    fsdp, deepspeed = rank.configs.get("fsdp"), rank.configs.get("deepspeed")
+    fsdp, deepspeed, ddp = rank.configs.get("fsdp"), rank.configs.get("deepspeed"), rank.configs.get("ddp")
     engine: str | None = None
     settings: dict[str, Any] = {}
     if fsdp:
@@ -41,6 +41,8 @@ def _sharding(rank: RankData | None) -> dict[str, Any] | None:
     elif deepspeed:
         zero = deepspeed.get("zero_optimization")
         engine, settings = "DeepSpeed", {"zero_stage": zero.get("stage", 0) if isinstance(zero, dict) else 0}
+    elif ddp:
+        engine, settings = "DDP", ddp
     if engine is None and checkpointing is None:
         return None
     return {"engine": engine, "settings": settings, "checkpointing": checkpointing}

@@ -278,6 +278,18 @@ def _loop_copy(rank: RankData, setup: TrainingSetup) -> int:
     return 0
 
 
+def _ddp_clones_outputs(rank: RankData) -> bool:
+    """Whether DistributedDataParallel copied the model's outputs in the first forward:
+    its ``_DDPSink`` clones every output under ``find_unused_parameters`` (the Hugging
+    Face Trainer's default for a model without gradient checkpointing), and in the first
+    forward under ``static_graph``; the original and the copy (the logits twice) are alive
+    together before the forward returns."""
+    ddp = rank.configs.get("ddp")
+    if not isinstance(ddp, dict) or not ddp.get("sink_clone", True):
+        return False
+    return bool(ddp.get("find_unused_parameters") or ddp.get("static_graph"))
+
+
 def _gathered(plan: Plan) -> int:
     """The parameters held whole to compute: ZeRO-3's module or FSDP's unsharded units."""
     return sum(t.bytes for t in plan.terms if t.key in ("zero3_gathered", "fsdp_unsharded"))
@@ -300,7 +312,8 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
     # While cross_entropy runs, its input is alive: the plan's transient when it is the
     # upcast copy; a loop that shifts the logits itself passes a copy of its own.
     transient = max(loss.transient, _loop_copy(rank, setup)) if inside else 0
-    planned = low + transient + gathered
+    clone = loss.logits if _ddp_clones_outputs(rank) else 0
+    planned = low + transient + clone + gathered
     out.append(
         Comparison(
             "forward",
@@ -312,6 +325,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
             + (f" + loss input alive in the call {fmt_bytes(transient)}" if transient else "")
+            + (f" + DDP's copy of the outputs {fmt_bytes(clone)}" if clone else "")
             + (f" + {_gathered_label(setup)} {fmt_bytes(gathered)}" if gathered else ""),
             f"{src}: highest reading from the first {first.opens} (step {first.step}) to the {first.closes} after it",
         )

@@ -27,6 +27,20 @@ from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session, plain
 
 
+def ddp_settings(wrapper: Any) -> dict[str, Any]:
+    """A ``DistributedDataParallel``'s settings that change memory or collectives.
+    ``sink_clone``: its ``_DDPSink`` copies the outputs in the forward (torch does it under
+    ``find_unused_parameters``, and in the first forward under ``static_graph``)."""
+    return {
+        "find_unused_parameters": bool(getattr(wrapper, "find_unused_parameters", False)),
+        "static_graph": bool(getattr(wrapper, "static_graph", False)),
+        "sink_clone": bool(getattr(wrapper, "_ddp_sink_clone", True)),
+        "gradient_as_bucket_view": bool(getattr(wrapper, "gradient_as_bucket_view", False)),
+        "broadcast_buffers": bool(getattr(wrapper, "broadcast_buffers", True)),
+        "bucket_bytes_cap": getattr(wrapper, "bucket_bytes_cap", None),
+    }
+
+
 class StepProbe:
     """Drives the probes that hang off the training loop: phases, steps, and the ones
     that need the model (gradient health, logits, the kernel-trace window)."""
@@ -293,7 +307,11 @@ class StepProbe:
         if getattr(ddp.forward, "__lorascope__", False):
             return
         ddp.forward = self._forward_phases(ddp.forward)
-        self._after(ddp, "__init__", lambda wrapper, *_: self.record_model(getattr(wrapper, "module", None)))
+        self._after(ddp, "__init__", self._ddp_built)
+
+    def _ddp_built(self, wrapper: Any, *_: Any) -> None:
+        self.record_config("ddp", ddp_settings(wrapper))
+        self.record_model(getattr(wrapper, "module", None))
 
     def _after(self, owner: Any, name: str, then: Callable[..., None]) -> None:
         """Wrap ``owner.name`` so that ``then(result-or-self, *args)`` runs after it."""

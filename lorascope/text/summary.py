@@ -55,6 +55,11 @@ def sharding_text(sharding: dict[str, Any]) -> str:
         )
     elif engine == "DeepSpeed":
         text = f"DeepSpeed ZeRO-{s.get('zero_stage')}"
+    elif engine == "DDP":
+        text = (
+            f"DDP (replicated), find_unused_parameters {s.get('find_unused_parameters')}, "
+            f"static_graph {s.get('static_graph')}, gradient_as_bucket_view {s.get('gradient_as_bucket_view')}"
+        )
     else:
         text = "no sharding recorded"
     ckpt = sharding["checkpointing"]

@@ -235,3 +235,29 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
     assert probe.reading(from_main_thread=False)["heap"] == 5 and calls == [1]
     probe._cuda = lambda from_main_thread: None  # type: ignore[method-assign]
     assert probe.reading(from_main_thread=True)["heap"] == 5
+
+
+DDP_JOB = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    import lorascope
+    lorascope.attach({out!r})
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), find_unused_parameters=True)
+    out = model(torch.ones(3, 4))
+    kept = out.detach().clone()
+    out.sum().backward()
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_settings_are_recorded(tmp_path: Path) -> None:
+    """plan-deviation reads DDP's copy of the outputs (find_unused_parameters) from them."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    script = tmp_path / "job.py"
+    script.write_text(DDP_JOB.format(out=str(out), port=free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = load_run(out).ranks[0].configs["ddp"]
+    assert ddp["find_unused_parameters"] is True and ddp["static_graph"] is False and ddp["sink_clone"] is True
+    assert ddp["bucket_bytes_cap"] == 25 * 2**20  # torch's default bucket_cap_mb
