@@ -73,6 +73,7 @@ class StepProbe:
         self.record_model = session.guarded("configs")(self._record_model)
         self.record_config = session.guarded("configs")(self._record_config)
         self.adopt_model = session.guarded("configs")(self._adopt_model)
+        self.ddp_built = session.guarded("configs")(self._ddp_built)
 
     # -- records ------------------------------------------------------------------
     def _phase(self, name: str, edge: str) -> None:
@@ -307,11 +308,11 @@ class StepProbe:
         if getattr(ddp.forward, "__lorascope__", False):
             return
         ddp.forward = self._forward_phases(ddp.forward)
-        self._after(ddp, "__init__", self._ddp_built)
+        self._after(ddp, "__init__", self.ddp_built)
 
     def _ddp_built(self, wrapper: Any, *_: Any) -> None:
-        self.record_config("ddp", ddp_settings(wrapper))
-        self.record_model(getattr(wrapper, "module", None))
+        self._record_config("ddp", ddp_settings(wrapper))
+        self._record_model(getattr(wrapper, "module", None))
 
     def _after(self, owner: Any, name: str, then: Callable[..., None]) -> None:
         """Wrap ``owner.name`` so that ``then(result-or-self, *args)`` runs after it."""
