@@ -37,6 +37,11 @@ JOB = textwrap.dedent("""
             if rank == 0:
                 out.append(save(probe))
         return out
+
+    def pair(probe, rank):
+        if rank == 0:
+            return collective(probe), save(probe), collective(probe)
+        return None
 """)
 
 
@@ -77,3 +82,18 @@ def test_sites_and_rank_conditions_up_the_stack(tmp_path: Path, monkeypatch: pyt
     else:
         assert all(probe._kept[i] is not None for i in probe._internal)
         assert sys.getrefcount(job.collective.__code__) > 2  # kept alive by the probe
+
+
+def test_calls_at_one_line_share_its_site_and_condition(tmp_path: Path) -> None:
+    """The caches are keyed by instruction (``f_lasti``): three calls on one line, two of
+    them straight and one through ``save``, are one site up the stack, read once."""
+    job = _job(tmp_path)
+    probe, records = _probe(tmp_path)
+    path = str(tmp_path / "job_under_test.py")
+    site, via = f"{path}:9 in collective", f"{path}:24 in pair"
+    for _ in range(2):  # the first call fills the caches, the second reads them
+        assert job.pair(probe, 0) == ((site, via),) * 3
+    described = [r["site"] for r in records if r["k"] == "site"]
+    assert described.count(via) == 1 and len(described) == len(set(described))
+    # one entry per call instruction of that line, each looked at once
+    assert len({key for key in probe._line_conditioned if key[0] == id(job.pair.__code__)}) == 3
