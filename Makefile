@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format pre-commit gallery fixtures bench ci
+.PHONY: help install test test-slow test-fast lint format pre-commit gallery fixtures bench ci
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -25,8 +25,11 @@ install: $(PYTHON)  ## the virtualenv with lorascope editable, the test bed and 
 	$(PYTHON) -m pip install -q -e ".[test,analysis,dev]"
 	$(BIN)/pre-commit install
 
-test:  ## every test, the end-to-end ones included (~15 min on 2 cores): what CI runs
+test:  ## every test but those marked slow, the end-to-end ones included (~30 min on 2 cores): what CI runs
 	$(PYTHON) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-slow:  ## only the tests marked slow: second plantings of e2e scenarios (~5 min)
+	$(PYTHON) -m pytest -q -ra -m slow $(PYTEST_ARGS)
 
 test-fast:  ## unit and browser tests, no end-to-end job (~3 min)
 	$(PYTHON) -m pytest -q -ra -m "not e2e" $(PYTEST_ARGS)

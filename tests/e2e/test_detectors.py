@@ -59,7 +59,7 @@ def test_rank_conditional_hang(tmp_path: Path, planting: list[str]) -> None:
 @pytest.mark.parametrize(
     "planting",
     [
-        ["--fault", "reentrant-dead-grads"],
+        pytest.param(["--fault", "reentrant-dead-grads"], marks=pytest.mark.slow),  # the job fails: loud already
         ["--fault", "reentrant-partial"],
     ],
 )
@@ -86,7 +86,11 @@ def test_reentrant_dead_grads(tmp_path: Path, planting: list[str]) -> None:
     "planting, shape",
     [
         (["--fault", "logits-spike"], [4, 128, 32000]),
-        (["--fault", "logits-spike-internal", "--micro-batch", "2", "--seq", "192"], [2, 192, 32000]),
+        pytest.param(
+            ["--fault", "logits-spike-internal", "--micro-batch", "2", "--seq", "192"],
+            [2, 192, 32000],
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_logits_spike(tmp_path: Path, planting: list[str], shape: list[int]) -> None:
@@ -105,7 +109,7 @@ def test_logits_spike(tmp_path: Path, planting: list[str], shape: list[int]) -> 
         ["--fault", "rank0-asymmetry-eval", "--eval-batch", "256"],
         # 2 MiB kept per step (1 MiB, the default, put the held gap at 16.1 MiB against the
         # 16 MiB floor: a coin toss on a loaded machine, which failed once in CI)
-        ["--fault", "rank0-asymmetry-gather", "--gather-numel", str(1 << 19)],
+        pytest.param(["--fault", "rank0-asymmetry-gather", "--gather-numel", str(1 << 19)], marks=pytest.mark.slow),
     ],
 )
 def test_rank0_asymmetry(tmp_path: Path, planting: list[str]) -> None:
@@ -154,7 +158,7 @@ def test_straggler_planted_in_other_code(tmp_path: Path) -> None:
     "planting",
     [
         ["--fault", "tiny-kernel-tail"],
-        ["--fault", "tiny-kernel-tail", "--engine", "torch"],
+        pytest.param(["--fault", "tiny-kernel-tail", "--engine", "torch"], marks=pytest.mark.slow),
     ],
 )
 def test_tiny_kernel_tail(tmp_path: Path, planting: list[str]) -> None:

@@ -58,7 +58,10 @@ def torchrun_trainer(*args: str) -> list[str]:
 # -- a lone process ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "fault, steps, finding",
-    [("logits-spike", "3", "logits-spike"), ("reentrant-dead-grads", "2", "reentrant-dead-grads")],
+    [
+        ("logits-spike", "3", "logits-spike"),
+        pytest.param("reentrant-dead-grads", "2", "reentrant-dead-grads", marks=pytest.mark.slow),
+    ],
 )
 def test_lone_python_process_is_probed(tmp_path: Path, fault: str, steps: str, finding: str) -> None:
     """`python train.py` (no launcher, no rank variables) is rank 0 of 1, and the
@@ -179,7 +182,7 @@ def test_trainer_add_adapter_config_is_recorded(tmp_path: Path) -> None:
 
 
 # -- accelerate launch -----------------------------------------------------------------
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_accelerate_launch(tmp_path: Path, processes: int) -> None:
     mode = ["--cpu"] if processes == 1 else ["--multi_gpu", "--main_process_port", str(free_port())]
     cmd = [

@@ -41,7 +41,10 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=pytest.mark.slow) if name == "larger" else name for name in CONFIGS],
+)
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Finished]:
     fin = probed(tmp_path_factory.mktemp(request.param) / "run", torchrun(free_port(), *CONFIGS[request.param]))
     assert fin.proc.returncode == 0, fin.proc.stderr[-3000:]
