@@ -79,6 +79,8 @@ def test_planned_and_measured_agree_per_rank(job: tuple[str, Finished]) -> None:
                     f"{fmt_bytes(c.planned_low)}), measured {fmt_bytes(c.measured)} = "
                     f"{c.measured / c.planned:.2f}x, tolerance [{fmt_bytes(c.lower)}, {fmt_bytes(c.upper)}]"
                 )
+                if memory == "RSS" and c.key == "loss" and c.planned < 2**20:
+                    continue  # RSS cannot resolve a few hundred KiB inside cross_entropy (pages reused): heap can
                 assert c.agrees, (name, n, memory, c)
 
 
