@@ -17,7 +17,7 @@ stream waits for that stream before it starts, and that stream waits for the
 collective before the call returns), read at a later step end once the end event is
 done (``Event.query``): nothing here waits for the device. An ``async_op`` call returns
 before its work is waited for, so events around the call would time nothing: it gets
-none (its ``coll_end`` comes when its work completes, from the work's future).
+none, and ends when its work is seen completed (see :meth:`CollectiveProbe._end_when_done`).
 
 The paths FSDP takes (torch 2.13): FSDP2's all-gathers and reduce-scatters are
 ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (the new names of
@@ -223,6 +223,10 @@ class CollectiveProbe:
         #: finalizer that ends it if the output is freed without a wait.
         self._awaited: dict[int, tuple[_Awaited, Any]] = {}
         self._unseen: set[str] = set()
+        #: id(work) -> (its call, the work) of a host async call not yet seen completed
+        #: (the work is held, so that no id is reused while it is here).
+        self._open: dict[int, tuple[tuple[Any, ...], Any]] = {}
+        session.stream.before_flush = self._poll
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
         self.unseen = session.guarded("collectives")(self._record_unseen)
@@ -241,6 +245,10 @@ class CollectiveProbe:
             setattr(c10d, op, wrapped)
             if dist is not None and getattr(dist, op, None) is original:
                 setattr(dist, op, wrapped)
+        work = getattr(c10d, "Work", None)
+        wait = getattr(work, "wait", None)
+        if wait is not None and not getattr(wait, "__lorascope__", False):
+            work.wait = self._wrap_work_wait(wait)  # type: ignore[union-attr]
         self._watch_init(c10d, dist)
 
     def _watch_init(self, c10d: ModuleType, dist: ModuleType | None) -> None:
@@ -323,6 +331,7 @@ class CollectiveProbe:
 
     def pending(self) -> list[dict[str, Any]]:
         """The calls in flight now (a copy; read from the dump thread)."""
+        self._poll()
         names = self._group_names
         return [c.pending(names.get(c.gid, str(c.gid))) for c in list(self._in_flight.values())]
 
@@ -493,10 +502,9 @@ class CollectiveProbe:
                 session.flush(final=False)
             elif op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
                 session.flush(final=True)
-            events = None
-            if first is not None and not is_async and getattr(first, "is_cuda", False):
-                events = self._cuda_events(first)
-            return call, events
+            on_device = first is not None and bool(getattr(first, "is_cuda", False))
+            events = self._cuda_events(first) if on_device and not is_async else None
+            return call, events, on_device
         except Exception as exc:
             self.session.fail("collectives", exc)
             return None
@@ -504,7 +512,7 @@ class CollectiveProbe:
     def _end(self, started: tuple[Any, ...] | None, err: str | None) -> None:
         if started is None:
             return
-        call, events = started
+        call, events, _ = started
         call.err = err
         call.end = time.time()  # after err: a writer that sees the end sees the error too
         self._in_flight.pop((call.gid, call.seq), None)
@@ -520,15 +528,61 @@ class CollectiveProbe:
     def _end_when_done(self, started: tuple[Any, ...], work: Any) -> None:
         """An ``async_op`` call ends when its work completes (the rank may wait for it much
         later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
-        The work's future calls back on completion, from the backend's thread: the
-        callback only takes the time and the work's error (``Work.exception()``, which
-        neither converts the result nor releases the GIL, unlike ``Future.value()``); no
-        wait is added. Without a future (some backends' coalesced work), the call ends now."""
+
+        A host call (gloo, a CPU payload) ends when its work is first seen completed: when
+        the job's ``wait()`` on it returns (the exact end when the rank blocked there), or
+        at the stream's next flush (the writer's 40 ms tick, a synchronous call, a dump,
+        the end), whichever comes first. Not a callback on the work's future: that runs on
+        the backend's worker thread, which must then take the GIL, and while the job's
+        thread holds it (up to the 5 ms switch interval) the worker starts no other queued
+        collective and the peer waits; that hand-off was most of the probes' step-time
+        overhead on the CPU job (CHANGELOG, issue 13). On a CUDA payload ``wait()`` returns
+        once the job's stream waits for the collective, not when it is done, so a device
+        call keeps the callback (which only takes the time and the work's error,
+        ``Work.exception()``: it neither converts the result nor releases the GIL, unlike
+        ``Future.value()``). Without a way to tell completion, the call ends now."""
         try:
+            if not started[2] and hasattr(work, "is_completed"):  # not on the device
+                self._open[id(work)] = (started, work)
+                return
             future = work.get_future()
             future.add_done_callback(lambda _: self._end(started, _failure(work)))
         except Exception:
             self._end(started, None)
+
+    def _poll(self) -> None:
+        """End the host async calls whose work has completed (called before every flush of
+        the stream, from whichever thread flushes, and before pending calls are read).
+        A call is ended by the one thread that takes it out of ``_open``."""
+        if not self._open:
+            return
+        try:
+            for key, (started, work) in list(self._open.items()):
+                if work.is_completed() and self._open.pop(key, None) is not None:
+                    self._end(started, _failure(work))
+        except Exception as exc:
+            self.session.fail("collectives", exc)
+
+    def _wrap_work_wait(self, original: Any) -> Any:
+        """``Work.wait`` at class level: a host async call ends when the job's wait for it
+        returns (or raises: its error). Any other work passes straight through."""
+        probe = self
+        opened = self._open
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                out = original(work, *args, **kwargs)
+            except BaseException as exc:
+                entry = opened.pop(id(work), None) if opened else None
+                if entry is not None:
+                    probe._end(entry[0], repr(exc)[:500])
+                raise
+            entry = opened.pop(id(work), None) if opened else None
+            if entry is not None:
+                probe._end(entry[0], _failure(work))
+            return out
+
+        return _like(wait, original, "wait")
 
     def _cuda_events(self, tensor: Any) -> tuple[Any, Any, Any, float]:
         """A start event recorded now on the payload device's current stream, the end

@@ -103,6 +103,10 @@ class Stream:
         self._dropped_told = 0
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
+        #: Called (on the flushing thread) at the start of every flush, the writer's ticks
+        #: included, to queue what has happened since (the collective probe ends the async
+        #: calls it sees completed); it must not raise.
+        self.before_flush: Callable[[], None] | None = None
         prefix.parent.mkdir(parents=True, exist_ok=True)
         self._fd = self._open(0)
         os.register_at_fork(after_in_child=self._forked)
@@ -146,6 +150,8 @@ class Stream:
         touched. A LazyRecord may ask to stay queued (a call that may end soon and then
         be one record), unless ``final`` (an exception, a signal, a dump, the end)."""
         try:
+            if self.before_flush is not None:
+                self.before_flush()
             with self._lock:
                 if self._fd is None:
                     self._queue.clear()
@@ -215,7 +221,7 @@ class Stream:
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval) and self._fd is not None:
-            if self._queue or self.dropped != self._dropped_told:
+            if self._queue or self.dropped != self._dropped_told or self.before_flush is not None:
                 self.flush()
 
     def _fail(self, exc: BaseException) -> None:
