@@ -7,8 +7,8 @@ shared machine its pairs swing by tens of percent. This script measures the prob
 the inside instead: it runs ``probes/train_lora.py`` under ``lorascope run`` once, with a
 ``sitecustomize`` that wraps the probes' functions below and adds up the CPU time of the
 calling thread (``time.thread_time_ns``: not the time spent waiting for the GIL or the
-other rank) on the main thread and on the others (writer, sampler, the backend's
-completion callbacks) apart. The first quarter of the calls (warm-up: call sites read,
+other rank) on the main thread and on the others (writer, sampler; on CUDA payloads the
+backend's completion callbacks) apart. The first quarter of the calls (warm-up: call sites read,
 caches filled) is left out. It prints the main thread's CPU time per step (median, from
 one clock read at each ``step`` record), then per function and thread: calls per step,
 median and mean microseconds per call, milliseconds per step; then the probes' total
@@ -45,7 +45,8 @@ TIMED = [
     ("lorascope.probes.collectives", "CollectiveProbe", "_site", "call site", "collective start"),
     ("lorascope.probes.collectives", "CollectiveProbe", "_via", "rank condition up the stack", "call site"),
     ("lorascope.rundir.writer", "Stream", "flush", "flush", "collective start"),
-    ("lorascope.probes.collectives", "CollectiveProbe", "_end_when_done", "async: add completion callback", ""),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_end_when_done", "async: track its work", ""),
+    ("lorascope.probes.collectives", "CollectiveProbe", "_poll", "async: poll completed works", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_end", "collective end", ""),
     ("lorascope.probes.memory", "", "heap_in_use", "C heap reading (mallinfo2)", ""),
     ("lorascope.rundir.writer", "", "_encode_entry", "format a record", "flush"),
@@ -82,6 +83,8 @@ HARNESS = textwrap.dedent("""
         for _mod, _owner, _name, _label, _ in {timed!r}:
             _m = importlib.import_module(_mod)
             _o = getattr(_m, _owner) if _owner else _m
+            if not hasattr(_o, _name):  # an older checkout (--src) without it
+                continue
             setattr(_o, _name, _ns["make"](getattr(_o, _name), _label, _acc, _main, time.thread_time_ns, threading.current_thread))
 
         def _report():
