@@ -535,12 +535,12 @@ class CollectiveProbe:
         the end), whichever comes first. Not a callback on the work's future: that runs on
         the backend's worker thread, which must then take the GIL, and while the job's
         thread holds it (up to the 5 ms switch interval) the worker starts no other queued
-        collective and the peer waits; that hand-off was most of the probes' step-time
-        overhead on the CPU job (CHANGELOG, issue 13). On a CUDA payload ``wait()`` returns
-        once the job's stream waits for the collective, not when it is done, so a device
-        call keeps the callback (which only takes the time and the work's error,
-        ``Work.exception()``: it neither converts the result nor releases the GIL, unlike
-        ``Future.value()``). Without a way to tell completion, the call ends now."""
+        collective and the peer waits (on the CPU job, ~4 points of step time in paired
+        runs: CHANGELOG). On a CUDA payload ``wait()`` returns once the job's stream
+        waits for the collective, not when it is done, so a device call keeps the
+        callback (which only takes the time and the work's error, ``Work.exception()``:
+        it neither converts the result nor releases the GIL, unlike ``Future.value()``).
+        Without a way to tell completion, the call ends now."""
         try:
             if not started[2] and hasattr(work, "is_completed"):  # not on the device
                 self._open[id(work)] = (started, work)
