@@ -43,6 +43,17 @@ WORKER = textwrap.dedent("""
 """)
 
 
+#: Signals a shell may have set to be ignored for this test run (``nohup`` ignores SIGHUP; a
+#: background job of a non-interactive shell ignores SIGINT and SIGQUIT), and an ignored
+#: disposition is inherited by the job: the job under test starts with the defaults.
+INHERITED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def default_signals() -> None:
+    for signum in INHERITED:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -70,6 +81,7 @@ def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], Path, int]:
         ],
         cwd=tmp_path,
         env={**os.environ, "WORKER_MODE": mode},
+        preexec_fn=default_signals,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -128,6 +140,7 @@ def test_the_terminal_goes_to_the_job(tmp_path: Path) -> None:
     (no SIGTTIN stop) and Ctrl-C reaches it directly."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: `lorascope run` on the pty as its controlling terminal
+        default_signals()
         job = "import time; print('got', input('type: '), flush=True); time.sleep(60)"
         run = [*LORASCOPE, "run", "--no-summary", "--out", str(tmp_path / "run"), "--", sys.executable, "-c", job]
         os.execvp(run[0], run)
