@@ -557,29 +557,34 @@ class CollectiveProbe:
         if not self._open:
             return
         try:
-            for key, (started, work) in list(self._open.items()):
-                if work.is_completed() and self._open.pop(key, None) is not None:
-                    self._end(started, _failure(work))
+            for key, (_, work) in list(self._open.items()):
+                if work.is_completed():
+                    self._end_open(key, None)
         except Exception as exc:
             self.session.fail("collectives", exc)
+
+    def _end_open(self, key: int, err: str | None) -> None:
+        """End the open call of work ``id`` ``key`` (with ``err``, else the work's own
+        error), if no other thread has taken it out of ``_open`` first."""
+        entry = self._open.pop(key, None)
+        if entry is not None:
+            started, work = entry
+            self._end(started, _failure(work) if err is None else err)
 
     def _wrap_work_wait(self, original: Any) -> Any:
         """``Work.wait`` at class level: a host async call ends when the job's wait for it
         returns (or raises: its error). Any other work passes straight through."""
         probe = self
-        opened = self._open
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 out = original(work, *args, **kwargs)
             except BaseException as exc:
-                entry = opened.pop(id(work), None) if opened else None
-                if entry is not None:
-                    probe._end(entry[0], repr(exc)[:500])
+                if probe._open:
+                    probe._end_open(id(work), repr(exc)[:500])
                 raise
-            entry = opened.pop(id(work), None) if opened else None
-            if entry is not None:
-                probe._end(entry[0], _failure(work))
+            if probe._open:
+                probe._end_open(id(work), None)
             return out
 
         return _like(wait, original, "wait")
