@@ -538,15 +538,14 @@ class CollectiveProbe:
         collective and the peer waits (on the CPU job, ~4 points of step time in paired
         runs: CHANGELOG). On a CUDA payload ``wait()`` returns once the job's stream
         waits for the collective, not when it is done, so a device call keeps the
-        callback (which only takes the time and the work's error, ``Work.exception()``:
-        it neither converts the result nor releases the GIL, unlike ``Future.value()``).
-        Without a way to tell completion, the call ends now."""
+        callback (which takes the time and the future's error). Without a way to tell
+        completion, the call ends now."""
         try:
             if not started[2] and hasattr(work, "is_completed"):  # not on the device
                 self._open[id(work)] = (started, work)
                 return
             future = work.get_future()
-            future.add_done_callback(lambda _: self._end(started, _failure(work)))
+            future.add_done_callback(lambda done: self._end(started, _future_error(done)))
         except Exception:
             self._end(started, None)
 
@@ -559,17 +558,16 @@ class CollectiveProbe:
         try:
             for key, (_, work) in list(self._open.items()):
                 if work.is_completed():
-                    self._end_open(key, None)
+                    self._end_open(key, _failure(work))
         except Exception as exc:
             self.session.fail("collectives", exc)
 
     def _end_open(self, key: int, err: str | None) -> None:
-        """End the open call of work ``id`` ``key`` (with ``err``, else the work's own
-        error), if no other thread has taken it out of ``_open`` first."""
+        """End the open call of work ``id`` ``key`` with ``err`` (None: it succeeded), if
+        no other thread has taken it out of ``_open`` first."""
         entry = self._open.pop(key, None)
         if entry is not None:
-            started, work = entry
-            self._end(started, _failure(work) if err is None else err)
+            self._end(entry[0], err)
 
     def _wrap_work_wait(self, original: Any) -> Any:
         """``Work.wait`` at class level: a host async call ends when the job's wait for it
@@ -747,9 +745,20 @@ class CollectiveProbe:
 
 
 def _failure(work: Any) -> str | None:
-    """A completed work's error, as the ``err`` of its call."""
+    """A completed work's error, as the ``err`` of its call (None: it succeeded), read
+    from its future: ``Work.exception()`` and ``Work.is_success()`` are deprecated in
+    torch and print a warning on the job's stderr the first time."""
     try:
-        exc = work.exception()
-    except Exception as raised:  # a backend whose work cannot say: it raises its error
-        return repr(raised)[:500]
-    return None if exc is None else repr(exc)[:500]
+        future = work.get_future()
+    except Exception:
+        return None  # a work without a future: an error of it surfaces in its wait()
+    return _future_error(future)
+
+
+def _future_error(future: Any) -> str | None:
+    """A completed future's error (``value()`` raises it), else None."""
+    try:
+        future.value()
+    except Exception as exc:
+        return repr(exc)[:500]
+    return None

@@ -80,6 +80,7 @@ def test_host_async_calls_end_at_their_wait_or_the_next_flush(tmp_path: Path) ->
         [sys.executable, "-c", CHILD, str(run), str(free_port())], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "deprecated" not in done.stderr, done.stderr[-2000:]  # e.g. torch's on Work.exception()
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["open_before_wait"] == 1 and out["open_after_wait"] == 0
     assert out["pending_after"] == [] and out["open_at_end"] == 0
@@ -97,3 +98,68 @@ def test_host_async_calls_end_at_their_wait_or_the_next_flush(tmp_path: Path) ->
     records = [json.loads(line) for p in (run / "ranks" / "rank-0").glob("*.jsonl") for line in p.open()]
     ends = [r for r in records if r["k"] in ("coll_done", "coll_end")]
     assert len(ends) == len(ended), "one end record per call"
+
+
+FAILING = textwrap.dedent("""
+    import datetime, json, os, sys, time
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from lorascope.probes.collectives import CollectiveProbe
+    from lorascope.probes.session import Session
+    from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+
+    run, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if rank == 1:
+        dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=20))
+        time.sleep(0.5)
+        os._exit(0)  # gone: rank 0's calls fail ("connection closed by peer")
+    ensure_manifest(run)
+    session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 2, 0.0)
+    session.record("start", rank=0, world_size=2, local_rank=0, pid=1, host="h", argv=[], versions={}, device="cpu")
+    probe = CollectiveProbe(session)
+    probe.install(c10d)
+    dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
+    polled = dist.all_reduce(torch.ones(8), async_op=True)   # never waited: ended by a flush
+    deadline = time.time() + 60
+    while not polled.is_completed() and time.time() < deadline:
+        time.sleep(0.01)
+    session.flush()
+    waited = dist.all_reduce(torch.ones(8), async_op=True)   # its wait() raises
+    try:
+        waited.wait()
+        raised = None
+    except Exception as exc:
+        raised = repr(exc)
+    session.flush()
+    print(json.dumps({"polled_done": polled.is_completed(), "raised": raised}))
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def test_a_failed_async_call_ends_with_its_error_read_without_deprecated_apis(tmp_path: Path) -> None:
+    """A host async call whose peer died ends with the work's error, whether the job waits
+    for it (its wait() raises) or a flush finds it completed (the error read from the
+    work's future); and the job's output carries no torch deprecation warning (the
+    probes once read the error with ``Work.exception()``, which prints one)."""
+    from lorascope.rundir.reader import load_run
+    from tests.helpers import free_port
+
+    run, port = tmp_path / "run", str(free_port())
+    peer = subprocess.Popen([sys.executable, "-c", FAILING, str(run), port, "1"], stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING, str(run), port, "0"], capture_output=True, text=True, timeout=180
+    )
+    peer.communicate(timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["polled_done"] and out["raised"], out
+    calls = load_run(run).ranks[0].collectives
+    assert len(calls) == 2 and all(c.end is not None for c in calls), calls
+    polled, waited = calls
+    assert polled.err and polled.err.startswith(("DistBackendError", "RuntimeError")), polled.err
+    assert waited.err and waited.err == out["raised"][:500]
+    assert "deprecated" not in done.stderr, done.stderr[-2000:]
