@@ -44,8 +44,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import CodeType, FrameType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from lorascope.probes.session import Session
 from lorascope.rundir.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
@@ -83,7 +84,7 @@ class _Awaited:
 
     __slots__ = ("started", "left")
 
-    def __init__(self, started: tuple[Any, ...], left: int) -> None:
+    def __init__(self, started: _Started, left: int) -> None:
         self.started, self.left = started, left
 
 
@@ -187,6 +188,15 @@ class _Call:
         }
 
 
+class _Started(NamedTuple):
+    """A recorded call in flight: its record, the CUDA events around it (a synchronous
+    call on the device), and whether its payload is on a CUDA device."""
+
+    call: _Call
+    events: tuple[Any, Any, Any, float] | None
+    on_device: bool
+
+
 class CollectiveProbe:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -225,7 +235,7 @@ class CollectiveProbe:
         self._unseen: set[str] = set()
         #: id(work) -> (its call, the work) of a host async call not yet seen completed
         #: (the work is held, so that no id is reused while it is here).
-        self._open: dict[int, tuple[tuple[Any, ...], Any]] = {}
+        self._open: dict[int, tuple[_Started, Any]] = {}
         session.stream.before_flush = self._poll
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
@@ -343,27 +353,18 @@ class CollectiveProbe:
         always_async = op in ("isend", "irecv", "batch_isend_irecv")
         probe = self
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            local = probe._local
-            if getattr(local, "depth", 0) or "collectives" in probe.session.disabled:
-                return original(*args, **kwargs)
-            local.depth = 1
-            try:
-                started = probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos, payload_kw, always_async)
-                try:
-                    result = original(*args, **kwargs)
-                except BaseException as exc:
-                    probe._end(started, repr(exc)[:500])
-                    raise
-                if result is not None and hasattr(result, "get_future") and started is not None:
-                    probe._end_when_done(started, result)  # async_op: in flight until its work is
-                else:
-                    probe._end(started, None)
-                return result
-            finally:
-                local.depth = 0
+        def begin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
+            return probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos, payload_kw, always_async)
 
-        return _like(wrapper, original, op)
+        return self._recorded(op, original, begin, self._returned)
+
+    def _returned(self, started: _Started | None, result: Any) -> None:
+        """A c10d call returned: an ``async_op`` call is in flight until its work is done;
+        any other call has ended."""
+        if result is not None and hasattr(result, "get_future") and started is not None:
+            self._end_when_done(started, result)
+        else:
+            self._end(started, None)
 
     def _wrap_functional(self, funcol: ModuleType, name: str, original: Any) -> Any:
         """A functional collective: recorded as an async call (it returns an
@@ -375,23 +376,41 @@ class CollectiveProbe:
         op = FUNCTIONAL_PREFIX + name
         probe = self
 
+        def begin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
+            group = probe._functional_group(
+                funcol, kwargs.get("group", args[group_pos] if group_pos < len(args) else None)
+            )
+            payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
+            return probe._begin(op, (payload,), {"group": group}, -1, -1, 0, payload_kw, True)
+
+        return self._recorded(name, original, begin, self._end_when_waited)
+
+    def _recorded(
+        self,
+        name: str,
+        original: Any,
+        begin: Callable[[tuple[Any, ...], dict[str, Any]], _Started | None],
+        returned: Callable[[_Started | None, Any], None],
+    ) -> Any:
+        """``original`` recorded as one call: ``begin`` before it, ``returned`` with what it
+        returned, or its end with the error it raised. A call made inside another recorded
+        call (``all_gather_object`` uses ``all_gather``), or with the probe off, passes
+        straight through."""
+        probe = self
+
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             local = probe._local
             if getattr(local, "depth", 0) or "collectives" in probe.session.disabled:
                 return original(*args, **kwargs)
             local.depth = 1
             try:
-                group = probe._functional_group(
-                    funcol, kwargs.get("group", args[group_pos] if group_pos < len(args) else None)
-                )
-                payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
-                started = probe._begin(op, (payload,), {"group": group}, -1, -1, 0, payload_kw, True)
+                started = begin(args, kwargs)
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
                     probe._end(started, repr(exc)[:500])
                     raise
-                probe._end_when_waited(started, result)
+                returned(started, result)
                 return result
             finally:
                 local.depth = 0
@@ -409,7 +428,7 @@ class CollectiveProbe:
         except Exception:
             return group
 
-    def _end_when_waited(self, started: tuple[Any, ...] | None, result: Any) -> None:
+    def _end_when_waited(self, started: _Started | None, result: Any) -> None:
         """A functional collective ends when every output it returned is waited for
         (``wait_tensor`` on it) or freed; one that returned plain tensors (waited inside,
         or traced) ends now."""
@@ -466,7 +485,7 @@ class CollectiveProbe:
         payload_pos: int,
         payload_kw: str,
         always_async: bool,
-    ) -> tuple[Any, ...] | None:
+    ) -> _Started | None:
         try:
             group = kwargs.get("group", args[group_pos] if 0 <= group_pos < len(args) else None)
             is_async = always_async or bool(
@@ -504,12 +523,12 @@ class CollectiveProbe:
                 session.flush(final=True)
             on_device = first is not None and bool(getattr(first, "is_cuda", False))
             events = self._cuda_events(first) if on_device and not is_async else None
-            return call, events, on_device
+            return _Started(call, events, on_device)
         except Exception as exc:
             self.session.fail("collectives", exc)
             return None
 
-    def _end(self, started: tuple[Any, ...] | None, err: str | None) -> None:
+    def _end(self, started: _Started | None, err: str | None) -> None:
         if started is None:
             return
         call, events, _ = started
@@ -525,7 +544,7 @@ class CollectiveProbe:
             except Exception as exc:
                 self.session.fail("collectives", exc)
 
-    def _end_when_done(self, started: tuple[Any, ...], work: Any) -> None:
+    def _end_when_done(self, started: _Started, work: Any) -> None:
         """An ``async_op`` call ends when its work completes (the rank may wait for it much
         later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
 
@@ -541,7 +560,7 @@ class CollectiveProbe:
         callback (which takes the time and the future's error). Without a way to tell
         completion, the call ends now."""
         try:
-            if not started[2] and hasattr(work, "is_completed"):  # not on the device
+            if not started.on_device and hasattr(work, "is_completed"):
                 self._open[id(work)] = (started, work)
                 return
             future = work.get_future()
@@ -651,7 +670,7 @@ class CollectiveProbe:
         its line sits in no rank condition, ``via``: the nearest caller in the job's own
         code whose line does (a save helper, a library's or the job's own, called under
         ``if rank == 0:``)."""
-        frame: FrameType | None = sys._getframe(3)
+        frame: FrameType | None = sys._getframe(4)  # _site, _begin, begin, the wrapper
         internal = self._internal
         while frame is not None:
             code = frame.f_code
