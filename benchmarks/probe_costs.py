@@ -8,8 +8,10 @@ the inside instead: it runs ``probes/train_lora.py`` under ``lorascope run`` onc
 ``sitecustomize`` that wraps the probes' functions below and adds up the CPU time of the
 calling thread (``time.thread_time_ns``: not the time spent waiting for the GIL or the
 other rank) on the main thread and on the others (writer, sampler; on CUDA payloads the
-backend's completion callbacks) apart. The first quarter of the calls (warm-up: call sites read,
-caches filled) is left out. It prints the main thread's CPU time per step (median, from
+backend's completion callbacks) apart. Only the calls that start between the step records of
+the last three quarters of the steps count (warm-up left out: call sites read, caches
+filled; and on the other threads, the writer's and sampler's ticks during the job's start
+and end, which earlier versions of this script counted as per-step costs). It prints the main thread's CPU time per step (median, from
 one clock read at each ``step`` record), then per function and thread: calls per step,
 median and mean microseconds per call, milliseconds per step; then the probes' total
 per step (the outermost functions only: nested ones are indented under them).
@@ -59,14 +61,15 @@ HARNESS = textwrap.dedent("""
         _acc = {{}}
         _main = threading.main_thread()
         _src = '''
-    def make(orig, label, acc, main, clock, current):
+    def make(orig, label, acc, main, clock, current, wall):
         def timed(*args, **kwargs):
+            began = wall()
             t = clock()
             try:
                 return orig(*args, **kwargs)
             finally:
                 key = label if current() is main else label + "@bg"
-                acc.setdefault(key, []).append(clock() - t)
+                acc.setdefault(key, []).append((began, clock() - t))
         return timed
     '''
         _ns = {{}}
@@ -76,7 +79,7 @@ HARNESS = textwrap.dedent("""
 
         def _step_clock(self, kind, **fields):
             if kind == "step" and threading.current_thread() is _main:
-                _steps.append(time.thread_time_ns())
+                _steps.append((time.thread_time_ns(), time.monotonic_ns()))
             return _record(self, kind, **fields)
 
         importlib.import_module("lorascope.probes.session").Session.record = _step_clock
@@ -85,7 +88,7 @@ HARNESS = textwrap.dedent("""
             _o = getattr(_m, _owner) if _owner else _m
             if not hasattr(_o, _name):  # an older checkout (--src) without it
                 continue
-            setattr(_o, _name, _ns["make"](getattr(_o, _name), _label, _acc, _main, time.thread_time_ns, threading.current_thread))
+            setattr(_o, _name, _ns["make"](getattr(_o, _name), _label, _acc, _main, time.thread_time_ns, threading.current_thread, time.monotonic_ns))
 
         def _report():
             with open(os.path.join({out!r}, "rank-%s.json" % os.environ.get("RANK", "x")), "w") as f:
@@ -107,8 +110,8 @@ def main() -> int:
         (work / "site").mkdir()
         (work / "out").mkdir()
         (work / "site" / "sitecustomize.py").write_text(HARNESS.format(timed=TIMED, out=str(work / "out")))
-        path = [str(work / "site"), *([str(args.src.resolve())] if args.src else [])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        pythonpath = [str(work / "site"), *([str(args.src.resolve())] if args.src else [])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
         cmd = [
             sys.executable, "-m", "lorascope", "run", "--no-summary", "--trace-window", "off", "--out",
             str(work / "run"), "--", str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
@@ -123,8 +126,9 @@ def main() -> int:
         for path in sorted((work / "out").glob("rank-*.json")):
             got = json.loads(path.read_text())
             marks = got["steps"][len(got["steps"]) // 4 :]
-            main_cpu = statistics.median(b - a for a, b in zip(marks, marks[1:], strict=False)) / 1e6
-            figures[path.stem] = {"main_thread_cpu_ms_per_step": main_cpu, "rows": _figures(got["timed"], args.steps)}
+            main_cpu = statistics.median(b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)) / 1e6
+            window = (marks[0][1], marks[-1][1], len(marks) - 1)
+            figures[path.stem] = {"main_thread_cpu_ms_per_step": main_cpu, "rows": _figures(got["timed"], window)}
     for rank, got in figures.items():
         rows = got["rows"]
         print(
@@ -152,15 +156,18 @@ def main() -> int:
     return 0
 
 
-def _figures(acc: dict[str, list[int]], steps: int) -> list[dict[str, Any]]:
+def _figures(acc: dict[str, list[list[int]]], window: tuple[int, int, int]) -> list[dict[str, Any]]:
+    """Per timed function and thread, the calls that started inside ``window`` (first and
+    last step record's monotonic clock, steps between)."""
     parents = {label: parent for *_, label, parent in TIMED}
+    first, last, steps = window
     rows = []
-    for key, times in acc.items():
+    for key, calls in acc.items():
         label, _, bg = key.partition("@")
-        kept = times[len(times) // 4 :]
-        if not kept:
+        kept = [took for began, took in calls if first <= began < last]
+        if not kept or steps < 1:
             continue
-        per_step = len(kept) / (steps * 0.75)
+        per_step = len(kept) / steps
         mean = sum(kept) / len(kept) / 1e3
         # nested under the parents timed on the same thread (the writer thread's flush
         # formats records too, but starts no collective)
