@@ -8,13 +8,14 @@ the inside instead: it runs ``probes/train_lora.py`` under ``lorascope run`` onc
 ``sitecustomize`` that wraps the probes' functions below and adds up the CPU time of the
 calling thread (``time.thread_time_ns``: not the time spent waiting for the GIL or the
 other rank) on the main thread and on the others (writer, sampler; on CUDA payloads the
-backend's completion callbacks) apart. Only the calls that start between the step records of
-the last three quarters of the steps count (warm-up left out: call sites read, caches
+backend's completion callbacks) apart. Only the calls that start between the step records
+of the last three quarters of the steps count (warm-up left out: call sites read, caches
 filled; and on the other threads, the writer's and sampler's ticks during the job's start
-and end, which earlier versions of this script counted as per-step costs). It prints the main thread's CPU time per step (median, from
-one clock read at each ``step`` record), then per function and thread: calls per step,
-median and mean microseconds per call, milliseconds per step; then the probes' total
-per step (the outermost functions only: nested ones are indented under them).
+and end, which earlier versions of this script counted as per-step costs). It prints the
+main thread's CPU time per step (median, from one clock read at each ``step`` record),
+then per function and thread: calls per step, median and mean microseconds per call,
+milliseconds per step; then the probes' total per step (the outermost functions only:
+nested ones are indented under them).
 
 The wrappers themselves cost ~1 us a call (two clock reads): the figures are upper bounds.
 The wrapper code is compiled under a file name inside lorascope's package, so the probes

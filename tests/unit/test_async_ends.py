@@ -114,8 +114,10 @@ FAILING = textwrap.dedent("""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if rank == 1:
         dist.init_process_group("gloo", rank=1, world_size=2, timeout=datetime.timedelta(seconds=20))
-        time.sleep(0.5)
-        os._exit(0)  # gone: rank 0's calls fail ("connection closed by peer")
+        deadline = time.time() + 60
+        while not (run / "issued").exists() and time.time() < deadline:
+            time.sleep(0.01)
+        os._exit(0)  # gone once rank 0's first call is in flight: it fails ("connection closed by peer")
     ensure_manifest(run)
     session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 2, 0.0)
     session.record("start", rank=0, world_size=2, local_rank=0, pid=1, host="h", argv=[], versions={}, device="cpu")
@@ -123,6 +125,7 @@ FAILING = textwrap.dedent("""
     probe.install(c10d)
     dist.init_process_group("gloo", rank=0, world_size=2, timeout=datetime.timedelta(seconds=20))
     polled = dist.all_reduce(torch.ones(8), async_op=True)   # never waited: ended by a flush
+    (run / "issued").touch()
     deadline = time.time() + 60
     while not polled.is_completed() and time.time() < deadline:
         time.sleep(0.01)
