@@ -670,7 +670,7 @@ class CollectiveProbe:
         its line sits in no rank condition, ``via``: the nearest caller in the job's own
         code whose line does (a save helper, a library's or the job's own, called under
         ``if rank == 0:``)."""
-        frame: FrameType | None = sys._getframe(4)  # past _site, _begin, begin and the wrapper
+        frame: FrameType | None = sys._getframe(3)  # from the wrapper up (our own frames are skipped)
         internal = self._internal
         while frame is not None:
             code = frame.f_code
