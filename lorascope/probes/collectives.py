@@ -577,7 +577,9 @@ class CollectiveProbe:
         try:
             for key, (_, work) in list(self._open.items()):
                 if work.is_completed():
-                    self._end_open(key, _failure(work))
+                    entry = self._open.pop(key, None)
+                    if entry is not None:  # this thread took it: only now ask for its error
+                        self._end(entry[0], _failure(work))
         except Exception as exc:
             self.session.fail("collectives", exc)
 
