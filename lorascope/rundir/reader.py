@@ -210,6 +210,39 @@ def _loads(line: bytes) -> Any:
         return json.loads(line)
 
 
+def _file_warnings(path: Path, long_lines: list[int], deep_lines: list[int], warnings: list[str]) -> None:
+    """What was skipped of one file, one warning per cause."""
+    if long_lines:
+        warnings.append(
+            f"{path}:{long_lines[0]}: skipped {len(long_lines)} record(s) over {limits.describe('record_bytes')}"
+        )
+    if deep_lines:
+        warnings.append(
+            f"{path}:{deep_lines[0]}: skipped {len(deep_lines)} record(s) nested deeper than {MAX_RECORD_DEPTH} levels"
+        )
+
+
+def decode_line(path: Path, number: int, line: bytes, warnings: list[str], deep_lines: list[int]) -> Any:
+    """One line that is not a collective record in the probes' layout, as its parsed JSON;
+    None for a blank line, one nested deeper than MAX_RECORD_DEPTH (its number goes to
+    ``deep_lines``) or a torn last line (warned). A broken line that ends in a newline is
+    a corrupt stream: BadInputError."""
+    if not line.strip():
+        return None
+    if maybe_too_deep(line, MAX_RECORD_DEPTH):
+        deep_lines.append(number)
+        return None
+    try:
+        return _loads(line)
+    except (UnicodeDecodeError, ValueError):
+        if line.endswith(b"\n"):
+            raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
+        warnings.append(
+            f"{path}:{number}: skipped a torn last record ({len(line)} bytes; the process was killed while writing it)"
+        )
+        return None
+
+
 def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
@@ -234,34 +267,97 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                     if fast is not None:
                         yield number, fast
                         continue
-                if not line.strip():
-                    continue
-                if maybe_too_deep(line, MAX_RECORD_DEPTH):
-                    deep_lines.append(number)
-                    continue
-                try:
-                    rec = _loads(line)
-                except (UnicodeDecodeError, ValueError):
-                    if line.endswith(b"\n"):
-                        raise BadInputError(f"{path}:{number}: not a JSON record (the stream is corrupt)") from None
-                    warnings.append(
-                        f"{path}:{number}: skipped a torn last record "
-                        f"({len(line)} bytes; the process was killed while writing it)"
-                    )
-                    continue
-                yield number, rec
+                rec = decode_line(path, number, line, warnings, deep_lines)
+                if rec is not None:
+                    yield number, rec
     except OSError as exc:
         raise BadInputError(f"{path}: unreadable ({exc.strerror})") from None
     finally:
-        if long_lines:
-            warnings.append(
-                f"{path}:{long_lines[0]}: skipped {len(long_lines)} record(s) over {limits.describe('record_bytes')}"
+        _file_warnings(path, long_lines, deep_lines, warnings)
+
+
+class _Stream:
+    """One process's records applied in the order they were written: every record but the
+    collective ones in the probes' layout (those go to the collective log as they are
+    read, or column-wise: :mod:`lorascope.rundir.columnar`)."""
+
+    def __init__(self, rank: int, warnings: list[str], log: CollectiveLog | None) -> None:
+        self.rank = rank
+        self.warnings = warnings
+        self.log = log
+        self.data: RankData | None = None
+        self.pending: dict[tuple[int, int], Collective] = {}
+        self._unknown: dict[str, tuple[str, int]] = {}
+        self._dropped: tuple[str, int] | None = None
+
+    def call(self, path: Path, number: int, rec: Call | End) -> None:
+        """A collective record in the probes' layout, read line by line."""
+        if self.data is None:
+            raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+        assert self.log is not None
+        _collective(self.data, rec, self.pending, self.log)
+
+    def record(self, path: Path, number: int, rec: Any) -> None:
+        """Any other record: validated, then applied."""
+        try:
+            known = validate_record(rec)
+        except SchemaError as exc:
+            raise BadInputError(f"{path}:{number}: {exc}") from None
+        if not known:
+            where, n = self._unknown.get(rec["k"], (f"{path}:{number}", 0))
+            self._unknown[rec["k"]] = (where, n + 1)
+            return
+        kind = rec["k"]
+        data = self.data
+        if data is None:
+            if kind != "start":
+                raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+            data = self.data = RankData(rank=self.rank, start=rec, files=[])
+        data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
+        if kind in _COLLECTIVE_KINDS:
+            assert self.log is not None
+            _apply_collective(data, kind, rec, self.pending, self.log)
+        else:
+            _apply(data, kind, rec)
+        if kind == "dropped":  # a running total
+            self._dropped = (f"{path}:{number}", rec["records"])
+        if kind == "fatal_handler":
+            data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
+        if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
+            side = path.parent / str(rec["file"])
+            if side.name != rec["file"] or not side.exists():
+                self.warnings.append(f"{path}:{number}: {kind} file {rec['file']!r} is missing")
+            elif leaves(path.parent, side):
+                self.warnings.append(f"{side}: a symlink out of the run directory: not followed")
+            elif kind == "trace_window":
+                data.trace_files.append(str(side))
+            elif kind == "snapshot":
+                data.snapshots.append({**rec, "path": str(side)})
+            else:
+                data.flight_files.append(str(side))
+
+    def file_done(self, path: Path) -> None:
+        if self.data is not None:
+            self.data.files.append(str(path))
+
+    def finish(self, log: CollectiveLog, first: Path, budget: int) -> RankData:
+        """The RankData, its collectives and what was counted taken from ``log``."""
+        for kind, (where, n) in self._unknown.items():
+            self.warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
+        if self._dropped is not None:
+            self.warnings.append(
+                f"{self._dropped[0]}: the probes dropped {self._dropped[1]} record(s) (their queue was full)"
             )
-        if deep_lines:
-            warnings.append(
-                f"{path}:{deep_lines[0]}: skipped {len(deep_lines)} record(s) nested deeper than "
-                f"{MAX_RECORD_DEPTH} levels"
-            )
+        data = self.data
+        if data is None:
+            raise BadInputError(f"{first}: empty rank stream")
+        data.collectives = log.finish()
+        data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+        data.coll_wait_outside_backward = log.outside_backward(data.phases)
+        data.totals = totals(data)
+        data.warnings = data.warnings[:KEEP_WARNINGS]
+        data.stride = decimate(data, budget)
+        return data
 
 
 def _load_process(
@@ -287,64 +383,16 @@ def _load_process(
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
         raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
-    unknown: dict[str, tuple[str, int]] = {}
-    data: RankData | None = None
-    pending: dict[tuple[int, int], Collective] = {}
     log = CollectiveLog(windows)
-    dropped: tuple[str, int] | None = None
+    stream = _Stream(rank, warnings, log)
     for _, path in segs:
         for number, rec in _iter_records(path, warnings):
             if type(rec) is Call or type(rec) is End:
-                if data is None:
-                    raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
-                _collective(data, rec, pending, log)
-                continue
-            try:
-                known = validate_record(rec)
-            except SchemaError as exc:
-                raise BadInputError(f"{path}:{number}: {exc}") from None
-            if not known:
-                where, n = unknown.get(rec["k"], (f"{path}:{number}", 0))
-                unknown[rec["k"]] = (where, n + 1)
-                continue
-            kind = rec["k"]
-            if data is None:
-                if kind != "start":
-                    raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
-                data = RankData(rank=rank, start=rec, files=[])
-            data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
-            _apply(data, kind, rec, pending, log)
-            if kind == "dropped":  # a running total
-                dropped = (f"{path}:{number}", rec["records"])
-            if kind == "fatal_handler":
-                data.fatal = _fatal_text(path.parent / str(rec["file"]), str(rec["file"]))
-            if kind in ("trace_window", "flight_dump", "snapshot") and rec.get("file"):
-                side = path.parent / str(rec["file"])
-                if side.name != rec["file"] or not side.exists():
-                    warnings.append(f"{path}:{number}: {kind} file {rec['file']!r} is missing")
-                elif leaves(path.parent, side):
-                    warnings.append(f"{side}: a symlink out of the run directory: not followed")
-                elif kind == "trace_window":
-                    data.trace_files.append(str(side))
-                elif kind == "snapshot":
-                    data.snapshots.append({**rec, "path": str(side)})
-                else:
-                    data.flight_files.append(str(side))
-        if data is not None:
-            data.files.append(str(path))
-    for kind, (where, n) in unknown.items():
-        warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
-    if dropped is not None:
-        warnings.append(f"{dropped[0]}: the probes dropped {dropped[1]} record(s) (their queue was full)")
-    if data is None:
-        raise BadInputError(f"{segs[0][1]}: empty rank stream")
-    data.collectives = log.finish()
-    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
-    data.coll_wait_outside_backward = log.outside_backward(data.phases)
-    data.totals = totals(data)
-    data.warnings = data.warnings[:KEEP_WARNINGS]
-    data.stride = decimate(data, budget)
-    return data
+                stream.call(path, number, rec)
+            else:
+                stream.record(path, number, rec)
+        stream.file_done(path)
+    return stream.finish(log, segs[0][1], budget)
 
 
 def recount(data: RankData) -> RankData:
@@ -383,9 +431,35 @@ _LATEST = {
 }
 
 
-def _apply(
+#: Records that need the collective log: a call, its end, its time on the device.
+_COLLECTIVE_KINDS = frozenset({"coll", "coll_done", "coll_end", "coll_dev"})
+
+
+def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
+    """A validated record of any kind but the collective ones."""
+    if kind in _LISTED:
+        getattr(data, _LISTED[kind]).append(rec)
+    elif kind in _LATEST:
+        setattr(data, _LATEST[kind], rec)
+    elif kind == "config":
+        data.configs[rec["name"]] = rec["value"]
+    elif kind == "site":
+        data.sites[rec["site"]] = rec
+    elif kind == "group":
+        data.groups[rec["gid"]] = rec
+    elif kind == "loss":  # a CUDA loss, read once the device got there
+        for step in reversed(data.steps):
+            if step["step"] == rec["step"]:
+                step["loss"] = rec["loss"]
+                if rec.get("text"):
+                    step["loss_text"] = rec["text"]
+                break
+
+
+def _apply_collective(
     data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
 ) -> None:
+    """A validated collective record that is not in the probes' own layout (read as JSON)."""
     if kind == "coll" or kind == "coll_done":
         done = kind == "coll_done"
         call = Call(
@@ -406,24 +480,7 @@ def _apply(
         _collective(data, call, pending, log)
     elif kind == "coll_end":
         _collective(data, End(float(rec["t"]), rec["seq"], rec["gid"], rec["err"]), pending, log)
-    elif kind in _LISTED:
-        getattr(data, _LISTED[kind]).append(rec)
-    elif kind in _LATEST:
-        setattr(data, _LATEST[kind], rec)
-    elif kind == "config":
-        data.configs[rec["name"]] = rec["value"]
-    elif kind == "site":
-        data.sites[rec["site"]] = rec
-    elif kind == "group":
-        data.groups[rec["gid"]] = rec
-    elif kind == "loss":  # a CUDA loss, read once the device got there
-        for step in reversed(data.steps):
-            if step["step"] == rec["step"]:
-                step["loss"] = rec["loss"]
-                if rec.get("text"):
-                    step["loss_text"] = rec["text"]
-                break
-    elif kind == "coll_dev":
+    else:  # coll_dev
         name = data.groups.get(rec["gid"], {}).get("name")
         found = log.find(name, rec["seq"]) if isinstance(name, str) else None
         if found is not None:
