@@ -24,14 +24,20 @@ _NUM = rb"(-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]+)?)"
 _STR = rb'"([\x20\x21\x23-\x5b\x5d-\x7e]*)"'
 _OPT_STR = rb"(?:" + _STR + rb"|null)"
 
-_CALL = re.compile(
+_CALL_BODY = (
     rb'\{"k":"(coll|coll_done)","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"op":' + _STR
     + rb',"bytes":(?:' + _INT + rb"|null)"
     + rb',"dtype":' + _OPT_STR + rb',"async":(true|false),"site":' + _OPT_STR + rb',"step":' + _INT
     + rb'(?:,"via":' + _STR + rb")?"
-    + rb'(?:,"end":' + _NUM + rb',"err":' + _OPT_STR + rb")?\}\n"
+    + rb'(?:,"end":' + _NUM + rb',"err":' + _OPT_STR + rb")?\}"
 )  # fmt: skip
-_END = re.compile(rb'\{"k":"coll_end","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"err":' + _OPT_STR + rb"\}\n")  # fmt: skip
+_END_BODY = rb'\{"k":"coll_end","t":' + _NUM + rb',"seq":' + _INT + rb',"gid":' + _INT + rb',"err":' + _OPT_STR + rb"\}"  # fmt: skip
+_CALL = re.compile(_CALL_BODY + rb"\n")
+_END = re.compile(_END_BODY + rb"\n")
+#: The same two layouts as patterns of a whole line without its newline, for polars'
+#: regular expressions (:mod:`lorascope.rundir.columnar`).
+CALL_LINE = "^" + _CALL_BODY.decode() + "$"
+END_LINE = "^" + _END_BODY.decode() + "$"
 
 
 class Call(NamedTuple):

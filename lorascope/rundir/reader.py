@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
-from lorascope.rundir import limits
+from lorascope.rundir import columnar, limits
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.fastlines import Call, End, parse_call, parse_end
@@ -243,6 +243,35 @@ def decode_line(path: Path, number: int, line: bytes, warnings: list[str], deep_
         return None
 
 
+def decode_lines(
+    path: Path, numbers: list[int], lines: list[bytes], warnings: list[str], deep_lines: list[int]
+) -> list[Any]:
+    """:func:`decode_line` of many newline-terminated lines (given without their newlines),
+    at ~2.5x the speed: the lines are decoded as one text and each record is scanned where
+    its line begins. A line whose record does not span it exactly (whitespace, extra data,
+    an error) is decoded alone, as are all lines of a text that is not ASCII."""
+    text = b"\n".join(lines)
+    if not text.isascii():
+        return [
+            decode_line(path, n, line + b"\n", warnings, deep_lines) for n, line in zip(numbers, lines, strict=True)
+        ]
+    scan, decoded = _DECODER.scan_once, text.decode()  # type: ignore[attr-defined]  # the C scanner behind raw_decode
+    out: list[Any] = []
+    at = 0
+    for number, line in zip(numbers, lines, strict=True):
+        begin, at = at, at + len(line) + 1
+        if line[:1] == b"{" and not maybe_too_deep(line, MAX_RECORD_DEPTH):
+            try:
+                rec, end = scan(decoded, begin)
+            except (StopIteration, ValueError):
+                end = -1
+            if end == at - 1:
+                out.append(rec)
+                continue
+        out.append(decode_line(path, number, line + b"\n", warnings, deep_lines))
+    return out
+
+
 def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
@@ -336,11 +365,31 @@ class _Stream:
             else:
                 data.flight_files.append(str(side))
 
-    def file_done(self, path: Path) -> None:
+    def decode(self, path: Path, number: int, line: bytes, deep_lines: list[int]) -> Any:
+        return decode_line(path, number, line, self.warnings, deep_lines)
+
+    def decode_many(self, path: Path, numbers: list[int], lines: list[bytes], deep_lines: list[int]) -> list[Any]:
+        return decode_lines(path, numbers, lines, self.warnings, deep_lines)
+
+    def check(self, path: Path, number: int, rec: Any) -> None:
+        try:
+            validate_record(rec)
+        except SchemaError as exc:
+            raise BadInputError(f"{path}:{number}: {exc}") from None
+        if self.data is None:
+            raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+
+    def group_name(self, gid: int) -> str:
+        assert self.data is not None
+        groups = self.data.groups
+        return str(groups[gid].get("name", str(gid))) if gid in groups else str(gid)
+
+    def file_done(self, path: Path, deep_lines: list[int]) -> None:
+        _file_warnings(path, [], deep_lines, self.warnings)
         if self.data is not None:
             self.data.files.append(str(path))
 
-    def finish(self, log: CollectiveLog, first: Path, budget: int) -> RankData:
+    def finish(self, log: CollectiveLog | columnar.ColumnarLog, first: Path, budget: int) -> RankData:
         """The RankData, its collectives and what was counted taken from ``log``."""
         for kind, (where, n) in self._unknown.items():
             self.warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
@@ -351,7 +400,11 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
-        data.collectives = log.finish()
+        if isinstance(log, CollectiveLog):
+            data.collectives = log.finish()
+        else:
+            data.collectives = log.finish(Collective)
+            data.last_time = max(data.last_time, log.last_time)
         data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
         data.coll_wait_outside_backward = log.outside_backward(data.phases)
         data.totals = totals(data)
@@ -383,6 +436,17 @@ def _load_process(
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
         raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
+    if total >= columnar.MIN_BYTES and columnar.available():
+        tried: list[str] = []
+        stream = _Stream(rank, tried, None)
+        try:
+            found = columnar.read(segs, stream, windows)
+        except columnar.Unsuitable:
+            pass  # read again, line by line
+        else:
+            warnings.extend(tried)
+            stream.warnings = warnings
+            return stream.finish(found, segs[0][1], budget)
     log = CollectiveLog(windows)
     stream = _Stream(rank, warnings, log)
     for _, path in segs:
@@ -391,7 +455,7 @@ def _load_process(
                 stream.call(path, number, rec)
             else:
                 stream.record(path, number, rec)
-        stream.file_done(path)
+        stream.file_done(path, [])
     return stream.finish(log, segs[0][1], budget)
 
 

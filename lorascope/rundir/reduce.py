@@ -61,8 +61,13 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=12).digest()
+def window_digests(op_size: str, full: str) -> tuple[bytes, bytes]:
+    """A window's two digests from the ``repr`` of its calls' (seq, op, bytes) tuples and
+    of their (seq, op, bytes, dtype) tuples, in the order they were read."""
+    return (
+        hashlib.blake2b(op_size.encode(), digest_size=12).digest(),
+        hashlib.blake2b(full.encode(), digest_size=12).digest(),
+    )
 
 
 @dataclass
@@ -180,8 +185,7 @@ class CollectiveLog:
 
     def _close(self, group: str, index: int) -> None:
         calls = self._open[group].pop(index)
-        op_size = _digest(repr([c[:3] for c in calls]).encode())
-        self.tallies[group].digests[index] = (op_size, _digest(repr(calls).encode()))
+        self.tallies[group].digests[index] = window_digests(repr([c[:3] for c in calls]), repr(calls))
 
     def _release(self, everything: bool) -> None:
         """Sum completed calls in the order they started: a call waits while an older one
@@ -222,14 +226,21 @@ class CollectiveLog:
         """Per step (+1), the time in synchronous calls that started outside every backward
         phase of the step (FSDP's backward collectives run inside it); call after
         :meth:`finish`, with every phase record."""
-        spans = backward_spans(phases)
-        out: dict[int, float] = {}
-        for step, calls in self._sync.items():
-            for start, took in calls:
-                if not any(b <= start <= e for b, e in spans.get(step, [])):
-                    out[step] = out.get(step, 0.0) + took
+        out = sync_outside_backward(self._sync, phases)
         self._sync = {}
         return out
+
+
+def sync_outside_backward(sync: dict[int, list[tuple[float, float]]], phases: list[dict[str, Any]]) -> dict[int, float]:
+    """Per step (+1), the seconds of the synchronous calls ``sync`` holds ((start,
+    seconds) per step + 1) that started outside every backward phase of the step."""
+    spans = backward_spans(phases)
+    out: dict[int, float] = {}
+    for step, calls in sync.items():
+        for start, took in calls:
+            if not any(b <= start <= e for b, e in spans.get(step, [])):
+                out[step] = out.get(step, 0.0) + took
+    return out
 
 
 def _numbers(rec: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:

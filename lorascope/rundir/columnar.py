@@ -1,0 +1,642 @@
+"""A process's collective records reduced as columns, with polars (analysis side).
+
+Read line by line, a collective record costs ~20-35 us of Python (the regular expression of
+:mod:`lorascope.rundir.fastlines`, a Collective, the bounded log of
+:mod:`lorascope.rundir.reduce`), and they are eight records in ten. Here a stream is read
+in blocks: polars picks out the lines in the probes' own layouts (the same regular
+expressions), splits them into columns and reduces them a block at a time; every other
+line goes back to the reader (:class:`Sink`), in order. The result is what
+:class:`~lorascope.rundir.reduce.CollectiveLog` computes, field for field (the tests read
+streams both ways and compare). Where that cannot be assured, :class:`Unsuitable` is
+raised and the reader reads the stream again line by line:
+
+* a collective record not in the probes' layout (read as JSON), or a ``coll_dev`` (a
+  CUDA call's device time is looked up among the calls kept so far);
+* a call read before the stream's ``start`` record, or before its group's ``group``;
+* two calls with one (group id, sequence number), a sequence number below 1, or a call
+  more than one digest window behind the newest of its group (its window was closed);
+* times that are not all in one binade [2^(e-1), 2^e), or calls that took 2^(e-1)
+  seconds or more in all: then every sum is exact, so it does not matter in which order
+  calls are added (CollectiveLog adds them in the order they started). Epoch seconds
+  (2^30..2^31) always qualify;
+* a call pending for more than MAX_REORDER / 2 later calls (CollectiveLog gives up
+  waiting for it at MAX_REORDER);
+* a line over the record size limit, or one that cannot be read.
+
+polars runs one thread here (``POLARS_MAX_THREADS``, unless set): the reader already
+runs one worker process per core.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lorascope.rundir import limits
+from lorascope.rundir.fastlines import CALL_LINE, END_LINE
+from lorascope.rundir.reduce import (
+    HEAD_CALLS,
+    MAX_REORDER,
+    TAIL_CALLS,
+    WINDOW,
+    GroupTally,
+    sync_outside_backward,
+    window_digests,
+)
+from lorascope.rundir.safe_open import open_regular
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from lorascope.rundir.reader import Collective
+
+#: Streams smaller than this are read line by line (importing polars costs ~0.3 s).
+MIN_BYTES = 8 << 20
+#: Bytes read at a time (a block is cut at its last newline).
+BLOCK_BYTES = 4 << 20
+#: Kinds whose records, when not in the probes' layout, only the line-by-line reader applies.
+_LINE_ONLY = frozenset({"coll_dev"})
+_AS_JSON = frozenset({"coll", "coll_done", "coll_end"})
+_PREFIX = b'{"k":"coll'
+
+
+class Unsuitable(Exception):
+    """The stream needs the line-by-line reader; the message says why."""
+
+
+class Sink(Protocol):
+    """The reader's side: every line that is not a collective record in the probes'
+    layout, and what it knows of the stream's groups."""
+
+    def decode(self, path: Path, number: int, line: bytes, deep_lines: list[int]) -> Any:
+        """The line's record, or None when there is nothing to apply."""
+
+    def decode_many(self, path: Path, numbers: list[int], lines: list[bytes], deep_lines: list[int]) -> list[Any]:
+        """``decode`` of many lines, given without their newlines."""
+
+    def record(self, path: Path, number: int, rec: Any) -> None:
+        """Validate and apply one record (BadInputError if it is bad)."""
+
+    def check(self, path: Path, number: int, rec: Any) -> None:
+        """Validate a collective record read as JSON, which is not applied (the log
+        takes it); BadInputError if it is bad or comes before the stream's start."""
+
+    def group_name(self, gid: int) -> str:
+        """The name calls of group ``gid`` are kept under."""
+
+    def file_done(self, path: Path, deep_lines: list[int]) -> None:
+        """One segment file read to its end."""
+
+
+def available() -> bool:
+    """Whether polars can be imported (the analysis extra installs it)."""
+    os.environ.setdefault("POLARS_MAX_THREADS", "1")
+    try:
+        import polars  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple[int, int]]] | None) -> ColumnarLog:
+    """Read every segment of one process: other records to ``sink``, collective records
+    reduced into the returned log; Unsuitable when the stream needs the line reader."""
+    log = ColumnarLog(windows)
+    max_line = limits.current().record_bytes
+    for _, path in segs:
+        deep_lines: list[int] = []
+        number = 0
+        for lines, last in _blocks(path, max_line):
+            if lines:
+                _block(log, sink, path, number, lines, deep_lines)
+                number += len(lines)
+                log.base += len(lines)
+            if last:
+                number += 1
+                held: list[tuple[int, dict[str, Any]]] = []
+                rec = sink.decode(path, number, last, deep_lines)
+                _other(log, sink, path, number, log.base, rec, held, {}, None)
+                if held:
+                    calls, ends = _held(held)
+                    log.add(calls, ends, {gid: sink.group_name(gid) for gid in calls["gid"].unique().to_list()})
+                log.base += 1
+        sink.file_done(path, deep_lines)
+    return log
+
+
+def _blocks(path: Path, max_line: int) -> Iterator[tuple[list[bytes], bytes]]:
+    """The file's newline-terminated lines, a block at a time, without their newlines;
+    then (an empty list and) whatever follows the last newline, if anything."""
+    try:
+        with open_regular(path) as f:
+            rest = b""
+            while chunk := f.read(BLOCK_BYTES):
+                data = rest + chunk if rest else chunk
+                cut = data.rfind(b"\n")
+                if cut < 0:
+                    rest = data
+                else:
+                    lines, rest = data[:cut].split(b"\n"), data[cut + 1 :]
+                    if max(map(len, lines)) > max_line:
+                        raise Unsuitable("a line over the record size limit")
+                    yield lines, b""
+                if len(rest) > max_line:
+                    raise Unsuitable("a line over the record size limit")
+            if rest:
+                yield [], rest
+    except Unsuitable:
+        raise
+    except Exception as exc:  # OSError, or BadInputError from open_regular: the line reader says it
+        raise Unsuitable(f"unreadable: {exc}") from None
+
+
+def _other(
+    log: ColumnarLog,
+    sink: Sink,
+    path: Path,
+    number: int,
+    position: int,
+    rec: Any,
+    held: list[tuple[int, dict[str, Any]]],
+    first_call: dict[int, int],
+    first_fast: int | None,
+) -> None:
+    """The record of a line (``number`` in its file, ``position`` in the stream) that is
+    not a collective record in the probes' layout (None: nothing to apply): to the sink,
+    or, a collective record all the same (an error message with escapes), validated and
+    added to ``held``. ``first_call``: per group id, the position of its first call in
+    this block; ``first_fast``: of its first collective record in the layout."""
+    if rec is None:
+        return
+    if log.start_at is None and first_fast is not None and first_fast < position:
+        raise Unsuitable("a collective record before the 'start' record")
+    kind = rec.get("k") if isinstance(rec, dict) else None
+    if kind in _LINE_ONLY:
+        raise Unsuitable(f"a {kind!r} record")
+    if kind in _AS_JSON:
+        sink.check(path, number, rec)
+        held.append((position, rec))
+        if kind != "coll_end":
+            first_call[rec["gid"]] = min(first_call.get(rec["gid"], position), position)
+        return
+    sink.record(path, number, rec)
+    if kind == "start" and log.start_at is None:
+        log.start_at = position
+    elif kind == "group":
+        gid = rec["gid"]
+        if gid in log.gids or first_call.get(gid, position) < position:
+            raise Unsuitable(f"calls of group {gid} before its 'group' record")
+
+
+def _plain(text: Any) -> bool:
+    """Whether ``repr`` of this op or dtype is what :func:`_quoted` makes of it."""
+    return text is None or (
+        text.isascii() and text.isprintable() and "\\" not in text and not ('"' in text and "'" in text)
+    )
+
+
+def _held(held: list[tuple[int, dict[str, Any]]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Collective records read as JSON, as the columns of :func:`_calls` and :func:`_ends`."""
+    import polars as pl
+
+    calls, ends = [], []
+    for n, rec in held:
+        if rec["k"] == "coll_end":
+            ends.append((n, float(rec["t"]), rec["seq"], rec["gid"], rec["err"]))
+            continue
+        if not (_plain(rec["op"]) and _plain(rec["dtype"])):
+            raise Unsuitable("an op or dtype whose repr needs escapes")
+        done = rec["k"] == "coll_done"
+        via = rec.get("via")
+        calls.append(
+            (
+                n, done, float(rec["t"]), rec["seq"], rec["gid"], rec["op"], rec["bytes"], rec["dtype"], rec["async"],
+                rec["site"], rec["step"], via if isinstance(via, str) else None,
+                float(rec["end"]) if done else None, rec["err"] if done else None,
+            )
+        )  # fmt: skip
+    return (
+        pl.DataFrame(calls, schema={k: getattr(pl, v) for k, v in _CALL_SCHEMA.items()}, orient="row"),
+        pl.DataFrame(ends, schema={k: getattr(pl, v) for k, v in _END_SCHEMA.items()}, orient="row"),
+    )
+
+
+def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[bytes], deep: list[int]) -> None:
+    """One block of a file (``before``: its lines before the block): the other lines to the
+    sink in order, then the collective records to the log."""
+    import polars as pl
+
+    raw = pl.Series(lines, dtype=pl.Binary)
+    where = raw.bin.starts_with(_PREFIX).arg_true()
+    frame = pl.DataFrame({"pos": where, "l": raw.gather(where).cast(pl.String, strict=False)})
+    calls = _calls(frame.filter(pl.col("l").str.contains(CALL_LINE).fill_null(False)), log.base)
+    calls = calls.filter(~(pl.col("done") & pl.col("end").is_null()))  # coll_done without its end: JSON says why
+    ends = _ends(frame.filter(pl.col("l").str.contains(END_LINE).fill_null(False)), log.base)
+    fast = pl.Series("fast", [False] * len(lines), dtype=pl.Boolean).scatter(
+        pl.concat([calls["n"], ends["n"]]) - log.base, True
+    )
+    first_call = dict(calls.group_by("gid").agg(pl.col("n").min()).iter_rows()) if calls.height else {}
+    positions = pl.concat([calls["n"], ends["n"]])
+    first = int(positions.min()) if positions.len() else None  # type: ignore[arg-type]
+    held: list[tuple[int, dict[str, Any]]] = []
+    others = (~fast).arg_true().to_list()
+    recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
+    for i, rec in zip(others, recs, strict=True):
+        _other(log, sink, path, before + i + 1, log.base + i, rec, held, first_call, first)
+    if held:
+        more_calls, more_ends = _held(held)
+        calls, ends = pl.concat([calls, more_calls]).sort("n"), pl.concat([ends, more_ends]).sort("n")
+        first = min(held[0][0], first) if first is not None else held[0][0]
+    if first is None:
+        return
+    if log.start_at is None or log.start_at > first:
+        raise Unsuitable("a collective record before the 'start' record")
+    names = {gid: sink.group_name(gid) for gid in calls["gid"].unique().to_list()}
+    log.add(calls, ends, names)
+
+
+_CALL_SCHEMA = {
+    "n": "Int64", "done": "Boolean", "t": "Float64", "seq": "Int64", "gid": "Int64", "op": "String", "bytes": "Int64",
+    "dtype": "String", "async": "Boolean", "site": "String", "step": "Int64", "via": "String", "end": "Float64",
+    "err": "String",
+}  # fmt: skip
+_END_SCHEMA = {"n": "Int64", "t": "Float64", "seq": "Int64", "gid": "Int64", "err": "String"}
+
+
+def _value(piece: pl.Expr, key: str) -> pl.Expr:
+    """The value text of a ``key":value`` piece (the last piece loses its closing brace:
+    no other piece ends in one)."""
+    return piece.str.slice(len(key) + 2).str.strip_suffix("}")
+
+
+def _string(value: pl.Expr) -> pl.Expr:
+    import polars as pl
+
+    return pl.when(value == "null").then(None).otherwise(value.str.slice(1).str.strip_suffix('"'))
+
+
+def _calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
+    """``coll`` and ``coll_done`` lines (``pos``, ``l``) that match CALL_LINE, as columns.
+    The layout is known, and no string in it holds a double quote, so ``,"`` only ever
+    separates fields: k, t, seq, gid, op, bytes, dtype, async, site, step, then ``via``
+    (if any) and ``end``, ``err`` (coll_done)."""
+    import polars as pl
+
+    parts = frame.select(
+        pl.col("pos"), pl.col("l").str.split_exact(',"', 12).struct.rename_fields([f"f{i}" for i in range(13)])
+    ).unnest("l")
+    f = pl.col
+    has_via = f("f10").str.starts_with('via":').fill_null(False)
+    end_piece = pl.when(has_via).then(f("f11")).otherwise(f("f10"))
+    err_piece = pl.when(has_via).then(f("f12")).otherwise(f("f11"))
+    done = f("f0") == '{"k":"coll_done"'
+    has_end = done & end_piece.str.starts_with('end":').fill_null(False)
+    return parts.select(
+        (f("pos").cast(pl.Int64) + base).alias("n"),
+        done.alias("done"),
+        _value(f("f1"), "t").cast(pl.Float64).alias("t"),
+        _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
+        _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
+        _string(_value(f("f4"), "op")).alias("op"),
+        pl.when(_value(f("f5"), "bytes") == "null")
+        .then(None)
+        .otherwise(_value(f("f5"), "bytes"))
+        .cast(pl.Int64)
+        .alias("bytes"),
+        _string(_value(f("f6"), "dtype")).alias("dtype"),
+        (_value(f("f7"), "async") == "true").alias("async"),
+        _string(_value(f("f8"), "site")).alias("site"),
+        _value(f("f9"), "step").cast(pl.Int64).alias("step"),
+        pl.when(has_via).then(_string(_value(f("f10"), "via"))).alias("via"),
+        pl.when(has_end).then(_value(end_piece, "end").cast(pl.Float64)).alias("end"),
+        pl.when(has_end).then(_string(_value(err_piece, "err"))).alias("err"),
+    )
+
+
+def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
+    """``coll_end`` lines that match END_LINE, as columns: k, t, seq, gid, err."""
+    import polars as pl
+
+    parts = frame.select(
+        pl.col("pos"), pl.col("l").str.split_exact(',"', 4).struct.rename_fields([f"f{i}" for i in range(5)])
+    ).unnest("l")
+    f = pl.col
+    return parts.select(
+        (f("pos").cast(pl.Int64) + base).alias("n"),
+        _value(f("f1"), "t").cast(pl.Float64).alias("t"),
+        _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
+        _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
+        _string(_value(f("f4"), "err")).alias("err"),
+    )
+
+
+def _quoted(text: pl.Expr) -> pl.Expr:
+    """``repr`` of a string of printable ASCII without a double quote or a backslash
+    (the layout's strings): single quotes, or double ones around a single quote."""
+    import polars as pl
+
+    return (
+        pl.when(text.str.contains("'", literal=True))
+        .then(pl.concat_str(pl.lit('"'), text, pl.lit('"')))
+        .otherwise(pl.concat_str(pl.lit("'"), text, pl.lit("'")))
+    )
+
+
+class ColumnarLog:
+    """What :class:`~lorascope.rundir.reduce.CollectiveLog` keeps and counts, fed a block
+    of calls and ends at a time (see the module's docstring for when it declines)."""
+
+    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None) -> None:
+        self.tallies: dict[str, GroupTally] = {}
+        self.coll_wait: dict[int, float] = {}
+        self.op_totals: dict[str, tuple[float, int]] = {}
+        self.last_time = 0.0
+        #: Lines of the stream before the current block; where the start record was.
+        self.base = 0
+        self.start_at: int | None = None
+        #: Group ids that have had calls.
+        self.gids: set[int] = set()
+        self.windows = windows or {}
+        self._head: dict[str, pl.DataFrame] = {}
+        self._tail: dict[str, pl.DataFrame] = {}
+        self._extra: list[pl.DataFrame] = []
+        #: Per group: window index -> (repr pieces of (seq, op, bytes), of (seq, op,
+        #: bytes, dtype), the (gid, seq) of its calls); the newest window index.
+        self._open: dict[str, dict[int, tuple[list[str], list[str], set[tuple[int, int]]]]] = {}
+        self._newest: dict[str, int] = {}
+        #: Calls without an end yet: (gid, seq) -> (call number, start, op, async, step, group).
+        self._pending: dict[tuple[int, int], tuple[int, float, str, bool, int, str]] = {}
+        #: Ends of calls read in an earlier block than their end: (gid, seq) -> (end, err).
+        self._late_ends: dict[tuple[int, int], tuple[float, str | None]] = {}
+        self._sync: dict[int, list[tuple[float, float]]] = {}
+        self._calls = 0
+        self._binade: int | None = None
+        self._took = 0.0
+
+    def add(self, calls: pl.DataFrame, ends: pl.DataFrame, names: dict[int, str]) -> None:
+        """One block's calls (``_calls``) and ends (``_ends``), both in stream order."""
+        import polars as pl
+
+        calls = calls.with_columns(
+            pl.col("gid").replace_strict(names, return_dtype=pl.String).alias("group"),
+            (pl.int_range(pl.len(), dtype=pl.Int64) + self._calls).alias("call"),
+            pl.when(pl.col("done")).then(pl.col("n")).alias("end_n"),
+        )
+        self._calls += calls.height
+        late = self._match_ends(calls, ends)
+        if late.height:
+            calls = (
+                calls.join(late, on=["gid", "seq"], how="left", maintain_order="left")
+                .with_columns(
+                    pl.coalesce("end", "e_end").alias("end"),
+                    pl.when(pl.col("e_n").is_not_null()).then(pl.col("e_err")).otherwise(pl.col("err")).alias("err"),
+                    pl.coalesce("end_n", "e_n").alias("end_n"),
+                )
+                .drop("e_end", "e_err", "e_n")
+            )
+        self._exact(calls, ends)
+        self.gids.update(calls["gid"].unique().to_list())
+        evicted: list[pl.DataFrame] = []
+        for (group,), rows in calls.partition_by("group", maintain_order=True, as_dict=True).items():
+            if str(group) not in self.tallies:
+                self.tallies[str(group)] = GroupTally(first_seq=int(rows["seq"][0]))
+            self._windows(str(group), rows)
+            evicted.extend(self._keep(str(group), rows))
+        if evicted:
+            self._extra.append(pl.concat(evicted).sort("evictor").drop("evictor"))
+        self._sum(calls.filter(pl.col("end").is_not_null()))
+        for row in calls.filter(pl.col("end").is_null() & ~pl.col("done")).iter_rows(named=True):
+            self._pending[(row["gid"], row["seq"])] = (
+                row["call"], row["t"], row["op"], row["async"], row["step"], row["group"]
+            )  # fmt: skip
+        if self._pending and self._calls - min(p[0] for p in self._pending.values()) > MAX_REORDER // 2:
+            raise Unsuitable("a call pending for too many later calls")
+        for column in (calls["t"], calls["end"], ends["t"]):
+            if column.len() and column.null_count() < column.len():
+                self.last_time = max(self.last_time, float(column.max()))  # type: ignore[arg-type]
+
+    def _match_ends(self, calls: pl.DataFrame, ends: pl.DataFrame) -> pl.DataFrame:
+        """Ends matched to their calls, as the line reader does (the first end read after a
+        call ends it): those of earlier blocks' calls are taken in (sums, tallies, tails);
+        returns (gid, seq, e_end, e_err, e_n) of this block's calls ended in it."""
+        import polars as pl
+
+        if not ends.height:
+            return pl.DataFrame()
+        mine = {(gid, seq): n for gid, seq, n in calls.filter(~pl.col("done")).select("gid", "seq", "n").iter_rows()}
+        here: dict[tuple[int, int], tuple[float, str | None, int]] = {}
+        earlier: dict[tuple[int, int], tuple[float, str | None, int]] = {}
+        for n, t, seq, gid, err in ends.iter_rows():
+            key = (gid, seq)
+            if key in self._pending:
+                earlier[key] = (t, err, n)
+                self._ended(key, self._pending.pop(key), t)
+            elif key in mine and mine[key] < n and key not in here:
+                here[key] = (t, err, n)
+        if earlier:
+            self._late_ends.update({k: (t, err) for k, (t, err, _) in earlier.items()})
+            fix = pl.DataFrame(
+                [(k[0], k[1], t, err, n) for k, (t, err, n) in earlier.items()],
+                schema={"gid": pl.Int64, "seq": pl.Int64, "e_end": pl.Float64, "e_err": pl.String, "e_n": pl.Int64},
+                orient="row",
+            )
+            for group, tail in self._tail.items():
+                self._tail[group] = (
+                    tail.join(fix, on=["gid", "seq"], how="left", maintain_order="left")
+                    .with_columns(pl.coalesce("end_n", "e_n").alias("end_n"))
+                    .drop("e_end", "e_err", "e_n")
+                )
+        return pl.DataFrame(
+            [(k[0], k[1], t, err, n) for k, (t, err, n) in here.items()],
+            schema={"gid": pl.Int64, "seq": pl.Int64, "e_end": pl.Float64, "e_err": pl.String, "e_n": pl.Int64},
+            orient="row",
+        )
+
+    def _ended(self, key: tuple[int, int], call: tuple[int, float, str, bool, int, str], end: float) -> None:
+        """An earlier block's call ended: counted and summed."""
+        _, start, op, is_async, step, group = call
+        tally = self.tallies[group]
+        tally.last_done = max(tally.last_done, key[1])
+        took = end - start
+        self._check_time(start, end)
+        self._took += abs(took)
+        self._add(op, is_async, step, start, took)
+
+    def _add(self, op: str, is_async: bool, step: int, start: float, took: float) -> None:
+        total, n = self.op_totals.get(op, (0.0, 0))
+        self.op_totals[op] = (total + took, n + 1)
+        if not is_async:
+            self.coll_wait[step + 1] = self.coll_wait.get(step + 1, 0.0) + took
+            self._sync.setdefault(step + 1, []).append((start, took))
+
+    def _check_time(self, *values: float | None) -> None:
+        for value in values:
+            if value is None:
+                continue
+            if not value > 0:
+                raise Unsuitable("a time that is not positive")
+            binade = math.frexp(value)[1]
+            if self._binade is None:
+                self._binade = binade
+            elif binade != self._binade:
+                raise Unsuitable("times in more than one binade: sums would depend on their order")
+
+    def _exact(self, calls: pl.DataFrame, ends: pl.DataFrame) -> None:
+        """Unsuitable unless every sum of the calls' times is exact (module docstring)."""
+        import polars as pl
+
+        for column in (calls["t"], calls["end"], ends["t"]):
+            self._check_time(column.min(), column.max())  # type: ignore[arg-type]
+        done = calls.filter(pl.col("end").is_not_null())
+        self._took += float((done["end"] - done["t"]).abs().sum())
+        assert self._binade is not None or not done.height
+        if self._binade is not None and self._took >= 2.0 ** (self._binade - 1):
+            raise Unsuitable("calls that took too long in all for exact sums")
+
+    def _windows(self, group: str, rows: pl.DataFrame) -> None:
+        """The digest windows' pieces (:meth:`CollectiveLog._hash`), closing those that
+        the line reader would have closed by now."""
+        import polars as pl
+
+        if rows["seq"].min() < 1:  # type: ignore[operator]
+            raise Unsuitable("a sequence number below 1")
+        if rows.select("gid", "seq").is_duplicated().any():
+            raise Unsuitable("two calls with one group id and sequence number")
+        carried = self._newest.get(group)
+        rows = rows.with_columns(((pl.col("seq") - 1) // WINDOW).alias("w"))
+        behind = rows.select(
+            pl.max_horizontal(pl.col("w").cum_max().shift(1), pl.lit(carried, dtype=pl.Int64)).alias("b")
+        )["b"]
+        if (rows["w"] < behind - 1).fill_null(False).any():
+            raise Unsuitable("a call more than a digest window behind the newest of its group")
+        newest = int(rows["w"].max())  # type: ignore[arg-type]
+        if carried is not None:
+            newest = max(newest, carried)
+        self._newest[group] = newest
+        opened = self._open.setdefault(group, {})
+        recent = rows.filter(pl.col("w") >= (carried if carried is not None else newest) - 1).select("gid", "seq", "w")
+        keys = set(zip(recent["gid"].to_list(), recent["seq"].to_list(), strict=True))
+        for _, _, old in opened.values():
+            if keys & old:
+                raise Unsuitable("two calls with one group id and sequence number")
+        op = _quoted(pl.col("op"))
+        size = pl.col("bytes").cast(pl.String).fill_null("None")
+        dtype = pl.when(pl.col("dtype").is_null()).then(pl.lit("None")).otherwise(_quoted(pl.col("dtype")))
+        seq = pl.col("seq").cast(pl.String)
+        pieces = (
+            rows.select(
+                "w",
+                pl.concat_str(pl.lit("("), seq, pl.lit(", "), op, pl.lit(", "), size, pl.lit(")")).alias("three"),
+                pl.concat_str(
+                    pl.lit("("), seq, pl.lit(", "), op, pl.lit(", "), size, pl.lit(", "), dtype, pl.lit(")")
+                ).alias("four"),
+            )
+            .group_by("w", maintain_order=True)
+            .agg(pl.col("three").str.join(", "), pl.col("four").str.join(", "))
+        )
+        for w, three, four in pieces.iter_rows():
+            window = opened.setdefault(w, ([], [], set()))
+            window[0].append(three)
+            window[1].append(four)
+        for w, gid, seq in zip(recent["w"].to_list(), recent["gid"].to_list(), recent["seq"].to_list(), strict=True):
+            if w >= newest - 1:
+                opened[w][2].add((gid, seq))
+        for w in sorted(w for w in opened if w < newest - 1):
+            self._close(group, w)
+
+    def _close(self, group: str, w: int) -> None:
+        three, four, _ = self._open[group].pop(w)
+        self.tallies[group].digests[w] = window_digests(f"[{', '.join(three)}]", f"[{', '.join(four)}]")
+
+    def _keep(self, group: str, rows: pl.DataFrame) -> list[pl.DataFrame]:
+        """Counted, and kept as CollectiveLog keeps them: the first HEAD_CALLS of the group,
+        its newest TAIL_CALLS, and those that leave the newest while pending (or inside a
+        window asked for); returns the latter, with the position of the call that pushed
+        each out (``evictor``)."""
+        import polars as pl
+
+        tally = self.tallies[group]
+        tally.calls += rows.height
+        tally.last_seq = max(tally.last_seq, int(rows["seq"].max()))  # type: ignore[arg-type]
+        done = rows.filter(pl.col("end").is_not_null())["seq"]
+        if done.len():
+            tally.last_done = max(tally.last_done, int(done.max()))  # type: ignore[arg-type]
+        tally.ops.update(rows["op"].unique().to_list())
+        head = self._head.get(group)
+        room = HEAD_CALLS - (head.height if head is not None else 0)
+        if room > 0:
+            first = rows.head(room)
+            self._head[group] = first if head is None else pl.concat([head, first])
+            tally.head_last = int(first["seq"][-1])
+            rows = rows.slice(room)
+        if not rows.height:
+            return []
+        tail = self._tail.get(group)
+        both = rows if tail is None else pl.concat([tail, rows])
+        self._tail[group] = both.tail(TAIL_CALLS)
+        tally.tail_first = int(self._tail[group]["seq"][0])
+        if both.height <= TAIL_CALLS:
+            return []
+        out = both.head(both.height - TAIL_CALLS).with_columns(both["n"].slice(TAIL_CALLS).alias("evictor"))
+        keep = pl.col("end_n").is_null() | (pl.col("end_n") > pl.col("evictor"))
+        for lo, hi in self.windows.get(group, ()):
+            keep = keep | pl.col("seq").is_between(lo, hi)
+        return [out.filter(keep)]
+
+    def _sum(self, done: pl.DataFrame) -> None:
+        """Completed calls into the per-op totals and the per-step synchronous waits."""
+        import polars as pl
+
+        if not done.height:
+            return
+        done = done.with_columns((pl.col("end") - pl.col("t")).alias("took"))
+        for op, took, n in done.group_by("op", maintain_order=True).agg(pl.col("took").sum(), pl.len()).iter_rows():
+            total, calls = self.op_totals.get(op, (0.0, 0))
+            self.op_totals[op] = (total + took, calls + n)
+        sync = done.filter(~pl.col("async"))
+        for step, start, took in sync.select("step", "t", "took").iter_rows():
+            self.coll_wait[step + 1] = self.coll_wait.get(step + 1, 0.0) + took
+            self._sync.setdefault(step + 1, []).append((start, took))
+
+    def finish(self, make: type[Collective]) -> list[Collective]:
+        """Close the digests; the kept calls as ``make`` objects, in the order they started."""
+        for group, opened in self._open.items():
+            for w in sorted(opened):
+                self._close(group, w)
+        pools = [*self._head.values(), *self._tail.values(), *self._extra]
+        calls: list[Collective] = []
+        intern, late = sys.intern, self._late_ends
+        columns = ["seq", "group", "op", "bytes", "dtype", "async", "site", "step", "t", "end", "err", "via", "gid"]
+        for pool in pools:
+            for seq, group, op, size, dtype, is_async, site, step, t, end, err, via, gid in pool.select(
+                columns
+            ).iter_rows():
+                if end is None and (gid, seq) in late:
+                    end, err = late[(gid, seq)]
+                calls.append(
+                    make(
+                        seq,
+                        group,
+                        intern(op),
+                        size,
+                        None if dtype is None else intern(dtype),
+                        is_async,
+                        None if site is None else intern(site),
+                        step,
+                        t,
+                        end,
+                        err,
+                        None,
+                        None if via is None else intern(via),
+                    )
+                )
+        calls.sort(key=lambda c: c.start)
+        return calls
+
+    def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
+        """As :meth:`CollectiveLog.outside_backward`."""
+        return sync_outside_backward(self._sync, phases)
