@@ -1,0 +1,205 @@
+"""The columnar reader (lorascope.rundir.columnar) against the line-by-line one: every
+stream it accepts must come out as the same RankData, field for field, with the same
+warnings; the streams it declines are read line by line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lorascope.errors import BadInputError
+from lorascope.rundir import columnar, reader, reduce
+from lorascope.rundir.reader import RankData
+
+REPO = Path(__file__).resolve().parents[2]
+STREAMS = sorted((REPO / "fixtures").glob("*/ranks/rank-*/*.jsonl"))
+START = {
+    "rank": 0, "world_size": 2, "local_rank": 0, "pid": 7, "ppid": 1, "host": "vm", "argv": ["train.py"],
+    "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start",
+}  # fmt: skip
+T0 = 1795945031.0
+
+
+@contextmanager
+def _mode(monkeypatch: pytest.MonkeyPatch, use: bool, block: int) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        if use:
+            m.setattr(columnar, "MIN_BYTES", 0)
+            m.setattr(columnar, "BLOCK_BYTES", block)
+        else:
+            m.setattr(columnar, "available", lambda: False)
+        yield
+
+
+def _read(segs: list[tuple[int, Path]], windows: dict[str, list[tuple[int, int]]] | None = None) -> Any:
+    warnings: list[str] = []
+    try:
+        data = reader._load_process(0, segs, warnings, 1 << 16, windows)
+    except BadInputError as exc:
+        return ("error", str(exc))
+    return _fields(data), warnings
+
+
+def _fields(data: RankData) -> dict[str, Any]:
+    out = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+    out["collectives"] = [dataclasses.astuple(c) for c in data.collectives]
+    return out
+
+
+def _both(
+    monkeypatch: pytest.MonkeyPatch, segs: list[tuple[int, Path]], block: int, windows: Any = None
+) -> tuple[Any, Any, str | None]:
+    """Both readings, and why the columnar reader declined (None: it read the stream)."""
+    with _mode(monkeypatch, False, block):
+        lines = _read(segs, windows)
+    declined: list[str] = []
+    real = columnar.read
+
+    def spy(*args: Any) -> Any:
+        try:
+            return real(*args)
+        except columnar.Unsuitable as exc:
+            declined.append(str(exc))
+            raise
+
+    with _mode(monkeypatch, True, block):
+        monkeypatch.setattr(columnar, "read", spy)
+        columns = _read(segs, windows)
+        monkeypatch.setattr(columnar, "read", real)
+    return lines, columns, declined[0] if declined else None
+
+
+@pytest.mark.parametrize("block", [4 << 20, 24 << 10], ids=["one-block", "24KiB-blocks"])
+@pytest.mark.parametrize("stream", STREAMS, ids=lambda p: f"{p.parts[-4]}-{p.parts[-2]}")
+def test_probe_streams_read_the_same_both_ways(monkeypatch: pytest.MonkeyPatch, stream: Path, block: int) -> None:
+    lines, columns, declined = _both(monkeypatch, [(0, stream)], block)
+    assert declined is None
+    assert columns == lines
+
+
+def test_small_bounds_and_asked_windows_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tails that evict pending calls, digest windows closed across blocks, windows asked for."""
+    stream = REPO / "fixtures" / "tiny-kernel-tail" / "ranks" / "rank-0"
+    segs = [(0, next(stream.glob("*.jsonl")))]
+    _small(monkeypatch)
+    windows = {"default_pg": [(20, 40), (300, 310)], "1": [(5, 9)]}
+    lines, columns, declined = _both(monkeypatch, segs, 16 << 10, windows)
+    assert declined is None
+    assert columns == lines
+    assert len(lines[0]["collectives"]) < sum(t.calls for t in lines[0]["tallies"].values())
+
+
+def _small(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (reduce, columnar):
+        monkeypatch.setattr(module, "HEAD_CALLS", 3)
+        monkeypatch.setattr(module, "TAIL_CALLS", 5)
+        monkeypatch.setattr(module, "WINDOW", 4)
+
+
+def _line(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, separators=(",", ":"))
+
+
+def _call(kind: str, t: float, seq: int, gid: int, op: str, is_async: bool, step: int, **more: Any) -> str:
+    """A call in the probes' own layout (lorascope.probes.collectives)."""
+    rec: dict[str, Any] = {"k": kind, "t": round(t, 6), "seq": seq, "gid": gid, "op": op, "bytes": more.get("bytes")}
+    rec.update(dtype=more.get("dtype"), **{"async": is_async}, site=more.get("site"), step=step)
+    if more.get("via"):
+        rec["via"] = more["via"]
+    if kind == "coll_done":
+        rec.update(end=round(more["end"], 6), err=more.get("err"))
+    return _line(rec)
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> list[str]:
+    """A stream of two groups' calls: most written whole, some started and ended later (or
+    never), ends out of order, a few odd records (an error with escapes, so read as JSON;
+    an op with a quote; blank lines; a late or repeated sequence number; a torn end)."""
+    out = [_line({**START, "t": T0})]
+    out += [
+        _line({"gid": g, "name": str(g), "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}) for g in (0, 1)
+    ]
+    seqs = {0: 0, 1: 0}
+    open_calls: list[tuple[int, int]] = []
+    t, step = T0 + 1, 0
+    for _ in range(draw(st.integers(5, 80))):
+        t += draw(st.integers(1, 5000)) / 1e6
+        what = draw(st.sampled_from(["done"] * 6 + ["start", "end", "step", "blank", "odd"]))
+        gid = draw(st.integers(0, 1))
+        if what in ("done", "start"):
+            odd = draw(st.sampled_from([None] * 60 + ["again", "jump", "late"]))
+            seqs[gid] += {"again": 0, "jump": 2}.get(odd or "", 1)
+            seq = max(seqs[gid] - 9, 1) if odd == "late" else max(seqs[gid], 1)
+            op = draw(st.sampled_from(["all_reduce", "all_gather", "it's"]))
+            more = dict(
+                bytes=draw(st.sampled_from([None, 4096, 0])),
+                dtype=draw(st.sampled_from([None, "float32", "bf'16"])),
+                site=draw(st.sampled_from([None, "train.py:12 in main", "a, b.py:3 in f"])),
+                via=draw(st.sampled_from([None, None, "train.py:40 in save"])),
+            )
+            if what == "done":
+                more.update(end=t + draw(st.integers(0, 900)) / 1e6, err=draw(st.sampled_from([None, None, "Boom"])))
+                out.append(_call("coll_done", t, seq, gid, op, draw(st.booleans()), step, **more))
+            else:
+                out.append(_call("coll", t, seq, gid, op, draw(st.booleans()), step, **more))
+                open_calls.append((gid, seq))
+        elif what == "end" and open_calls:
+            gid, seq = open_calls.pop(draw(st.integers(0, len(open_calls) - 1)))
+            err = draw(st.sampled_from([None, None, "RuntimeError('closed \\ud83c\\udfd6')"]))
+            rec = {"k": "coll_end", "t": round(t, 6), "seq": seq, "gid": gid, "err": err}
+            out.append(_line(rec).replace("\\\\", "\\") if err else _line(rec))
+        elif what == "step":
+            step += 1
+            out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
+            out.append(_line({"name": "backward", "edge": "begin", "step": step, "k": "phase", "t": t}))
+        elif what == "blank":
+            out.append("")
+        elif what == "odd":
+            out.append(_line({"src": "sampler", "step": step, "rss": 5, "heap": 3, "k": "mem", "t": t, "x": "é"}))
+    if draw(st.integers(0, 5)) == 0:
+        out.append(out[-1][: len(out[-1]) // 2] + "\\")
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=_streams(), block=st.sampled_from([700, 2048, 1 << 20]))
+def test_generated_streams_read_the_same_both_ways(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory, stream: list[str], block: int
+) -> None:
+    path = tmp_path_factory.mktemp("stream") / "vm-7.0000.jsonl"
+    torn = not stream[-1].endswith("}")
+    path.write_text("\n".join(stream) + ("" if torn else "\n"))
+    with monkeypatch.context() as m:
+        _small(m)
+        lines, columns, declined = _both(m, [(0, path)], block)
+    if declined is None:
+        assert columns == lines
+    else:  # declined streams are read line by line: the same as the line reader's
+        assert columns == lines
+
+
+def test_declines_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Times in different binades (relative seconds) and a call before its group's record
+    make the reader go line by line; the result is the line reader's."""
+    base = [_line({**START, "t": 1.5})]
+    group = _line({"gid": 0, "name": "g", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": 1.5})
+    cases = {
+        "binade": [*base, group, _call("coll_done", 1.6, 1, 0, "all_reduce", False, 0, end=2.5)],
+        "group-after-calls": [*base, _call("coll_done", 1.6, 1, 0, "all_reduce", False, 0, end=1.7), group],
+        "coll-dev": [*base, group, _line({"k": "coll_dev", "t": 1.7, "gid": 0, "seq": 1, "ms": 0.5})],
+    }
+    for name, stream in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(stream) + "\n")
+        lines, columns, declined = _both(monkeypatch, [(0, path)], 1 << 20)
+        assert declined is not None, name
+        assert columns == lines, name
