@@ -5,20 +5,23 @@ Read line by line, a collective record costs ~20-35 us of Python (the regular ex
 :mod:`lorascope.rundir.reduce`), and they are eight records in ten. Here a stream is read
 in blocks: polars picks out the lines in the probes' own layouts (the same regular
 expressions), splits them into columns and reduces them a block at a time; every other
-line goes back to the reader (:class:`Sink`), in order. The result is what
+line goes back to the reader (:class:`Sink`), in order: a collective record not in the
+probes' layout (an error message with escapes) joins the block's columns at its place,
+a ``coll_dev`` (a CUDA call's device time) is matched to its call as the line reader
+matches it, among the calls kept when the record was read. The result is what
 :class:`~lorascope.rundir.reduce.CollectiveLog` computes, field for field (the tests read
 streams both ways and compare). Where that cannot be assured, :class:`Unsuitable` is
 raised and the reader reads the stream again line by line:
 
-* a collective record not in the probes' layout (read as JSON), or a ``coll_dev`` (a
-  CUDA call's device time is looked up among the calls kept so far);
-* a call read before the stream's ``start`` record, or before its group's ``group``;
-* two calls with one (group id, sequence number), a sequence number below 1, or a call
+* a call read before the stream's ``start`` record, or before its group's ``group``; a
+  group name that is not a string;
+* two calls with one (group, sequence number), a sequence number below 1, or a call
   more than one digest window behind the newest of its group (its window was closed);
+* an op or dtype read as JSON whose ``repr`` needs escapes (the digests are of reprs);
 * times that are not all in one binade [2^(e-1), 2^e), or calls that took 2^(e-1)
-  seconds or more in all: then every sum is exact, so it does not matter in which order
-  calls are added (CollectiveLog adds them in the order they started). Epoch seconds
-  (2^30..2^31) always qualify;
+  seconds or more in all. Within those bounds every sum of calls' durations is exact,
+  so the order they are added in (CollectiveLog adds them in the order they started)
+  does not matter. Epoch seconds (2^30..2^31) always qualify;
 * a call pending for more than MAX_REORDER / 2 later calls (CollectiveLog gives up
   waiting for it at MAX_REORDER);
 * a line over the record size limit, or one that cannot be read.
@@ -59,7 +62,6 @@ MIN_BYTES = 8 << 20
 #: Bytes read at a time (a block is cut at its last newline).
 BLOCK_BYTES = 4 << 20
 #: Kinds whose records, when not in the probes' layout, only the line-by-line reader applies.
-_LINE_ONLY = frozenset({"coll_dev"})
 _AS_JSON = frozenset({"coll", "coll_done", "coll_end"})
 _PREFIX = b'{"k":"coll'
 
@@ -85,8 +87,12 @@ class Sink(Protocol):
         """Validate a collective record read as JSON, which is not applied (the log
         takes it); BadInputError if it is bad or comes before the stream's start."""
 
-    def group_name(self, gid: int) -> str:
+    def group_name(self, gid: int) -> Any:
         """The name calls of group ``gid`` are kept under."""
+
+    def device_group(self, gid: int) -> Any:
+        """The name a ``coll_dev`` record of group ``gid`` looks its call up under (a
+        string, else there is none)."""
 
     def file_done(self, path: Path, deep_lines: list[int]) -> None:
         """One segment file read to its end."""
@@ -118,11 +124,12 @@ def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple
             if last:
                 number += 1
                 held: list[tuple[int, dict[str, Any]]] = []
+                devices: list[tuple[int, str, int, float]] = []
                 rec = sink.decode(path, number, last, deep_lines)
-                _other(log, sink, path, number, log.base, rec, held, {}, None)
-                if held:
+                _other(log, sink, path, number, log.base, rec, held, devices, {}, None)
+                if held or devices:
                     calls, ends = _held(held)
-                    log.add(calls, ends, {gid: sink.group_name(gid) for gid in calls["gid"].unique().to_list()})
+                    log.add(calls, ends, _names(sink, calls), devices)
                 log.base += 1
         sink.file_done(path, deep_lines)
     return log
@@ -162,21 +169,28 @@ def _other(
     position: int,
     rec: Any,
     held: list[tuple[int, dict[str, Any]]],
+    devices: list[tuple[int, str, int, float]],
     first_call: dict[int, int],
     first_fast: int | None,
 ) -> None:
     """The record of a line (``number`` in its file, ``position`` in the stream) that is
     not a collective record in the probes' layout (None: nothing to apply): to the sink,
     or, a collective record all the same (an error message with escapes), validated and
-    added to ``held``. ``first_call``: per group id, the position of its first call in
+    added to ``held``; a call's device time (``coll_dev``) to ``devices`` (position, group,
+    sequence number, ms). ``first_call``: per group id, the position of its first call in
     this block; ``first_fast``: of its first collective record in the layout."""
     if rec is None:
         return
     if log.start_at is None and first_fast is not None and first_fast < position:
         raise Unsuitable("a collective record before the 'start' record")
     kind = rec.get("k") if isinstance(rec, dict) else None
-    if kind in _LINE_ONLY:
-        raise Unsuitable(f"a {kind!r} record")
+    if kind == "coll_dev":
+        sink.check(path, number, rec)
+        log.last_time = max(log.last_time, float(rec["t"]))
+        name = sink.device_group(rec["gid"])
+        if isinstance(name, str):
+            devices.append((position, name, rec["seq"], float(rec["ms"])))
+        return
     if kind in _AS_JSON:
         sink.check(path, number, rec)
         held.append((position, rec))
@@ -243,20 +257,27 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
     positions = pl.concat([calls["n"], ends["n"]])
     first = int(positions.min()) if positions.len() else None  # type: ignore[arg-type]
     held: list[tuple[int, dict[str, Any]]] = []
+    devices: list[tuple[int, str, int, float]] = []
     others = (~fast).arg_true().to_list()
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
     for i, rec in zip(others, recs, strict=True):
-        _other(log, sink, path, before + i + 1, log.base + i, rec, held, first_call, first)
+        _other(log, sink, path, before + i + 1, log.base + i, rec, held, devices, first_call, first)
     if held:
         more_calls, more_ends = _held(held)
         calls, ends = pl.concat([calls, more_calls]).sort("n"), pl.concat([ends, more_ends]).sort("n")
         first = min(held[0][0], first) if first is not None else held[0][0]
-    if first is None:
-        return
-    if log.start_at is None or log.start_at > first:
+    if first is not None and (log.start_at is None or log.start_at > first):
         raise Unsuitable("a collective record before the 'start' record")
+    if first is not None or devices:
+        log.add(calls, ends, _names(sink, calls), devices)
+
+
+def _names(sink: Sink, calls: pl.DataFrame) -> dict[int, str]:
+    """The group names of the calls' group ids (the line reader's, which must be strings)."""
     names = {gid: sink.group_name(gid) for gid in calls["gid"].unique().to_list()}
-    log.add(calls, ends, names)
+    if not all(isinstance(name, str) for name in names.values()):
+        raise Unsuitable("a group name that is not a string")
+    return names
 
 
 _CALL_SCHEMA = {
@@ -365,8 +386,8 @@ class ColumnarLog:
         self._tail: dict[str, pl.DataFrame] = {}
         self._extra: list[pl.DataFrame] = []
         #: Per group: window index -> (repr pieces of (seq, op, bytes), of (seq, op,
-        #: bytes, dtype), the (gid, seq) of its calls); the newest window index.
-        self._open: dict[str, dict[int, tuple[list[str], list[str], set[tuple[int, int]]]]] = {}
+        #: bytes, dtype), the sequence numbers of its calls); the newest window index.
+        self._open: dict[str, dict[int, tuple[list[str], list[str], set[int]]]] = {}
         self._newest: dict[str, int] = {}
         #: Calls without an end yet: (gid, seq) -> (call number, start, op, async, step, group).
         self._pending: dict[tuple[int, int], tuple[int, float, str, bool, int, str]] = {}
@@ -377,12 +398,20 @@ class ColumnarLog:
         self._binade: int | None = None
         self._took = 0.0
 
-    def add(self, calls: pl.DataFrame, ends: pl.DataFrame, names: dict[int, str]) -> None:
-        """One block's calls (``_calls``) and ends (``_ends``), both in stream order."""
+    def add(
+        self,
+        calls: pl.DataFrame,
+        ends: pl.DataFrame,
+        names: dict[int, str],
+        devices: list[tuple[int, str, int, float]],
+    ) -> None:
+        """One block's calls (``_calls``) and ends (``_ends``), both in stream order, and
+        its device times (position, group, sequence number, ms)."""
         import polars as pl
 
         calls = calls.with_columns(
-            pl.col("gid").replace_strict(names, return_dtype=pl.String).alias("group"),
+            pl.col("gid").replace_strict(names, return_dtype=pl.String, default=None).alias("group"),
+            pl.lit(None, dtype=pl.Float64).alias("device_ms"),
             (pl.int_range(pl.len(), dtype=pl.Int64) + self._calls).alias("call"),
             pl.when(pl.col("done")).then(pl.col("n")).alias("end_n"),
         )
@@ -406,8 +435,11 @@ class ColumnarLog:
                 self.tallies[str(group)] = GroupTally(first_seq=int(rows["seq"][0]))
             self._windows(str(group), rows)
             evicted.extend(self._keep(str(group), rows))
-        if evicted:
-            self._extra.append(pl.concat(evicted).sort("evictor").drop("evictor"))
+        fresh = pl.concat(evicted).sort("evictor") if evicted else None
+        if devices:
+            fresh = self._device_times(devices, fresh)
+        if fresh is not None:
+            self._extra.append(fresh.drop("evictor"))
         self._sum(calls.filter(pl.col("end").is_not_null()))
         for row in calls.filter(pl.col("end").is_null() & ~pl.col("done")).iter_rows(named=True):
             self._pending[(row["gid"], row["seq"])] = (
@@ -504,8 +536,8 @@ class ColumnarLog:
 
         if rows["seq"].min() < 1:  # type: ignore[operator]
             raise Unsuitable("a sequence number below 1")
-        if rows.select("gid", "seq").is_duplicated().any():
-            raise Unsuitable("two calls with one group id and sequence number")
+        if rows["seq"].is_duplicated().any():
+            raise Unsuitable("two calls with one group and sequence number")
         carried = self._newest.get(group)
         rows = rows.with_columns(((pl.col("seq") - 1) // WINDOW).alias("w"))
         behind = rows.select(
@@ -518,11 +550,11 @@ class ColumnarLog:
             newest = max(newest, carried)
         self._newest[group] = newest
         opened = self._open.setdefault(group, {})
-        recent = rows.filter(pl.col("w") >= (carried if carried is not None else newest) - 1).select("gid", "seq", "w")
-        keys = set(zip(recent["gid"].to_list(), recent["seq"].to_list(), strict=True))
+        recent = rows.filter(pl.col("w") >= (carried if carried is not None else newest) - 1).select("seq", "w")
+        keys = set(recent["seq"].to_list())
         for _, _, old in opened.values():
             if keys & old:
-                raise Unsuitable("two calls with one group id and sequence number")
+                raise Unsuitable("two calls with one group and sequence number")
         op = _quoted(pl.col("op"))
         size = pl.col("bytes").cast(pl.String).fill_null("None")
         dtype = pl.when(pl.col("dtype").is_null()).then(pl.lit("None")).otherwise(_quoted(pl.col("dtype")))
@@ -542,9 +574,9 @@ class ColumnarLog:
             window = opened.setdefault(w, ([], [], set()))
             window[0].append(three)
             window[1].append(four)
-        for w, gid, seq in zip(recent["w"].to_list(), recent["gid"].to_list(), recent["seq"].to_list(), strict=True):
+        for w, seq in zip(recent["w"].to_list(), recent["seq"].to_list(), strict=True):
             if w >= newest - 1:
-                opened[w][2].add((gid, seq))
+                opened[w][2].add(seq)
         for w in sorted(w for w in opened if w < newest - 1):
             self._close(group, w)
 
@@ -587,6 +619,43 @@ class ColumnarLog:
             keep = keep | pl.col("seq").is_between(lo, hi)
         return [out.filter(keep)]
 
+    def _device_times(
+        self, devices: list[tuple[int, str, int, float]], fresh: pl.DataFrame | None
+    ) -> pl.DataFrame | None:
+        """Device times onto their calls, as :meth:`CollectiveLog.find` finds them when the
+        record is read: the call of the group with that sequence number read before it and
+        still among the group's first or newest calls then (here: kept from the start, in
+        the newest now, or pushed out of the newest by a call read after the record); the
+        last record of a call wins. Returns ``fresh`` (this block's calls pushed out of the
+        newest, with their ``evictor``) with its times."""
+        import polars as pl
+
+        times = pl.DataFrame(
+            devices, schema={"p": pl.Int64, "group": pl.String, "seq": pl.Int64, "ms": pl.Float64}, orient="row"
+        )
+
+        def onto(pool: pl.DataFrame, pushed_out: bool = False) -> pl.DataFrame:
+            found = pool.select("group", "seq", "n", *(["evictor"] if pushed_out else [])).join(
+                times, on=["group", "seq"]
+            )
+            found = found.filter(pl.col("n") < pl.col("p"))
+            if pushed_out:
+                found = found.filter(pl.col("evictor") > pl.col("p"))
+            if not found.height:
+                return pool
+            last = found.sort("p").group_by("group", "seq").agg(pl.col("ms").last())
+            return (
+                pool.join(last, on=["group", "seq"], how="left", maintain_order="left")
+                .with_columns(pl.coalesce("ms", "device_ms").alias("device_ms"))
+                .drop("ms")
+            )
+
+        for group in set(times["group"].to_list()):
+            for pools in (self._tail, self._head):
+                if group in pools:
+                    pools[group] = onto(pools[group])
+        return None if fresh is None else onto(fresh, pushed_out=True)
+
     def _sum(self, done: pl.DataFrame) -> None:
         """Completed calls into the per-op totals and the per-step synchronous waits."""
         import polars as pl
@@ -610,11 +679,24 @@ class ColumnarLog:
         pools = [*self._head.values(), *self._tail.values(), *self._extra]
         calls: list[Collective] = []
         intern, late = sys.intern, self._late_ends
-        columns = ["seq", "group", "op", "bytes", "dtype", "async", "site", "step", "t", "end", "err", "via", "gid"]
+        columns = [
+            "seq",
+            "group",
+            "op",
+            "bytes",
+            "dtype",
+            "async",
+            "site",
+            "step",
+            "t",
+            "end",
+            "err",
+            "device_ms",
+            "via",
+        ]
         for pool in pools:
-            for seq, group, op, size, dtype, is_async, site, step, t, end, err, via, gid in pool.select(
-                columns
-            ).iter_rows():
+            rows = pool.select([*columns, "gid"]).iter_rows()
+            for seq, group, op, size, dtype, is_async, site, step, t, end, err, device_ms, via, gid in rows:
                 if end is None and (gid, seq) in late:
                     end, err = late[(gid, seq)]
                 calls.append(
@@ -630,7 +712,7 @@ class ColumnarLog:
                         t,
                         end,
                         err,
-                        None,
+                        device_ms,
                         None if via is None else intern(via),
                     )
                 )

@@ -379,10 +379,14 @@ class _Stream:
         if self.data is None:
             raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
 
-    def group_name(self, gid: int) -> str:
+    def group_name(self, gid: int) -> Any:
         assert self.data is not None
         groups = self.data.groups
-        return str(groups[gid].get("name", str(gid))) if gid in groups else str(gid)
+        return groups[gid].get("name", str(gid)) if gid in groups else str(gid)
+
+    def device_group(self, gid: int) -> Any:
+        assert self.data is not None
+        return self.data.groups.get(gid, {}).get("name")
 
     def file_done(self, path: Path, deep_lines: list[int]) -> None:
         _file_warnings(path, [], deep_lines, self.warnings)

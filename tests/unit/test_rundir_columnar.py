@@ -122,8 +122,9 @@ def _call(kind: str, t: float, seq: int, gid: int, op: str, is_async: bool, step
 @st.composite
 def _streams(draw: st.DrawFn) -> list[str]:
     """A stream of two groups' calls: most written whole, some started and ended later (or
-    never), ends out of order, a few odd records (an error with escapes, so read as JSON;
-    an op with a quote; blank lines; a late or repeated sequence number; a torn end)."""
+    never), ends out of order, device times of recent and long-gone calls, a few odd
+    records (an error with escapes, so read as JSON; an op with a quote; blank lines; a
+    late or repeated sequence number; a torn end)."""
     out = [_line({**START, "t": T0})]
     out += [
         _line({"gid": g, "name": str(g), "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}) for g in (0, 1)
@@ -133,7 +134,7 @@ def _streams(draw: st.DrawFn) -> list[str]:
     t, step = T0 + 1, 0
     for _ in range(draw(st.integers(5, 80))):
         t += draw(st.integers(1, 5000)) / 1e6
-        what = draw(st.sampled_from(["done"] * 6 + ["start", "end", "step", "blank", "odd"]))
+        what = draw(st.sampled_from(["done"] * 6 + ["start", "end", "device", "step", "blank", "odd"]))
         gid = draw(st.integers(0, 1))
         if what in ("done", "start"):
             odd = draw(st.sampled_from([None] * 60 + ["again", "jump", "late"]))
@@ -157,6 +158,9 @@ def _streams(draw: st.DrawFn) -> list[str]:
             err = draw(st.sampled_from([None, None, "RuntimeError('closed \\ud83c\\udfd6')"]))
             rec = {"k": "coll_end", "t": round(t, 6), "seq": seq, "gid": gid, "err": err}
             out.append(_line(rec).replace("\\\\", "\\") if err else _line(rec))
+        elif what == "device":  # a synchronous CUDA call's device time, read at a step end
+            seq = max(1, seqs[gid] - draw(st.sampled_from([0, 1, 6, 40])))
+            out.append(_line({"k": "coll_dev", "t": round(t, 6), "seq": seq, "gid": gid, "ms": 0.25, "host_ms": 0.5}))
         elif what == "step":
             step += 1
             out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
@@ -188,14 +192,20 @@ def test_generated_streams_read_the_same_both_ways(
 
 
 def test_declines_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Times in different binades (relative seconds) and a call before its group's record
-    make the reader go line by line; the result is the line reader's."""
+    """Times in different binades (relative seconds), a call before its group's record and
+    a repeated sequence number make the reader go line by line; the result is the line
+    reader's."""
     base = [_line({**START, "t": 1.5})]
     group = _line({"gid": 0, "name": "g", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": 1.5})
     cases = {
         "binade": [*base, group, _call("coll_done", 1.6, 1, 0, "all_reduce", False, 0, end=2.5)],
         "group-after-calls": [*base, _call("coll_done", 1.6, 1, 0, "all_reduce", False, 0, end=1.7), group],
-        "coll-dev": [*base, group, _line({"k": "coll_dev", "t": 1.7, "gid": 0, "seq": 1, "ms": 0.5})],
+        "repeated-seq": [
+            *base,
+            group,
+            _call("coll_done", 1.6, 1, 0, "all_reduce", False, 0, end=1.7),
+            _call("coll_done", 1.8, 1, 0, "all_reduce", False, 0, end=1.9),
+        ],
     }
     for name, stream in cases.items():
         path = tmp_path / f"{name}.jsonl"
