@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 MIN_BYTES = 8 << 20
 #: Bytes read at a time (a block is cut at its last newline).
 BLOCK_BYTES = 4 << 20
-#: Kinds whose records, when not in the probes' layout, only the line-by-line reader applies.
+#: Collective records that may also come as JSON (not in the probes' layout).
 _AS_JSON = frozenset({"coll", "coll_done", "coll_end"})
 _PREFIX = b'{"k":"coll'
 
