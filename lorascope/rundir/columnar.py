@@ -17,7 +17,6 @@ raised and the reader reads the stream again line by line:
   group name that is not a string;
 * two calls with one (group, sequence number), a sequence number below 1, or a call
   more than one digest window behind the newest of its group (its window was closed);
-* an op or dtype read as JSON whose ``repr`` needs escapes (the digests are of reprs);
 * times that are not all in one binade [2^(e-1), 2^e), or calls that took 2^(e-1)
   seconds or more in all. Within those bounds every sum of calls' durations is exact,
   so the order they are added in (CollectiveLog adds them in the order they started)
@@ -206,13 +205,6 @@ def _other(
             raise Unsuitable(f"calls of group {gid} before its 'group' record")
 
 
-def _plain(text: Any) -> bool:
-    """Whether ``repr`` of this op or dtype is what :func:`_quoted` makes of it."""
-    return text is None or (
-        text.isascii() and text.isprintable() and "\\" not in text and not ('"' in text and "'" in text)
-    )
-
-
 def _held(held: list[tuple[int, dict[str, Any]]]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Collective records read as JSON, as the columns of :func:`_calls` and :func:`_ends`."""
     import polars as pl
@@ -222,8 +214,6 @@ def _held(held: list[tuple[int, dict[str, Any]]]) -> tuple[pl.DataFrame, pl.Data
         if rec["k"] == "coll_end":
             ends.append((n, float(rec["t"]), rec["seq"], rec["gid"], rec["err"]))
             continue
-        if not (_plain(rec["op"]) and _plain(rec["dtype"])):
-            raise Unsuitable("an op or dtype whose repr needs escapes")
         done = rec["k"] == "coll_done"
         via = rec.get("via")
         calls.append(
@@ -352,18 +342,6 @@ def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
         _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
         _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
         _string(_value(f("f4"), "err")).alias("err"),
-    )
-
-
-def _quoted(text: pl.Expr) -> pl.Expr:
-    """``repr`` of a string of printable ASCII without a double quote or a backslash
-    (the layout's strings): single quotes, or double ones around a single quote."""
-    import polars as pl
-
-    return (
-        pl.when(text.str.contains("'", literal=True))
-        .then(pl.concat_str(pl.lit('"'), text, pl.lit('"')))
-        .otherwise(pl.concat_str(pl.lit("'"), text, pl.lit("'")))
     )
 
 
@@ -555,17 +533,24 @@ class ColumnarLog:
         for _, _, old in opened.values():
             if keys & old:
                 raise Unsuitable("two calls with one group and sequence number")
-        op = _quoted(pl.col("op"))
-        size = pl.col("bytes").cast(pl.String).fill_null("None")
-        dtype = pl.when(pl.col("dtype").is_null()).then(pl.lit("None")).otherwise(_quoted(pl.col("dtype")))
-        seq = pl.col("seq").cast(pl.String)
+        # repr of each distinct op and dtype by Python itself (few distinct values)
+        ops = {op: repr(op) for op in rows["op"].unique().to_list()}
+        dtypes = {dtype: repr(dtype) for dtype in rows["dtype"].unique().to_list() if dtype is not None}
+        start = pl.concat_str(
+            pl.lit("("),
+            pl.col("seq").cast(pl.String),
+            pl.lit(", "),
+            pl.col("op").replace_strict(ops, return_dtype=pl.String),
+            pl.lit(", "),
+            pl.col("bytes").cast(pl.String).fill_null("None"),
+        )
+        dtype = pl.col("dtype").replace_strict(dtypes, default=None, return_dtype=pl.String).fill_null("None")
         pieces = (
-            rows.select(
+            rows.select("w", start.alias("start"), dtype.alias("dtype"))
+            .select(
                 "w",
-                pl.concat_str(pl.lit("("), seq, pl.lit(", "), op, pl.lit(", "), size, pl.lit(")")).alias("three"),
-                pl.concat_str(
-                    pl.lit("("), seq, pl.lit(", "), op, pl.lit(", "), size, pl.lit(", "), dtype, pl.lit(")")
-                ).alias("four"),
+                (pl.col("start") + ")").alias("three"),
+                pl.concat_str("start", pl.lit(", "), "dtype", pl.lit(")")).alias("four"),
             )
             .group_by("w", maintain_order=True)
             .agg(pl.col("three").str.join(", "), pl.col("four").str.join(", "))

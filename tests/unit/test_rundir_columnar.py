@@ -123,8 +123,8 @@ def _call(kind: str, t: float, seq: int, gid: int, op: str, is_async: bool, step
 def _streams(draw: st.DrawFn) -> list[str]:
     """A stream of two groups' calls: most written whole, some started and ended later (or
     never), ends out of order, device times of recent and long-gone calls, a few odd
-    records (an error with escapes, so read as JSON; an op with a quote; blank lines; a
-    late or repeated sequence number; a torn end)."""
+    records (an error with escapes, so read as JSON; ops with quotes, a backslash, a
+    non-ASCII letter; blank lines; a late or repeated sequence number; a torn end)."""
     out = [_line({**START, "t": T0})]
     out += [
         _line({"gid": g, "name": str(g), "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}) for g in (0, 1)
@@ -140,7 +140,7 @@ def _streams(draw: st.DrawFn) -> list[str]:
             odd = draw(st.sampled_from([None] * 60 + ["again", "jump", "late"]))
             seqs[gid] += {"again": 0, "jump": 2}.get(odd or "", 1)
             seq = max(seqs[gid] - 9, 1) if odd == "late" else max(seqs[gid], 1)
-            op = draw(st.sampled_from(["all_reduce", "all_gather", "it's"]))
+            op = draw(st.sampled_from(["all_reduce", "all_gather", "it's", "a \"b\" \\ 'c' é"]))
             more = dict(
                 bytes=draw(st.sampled_from([None, 4096, 0])),
                 dtype=draw(st.sampled_from([None, "float32", "bf'16"])),
