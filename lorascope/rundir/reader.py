@@ -447,6 +447,12 @@ def _load_process(
             found = columnar.read(segs, stream, windows)
         except columnar.Unsuitable:
             pass  # read again, line by line
+        except BadInputError:
+            raise
+        except Exception as exc:  # a fault of the columnar reader must not cost the user the run
+            warnings.append(
+                f"rank {rank}: reading column-wise failed ({type(exc).__name__}: {str(exc)[:200]}); read line by line"
+            )
         else:
             warnings.extend(tried)
             stream.warnings = warnings

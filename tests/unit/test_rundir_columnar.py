@@ -213,3 +213,18 @@ def test_declines_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch, tmp_
         lines, columns, declined = _both(monkeypatch, [(0, path)], 1 << 20)
         assert declined is not None, name
         assert columns == lines, name
+
+
+def test_a_fault_of_the_columnar_reader_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    segs = [(0, STREAMS[0])]
+    with _mode(monkeypatch, False, 1 << 20):
+        lines = _read(segs)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    with _mode(monkeypatch, True, 1 << 20):
+        monkeypatch.setattr(columnar, "_block", broken)
+        data, warnings = _read(segs)
+    assert data == lines[0]
+    assert warnings == ["rank 0: reading column-wise failed (RuntimeError: a bug); read line by line", *lines[1]]
