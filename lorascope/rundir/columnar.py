@@ -329,7 +329,7 @@ def _calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
 
 
 def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
-    """``coll_end`` lines that match END_LINE, as columns: k, t, seq, gid, err."""
+    """``coll_end`` lines that match END_LINE, as columns: n (the stream position), t, seq, gid, err."""
     import polars as pl
 
     parts = frame.select(
