@@ -14,6 +14,7 @@ from typing import Any
 
 from lorascope.detect.common import (
     ended_with_oom,
+    mem_reader,
     mem_value,
     memory_kind,
     peak_memory,
@@ -52,28 +53,33 @@ FIX = (
 
 def _edge_series(rank: RankData, kind: str) -> list[tuple[tuple[int, str, int], int]]:
     """Main-thread samples keyed by (step, phase edge, occurrence), in order."""
-    seen: Counter[tuple[int, str]] = Counter()
+    seen: dict[tuple[int, str], int] = {}
     out = []
+    value_of = mem_reader(kind)
     for sample in rank.mem:
-        if sample["src"] == "sampler":
+        src = sample["src"]
+        if src == "sampler":
             continue
-        value = mem_value(sample, kind)
+        value = value_of(sample)
         if value is None:
             continue
-        key = (sample["step"], sample["src"])
-        seen[key] += 1
-        out.append(((sample["step"], sample["src"], seen[key]), value))
+        step = sample["step"]
+        n = seen[step, src] = seen.get((step, src), 0) + 1
+        out.append(((step, src, n), value))
     return out
 
 
-def _growth(rank: RankData, kind: str) -> int | None:
-    """Peak minus the memory held at the first forward (what training added)."""
+def _growth(rank: RankData, kind: str, peak: int | None) -> int | None:
+    """Peak (``peak_memory``) minus the memory held at the first forward (what training added)."""
     base = next((v for m in rank.mem if m["src"] == "forward.begin" and (v := mem_value(m, kind)) is not None), None)
-    peak = peak_memory(rank)
     return None if base is None or peak is None else max(peak - base, 0)
 
 
-def _gaps(rank0: RankData, others: list[RankData], kind: str) -> list[tuple[tuple[int, str, int], float]]:
+#: Rank 0's gap to the others' median at each phase edge every rank sampled (``_gaps``).
+Gaps = list[tuple[tuple[int, str, int], float]]
+
+
+def _gaps(rank0: RankData, others: list[RankData], kind: str) -> Gaps:
     """Rank 0's reading minus the others' median at each phase edge all ranks sampled."""
     series = [dict(_edge_series(r, kind)) for r in others]
     out = []
@@ -84,14 +90,14 @@ def _gaps(rank0: RankData, others: list[RankData], kind: str) -> list[tuple[tupl
     return out
 
 
-def held_gap(rank0: RankData, others: list[RankData], kind: str) -> float | None:
+def held_gap(gaps: Gaps) -> float | None:
     """The most rank 0 held over the others for a whole step: the largest gap present at
     every one of as many consecutive phase edges as a step has (edges every rank sampled,
     at the same point of the loop; the ``end`` sample is left out, the ranks exit at
     different moments). A background-sampler reading that caught one rank mid-loss and
     not the other (a transient: the logits at the loss) is no excess. None without
     matched edges."""
-    gaps = [(key, g) for key, g in _gaps(rank0, others, kind) if key[1] != "end"]
+    gaps = [(key, g) for key, g in gaps if key[1] != "end"]
     if not gaps:
         return None
     window = max(1, round(statistics.median(Counter(key[0] for key, _ in gaps).values())))
@@ -101,7 +107,7 @@ def held_gap(rank0: RankData, others: list[RankData], kind: str) -> float | None
     return max(min(values[i : i + window]) for i in range(len(values) - window + 1))
 
 
-def divergence_point(rank0: RankData, others: list[RankData], excess: float) -> dict[str, Any] | None:
+def divergence_point(gaps: Gaps, excess: float) -> dict[str, Any] | None:
     """Where rank 0 pulls away: the ranks' samples are aligned by phase edge, the gap to
     the others' median is followed edge to edge, and the interval (from one edge to the
     next) whose gap increases add up to the most names the phase — robust to an allocator
@@ -110,7 +116,7 @@ def divergence_point(rank0: RankData, others: list[RankData], excess: float) -> 
     previous, last_gap = "start", 0.0
     growth: dict[tuple[str, str], float] = {}
     first_step: int | None = None
-    for (step, edge, _), gap in _gaps(rank0, others, memory_kind(rank0)):
+    for (step, edge, _), gap in gaps:
         growth[(previous, edge)] = growth.get((previous, edge), 0.0) + (gap - last_gap)
         if first_step is None and gap >= excess / 2:
             first_step = step
@@ -230,27 +236,26 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return from_snapshots(bundle)
     rank0 = run.ranks[0]
     others = [r for n, r in run.ranks.items() if n != 0]
-    peak0 = peak_memory(rank0)
-    peaks = [p for p in (peak_memory(r) for r in others) if p is not None]
+    peak_of = {r.rank: peak_memory(r) for r in run.ranks.values()}
+    peak0 = peak_of[0]
+    peaks = [p for r in others if (p := peak_of[r.rank]) is not None]
     if peak0 is None or not peaks:
         return []
     median = statistics.median(peaks)
     excess = peak0 - median
     kind = memory_kind(rank0)
-    kept = held_gap(rank0, others, kind) if kind != "CUDA allocated" else None
+    gaps = _gaps(rank0, others, kind) if kind != "CUDA allocated" else None
+    kept = held_gap(gaps) if gaps is not None else None
     if kept is not None and kept < excess:
         excess = kept
-    growth = (
-        statistics.median(g for r in others if (g := _growth(r, kind)) is not None)
-        if any(_growth(r, kind) is not None for r in others)
-        else None
-    )
+    growths = [g for r in others if (g := _growth(r, kind, peak_of[r.rank])) is not None]
+    growth = statistics.median(growths) if growths else None
     threshold = max(
         MIN_EXCESS_BYTES, min(MIN_EXCESS_SHARE * median, MIN_SHARE_OF_GROWTH * growth if growth else float("inf"))
     )
     if excess < threshold:
         return []
-    point = divergence_point(rank0, others, excess)
+    point = divergence_point(gaps if gaps is not None else _gaps(rank0, others, kind), excess)
     guests = _gpu0_guests(rank0, others)
     evidence = [
         Evidence(
@@ -319,7 +324,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             explanation=EXPLANATION,
             fix=FIX,
             details={
-                "peaks": {str(r.rank): peak_memory(r) for r in run.ranks.values()},
+                "peaks": {str(n): peak for n, peak in peak_of.items()},
                 "divergence": point,
                 "gpu0_guest_ranks": guests,
             },

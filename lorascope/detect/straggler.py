@@ -22,6 +22,7 @@ table: docs/detectors.md.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 
@@ -93,6 +94,25 @@ def _mad(values: list[float]) -> float:
     return statistics.median(abs(v - median) for v in values)
 
 
+def _others_medians(work: dict[int, dict[int, float]], ranks: list[int], steps: list[int]) -> dict[int, list[float]]:
+    """Per rank, per step of ``steps`` (in order): the median of the other ranks' work,
+    as ``statistics.median`` of them gives it. Each step's values are sorted once and a
+    rank's own value is left out by position: O(ranks log ranks) a step, not ranks^2."""
+    out: dict[int, list[float]] = {r: [] for r in ranks}
+    others = len(ranks) - 1
+    half = others // 2  # the median's index among the others (odd), else the upper one of two
+    for s in steps:
+        values = sorted(work[r][s] for r in ranks)
+        for r in ranks:
+            gone = bisect.bisect_left(values, work[r][s])  # the others: values without index ``gone``
+            upper = values[half if half < gone else half + 1]
+            if others % 2:
+                out[r].append(upper)
+            else:
+                out[r].append((values[half - 1 if half - 1 < gone else half] + upper) / 2)
+    return out
+
+
 def from_run(run: RunData) -> Finding | None:
     if len(run.ranks) < 2:
         return None
@@ -101,18 +121,16 @@ def from_run(run: RunData) -> Finding | None:
     if len(common) < MIN_STEPS:
         return None
     ranks = sorted(sw.work)
-
-    def others_median(r: int, s: int) -> float:
-        return statistics.median(sw.work[o][s] for o in ranks if o != r)
+    others = _others_medians(sw.work, ranks, common)
 
     def median_ratio(r: int) -> float:
-        return statistics.median(sw.work[r][s] / max(others_median(r, s), 1e-9) for s in common)
+        return statistics.median(sw.work[r][s] / max(others[r][i], 1e-9) for i, s in enumerate(common))
 
     cand = max(ranks, key=median_ratio)
     ratio = median_ratio(cand)
     slowest = sum(1 for s in common if max(ranks, key=lambda r: sw.work[r][s]) == cand)
     persistence = slowest / len(common)
-    excess = statistics.median(sw.work[cand][s] - others_median(cand, s) for s in common)
+    excess = statistics.median(sw.work[cand][s] - others[cand][i] for i, s in enumerate(common))
     noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
     if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
         return None

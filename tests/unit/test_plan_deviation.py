@@ -491,3 +491,21 @@ def test_ddp_copies_the_outputs_in_the_forward(ddp: dict[str, Any], copies: bool
     assert fwd.planned_low == plain.planned_low
     assert ("DDP's copy of the outputs" in fwd.formula) is copies
     assert fwd.upper - plain.upper == pytest.approx(1.1 * LOGITS if copies else 0, abs=1)
+
+
+def test_ranks_with_the_same_inputs_share_one_plan() -> None:
+    # A 1,024-rank run plans once, not 1,024 times; any input that differs plans anew.
+    a, b = rank(0, forward=0), rank(1, forward=MIB)
+    assert plan_for_rank(a) is plan_for_rank(b)
+    wider = rank(1, forward=0)
+    wider.start = {**wider.start, "world_size": 4}
+    checkpointed = rank(1, forward=0, checkpointing=True)
+    other_model = rank(
+        1, forward=0, configs={"model": {**MODEL, "num_hidden_layers": 2}, "lora": LORA, "deepspeed": DEEPSPEED}
+    )
+    plans = [plan_for_rank(r) for r in (a, wider, checkpointed, other_model)] + [plan_for_rank(a, attention="eager")]
+    assert len({id(p) for p in plans}) == len(plans)
+    assert [p.inputs.setup.nodes * p.inputs.setup.gpus_per_node for p in plans if p] == [2, 4, 2, 2, 2]
+    assert plans[2] is not None and plans[2].inputs.setup.checkpointing == "non-reentrant"
+    assert plans[3] is not None and plans[3].inputs.shape.layers == 2
+    assert plans[4] is not None and plans[4].inputs.setup.attention == "eager"

@@ -13,32 +13,42 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition
 from lorascope.rundir.reader import Collective, RunData
 
 T = TypeVar("T")
-#: (name, key) pairs: the calls of the members disagree on the aspect when their keys differ.
-Aspects = Sequence[tuple[str, Callable[[T], object]]]
+
+
+@dataclass(frozen=True)
+class Aspects(Generic[T]):
+    """What is compared of the members' calls: the calls disagree on an aspect when its
+    values differ. ``key`` gives a call's values of every aspect at once, in the order of
+    ``names`` (one C call for run records: a row of a 1,024-rank run is built per call)."""
+
+    names: tuple[str, ...]
+    key: Callable[[T], tuple[object, ...]]
+
 
 #: Run records: what the hang detectors compare (a dtype alone does not hang a job).
-RUN_OP_SIZE: Aspects[Collective] = (("op", lambda c: c.op), ("size", lambda c: c.bytes))
+RUN_OP_SIZE: Aspects[Collective] = Aspects(("op", "size"), attrgetter("op", "bytes"))
 #: Run records, every aspect the records carry (the report's alignment chart).
-RUN_ALL: Aspects[Collective] = (*RUN_OP_SIZE, ("dtype", lambda c: c.dtype))
+RUN_ALL: Aspects[Collective] = Aspects(("op", "size", "dtype"), attrgetter("op", "bytes", "dtype"))
 
 
 def classify(calls: Mapping[int, T | None], aspects: Aspects[T], missing: bool) -> str | None:
     """How the members' calls at one sequence number disagree: "op" when the ops differ,
     else the aspects that differ joined by "+" ("size", "size+dtype"), else "missing" when
     some member never issued it (if ``missing`` counts); None when they agree."""
-    present = [c for c in calls.values() if c is not None]
-    if not present:
+    keys = [aspects.key(c) for c in calls.values() if c is not None]
+    if not keys:
         return None
-    differ = [name for name, key in aspects if len({key(c) for c in present}) > 1]
+    differ = [name for i, name in enumerate(aspects.names) if len({k[i] for k in keys}) > 1]
     if differ:
         return differ[0] if differ[0] == "op" else "+".join(differ)
-    return "missing" if missing and len(present) < len(calls) else None
+    return "missing" if missing and len(keys) < len(calls) else None
 
 
 @dataclass
@@ -70,9 +80,11 @@ def _agreeing_prefix(
     member's call (or its absence) differs from the first member's in any aspect: nothing
     before that can disagree."""
 
+    key = aspects.key
+
     def row(r: int) -> list[object]:
         calls = tables[r]
-        return [None if (c := calls.get(s)) is None else tuple(key(c) for _, key in aspects) for s in seqs]
+        return [None if (c := calls.get(s)) is None else key(c) for s in seqs]
 
     ref = row(users[0])
     first = len(ref)

@@ -191,10 +191,13 @@ def _align_group(name: str, dumps: dict[int, FlightDump]) -> GroupAlignment:
 
 
 #: What can differ between ranks' entries at one sequence number.
-FLIGHT_ASPECTS: Aspects[FlightEntry] = (
-    ("op", lambda e: e.op),
-    ("size", lambda e: (_key(e.input_sizes), _key(e.output_sizes))),
-    ("dtype", lambda e: (tuple(e.input_dtypes), tuple(e.output_dtypes))),
+FLIGHT_ASPECTS: Aspects[FlightEntry] = Aspects(
+    ("op", "size", "dtype"),
+    lambda e: (
+        e.op,
+        (_key(e.input_sizes), _key(e.output_sizes)),
+        (tuple(e.input_dtypes), tuple(e.output_dtypes)),
+    ),
 )
 
 

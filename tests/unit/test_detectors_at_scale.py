@@ -1,0 +1,106 @@
+"""The detectors' shortcuts for runs of many ranks give what their plain definitions give:
+the others' median per rank and step (straggler), the aspects of a call compared at once
+(the divergence finder), a memory figure read by a function of the sample alone."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_reader, mem_value
+from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
+from lorascope.detect.straggler import _others_medians
+from lorascope.rundir.reader import Collective
+
+# Few distinct values, so that ties (a rank's own value held by others too) are common.
+WORK = st.sampled_from([0.0, 1e-9, 0.1, 0.2, 0.30000000000000004, 0.3, 5.5, 1e300])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 4), st.data())
+def test_others_medians_are_the_median_of_the_others(n: int, steps: int, data: st.DataObject) -> None:
+    ranks = sorted(data.draw(st.sets(st.integers(0, 50), min_size=n, max_size=n)))
+    numbers = list(range(2, 2 + steps))
+    work = {r: {s: data.draw(st.one_of(WORK, st.floats(0, 10))) for s in numbers} for r in ranks}
+    got = _others_medians(work, ranks, numbers)
+    for r in ranks:
+        for i, s in enumerate(numbers):
+            want = statistics.median(work[o][s] for o in ranks if o != r)
+            assert repr(got[r][i]) == repr(want), (work, r, s)
+
+
+def _call(op: str, size: int | None, dtype: str | None, seq: int) -> Collective:
+    return Collective(seq, "default_pg", op, size, dtype, False, None, 0, 1.0, 2.0, None)
+
+
+def _classify_by_aspect(calls: dict[int, Any], aspects: list[tuple[str, Any]], missing: bool) -> str | None:
+    """classify as it was written before the aspects were read at once: one key per aspect."""
+    present = [c for c in calls.values() if c is not None]
+    if not present:
+        return None
+    differ = [name for name, key in aspects if len({key(c) for c in present}) > 1]
+    if differ:
+        return differ[0] if differ[0] == "op" else "+".join(differ)
+    return "missing" if missing and len(present) < len(calls) else None
+
+
+CALLS = st.one_of(
+    st.none(),
+    st.builds(
+        lambda op, size, dtype: (op, size, dtype),
+        st.sampled_from(["all_reduce", "broadcast"]),
+        st.sampled_from([None, 0, 4, 8]),
+        st.sampled_from([None, "float32", "bfloat16"]),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(CALLS, min_size=1, max_size=6), min_size=2, max_size=5), st.booleans())
+def test_aspects_read_at_once_classify_as_each_aspect_alone(rows: list[list[Any]], missing: bool) -> None:
+    tables = {r: {seq: _call(*c, seq) for seq, c in enumerate(row, 1) if c is not None} for r, row in enumerate(rows)}
+    plain = {
+        "op_size": [("op", lambda c: c.op), ("size", lambda c: c.bytes)],
+        "all": [("op", lambda c: c.op), ("size", lambda c: c.bytes), ("dtype", lambda c: c.dtype)],
+    }
+    for aspects, by_aspect in ((RUN_OP_SIZE, plain["op_size"]), (RUN_ALL, plain["all"])):
+        seqs = sorted({s for t in tables.values() for s in t})
+        for seq in seqs:
+            calls = {r: tables[r].get(seq) for r in tables}
+            assert classify(calls, aspects, missing) == _classify_by_aspect(calls, by_aspect, missing)
+        # the splits (their shortcut past the agreeing prefix included) are the seqs that classify
+        found = [(s.seq, s.kind) for s in splits(tables, aspects, missing)]
+        users = [r for r in tables if tables[r]]
+        if users:
+            start = max(min(tables[r]) for r in users)
+            want = [
+                (seq, kind)
+                for seq in seqs
+                if seq >= start
+                and (kind := _classify_by_aspect({r: tables[r].get(seq) for r in tables}, by_aspect, missing))
+            ]
+            assert found == want
+
+
+SAMPLES = st.fixed_dictionaries(
+    {},
+    optional={
+        "rss": st.integers(0, 2**40),
+        "heap": st.one_of(st.none(), st.integers(0, 2**40)),
+        "cuda": st.one_of(
+            st.none(),
+            st.just("odd"),
+            st.fixed_dictionaries({}, optional={"alloc": st.one_of(st.none(), st.integers(0, 2**40))}),
+        ),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(SAMPLES)
+def test_mem_reader_reads_as_mem_value(sample: dict[str, Any]) -> None:
+    for kind in (None, CUDA_ALLOCATED, HEAP_IN_USE, RSS, "other"):
+        assert mem_reader(kind)(sample) == mem_value(sample, kind)
