@@ -64,11 +64,15 @@ class Tolerance:
 
 
 #: The C heap in use on CPU (glibc mallinfo2: what malloc has handed out and not taken
-#: back), which counts live tensors as CUDA's allocator does. On the test-bed job the first
-#: forward reads 1.1-3.5 MiB above the plan (one-off allocations: kernel tables, thread
-#: pools, DeepSpeed's module trace); the logits-heavy configuration 2.8 MiB below it (ZeRO-3
-#: releases the gathered output projection before the forward ends).
-HEAP_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=16 * MIB)
+#: back), which counts live tensors as CUDA's allocator does. The first step also pays
+#: one-off allocations no term plans (kernel tables, thread pools, DeepSpeed's module
+#: trace, FSDP's lazy initialisation): 1.1-3.5 MiB on the DeepSpeed test-bed job, but up to
+#: 17.8 MiB at FSDP2's first step with bf16 mixed precision on the default shape (1.9 MiB
+#: planned) and 21.9 MiB at its first forward on the wide one, with transformers 5.24: a
+#: healthy run over the 16 MiB floor used before. The logits-heavy configuration reads
+#: 2.8 MiB below the plan (ZeRO-3 releases the gathered output projection before the
+#: forward ends).
+HEAP_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=32 * MIB)
 #: RSS on CPU where the heap figure is missing (older runs, another libc). A forward's RSS
 #: growth lies between what is live at its end and everything it allocated: glibc keeps
 #: part of the freed temporaries (norm upcasts, RoPE and LoRA intermediates) mapped. On the
