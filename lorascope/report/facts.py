@@ -1,5 +1,9 @@
 """Run facts: how the job was launched, what it ran on, its configs, how each rank ended.
 
+Ranks that ended the same way are shown once (a 1,024-rank job whose ranks all lost their
+peer: one traceback, not 1,024), grouped by their ending's text with every number left
+out (ports, addresses, thread ids and line numbers differ from rank to rank).
+
 Lists are scrubbed (:func:`scrub`) before they are joined into text, so that an option
 and its secret value in two argv elements are still recognised.
 """
@@ -7,6 +11,7 @@ and its secret value in two argv elements are still recognised.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 from collections import Counter
@@ -16,6 +21,9 @@ from lorascope.report.scrub import scrub
 from lorascope.rundir.reader import RankData, RunData
 
 MAX_WARNINGS_PER_RANK = 20
+#: What a rank's ending shows (:func:`_rank_facts`); a rank with none of them has nothing to show.
+ENDING_KEYS = ("exception", "signal", "stacks", "warnings", "probe_errors")
+_NUMBER = re.compile(r"[0-9]+")
 CONFIG_ORDER = ("deepspeed", "lora", "model")
 
 
@@ -59,11 +67,61 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
     }
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted rank numbers as text, three or more consecutive ones as a range: ``0, 1, 4-1023``."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+            i = j + 1
+        else:
+            parts.append(str(ranks[i]))
+            i += 1
+    return ", ".join(parts)
+
+
+def endings(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' endings (exception, signal, stacks, warnings, probe errors), each shown
+    once for the ranks whose ending reads the same but for its numbers, in rank order of
+    their first rank: ``ranks`` (its members), ``label``, ``same`` ("text": identical,
+    "shape": identical but for numbers, the first rank's shown; None: one rank) and the
+    first rank's fields."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in ranks:
+        shown = {k: r[k] for k in ENDING_KEYS}
+        if any(shown.values()):
+            key = _NUMBER.sub("#", json.dumps(shown, sort_keys=True, default=str))
+            groups.setdefault(key, []).append(r)
+    out = []
+    for members in groups.values():
+        first, numbers = members[0], [m["rank"] for m in members]
+        same = None
+        label = f"rank {first['rank']}"
+        if len(members) > 1:
+            same = (
+                "text"
+                if all({k: m[k] for k in ENDING_KEYS} == {k: first[k] for k in ENDING_KEYS} for m in members)
+                else "shape"
+            )
+            label = f"ranks {rank_ranges(numbers)} ({len(members):,} ranks, " + (
+                "the same ending)"
+                if same == "text"
+                else f"the same ending but for its numbers; rank {first['rank']}'s shown)"
+            )
+        out.append({"ranks": numbers, "label": label, "same": same, **{k: first[k] for k in ("rank", *ENDING_KEYS)}})
+    return out
+
+
 def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, Any]]) -> dict[str, Any]:
     manifest = summary["manifest"]
     configs = manifest["configs"]
     names = [n for n in CONFIG_ORDER if n in configs] + sorted(set(configs) - set(CONFIG_ORDER))
     start, end = manifest["start"], manifest["end"]
+    ranks = [_rank_facts(run.ranks[r["rank"]], r, ends[r["rank"]]) for r in summary["ranks"]]
     return {
         "world_size": manifest["world_size"],
         "hosts": manifest["hosts"],
@@ -84,5 +142,6 @@ def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, A
         "configs": [
             {"name": n, "text": json.dumps(scrub(configs[n]), indent=2, sort_keys=True, default=str)} for n in names
         ],
-        "ranks": [_rank_facts(run.ranks[r["rank"]], r, ends[r["rank"]]) for r in summary["ranks"]],
+        "ranks": ranks,
+        "endings": endings(ranks),
     }

@@ -10,6 +10,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
+from lorascope.report.facts import rank_ranges
 from tests.helpers import FIXTURES, Call, RankSpec, write_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,3 +221,32 @@ def test_memory_chart_opens_on_the_figure_the_verdict_used() -> None:
     assert memory["metric"] == "heap in use" and memory["metrics"] == ["heap in use", "RSS"]
     assert [s["rank"] for s in memory["others"]["RSS"]] == [0, 1] and memory["others"]["RSS"][0]["mib"]
     assert data["charts"]["peak"]["metric"] == "peak heap in use"
+
+
+def test_ranks_that_ended_alike_are_shown_once(tmp_path: Path) -> None:
+    # 12 ranks: rank 0 ran out of memory; 1-9 lost their peer (the message differs in its
+    # port only); 10 too, with the exact text of rank 1; 11 exited cleanly.
+    lost = "Connection closed by peer [127.0.0.1]:{}"
+    ranks = [RankSpec(exception=("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB"))]
+    ranks += [RankSpec(exception=("RuntimeError", lost.format(40000 + n))) for n in range(1, 10)]
+    ranks += [RankSpec(exception=("RuntimeError", lost.format(40001))), RankSpec()]
+    data = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])
+    facts = data["facts"]
+    assert len(facts["ranks"]) == 12  # the table keeps a row per rank
+    oom, peer = facts["endings"]
+    assert (oom["ranks"], oom["label"], oom["same"]) == ([0], "rank 0", None)
+    assert peer["ranks"] == list(range(1, 11)) and peer["same"] == "shape"
+    assert peer["label"] == "ranks 1-10 (10 ranks, the same ending but for its numbers; rank 1's shown)"
+    assert peer["exception"]["message"] == lost.format(40001)
+    # identical text: said so
+    same = build_report_data(load_bundle(write_run(tmp_path / "same", [ranks[1], ranks[10], ranks[1]])), [])
+    [group] = same["facts"]["endings"]
+    assert (group["ranks"], group["same"]) == ([0, 1, 2], "text")
+    assert group["label"] == "ranks 0-2 (3 ranks, the same ending)"
+
+
+def test_rank_ranges() -> None:
+    assert rank_ranges([]) == ""
+    assert rank_ranges([3]) == "3"
+    assert rank_ranges([0, 1]) == "0, 1"
+    assert rank_ranges([0, 1, 2, 4, 6, 7, 8, 9, 1023]) == "0-2, 4, 6-9, 1023"
