@@ -1,9 +1,11 @@
-"""Byte quantities: parsing what users type (``80GiB``) and printing them (one formatter
-for every command: findings, artifact summaries, plan tables)."""
+"""Quantities as text, one formatter each for every command (findings, artifact summaries,
+plan tables, the report): byte sizes (also parsed from what users type: ``80GiB``), counts,
+lists of ranks."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from lorascope.errors import UsageError
 
@@ -60,3 +62,22 @@ def fmt_bytes(n_bytes: float | None, digits: int = 1) -> str:
 def count(n: int) -> str:
     """A parameter count with thousands separators: 41,943,040."""
     return f"{n:,}"
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """Rank numbers as text, in order, three or more consecutive ones as a range:
+    ``0, 1, 4-1023`` (a 1,024-rank job's list stays one line)."""
+    numbers = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(numbers):
+        j = i
+        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{numbers[i]}-{numbers[j]}")
+            i = j + 1
+        else:
+            parts.append(str(numbers[i]))
+            i += 1
+    return ", ".join(parts)

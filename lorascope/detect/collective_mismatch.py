@@ -16,7 +16,7 @@ from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.ending import ending_of
-from lorascope.units import fmt_bytes
+from lorascope.units import fmt_bytes, rank_ranges
 
 ID = "collective-mismatch"
 FIX = (
@@ -42,7 +42,7 @@ def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
         )
     return Finding(
         id=ID,
-        title=f"ranks {', '.join(map(str, sorted(d.entries)))} ran {next(iter(d.entries.values())).op} "
+        title=f"ranks {rank_ranges(d.entries)} ran {next(iter(d.entries.values())).op} "
         f"#{d.seq} (group {d.group}) with different {d.kind.replace('+', ' and ')}",
         severity="error",
         confidence="high",

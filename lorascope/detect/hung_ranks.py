@@ -17,6 +17,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
+from lorascope.units import rank_ranges
 
 ID = "hung-ranks"
 EXPLANATION = (
@@ -103,8 +104,7 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
         )
         for r in missing
     ]
-    who = ", ".join(map(str, waiting))
-    gone = ", ".join(map(str, missing))
+    who, gone = rank_ranges(waiting), rank_ranges(missing)
     return [
         Finding(
             id=ID,

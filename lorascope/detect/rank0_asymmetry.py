@@ -24,7 +24,7 @@ from lorascope.detect.common import (
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
-from lorascope.units import fmt_bytes
+from lorascope.units import fmt_bytes, rank_ranges
 
 ID = "rank0-asymmetry"
 #: Rank 0's excess over the others' median must pass a share of the others' peak ...
@@ -264,7 +264,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             stream_source(run, rank0, "mem records"),
         ),
         Evidence(
-            f"median peak of ranks {', '.join(str(r.rank) for r in others)}",
+            f"median peak of ranks {rank_ranges(r.rank for r in others)}",
             fmt_bytes(median),
             "mem records of those ranks",
         ),

@@ -19,6 +19,7 @@ from typing import Any
 
 from lorascope.report.scrub import scrub
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.units import rank_ranges
 
 MAX_WARNINGS_PER_RANK = 20
 #: What a rank's ending shows (:func:`_rank_facts`); a rank with none of them has nothing to show.
@@ -65,23 +66,6 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
         "probe_errors": summary["probe_errors"],
         "files": summary["files"],
     }
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """Sorted rank numbers as text, three or more consecutive ones as a range: ``0, 1, 4-1023``."""
-    parts: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{ranks[i]}-{ranks[j]}")
-            i = j + 1
-        else:
-            parts.append(str(ranks[i]))
-            i += 1
-    return ", ".join(parts)
 
 
 def endings(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from lorascope.units import rank_ranges
+
 ECHARTS_VERSION = "6.0.0"
 _ASSETS = resources.files("lorascope.report") / "assets"
 
@@ -34,6 +36,7 @@ def _environment() -> Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.filters["rank_ranges"] = rank_ranges
     env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False}
     return env
 

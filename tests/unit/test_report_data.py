@@ -10,7 +10,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
-from lorascope.report.facts import rank_ranges
+from lorascope.units import rank_ranges
 from tests.helpers import FIXTURES, Call, RankSpec, write_run
 
 REPO = Path(__file__).resolve().parents[2]
