@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+from lorascope.detect.finding import Evidence
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.units import rank_ranges
 
 #: The memory figures a rank can be measured by (``memory_kind``).
 CUDA_ALLOCATED, HEAP_IN_USE, RSS = "CUDA allocated", "heap in use", "RSS"
@@ -98,3 +101,42 @@ def run_failed_here(rank: RankData) -> bool:
     was at least FULL_DEVICE_SHARE full (docs/detectors.md, severity)."""
     fill = device_fill(rank)
     return ended_with_oom(rank) or (fill is not None and fill >= FULL_DEVICE_SHARE)
+
+
+#: Ranks whose evidence reads alike are shown as one group from this many on; fewer keep a
+#: row each (a 2-rank run's evidence reads as it always has).
+MIN_ALIKE_RANKS = 3
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def per_rank_evidence(
+    rows: dict[int, list[tuple[str, Any, str]]], apart: frozenset[int] = frozenset()
+) -> list[Evidence]:
+    """Each rank's evidence rows, (label after "rank N", value, source), in rank order; the
+    ranks (MIN_ALIKE_RANKS or more, none of ``apart``) whose rows read the same but for their
+    numbers (ports, pids, addresses, times) as one group at its first rank's place: labelled
+    with the ranks as ranges, the first rank's value (saying for how many ranks it stands)
+    and source. A 1,024-rank hang's evidence is then a few rows, not 2,048."""
+    alike: dict[object, list[int]] = {}
+    for n, own in sorted(rows.items()):
+        key = (
+            n
+            if n in apart
+            else tuple((suffix, _NUMBER.sub("#", f"{value}\0{source}")) for suffix, value, source in own)
+        )
+        alike.setdefault(key, []).append(n)
+    shown: list[tuple[int, list[Evidence]]] = []  # (the rank whose place it takes, its rows)
+    for members in alike.values():
+        first = members[0]
+        if len(members) < MIN_ALIKE_RANKS:
+            shown += [
+                (n, [Evidence(f"rank {n}{suffix}", value, source) for suffix, value, source in rows[n]])
+                for n in members
+            ]
+            continue
+        note = f" ({len(members):,} ranks alike but for their numbers; rank {first}'s shown)"
+        group = f"ranks {rank_ranges(members)}"
+        shown.append(
+            (first, [Evidence(f"{group}{suffix}", f"{value}{note}", source) for suffix, value, source in rows[first]])
+        )
+    return [ev for _, evidence in sorted(shown, key=lambda s: s[0]) for ev in evidence]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import stream_source
+from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.diagnosis import FIXES, diagnose
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
@@ -37,14 +37,18 @@ def liveness(run: RunData) -> dict[int, bool]:
 
 def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
     """The diagnosis as a Finding (also what `lorascope hang` adds to its report)."""
-    evidence = [
-        Evidence(
-            f"rank {s['rank']} ({s['state']})",
-            s["where"] or s["state"],
-            stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"),
-        )
-        for s in diagnosis["ranks"]
-    ]
+    evidence = per_rank_evidence(
+        {
+            s["rank"]: [
+                (
+                    f" ({s['state']})",
+                    s["where"] or s["state"],
+                    stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"),
+                )
+            ]
+            for s in diagnosis["ranks"]
+        }
+    )
     stalls = [r for r in run.ranks.values() if r.stall]
     if stalls:
         s = stalls[0].stall

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import short_site, stream_source
+from lorascope.detect.common import per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
@@ -147,25 +147,20 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     found = found_at(run, div)
     conditions = {n: f[0] if f else None for n, f in found.items()}
     odd = odd_ranks(run, div)
-    evidence: list[Evidence] = []
+    rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
-        evidence.append(
-            Evidence(f"rank {n} at {div.group} #{div.seq}", _describe(call), stream_source(run, rank, "coll records"))
-        )
+        own = rows[n] = [(f" at {div.group} #{div.seq}", _describe(call), stream_source(run, rank, "coll records"))]
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})
             if context.get("line"):
                 cond = conditions[n] if _at_site(found[n], call.site) else None
-                evidence.append(
-                    Evidence(
-                        f"rank {n} source", f"{context['line']}" + (f"   inside `{cond}`" if cond else ""), call.site
-                    )
-                )
+                own.append((" source", f"{context['line']}" + (f"   inside `{cond}`" if cond else ""), call.site))
             via = found[n]
             if via is not None and via[1] != call.site:
                 line = rank.sites.get(via[1], {}).get("line") or "?"
-                evidence.append(Evidence(f"rank {n} called it from", f"{line}   inside `{via[0]}`", via[1]))
+                own.append((" called it from", f"{line}   inside `{via[0]}`", via[1]))
+    evidence = per_rank_evidence(rows)
     crashed = [r for r in run.ranks.values() if r.exception]
     if crashed and (exc := crashed[0].exception) is not None:
         evidence.append(

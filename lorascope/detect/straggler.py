@@ -26,7 +26,7 @@ import bisect
 import statistics
 from dataclasses import dataclass
 
-from lorascope.detect.common import stream_source
+from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData, RunData
@@ -134,15 +134,21 @@ def from_run(run: RunData) -> Finding | None:
     noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
     if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
         return None
-    evidence = [
-        Evidence(
-            f"rank {r} work per step",
-            f"median {statistics.median(sw.work[r][s] for s in common) * 1000:.1f} ms over {len(common)} steps "
-            f"(noise {_mad([sw.work[r][s] for s in common]) * 1000:.1f} ms MAD; waiting taken out: {sw.wait_from[r]})",
-            stream_source(run, run.ranks[r], "step, coll and phase records"),
-        )
-        for r in ranks
-    ]
+    evidence = per_rank_evidence(
+        {
+            r: [
+                (
+                    " work per step",
+                    f"median {statistics.median(sw.work[r][s] for s in common) * 1000:.1f} ms over {len(common)} steps "
+                    f"(noise {_mad([sw.work[r][s] for s in common]) * 1000:.1f} ms MAD; "
+                    f"waiting taken out: {sw.wait_from[r]})",
+                    stream_source(run, run.ranks[r], "step, coll and phase records"),
+                )
+            ]
+            for r in ranks
+        },
+        apart=frozenset({cand}),
+    )
     evidence.append(
         Evidence(
             "persistence",

@@ -1,6 +1,7 @@
-"""The detectors' shortcuts for runs of many ranks give what their plain definitions give:
-the others' median per rank and step (straggler), the aspects of a call compared at once
-(the divergence finder), a memory figure read by a function of the sample alone."""
+"""The detectors at many ranks. Their shortcuts give what the plain definitions give: the
+others' median per rank and step (straggler), the aspects of a call compared at once (the
+divergence finder), a memory figure read by a function of the sample alone. Ranks whose
+evidence reads alike are one group of rows, from three ranks on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_reader, mem_value
+from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_reader, mem_value, per_rank_evidence
+from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
 from lorascope.detect.straggler import _others_medians
 from lorascope.rundir.reader import Collective
@@ -104,3 +106,46 @@ SAMPLES = st.fixed_dictionaries(
 def test_mem_reader_reads_as_mem_value(sample: dict[str, Any]) -> None:
     for kind in (None, CUDA_ALLOCATED, HEAP_IN_USE, RSS, "other"):
         assert mem_reader(kind)(sample) == mem_value(sample, kind)
+
+
+def _rows(n: int, port: int, op: str = "barrier") -> list[tuple[str, Any, str]]:
+    return [
+        (
+            " at default_pg #7",
+            f"{op} #7 (0 B) — failed: Connection closed by peer [127.0.0.1]:{port}",
+            f"ranks/rank-{n}/s.jsonl",
+        ),
+        (" source", "dist.barrier()", "train.py:12 in main"),
+    ]
+
+
+def test_per_rank_evidence_groups_ranks_alike_but_for_numbers() -> None:
+    rows = {0: _rows(0, 1000, op="all_reduce"), **{n: _rows(n, 1000 + n) for n in range(1, 6)}}
+    ev = per_rank_evidence(rows)
+    assert [e.label for e in ev] == [
+        "rank 0 at default_pg #7",
+        "rank 0 source",
+        "ranks 1-5 at default_pg #7",
+        "ranks 1-5 source",
+    ]
+    assert ev[2].value == rows[1][0][1] + " (5 ranks alike but for their numbers; rank 1's shown)"
+    assert ev[2].source == "ranks/rank-1/s.jsonl"
+    # kept apart: its own rows, at its place
+    apart = per_rank_evidence(rows, apart=frozenset({3}))
+    assert [e.label for e in apart][2:] == [
+        "ranks 1, 2, 4, 5 at default_pg #7",
+        "ranks 1, 2, 4, 5 source",
+        "rank 3 at default_pg #7",
+        "rank 3 source",
+    ]
+
+
+def test_per_rank_evidence_keeps_few_ranks_as_they_were() -> None:
+    # two alike ranks (under MIN_ALIKE_RANKS) and a different one between them: a row each, in rank order
+    rows = {1: _rows(1, 5), 2: _rows(2, 5, op="all_reduce"), 3: _rows(3, 6)}
+    ev = per_rank_evidence(rows)
+    assert [e.label.split()[1] for e in ev] == ["1", "1", "2", "2", "3", "3"]
+    assert [e.value for e in ev] == [v for n in (1, 2, 3) for _, v, _ in rows[n]]
+    assert per_rank_evidence({0: _rows(0, 1), 1: _rows(1, 2)}) == [
+        Evidence(f"rank {n}{s}", v, src) for n in (0, 1) for s, v, src in _rows(n, n + 1)
+    ]
