@@ -440,7 +440,7 @@ def _load_process(
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
         raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
-    if total >= columnar.MIN_BYTES and columnar.available():
+    if columnar.suits(total):
         tried: list[str] = []
         stream = _Stream(rank, tried, None)
         try:
@@ -641,7 +641,15 @@ def _read_all(
     """Read every job, over a pool of worker processes when ``parallel``; in job order."""
     configured = limits.current()
     out = []
-    pool = ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) if parallel else None
+    # Workers that will read a stream column-wise import polars once, at their start.
+    big = any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
+    pool = (
+        ProcessPoolExecutor(
+            max_workers=min(len(jobs), os.cpu_count() or 1), initializer=columnar.available if big else None
+        )
+        if parallel
+        else None
+    )
     try:
         results = (
             (f.result() for f in [pool.submit(read_process, job, configured) for job in jobs])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -228,3 +229,16 @@ def test_a_fault_of_the_columnar_reader_falls_back_with_a_warning(monkeypatch: p
         data, warnings = _read(segs)
     assert data == lines[0]
     assert warnings == ["rank 0: reading column-wise failed (RuntimeError: a bug); read line by line", *lines[1]]
+
+
+def test_streams_from_one_mb_go_column_wise_once_polars_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Importing polars costs ~0.3 s: a process that has not paid it reads only large streams
+    # column-wise; one that has (a worker of a parallel read) reads streams from 1 MB on.
+    monkeypatch.setattr(columnar, "available", lambda: True)
+    monkeypatch.setitem(sys.modules, "polars", sys.modules.get("polars") or object())
+    assert columnar.suits(columnar.MIN_BYTES_LOADED) and not columnar.suits(columnar.MIN_BYTES_LOADED - 1)
+    monkeypatch.delitem(sys.modules, "polars")
+    assert not columnar.suits(columnar.MIN_BYTES_LOADED) and not columnar.suits(columnar.MIN_BYTES - 1)
+    assert columnar.suits(columnar.MIN_BYTES)
+    monkeypatch.setattr(columnar, "available", lambda: False)
+    assert not columnar.suits(columnar.MIN_BYTES)
