@@ -109,6 +109,12 @@ MIN_ALIKE_RANKS = 3
 _NUMBER = re.compile(r"[0-9]+")
 
 
+def but_for_numbers(text: str) -> str:
+    """The text with every number left out: what ranks' texts share when they differ only
+    in ports, pids, addresses, thread ids, times."""
+    return _NUMBER.sub("#", text)
+
+
 def per_rank_evidence(
     rows: dict[int, list[tuple[str, Any, str]]], apart: frozenset[int] = frozenset()
 ) -> list[Evidence]:
@@ -120,9 +126,7 @@ def per_rank_evidence(
     alike: dict[object, list[int]] = {}
     for n, own in sorted(rows.items()):
         key = (
-            n
-            if n in apart
-            else tuple((suffix, _NUMBER.sub("#", f"{value}\0{source}")) for suffix, value, source in own)
+            n if n in apart else tuple((suffix, but_for_numbers(f"{value}\0{source}")) for suffix, value, source in own)
         )
         alike.setdefault(key, []).append(n)
     shown: list[tuple[int, list[Evidence]]] = []  # (the rank whose place it takes, its rows)

@@ -254,6 +254,13 @@ def _loss(rank: RankData) -> str:
     return "fp32-upcast"
 
 
+#: Plans by the text of their inputs (records read from JSON: equal text, equal inputs).
+#: The ranks of a run share their configs, and a plan takes ~5-10 ms to build: 1,024 ranks
+#: planned one by one took seconds. Plans are frozen, so ranks can share one.
+_PLANS: dict[str, Plan | None] = {}
+MAX_PLANS = 64
+
+
 def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
     """The plan for this rank's recorded configs; None when they are missing or unplannable.
     ``overrides`` replace the settings read from the run (checkpointing, attention, loss)."""
@@ -265,23 +272,16 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
     options = {"checkpointing": _checkpointing(rank), "loss": _loss(rank), **overrides}
     if rank.configs.get("fsdp"):
         options["fsdp"] = rank.configs["fsdp"]
-    inputs = (model, lora, rank.configs.get("deepspeed"), int(rank.start["world_size"]), seq, micro, options)
-    key = json.dumps(inputs, sort_keys=True, default=repr)
+    deepspeed, world_size = rank.configs.get("deepspeed"), int(rank.start["world_size"])
+    key = json.dumps([model, lora, deepspeed, world_size, seq, micro, options], sort_keys=True, default=repr)
     if key not in _PLANS:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         try:
-            _PLANS[key] = plan_from_configs(*inputs[:6], **options)
+            _PLANS[key] = plan_from_configs(model, lora, deepspeed, world_size, seq, micro, **options)
         except LorascopeError:
             _PLANS[key] = None
     return _PLANS[key]
-
-
-#: Plans by the text of their inputs (records read from JSON: equal text, equal inputs).
-#: The ranks of a run share their configs, and a plan takes ~5-10 ms to build: 1,024 ranks
-#: planned one by one took seconds. Plans are frozen, so ranks can share one.
-_PLANS: dict[str, Plan | None] = {}
-MAX_PLANS = 64
 
 
 def _loop_copy(rank: RankData, setup: TrainingSetup) -> int:

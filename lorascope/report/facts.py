@@ -11,12 +11,12 @@ and its secret value in two argv elements are still recognised.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import time
 from collections import Counter
 from typing import Any
 
+from lorascope.detect.common import but_for_numbers
 from lorascope.report.scrub import scrub
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import rank_ranges
@@ -24,7 +24,6 @@ from lorascope.units import rank_ranges
 MAX_WARNINGS_PER_RANK = 20
 #: What a rank's ending shows (:func:`_rank_facts`); a rank with none of them has nothing to show.
 ENDING_KEYS = ("exception", "signal", "stacks", "warnings", "probe_errors")
-_NUMBER = re.compile(r"[0-9]+")
 CONFIG_ORDER = ("deepspeed", "lora", "model")
 
 
@@ -78,7 +77,7 @@ def endings(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in ranks:
         shown = {k: r[k] for k in ENDING_KEYS}
         if any(shown.values()):
-            key = _NUMBER.sub("#", json.dumps(shown, sort_keys=True, default=str))
+            key = but_for_numbers(json.dumps(shown, sort_keys=True, default=str))
             groups.setdefault(key, []).append(r)
     out = []
     for members in groups.values():
