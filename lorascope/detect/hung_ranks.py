@@ -93,21 +93,30 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     site = call_site(entry.frames) or "?"
     missing = first.missing_ranks
     outside = all(e is None or e.completed for e in (first.waiting_at.get(r) for r in missing))
-    evidence = [
-        Evidence(
-            f"rank {r} at group {first.group} #{first.seq}",
-            f"waits in {first.entries[r].op} at {call_site(first.entries[r].frames) or '?'}",
-            f"flight-recorder dump of rank {r}",
-        )
-        for r in waiting
-    ] + [
-        Evidence(
-            f"rank {r} at group {first.group} #{first.seq}",
-            "never enqueued it; " + last_activity(first.waiting_at.get(r)),
-            f"flight-recorder dump of rank {r}",
-        )
-        for r in missing
-    ]
+    at = f" at group {first.group} #{first.seq}"
+    evidence = per_rank_evidence(
+        {
+            r: [
+                (
+                    at,
+                    f"waits in {first.entries[r].op} at {call_site(first.entries[r].frames) or '?'}",
+                    f"flight-recorder dump of rank {r}",
+                )
+            ]
+            for r in waiting
+        }
+    ) + per_rank_evidence(
+        {
+            r: [
+                (
+                    at,
+                    "never enqueued it; " + last_activity(first.waiting_at.get(r)),
+                    f"flight-recorder dump of rank {r}",
+                )
+            ]
+            for r in missing
+        }
+    )
     who, gone = rank_ranges(waiting), rank_ranges(missing)
     return [
         Finding(
