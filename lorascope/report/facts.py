@@ -73,29 +73,23 @@ def endings(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     their first rank: ``ranks`` (its members), ``label``, ``same`` ("text": identical,
     "shape": identical but for numbers, the first rank's shown; None: one rank) and the
     first rank's fields."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # (rank, its ending's fields)
     for r in ranks:
         shown = {k: r[k] for k in ENDING_KEYS}
         if any(shown.values()):
             key = but_for_numbers(json.dumps(shown, sort_keys=True, default=str))
-            groups.setdefault(key, []).append(r)
+            groups.setdefault(key, []).append((r["rank"], shown))
     out = []
     for members in groups.values():
-        first, numbers = members[0], [m["rank"] for m in members]
+        (first, fields), numbers = members[0], [n for n, _ in members]
         same = None
-        label = f"rank {first['rank']}"
+        label = f"rank {first}"
         if len(members) > 1:
-            same = (
-                "text"
-                if all({k: m[k] for k in ENDING_KEYS} == {k: first[k] for k in ENDING_KEYS} for m in members)
-                else "shape"
-            )
+            same = "text" if all(shown == fields for _, shown in members) else "shape"
             label = f"ranks {rank_ranges(numbers)} ({len(members):,} ranks, " + (
-                "the same ending)"
-                if same == "text"
-                else f"the same ending but for its numbers; rank {first['rank']}'s shown)"
+                "the same ending)" if same == "text" else f"the same ending but for its numbers; rank {first}'s shown)"
             )
-        out.append({"ranks": numbers, "label": label, "same": same, **{k: first[k] for k in ("rank", *ENDING_KEYS)}})
+        out.append({"ranks": numbers, "label": label, "same": same, "rank": first, **fields})
     return out
 
 

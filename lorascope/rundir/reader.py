@@ -319,29 +319,37 @@ class _Stream:
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
-    def call(self, path: Path, number: int, rec: Call | End) -> None:
-        """A collective record in the probes' layout, read line by line."""
+    def _started(self, path: Path, number: int) -> RankData:
+        """The rank's data, once its ``start`` record has been read."""
         if self.data is None:
             raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+        return self.data
+
+    @staticmethod
+    def _validated(path: Path, number: int, rec: Any) -> bool:
+        """validate_record, its error as bad input at the record's line."""
+        try:
+            return validate_record(rec)
+        except SchemaError as exc:
+            raise BadInputError(f"{path}:{number}: {exc}") from None
+
+    def call(self, path: Path, number: int, rec: Call | End) -> None:
+        """A collective record in the probes' layout, read line by line."""
+        data = self._started(path, number)
         assert self.log is not None
-        _collective(self.data, rec, self.pending, self.log)
+        _collective(data, rec, self.pending, self.log)
 
     def record(self, path: Path, number: int, rec: Any) -> None:
         """Any other record: validated, then applied."""
-        try:
-            known = validate_record(rec)
-        except SchemaError as exc:
-            raise BadInputError(f"{path}:{number}: {exc}") from None
+        known = self._validated(path, number, rec)
         if not known:
             where, n = self._unknown.get(rec["k"], (f"{path}:{number}", 0))
             self._unknown[rec["k"]] = (where, n + 1)
             return
         kind = rec["k"]
-        data = self.data
-        if data is None:
-            if kind != "start":
-                raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
-            data = self.data = RankData(rank=self.rank, start=rec, files=[])
+        if self.data is None and kind == "start":
+            self.data = RankData(rank=self.rank, start=rec, files=[])
+        data = self._started(path, number)
         data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
         if kind in _COLLECTIVE_KINDS:
             assert self.log is not None
@@ -372,21 +380,16 @@ class _Stream:
         return decode_lines(path, numbers, lines, self.warnings, deep_lines)
 
     def check(self, path: Path, number: int, rec: Any) -> None:
-        try:
-            validate_record(rec)
-        except SchemaError as exc:
-            raise BadInputError(f"{path}:{number}: {exc}") from None
-        if self.data is None:
-            raise BadInputError(f"{path}:{number}: the stream does not begin with a 'start' record")
+        self._validated(path, number, rec)
+        self._started(path, number)
 
     def group_name(self, gid: int) -> Any:
         assert self.data is not None
-        groups = self.data.groups
-        return groups[gid].get("name", str(gid)) if gid in groups else str(gid)
+        return _group_name(self.data, gid)
 
     def device_group(self, gid: int) -> Any:
         assert self.data is not None
-        return self.data.groups.get(gid, {}).get("name")
+        return _device_group(self.data, gid)
 
     def file_done(self, path: Path, deep_lines: list[int]) -> None:
         _file_warnings(path, [], deep_lines, self.warnings)
@@ -555,10 +558,21 @@ def _apply_collective(
     elif kind == "coll_end":
         _collective(data, End(float(rec["t"]), rec["seq"], rec["gid"], rec["err"]), pending, log)
     else:  # coll_dev
-        name = data.groups.get(rec["gid"], {}).get("name")
+        name = _device_group(data, rec["gid"])
         found = log.find(name, rec["seq"]) if isinstance(name, str) else None
         if found is not None:
             found.device_ms = float(rec["ms"])
+
+
+def _group_name(data: RankData, gid: int) -> Any:
+    """The name a call of group ``gid`` is kept under: its ``group`` record's name, else the id."""
+    return data.groups[gid].get("name", str(gid)) if gid in data.groups else str(gid)
+
+
+def _device_group(data: RankData, gid: int) -> Any:
+    """The name a ``coll_dev`` record of group ``gid`` looks its call up under (a string,
+    else there is none)."""
+    return data.groups.get(gid, {}).get("name")
 
 
 def _collective(
@@ -574,7 +588,7 @@ def _collective(
         return
     assert type(rec) is Call
     gid, intern = rec.gid, sys.intern
-    group = data.groups[gid].get("name", str(gid)) if gid in data.groups else str(gid)
+    group = _group_name(data, gid)
     # positional, in Collective's field order (the hottest line of a long run's reading)
     coll = Collective(
         rec.seq,
@@ -641,15 +655,13 @@ def _read_all(
     """Read every job, over a pool of worker processes when ``parallel``; in job order."""
     configured = limits.current()
     out = []
-    # Workers that will read a stream column-wise import polars once, at their start.
-    big = any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
-    pool = (
-        ProcessPoolExecutor(
+    pool = None
+    if parallel:
+        # Workers that will read a stream column-wise import polars once, at their start.
+        big = any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
+        pool = ProcessPoolExecutor(
             max_workers=min(len(jobs), os.cpu_count() or 1), initializer=columnar.available if big else None
         )
-        if parallel
-        else None
-    )
     try:
         results = (
             (f.result() for f in [pool.submit(read_process, job, configured) for job in jobs])
