@@ -82,6 +82,23 @@ def test_probe_lines_parse_as_json_does(call: _Call, ended: bool) -> None:
         assert (fast.end, fast.err) == (None, None)
 
 
+def test_a_call_shape_is_formatted_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fields a call repeats at every step are formatted once; past MAX_SHAPES shapes
+    each record formats them itself, to the same bytes."""
+    from lorascope.probes import collectives
+
+    def line(op: str, site: str) -> dict[str, Any]:
+        return _as_json(_line(_Call(5.0, 1, 0, op, 8, "float32", False, site, 2, 'v"ia'), ended=True))
+
+    monkeypatch.setattr(collectives, "_SHAPES", {})
+    monkeypatch.setattr(collectives, "MAX_SHAPES", 1)
+    first = line("all_reduce", "/j/a.py:1 in f")
+    assert line("all_reduce", "/j/a.py:1 in f") == first and len(collectives._SHAPES) == 1
+    beyond = line("broadcast", 'q"uote')
+    assert (beyond["op"], beyond["site"], beyond["via"]) == ("broadcast", 'q"uote', 'v"ia')
+    assert len(collectives._SHAPES) == 1
+
+
 def test_a_typical_call_and_its_end_take_the_fast_path() -> None:
     call = _Call(
         1795945043.314465, 7, 1, "all_gather_into_tensor", 65536, "float32", True, "/j/train.py:12 in f", 3, None
