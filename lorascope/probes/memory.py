@@ -150,8 +150,13 @@ class MemoryProbe:
                     fields["nvml"] = nvml
         return fields
 
-    def _sample(self, src: str, from_main_thread: bool = True) -> None:
-        self.session.record("mem", src=src, step=self.session.step, **self.reading(from_main_thread))
+    def _sample(self, src: str, from_main_thread: bool = True, reading: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
+        with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
+        if reading is None:
+            reading = self.reading(from_main_thread)
+        self.session.record("mem", src=src, step=self.session.step, **reading)
+        return reading
 
     def start_sampler(self) -> None:
         """A daemon thread sampling every ``session.sample_interval`` seconds (0: none)."""

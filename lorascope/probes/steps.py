@@ -76,11 +76,12 @@ class StepProbe:
         self.ddp_built = session.guarded("configs")(self._ddp_built)
 
     # -- records ------------------------------------------------------------------
-    def _phase(self, name: str, edge: str) -> None:
+    def _phase(self, name: str, edge: str) -> dict[str, Any] | None:
+        """A phase edge and its memory reading (returned: None if the memory probe is off)."""
         if self._step_start is None:
             self._step_start = time.time()
         self.session.record("phase", name=name, edge=edge, step=self.session.step)
-        self.memory.sample(f"{name}.{edge}")
+        return self.memory.sample(f"{name}.{edge}")
 
     def _see_loss(self, loss: Any) -> None:
         if loss is None or not hasattr(loss, "numel") or loss.numel() != 1:
@@ -101,7 +102,9 @@ class StepProbe:
         else:
             self.session.record("loss", step=step, loss=None, text=repr(value))
 
-    def _step_done(self, source: str) -> None:
+    def _step_done(self, source: str, reading: dict[str, Any] | None = None) -> None:
+        """The step ends: its record, and the memory at its end (``reading``: the one the
+        optimizer's end edge took just before, when the step ends there)."""
         now = time.time()
         session = self.session
         session.step += 1
@@ -115,7 +118,7 @@ class StepProbe:
         if isinstance(loss, float) and value is None:
             self._record_loss(session.step, loss)
         self._resolve_losses()
-        self.memory.sample("step")
+        self.memory.sample("step", reading=reading)
         self._on_step_end()
         self.kernels.on_step_end()
         self._step_start = time.time()
@@ -219,9 +222,9 @@ class StepProbe:
             before = getattr(engine, "global_steps", None)
             probe.phase("optimizer", "begin")
             out = orig_step(engine, *args, **kwargs)
-            probe.phase("optimizer", "end")
+            reading = probe.phase("optimizer", "end")
             if before is None or getattr(engine, "global_steps", None) != before:
-                probe.step_done("deepspeed")
+                probe.step_done("deepspeed", reading)
             return out
 
         engine_cls.__init__, engine_cls.forward = __init__, self._forward_phases(orig_forward)
@@ -300,8 +303,7 @@ class StepProbe:
     def _optimizer_end(self, *_: Any) -> None:
         """Global optimizer post-hook: a plain loop's step ends here."""
         if self._generic():
-            self.phase("optimizer", "end")
-            self.step_done("torch")
+            self.step_done("torch", self.phase("optimizer", "end"))
 
     def install_ddp(self, ddp_module: ModuleType) -> None:
         ddp = ddp_module.DistributedDataParallel

@@ -237,6 +237,43 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
     assert probe.reading(from_main_thread=True)["heap"] == 5
 
 
+def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's end takes the reading the optimizer's end edge took a moment before
+    (each costs a mallinfo2 walk): one reading, recorded for both."""
+    from lorascope.probes import memory
+    from lorascope.probes.grads import GradProbe
+    from lorascope.probes.kernels import KernelWindow
+    from lorascope.probes.logits import LogitsProbe
+    from lorascope.probes.session import Session
+    from lorascope.probes.steps import StepProbe
+    from lorascope.rundir.writer import Stream
+
+    stream = Stream(tmp_path / "r" / "s")
+    session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
+    mem = memory.MemoryProbe(session)
+    readings = iter(range(1, 100))
+    monkeypatch.setattr(mem, "reading", lambda from_main_thread=True: {"rss": next(readings)})
+    steps = StepProbe(
+        session,
+        mem,
+        GradProbe(session),
+        LogitsProbe(session, mem),
+        KernelWindow(session, None, tmp_path / "k"),
+        lambda: None,
+    )
+    for _ in range(2):
+        steps.phase("forward", "begin")
+        steps._optimizer_begin()
+        steps._optimizer_end()
+    stream.close()
+    lines = [json.loads(line) for path in sorted((tmp_path / "r").iterdir()) for line in path.read_text().splitlines()]
+    got = [(m["src"], m["rss"]) for m in lines if m["k"] == "mem"]
+    assert got == [
+        ("forward.begin", 1), ("optimizer.begin", 2), ("optimizer.end", 3), ("step", 3),
+        ("forward.begin", 4), ("optimizer.begin", 5), ("optimizer.end", 6), ("step", 6),
+    ]  # fmt: skip
+
+
 DDP_JOB = textwrap.dedent("""
     import torch, torch.distributed as dist
     import lorascope
