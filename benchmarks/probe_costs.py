@@ -79,13 +79,23 @@ HARNESS = textwrap.dedent("""
         _record = importlib.import_module("lorascope.probes.session").Session.record
         _steps = []
 
+        def _threads_cpu():
+            out = {{}}
+            for th in threading.enumerate():
+                if th.name.startswith("lorascope") and th.ident is not None:
+                    try:
+                        out[th.name] = time.clock_gettime_ns(time.pthread_getcpuclockid(th.ident))
+                    except OSError:  # the thread has just ended
+                        pass
+            return out
+
         def _step_clock(self, kind, **fields):
             if kind == "step" and threading.current_thread() is _main:
-                _steps.append((time.thread_time_ns(), time.monotonic_ns()))
+                _steps.append((time.thread_time_ns(), time.monotonic_ns(), _threads_cpu()))
             return _record(self, kind, **fields)
 
         importlib.import_module("lorascope.probes.session").Session.record = _step_clock
-        for _mod, _owner, _name, _label, _ in {timed!r}:
+        for _mod, _owner, _name, _label, _ in ({timed!r} if {wrap!r} else []):
             _m = importlib.import_module(_mod)
             _o = getattr(_m, _owner) if _owner else _m
             if not hasattr(_o, _name):  # an older checkout (--src) without it
@@ -106,12 +116,18 @@ def main() -> int:
     p.add_argument("--port", type=int, default=29680)
     p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     p.add_argument("--src", type=Path, help="the ranks import lorascope from this checkout (a before)")
+    p.add_argument(
+        "--untimed",
+        action="store_true",
+        help="wrap no function: only the main thread's and the probes' threads' CPU per step (no harness cost)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lorascope-costs-") as tmp:
         work = Path(tmp)
         (work / "site").mkdir()
         (work / "out").mkdir()
-        (work / "site" / "sitecustomize.py").write_text(HARNESS.format(timed=TIMED, out=str(work / "out")))
+        harness = HARNESS.format(timed=TIMED, out=str(work / "out"), wrap=not args.untimed)
+        (work / "site" / "sitecustomize.py").write_text(harness)
         pythonpath = [str(work / "site"), *([str(args.src.resolve())] if args.src else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
         cmd = [
@@ -130,7 +146,11 @@ def main() -> int:
             marks = got["steps"][len(got["steps"]) // 4 :]
             main_cpu = statistics.median(b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)) / 1e6
             window = (marks[0][1], marks[-1][1], len(marks) - 1)
-            figures[path.stem] = {"main_thread_cpu_ms_per_step": main_cpu, "rows": _figures(got["timed"], window)}
+            figures[path.stem] = {
+                "main_thread_cpu_ms_per_step": main_cpu,
+                "threads_cpu_ms_per_step": _threads_figures(marks),
+                "rows": _figures(got["timed"], window),
+            }
     for rank, got in figures.items():
         rows = got["rows"]
         print(
@@ -149,13 +169,24 @@ def main() -> int:
             )
             if row["depth"] == 0:
                 total += row["ms_per_step"]
-        print(
-            f"  probes' CPU per step (outermost functions): {total:.2f} ms, main thread"
-            f" {sum(r['ms_per_step'] for r in rows if r['depth'] == 0 and r['thread'] == 'main'):.2f} ms"
-        )
+        if rows:
+            print(
+                f"  probes' CPU per step (outermost functions): {total:.2f} ms, main thread"
+                f" {sum(r['ms_per_step'] for r in rows if r['depth'] == 0 and r['thread'] == 'main'):.2f} ms"
+            )
+        for name, ms in got["threads_cpu_ms_per_step"].items():
+            print(f"  thread {name}: {ms:.3f} ms CPU a step (mean over the steps, its own clock)")
     if args.json:
         args.json.write_text(json.dumps({"step_s": step_s, "ranks": figures}, indent=1))
     return 0
+
+
+def _threads_figures(marks: list[list[Any]]) -> dict[str, float]:
+    """Each probe thread's CPU per step over the marks: its own CPU clock read at the first
+    and the last mark (no wrapper inside it, so no harness cost unless functions are timed)."""
+    first, last = marks[0][2], marks[-1][2]
+    steps = len(marks) - 1
+    return {name: (last[name] - ns) / steps / 1e6 for name, ns in first.items() if name in last and steps > 0}
 
 
 def _figures(acc: dict[str, list[list[int]]], window: tuple[int, int, int]) -> list[dict[str, Any]]:
