@@ -220,7 +220,14 @@ class Stream:
         self._writer.start()
 
     def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval) and self._fd is not None:
+        """Flush every ``interval`` until the stream stops. ``time.sleep``, not a timed
+        ``Event.wait``: the thread wakes 25 times a second for the whole job, and a timed
+        wait costs a wake-up twice a sleep's CPU (~150 vs ~78 us on the test VM, where any
+        wake-up is dear; CHANGELOG). A stop is seen at the next tick."""
+        while True:
+            time.sleep(interval)
+            if self._stop.is_set() or self._fd is None:
+                return
             if self._queue or self.dropped != self._dropped_told or self.before_flush is not None:
                 self.flush()
 
