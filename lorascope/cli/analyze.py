@@ -14,7 +14,7 @@ from lorascope.report.write import write_report
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings
 from lorascope.text.progress import terminal_progress
-from lorascope.text.summary import render_text
+from lorascope.text.summary import MAX_TABLE_RANKS, render_text
 
 #: Exit status when --fail-on matches a finding (distinct from input errors).
 FINDINGS_EXIT = 4
@@ -47,8 +47,19 @@ FINDINGS_EXIT = 4
     default=None,
     help="Add HolisticTraceAnalysis figures to GPU traces (default: when it is installed).",
 )
+@click.option(
+    "--all-ranks",
+    is_flag=True,
+    help=f"Print every rank's row of the summary table (past {MAX_TABLE_RANKS} ranks it shows those that stand out).",
+)
 def command(
-    path: Path, as_json: bool, fail_on: str | None, html_out: Path | None, kind: str | None, hta: bool | None
+    path: Path,
+    as_json: bool,
+    fail_on: str | None,
+    html_out: Path | None,
+    kind: str | None,
+    hta: bool | None,
+    all_ranks: bool,
 ) -> int:
     """Name what went wrong, and summarise it per rank.
 
@@ -63,7 +74,7 @@ def command(
     else:
         click.echo(render_findings(findings))
         if analysis.summary is not None:
-            click.echo(render_text(data))
+            click.echo(render_text(data, all_ranks=all_ranks))
         elif analysis.bundle.warnings:
             click.echo("\n".join(f"warning: {w}" for w in analysis.bundle.warnings))
         if data["artifacts"]:

@@ -1,9 +1,25 @@
 """The per-rank summary as a terminal table (the data is
-:func:`lorascope.analysis.summary.build_summary`'s)."""
+:func:`lorascope.analysis.summary.build_summary`'s).
+
+Past MAX_TABLE_RANKS ranks the table is condensed: 1,024 rows (and a hang's 1,023
+pending lines) would push the findings, printed above it, off the screen. Ranks whose
+rows read alike (the same steps, the same last sequence number per group, the same
+pending calls, and the same ending but for its numbers: ports, pids, times) are one line
+with the ranges of their figures; a row is printed for the first rank of each such group,
+for every rank that stands alone, and for the ranks at the extremes (slowest median step,
+largest peak). ``--all-ranks`` prints every row; ``--json`` has every field.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
+from lorascope.units import rank_ranges
+
+#: Ranks the table gives a row each, at most, unless every row is asked for.
+MAX_TABLE_RANKS = 32
 
 
 def _mib(n: int | None) -> str:
@@ -70,8 +86,112 @@ def sharding_text(sharding: dict[str, Any]) -> str:
     return text
 
 
-def render_text(data: dict[str, Any]) -> str:
-    """A short human-readable table, one line per rank."""
+def _peak(r: dict[str, Any]) -> int | None:
+    """The rank's peak: the CUDA allocator's where it has one, else RSS's."""
+    peak = r["peak_memory"]
+    value = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
+    return None if value is None else int(value)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _notes(r: dict[str, Any]) -> list[str]:
+    """The lines under a rank's row: its pending calls, unseen collectives, probe errors."""
+    lines = [
+        f"       pending: {p['op']} #{p['seq']} on {p['group']} ({p['bytes']} B) at {p['site']}"
+        for p in r["collectives"]["pending"]
+    ]
+    lines += [f"       not recorded: {u['why']}; {u['see']} has them" for u in r.get("unseen_collectives", [])]
+    lines += [f"       probe switched off: {err}" for err in r["probe_errors"]]
+    return lines
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    last = " ".join(f"{g}#{s}" for g, s in r["collectives"]["last_seq"].items()) or "-"
+    return [
+        f"{r['rank']:>4} {r['pid']:>8} {r['steps']:>5} {_ms(r['step_time_median_s']):>10} {_mib(_peak(r)):>10} "
+        f"{r['collectives']['count']:>6}  {last:<22} {_ended_text(r['ended'])}",
+        *_notes(r),
+    ]
+
+
+def _alike_key(r: dict[str, Any]) -> tuple[object, ...]:
+    """What ranks share to be one line of a condensed table: their steps, where each group's
+    collectives stopped and the calls they wait in (to the sequence number: a rank one call
+    behind is a hang's story), and how they ended but for its numbers (ports, pids, times)."""
+    collectives = r["collectives"]
+    return (
+        r["steps"],
+        tuple(collectives["last_seq"].items()),
+        tuple((p["group"], p["seq"], p["op"], p["bytes"], p["site"]) for p in collectives["pending"]),
+        but_for_numbers(_ended_text(r["ended"])),
+        tuple(but_for_numbers(line) for line in _notes(r)[len(collectives["pending"]) :]),
+    )
+
+
+def _spread(values: list[Any], show: Callable[[Any], str]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    low, high = show(min(known)), show(max(known))
+    if low == high:
+        return low
+    (low_n, _, unit), (high_n, _, high_unit) = low.partition(" "), high.partition(" ")
+    return f"{low_n}-{high_n} {unit}" if unit and unit == high_unit else f"{low}-{high}"
+
+
+def _condensed(ranks: list[dict[str, Any]]) -> list[str]:
+    """A row per group of ranks alike but for their numbers (its first rank's), per rank
+    alone, and per extreme rank; a line per group for the ranks without a row."""
+    groups: dict[tuple[object, ...], list[dict[str, Any]]] = {}
+    for r in ranks:
+        groups.setdefault(_alike_key(r), []).append(r)
+    shown = {members[0]["rank"] for members in groups.values()}
+    shown |= {r["rank"] for members in groups.values() if len(members) < MIN_ALIKE_RANKS for r in members}
+    timed = [r for r in ranks if r["step_time_median_s"] is not None]
+    if timed:
+        shown.add(max(timed, key=lambda r: r["step_time_median_s"])["rank"])
+    sized = [(peak, r["rank"]) for r in ranks if (peak := _peak(r)) is not None]
+    if sized:
+        shown.add(max(sized, key=lambda s: s[0])[1])  # the first rank at the largest
+    lines = [line for r in ranks if r["rank"] in shown for line in _row(r)]
+    for members in groups.values():
+        rest = [r for r in members if r["rank"] not in shown]
+        if not rest:
+            continue
+        lines.append(
+            f"  ranks {rank_ranges(r['rank'] for r in rest)} ({len(rest):,} ranks): as rank {members[0]['rank']} "
+            f"but for their numbers; step(med) {_spread([r['step_time_median_s'] for r in rest], _ms)}, "
+            f"peak mem {_spread([_peak(r) for r in rest], _mib)}, "
+            f"colls {_spread([r['collectives']['count'] for r in rest], lambda n: f'{n:,}')}"
+        )
+    lines.append(
+        f"({len(ranks):,} ranks: {len(shown):,} rows shown, the others alike; "
+        "--all-ranks prints every row, --json every field)"
+    )
+    return lines
+
+
+def _warning_lines(warnings: list[str]) -> list[str]:
+    """Warnings alike but for their numbers (one per rank of a 1,024-rank run) as one line
+    from MIN_ALIKE_RANKS on: the first, and how many more."""
+    alike: dict[str, list[str]] = {}
+    for w in warnings:
+        alike.setdefault(but_for_numbers(w), []).append(w)
+    lines = []
+    for same in alike.values():
+        if len(same) < MIN_ALIKE_RANKS:
+            lines += [f"warning: {w}" for w in same]
+        else:
+            lines.append(f"warning: {same[0]} (and {len(same) - 1:,} more alike but for their numbers)")
+    return lines
+
+
+def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
+    """A short human-readable table, one line per rank (condensed past MAX_TABLE_RANKS
+    ranks unless ``all_ranks``)."""
     manifest = data["manifest"]
     versions = ", ".join(f"{k} {v}" for k, v in manifest["versions"].items() if v)
     lines = [
@@ -81,23 +201,11 @@ def render_text(data: dict[str, Any]) -> str:
         f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
         f"{'colls':>6}  last seq per group      ended",
     ]
-    for r in data["ranks"]:
-        peak = r["peak_memory"]
-        mem = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
-        med = "-" if r["step_time_median_s"] is None else f"{r['step_time_median_s'] * 1000:.0f} ms"
-        last = " ".join(f"{g}#{s}" for g, s in r["collectives"]["last_seq"].items()) or "-"
-        lines.append(
-            f"{r['rank']:>4} {r['pid']:>8} {r['steps']:>5} {med:>10} {_mib(mem):>10} "
-            f"{r['collectives']['count']:>6}  {last:<22} {_ended_text(r['ended'])}"
-        )
-        for pending in r["collectives"]["pending"]:
-            lines.append(
-                f"       pending: {pending['op']} #{pending['seq']} on {pending['group']} "
-                f"({pending['bytes']} B) at {pending['site']}"
-            )
-        for unseen in r.get("unseen_collectives", []):
-            lines.append(f"       not recorded: {unseen['why']}; {unseen['see']} has them")
-        for err in r["probe_errors"]:
-            lines.append(f"       probe switched off: {err}")
-    lines.extend(f"warning: {w}" for w in data["warnings"])
+    ranks = data["ranks"]
+    if all_ranks or len(ranks) <= MAX_TABLE_RANKS:
+        lines += [line for r in ranks for line in _row(r)]
+        lines += [f"warning: {w}" for w in data["warnings"]]
+    else:
+        lines += _condensed(ranks)
+        lines += _warning_lines(data["warnings"])
     return "\n".join(line for line in lines if line)
