@@ -107,6 +107,9 @@ def run_failed_here(rank: RankData) -> bool:
 #: row each (a 2-rank run's evidence reads as it always has).
 MIN_ALIKE_RANKS = 3
 _NUMBER = re.compile(r"[0-9]+")
+#: A figure in a value: its digits and decimals (texts alike but for their numbers have
+#: their figures at the same places).
+_FIGURE = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
 def but_for_numbers(text: str) -> str:
@@ -115,14 +118,29 @@ def but_for_numbers(text: str) -> str:
     return _NUMBER.sub("#", text)
 
 
+def figure_ranges(values: list[str]) -> str:
+    """Texts alike but for their numbers as one: each figure that differs between them as
+    its range over them ("median 118.2-125.9 ms over 96 steps")."""
+    figures = [_FIGURE.findall(v) for v in values]
+    parts = iter(_FIGURE.split(values[0]))
+    out = [next(parts)]
+    for i, rest in enumerate(parts):
+        column = [f[i] for f in figures]
+        low, high = min(column, key=float), max(column, key=float)
+        out += [low if low == high else f"{low}-{high}", rest]
+    return "".join(out)
+
+
 def per_rank_evidence(
-    rows: dict[int, list[tuple[str, Any, str]]], apart: frozenset[int] = frozenset()
+    rows: dict[int, list[tuple[str, Any, str]]], apart: frozenset[int] = frozenset(), spread: bool = False
 ) -> list[Evidence]:
     """Each rank's evidence rows, (label after "rank N", value, source), in rank order; the
     ranks (MIN_ALIKE_RANKS or more, none of ``apart``) whose rows read the same but for their
     numbers (ports, pids, addresses, times) as one group at its first rank's place: labelled
     with the ranks as ranges, the first rank's value (saying for how many ranks it stands)
-    and source. A 1,024-rank hang's evidence is then a few rows, not 2,048."""
+    and source; with ``spread`` (values that are measurements, not ports or addresses),
+    each figure's range over the group (:func:`figure_ranges`). A 1,024-rank hang's
+    evidence is then a few rows, not 2,048."""
     alike: dict[object, list[int]] = {}
     for n, own in sorted(rows.items()):
         key = (
@@ -138,9 +156,20 @@ def per_rank_evidence(
                 for n in members
             ]
             continue
-        note = f" ({len(members):,} ranks alike but for their numbers; rank {first}'s shown)"
         group = f"ranks {rank_ranges(members)}"
+        if spread:
+            note = f" ({len(members):,} ranks alike but for their numbers; each figure's range over them)"
+            values = [figure_ranges([str(rows[n][i][1]) for n in members]) for i in range(len(rows[first]))]
+        else:
+            note = f" ({len(members):,} ranks alike but for their numbers; rank {first}'s shown)"
+            values = [value for _, value, _ in rows[first]]
         shown.append(
-            (first, [Evidence(f"{group}{suffix}", f"{value}{note}", source) for suffix, value, source in rows[first]])
+            (
+                first,
+                [
+                    Evidence(f"{group}{suffix}", f"{value}{note}", source)
+                    for (suffix, _, source), value in zip(rows[first], values, strict=True)
+                ],
+            )
         )
     return [ev for _, evidence in sorted(shown, key=lambda s: s[0]) for ev in evidence]

@@ -148,6 +148,7 @@ def from_run(run: RunData) -> Finding | None:
             for r in ranks
         },
         apart=frozenset({cand}),
+        spread=True,
     )
     evidence.append(
         Evidence(

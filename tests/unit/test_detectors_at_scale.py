@@ -11,7 +11,15 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_reader, mem_value, per_rank_evidence
+from lorascope.detect.common import (
+    CUDA_ALLOCATED,
+    HEAP_IN_USE,
+    RSS,
+    figure_ranges,
+    mem_reader,
+    mem_value,
+    per_rank_evidence,
+)
 from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
 from lorascope.detect.straggler import _others_medians
@@ -148,4 +156,28 @@ def test_per_rank_evidence_keeps_few_ranks_as_they_were() -> None:
     assert [e.value for e in ev] == [v for n in (1, 2, 3) for _, v, _ in rows[n]]
     assert per_rank_evidence({0: _rows(0, 1), 1: _rows(1, 2)}) == [
         Evidence(f"rank {n}{s}", v, src) for n in (0, 1) for s, v, src in _rows(n, n + 1)
+    ]
+
+
+def test_figure_ranges_give_each_differing_figure_its_range() -> None:
+    values = [
+        "median 120.5 ms over 96 steps (noise 2.1 ms MAD)",
+        "median 118.2 ms over 96 steps (noise 12.4 ms MAD)",
+        "median 125.9 ms over 96 steps (noise 1.9 ms MAD)",
+    ]
+    assert figure_ranges(values) == "median 118.2-125.9 ms over 96 steps (noise 1.9-12.4 ms MAD)"
+    assert figure_ranges(["no figures"]) == "no figures" and figure_ranges(["a 7", "a 7"]) == "a 7"
+
+
+def test_measured_evidence_of_a_group_shows_each_figures_range() -> None:
+    rows = {
+        n: [(" work per step", f"median {100 + n}.{n} ms over 96 steps", f"ranks/rank-{n}/s.jsonl")] for n in range(6)
+    }
+    ev = per_rank_evidence(rows, apart=frozenset({3}), spread=True)
+    assert [(e.label, e.value) for e in ev] == [
+        (
+            "ranks 0-2, 4, 5 work per step",
+            "median 100.0-105.5 ms over 96 steps (5 ranks alike but for their numbers; each figure's range over them)",
+        ),
+        ("rank 3 work per step", "median 103.3 ms over 96 steps"),
     ]
