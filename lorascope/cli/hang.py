@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from lorascope.analysis import of_run
+from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
@@ -18,17 +19,38 @@ from lorascope.hang.collect import read_silent_ranks, request_dumps, wait_for_du
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import verify
 from lorascope.rundir.reader import RunData, load_run
+from lorascope.units import rank_ranges
+
+
+def _alike(groups: list[dict[str, Any]]) -> list[tuple[str, list[Any], bool]]:
+    """The diagnosis's groups (ranks by where they are), those whose places read alike but
+    for their numbers (a peer's address and port in each rank's error) as one from
+    MIN_ALIKE_RANKS ranks on: (the first place, the ranks, whether merged)."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for group in groups:
+        merged.setdefault(but_for_numbers(str(group["where"])), []).append(group)
+    out: list[tuple[str, list[Any], bool]] = []
+    for same in merged.values():
+        ranks = [r for g in same for r in g["ranks"]]
+        if len(same) > 1 and len(ranks) >= MIN_ALIKE_RANKS:
+            out.append((same[0]["where"], ranks, True))
+        else:
+            out += [(g["where"], g["ranks"], False) for g in same]
+    return out
 
 
 def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
     lines = []
-    for group in diagnosis["groups"]:
-        ranks = group["ranks"]  # rank numbers, or "rank N" / "pid N" labels in --pid mode
+    for where, ranks, merged in _alike(diagnosis["groups"]):
+        # rank numbers, or "rank N" / "pid N" labels in --pid mode
         if all(isinstance(r, int) for r in ranks):
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
         else:
             who = ", ".join(map(str, ranks))
-        lines.append(f"{who:<10} {'is' if len(ranks) == 1 else 'are'} {group['where']}")
+        if merged:
+            first = f"rank {ranks[0]}" if isinstance(ranks[0], int) else str(ranks[0])
+            where = f"{where} ({len(ranks):,} ranks alike but for their numbers; {first}'s shown)"
+        lines.append(f"{who:<10} {'is' if len(ranks) == 1 else 'are'} {where}")
     lines.append(f"verdict: {diagnosis['verdict']}")
     lines.append(f"fix: {diagnosis['fix']}")
     lines.extend(f"note: {n}" for n in notes)

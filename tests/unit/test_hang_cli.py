@@ -39,3 +39,33 @@ def test_report_written_after_the_verdict(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1] == f"note: report: {out}"
     assert out.stat().st_size > 100_000 and "hung-ranks" in out.read_text()
+
+
+def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
+    """Every rank's error names its own peer and port: one line for them, not 1,023."""
+    from lorascope.cli.hang import _render
+
+    groups = [{"where": "died: RuntimeError: rank 0's own failure in train.py:88", "ranks": [0]}]
+    groups += [
+        {
+            "where": f"died: RuntimeError: Connection closed by peer [10.0.{n // 256}.{n % 256}]:{29500 + n}",
+            "ranks": [n],
+        }
+        for n in range(1, 1024)
+    ]
+    diagnosis = {"groups": groups, "verdict": "rank 0 died; the others wait for it", "fix": "see rank 0"}
+    lines = _render(diagnosis, ["a note"]).splitlines()
+    assert lines == [
+        "rank 0     is died: RuntimeError: rank 0's own failure in train.py:88",
+        "ranks 1-1023 are died: RuntimeError: Connection closed by peer [10.0.0.1]:29501"
+        " (1,023 ranks alike but for their numbers; rank 1's shown)",
+        "verdict: rank 0 died; the others wait for it",
+        "fix: see rank 0",
+        "note: a note",
+    ]
+    # two ranks alike keep a line each, as they always did
+    two = _render({**diagnosis, "groups": groups[1:3]}, []).splitlines()
+    assert two[:2] == [
+        "rank 1     is died: RuntimeError: Connection closed by peer [10.0.0.1]:29501",
+        "rank 2     is died: RuntimeError: Connection closed by peer [10.0.0.2]:29502",
+    ]

@@ -12,6 +12,7 @@ from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
+from lorascope.units import rank_ranges
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -202,7 +203,7 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
 
 
 def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
-    who = ",".join(map(str, odd))
+    who = rank_ranges(odd)
     where = first["where"] if first else "?"
     return {
         "rank-conditional-hang": f"rank-conditional collective (rank {who}): {where}",
