@@ -10,7 +10,9 @@ on its own: an extra collective on one rank produces it too).
 
 from __future__ import annotations
 
-from lorascope.detect.common import short_site, stream_source
+from typing import Any
+
+from lorascope.detect.common import per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
@@ -27,19 +29,20 @@ FIX = (
 
 
 def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
-    evidence = []
+    rows: dict[int, list[tuple[str, Any, str]]] = {}
     for rank, entry in sorted(d.entries.items()):
         path = bundle.flight_records[rank].path if rank in bundle.flight_records else "?"
         site = next(
             (f for f in entry.frames if "torch/distributed/" not in f), entry.frames[0] if entry.frames else "-"
         )
-        evidence.append(
-            Evidence(
-                f"rank {rank} #{d.seq}",
+        rows[rank] = [
+            (
+                f" #{d.seq}",
                 f"{entry.op} sizes {entry.input_sizes} dtypes {'/'.join(entry.input_dtypes) or '-'} at {site}",
                 f"{path}: entries, collective_seq_id {d.seq}",
             )
-        )
+        ]
+    evidence = per_rank_evidence(rows, exact=True)  # the sizes are the evidence: grouped only when equal
     return Finding(
         id=ID,
         title=f"ranks {rank_ranges(d.entries)} ran {next(iter(d.entries.values())).op} "
@@ -67,16 +70,24 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
         return None
     calls = {n: c for n, c in sorted(div.calls.items()) if c is not None}
     first = next(iter(calls.values()))
-    sizes = ", ".join(f"{fmt_bytes(c.bytes)} on rank {n}" for n, c in calls.items())
-    evidence = [
-        Evidence(
-            f"rank {n} at {div.group} #{div.seq}",
-            f"{c.op} {fmt_bytes(c.bytes)} {c.dtype or ''} at {c.site or '?'}"
-            + (f" — failed: {c.err[:160]}" if c.err else " — still waiting in it" if c.pending else ""),
-            stream_source(run, run.ranks[n], "coll records"),
-        )
-        for n, c in calls.items()
-    ]
+    by_size: dict[str, list[int]] = {}
+    for n, c in calls.items():
+        by_size.setdefault(fmt_bytes(c.bytes), []).append(n)
+    sizes = ", ".join(f"{size} on rank{'s' if len(ns) > 1 else ''} {rank_ranges(ns)}" for size, ns in by_size.items())
+    evidence = per_rank_evidence(
+        {
+            n: [
+                (
+                    f" at {div.group} #{div.seq}",
+                    f"{c.op} {fmt_bytes(c.bytes)} {c.dtype or ''} at {c.site or '?'}"
+                    + (f" — failed: {c.err[:160]}" if c.err else " — still waiting in it" if c.pending else ""),
+                    stream_source(run, run.ranks[n], "coll records"),
+                )
+            ]
+            for n, c in calls.items()
+        },
+        exact=True,
+    )
     # A rank that raised a fatal signal (gloo's abort) is the cause; the others' errors (the
     # peer closed the connection) follow from it, and a signal sent from outside (the
     # launcher's SIGTERM to the ranks left once one died) follows from both.
@@ -92,7 +103,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
         evidence.append(Evidence("how it ended", f"rank {n}: {detail}", stream_source(run, run.ranks[n], "end")))
     return Finding(
         id=ID,
-        title=f"ranks {', '.join(map(str, calls))} ran {first.op} #{div.seq} ({div.group}) at "
+        title=f"ranks {rank_ranges(calls)} ran {first.op} #{div.seq} ({div.group}) at "
         f"{short_site(first.site)} with different sizes ({sizes}){crashed}",
         severity="error",
         confidence="high",

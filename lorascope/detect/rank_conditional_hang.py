@@ -78,34 +78,39 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
         if len(odd) == len(first.entries):
             odd = []
     sites = {r: call_site(e.frames) for r, e in first.entries.items()}
-    evidence = []
+    rows: dict[int, list[tuple[str, Any, str]]] = {}
     for r, entry in sorted(first.entries.items()):
         sizes = f" {list(entry.input_sizes)}" if entry.input_sizes else ""
         done = "completed" if entry.completed else "not completed"
-        evidence.append(
-            Evidence(
-                f"rank {r} at group {first.group} #{first.seq}",
+        own = rows[r] = [
+            (
+                f" at group {first.group} #{first.seq}",
                 f"{entry.op}{sizes} {'/'.join(entry.input_dtypes)} at {sites[r] or '?'} — {done}",
                 f"flight-recorder dump of rank {r}",
             )
-        )
+        ]
         context = bundle.sources.get(sites[r] or "")
         if context and context.get("line"):
             cond = found[r]
             inside = f"   inside `{cond[0]}`" if cond and cond[1] == sites[r] else ""
-            evidence.append(Evidence(f"rank {r} source", context["line"] + inside, sites[r] or "?"))
+            own.append((" source", context["line"] + inside, sites[r] or "?"))
         cond = found[r]
         if cond is not None and cond[1] != sites[r]:
             line = (bundle.sources.get(cond[1]) or {}).get("line") or "?"
-            evidence.append(Evidence(f"rank {r} called it from", f"{line}   inside `{cond[0]}`", cond[1]))
-    for r in first.missing_ranks:
-        evidence.append(
-            Evidence(
-                f"rank {r} at group {first.group} #{first.seq}",
-                "never enqueued it; " + last_activity(first.waiting_at.get(r)),
-                f"flight-recorder dump of rank {r}",
-            )
-        )
+            own.append((" called it from", f"{line}   inside `{cond[0]}`", cond[1]))
+    # the ranks that ran it, then those that never did, each grouped when alike (sizes exact)
+    evidence = per_rank_evidence(rows, exact=True) + per_rank_evidence(
+        {
+            r: [
+                (
+                    f" at group {first.group} #{first.seq}",
+                    "never enqueued it; " + last_activity(first.waiting_at.get(r)),
+                    f"flight-recorder dump of rank {r}",
+                )
+            ]
+            for r in first.missing_ranks
+        }
+    )
     who = f"rank {odd[0]}" if odd else "the ranks"
     odd_entry = first.entries.get(odd[0]) if odd else None
     title = f"{who} {'runs' if odd_entry else 'disagree on'} collective #{first.seq} on group {first.group}"

@@ -101,3 +101,35 @@ def test_never_no_problem_while_ranks_disagree(scenario: str, verdict: str | Non
     alignment = analysis.to_data()["artifacts"]["flight_alignment"]
     disagree = any(g["disagreements"] for g in alignment["groups"])
     assert disagree == (verdict is not None)
+
+
+def widened(scenario: str, tmp_path: Path, world: int) -> Path:
+    """The scenario's dumps at ``world`` ranks: rank 0's as recorded, rank 1's for every
+    other rank (the odd rank 0 against many alike)."""
+    two = relocated(scenario, tmp_path)
+    out = tmp_path / f"{scenario}-{world}"
+    out.mkdir()
+    for rank in range(world):
+        data = load_pickle(two / f"rank-{min(rank, 1)}.pickle")
+        for group in data["pg_config"].values():
+            group["ranks"] = str(list(range(world)))
+        (out / f"rank-{rank}.pickle").write_bytes(pickle.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    "scenario, verdict, grouped",
+    [
+        ("rank0-broadcast-missing", "rank-conditional-hang", "ranks 1-39 at group 0 #4"),
+        ("dtype-mismatch", "collective-mismatch", "ranks 1-39 #"),
+    ],
+)
+def test_many_ranks_alike_are_one_row_of_evidence(scenario: str, verdict: str, grouped: str, tmp_path: Path) -> None:
+    """At 40 ranks the same verdict, the odd rank 0 on its own rows, the 39 others one row."""
+    f = next(f for f in analyze(widened(scenario, tmp_path, 40)).findings if f.id == verdict)
+    labels = [e.label for e in f.evidence]
+    assert any(label.startswith("rank 0") for label in labels)
+    rows = [e for e in f.evidence if e.label.startswith(grouped)]
+    assert len(rows) == 1 and "39 ranks alike" in str(rows[0].value), labels
+    assert not any(label.startswith(("rank 1 ", "rank 39 ")) for label in labels)
+    assert len(f.evidence) <= 6
