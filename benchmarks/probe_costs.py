@@ -22,7 +22,7 @@ The wrappers themselves cost ~3 us a call (two thread-clock reads, each a system
 The wrapper code is compiled under a file name inside lorascope's package, so the probes
 take it for their own frames and call sites are the job's, as without it.
 
-    python benchmarks/probe_costs.py [--steps 60] [--json FILE] [--src OTHER_CHECKOUT]
+    python benchmarks/probe_costs.py [--steps 60] [--json FILE] [--src OTHER_CHECKOUT] [--untimed]
 """
 
 from __future__ import annotations
