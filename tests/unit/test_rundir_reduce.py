@@ -115,3 +115,20 @@ def test_kept_steps() -> None:
     stride, kept = reduce.kept_steps(range(1, 101), 16)
     assert stride == 16 and kept == {1, 2, 3, 4, 16, 32, 48, 64, 80, 96, 97, 98, 99, 100}
     assert reduce.kept_steps(range(1, 101), 16, stride=32)[1] == {1, 2, 3, 4, 32, 64, 96, 97, 98, 99, 100}
+
+
+def test_a_collective_pickles_as_its_fields() -> None:
+    """Workers send thousands a rank to the parent: as a tuple of its fields, loaded equal."""
+    import dataclasses
+    import pickle
+
+    from lorascope.rundir.reader import Collective
+
+    calls = [
+        Collective(7, "default_pg", "all_reduce", 64, "float32", True, "/j/t.py:3 in f", 2, 1.5, 2.5, "E", 0.3, "v"),
+        Collective(8, "1", "barrier", None, None, False, None, 0, 3.0),
+    ]
+    for call in calls:
+        assert call.__reduce__() == (Collective, tuple(getattr(call, f.name) for f in dataclasses.fields(call)))
+    loaded = pickle.loads(pickle.dumps(calls, protocol=pickle.HIGHEST_PROTOCOL))
+    assert loaded == calls and loaded[0].pending is False and loaded[1].pending is True
