@@ -66,9 +66,9 @@ class Collective:
 
     def __reduce__(self) -> tuple[type[Collective], tuple[Any, ...]]:
         """Pickled as its fields in order: a parallel read's workers send the parent
-        ~1,600 a rank, and the slotted default (a state dict, set field by field) took
-        ~5x as long to load and ~1.7x the bytes (a 1,024-rank run's parent spent ~15 s
-        in it)."""
+        ~1,600 a rank, received one rank after another; the slotted default (a state
+        set field by field) took ~2x as long to load and 1.5x the bytes (1,585 calls of a
+        1,024-rank run: 4.2 -> 2.3 ms, 149 -> 99 KB)."""
         return (Collective, _COLLECTIVE_FIELDS(self))
 
 
