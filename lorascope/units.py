@@ -64,6 +64,11 @@ def count(n: int) -> str:
     return f"{n:,}"
 
 
+#: Ranks a per-rank table gives a row each, at most, before it is condensed (the terminal:
+#: the ranks that stand out, the others as ranges) or folded (the report: behind a click).
+MAX_TABLE_RANKS = 32
+
+
 def rank_ranges(ranks: Iterable[int]) -> str:
     """Rank numbers as text, in order, three or more consecutive ones as a range:
     ``0, 1, 4-1023`` (a 1,024-rank job's list stays one line)."""

@@ -14,7 +14,8 @@ from lorascope.report.write import write_report
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings
 from lorascope.text.progress import terminal_progress
-from lorascope.text.summary import MAX_TABLE_RANKS, render_text
+from lorascope.text.summary import render_text
+from lorascope.units import MAX_TABLE_RANKS
 
 #: Exit status when --fail-on matches a finding (distinct from input errors).
 FINDINGS_EXIT = 4

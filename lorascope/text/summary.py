@@ -16,10 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
-from lorascope.units import rank_ranges
-
-#: Ranks the table gives a row each, at most, unless every row is asked for.
-MAX_TABLE_RANKS = 32
+from lorascope.units import MAX_TABLE_RANKS, rank_ranges
 
 
 def _mib(n: int | None) -> str:

@@ -10,7 +10,8 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
-from lorascope.units import rank_ranges
+from lorascope.report.render import render
+from lorascope.units import MAX_TABLE_RANKS, rank_ranges
 from tests.helpers import FIXTURES, Call, RankSpec, write_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,3 +251,17 @@ def test_rank_ranges() -> None:
     assert rank_ranges([3]) == "3"
     assert rank_ranges([0, 1]) == "0, 1"
     assert rank_ranges([0, 1, 2, 4, 6, 7, 8, 9, 1023]) == "0-2, 4, 6-9, 1023"
+
+
+def test_the_per_rank_table_is_folded_past_the_limit(tmp_path: Path) -> None:
+    """Up to MAX_TABLE_RANKS ranks the table is open; past it, folded behind a summary that
+    names the ranks that ended badly (laid out only when opened)."""
+    few = build_report_data(load_bundle(write_run(tmp_path / "few", [RankSpec(), RankSpec()])), [])
+    assert few["facts"]["ranks_folded"] is None and '<details class="ranks">' not in render(few)
+    specs = [RankSpec() for _ in range(MAX_TABLE_RANKS + 1)]
+    specs[5] = RankSpec(exception=("RuntimeError", "boom"))
+    many = build_report_data(load_bundle(write_run(tmp_path / "many", specs)), [])
+    assert many["facts"]["ranks_folded"] == f"a row per rank ({MAX_TABLE_RANKS + 1} ranks; ended badly: 5)"
+    page = render(many)
+    folded = page.index('<details class="ranks">')
+    assert folded < page.index('<table class="ranks">') < page.index("</details>", folded)
