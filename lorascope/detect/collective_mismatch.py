@@ -42,7 +42,7 @@ def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
                 f"{path}: entries, collective_seq_id {d.seq}",
             )
         ]
-    evidence = per_rank_evidence(rows, exact=True)  # the sizes are the evidence: grouped only when equal
+    evidence = per_rank_evidence(rows, show="exact")  # the sizes are the evidence: grouped only when equal
     return Finding(
         id=ID,
         title=f"ranks {rank_ranges(d.entries)} ran {next(iter(d.entries.values())).op} "
@@ -86,7 +86,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
             ]
             for n, c in calls.items()
         },
-        exact=True,
+        show="exact",
     )
     # A rank that raised a fatal signal (gloo's abort) is the cause; the others' errors (the
     # peer closed the connection) follow from it, and a signal sent from outside (the

@@ -7,7 +7,7 @@ import operator
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from lorascope.detect.finding import Evidence
 from lorascope.rundir.reader import RankData, RunData
@@ -134,25 +134,24 @@ def figure_ranges(values: list[str]) -> str:
 def per_rank_evidence(
     rows: dict[int, list[tuple[str, Any, str]]],
     apart: frozenset[int] = frozenset(),
-    spread: bool = False,
-    exact: bool = False,
+    show: Literal["first", "ranges", "exact"] = "first",
 ) -> list[Evidence]:
     """Each rank's evidence rows, (label after "rank N", value, source), in rank order; the
     ranks (MIN_ALIKE_RANKS or more, none of ``apart``) whose rows read the same but for their
     numbers (ports, pids, addresses, times) as one group at its first rank's place: labelled
     with the ranks as ranges, the first rank's value (saying for how many ranks it stands)
-    and source; with ``spread`` (values that are measurements, not ports or addresses),
-    each figure's range over the group (:func:`figure_ranges`); with ``exact`` (values whose
-    numbers are the evidence: a collective's sizes), only ranks whose values read the same
-    to the letter are grouped (their sources still but for numbers). A 1,024-rank hang's
-    evidence is then a few rows, not 2,048."""
+    and source. ``show="ranges"`` (values that are measurements, not ports or addresses):
+    each figure's range over the group (:func:`figure_ranges`); ``show="exact"`` (values
+    whose numbers are the evidence: a collective's sizes): only ranks whose values read the
+    same to the letter are grouped (their sources still but for numbers). A 1,024-rank
+    hang's evidence is then a few rows, not 2,048."""
     alike: dict[object, list[int]] = {}
     for n, own in sorted(rows.items()):
         key = (
             n
             if n in apart
             else tuple(
-                (suffix, str(value) if exact else but_for_numbers(str(value)), but_for_numbers(source))
+                (suffix, str(value) if show == "exact" else but_for_numbers(str(value)), but_for_numbers(source))
                 for suffix, value, source in own
             )
         )
@@ -167,10 +166,10 @@ def per_rank_evidence(
             ]
             continue
         group = f"ranks {rank_ranges(members)}"
-        if exact:
+        if show == "exact":
             note = f" ({len(members):,} ranks alike)"
             values = [value for _, value, _ in rows[first]]
-        elif spread:
+        elif show == "ranges":
             note = f" ({len(members):,} ranks alike but for their numbers; each figure's range over them)"
             values = [figure_ranges([str(rows[n][i][1]) for n in members]) for i in range(len(rows[first]))]
         else:

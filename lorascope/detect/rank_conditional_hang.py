@@ -99,7 +99,7 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
             line = (bundle.sources.get(cond[1]) or {}).get("line") or "?"
             own.append((" called it from", f"{line}   inside `{cond[0]}`", cond[1]))
     # the ranks that ran it, then those that never did, each grouped when alike (sizes exact)
-    evidence = per_rank_evidence(rows, exact=True) + per_rank_evidence(
+    evidence = per_rank_evidence(rows, show="exact") + per_rank_evidence(
         {
             r: [
                 (

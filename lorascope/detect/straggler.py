@@ -148,7 +148,7 @@ def from_run(run: RunData) -> Finding | None:
             for r in ranks
         },
         apart=frozenset({cand}),
-        spread=True,
+        show="ranges",
     )
     evidence.append(
         Evidence(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
-from lorascope.units import MAX_TABLE_RANKS, rank_ranges
+from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges
 
 
 def _mib(n: int | None) -> str:
@@ -94,15 +94,19 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
+def _probe_notes(r: dict[str, Any]) -> list[str]:
+    """The lines under a rank's row about its probes: unseen collectives, probe errors."""
+    lines = [f"       not recorded: {u['why']}; {u['see']} has them" for u in r.get("unseen_collectives", [])]
+    return lines + [f"       probe switched off: {err}" for err in r["probe_errors"]]
+
+
 def _notes(r: dict[str, Any]) -> list[str]:
-    """The lines under a rank's row: its pending calls, unseen collectives, probe errors."""
-    lines = [
+    """The lines under a rank's row: its pending calls, then its probes' notes."""
+    pending = [
         f"       pending: {p['op']} #{p['seq']} on {p['group']} ({p['bytes']} B) at {p['site']}"
         for p in r["collectives"]["pending"]
     ]
-    lines += [f"       not recorded: {u['why']}; {u['see']} has them" for u in r.get("unseen_collectives", [])]
-    lines += [f"       probe switched off: {err}" for err in r["probe_errors"]]
-    return lines
+    return pending + _probe_notes(r)
 
 
 def _row(r: dict[str, Any]) -> list[str]:
@@ -124,7 +128,7 @@ def _alike_key(r: dict[str, Any]) -> tuple[object, ...]:
         tuple(collectives["last_seq"].items()),
         tuple((p["group"], p["seq"], p["op"], p["bytes"], p["site"]) for p in collectives["pending"]),
         but_for_numbers(_ended_text(r["ended"])),
-        tuple(but_for_numbers(line) for line in _notes(r)[len(collectives["pending"]) :]),
+        tuple(but_for_numbers(line) for line in _probe_notes(r)),
     )
 
 
@@ -162,7 +166,7 @@ def _condensed(ranks: list[dict[str, Any]]) -> list[str]:
             f"  ranks {rank_ranges(r['rank'] for r in rest)} ({len(rest):,} ranks): as rank {members[0]['rank']} "
             f"but for their numbers; step(med) {_spread([r['step_time_median_s'] for r in rest], _ms)}, "
             f"peak mem {_spread([_peak(r) for r in rest], _mib)}, "
-            f"colls {_spread([r['collectives']['count'] for r in rest], lambda n: f'{n:,}')}"
+            f"colls {_spread([r['collectives']['count'] for r in rest], count)}"
         )
     lines.append(
         f"({len(ranks):,} ranks: {len(shown):,} rows shown, the others alike; "

@@ -173,7 +173,7 @@ def test_measured_evidence_of_a_group_shows_each_figures_range() -> None:
     rows = {
         n: [(" work per step", f"median {100 + n}.{n} ms over 96 steps", f"ranks/rank-{n}/s.jsonl")] for n in range(6)
     }
-    ev = per_rank_evidence(rows, apart=frozenset({3}), spread=True)
+    ev = per_rank_evidence(rows, apart=frozenset({3}), show="ranges")
     assert [(e.label, e.value) for e in ev] == [
         (
             "ranks 0-2, 4, 5 work per step",
