@@ -146,9 +146,9 @@ def test_the_terminal_goes_to_the_job(tmp_path: Path) -> None:
         os.execvp(run[0], run)
     seen = b""
 
-    def read_until(token: bytes) -> bool:
+    def read_until(token: bytes, timeout: float = 60) -> bool:
         nonlocal seen
-        deadline = time.time() + 60
+        deadline = time.time() + timeout
         while token not in seen and time.time() < deadline:
             if select.select([fd], [], [], 0.5)[0]:
                 try:
@@ -161,7 +161,21 @@ def test_the_terminal_goes_to_the_job(tmp_path: Path) -> None:
     os.write(fd, b"hello\n")
     assert read_until(b"got hello"), seen
     os.write(fd, b"\x03")
-    assert read_until(b"no process attached"), seen
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT
-    assert b"KeyboardInterrupt" in seen
+    assert read_until(b"KeyboardInterrupt"), seen
+    # Not lorascope's last line on the terminal (tests/unit/test_rank_discovery.py checks
+    # it): one CI run did not read it within 60 s, a cause not found (40 runs here, idle
+    # and loaded, all read it). The exit and the manifest are awaited instead, and a run
+    # that does not end is reported with its process state.
+    deadline = time.time() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.time() > deadline:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"lorascope run still running 60 s after the job's Ctrl-C (state {state}): {seen!r}")
+        read_until(b"\0", timeout=0.2)  # keep the pty drained
+    assert os.waitstatus_to_exitcode(done[1]) == 128 + signal.SIGINT, seen
+    launch = launch_record(tmp_path)
+    assert launch["exit_status"] == 128 + signal.SIGINT
+    assert launch["signals"] == []  # the job had it from the terminal: nothing was passed on
+    assert b"passing SIGINT" not in seen
