@@ -18,6 +18,12 @@ worker processes together, sampled every 50 ms) of `lorascope analyze --json` an
 was named (rank0-asymmetry on rank 0, straggler on its rank, rank-conditional-hang).
 
     python benchmarks/rundir_scale.py [--ranks 64,256,1024] [--steps 10000] [--dir /tmp/rundir-scale] [--keep]
+        [--cluster ADDRESS | --local-cluster N]
+
+``--cluster ADDRESS`` reads the streams on that Dask cluster (`--cluster` of the commands;
+its workers' CPU is not counted, they are not this machine's); ``--local-cluster N`` starts
+one here with N single-threaded worker processes and counts their CPU (what the Dask
+path costs against the local pool on the same cores).
 
 Each run directory is deleted after it is measured (unless --keep); check `df` first:
 a rank-step is ~16 KB, so 64 x 10,000 writes ~10 GB.
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -186,11 +193,23 @@ def write_run(out: Path, ranks: int, steps: int) -> int:
         return sum(pool.map(write_rank, jobs, chunksize=4))
 
 
-def measure(cmd: list[str], src: Path) -> tuple[float, float, int, str]:
-    """Wall seconds, CPU seconds (the command and its workers), peak RSS of the process
-    tree (bytes), stdout. On a shared machine the wall time moves with the load; the CPU
-    time does not."""
+def _cpu(procs: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds (the command and its workers, and the processes of a
+    local Dask cluster, ``workers``), peak RSS of the command's process tree (bytes),
+    stdout. On a shared machine the wall time moves with the load; the CPU time does not."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    cluster_cpu = _cpu(workers)
     cwd = tempfile.gettempdir()  # `python -m` puts the working directory first on sys.path
     with tempfile.TemporaryFile() as stdout:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -207,7 +226,7 @@ def measure(cmd: list[str], src: Path) -> tuple[float, float, int, str]:
             time.sleep(0.05)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime + _cpu(workers) - cluster_cpu
         stdout.seek(0)
         return wall, cpu, peak, stdout.read().decode()
 
@@ -232,9 +251,26 @@ def main() -> int:
     parser.add_argument("--src", type=Path, default=REPO, help="the lorascope source tree to measure (PYTHONPATH)")
     parser.add_argument("--no-write", action="store_true", help="measure run directories --keep left")
     parser.add_argument("--no-report", action="store_true", help="measure `lorascope analyze` only")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--cluster", metavar="ADDRESS", help="read on this Dask cluster (its workers' CPU not counted)")
+    where.add_argument("--local-cluster", type=int, metavar="N", help="start a Dask cluster of N worker processes here")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     print(f"{cores} cores, load {os.getloadavg()[0]:.1f}; template {TEMPLATE.relative_to(REPO)}; {args.steps} steps")
+    workers: list[psutil.Process] = []
+    extra: list[str] = []
+    local = None
+    if args.local_cluster:
+        from distributed import LocalCluster
+
+        local = LocalCluster(  # type: ignore[no-untyped-call]
+            n_workers=args.local_cluster, threads_per_worker=1, processes=True, dashboard_address=None
+        )
+        args.cluster = local.scheduler_address
+        workers = psutil.Process().children(recursive=True)
+    if args.cluster:
+        extra = ["--cluster", args.cluster]
+        print(f"on the Dask cluster at {args.cluster}" + ("" if local else " (its workers' CPU is not counted)"))
     for ranks in (int(n) for n in args.ranks.split(",")):
         out = args.dir / f"{ranks}x{args.steps}"
         start = time.perf_counter()
@@ -244,11 +280,11 @@ def main() -> int:
         wrote = time.perf_counter() - start
         size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl"))
         lorascope = [sys.executable, "-m", "lorascope"]
-        a_wall, a_cpu, a_peak, text = measure([*lorascope, "analyze", "--json", str(out)], args.src)
+        a_wall, a_cpu, a_peak, text = measure([*lorascope, "analyze", "--json", str(out), *extra], args.src, workers)
         findings = json.loads(text)["findings"] if text.strip() else []
         html = out.parent / f"{out.name}.html"
-        report = [*lorascope, "report", str(out), "-o", str(html)]
-        r_wall, r_cpu, r_peak, _ = (0.0, 0.0, 0, "") if args.no_report else measure(report, args.src)
+        report = [*lorascope, "report", str(out), "-o", str(html), *extra]
+        r_wall, r_cpu, r_peak, _ = (0.0, 0.0, 0, "") if args.no_report else measure(report, args.src, workers)
         page = html.stat().st_size if html.exists() else 0
         html.unlink(missing_ok=True)
         mb = size / 1e6
@@ -262,6 +298,8 @@ def main() -> int:
         )
         if not args.keep:
             shutil.rmtree(out)
+    if local is not None:
+        local.close()
     return 0
 
 

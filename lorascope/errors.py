@@ -27,3 +27,9 @@ class FormatVersionError(BadInputError):
 
 class NothingRecordedError(BadInputError):
     """A run directory in which no process attached the probes: nothing to analyse."""
+
+
+class ClusterError(LorascopeError):
+    """The Dask cluster asked for (``--cluster``) cannot be reached or cannot read the run."""
+
+    exit_code = 5

@@ -18,6 +18,7 @@ from lorascope.detect.finding import Finding
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
+from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import Progress, RunData
 
 
@@ -46,13 +47,18 @@ def of_bundle(bundle: EvidenceBundle, progress: Progress | None = None) -> Analy
 
 
 def analyze(
-    path: Path, kind: str | None = None, hta: bool | None = False, progress: Progress | None = None
+    path: Path,
+    kind: str | None = None,
+    hta: bool | None = False,
+    progress: Progress | None = None,
+    cluster: Cluster | None = None,
 ) -> Analysis:
     """Analyse PATH: a run directory, one artifact, or a folder of one job's artifacts
     (see :func:`lorascope.ingest.load.load_bundle`; ``kind`` forces the reader, ``hta``
     adds HolisticTraceAnalysis figures to GPU traces, None: when installed; ``progress``
-    is told how far reading and detecting have come)."""
-    return of_bundle(load_bundle(path, kind=kind, hta=hta, progress=progress), progress)
+    is told how far reading and detecting have come; ``cluster`` reads a run directory's
+    streams on a Dask cluster)."""
+    return of_bundle(load_bundle(path, kind=kind, hta=hta, progress=progress, cluster=cluster), progress)
 
 
 def of_run(run: RunData, path: Path) -> Analysis:

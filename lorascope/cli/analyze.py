@@ -8,9 +8,11 @@ from pathlib import Path
 import click
 
 from lorascope.analysis import analyze
+from lorascope.cli.options import cluster_option
 from lorascope.detect.finding import SEVERITY_ORDER
 from lorascope.ingest.kinds import KINDS
 from lorascope.report.write import write_report
+from lorascope.rundir.cluster import connect
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings
 from lorascope.text.progress import terminal_progress
@@ -53,6 +55,7 @@ FINDINGS_EXIT = 4
     is_flag=True,
     help=f"Print every rank's row of the summary table (past {MAX_TABLE_RANKS} ranks it shows those that stand out).",
 )
+@cluster_option
 def command(
     path: Path,
     as_json: bool,
@@ -61,13 +64,14 @@ def command(
     kind: str | None,
     hta: bool | None,
     all_ranks: bool,
+    cluster: str | None,
 ) -> int:
     """Name what went wrong, and summarise it per rank.
 
     PATH is a lorascope run directory, or artifacts a job left: an allocator snapshot
     pickle, a Kineto trace, a flight-recorder dump, a job log, or a folder of them."""
-    with terminal_progress(not as_json) as progress:
-        analysis = analyze(path, kind=kind, hta=hta, progress=progress)
+    with connect(cluster) as on, terminal_progress(not as_json) as progress:
+        analysis = analyze(path, kind=kind, hta=hta, progress=progress, cluster=on)
     findings = analysis.findings
     data = analysis.to_data()
     if as_json:

@@ -7,7 +7,9 @@ from pathlib import Path
 import click
 
 from lorascope.analysis import analyze
+from lorascope.cli.options import cluster_option
 from lorascope.report.write import write_report
+from lorascope.rundir.cluster import connect
 from lorascope.text.progress import terminal_progress
 
 
@@ -20,10 +22,11 @@ from lorascope.text.progress import terminal_progress
     required=True,
     help="The HTML file to write (one file, no network needed to open it).",
 )
-def command(path: Path, out: Path) -> int:
+@cluster_option
+def command(path: Path, out: Path, cluster: str | None) -> int:
     """Write an HTML report: the verdict, each finding with its chart, and the run facts."""
-    with terminal_progress(True) as progress:
-        analysis = analyze(path, progress=progress)
+    with connect(cluster) as on, terminal_progress(True) as progress:
+        analysis = analyze(path, progress=progress, cluster=on)
     size = write_report(analysis, out)
     click.echo(f"lorascope: report written to {out} ({size / 1024:.0f} KiB)", err=True)
     return 0

@@ -19,18 +19,24 @@ from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.ingest.snapshot.reader import read_snapshot
+from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import Progress, RankData, load_run
 from lorascope.rundir.schema import MANIFEST_FILE
 from lorascope.rundir.sources import MAX_FILE_BYTES, describe
 
 
 def load_bundle(
-    path: Path, kind: str | None = None, hta: bool | None = False, progress: Progress | None = None
+    path: Path,
+    kind: str | None = None,
+    hta: bool | None = False,
+    progress: Progress | None = None,
+    cluster: Cluster | None = None,
 ) -> EvidenceBundle:
     """Load PATH with everything the detectors can use.
 
     ``hta``: add HolisticTraceAnalysis figures to GPU traces (None: when installed).
     ``progress``: told how far the reading has come (rank streams, artifacts).
+    ``cluster``: where a run directory's rank streams are read (None: this machine).
     """
     if kind is not None and kind not in KINDS:
         raise UsageError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
@@ -41,7 +47,7 @@ def load_bundle(
     if kind == "rundir" and not is_run:
         raise BadInputError(f"{path} is not a lorascope run directory (no {MANIFEST_FILE})")
     if is_run and kind in (None, "rundir"):
-        _load_run(bundle, path, progress)
+        _load_run(bundle, path, progress, cluster)
     elif path.is_dir():
         if not load_files(bundle, list(walk_files(path, bundle.warnings)), kind, progress):
             raise BadInputError(
@@ -54,9 +60,9 @@ def load_bundle(
     return bundle
 
 
-def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None) -> None:
+def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, cluster: Cluster | None) -> None:
     """The run directory, and the traces and dumps its ranks wrote next to their streams."""
-    run = load_run(path, progress)
+    run = load_run(path, progress, cluster)
     bundle.run = run
     bundle.warnings.extend(run.warnings)
     for done, rank in enumerate(run.ranks.values(), 1):

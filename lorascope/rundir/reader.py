@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -21,6 +21,7 @@ from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedE
 from lorascope.rundir import columnar, limits
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
+from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.fastlines import Call, End, parse_call, parse_end
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.reduce import KEEP_WARNINGS, CollectiveLog, GroupTally, decimate, steps_per_rank, totals
@@ -661,24 +662,28 @@ def read_process(job: _Job, configured: limits.Limits) -> tuple[RankData | str, 
 
 
 def _read_all(
-    jobs: list[_Job], parallel: bool, progress: Progress | None, what: str
+    jobs: list[_Job], parallel: bool, progress: Progress | None, what: str, cluster: Cluster | None = None
 ) -> list[tuple[RankData, list[str]]]:
-    """Read every job, over a pool of worker processes when ``parallel``; in job order."""
+    """Read every job, on the cluster if given, else over a pool of worker processes when
+    ``parallel``; in job order."""
     configured = limits.current()
     out = []
     pool = None
-    if parallel:
+    if parallel and cluster is None:
         # Workers that will read a stream column-wise import polars once, at their start.
-        big = any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
         pool = ProcessPoolExecutor(
-            max_workers=min(len(jobs), os.cpu_count() or 1), initializer=columnar.available if big else None
+            max_workers=min(len(jobs), os.cpu_count() or 1), initializer=columnar.available if _big(jobs) else None
         )
     try:
-        results = (
-            (f.result() for f in [pool.submit(read_process, job, configured) for job in jobs])
-            if pool is not None
-            else (read_process(job, configured) for job in jobs)
-        )
+        if cluster is not None:
+            futures = [cluster.submit(read_process, job, configured) for job in jobs]
+            results: Iterable[tuple[RankData | str, list[str]]] = (
+                cluster.result(f, f"reading rank {job[0]}") for f, job in zip(futures, jobs, strict=True)
+            )
+        elif pool is not None:
+            results = (f.result() for f in [pool.submit(read_process, job, configured) for job in jobs])
+        else:
+            results = (read_process(job, configured) for job in jobs)
         for done, (data, warnings) in enumerate(results, 1):
             if progress is not None:
                 progress(what, done, len(jobs))
@@ -691,6 +696,11 @@ def _read_all(
     return out
 
 
+def _big(jobs: list[_Job]) -> bool:
+    """Whether some stream is long enough to be read column-wise in a worker."""
+    return any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
+
+
 def _stream_bytes(jobs: list[_Job]) -> int:
     total = 0
     for _, segs, _, _ in jobs:
@@ -700,12 +710,13 @@ def _stream_bytes(jobs: list[_Job]) -> int:
     return total
 
 
-def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
+def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
     """Load and validate a run directory. Raises BadInputError with a one-line reason.
     ``progress`` is told after each rank. Each process's stream is reduced while it is
     read (:mod:`lorascope.rundir.reduce`), by worker processes when there is enough to
-    read; the ranks are then aligned (:mod:`lorascope.rundir.align`)."""
-    run_dir = Path(path)
+    read, or by the workers of ``cluster`` (:mod:`lorascope.rundir.cluster`); the ranks
+    are then aligned (:mod:`lorascope.rundir.align`)."""
+    run_dir = Path(path) if cluster is None else Path(path).absolute()
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")
     if not run_dir.is_dir():
@@ -736,10 +747,12 @@ def load_run(path: str | Path, progress: Progress | None = None) -> RunData:
             warnings.append(len(jobs))  # where this stream's reading warnings go
             jobs.append((rank, segs, budget, None))
     parallel = len(jobs) > 1 and (os.cpu_count() or 1) > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
-    results = _read_all(jobs, parallel, progress, "reading rank streams")
+    if cluster is not None and jobs:
+        cluster.prepare(run_dir, _big(jobs))
+    results = _read_all(jobs, parallel, progress, "reading rank streams", cluster)
     flat = [w for item in warnings for w in (results[item][1] if isinstance(item, int) else [item])]
     ranks = _choose(run_dir, manifest, [data for data, _ in results], flat)
-    _align(ranks, jobs, results, parallel, progress)
+    _align(ranks, jobs, results, parallel, progress, cluster)
     return RunData(path=run_dir, manifest=manifest, ranks=ranks, warnings=flat)
 
 
@@ -777,6 +790,7 @@ def _align(
     results: list[tuple[RankData, list[str]]],
     parallel: bool,
     progress: Progress | None,
+    cluster: Cluster | None,
 ) -> None:
     """Make the ranks' reduced records comparable: one step stride for all, the
     collective windows where they differ read again in full where a rank dropped them,
@@ -790,7 +804,9 @@ def _align(
         job_of = {id(data): job for job, (data, _) in zip(jobs, results, strict=True)}
         again = [(n, (*job_of[id(ranks[n])][:3], reread[n])) for n in sorted(reread)]
         for (n, _), (data, _) in zip(
-            again, _read_all([j for _, j in again], parallel, progress, "reading divergence windows"), strict=True
+            again,
+            _read_all([j for _, j in again], parallel, progress, "reading divergence windows", cluster),
+            strict=True,
         ):
             have = {(c.group, c.seq) for c in ranks[n].collectives}
             ranks[n].collectives.extend(
