@@ -204,10 +204,11 @@ def _cpu(procs: Sequence[psutil.Process]) -> float:
     return total
 
 
-def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -> tuple[float, float, int, str]:
-    """Wall seconds, CPU seconds (the command and its workers, and the processes of a
-    local Dask cluster, ``workers``), peak RSS of the command's process tree (bytes),
-    stdout. On a shared machine the wall time moves with the load; the CPU time does not."""
+def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -> tuple[float, float, float, int, str]:
+    """Wall seconds, CPU seconds of the command and its worker processes, CPU seconds of
+    the processes of a local Dask cluster (``workers``), peak RSS of the command's process
+    tree (bytes), stdout. On a shared machine the wall time moves with the load; the CPU
+    time does not."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     cluster_cpu = _cpu(workers)
     cwd = tempfile.gettempdir()  # `python -m` puts the working directory first on sys.path
@@ -226,9 +227,9 @@ def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -
             time.sleep(0.05)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime + _cpu(workers) - cluster_cpu
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         stdout.seek(0)
-        return wall, cpu, peak, stdout.read().decode()
+        return wall, cpu, _cpu(workers) - cluster_cpu, peak, stdout.read().decode()
 
 
 def named(findings: list[dict[str, Any]], straggler: int) -> dict[str, bool]:
@@ -280,19 +281,28 @@ def main() -> int:
         wrote = time.perf_counter() - start
         size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl"))
         lorascope = [sys.executable, "-m", "lorascope"]
-        a_wall, a_cpu, a_peak, text = measure([*lorascope, "analyze", "--json", str(out), *extra], args.src, workers)
+        a_wall, a_here, a_dask, a_peak, text = measure(
+            [*lorascope, "analyze", "--json", str(out), *extra], args.src, workers
+        )
+        a_cpu = a_here + a_dask
         findings = json.loads(text)["findings"] if text.strip() else []
         html = out.parent / f"{out.name}.html"
         report = [*lorascope, "report", str(out), "-o", str(html), *extra]
-        r_wall, r_cpu, r_peak, _ = (0.0, 0.0, 0, "") if args.no_report else measure(report, args.src, workers)
+        r_wall, r_here, r_dask, r_peak, _ = (
+            (0.0, 0.0, 0.0, 0, "") if args.no_report else measure(report, args.src, workers)
+        )
+        r_cpu = r_here + r_dask
+        split = "(here {:.1f}, Dask workers {:.1f}) ".format
         page = html.stat().st_size if html.exists() else 0
         html.unlink(missing_ok=True)
         mb = size / 1e6
         print(
             f"{ranks} ranks x {args.steps} steps: {mb:,.0f} MB of streams (written in {wrote:.0f} s)\n"
-            f"  analyze: {a_wall:.1f} s wall, {a_cpu:.1f} s CPU, peak {a_peak / 2**30:.2f} GiB; "
+            f"  analyze: {a_wall:.1f} s wall, {a_cpu:.1f} s CPU {split(a_here, a_dask) if local else ''}"
+            f"peak {a_peak / 2**30:.2f} GiB; "
             f"{mb / a_wall:.1f} MB/s, {mb / a_cpu:.1f} MB per CPU-second\n"
-            f"  report:  {r_wall:.1f} s wall, {r_cpu:.1f} s CPU, peak {r_peak / 2**30:.2f} GiB, page {page / 1e6:.1f} MB\n"
+            f"  report:  {r_wall:.1f} s wall, {r_cpu:.1f} s CPU {split(r_here, r_dask) if local else ''}"
+            f"peak {r_peak / 2**30:.2f} GiB, page {page / 1e6:.1f} MB\n"
             f"  named: {named(findings, ranks // 2 + 1)}; findings: {[(f['id'], f['ranks'][:4]) for f in findings]}",
             flush=True,
         )
