@@ -109,7 +109,9 @@ def command(
         raise UsageError("give a run directory or --pid PID..., not both")
     if pids:
         diagnosis = diagnose_pids(list(pids))
-        click.echo(json.dumps(diagnosis, indent=2, sort_keys=True) if as_json else _render(diagnosis, []))
+        click.echo(
+            json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True) if as_json else _render(diagnosis, [])
+        )
         return 0
     assert run_dir is not None
     run = load_run(run_dir)

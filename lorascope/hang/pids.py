@@ -66,6 +66,7 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         "verdict": verdict,
         "fix": FIXES[kind],
         "odd_ranks": odd,
+        "first_diverged": None,  # no records of the calls made: only where each process is now
         "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
         "ranks": states,
     }

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from lorascope.rundir.reader import RankData, RunData, load_run
-from tests.helpers import LORASCOPE, free_port, job_env, torchrun
+from tests.helpers import HANG_JSON_KEYS, LORASCOPE, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,9 @@ def pending_in_job(rank: RankData, func: str) -> bool:
 def hang(out: Path, *extra: str) -> dict:
     res = subprocess.run([*LORASCOPE, "hang", str(out), "--json", *extra], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+    data = json.loads(res.stdout)
+    assert set(data) == HANG_JSON_KEYS  # as `hang --pid --json` (tests/unit/test_hang_pyspy.py)
+    return data
 
 
 def test_rank_conditional_collective(tmp_path: Path) -> None:

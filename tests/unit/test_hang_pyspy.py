@@ -16,6 +16,7 @@ import pytest
 
 from lorascope.detect.hang.diagnosis import main_thread_frame
 from lorascope.hang.collect import py_spy_dump, stacks_text
+from tests.helpers import HANG_JSON_KEYS
 
 #: A process whose main thread waits inside a function named like a collective.
 IN_COLLECTIVE = "import time\ndef all_reduce():\n    time.sleep(60)\nall_reduce()\n"
@@ -66,6 +67,7 @@ def test_hang_pid_mode_names_who_is_outside_collectives(procs: list[subprocess.P
     )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
+    assert set(data) == HANG_JSON_KEYS  # the keys of `hang RUN_DIR --json` (tests/e2e/test_hang.py)
     assert data["kind"] == "stuck-outside" and data["id"] == "hung-ranks"
     assert data["odd_ranks"] == [f"pid {procs[1].pid}"]
     assert "load_batch" in data["ranks"][1]["where"] and data["ranks"][0]["collective"] == "all_reduce"
