@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -39,15 +40,32 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-@contextlib.contextmanager
-def _terminal_to(pgid: int) -> Iterator[None]:
-    """Hand the controlling terminal (Ctrl-C, a debugger's prompt) to the job's group
-    while it runs, when this process holds it; take it back afterwards."""
-    fd = None
+def _held_terminal() -> int | None:
+    """The controlling terminal's fd (stdin), when this process's group holds it."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        candidate = sys.stdin.fileno()
-        if os.isatty(candidate) and os.tcgetpgrp(candidate) == os.getpgrp():
-            fd = candidate
+        fd = sys.stdin.fileno()
+        if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+            return fd
+    return None
+
+
+def _own_group(terminal: int | None) -> None:
+    """In the job's process, before it runs (``preexec_fn``): a process group of its own,
+    and the terminal for it. Done here and not only from this process after the start: a
+    job that reads its terminal at once (``read x``, a debugger prompt) would otherwise read
+    it from the background first and be stopped by SIGTTIN for good."""
+    os.setpgrp()
+    if terminal is not None:
+        with contextlib.suppress(OSError):
+            _set_foreground(terminal, os.getpgrp())
+
+
+@contextlib.contextmanager
+def _terminal_to(fd: int | None, pgid: int) -> Iterator[None]:
+    """Hand the controlling terminal (Ctrl-C, a debugger's prompt) to the job's group
+    while it runs, when this process held it; take it back afterwards."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
             _set_foreground(fd, pgid)
     try:
         yield
@@ -58,11 +76,13 @@ def _terminal_to(pgid: int) -> Iterator[None]:
 
 
 def _set_foreground(fd: int, pgid: int) -> None:
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not call it otherwise
+    """tcsetpgrp with SIGTTOU blocked: a background group may not call it otherwise (a
+    signal mask, not a handler: it also serves in the forked job before its exec)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
     try:
         os.tcsetpgrp(fd, pgid)
     finally:
-        signal.signal(signal.SIGTTOU, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class Job:
@@ -70,8 +90,16 @@ class Job:
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None) -> None:
         _become_subreaper()
-        # A process group of its own (Popen's process_group=0 is 3.11+).
-        self.proc: subprocess.Popen[bytes] = subprocess.Popen(cmd, env=env, preexec_fn=os.setpgrp)
+        self._terminal = _held_terminal()
+        try:
+            self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+                cmd, env=env, preexec_fn=functools.partial(_own_group, self._terminal)
+            )
+        except OSError:  # not started (no such command): the terminal back, if the child took it
+            if self._terminal is not None:
+                with contextlib.suppress(OSError):
+                    _set_foreground(self._terminal, os.getpgrp())
+            raise
         self.stops = 0
         #: The signals passed on, by name, in order (the manifest records them).
         self.forwarded: list[str] = []
@@ -109,7 +137,7 @@ class Job:
         Returns the exit status as a shell reports it (128 + N for signal N)."""
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED}
         try:
-            with _terminal_to(self.proc.pid):
+            with _terminal_to(self._terminal, self.proc.pid):
                 rc = self.proc.wait()
             self._clear_leftovers()
         finally:

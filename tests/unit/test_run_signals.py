@@ -179,3 +179,30 @@ def test_the_terminal_goes_to_the_job(tmp_path: Path) -> None:
     assert launch["exit_status"] == 128 + signal.SIGINT
     assert launch["signals"] == []  # the job had it from the terminal: nothing was passed on
     assert b"passing SIGINT" not in seen
+
+
+def test_the_job_holds_the_terminal_from_its_first_instruction() -> None:
+    """The terminal is handed over in the job's own process before it runs, not only by
+    `lorascope run` after the start: a job that reads the terminal at once (`read x`, a
+    debugger prompt) was otherwise, now and then, stopped by SIGTTIN for good (4 of 30
+    `lorascope run -- sh -c 'read x'` on a pty, before)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a job started as `lorascope run` starts it, on the pty
+        default_signals()
+        job = "import os; print('foreground', os.tcgetpgrp(0) == os.getpgrp(), flush=True)"
+        start = (
+            "import functools, subprocess, sys; from lorascope.cli.supervise import _own_group; "
+            f"sys.exit(subprocess.run([sys.executable, '-c', {job!r}], preexec_fn=functools.partial(_own_group, 0)).returncode)"
+        )
+        os.execvp(sys.executable, [sys.executable, "-c", start])
+    seen = b""
+    deadline = time.time() + 60
+    while b"foreground" not in seen or not seen.endswith(b"\n"):
+        assert time.time() < deadline, seen
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:
+                break
+    os.waitpid(pid, 0)
+    assert b"foreground True" in seen, seen
