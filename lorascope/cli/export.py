@@ -14,8 +14,10 @@ from pathlib import Path
 import click
 
 from lorascope.analysis import analyze
+from lorascope.cli.options import cluster_option
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
+from lorascope.rundir.cluster import connect
 from lorascope.text.progress import terminal_progress
 
 
@@ -49,6 +51,7 @@ def _steps(text: str) -> tuple[int, int]:
 @click.option("--from", "t_from", type=float, default=None, help="Only from this many seconds after the run began.")
 @click.option("--to", "t_to", type=float, default=None, help="Only up to this many seconds after the run began.")
 @click.option("--max-events", type=int, default=MAX_EVENTS, show_default=True, help="Write at most this many events.")
+@cluster_option
 def command(
     path: Path,
     out: Path | None,
@@ -58,6 +61,7 @@ def command(
     t_from: float | None,
     t_to: float | None,
     max_events: int,
+    cluster: str | None,
 ) -> int:
     """Export a run: as one timeline (--perfetto: a process per rank with steps, phases
     and collectives, flow arrows joining a collective across ranks, memory counters, the
@@ -66,12 +70,12 @@ def command(
     if (out is None) == (snapshot_rank is None):
         raise UsageError("give --perfetto OUT or --snapshot RANK (one of them)")
     if snapshot_rank is not None:
-        return _snapshot(path, snapshot_rank, snapshot_out or Path(f"snapshot-rank-{snapshot_rank}.pickle"))
+        return _snapshot(path, snapshot_rank, snapshot_out or Path(f"snapshot-rank-{snapshot_rank}.pickle"), cluster)
     assert out is not None
     if max_events < 1:
         raise UsageError("--max-events must be at least 1")
-    with terminal_progress(True) as progress:
-        analysis = analyze(path, progress=progress)
+    with connect(cluster) as on, terminal_progress(True) as progress:
+        analysis = analyze(path, progress=progress, cluster=on)
     run = analysis.bundle.run
     if run is None:
         raise BadInputError(f"{path}: not a lorascope run directory (export reads run directories)")
@@ -94,12 +98,12 @@ def command(
     return 0
 
 
-def _snapshot(path: Path, rank: int, out: Path) -> int:
+def _snapshot(path: Path, rank: int, out: Path, cluster: str | None) -> int:
     """Copy the rank's snapshot file (the one the analysis used: the OOM one, else the
     latest) byte for byte, after the safe reader has read it: it is already the standard
     pickle; nothing is unpickled with pickle.load."""
-    with terminal_progress(True) as progress:
-        bundle = analyze(path, progress=progress).bundle
+    with connect(cluster) as on, terminal_progress(True) as progress:
+        bundle = analyze(path, progress=progress, cluster=on).bundle
     snapshot = bundle.snapshots.get(rank)
     if snapshot is None:
         have = ", ".join(map(str, sorted(bundle.snapshots))) or "none"

@@ -67,6 +67,15 @@ def test_long_streams_and_the_report_read_on_the_cluster(scheduler: str, tmp_pat
     assert pages[1].read_bytes() == pages[0].read_bytes()
 
 
+def test_export_reads_on_the_cluster(scheduler: str, tmp_path: Path) -> None:
+    run = str(FIXTURES / "rank-conditional-hang")
+    outs = [tmp_path / "local.json", tmp_path / "remote.json"]
+    assert lorascope("export", run, "--perfetto", str(outs[0])).returncode == 0
+    done = lorascope("export", run, "--perfetto", str(outs[1]), "--cluster", scheduler)
+    assert done.returncode == 0, done.stderr
+    assert outs[1].read_bytes() == outs[0].read_bytes()
+
+
 def one_line_error(result: subprocess.CompletedProcess[str], code: int, text: str) -> None:
     assert result.returncode == code, result.stderr
     lines = result.stderr.strip().splitlines()
