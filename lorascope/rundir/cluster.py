@@ -23,8 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from lorascope import __version__
-from lorascope.errors import ClusterError, UsageError
+from lorascope.errors import BadInputError, ClusterError, UsageError
+from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import MANIFEST_FILE
+
+#: Bytes of the manifest digested (a manifest is a few KB; past this the rest is not compared).
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 @functools.cache
@@ -38,14 +42,24 @@ def reader_code() -> str:
     return f"{__version__} ({digest.hexdigest()[:12]})"
 
 
-def worker_state(run_dir: str, import_polars: bool) -> tuple[str, bool, bool]:
-    """Run on each worker: its :func:`reader_code`, whether it sees the run directory's
-    manifest at ``run_dir``, and whether polars imports (imported now, when asked: the
-    columnar reader then reads streams from 1 MB on, as a local worker pool's does)."""
+def manifest_digest(run_dir: str) -> str | None:
+    """A digest of the run directory's manifest as this machine sees it; None when it
+    cannot be read. A worker that reads a stale copy of the run, or another run at the
+    same path, sees another manifest (it holds every launch's start and end)."""
+    try:
+        with open_regular(os.path.join(run_dir, MANIFEST_FILE)) as f:
+            return hashlib.sha256(f.read(MAX_MANIFEST_BYTES)).hexdigest()
+    except (OSError, BadInputError):
+        return None
+
+
+def worker_state(run_dir: str, import_polars: bool) -> tuple[str, str | None, bool]:
+    """Run on each worker: its :func:`reader_code`, its :func:`manifest_digest` of
+    ``run_dir``, and whether polars imports (imported now, when asked: the columnar
+    reader then reads streams from 1 MB on, as a local worker pool's does)."""
     from lorascope.rundir import columnar
 
-    sees = os.path.isfile(os.path.join(run_dir, MANIFEST_FILE))
-    return reader_code(), sees, columnar.available() if import_polars else False
+    return reader_code(), manifest_digest(run_dir), columnar.available() if import_polars else False
 
 
 class Cluster:
@@ -63,7 +77,7 @@ class Cluster:
             states = self._client.run(worker_state, str(run_dir), import_polars, on_error="return")
         except Exception as exc:
             raise ClusterError(f"the Dask cluster at {self.address} did not answer: {_reason(exc)}") from None
-        check_workers(states, run_dir, self.address)
+        check_workers(states, run_dir, self.address, manifest_digest(str(run_dir)))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         return self._executor.submit(fn, *args)  # type: ignore[no-any-return]
@@ -76,9 +90,10 @@ class Cluster:
             raise ClusterError(f"the Dask cluster at {self.address} failed {what}: {_reason(exc)}") from None
 
 
-def check_workers(states: dict[str, Any], run_dir: Path, address: str) -> None:
+def check_workers(states: dict[str, Any], run_dir: Path, address: str, manifest: str | None) -> None:
     """ClusterError for the first worker whose :func:`worker_state` (or the exception it
-    raised) says it cannot read ``run_dir`` as this process would."""
+    raised) says it cannot read ``run_dir`` as this process would (``manifest``: this
+    process's :func:`manifest_digest`)."""
     if not states:
         raise ClusterError(f"the Dask cluster at {address} has no workers")
     for worker, state in sorted(states.items()):
@@ -87,15 +102,20 @@ def check_workers(states: dict[str, Any], run_dir: Path, address: str) -> None:
                 f"Dask worker {worker} cannot run lorascope ({_reason(state)}): "
                 f"install lorascope {reader_code()} on every worker"
             )
-        code, sees, _ = state
+        code, seen, _ = state
         if code != reader_code():
             raise ClusterError(
                 f"Dask worker {worker} runs lorascope {code}, this is {reader_code()}: the workers need the same lorascope"
             )
-        if not sees:
+        if seen is None:
             raise ClusterError(
                 f"Dask worker {worker} does not see {run_dir / MANIFEST_FILE}: the workers need "
                 "the run directory at the same path (a shared filesystem)"
+            )
+        if seen != manifest:
+            raise ClusterError(
+                f"Dask worker {worker} sees another {run_dir / MANIFEST_FILE} than this machine "
+                "(a stale copy, or another run at that path): the workers need this run directory"
             )
 
 

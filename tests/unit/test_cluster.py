@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.errors import ClusterError
-from lorascope.rundir.cluster import check_workers, reader_code, worker_state
+from lorascope.rundir.cluster import check_workers, manifest_digest, reader_code, worker_state
 from tests.helpers import FIXTURES, LORASCOPE, Call, RankSpec, write_run
 
 distributed = pytest.importorskip("distributed", reason="the cluster extra (Dask's distributed) is not installed")
@@ -113,16 +114,24 @@ def test_without_distributed_it_says_which_extra() -> None:
 def test_workers_that_cannot_read_the_run_are_named(tmp_path: Path) -> None:
     """What each worker reported (worker_state, run here as a worker runs it)."""
     run = FIXTURES / "healthy"
+    here = manifest_digest(str(run))
     good = worker_state(str(run), import_polars=False)
-    assert good == (reader_code(), True, False)
-    check_workers({"tcp://a:1": good, "tcp://b:1": good}, run, "tcp://s:1")
-    elsewhere = worker_state(str(tmp_path), import_polars=False)
+    assert good == (reader_code(), here, False) and here is not None
+    check_workers({"tcp://a:1": good, "tcp://b:1": good}, run, "tcp://s:1", here)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "manifest.json").write_text(
+        (run / "manifest.json").read_text().replace('"exit_status": 0', '"exit_status": 1')
+    )
+    stale = worker_state(str(copy), import_polars=False)
+    assert stale[1] not in (None, here)
     cases = {
         "has no workers": {},
-        "tcp://b:1 does not see": {"tcp://a:1": good, "tcp://b:1": elsewhere},
-        "tcp://a:1 runs lorascope 0.0.9 (0123456789ab)": {"tcp://a:1": ("0.0.9 (0123456789ab)", True, False)},
+        "tcp://b:1 does not see": {"tcp://a:1": good, "tcp://b:1": worker_state(str(tmp_path), import_polars=False)},
+        "tcp://b:1 sees another": {"tcp://a:1": good, "tcp://b:1": stale},
+        "tcp://a:1 runs lorascope 0.0.9 (0123456789ab)": {"tcp://a:1": ("0.0.9 (0123456789ab)", here, False)},
         "tcp://a:1 cannot run lorascope (ModuleNotFoundError": {"tcp://a:1": ModuleNotFoundError("lorascope")},
     }
     for said, states in cases.items():
         with pytest.raises(ClusterError, match=re.escape(said)):
-            check_workers(states, run, "tcp://s:1")
+            check_workers(states, run, "tcp://s:1", here)
