@@ -15,9 +15,9 @@ from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
-from lorascope.hang.collect import read_silent_ranks, request_dumps, wait_for_dumps
+from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
-from lorascope.hang.targets import verify
+from lorascope.hang.targets import Target, verify
 from lorascope.rundir.reader import RunData, load_run
 from lorascope.units import rank_ranges
 
@@ -37,6 +37,22 @@ def _alike(groups: list[dict[str, Any]]) -> list[tuple[str, list[Any], bool]]:
         else:
             out += [(g["where"], g["ranks"], False) for g in same]
     return out
+
+
+def _target_notes(targets: list[Target]) -> list[str]:
+    """Why ranks were not signalled: a note per rank, or per reason from MIN_ALIKE_RANKS
+    ranks on (1,024 "process gone" lines would push the verdict off the screen)."""
+    by_why: dict[str, list[Target]] = {}
+    for t in targets:
+        if not t.ours:
+            by_why.setdefault(t.why, []).append(t)
+    notes = []
+    for why, alike in by_why.items():
+        if len(alike) < MIN_ALIKE_RANKS:
+            notes += [f"rank {t.rank} (pid {t.pid}): {why}" for t in alike]
+        else:
+            notes.append(f"ranks {rank_ranges(t.rank for t in alike)} ({len(alike):,} ranks): {why}")
+    return notes
 
 
 def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
@@ -116,10 +132,14 @@ def command(
     assert run_dir is not None
     run = load_run(run_dir)
     targets = [verify(rank, run_dir) for rank in run.ranks.values()]
-    notes = [f"rank {t.rank} (pid {t.pid}): {t.why}" for t in targets if not t.ours]
-    asked = request_dumps(targets)
+    notes = _target_notes(targets)
     live = [t.rank for t in targets if t.ours and t.alive]
-    run, silent = wait_for_dumps(run_dir, live, asked, wait_s)
+    ends = stream_ends(run_dir, run, live)
+    asked = request_dumps(targets)
+    live = [t.rank for t in targets if t.ours and t.alive]  # request_dumps marks the ones gone
+    silent: list[int] = []
+    if live:  # else nothing was asked for: the run as read is the evidence (one read, not two)
+        run, silent = wait_for_dumps(run_dir, {n: ends[n] for n in live}, asked, wait_s)
     notes += read_silent_ranks(run, silent, wait_s)
     diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")

@@ -4,6 +4,7 @@ or a job not started under `lorascope run`)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -15,11 +16,15 @@ from typing import Any
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
 from lorascope.hang.targets import Target
-from lorascope.rundir.reader import RunData, load_run
-from lorascope.rundir.schema import DUMP_SIGNAL
+from lorascope.rundir.reader import RankData, RunData, load_run
+from lorascope.rundir.safe_open import open_regular
+from lorascope.rundir.schema import DUMP_SIGNAL, RANKS_DIR, STREAM_SUFFIX
 
 POLL_S = 0.2
 PY_SPY_TIMEOUT_S = 20.0
+#: What is read of a stream file's growth since the dump signal, at most (a dump record
+#: holds every thread's stack: tens of KB; the sampler adds a record every 0.5 s).
+MAX_TAIL_BYTES = 64 << 20
 
 
 def request_dumps(targets: list[Target]) -> float:
@@ -34,16 +39,70 @@ def request_dumps(targets: list[Target]) -> float:
     return asked
 
 
-def wait_for_dumps(run_dir: Path, ranks: list[int], since: float, wait_s: float) -> tuple[RunData, list[int]]:
-    """Reload the run until every rank in ``ranks`` wrote a dump after ``since`` or
-    ``wait_s`` passes; returns the run and the ranks that did not answer."""
+def stream_ends(run_dir: Path, run: RunData, ranks: list[int]) -> dict[int, dict[Path, int]]:
+    """Where each rank's stream files end now (taken before the dump signal): what a rank
+    writes after it is read from there on."""
+    return {n: {path: _size(path) for path in _stream_files(run_dir, run.ranks[n])} for n in ranks}
+
+
+def wait_for_dumps(
+    run_dir: Path, ranks: dict[int, dict[Path, int]], since: float, wait_s: float
+) -> tuple[RunData, list[int]]:
+    """Wait until every rank of ``ranks`` (its files' ends, :func:`stream_ends`) wrote a
+    dump after ``since``, or ``wait_s`` passes, then read the run once; returns it and the
+    ranks that did not answer. The wait reads only what the ranks wrote since the signal:
+    reading a large run again on every poll took longer than the wait itself, and a rank
+    read in the first instant, before its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
-    while True:
-        run = load_run(run_dir)
-        silent = [n for n in ranks if not any(float(d["t"]) >= since for d in run.ranks[n].dumps)]
-        if not silent or time.time() >= deadline:
-            return run, silent
-        time.sleep(POLL_S)
+    waiting = dict(ranks)
+    while waiting and time.time() < deadline:
+        waiting = {n: ends for n, ends in waiting.items() if not _dumped_since(run_dir, n, ends, since)}
+        if waiting:
+            time.sleep(POLL_S)
+    run = load_run(run_dir)
+    silent = [n for n in ranks if not any(float(d["t"]) >= since for d in run.ranks[n].dumps)]
+    return run, silent
+
+
+def _stream_files(run_dir: Path, rank: RankData) -> list[Path]:
+    """The segment files of the rank's process, a segment begun since included."""
+    folder = run_dir / RANKS_DIR / f"rank-{rank.rank}"
+    return sorted(folder.glob(f"{glob.escape(f'{rank.host}-{rank.pid}')}.*{STREAM_SUFFIX}"))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _dumped_since(run_dir: Path, rank: int, ends: dict[Path, int], since: float) -> bool:
+    """Whether a ``dump`` record after ``since`` is in what the rank's files gained past
+    ``ends`` (at most MAX_TAIL_BYTES of each)."""
+    folder = run_dir / RANKS_DIR / f"rank-{rank}"
+    for path in {*ends, *(p for p in folder.glob(f"*{STREAM_SUFFIX}") if p not in ends and _same_process(p, ends))}:
+        try:
+            with open_regular(path) as f:
+                f.seek(ends.get(path, 0))
+                tail = f.read(MAX_TAIL_BYTES)
+        except (OSError, BadInputError):
+            continue
+        for line in tail.split(b"\n"):
+            if b'"k":"dump"' in line or b'"k": "dump"' in line:
+                try:
+                    rec = json.loads(line)
+                    if float(rec["t"]) >= since:
+                        return True
+                except (ValueError, KeyError, TypeError, RecursionError):
+                    continue
+    return False
+
+
+def _same_process(path: Path, ends: dict[Path, int]) -> bool:
+    """Whether a segment file belongs to the process whose files ``ends`` holds."""
+    stem = path.name[: -len(STREAM_SUFFIX)].rpartition(".")[0]
+    return any(known.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] == stem for known in ends)
 
 
 def py_spy_dump(pid: int) -> str:

@@ -69,3 +69,20 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
         "rank 1     is died: RuntimeError: Connection closed by peer [10.0.0.1]:29501",
         "rank 2     is died: RuntimeError: Connection closed by peer [10.0.0.2]:29502",
     ]
+
+
+def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
+    """1,024 "process gone" lines would push the verdict off the screen."""
+    from lorascope.cli.hang import _target_notes
+    from lorascope.hang.targets import Target
+
+    gone = [Target(n, 100 + n, alive=False, ours=False, why="process gone") for n in range(1024)]
+    elsewhere = [
+        Target(n, 9000 + n, alive=True, ours=False, why="on host b: run `lorascope hang` there") for n in (1024, 1025)
+    ]
+    mine = [Target(1026, 77, alive=True, ours=True, why="verified")]
+    assert _target_notes([*gone, *elsewhere, *mine]) == [
+        "ranks 0-1023 (1,024 ranks): process gone",
+        "rank 1024 (pid 10024): on host b: run `lorascope hang` there",
+        "rank 1025 (pid 10025): on host b: run `lorascope hang` there",
+    ]

@@ -1,0 +1,58 @@
+"""`lorascope hang` waits for the ranks' dumps by reading only what their streams gained
+since the signal, then reads the run once: a dump flushed a moment after the signal
+counts (a rank is not called silent because its stream was read too early), a dump in a
+segment begun since counts, one from before the signal does not."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from lorascope.hang.collect import stream_ends, wait_for_dumps
+from lorascope.rundir.reader import load_run
+from tests.helpers import RankSpec, write_run
+
+
+def dump_line(t: float) -> str:
+    rec = {"reason": "request", "step": 4, "stacks": "Thread MainThread:\n", "pending": [], "k": "dump", "t": t}
+    return json.dumps(rec, separators=(",", ":")) + "\n"
+
+
+def append(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def test_a_dump_written_after_the_signal_is_waited_for(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
+    run = load_run(run_dir)
+    streams = {n: sorted((run_dir / "ranks" / f"rank-{n}").glob("*.jsonl")) for n in (0, 1)}
+    append(streams[1][0], dump_line(time.time() - 60))  # an old dump: not an answer
+    ends = stream_ends(run_dir, run, [0, 1])
+    since = time.time()
+    append(streams[0][0], dump_line(since + 0.01))
+    # rank 1 answers 0.5 s later, in a segment it began since
+    later = threading.Timer(
+        0.5, append, (streams[1][0].with_name(streams[1][0].name.replace(".0000.", ".0001.")), dump_line(since + 0.5))
+    )
+    later.start()
+    started = time.time()
+    run, silent = wait_for_dumps(run_dir, ends, since, wait_s=20)
+    later.join()
+    assert silent == []
+    assert time.time() - started < 10  # it returned once both answered, not at the deadline
+    assert [d["t"] >= since for d in run.ranks[1].dumps] == [False, True]
+
+
+def test_a_rank_that_does_not_answer_is_silent_after_the_wait(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
+    run = load_run(run_dir)
+    ends = stream_ends(run_dir, run, [0, 1])
+    since = time.time()
+    append(sorted((run_dir / "ranks" / "rank-0").glob("*.jsonl"))[0], dump_line(since + 0.01))
+    started = time.time()
+    _, silent = wait_for_dumps(run_dir, ends, since, wait_s=1.0)
+    assert silent == [1]
+    assert time.time() - started >= 1.0
