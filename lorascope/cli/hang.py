@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from lorascope.analysis import of_run
+from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hung_ranks import hang_finding
@@ -18,6 +19,7 @@ from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import Target, verify
+from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import RunData, load_run
 from lorascope.units import rank_ranges
 
@@ -116,8 +118,15 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     help="Where to write the HTML report (default: RUN_DIR/hang-<time>.html).",
 )
 @click.option("--no-html", is_flag=True, help="Write no HTML report.")
+@cluster_option
 def command(
-    run_dir: Path | None, pids: tuple[int, ...], wait_s: float, as_json: bool, html: Path | None, no_html: bool
+    run_dir: Path | None,
+    pids: tuple[int, ...],
+    wait_s: float,
+    as_json: bool,
+    html: Path | None,
+    no_html: bool,
+    cluster: str | None,
 ) -> int:
     """Diagnose a hung job now: dump every rank's stacks and pending collectives (the job
     keeps running), then say which rank diverged where, and the fix."""
@@ -130,16 +139,17 @@ def command(
         )
         return 0
     assert run_dir is not None
-    run = load_run(run_dir)
-    targets = [verify(rank, run_dir) for rank in run.ranks.values()]
-    notes = _target_notes(targets)
-    live = [t.rank for t in targets if t.ours and t.alive]
-    ends = stream_ends(run_dir, run, live)
-    asked = request_dumps(targets)
-    live = [t.rank for t in targets if t.ours and t.alive]  # request_dumps marks the ones gone
-    silent: list[int] = []
-    if live:  # else nothing was asked for: the run as read is the evidence (one read, not two)
-        run, silent = wait_for_dumps(run_dir, {n: ends[n] for n in live}, asked, wait_s)
+    with connect(cluster) as on:
+        run = load_run(run_dir, cluster=on)
+        targets = [verify(rank, run_dir) for rank in run.ranks.values()]
+        notes = _target_notes(targets)
+        live = [t.rank for t in targets if t.ours and t.alive]
+        ends = stream_ends(run_dir, run, live)
+        asked = request_dumps(targets)
+        live = [t.rank for t in targets if t.ours and t.alive]  # request_dumps marks the ones gone
+        silent: list[int] = []
+        if live:  # else nothing was asked for: the run as read is the evidence (one read, not two)
+            run, silent = wait_for_dumps(run_dir, {n: ends[n] for n in live}, asked, wait_s, on)
     notes += read_silent_ranks(run, silent, wait_s)
     diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")

@@ -16,6 +16,7 @@ from typing import Any
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
 from lorascope.hang.targets import Target
+from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import RankData, RunData, load_run
 from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import DUMP_SIGNAL, RANKS_DIR, STREAM_SUFFIX
@@ -46,11 +47,11 @@ def stream_ends(run_dir: Path, run: RunData, ranks: list[int]) -> dict[int, dict
 
 
 def wait_for_dumps(
-    run_dir: Path, ranks: dict[int, dict[Path, int]], since: float, wait_s: float
+    run_dir: Path, ranks: dict[int, dict[Path, int]], since: float, wait_s: float, cluster: Cluster | None = None
 ) -> tuple[RunData, list[int]]:
     """Wait until every rank of ``ranks`` (its files' ends, :func:`stream_ends`) wrote a
-    dump after ``since``, or ``wait_s`` passes, then read the run once; returns it and the
-    ranks that did not answer. The wait reads only what the ranks wrote since the signal:
+    dump after ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``,
+    if given); returns it and the ranks that did not answer. The wait reads only what the ranks wrote since the signal:
     reading a large run again on every poll took longer than the wait itself, and a rank
     read in the first instant, before its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
@@ -59,7 +60,7 @@ def wait_for_dumps(
         waiting = {n: ends for n, ends in waiting.items() if not _dumped_since(run_dir, n, ends, since)}
         if waiting:
             time.sleep(POLL_S)
-    run = load_run(run_dir)
+    run = load_run(run_dir, cluster=cluster)
     silent = [n for n in ranks if not any(float(d["t"]) >= since for d in run.ranks[n].dumps)]
     return run, silent
 

@@ -77,6 +77,15 @@ def test_export_reads_on_the_cluster(scheduler: str, tmp_path: Path) -> None:
     assert outs[1].read_bytes() == outs[0].read_bytes()
 
 
+def test_hang_reads_on_the_cluster(scheduler: str) -> None:
+    run = str(FIXTURES / "hung-ranks")  # its ranks are long gone: nothing is signalled
+    args = ["hang", run, "--json", "--no-html", "--wait", "0"]
+    local = lorascope(*args)
+    remote = lorascope(*args, "--cluster", scheduler)
+    assert local.returncode == remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and '"stuck-outside"' in remote.stdout
+
+
 def one_line_error(result: subprocess.CompletedProcess[str], code: int, text: str) -> None:
     assert result.returncode == code, result.stderr
     lines = result.stderr.strip().splitlines()
