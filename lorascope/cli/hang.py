@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import Target, verify
+from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
-from lorascope.rundir.reader import RunData, load_run
+from lorascope.rundir.reader import RunData
 from lorascope.units import rank_ranges
 
 
@@ -139,19 +141,21 @@ def command(
         )
         return 0
     assert run_dir is not None
+    # The processes to signal, from each stream's first record (the whole run is read once,
+    # after the dumps: on a large run a read takes minutes).
+    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
+    ends = stream_ends(run_dir, [t for t in targets if t.ours and t.alive])
+    asked = request_dumps(targets)
     with connect(cluster) as on:
-        run = load_run(run_dir, cluster=on)
-        targets = [verify(rank, run_dir) for rank in run.ranks.values()]
-        notes = _target_notes(targets)
-        live = [t.rank for t in targets if t.ours and t.alive]
-        ends = stream_ends(run_dir, run, live)
-        asked = request_dumps(targets)
-        live = [t.rank for t in targets if t.ours and t.alive]  # request_dumps marks the ones gone
-        silent: list[int] = []
-        if live:  # else nothing was asked for: the run as read is the evidence (one read, not two)
-            run, silent = wait_for_dumps(run_dir, {n: ends[n] for n in live}, asked, wait_s, on)
+        run, silent = wait_for_dumps(
+            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in targets if t.ours and t.alive}, asked, wait_s, on
+        )
+    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
+    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
+    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
+    notes = _target_notes(mine)
     notes += read_silent_ranks(run, silent, wait_s)
-    diagnosis = diagnose(run, {t.rank: t.alive for t in targets})
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine})
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:
         if out is not None:

@@ -17,7 +17,7 @@ from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
 from lorascope.hang.targets import Target
 from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import RankData, RunData, load_run
+from lorascope.rundir.reader import RunData, load_run
 from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import DUMP_SIGNAL, RANKS_DIR, STREAM_SUFFIX
 
@@ -28,11 +28,17 @@ PY_SPY_TIMEOUT_S = 20.0
 MAX_TAIL_BYTES = 64 << 20
 
 
+#: A process of the run: (host, pid).
+Process = tuple[str, int]
+
+
 def request_dumps(targets: list[Target]) -> float:
-    """Signal every verified rank; returns the time the request was made."""
+    """Signal every verified process (once each); returns the time the request was made."""
     asked = time.time()
+    signalled: set[Process] = set()
     for target in targets:
-        if target.ours:
+        if target.ours and (target.host, target.pid) not in signalled:
+            signalled.add((target.host, target.pid))
             try:
                 os.kill(target.pid, DUMP_SIGNAL)
             except ProcessLookupError:
@@ -40,35 +46,39 @@ def request_dumps(targets: list[Target]) -> float:
     return asked
 
 
-def stream_ends(run_dir: Path, run: RunData, ranks: list[int]) -> dict[int, dict[Path, int]]:
-    """Where each rank's stream files end now (taken before the dump signal): what a rank
+def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, dict[Path, int]]:
+    """Where each process's stream files end now (taken before the dump signal): what it
     writes after it is read from there on."""
-    return {n: {path: _size(path) for path in _stream_files(run_dir, run.ranks[n])} for n in ranks}
+    ends: dict[Process, dict[Path, int]] = {}
+    for t in targets:
+        folder = run_dir / RANKS_DIR / f"rank-{t.rank}"
+        files = sorted(folder.glob(f"{glob.escape(f'{t.host}-{t.pid}')}.*{STREAM_SUFFIX}"))
+        ends[(t.host, t.pid)] = {path: _size(path) for path in files}
+    return ends
 
 
 def wait_for_dumps(
-    run_dir: Path, ranks: dict[int, dict[Path, int]], since: float, wait_s: float, cluster: Cluster | None = None
+    run_dir: Path, ends: dict[Process, dict[Path, int]], since: float, wait_s: float, cluster: Cluster | None = None
 ) -> tuple[RunData, list[int]]:
-    """Wait until every rank of ``ranks`` (its files' ends, :func:`stream_ends`) wrote a
-    dump after ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``,
-    if given); returns it and the ranks that did not answer. The wait reads only what the ranks wrote since the signal:
-    reading a large run again on every poll took longer than the wait itself, and a rank
-    read in the first instant, before its dump was flushed, was then reported silent."""
+    """Wait until every process of ``ends`` (its files' ends, :func:`stream_ends`) wrote
+    a dump after ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``,
+    if given); returns it and the ranks whose process was asked and did not answer. The
+    wait reads only what the processes wrote since the signal: reading a large run again
+    on every poll took longer than the wait itself, and a rank read in the first instant,
+    before its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
-    waiting = dict(ranks)
+    waiting = dict(ends)
     while waiting and time.time() < deadline:
-        waiting = {n: ends for n, ends in waiting.items() if not _dumped_since(run_dir, n, ends, since)}
+        waiting = {key: files for key, files in waiting.items() if not _dumped_since(files, since)}
         if waiting:
             time.sleep(POLL_S)
     run = load_run(run_dir, cluster=cluster)
-    silent = [n for n in ranks if not any(float(d["t"]) >= since for d in run.ranks[n].dumps)]
+    silent = [
+        n
+        for n, rank in run.ranks.items()
+        if (rank.host, rank.pid) in ends and not any(float(d["t"]) >= since for d in rank.dumps)
+    ]
     return run, silent
-
-
-def _stream_files(run_dir: Path, rank: RankData) -> list[Path]:
-    """The segment files of the rank's process, a segment begun since included."""
-    folder = run_dir / RANKS_DIR / f"rank-{rank.rank}"
-    return sorted(folder.glob(f"{glob.escape(f'{rank.host}-{rank.pid}')}.*{STREAM_SUFFIX}"))
 
 
 def _size(path: Path) -> int:
@@ -78,11 +88,16 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _dumped_since(run_dir: Path, rank: int, ends: dict[Path, int], since: float) -> bool:
-    """Whether a ``dump`` record after ``since`` is in what the rank's files gained past
-    ``ends`` (at most MAX_TAIL_BYTES of each)."""
-    folder = run_dir / RANKS_DIR / f"rank-{rank}"
-    for path in {*ends, *(p for p in folder.glob(f"*{STREAM_SUFFIX}") if p not in ends and _same_process(p, ends))}:
+def _dumped_since(ends: dict[Path, int], since: float) -> bool:
+    """Whether a ``dump`` record after ``since`` is in what one process's files gained past
+    ``ends`` (at most MAX_TAIL_BYTES of each), a segment begun since included."""
+    stems = {path.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] for path in ends}
+    folders = {path.parent for path in ends}
+    begun = {
+        p for folder in folders for p in folder.glob(f"*{STREAM_SUFFIX}")
+        if p not in ends and p.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] in stems
+    }  # fmt: skip
+    for path in [*ends, *sorted(begun)]:
         try:
             with open_regular(path) as f:
                 f.seek(ends.get(path, 0))
@@ -92,18 +107,11 @@ def _dumped_since(run_dir: Path, rank: int, ends: dict[Path, int], since: float)
         for line in tail.split(b"\n"):
             if b'"k":"dump"' in line or b'"k": "dump"' in line:
                 try:
-                    rec = json.loads(line)
-                    if float(rec["t"]) >= since:
+                    if float(json.loads(line)["t"]) >= since:
                         return True
                 except (ValueError, KeyError, TypeError, RecursionError):
                     continue
     return False
-
-
-def _same_process(path: Path, ends: dict[Path, int]) -> bool:
-    """Whether a segment file belongs to the process whose files ``ends`` holds."""
-    stem = path.name[: -len(STREAM_SUFFIX)].rpartition(".")[0]
-    return any(known.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] == stem for known in ends)
 
 
 def py_spy_dump(pid: int) -> str:

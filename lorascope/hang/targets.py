@@ -12,10 +12,10 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from lorascope.rundir.reader import RankData
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 
 #: Clock slack between the process's start time (/proc, 10 ms ticks) and its first record.
@@ -24,8 +24,11 @@ START_SLACK_S = 1.0
 
 @dataclass
 class Target:
+    """A process of the run (its stream's ``start`` record) and whether it may be signalled."""
+
     rank: int
     pid: int
+    host: str
     alive: bool
     ours: bool
     why: str
@@ -45,29 +48,40 @@ def _of_run(env: dict[str, str], run_dir: Path) -> bool:
     )
 
 
-def verify(rank: RankData, run_dir: Path) -> Target:
-    """Whether ``rank``'s recorded pid is alive and still that rank's process."""
-    pid = rank.pid
-    if rank.host != socket.gethostname():
-        return Target(rank.rank, pid, alive=True, ours=False, why=f"on host {rank.host}: run `lorascope hang` there")
+def verify(start: dict[str, Any], run_dir: Path) -> Target:
+    """Whether the process a stream's ``start`` record names (rank, pid, host, t) is alive
+    and still that process."""
+    rank, pid, host, started = start.get("rank"), start.get("pid"), start.get("host"), start.get("t")
+    if not (_whole(rank) and _whole(pid) and pid and isinstance(host, str) and isinstance(started, int | float)):
+        return Target(-1, -1, str(host), alive=False, ours=False, why="an unreadable start record: not signalled")
+    assert isinstance(rank, int) and isinstance(pid, int)
+    if host != socket.gethostname():
+        return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: run `lorascope hang` there")
     try:
         proc = psutil.Process(pid)
         created = proc.create_time()
         env = proc.environ()
     except psutil.NoSuchProcess:
-        return Target(rank.rank, pid, alive=False, ours=False, why="process gone")
+        return Target(rank, pid, host, alive=False, ours=False, why="process gone")
     except (psutil.AccessDenied, psutil.ZombieProcess) as exc:
-        return Target(rank.rank, pid, alive=True, ours=False, why=f"cannot check it: {exc.__class__.__name__}")
+        return Target(rank, pid, host, alive=True, ours=False, why=f"cannot check it: {exc.__class__.__name__}")
+    except (ValueError, OverflowError):  # a pid no process can have
+        return Target(rank, pid, host, alive=False, ours=False, why="process gone")
     if not _of_run(env, run_dir):
         return Target(
-            rank.rank,
+            rank,
             pid,
+            host,
             alive=False,
             ours=False,
             why="pid now belongs to another process (not this run's): not signalled",
         )
-    if created > float(rank.start["t"]) + START_SLACK_S:
+    if created > float(started) + START_SLACK_S:
         return Target(
-            rank.rank, pid, alive=False, ours=False, why="pid was reused after the rank started: not signalled"
+            rank, pid, host, alive=False, ours=False, why="pid was reused after the rank started: not signalled"
         )
-    return Target(rank.rank, pid, alive=True, ours=True, why="verified")
+    return Target(rank, pid, host, alive=True, ours=True, why="verified")
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -76,11 +76,12 @@ def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
     from lorascope.cli.hang import _target_notes
     from lorascope.hang.targets import Target
 
-    gone = [Target(n, 100 + n, alive=False, ours=False, why="process gone") for n in range(1024)]
+    gone = [Target(n, 100 + n, "a", alive=False, ours=False, why="process gone") for n in range(1024)]
     elsewhere = [
-        Target(n, 9000 + n, alive=True, ours=False, why="on host b: run `lorascope hang` there") for n in (1024, 1025)
+        Target(n, 9000 + n, "b", alive=True, ours=False, why="on host b: run `lorascope hang` there")
+        for n in (1024, 1025)
     ]
-    mine = [Target(1026, 77, alive=True, ours=True, why="verified")]
+    mine = [Target(1026, 77, "a", alive=True, ours=True, why="verified")]
     assert _target_notes([*gone, *elsewhere, *mine]) == [
         "ranks 0-1023 (1,024 ranks): process gone",
         "rank 1024 (pid 10024): on host b: run `lorascope hang` there",

@@ -11,8 +11,14 @@ import time
 from pathlib import Path
 
 from lorascope.hang.collect import stream_ends, wait_for_dumps
-from lorascope.rundir.reader import load_run
+from lorascope.hang.targets import Target
+from lorascope.rundir.attachments import attached_processes
 from tests.helpers import RankSpec, write_run
+
+
+def processes(run_dir: Path) -> list[Target]:
+    """The run's processes, as `lorascope hang` finds them (here: taken as verified)."""
+    return [Target(s["rank"], s["pid"], s["host"], alive=True, ours=True, why="") for s in attached_processes(run_dir)]
 
 
 def dump_line(t: float) -> str:
@@ -27,10 +33,9 @@ def append(path: Path, text: str) -> None:
 
 def test_a_dump_written_after_the_signal_is_waited_for(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
-    run = load_run(run_dir)
     streams = {n: sorted((run_dir / "ranks" / f"rank-{n}").glob("*.jsonl")) for n in (0, 1)}
     append(streams[1][0], dump_line(time.time() - 60))  # an old dump: not an answer
-    ends = stream_ends(run_dir, run, [0, 1])
+    ends = stream_ends(run_dir, processes(run_dir))
     since = time.time()
     append(streams[0][0], dump_line(since + 0.01))
     # rank 1 answers 0.5 s later, in a segment it began since
@@ -48,8 +53,7 @@ def test_a_dump_written_after_the_signal_is_waited_for(tmp_path: Path) -> None:
 
 def test_a_rank_that_does_not_answer_is_silent_after_the_wait(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
-    run = load_run(run_dir)
-    ends = stream_ends(run_dir, run, [0, 1])
+    ends = stream_ends(run_dir, processes(run_dir))
     since = time.time()
     append(sorted((run_dir / "ranks" / "rank-0").glob("*.jsonl"))[0], dump_line(since + 0.01))
     started = time.time()
