@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from lorascope.hang.targets import Target
 from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import RunData, load_run
 from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import DUMP_SIGNAL, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.schema import DUMP_SIGNAL, STREAM_SUFFIX
+from lorascope.rundir.writer import stream_prefix
 
 POLL_S = 0.2
 PY_SPY_TIMEOUT_S = 20.0
@@ -46,26 +48,38 @@ def request_dumps(targets: list[Target]) -> float:
     return asked
 
 
-def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, dict[Path, int]]:
+@dataclass(frozen=True)
+class Grown:
+    """A process's stream files (``ends``: where each ended before the dump signal) and
+    the prefix its segments share, for a segment begun since."""
+
+    prefix: Path
+    ends: dict[Path, int]
+
+    def segments(self) -> list[Path]:
+        return sorted(self.prefix.parent.glob(f"{glob.escape(self.prefix.name)}.*{STREAM_SUFFIX}"))
+
+
+def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, Grown]:
     """Where each process's stream files end now (taken before the dump signal): what it
     writes after it is read from there on."""
-    ends: dict[Process, dict[Path, int]] = {}
+    ends: dict[Process, Grown] = {}
     for t in targets:
-        folder = run_dir / RANKS_DIR / f"rank-{t.rank}"
-        files = sorted(folder.glob(f"{glob.escape(f'{t.host}-{t.pid}')}.*{STREAM_SUFFIX}"))
-        ends[(t.host, t.pid)] = {path: _size(path) for path in files}
+        files = Grown(stream_prefix(run_dir, t.rank, t.host, t.pid), {})
+        files.ends.update((path, _size(path)) for path in files.segments())
+        ends[(t.host, t.pid)] = files
     return ends
 
 
 def wait_for_dumps(
-    run_dir: Path, ends: dict[Process, dict[Path, int]], since: float, wait_s: float, cluster: Cluster | None = None
+    run_dir: Path, ends: dict[Process, Grown], since: float, wait_s: float, cluster: Cluster | None = None
 ) -> tuple[RunData, list[int]]:
-    """Wait until every process of ``ends`` (its files' ends, :func:`stream_ends`) wrote
-    a dump after ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``,
-    if given); returns it and the ranks whose process was asked and did not answer. The
-    wait reads only what the processes wrote since the signal: reading a large run again
-    on every poll took longer than the wait itself, and a rank read in the first instant,
-    before its dump was flushed, was then reported silent."""
+    """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump after
+    ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``, if given);
+    returns it and the ranks whose process was asked and did not answer. The wait reads
+    only what the processes wrote since the signal: reading a large run again on every
+    poll took longer than the wait itself, and a rank read in the first instant, before
+    its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
     waiting = dict(ends)
     while waiting and time.time() < deadline:
@@ -88,19 +102,13 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _dumped_since(ends: dict[Path, int], since: float) -> bool:
-    """Whether a ``dump`` record after ``since`` is in what one process's files gained past
-    ``ends`` (at most MAX_TAIL_BYTES of each), a segment begun since included."""
-    stems = {path.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] for path in ends}
-    folders = {path.parent for path in ends}
-    begun = {
-        p for folder in folders for p in folder.glob(f"*{STREAM_SUFFIX}")
-        if p not in ends and p.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] in stems
-    }  # fmt: skip
-    for path in [*ends, *sorted(begun)]:
+def _dumped_since(files: Grown, since: float) -> bool:
+    """Whether a ``dump`` record after ``since`` is in what one process's files gained
+    past their ends (at most MAX_TAIL_BYTES of each), a segment begun since included."""
+    for path in files.segments():
         try:
             with open_regular(path) as f:
-                f.seek(ends.get(path, 0))
+                f.seek(files.ends.get(path, 0))
                 tail = f.read(MAX_TAIL_BYTES)
         except (OSError, BadInputError):
             continue
