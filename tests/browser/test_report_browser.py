@@ -152,9 +152,48 @@ def test_memory_chart_switches_between_the_recorded_figures(browser: Any, tmp_pa
     page.close()
 
 
+def _heat_cell(page: Any, column: int, row: int) -> dict[str, float]:
+    """Where a cell of the step-time heatmap is: its centre in the page, in the chart's
+    canvas pixels."""
+    at: dict[str, float] = page.evaluate(
+        """([c, r]) => {
+        const el = document.getElementById('chart-step-heatmap');
+        el.scrollIntoView({block: 'center'});
+        const [x, y] = echarts.getInstanceByDom(el).convertToPixel({gridIndex: 0}, [c, r]);
+        const box = el.getBoundingClientRect(), ratio = window.devicePixelRatio || 1;
+        return {x: box.left + x, y: box.top + y, cx: x * ratio, cy: y * ratio};
+    }""",
+        [column, row],
+    )
+    return at
+
+
+def _heat_pixel(page: Any, column: int, row: int) -> list[int] | None:
+    """The RGB painted at the centre of a cell of the step-time heatmap (None: nothing)."""
+    at = _heat_cell(page, column, row)
+    rgba: list[int] = page.evaluate(
+        """([x, y]) => {
+        const canvas = document.querySelector('#chart-step-heatmap canvas');
+        return Array.from(canvas.getContext('2d').getImageData(Math.round(x), Math.round(y), 1, 1).data);
+    }""",
+        [at["cx"], at["cy"]],
+    )
+    return rgba[:3] if rgba[3] else None
+
+
+def _hover_heat(page: Any, column: int, row: int) -> str:
+    """The tip shown with the mouse over a cell of the step-time heatmap."""
+    at = _heat_cell(page, column, row)
+    page.mouse.move(at["x"], at["y"])
+    tip = page.locator("#chart-step-heatmap .heatmap-tip")
+    tip.wait_for(state="visible", timeout=5_000)
+    return str(tip.inner_text())
+
+
 def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Path) -> None:
-    """Above the lines cutoff: bands with the straggler drawn and named, heatmaps whose hover
-    names the rank and the steps, the collective chart bounded; nothing logged, nothing fetched."""
+    """Above the lines cutoff: bands with the straggler drawn and named, heatmaps painted cell
+    by cell whose hover names the rank and the steps (zoomed too) and whose legend range hides
+    cells, the collective chart bounded; nothing logged, nothing fetched."""
     ranks = 40
     bundle = load_bundle(write_run(tmp_path / "run", [RankSpec(steps=3) for _ in range(ranks)]))
     steps = range(1, 1201)
@@ -189,18 +228,27 @@ def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Pat
     }""")
     assert "steps 1–3 · 40 ranks" in band_tip and "max: 0.30" in band_tip and "(rank 17)" in band_tip, band_tip
     assert "rank 17 (outlier, z" in band_tip, band_tip
-    # hover a heatmap cell: the tooltip names the rank and the step range
-    tip = page.evaluate("""() => {
-        const el = document.getElementById('chart-step-heatmap');
-        const chart = echarts.getInstanceByDom(el);
-        const data = chart.getOption().series[0].data;
-        const i = data.findIndex(d => d[1] === 17);
-        chart.dispatchAction({type: 'showTip', seriesIndex: 0, dataIndex: i});
-        return el.querySelector('div:last-child').innerText;
-    }""")
+    # the cells are painted on the grid: the straggler's row in the ramp's top colour, a
+    # rank at the minimum in its lightest
     columns = page.evaluate(
         "JSON.parse(document.getElementById('report-data').textContent).spread.step_time.heatmap.columns"
     )
-    assert "rank 17" in tip and f"steps 1–{columns[0][1]}" in tip and "step time" in tip, tip
+    assert _heat_pixel(page, 0, 17) == [0xD6, 0x27, 0x28], _heat_pixel(page, 0, 17)
+    assert min(_heat_pixel(page, 0, 16) or [0]) > 0xD0, _heat_pixel(page, 0, 16)
+    # hover a cell with the mouse: the tip names the rank, the step range and the value
+    tip = _hover_heat(page, 0, 17)
+    assert "rank 17" in tip and f"steps 1–{columns[0][1]}" in tip and "step time: 0.30" in tip, tip
+    # zoomed to later steps, the first column shown is painted and named as that range
+    page.evaluate("""() => echarts.getInstanceByDom(document.getElementById('chart-step-heatmap'))
+        .dispatchAction({type: 'dataZoom', startValue: 5, endValue: 9})""")
+    tip = _hover_heat(page, 5, 16)
+    assert "rank 16" in tip and f"steps {columns[5][0]}–{columns[5][1]}" in tip, tip
+    assert min(_heat_pixel(page, 5, 16) or [0]) > 0xD0 and _heat_pixel(page, 5, 17) == [0xD6, 0x27, 0x28]
+    # the legend's range leaves the straggler out: its cells are no longer painted
+    page.evaluate("""() => echarts.getInstanceByDom(document.getElementById('chart-step-heatmap'))
+        .dispatchAction({type: 'selectDataRange', selected: [0, 0.25]})""")
+    assert _heat_pixel(page, 5, 17) is None and min(_heat_pixel(page, 5, 16) or [0]) > 0xD0
+    page.mouse.move(2, 2)
+    assert page.locator("#chart-step-heatmap .heatmap-tip").is_hidden()
     assert int(page.locator("#chart-step-heatmap").get_attribute("data-points") or 0) == ranks * len(columns)
     page.close()

@@ -1,5 +1,6 @@
 /* lorascope report: draws the charts from the JSON embedded in the page.
- * Strings from the run reach the page only as canvas text or through esc() in tooltips.
+ * Strings from the run reach the page only as canvas text, through esc() in tooltips, or as
+ * text nodes (the heatmaps' hover).
  * Each drawn chart gets data-points (how many data points it shows); window.lorascopeReport
  * lists the charts once all are drawn, with the milliseconds each took, and <body> gets
  * data-charts-drawn (the browser tests and benchmarks/report_scale.py wait for it). */
@@ -349,33 +350,88 @@
   }
 
   // Ranks (rows; consecutive ranks share a row when there are many) by step ranges (columns).
+  // A heatmap's cells are painted on one canvas (an image in the chart's grid, painted again
+  // on zoom), not as one ECharts element each: at 128 x 58 cells that took 100-250 ms a chart.
+  var RAMP = [[0xf7, 0xfb, 0xff], [0x6b, 0xae, 0xd6], [0x08, 0x30, 0x6b], [0xd6, 0x27, 0x28]];
+  function rampColor(t) {
+    var x = Math.min(Math.max(t, 0), 1) * (RAMP.length - 1), i = Math.min(Math.floor(x), RAMP.length - 2), f = x - i;
+    var c = RAMP[i].map(function (a, j) { return Math.round(a + (RAMP[i + 1][j] - a) * f); });
+    return "rgb(" + c.join(",") + ")";
+  }
   function heatmapChart(id, hm, name, fmt) {
     var el = document.getElementById(id);
     if (!el) { return; }
     el.style.height = Math.min(640, Math.max(180, hm.rows.length * 14 + 110)) + "px";
     var rowName = function (r) { return r[0] === r[1] ? "rank " + r[0] : "ranks " + r[0] + "–" + r[1]; };
     var colName = function (c) { return c[0] === c[1] ? "step " + c[0] : "steps " + c[0] + "–" + c[1]; };
-    var n = hm.columns.length, cells = [];
-    hm.values.forEach(function (v, k) { if (v != null) { cells.push([k % n, Math.floor(k / n), v, k]); } });
+    var n = hm.columns.length, rows = hm.rows.length, cells = 0;
+    var hi = hm.max > hm.min ? hm.max : hm.min + 1e-9, shown = [hm.min, hi];
+    var colors = hm.values.map(function (v) { if (v == null) { return null; } cells++; return rampColor((v - hm.min) / (hi - hm.min)); });
+    function paint(params, api) {
+      var box = params.coordSys, ratio = window.devicePixelRatio || 1;
+      var origin = api.coord([0, 0]), size = api.size([1, 1]), w = size[0], h = size[1];
+      var canvas = document.createElement("canvas");
+      canvas.width = Math.max(1, Math.round(box.width * ratio));
+      canvas.height = Math.max(1, Math.round(box.height * ratio));
+      var ctx = canvas.getContext("2d");
+      ctx.scale(ratio, ratio);
+      var left = origin[0] - w / 2 - box.x, top = origin[1] - h / 2 - box.y;
+      var c0 = Math.max(0, Math.floor(-left / w)), c1 = Math.min(n - 1, Math.ceil((box.width - left) / w));
+      for (var r = 0; r < rows; r++) {
+        var y = top + r * h;
+        for (var c = c0; c <= c1; c++) {
+          var k = r * n + c, v = hm.values[k];
+          if (v == null || v < shown[0] || v > shown[1]) { continue; }
+          ctx.fillStyle = colors[k];
+          // cells overlap by a pixel's fraction so that no seam shows between them
+          ctx.fillRect(left + c * w, y, w + 0.5, h + 0.5);
+        }
+      }
+      return { type: "image", silent: true, style: { image: canvas, x: box.x, y: box.y, width: box.width, height: box.height } };
+    }
     draw(id, base({
       legend: { show: false },
       toolbox: { show: false },
+      tooltip: { show: false },
       grid: { left: 96, right: 140, top: 16, bottom: 62 },
-      tooltip: { trigger: "item", confine: true, formatter: function (p) {
-        var c = p.value, row = hm.rows[c[1]];
-        var who = hm.who ? " (highest: rank " + hm.who[c[3]] + ")" : "";
-        return esc(rowName(row) + who) + "<br>" + esc(colName(hm.columns[c[0]])) + "<br>" + esc(name + ": " + fmt(c[2]));
-      } },
       xAxis: { type: "category", data: hm.columns.map(function (c) { return c[0] === c[1] ? String(c[0]) : c[0] + "–" + c[1]; }),
                name: "step", nameLocation: "middle", nameGap: 26, splitArea: { show: false } },
       yAxis: { type: "category", data: hm.rows.map(rowName), inverse: true, axisLabel: { fontSize: 10 } },
-      visualMap: { type: "continuous", min: hm.min, max: hm.max > hm.min ? hm.max : hm.min + 1e-9, dimension: 2, calculable: true,
+      visualMap: { type: "continuous", min: hm.min, max: hi, calculable: true, seriesIndex: [],
                    orient: "vertical", right: 40, top: "middle", itemHeight: 120, precision: 3,
-                   inRange: { color: ["#f7fbff", "#6baed6", "#08306b", "#d62728"] },
+                   inRange: { color: RAMP.map(function (c) { return "rgb(" + c.join(",") + ")"; }) },
                    formatter: function (v) { return fmt(v); } },
-      dataZoom: [{ type: "inside", xAxisIndex: 0 }, { type: "slider", xAxisIndex: 0, height: 18, bottom: 8 }],
-      series: [{ type: "heatmap", name: name, data: cells, progressive: 0, emphasis: { disabled: true }, select: { disabled: true } }]
-    }), cells.length);
+      dataZoom: [{ type: "inside", xAxisIndex: 0, filterMode: "none" },
+                 { type: "slider", xAxisIndex: 0, height: 18, bottom: 8, filterMode: "none" }],
+      series: [{ type: "custom", id: "cells", name: name, data: [[0, 0]], clip: true, renderItem: paint }]
+    }), cells);
+    var chart = charts[id];
+    if (!chart) { return; }
+    // dragging the legend's handles shows only the cells inside its range, as ECharts' own heatmap does
+    chart.on("datarangeselected", function (e) {
+      shown = e.selected;
+      chart.setOption({ series: [{ id: "cells", data: [[0, 0]] }] });
+    });
+    var tip = document.createElement("div");
+    tip.className = "heatmap-tip";
+    tip.hidden = true;
+    el.appendChild(tip);
+    var zr = chart.getZr();
+    zr.on("mousemove", function (e) {
+      var at = [e.offsetX, e.offsetY], cell = chart.containPixel({ gridIndex: 0 }, at) ? chart.convertFromPixel({ gridIndex: 0 }, at) : null;
+      var k = cell ? cell[1] * n + cell[0] : -1;
+      var v = cell && cell[0] >= 0 && cell[0] < n && cell[1] >= 0 && cell[1] < rows ? hm.values[k] : null;
+      if (v == null) { tip.hidden = true; return; }
+      var lines = [rowName(hm.rows[cell[1]]) + (hm.who ? " (highest: rank " + hm.who[k] + ")" : ""),
+                   colName(hm.columns[cell[0]]), name + ": " + fmt(v)];
+      tip.replaceChildren();
+      lines.forEach(function (line, i) { if (i) { tip.appendChild(document.createElement("br")); } tip.appendChild(document.createTextNode(line)); });
+      tip.hidden = false;
+      var x = e.offsetX + 14, y = e.offsetY + 14;
+      tip.style.left = Math.min(x, el.clientWidth - tip.offsetWidth - 4) + "px";
+      tip.style.top = Math.min(y, el.clientHeight - tip.offsetHeight - 4) + "px";
+    });
+    zr.on("globalout", function () { tip.hidden = true; });
   }
 
   function memoryBands(mem, sp, metric) {
