@@ -26,7 +26,7 @@ one here with N single-threaded worker processes and counts their CPU (what the 
 path costs against the local pool on the same cores).
 
 Each run directory is deleted after it is measured (unless --keep); check `df` first:
-a rank-step is ~16 KB, so 64 x 10,000 writes ~10 GB.
+a rank-step is ~9 KB (format v2), so 64 x 10,000 writes ~6 GB.
 """
 
 from __future__ import annotations
@@ -55,16 +55,20 @@ SLOWER = 2.0
 DROPPED = {"trace_window", "flight_dump", "snapshot", "fatal_handler"}
 
 
-#: The probes' own layout of collective records (lorascope.probes.collectives), in order.
-_CALL_KEYS = ("k", "t", "seq", "gid", "op", "bytes", "dtype", "async", "site", "step", "via", "end", "err")
+#: The probes' own layout of collective records (lorascope.probes.collectives), in order:
+#: a call names its shape (format v2), declared in a ``shape`` record.
+_CALL_KEYS = ("k", "t", "seq", "gid", "sh", "step", "via", "end", "err")
+_SHAPE_KEYS = ("op", "bytes", "dtype", "async", "site")
 _END_KEYS = ("k", "t", "seq", "gid", "err")
 
 
 def _records(rank: int) -> list[dict[str, Any]]:
     """The template rank's records as today's probes write them: the recording predates
     ``coll_done``, so an async call with its ``coll_end`` becomes one ``coll_done`` (the
-    writer formats an async call once it has ended), and collective records take the
-    probes' key order."""
+    writer formats an async call once it has ended); it predates format v2, so each call
+    names its shape, declared in a ``shape`` record (here all of them after the ``start``
+    record, the probes declare each before its first call); and collective records take
+    the probes' key order."""
     [path] = (TEMPLATE / "ranks" / f"rank-{rank}").glob("*.jsonl")
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     ends = {(r["gid"], r["seq"]): r for r in recs if r["k"] == "coll_end"}
@@ -77,11 +81,19 @@ def _records(rank: int) -> list[dict[str, Any]]:
             r = {**r, "k": "coll_done", "end": end["t"], "err": end["err"]}
         out.append(r)
     out = [r for r in out if not (r["k"] == "coll_end" and (r["gid"], r["seq"]) in merged)]
+    shapes: dict[tuple[Any, ...], int] = {}
     for i, r in enumerate(out):
+        if r["k"] in ("coll", "coll_done"):
+            r = {**r, "sh": shapes.setdefault(tuple(r[key] for key in _SHAPE_KEYS), len(shapes))}
         keys = _END_KEYS if r["k"] == "coll_end" else _CALL_KEYS if r["k"] in ("coll", "coll_done") else None
         if keys is not None:
             out[i] = {key: r[key] for key in keys if key in r}
-    return out
+    start = next(i for i, r in enumerate(out) if r["k"] == "start")
+    declared = [
+        {"k": "shape", "t": out[start]["t"], "id": n, **dict(zip(_SHAPE_KEYS, shape, strict=True))}
+        for shape, n in shapes.items()
+    ]
+    return [*out[: start + 1], *declared, *out[start + 1 :]]
 
 
 def _line(rec: dict[str, Any]) -> str:
@@ -116,7 +128,8 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     pid = 100_000 + rank
     plant = max(2, steps // 3)
     # where each steady-step record falls in its step, for this rank
-    waited = next(r["t"] - t1 for r in block if r["k"] == "coll" and not r["async"])
+    is_async = {r["id"]: r["async"] for r in recs if r["k"] == "shape"}
+    waited = next(r["t"] - t1 for r in block if r["k"] == "coll" and not is_async[r["sh"]])
     offsets = []
     for r in block:
         off = r["t"] - t1

@@ -5,10 +5,12 @@ and the first call-site frame outside torch / deepspeed / lorascope.
 The hot path keeps a call's raw fields in a ``_Call`` queued on the stream (no
 formatting, no system call); the stream's writer formats it: a call that has ended by
 then is one ``coll_done`` record, one still in flight a ``coll`` record (so a hang, a
-kill or a crash leaves it pending) and later a ``coll_end``. Before a synchronous call
-the queue is flushed from the calling thread, so the call a rank blocks in (or dies in:
-gloo aborts the process on a size mismatch) is on disk before it starts; so is an async
-call made under a rank condition (at its call site or up the stack: ``via``).
+kill or a crash leaves it pending) and later a ``coll_end``; either names the call's
+shape (op, bytes, dtype, async, site), declared once in a ``shape`` record (format v2).
+Before a synchronous call the queue is flushed from the calling thread, so the call a
+rank blocks in (or dies in: gloo aborts the process on a size mismatch) is on disk before
+it starts; so is an async call made under a rank condition (at its call site or up the
+stack: ``via``).
 
 Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
 are not counted twice. On CUDA the device time of a synchronous call comes from two
@@ -63,15 +65,18 @@ MAX_VIA_FRAMES = 40
 #: Code objects the call-site caches keep alive, at most (a process has a few thousand;
 #: beyond this, sites are worked out again at every call instead of growing the caches).
 MAX_KEPT_CODES = 1 << 16
-#: Distinct call shapes (op, size, dtype, async, site) whose record text is kept, at most.
+#: Distinct call shapes (op, size, dtype, async, site) a stream declares, at most; a call of
+#: a shape beyond them carries its fields in its own record (as in format v1).
 MAX_SHAPES = 4096
-# Formatted by hand: json.dumps of a record costs ~20 us. The fields a call shares with the
-# same call at every step are formatted once (``_shape``); a record then formats only its
-# times, numbers and the rest (~2 us where the whole record took ~5 at each call).
+# Formatted by hand: json.dumps of a record costs ~20 us. What a call shares with the same
+# call at every step (its shape) is declared once in a ``shape`` record and named by its id
+# (``_Shapes``); a record then formats only its times, numbers and the rest (~2 us where the
+# whole record took ~5 at each call, and ~half the bytes).
 _COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s}\n'
 _COLL_DONE = '{"k":"coll_done","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s,"end":%.6f,"err":%s}\n'
 _COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
-_SHAPES: dict[tuple[str, int | None, str | None, bool, str | None], str] = {}
+_SHAPE = '{"k":"shape","t":%.6f,"id":%d%s}\n'
+_ShapeKey = tuple[str, int | None, str | None, bool, str | None]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -113,19 +118,40 @@ def _json_int(value: int | None) -> str:
     return "null" if value is None else str(int(value))
 
 
-def _shape(op: str, nbytes: int | None, dtype: str | None, is_async: bool, site: str | None) -> str:
-    """The record text of a call's op, bytes, dtype, async and site: made once per shape
-    (on whichever thread formats; a race makes it twice, the same), bounded."""
-    key = (op, nbytes, dtype, is_async, site)
-    text = _SHAPES.get(key)
-    if text is None:
-        flag = "true" if is_async else "false"
-        text = (
-            f',"op":{_json(op)},"bytes":{_json_int(nbytes)},"dtype":{_json(dtype)},"async":{flag},"site":{_json(site)}'
-        )
-        if len(_SHAPES) < MAX_SHAPES:
-            _SHAPES[key] = text
-    return text
+def _fields(key: _ShapeKey) -> str:
+    """A shape's fields as record text: ``,"op":...,"site":...``."""
+    op, nbytes, dtype, is_async, site = key
+    flag = "true" if is_async else "false"
+    return f',"op":{_json(op)},"bytes":{_json_int(nbytes)},"dtype":{_json(dtype)},"async":{flag},"site":{_json(site)}'
+
+
+class _Shapes:
+    """The call shapes one stream has declared: each one's id (as record text) and its
+    ``shape`` record, written before the first call that names it and again at the head of
+    every later segment (``Stream.segment_head``: the earlier segments may be rotated
+    away). Used only on the thread that flushes, under the stream's lock."""
+
+    __slots__ = ("ids", "lines")
+
+    def __init__(self) -> None:
+        self.ids: dict[_ShapeKey, str] = {}
+        self.lines: list[str] = []
+
+    def use(self, key: _ShapeKey, t: float) -> tuple[str, str]:
+        """The text a call record carries for its shape (``,"sh":N``, or past MAX_SHAPES
+        the fields themselves) and the ``shape`` record to write before it ("" if none)."""
+        text = self.ids.get(key)
+        if text is not None:
+            return text, ""
+        if len(self.lines) >= MAX_SHAPES:
+            return _fields(key), ""
+        n = len(self.lines)
+        self.lines.append(_SHAPE % (t, n, _fields(key)))
+        self.ids[key] = text = f',"sh":{n}'
+        return text, self.lines[-1]
+
+    def head(self) -> str:
+        return "".join(self.lines)
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -141,9 +167,12 @@ def _tensors(value: Any) -> list[Any]:
 
 class _Call:
     """One call's raw fields, queued on the stream twice: at its start, and again when it
-    has ended (the writer formats it; ``encode`` runs on whichever thread flushes)."""
+    has ended (the writer formats it; ``encode`` runs on whichever thread flushes, under
+    the stream's lock), and the stream's declared shapes."""
 
-    __slots__ = ("t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "end", "err", "state")
+    __slots__ = (
+        "t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "shapes", "end", "err", "state"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -157,10 +186,11 @@ class _Call:
         site: str | None,
         step: int,
         via: str | None,
+        shapes: _Shapes,
     ) -> None:
         self.t, self.seq, self.gid, self.op = t, seq, gid, op
         self.nbytes, self.dtype, self.is_async = nbytes, dtype, is_async
-        self.site, self.step, self.via = site, step, via
+        self.site, self.step, self.via, self.shapes = site, step, via, shapes
         self.end: float | None = None
         self.err: str | None = None
         #: 0 queued, 1 written as an open ``coll``, 2 written whole (``coll_done``).
@@ -176,11 +206,11 @@ class _Call:
             if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
                 return None
             self.state = 1 if end is None else 2
-            shape = _shape(self.op, self.nbytes, self.dtype, self.is_async, self.site)
+            shape, declared = self.shapes.use((self.op, self.nbytes, self.dtype, self.is_async, self.site), self.t)
             via = "" if self.via is None else ',"via":' + _json(self.via)
             if end is None:
-                return _COLL % (self.t, self.seq, self.gid, shape, self.step, via)
-            return _COLL_DONE % (self.t, self.seq, self.gid, shape, self.step, via, end, _json(self.err))
+                return declared + _COLL % (self.t, self.seq, self.gid, shape, self.step, via)
+            return declared + _COLL_DONE % (self.t, self.seq, self.gid, shape, self.step, via, end, _json(self.err))
         if self.state == 1 and self.end is not None:
             self.state = 2
             return _COLL_END % (self.end, self.seq, self.gid, _json(self.err))
@@ -246,6 +276,8 @@ class CollectiveProbe:
         #: (the work is held, so that no id is reused while it is here).
         self._open: dict[int, tuple[_Started, Any]] = {}
         session.stream.before_flush = self._poll
+        self._shapes = _Shapes()
+        session.stream.segment_head = self._shapes.head
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
         self.unseen = session.guarded("collectives")(self._record_unseen)
@@ -516,7 +548,7 @@ class CollectiveProbe:
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
             site, via = self._site()
-            call = _Call(time.time(), seq, gid, op, nbytes, dtype, is_async, site, self.session.step, via)
+            call = _Call(time.time(), seq, gid, op, nbytes, dtype, is_async, site, self.session.step, via, self._shapes)
             self._in_flight[(gid, seq)] = call
             session = self.session
             session.record_entry(call)

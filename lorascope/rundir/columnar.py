@@ -23,6 +23,7 @@ raised and the reader reads the stream again line by line:
   does not matter. Epoch seconds (2^30..2^31) always qualify;
 * a call pending for more than MAX_REORDER / 2 later calls (CollectiveLog gives up
   waiting for it at MAX_REORDER);
+* a call that names a shape (format v2) no ``shape`` record before it declares;
 * a line over the record size limit, or one that cannot be read.
 
 polars runs one thread here (``POLARS_MAX_THREADS``, unless set): the reader already
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorascope.rundir import limits
-from lorascope.rundir.fastlines import CALL_LINE, END_LINE
+from lorascope.rundir.fastlines import CALL_LINE, END_LINE, SHAPED_LINE, Shapes
 from lorascope.rundir.reduce import (
     HEAD_CALLS,
     MAX_REORDER,
@@ -90,6 +91,13 @@ class Sink(Protocol):
     def check(self, path: Path, number: int, rec: Any) -> None:
         """Validate a collective record read as JSON, which is not applied (the log
         takes it); BadInputError if it is bad or comes before the stream's start."""
+
+    #: The call shapes declared so far (format v2's ``shape`` records, which it is given).
+    shapes: Shapes
+
+    def shaped(self, path: Path, number: int, rec: dict[str, Any]) -> dict[str, Any]:
+        """A validated call record read as JSON, with its shape's fields if it names one
+        (BadInputError if it names an undeclared one)."""
 
     def group_name(self, gid: int) -> Any:
         """The name calls of group ``gid`` are kept under."""
@@ -205,12 +213,15 @@ def _other(
         return
     if kind in _AS_JSON:
         sink.check(path, number, rec)
+        rec = sink.shaped(path, number, rec)
         held.append((position, rec))
         if kind != "coll_end":
             first_call[rec["gid"]] = min(first_call.get(rec["gid"], position), position)
         return
     sink.record(path, number, rec)
-    if kind == "start" and log.start_at is None:
+    if kind == "shape":
+        log.declared_at.setdefault(rec["id"], position)
+    elif kind == "start" and log.start_at is None:
         log.start_at = position
     elif kind == "group":
         gid = rec["gid"]
@@ -250,14 +261,16 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
     raw = pl.Series(lines, dtype=pl.Binary)
     where = raw.bin.starts_with(_PREFIX).arg_true()
     frame = pl.DataFrame({"pos": where, "l": raw.gather(where).cast(pl.String, strict=False)})
+    # (a coll_done without its end is left to JSON, which says why)
     calls = _calls(frame.filter(pl.col("l").str.contains(CALL_LINE).fill_null(False)), log.base)
-    calls = calls.filter(~(pl.col("done") & pl.col("end").is_null()))  # coll_done without its end: JSON says why
+    calls = calls.filter(~(pl.col("done") & pl.col("end").is_null()))
+    shaped = _shaped_calls(frame.filter(pl.col("l").str.contains(SHAPED_LINE).fill_null(False)), log.base)
+    shaped = shaped.filter(~(pl.col("done") & pl.col("end").is_null()))
     ends = _ends(frame.filter(pl.col("l").str.contains(END_LINE).fill_null(False)), log.base)
-    fast = pl.Series("fast", [False] * len(lines), dtype=pl.Boolean).scatter(
-        pl.concat([calls["n"], ends["n"]]) - log.base, True
-    )
-    first_call = dict(calls.group_by("gid").agg(pl.col("n").min()).iter_rows()) if calls.height else {}
-    positions = pl.concat([calls["n"], ends["n"]])
+    positions = pl.concat([calls["n"], shaped["n"], ends["n"]])
+    fast = pl.Series("fast", [False] * len(lines), dtype=pl.Boolean).scatter(positions - log.base, True)
+    starts = pl.concat([calls.select("gid", "n"), shaped.select("gid", "n")])
+    first_call = dict(starts.group_by("gid").agg(pl.col("n").min()).iter_rows()) if starts.height else {}
     first = int(positions.min()) if positions.len() else None  # type: ignore[arg-type]
     held: list[tuple[int, dict[str, Any]]] = []
     devices: list[tuple[int, str, int, float]] = []
@@ -265,6 +278,8 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
     for i, rec in zip(others, recs, strict=True):
         _other(log, sink, path, before + i + 1, log.base + i, rec, held, devices, first_call, first)
+    if shaped.height:
+        calls = pl.concat([calls, _with_shapes(shaped, sink.shapes, log.declared_at)]).sort("n")
     if held:
         more_calls, more_ends = _held(held)
         calls, ends = pl.concat([calls, more_calls]).sort("n"), pl.concat([ends, more_ends]).sort("n")
@@ -288,6 +303,8 @@ _CALL_SCHEMA = {
     "dtype": "String", "async": "Boolean", "site": "String", "step": "Int64", "via": "String", "end": "Float64",
     "err": "String",
 }  # fmt: skip
+#: The columns a call's shape gives it (format v2), in SHAPE_FIELDS' order.
+_SHAPE_COLUMNS = ("op", "bytes", "dtype", "async", "site")
 _END_SCHEMA = {"n": "Int64", "t": "Float64", "seq": "Int64", "gid": "Int64", "err": "String"}
 
 
@@ -341,6 +358,52 @@ def _calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
     )
 
 
+def _shaped_calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
+    """``coll`` and ``coll_done`` lines that match SHAPED_LINE (format v2: the call names
+    its shape), as columns: those of :func:`_calls` but the shape's, and ``sh``. Pieces:
+    k, t, seq, gid, sh, step, then ``via`` (if any) and ``end``, ``err`` (coll_done)."""
+    import polars as pl
+
+    parts = frame.select(
+        pl.col("pos"), pl.col("l").str.split_exact(',"', 8).struct.rename_fields([f"f{i}" for i in range(9)])
+    ).unnest("l")
+    f = pl.col
+    has_via = f("f6").str.starts_with('via":').fill_null(False)
+    end_piece = pl.when(has_via).then(f("f7")).otherwise(f("f6"))
+    err_piece = pl.when(has_via).then(f("f8")).otherwise(f("f7"))
+    done = f("f0") == '{"k":"coll_done"'
+    has_end = done & end_piece.str.starts_with('end":').fill_null(False)
+    return parts.select(
+        (f("pos").cast(pl.Int64) + base).alias("n"),
+        done.alias("done"),
+        _value(f("f1"), "t").cast(pl.Float64).alias("t"),
+        _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
+        _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
+        _value(f("f4"), "sh").cast(pl.Int64).alias("sh"),
+        _value(f("f5"), "step").cast(pl.Int64).alias("step"),
+        pl.when(has_via).then(_string(_value(f("f6"), "via"))).alias("via"),
+        pl.when(has_end).then(_value(end_piece, "end").cast(pl.Float64)).alias("end"),
+        pl.when(has_end).then(_string(_value(err_piece, "err"))).alias("err"),
+    )
+
+
+def _with_shapes(shaped: pl.DataFrame, shapes: Shapes, declared_at: dict[int, int]) -> pl.DataFrame:
+    """Calls that name their shape, with its fields, as the columns of :func:`_calls`;
+    Unsuitable if one names a shape no ``shape`` record before it declares (the line
+    reader says which)."""
+    import polars as pl
+
+    table = pl.DataFrame(
+        [(sh, declared_at.get(sh), *shape) for sh, shape in shapes.items()],
+        schema={"sh": pl.Int64, "at": pl.Int64, **{k: getattr(pl, _CALL_SCHEMA[k]) for k in _SHAPE_COLUMNS}},
+        orient="row",
+    )
+    out = shaped.join(table, on="sh", how="left", maintain_order="left")
+    if (out["at"].is_null() | (out["at"] > out["n"])).any():
+        raise Unsuitable("a call that names a shape not declared before it")
+    return out.select(list(_CALL_SCHEMA))
+
+
 def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
     """``coll_end`` lines that match END_LINE, as columns: n (the stream position), t, seq, gid, err."""
     import polars as pl
@@ -372,6 +435,8 @@ class ColumnarLog:
         self.start_at: int | None = None
         #: Group ids that have had calls.
         self.gids: set[int] = set()
+        #: Shape id -> the stream position of its first ``shape`` record.
+        self.declared_at: dict[int, int] = {}
         self.windows = windows or {}
         self._head: dict[str, pl.DataFrame] = {}
         self._tail: dict[str, pl.DataFrame] = {}

@@ -1,7 +1,7 @@
 """Reading and validating a run directory (analysis side).
 
 A torn last line (a rank killed mid-write) is skipped with a warning; anything else that
-breaks format v1 is a BadInputError naming the file and line.
+breaks the format is a BadInputError naming the file and line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lorascope.rundir import columnar, limits
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.fastlines import Call, End, parse_call, parse_end
+from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.reduce import KEEP_WARNINGS, CollectiveLog, GroupTally, decimate, steps_per_rank, totals
 from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
@@ -30,6 +30,7 @@ from lorascope.rundir.schema import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     RANKS_DIR,
+    SHAPE_FIELDS,
     STREAM_SUFFIX,
     SchemaError,
     validate_manifest,
@@ -284,12 +285,13 @@ def decode_lines(
     return out
 
 
-def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
+def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, reading line by line; a torn final line is a
     warning, not an error; so are records over the record size limit or nested deeper
     than MAX_RECORD_DEPTH (skipped, one warning per file). A collective record in the
-    probes' own layout comes as a :class:`Call` or :class:`End`, validated
-    (:mod:`lorascope.rundir.fastlines`); any other record as its parsed JSON."""
+    probes' own layouts comes as a :class:`Call` or :class:`End`, validated
+    (:mod:`lorascope.rundir.fastlines`; ``shapes``: the stream's declared call shapes so
+    far); any other record as its parsed JSON."""
     max_line = limits.current().record_bytes
     long_lines: list[int] = []
     deep_lines: list[int] = []
@@ -304,7 +306,7 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                         pass
                     continue
                 if line[6:10] == b"coll":
-                    fast = parse_end(line) if line[10:14] == b"_end" else parse_call(line)
+                    fast = parse_end(line) if line[10:14] == b"_end" else parse_call(line, shapes)
                     if fast is not None:
                         yield number, fast
                         continue
@@ -328,6 +330,8 @@ class _Stream:
         self.log = log
         self.data: RankData | None = None
         self.pending: dict[tuple[int, int], Collective] = {}
+        #: The call shapes declared so far (format v2's ``shape`` records).
+        self.shapes: Shapes = {}
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
@@ -363,9 +367,11 @@ class _Stream:
             self.data = RankData(rank=self.rank, start=rec, files=[])
         data = self._started(path, number)
         data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
-        if kind in _COLLECTIVE_KINDS:
+        if kind == "shape":
+            self._declare(path, number, rec)
+        elif kind in _COLLECTIVE_KINDS:
             assert self.log is not None
-            _apply_collective(data, kind, rec, self.pending, self.log)
+            _apply_collective(data, kind, self.shaped(path, number, rec), self.pending, self.log)
         else:
             _apply(data, kind, rec)
         if kind == "dropped":  # a running total
@@ -384,6 +390,27 @@ class _Stream:
                 data.snapshots.append({**rec, "path": str(side)})
             else:
                 data.flight_files.append(str(side))
+
+    def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
+        """A ``shape`` record: its id names these fields from here on. The probes declare a
+        shape again at the head of each segment, the same; other fields under a known id
+        are a corrupt stream."""
+        shape = (rec["op"], rec["bytes"], rec["dtype"], rec["async"], rec["site"])
+        known = self.shapes.setdefault(rec["id"], shape)
+        if known != shape:
+            raise BadInputError(f"{path}:{number}: shape {rec['id']} is declared again with other fields")
+
+    def shaped(self, path: Path, number: int, rec: dict[str, Any]) -> dict[str, Any]:
+        """A validated call record with its shape's fields (format v2: ``sh`` names a shape
+        declared before it); any other record as it is."""
+        if "sh" not in rec or rec["k"] not in ("coll", "coll_done"):
+            return rec
+        shape = self.shapes.get(rec["sh"])
+        if shape is None:
+            raise BadInputError(
+                f"{path}:{number}: a {rec['k']!r} record names shape {rec['sh']}, which no 'shape' record before it declares"
+            )
+        return {**rec, **dict(zip(SHAPE_FIELDS, shape, strict=True))}
 
     def decode(self, path: Path, number: int, line: bytes, deep_lines: list[int]) -> Any:
         return decode_line(path, number, line, self.warnings, deep_lines)
@@ -475,7 +502,7 @@ def _load_process(
     log = CollectiveLog(windows)
     stream = _Stream(rank, warnings, log)
     for _, path in segs:
-        for number, rec in _iter_records(path, warnings):
+        for number, rec in _iter_records(path, warnings, stream.shapes):
             if type(rec) is Call or type(rec) is End:
                 stream.call(path, number, rec)
             else:

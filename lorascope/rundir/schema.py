@@ -1,9 +1,14 @@
-"""Format v1 of the run directory: names, record kinds and their required fields.
+"""Format v2 of the run directory: names, record kinds and their required fields.
 
 Every per-rank stream is JSON Lines; every record is an object with ``k`` (its kind) and
 ``t`` (wall-clock seconds since the epoch). The fields each kind must carry are listed in
 :data:`RECORD_FIELDS`; extra fields are allowed (readers ignore what they do not know),
 unknown kinds are skipped with a warning. A change that breaks this bumps FORMAT_VERSION.
+
+v2 (over v1): a collective call's op, bytes, dtype, async and site (its *shape*, the same
+at every step) may be declared once in a ``shape`` record and named by its ``sh`` id in
+``coll`` / ``coll_done`` records instead of repeated in each (about half a stream's bytes).
+A reader of v2 reads v1 streams too: a call record carries either the fields or ``sh``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import signal
 from typing import Any
 
 FORMAT_NAME = "lorascope-run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 MANIFEST_FILE = "manifest.json"
 RANKS_DIR = "ranks"
@@ -32,15 +37,21 @@ _OPT_INT = (int, type(None))
 _OPT_NUM = (int, float, type(None))
 _OPT_STR = (str, type(None))
 
-_COLL_FIELDS: dict[str, tuple[type, ...]] = {
-    "seq": _INT,
-    "gid": _INT,
+#: A call's shape: what a call shares with the same call at every step.
+SHAPE_FIELDS: dict[str, tuple[type, ...]] = {
     "op": _STR,
     "bytes": _OPT_INT,
     "dtype": _OPT_STR,
     "async": (bool,),
     "site": _OPT_STR,
-    "step": _INT,
+}
+_CALL_FIELDS: dict[str, tuple[type, ...]] = {"seq": _INT, "gid": _INT, "step": _INT}
+_COLL_FIELDS: dict[str, tuple[type, ...]] = {**_CALL_FIELDS, **SHAPE_FIELDS}
+_DONE_FIELDS: dict[str, tuple[type, ...]] = {"end": _NUM, "err": _OPT_STR}
+#: A ``coll`` / ``coll_done`` record that names its shape (``sh``) instead of carrying it.
+SHAPED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "coll": {**_CALL_FIELDS, "sh": _INT},
+    "coll_done": {**_CALL_FIELDS, "sh": _INT, **_DONE_FIELDS},
 }
 
 #: kind -> {field: accepted types}. ``bool`` is rejected where an int is required.
@@ -65,7 +76,10 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
     "coll": _COLL_FIELDS,
     #: A call that had ended when it was written: a ``coll`` and its ``coll_end`` in one.
-    "coll_done": {**_COLL_FIELDS, "end": _NUM, "err": _OPT_STR},
+    "coll_done": {**_COLL_FIELDS, **_DONE_FIELDS},
+    #: v2: a call shape, declared before the first call record that names it by ``id``
+    #: (again at the head of each later segment: a segment may be rotated away).
+    "shape": {"id": _INT, **SHAPE_FIELDS},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
     "coll_unseen": {"path": _STR, "why": _STR},
@@ -113,7 +127,7 @@ _ABSENT = object()
 
 
 class SchemaError(ValueError):
-    """A record or manifest that does not follow format v1."""
+    """A record or manifest that does not follow the format."""
 
 
 def _check_fields(obj: dict[str, Any], fields: dict[str, tuple[type, ...]], what: str) -> None:
@@ -152,6 +166,8 @@ def validate_record(rec: Any) -> bool:
     fields = RECORD_FIELDS.get(kind)
     if fields is None:
         return False
+    if "sh" in rec and kind in SHAPED_FIELDS:
+        fields = SHAPED_FIELDS[kind]
     _check_fields(rec, fields, f"a {kind!r} record")
     if kind == "start" and not (1 <= rec["world_size"] <= MAX_WORLD_SIZE and 0 <= rec["rank"] < MAX_WORLD_SIZE):
         raise SchemaError(

@@ -107,6 +107,11 @@ class Stream:
         #: included, to queue what has happened since (the collective probe ends the async
         #: calls it sees completed); it must not raise.
         self.before_flush: Callable[[], None] | None = None
+        #: Called (on the flushing thread, under the stream's lock) when a new segment
+        #: begins: lines written after its ``segment`` record, before the records that
+        #: follow (the collective probe's ``shape`` declarations, which the segments
+        #: before may take with them when they are rotated away); it must not raise.
+        self.segment_head: Callable[[], str] | None = None
         prefix.parent.mkdir(parents=True, exist_ok=True)
         self._fd = self._open(0)
         os.register_at_fork(after_in_child=self._forked)
@@ -202,9 +207,12 @@ class Stream:
         os.close(self._fd)
         self._index += 1
         self._fd = self._open(self._index)
-        head = _encode({"k": "segment", "t": time.time(), "index": self._index}).encode()
-        _write_all(self._fd, head)
-        self._size = len(head)
+        head = _encode({"k": "segment", "t": time.time(), "index": self._index})
+        if self.segment_head is not None:
+            head += self.segment_head()
+        data = head.encode()
+        _write_all(self._fd, data)
+        self._size = len(data)
         dropped = self._index - self._keep
         if dropped >= 1:  # segment 0 (the rank's header and configs) is always kept
             with contextlib.suppress(FileNotFoundError):
@@ -267,7 +275,9 @@ def _locked_manifest(run_dir: Path) -> Iterator[dict[str, Any]]:
         except (OSError, ValueError):
             manifest = {}
         manifest.setdefault("format", FORMAT_NAME)
-        manifest.setdefault("version", FORMAT_VERSION)
+        version = manifest.setdefault("version", FORMAT_VERSION)
+        if type(version) is int and version < FORMAT_VERSION:
+            manifest["version"] = FORMAT_VERSION  # this launch's ranks write the newer format
         manifest.setdefault("launches", [])
         yield manifest
         tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")

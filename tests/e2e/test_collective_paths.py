@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.rundir.schema import SHAPE_FIELDS
 from tests.helpers import LORASCOPE, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
@@ -91,15 +92,24 @@ def _truth(path: Path) -> tuple[int, list[tuple[str, float]]]:
 
 
 def _on_disk(run: Path, rank: int) -> list[dict]:
-    """The rank's records as the kill left them (a torn last line skipped)."""
+    """The rank's records as the kill left them (a torn last line skipped), a call's
+    shape's fields in it (format v2: a call names its shape, declared before it)."""
     [stream] = (run / "ranks" / f"rank-{rank}").glob("*.0000.jsonl")
     lines = stream.read_bytes().split(b"\n")
     records = []
+    shapes: dict[int, dict] = {}
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
             assert i >= len(lines) - 2, f"{stream}:{i + 1}: a corrupt line before the last"
+            continue
+        if rec["k"] == "shape":
+            shapes[rec["id"]] = {k: rec[k] for k in SHAPE_FIELDS}
+        elif "sh" in rec:
+            assert rec["sh"] in shapes, f"{stream}:{i + 1}: names shape {rec['sh']}, not declared before"
+            rec.update(shapes[rec["sh"]])
+        records.append(rec)
     return records
 
 

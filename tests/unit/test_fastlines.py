@@ -12,15 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorascope.errors import BadInputError
-from lorascope.probes.collectives import _Call
-from lorascope.rundir.fastlines import Call, End, parse_call, parse_end
+from lorascope.probes import collectives
+from lorascope.probes.collectives import _Call, _Shapes
+from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
 from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import validate_record
+from lorascope.rundir.schema import SHAPE_FIELDS, validate_record
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
 
 
 def _line(call: _Call, ended: bool) -> bytes:
-    """What the probes write for the call: ``coll_done`` when it had ended, else ``coll``."""
+    """What the probes write for the call: ``coll_done`` when it had ended, else ``coll``;
+    before it, the ``shape`` record of its shape the first time the stream has it."""
     if ended:
         call.end, call.err = call.t + 0.25, None
     text = call.encode(final=True)
@@ -28,9 +30,23 @@ def _line(call: _Call, ended: bool) -> bytes:
     return text.encode()
 
 
-def _as_json(line: bytes) -> dict[str, Any]:
+def _split(lines: bytes) -> tuple[Shapes, bytes]:
+    """The shapes a stream has declared after these lines, and their last line (the call)."""
+    *declared, last = lines.splitlines(keepends=True)
+    shapes: Shapes = {}
+    for line in declared:
+        rec = _as_json(line)
+        assert rec["k"] == "shape"
+        shapes[rec["id"]] = (rec["op"], rec["bytes"], rec["dtype"], rec["async"], rec["site"])
+    return shapes, last
+
+
+def _as_json(line: bytes, shapes: Shapes | None = None) -> dict[str, Any]:
+    """The record as JSON reads it, validated, with its shape's fields if it names one."""
     rec = json.loads(line)
     assert validate_record(rec)
+    if "sh" in rec and shapes is not None:
+        rec.update(zip(SHAPE_FIELDS, shapes[rec.pop("sh")], strict=True))
     return rec
 
 
@@ -50,6 +66,7 @@ _calls = st.builds(
     site=st.none() | _texts,
     step=_ints,
     via=st.none() | _texts,
+    shapes=st.builds(_Shapes),
 )
 
 
@@ -59,17 +76,20 @@ def _plain(text: str | None) -> bool:
 
 
 @settings(max_examples=300, deadline=None)
-@given(call=_calls, ended=st.booleans())
-def test_probe_lines_parse_as_json_does(call: _Call, ended: bool) -> None:
-    """Whatever the probes write, the fast path either declines or agrees with JSON."""
-    line = _line(call, ended)
-    rec = _as_json(line)
-    fast = parse_call(line)
+@given(call=_calls, ended=st.booleans(), declared=st.booleans())
+def test_probe_lines_parse_as_json_does(call: _Call, ended: bool, declared: bool) -> None:
+    """Whatever the probes write, its shape declared (format v2) or its fields in the call
+    record (past MAX_SHAPES), the fast path either declines or agrees with JSON."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(collectives, "MAX_SHAPES", collectives.MAX_SHAPES if declared else 0)
+        shapes, line = _split(_line(call, ended))
+    assert len(shapes) == declared and ('"sh":' in line.decode()) == declared
+    rec = _as_json(line, shapes)
+    fast = parse_call(line, shapes)
     if fast is None:  # escapes, non-ASCII, 19-digit numbers: json's to read
-        numbers = [call.seq, call.step, call.nbytes or 0]
-        assert (
-            not all(_plain(s) for s in (call.op, call.dtype, call.site, call.via)) or max(map(abs, numbers)) >= 10**18
-        )
+        numbers = [call.seq, call.step] + ([] if declared else [call.nbytes or 0])
+        strings = (call.via,) if declared else (call.op, call.dtype, call.site, call.via)
+        assert not all(_plain(s) for s in strings) or max(map(abs, numbers)) >= 10**18
         return
     assert fast.kind == rec["k"]
     assert (fast.t, fast.seq, fast.gid, fast.op, fast.bytes, fast.dtype) == (
@@ -82,28 +102,41 @@ def test_probe_lines_parse_as_json_does(call: _Call, ended: bool) -> None:
         assert (fast.end, fast.err) == (None, None)
 
 
-def test_a_call_shape_is_formatted_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fields a call repeats at every step are formatted once; past MAX_SHAPES shapes
-    each record formats them itself, to the same bytes."""
-    from lorascope.probes import collectives
+def test_a_call_shape_is_declared_once_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fields a call repeats at every step are declared once, in a ``shape`` record
+    before the first call of that shape, and named by id after; past MAX_SHAPES shapes
+    each record carries them itself. A new segment begins with every declaration."""
+    shapes = _Shapes()
 
-    def line(op: str, site: str) -> dict[str, Any]:
-        return _as_json(_line(_Call(5.0, 1, 0, op, 8, "float32", False, site, 2, 'v"ia'), ended=True))
+    def lines(op: str, site: str, seq: int = 1) -> list[dict[str, Any]]:
+        text = _line(_Call(5.0, seq, 0, op, 8, "float32", False, site, 2, 'v"ia', shapes), ended=True)
+        return [_as_json(line) for line in text.splitlines()]
 
-    monkeypatch.setattr(collectives, "_SHAPES", {})
     monkeypatch.setattr(collectives, "MAX_SHAPES", 1)
-    first = line("all_reduce", "/j/a.py:1 in f")
-    assert line("all_reduce", "/j/a.py:1 in f") == first and len(collectives._SHAPES) == 1
-    beyond = line("broadcast", 'q"uote')
-    assert (beyond["op"], beyond["site"], beyond["via"]) == ("broadcast", 'q"uote', 'v"ia')
-    assert len(collectives._SHAPES) == 1
+    declared, first = lines("all_reduce", "/j/a.py:1 in f")
+    assert declared == {"k": "shape", "t": 5.0, "id": 0, "op": "all_reduce", "bytes": 8, "dtype": "float32", "async": False, "site": "/j/a.py:1 in f"}  # fmt: skip
+    assert first["sh"] == 0 and "op" not in first and "site" not in first
+    assert lines("all_reduce", "/j/a.py:1 in f", seq=2) == [{**first, "seq": 2}]
+    [beyond] = lines("broadcast", 'q"uote')
+    assert (beyond["op"], beyond["site"], beyond["via"]) == ("broadcast", 'q"uote', 'v"ia') and "sh" not in beyond
+    assert [_as_json(line) for line in shapes.head().encode().splitlines()] == [declared]
 
 
 def test_a_typical_call_and_its_end_take_the_fast_path() -> None:
     call = _Call(
-        1795945043.314465, 7, 1, "all_gather_into_tensor", 65536, "float32", True, "/j/train.py:12 in f", 3, None
+        1795945043.314465,
+        7,
+        1,
+        "all_gather_into_tensor",
+        65536,
+        "float32",
+        True,
+        "/j/train.py:12 in f",
+        3,
+        None,
+        _Shapes(),
     )
-    fast = parse_call(_line(call, ended=True))
+    fast = parse_call(*reversed(_split(_line(call, ended=True))))
     assert fast == Call(
         "coll_done", 1795945043.314465, 7, 1, "all_gather_into_tensor", 65536, "float32", True,
         "/j/train.py:12 in f", 3, None, 1795945043.564465, None,
@@ -137,7 +170,25 @@ def test_a_typical_call_and_its_end_take_the_fast_path() -> None:
     ],
 )
 def test_anything_else_is_left_to_json(line: bytes) -> None:
-    assert parse_call(line) is None
+    assert parse_call(line, {}) is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # a shape no record has declared (yet), a shape id that is a bool or a string
+        b'{"k":"coll_done","t":1.5,"seq":1,"gid":0,"sh":1,"step":0,"end":2.5,"err":null}\n',
+        b'{"k":"coll_done","t":1.5,"seq":1,"gid":0,"sh":true,"step":0,"end":2.5,"err":null}\n',
+        b'{"k":"coll_done","t":1.5,"seq":1,"gid":0,"sh":"0","step":0,"end":2.5,"err":null}\n',
+        # a coll_done without its end; the fields and the id both
+        b'{"k":"coll_done","t":1.5,"seq":1,"gid":0,"sh":0,"step":0}\n',
+        b'{"k":"coll","t":1.5,"seq":1,"gid":0,"sh":0,"op":"x","step":0}\n',
+    ],
+)
+def test_a_call_naming_its_shape_outside_the_layout_is_left_to_json(line: bytes) -> None:
+    shapes: Shapes = {0: ("all_reduce", 8, "float32", False, None)}
+    assert parse_call(line, shapes) is None
+    assert parse_call(b'{"k":"coll","t":1.5,"seq":1,"gid":0,"sh":0,"step":0}\n', shapes) is not None
 
 
 def test_end_lines_outside_the_layout_are_left_to_json() -> None:
@@ -166,14 +217,22 @@ def _run(tmp_path: Path, lines: list[bytes]) -> Path:
 
 def test_a_run_reads_the_same_by_either_path(tmp_path: Path) -> None:
     """The same calls in the probes' layout and in another key order load alike."""
+    shapes = _Shapes()
     calls = [
-        _line(_Call(T0 + i, i + 1, 0, "all_reduce", 4, "float32", i % 2 == 0, "/j/t.py:3 in f", i, None), i != 3)
+        _line(
+            _Call(T0 + i, i + 1, 0, "all_reduce", 4, "float32", i % 2 == 0, "/j/t.py:3 in f", i, None, shapes), i != 3
+        )
         for i in range(6)
     ]
+    assert [c.count(b"\n") for c in calls] == [2, 2, 1, 1, 1, 1]  # two shapes (async or not), each declared once
     shuffled = [
-        json.dumps(dict(reversed(json.loads(c).items())), separators=(",", ":")).encode() + b"\n" for c in calls
+        json.dumps(dict(reversed(json.loads(line).items())), separators=(",", ":")).encode() + b"\n"
+        for c in calls
+        for line in c.splitlines()
     ]
-    assert all(parse_call(c) is not None for c in calls) and all(parse_call(c) is None for c in shuffled)
+    declared = {i: ("all_reduce", 4, "float32", i == 0, "/j/t.py:3 in f") for i in (0, 1)}
+    assert all(parse_call(c.splitlines(keepends=True)[-1], declared) is not None for c in calls)
+    assert all(parse_call(c, declared) is None for c in shuffled)
     end = b'{"k":"coll_end","t":%.1f,"seq":4,"gid":0,"err":null}\n' % (T0 + 4.5)
     fast = load_run(_run(tmp_path / "a", [*calls, end])).ranks[0]
     slow = load_run(
@@ -192,6 +251,6 @@ def test_a_call_before_the_start_record_is_still_an_error(tmp_path: Path) -> Non
     record_launch(run, "h-1", ["python", "train.py"])
     path = stream_prefix(run, 0, "h", 1).with_name("h-1.0000.jsonl")
     path.parent.mkdir(parents=True)
-    path.write_bytes(_line(_Call(1.0, 1, 0, "x", 1, None, False, None, 0, None), True))
+    path.write_bytes(_line(_Call(1.0, 1, 0, "x", 1, None, False, None, 0, None, _Shapes()), True))
     with pytest.raises(BadInputError, match="does not begin with a 'start' record"):
         load_run(run)

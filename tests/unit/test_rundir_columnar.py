@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,6 +87,24 @@ def test_probe_streams_read_the_same_both_ways(monkeypatch: pytest.MonkeyPatch, 
     assert columns == lines
 
 
+@pytest.mark.parametrize("block", [4 << 20, 24 << 10], ids=["one-block", "24KiB-blocks"])
+@pytest.mark.parametrize("stream", STREAMS, ids=lambda p: f"{p.parts[-4]}-{p.parts[-2]}")
+def test_probe_streams_in_format_v2_read_as_in_v1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, stream: Path, block: int
+) -> None:
+    """The recorded streams with their calls' shapes declared and named by id (v2) read,
+    both ways, into what the original (v1) reads into line by line."""
+    shaped = _shaped(stream, tmp_path / "rank")
+    assert shaped.stat().st_size < stream.stat().st_size * 0.8
+    with _mode(monkeypatch, False, block):
+        original = _read([(0, stream)])
+    lines, columns, declined = _both(monkeypatch, [(0, shaped)], block)
+    assert declined is None
+    assert columns == lines
+    moved = json.loads(json.dumps(lines, default=repr).replace(str(shaped.parent), str(stream.parent)))
+    assert moved == json.loads(json.dumps(original, default=repr))
+
+
 def test_small_bounds_and_asked_windows_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tails that evict pending calls, digest windows closed across blocks, windows asked for."""
     stream = REPO / "fixtures" / "tiny-kernel-tail" / "ranks" / "rank-0"
@@ -110,14 +129,55 @@ def _line(rec: dict[str, Any]) -> str:
 
 
 def _call(kind: str, t: float, seq: int, gid: int, op: str, is_async: bool, step: int, **more: Any) -> str:
-    """A call in the probes' own layout (lorascope.probes.collectives)."""
-    rec: dict[str, Any] = {"k": kind, "t": round(t, 6), "seq": seq, "gid": gid, "op": op, "bytes": more.get("bytes")}
-    rec.update(dtype=more.get("dtype"), **{"async": is_async}, site=more.get("site"), step=step)
+    """A call in the probes' own layout (lorascope.probes.collectives); with ``shapes``
+    (format v2: a stream's shape ids so far), naming its shape, declared first if new."""
+    shape = {
+        "op": op,
+        "bytes": more.get("bytes"),
+        "dtype": more.get("dtype"),
+        "async": is_async,
+        "site": more.get("site"),
+    }
+    if not more.get("exact"):  # the probes write microseconds
+        t, more["end"] = round(t, 6), round(more["end"], 6) if kind == "coll_done" else None
+    rec: dict[str, Any] = {"k": kind, "t": t, "seq": seq, "gid": gid}
+    declared = ""
+    shapes: dict[str, int] | None = more.get("shapes")
+    if shapes is None:
+        rec.update(shape)
+    else:
+        key = _line(shape)
+        if key not in shapes:
+            shapes[key] = len(shapes)
+            declared = _line({"k": "shape", "t": t, "id": shapes[key], **shape}) + "\n"
+        rec["sh"] = shapes[key]
+    rec["step"] = step
     if more.get("via"):
         rec["via"] = more["via"]
     if kind == "coll_done":
-        rec.update(end=round(more["end"], 6), err=more.get("err"))
-    return _line(rec)
+        rec.update(end=more["end"], err=more.get("err"))
+    return declared + _line(rec)
+
+
+def _shaped(stream: Path, into: Path) -> Path:
+    """A copy of a stream (its side files beside it) in format v2: each call names its
+    shape (the probes' layout), declared before the first call of it; every other line as
+    it is."""
+    shutil.copytree(stream.parent, into)
+    out = into / stream.name
+    shapes: dict[str, int] = {}
+    lines = []
+    for line in stream.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("k") in ("coll", "coll_done"):
+            keys = ("bytes", "dtype", "site", "via", "end", "err")
+            more = {k: rec[k] for k in keys if k in rec}
+            line = _call(
+                rec["k"], rec["t"], rec["seq"], rec["gid"], rec["op"], rec["async"], rec["step"], shapes=shapes, exact=True, **more
+            )  # fmt: skip
+        lines.append(line)
+    out.write_text("\n".join(lines) + "\n")
+    return out
 
 
 @st.composite
@@ -131,6 +191,7 @@ def _streams(draw: st.DrawFn) -> list[str]:
         _line({"gid": g, "name": str(g), "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}) for g in (0, 1)
     ]
     seqs = {0: 0, 1: 0}
+    shapes: dict[str, int] | None = {} if draw(st.booleans()) else None  # format v2, or v1
     open_calls: list[tuple[int, int]] = []
     t, step = T0 + 1, 0
     for _ in range(draw(st.integers(5, 80))):
@@ -147,6 +208,7 @@ def _streams(draw: st.DrawFn) -> list[str]:
                 dtype=draw(st.sampled_from([None, "float32", "bf'16"])),
                 site=draw(st.sampled_from([None, "train.py:12 in main", "a, b.py:3 in f"])),
                 via=draw(st.sampled_from([None, None, "train.py:40 in save"])),
+                shapes=shapes,
             )
             if what == "done":
                 more.update(end=t + draw(st.integers(0, 900)) / 1e6, err=draw(st.sampled_from([None, None, "Boom"])))
@@ -214,6 +276,30 @@ def test_declines_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch, tmp_
         lines, columns, declined = _both(monkeypatch, [(0, path)], 1 << 20)
         assert declined is not None, name
         assert columns == lines, name
+
+
+def test_a_shape_named_before_it_is_declared_or_declared_twice_is_bad_input(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A call naming a shape no record before it declares, and a shape declared again
+    with other fields, are a corrupt stream: the same one-line error both ways."""
+    shape = {"op": "all_reduce", "bytes": 8, "dtype": "float32", "async": False, "site": None}
+    head = [
+        _line({**START, "t": T0}),
+        _line({"gid": 0, "name": "g", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}),
+    ]
+    call = _line({"k": "coll_done", "t": T0 + 1, "seq": 1, "gid": 0, "sh": 0, "step": 0, "end": T0 + 2, "err": None})
+    declare = _line({"k": "shape", "t": T0 + 1, "id": 0, **shape})
+    cases = {
+        "undeclared": ([*head, call, declare], "names shape 0, which no 'shape' record before it declares"),
+        "redeclared": ([*head, declare, call, declare.replace("float32", "bf16")], "shape 0 is declared again"),
+    }
+    for name, (stream, error) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(stream) + "\n")
+        lines, columns, _ = _both(monkeypatch, [(0, path)], 1 << 20)
+        assert lines == columns and lines[0] == "error" and error in lines[1], (name, lines)
+        assert f"{path}:" in lines[1] and "\n" not in lines[1]
 
 
 def test_a_fault_of_the_columnar_reader_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:

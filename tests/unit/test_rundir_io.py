@@ -13,6 +13,7 @@ import pytest
 
 from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.reader import load_run
+from lorascope.rundir.schema import FORMAT_VERSION
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
 
 START = {
@@ -135,10 +136,23 @@ def test_rotation_keeps_first_and_newest_segments(tmp_path: Path) -> None:
 def test_newer_format_is_refused(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, [])
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    manifest["version"] = 2
+    manifest["version"] = FORMAT_VERSION + 1
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatVersionError, match="format v2 is newer"):
+    with pytest.raises(FormatVersionError, match=f"format v{FORMAT_VERSION + 1} is newer"):
         load_run(run_dir)
+
+
+def test_a_launch_raises_an_older_manifests_version(tmp_path: Path) -> None:
+    """A run directory first written by an older lorascope says the newer format once a
+    launch of this one writes into it (its ranks write that format); an older lorascope
+    then refuses it rather than misread it."""
+    run_dir = make_run(tmp_path, [])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["version"] = 1
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    load_run(run_dir)
+    record_launch(run_dir, "h-2", ["job"])
+    assert json.loads((run_dir / "manifest.json").read_text())["version"] == FORMAT_VERSION == 2
 
 
 def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
@@ -303,13 +317,13 @@ def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path)
     """A young async call stays queued at a flush (it may end and be one ``coll_done``),
     later records are written meanwhile; a final flush (exception, signal, end) writes
     it as a pending ``coll``, and its end follows as a ``coll_end``."""
-    from lorascope.probes.collectives import HOLD_ASYNC, _Call
+    from lorascope.probes.collectives import HOLD_ASYNC, _Call, _Shapes
 
     record_launch(tmp_path, "h-1", ["job"])
     stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
     stream.write(dict(START, t=0.5))
     stream.append({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
-    young = _Call(time.time() + 60, 1, 0, "all_gather_into_tensor", 32, "float32", True, None, 0, None)
+    young = _Call(time.time() + 60, 1, 0, "all_gather_into_tensor", 32, "float32", True, None, 0, None, _Shapes())
     stream.append(young)
     stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "begin", "step": 0})
     stream.flush()
@@ -320,5 +334,38 @@ def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path)
     stream.append(young)
     stream.flush()
     kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
-    assert kinds == ["start", "group", "phase", "coll", "coll_end"]
+    assert kinds == ["start", "group", "phase", "shape", "coll", "coll_end"]
     assert not load_run(tmp_path).ranks[0].collectives[0].pending
+
+
+def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) -> None:
+    """Format v2: a call names its shape, declared once in the stream; each new segment
+    begins with every shape declared so far, so the newest segments still read whole when
+    the ones between (where a shape was first declared) are rotated away."""
+    from lorascope.probes.collectives import _Call, _Shapes
+
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42), segment_bytes=4000, keep_segments=2)
+    shapes = _Shapes()
+    stream.segment_head = shapes.head
+    stream.write(dict(START, t=1.0))
+    stream.write({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
+    ops = ["all_reduce", "all_gather_into_tensor", "broadcast"]
+    for seq in range(1, 301):
+        op = ops[0] if seq < 200 else ops[seq % 3]  # two shapes declared only after segment 1
+        call = _Call(2.0 + seq, seq, 0, op, 64, "float32", False, f"/j/t.py:{ops.index(op)} in f", seq, None, shapes)
+        call.end = call.t + 0.5
+        stream.append(call)
+        if seq % 10 == 0:
+            stream.flush()
+    stream.close()
+    files = sorted((tmp_path / "ranks" / "rank-0").glob("*.jsonl"))
+    assert [int(p.name.split(".")[1]) for p in files][0] == 0 and len(files) == 3  # 0 and the newest two
+    newest = [json.loads(line) for line in files[-1].read_text().splitlines()]
+    assert [r["k"] for r in newest[:4]] == ["segment", "shape", "shape", "shape"]
+    assert {r["id"] for r in newest[1:4]} == {0, 1, 2} and all("op" not in r for r in newest[4:])
+    run = load_run(tmp_path)
+    assert any("rotated away" in w for w in run.warnings)
+    kept = run.ranks[0].collectives
+    assert kept and {c.op for c in kept} == set(ops)
+    assert all(c.site == f"/j/t.py:{ops.index(c.op)} in f" and c.bytes == 64 for c in kept)
