@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -321,56 +321,53 @@ def _string(value: pl.Expr) -> pl.Expr:
 
 
 def _calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
-    """``coll`` and ``coll_done`` lines (``pos``, ``l``) that match CALL_LINE, as columns.
-    The layout is known, and no string in it holds a double quote, so ``,"`` only ever
-    separates fields: k, t, seq, gid, op, bytes, dtype, async, site, step, then ``via``
-    (if any) and ``end``, ``err`` (coll_done)."""
+    """``coll`` and ``coll_done`` lines (``pos``, ``l``) that match CALL_LINE, as columns
+    (pieces: k, t, seq, gid, op, bytes, dtype, async, site, step, ...: :func:`_split_calls`)."""
     import polars as pl
 
-    parts = frame.select(
-        pl.col("pos"), pl.col("l").str.split_exact(',"', 12).struct.rename_fields([f"f{i}" for i in range(13)])
-    ).unnest("l")
-    f = pl.col
-    has_via = f("f10").str.starts_with('via":').fill_null(False)
-    end_piece = pl.when(has_via).then(f("f11")).otherwise(f("f10"))
-    err_piece = pl.when(has_via).then(f("f12")).otherwise(f("f11"))
-    done = f("f0") == '{"k":"coll_done"'
-    has_end = done & end_piece.str.starts_with('end":').fill_null(False)
-    return parts.select(
-        (f("pos").cast(pl.Int64) + base).alias("n"),
-        done.alias("done"),
-        _value(f("f1"), "t").cast(pl.Float64).alias("t"),
-        _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
-        _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
-        _string(_value(f("f4"), "op")).alias("op"),
-        pl.when(_value(f("f5"), "bytes") == "null")
-        .then(None)
-        .otherwise(_value(f("f5"), "bytes"))
-        .cast(pl.Int64)
-        .alias("bytes"),
-        _string(_value(f("f6"), "dtype")).alias("dtype"),
-        (_value(f("f7"), "async") == "true").alias("async"),
-        _string(_value(f("f8"), "site")).alias("site"),
-        _value(f("f9"), "step").cast(pl.Int64).alias("step"),
-        pl.when(has_via).then(_string(_value(f("f10"), "via"))).alias("via"),
-        pl.when(has_end).then(_value(end_piece, "end").cast(pl.Float64)).alias("end"),
-        pl.when(has_end).then(_string(_value(err_piece, "err"))).alias("err"),
+    def nullable_int(value: pl.Expr) -> pl.Expr:
+        return pl.when(value == "null").then(None).otherwise(value).cast(pl.Int64)
+
+    return _split_calls(
+        frame,
+        base,
+        [
+            ("op", _string),
+            ("bytes", nullable_int),
+            ("dtype", _string),
+            ("async", lambda v: v == "true"),
+            ("site", _string),
+        ],
     )
 
 
 def _shaped_calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
     """``coll`` and ``coll_done`` lines that match SHAPED_LINE (format v2: the call names
-    its shape), as columns: those of :func:`_calls` but the shape's, and ``sh``. Pieces:
-    k, t, seq, gid, sh, step, then ``via`` (if any) and ``end``, ``err`` (coll_done)."""
+    its shape), as columns: those of :func:`_calls` but the shape's, and ``sh`` (pieces:
+    k, t, seq, gid, sh, step, ...: :func:`_split_calls`)."""
     import polars as pl
 
+    return _split_calls(frame, base, [("sh", lambda v: v.cast(pl.Int64))])
+
+
+def _split_calls(
+    frame: pl.DataFrame, base: int, middle: list[tuple[str, Callable[[pl.Expr], pl.Expr]]]
+) -> pl.DataFrame:
+    """Call lines (``pos``, ``l``) of one layout as columns. The layout is known, and no
+    string in it holds a double quote, so ``,"`` only ever separates fields: k, t, seq,
+    gid, then the ``middle`` ones (each key's value text to its column), then step, ``via``
+    (if any) and ``end``, ``err`` (coll_done)."""
+    import polars as pl
+
+    step = 4 + len(middle)  # the index of the step piece; via / end / err follow it
     parts = frame.select(
-        pl.col("pos"), pl.col("l").str.split_exact(',"', 8).struct.rename_fields([f"f{i}" for i in range(9)])
+        pl.col("pos"),
+        pl.col("l").str.split_exact(',"', step + 3).struct.rename_fields([f"f{i}" for i in range(step + 4)]),
     ).unnest("l")
     f = pl.col
-    has_via = f("f6").str.starts_with('via":').fill_null(False)
-    end_piece = pl.when(has_via).then(f("f7")).otherwise(f("f6"))
-    err_piece = pl.when(has_via).then(f("f8")).otherwise(f("f7"))
+    has_via = f(f"f{step + 1}").str.starts_with('via":').fill_null(False)
+    end_piece = pl.when(has_via).then(f(f"f{step + 2}")).otherwise(f(f"f{step + 1}"))
+    err_piece = pl.when(has_via).then(f(f"f{step + 3}")).otherwise(f(f"f{step + 2}"))
     done = f("f0") == '{"k":"coll_done"'
     has_end = done & end_piece.str.starts_with('end":').fill_null(False)
     return parts.select(
@@ -379,9 +376,9 @@ def _shaped_calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
         _value(f("f1"), "t").cast(pl.Float64).alias("t"),
         _value(f("f2"), "seq").cast(pl.Int64).alias("seq"),
         _value(f("f3"), "gid").cast(pl.Int64).alias("gid"),
-        _value(f("f4"), "sh").cast(pl.Int64).alias("sh"),
-        _value(f("f5"), "step").cast(pl.Int64).alias("step"),
-        pl.when(has_via).then(_string(_value(f("f6"), "via"))).alias("via"),
+        *(column(_value(f(f"f{4 + i}"), key)).alias(key) for i, (key, column) in enumerate(middle)),
+        _value(f(f"f{step}"), "step").cast(pl.Int64).alias("step"),
+        pl.when(has_via).then(_string(_value(f(f"f{step + 1}"), "via"))).alias("via"),
         pl.when(has_end).then(_value(end_piece, "end").cast(pl.Float64)).alias("end"),
         pl.when(has_end).then(_string(_value(err_piece, "err"))).alias("err"),
     )

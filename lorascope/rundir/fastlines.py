@@ -86,42 +86,29 @@ def parse_call(line: bytes, shapes: Shapes) -> Call | None:
     if m is not None:
         kind, t, seq, gid, sh, step, via, end, err = m.groups()
         shape = shapes.get(int(sh))
-        if shape is None or (kind == b"coll_done" and end is None):
+        if shape is None:
             return None  # the general path says why
-        op_text, size, dtype_text, flag, site_text = shape
-        done = kind == b"coll_done"
-        return Call(
-            "coll_done" if done else "coll",
-            float(t),
-            int(seq),
-            int(gid),
-            op_text,
-            size,
-            dtype_text,
-            flag,
-            site_text,
-            int(step),
-            None if via is None else via.decode(),
-            float(end) if done else None,
-            None if err is None or not done else err.decode(),
+    else:
+        m = _CALL.fullmatch(line)
+        if m is None:
+            return None
+        kind, t, seq, gid, op, nbytes, dtype, is_async, site, step, via, end, err = m.groups()
+        shape = (
+            op.decode(),
+            None if nbytes is None else int(nbytes),
+            None if dtype is None else dtype.decode(),
+            is_async == b"true",
+            None if site is None else site.decode(),
         )
-    m = _CALL.fullmatch(line)
-    if m is None:
-        return None
-    kind, t, seq, gid, op, nbytes, dtype, is_async, site, step, via, end, err = m.groups()
-    if kind == b"coll_done" and end is None:
-        return None  # lacks its end: the general path says so
     done = kind == b"coll_done"
+    if done and end is None:
+        return None  # lacks its end: the general path says so
     return Call(
         "coll_done" if done else "coll",
         float(t),
         int(seq),
         int(gid),
-        op.decode(),
-        None if nbytes is None else int(nbytes),
-        None if dtype is None else dtype.decode(),
-        is_async == b"true",
-        None if site is None else site.decode(),
+        *shape,
         int(step),
         None if via is None else via.decode(),
         float(end) if done else None,
