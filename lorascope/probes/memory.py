@@ -22,6 +22,27 @@ import psutil
 
 from lorascope.probes.session import Session
 
+#: Phase edges read without the C heap (RSS, and on CUDA the allocator's counters, as
+#: everywhere; see ``reads_heap``).
+RSS_ONLY_EDGES = frozenset({"backward.end", "optimizer.begin"})
+
+
+def reads_heap(src: str, steps_done: int) -> bool:
+    """Whether a training-thread reading at ``src`` reads the C heap. Each heap reading is a
+    mallinfo2 walk, ~80 us on the CPU test job: six a step were the largest part of the
+    probes' cost on the training thread (CHANGELOG). The heap is read where a step's
+    memory is made and given back: after the forward, after the loss (backward's begin:
+    the logits' copies live there) and after the optimizer (the step's end); before the
+    forward only in the first step (the baseline the detectors measure growth from: later
+    the step before ended with the same memory, plus a batch). The backward's end and the
+    optimizer's begin sit next to each other, between the loss's reading and the step's
+    end: what they would add is the gradients the backward leaves (a LoRA adapter's are
+    small). Other phases (eval, save) are read at both edges, and the sampler thread
+    (every 0.5 s by default) reads the heap whatever phase the rank is in."""
+    if src in RSS_ONLY_EDGES:
+        return False
+    return src != "forward.begin" or steps_done == 0
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
@@ -131,17 +152,17 @@ class MemoryProbe:
         out["pid_used"] = {str(p.pid): p.usedGpuMemory for p in procs}
         return out
 
-    def reading(self, from_main_thread: bool = True) -> dict[str, Any]:
-        """RSS, and the C heap in use; on CUDA the allocator's counters, NVML from the
-        sampler thread, and the heap only from the sampler: the memory detectors read a
-        CUDA rank by its allocator, and mallinfo2 walks every free chunk of every arena
-        (~200 us a reading on the CPU test job, 7 readings a step at the phase edges)."""
+    def reading(self, from_main_thread: bool = True, heap: bool = True) -> dict[str, Any]:
+        """RSS, and the C heap in use (unless not ``heap``); on CUDA the allocator's
+        counters, NVML from the sampler thread, and the heap only from the sampler: the
+        memory detectors read a CUDA rank by its allocator, and mallinfo2 walks every free
+        chunk of every arena (~80-200 us a reading on the CPU test job)."""
         fields: dict[str, Any] = {"rss": self._rss()}
         cuda = self._cuda(from_main_thread)
-        if cuda is None or not from_main_thread:
-            heap = heap_in_use()
-            if heap is not None:
-                fields["heap"] = heap
+        if heap and (cuda is None or not from_main_thread):
+            value = heap_in_use()
+            if value is not None:
+                fields["heap"] = value
         if cuda is not None:
             fields["cuda"] = cuda
             if not from_main_thread:
@@ -154,7 +175,7 @@ class MemoryProbe:
         """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
         if reading is None:
-            reading = self.reading(from_main_thread)
+            reading = self.reading(from_main_thread, heap=not from_main_thread or reads_heap(src, self.session.step))
         self.session.record("mem", src=src, step=self.session.step, **reading)
         return reading
 

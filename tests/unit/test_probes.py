@@ -234,12 +234,14 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
     assert "heap" not in probe.reading(from_main_thread=True) and not calls
     assert probe.reading(from_main_thread=False)["heap"] == 5 and calls == [1]
     probe._cuda = lambda from_main_thread: None  # type: ignore[method-assign]
-    assert probe.reading(from_main_thread=True)["heap"] == 5
+    assert probe.reading(from_main_thread=True)["heap"] == 5 and calls == [1, 1]
+    assert "heap" not in probe.reading(from_main_thread=True, heap=False) and calls == [1, 1]
 
 
 def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step's end takes the reading the optimizer's end edge took a moment before
-    (each costs a mallinfo2 walk): one reading, recorded for both."""
+    (each costs a mallinfo2 walk): one reading, recorded for both. The optimizer's begin,
+    and the forward's begin after the first step, are read without the heap (reads_heap)."""
     from lorascope.probes import memory
     from lorascope.probes.grads import GradProbe
     from lorascope.probes.kernels import KernelWindow
@@ -252,7 +254,7 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
     mem = memory.MemoryProbe(session)
     readings = iter(range(1, 100))
-    monkeypatch.setattr(mem, "reading", lambda from_main_thread=True: {"rss": next(readings)})
+    monkeypatch.setattr(mem, "reading", lambda from_main_thread=True, heap=True: {"rss": next(readings), "heap": heap})
     steps = StepProbe(
         session,
         mem,
@@ -267,10 +269,10 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
         steps._optimizer_end()
     stream.close()
     lines = [json.loads(line) for path in sorted((tmp_path / "r").iterdir()) for line in path.read_text().splitlines()]
-    got = [(m["src"], m["rss"]) for m in lines if m["k"] == "mem"]
+    got = [(m["src"], m["rss"], m["heap"]) for m in lines if m["k"] == "mem"]
     assert got == [
-        ("forward.begin", 1), ("optimizer.begin", 2), ("optimizer.end", 3), ("step", 3),
-        ("forward.begin", 4), ("optimizer.begin", 5), ("optimizer.end", 6), ("step", 6),
+        ("forward.begin", 1, True), ("optimizer.begin", 2, False), ("optimizer.end", 3, True), ("step", 3, True),
+        ("forward.begin", 4, False), ("optimizer.begin", 5, False), ("optimizer.end", 6, True), ("step", 6, True),
     ]  # fmt: skip
 
 
