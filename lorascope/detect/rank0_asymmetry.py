@@ -134,11 +134,16 @@ def _phase_between(previous: str, edge: str) -> str:
     ``edge`` opens a phase, the training script's own code between the engine's phases
     (where evaluation, logging and gathers on rank 0 usually live). A gap that opens
     right after an eval or save phase is that phase's output kept by rank 0 alone (the
-    other ranks free theirs once it is done)."""
+    other ranks free theirs once it is done). An interval that opens at one phase's begin
+    and closes at another's edge holds the rest of the first (a CPU rank's heap is not
+    read at every edge: ``RSS_ONLY_EDGES`` in ``probes/memory.py``): both are named."""
     name, _, side = edge.partition(".")
+    before, _, before_side = previous.partition(".")
+    if side and before_side == "begin" and before != name:
+        then = f"the {name} phase" if side == "end" else "the training loop's own code after it"
+        return f"the {before} phase or {then}"
     if side == "end":
         return name
-    before, _, before_side = previous.partition(".")
     if before in ("eval", "save") and before_side == "end":
         return before  # what that phase produced and rank 0 alone kept
     return "the training loop's own code between steps" if side == "begin" else edge

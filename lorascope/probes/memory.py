@@ -22,26 +22,18 @@ import psutil
 
 from lorascope.probes.session import Session
 
-#: Phase edges read without the C heap (RSS, and on CUDA the allocator's counters, as
-#: everywhere; see ``reads_heap``).
+#: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
+#: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
+#: free chunk, ~50-80 us on the CPU test job: six a step were the largest part of the
+#: probes' cost on the training thread (CHANGELOG). The backward's end and the optimizer's
+#: begin sit next to each other in a loop, between two edges still read (the backward's
+#: begin, after the loss, and the optimizer's end, the step's end): what they would add is
+#: where in that stretch memory moved (rank0-asymmetry then names "the backward phase or
+#: the optimizer phase"). Every other edge is read (a step's baseline before the forward,
+#: the forward's activations, the logits' copies after the loss, eval and save phases),
+#: and the sampler thread (every 0.5 s by default) reads the heap whatever phase the rank
+#: is in.
 RSS_ONLY_EDGES = frozenset({"backward.end", "optimizer.begin"})
-
-
-def reads_heap(src: str, steps_done: int) -> bool:
-    """Whether a training-thread reading at ``src`` reads the C heap. Each heap reading is a
-    mallinfo2 walk, ~80 us on the CPU test job: six a step were the largest part of the
-    probes' cost on the training thread (CHANGELOG). The heap is read where a step's
-    memory is made and given back: after the forward, after the loss (backward's begin:
-    the logits' copies live there) and after the optimizer (the step's end); before the
-    forward only in the first step (the baseline the detectors measure growth from: later
-    the step before ended with the same memory, plus a batch). The backward's end and the
-    optimizer's begin sit next to each other, between the loss's reading and the step's
-    end: what they would add is the gradients the backward leaves (a LoRA adapter's are
-    small). Other phases (eval, save) are read at both edges, and the sampler thread
-    (every 0.5 s by default) reads the heap whatever phase the rank is in."""
-    if src in RSS_ONLY_EDGES:
-        return False
-    return src != "forward.begin" or steps_done == 0
 
 
 class _MallInfo2(ctypes.Structure):
@@ -175,7 +167,7 @@ class MemoryProbe:
         """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
         if reading is None:
-            reading = self.reading(from_main_thread, heap=not from_main_thread or reads_heap(src, self.session.step))
+            reading = self.reading(from_main_thread, heap=not from_main_thread or src not in RSS_ONLY_EDGES)
         self.session.record("mem", src=src, step=self.session.step, **reading)
         return reading
 

@@ -240,8 +240,8 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
 
 def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step's end takes the reading the optimizer's end edge took a moment before
-    (each costs a mallinfo2 walk): one reading, recorded for both. The optimizer's begin,
-    and the forward's begin after the first step, are read without the heap (reads_heap)."""
+    (each costs a mallinfo2 walk): one reading, recorded for both. The optimizer's begin is
+    read without the heap (RSS_ONLY_EDGES)."""
     from lorascope.probes import memory
     from lorascope.probes.grads import GradProbe
     from lorascope.probes.kernels import KernelWindow
@@ -272,7 +272,7 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
     got = [(m["src"], m["rss"], m["heap"]) for m in lines if m["k"] == "mem"]
     assert got == [
         ("forward.begin", 1, True), ("optimizer.begin", 2, False), ("optimizer.end", 3, True), ("step", 3, True),
-        ("forward.begin", 4, False), ("optimizer.begin", 5, False), ("optimizer.end", 6, True), ("step", 6, True),
+        ("forward.begin", 4, True), ("optimizer.begin", 5, False), ("optimizer.end", 6, True), ("step", 6, True),
     ]  # fmt: skip
 
 

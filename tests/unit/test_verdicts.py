@@ -89,6 +89,50 @@ def test_rank0_asymmetry_ignores_a_transient_caught_by_the_sampler() -> None:
     assert "48.0 MiB" in kept.title and "eval" in kept.title
 
 
+def _gaps_growing(edges: list[str], grows_at: str, steps: int = 4) -> list[tuple[tuple[int, str, int], float]]:
+    """Rank 0's gap at each edge of ``steps`` steps: 64 MiB more from the first ``grows_at``."""
+    out, gap = [], 0.0
+    for step in range(steps):
+        for edge in edges:
+            if edge == grows_at and step == 1:
+                gap = 64.0 * 2**20
+            out.append(((step, edge, 1), gap))
+    return out
+
+
+CUDA_EDGES = [
+    "forward.begin",
+    "forward.end",
+    "backward.begin",
+    "backward.end",
+    "optimizer.begin",
+    "optimizer.end",
+    "step",
+]
+#: A CPU rank's edges with a heap reading (RSS_ONLY_EDGES in probes/memory.py left out).
+CPU_EDGES = ["forward.begin", "forward.end", "backward.begin", "optimizer.end", "step"]
+
+
+@pytest.mark.parametrize(
+    ("edges", "grows_at", "phase"),
+    [
+        (CUDA_EDGES, "optimizer.end", "optimizer"),
+        (CUDA_EDGES, "backward.end", "backward"),
+        (CPU_EDGES, "optimizer.end", "the backward phase or the optimizer phase"),
+        (CPU_EDGES, "forward.end", "forward"),
+        (CPU_EDGES, "forward.begin", "the training loop's own code between steps"),
+        (["forward.begin", "forward.end", "backward.begin", "optimizer.end", "step", "eval.begin", "eval.end"],
+         "forward.begin", "eval"),
+    ],
+)  # fmt: skip
+def test_the_divergence_names_every_phase_its_interval_may_hold(edges: list[str], grows_at: str, phase: str) -> None:
+    """Where rank 0 pulls away is named from the edges read on both sides of the growth; a
+    CPU rank's heap skips the backward's end and the optimizer's begin, so growth there is
+    named as either phase, not pinned on one."""
+    point = rank0_asymmetry.divergence_point(_gaps_growing(edges, grows_at), 64.0 * 2**20)
+    assert point is not None and point["phase"] == phase and point["step"] == 1
+
+
 # -- straggler -------------------------------------------------------------------------
 
 
