@@ -7,7 +7,9 @@ change what those did not: other model shapes (``train_lora.py`` flags), other e
 save and per-rank code (``probes/variants.py``), other engines and rank counts. Each
 runs under ``lorascope run`` and is analysed; the table gives, per scenario, the
 expected verdict, whether a finding with that id was made (any severity), whether it is
-the top verdict, and the other warnings and errors (false alarms).
+the top verdict, for a rank-0 memory planting whether it names the phase the planted code
+runs in ("where": the finding's ``details.divergence.phase``), and the other warnings and
+errors (false alarms).
 
     python benchmarks/untuned_scenarios.py                  # ~15 min on 2 cores
     python benchmarks/untuned_scenarios.py --analyze-only   # the kept runs, current detectors
@@ -21,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from healthy_runs import REPO, Config, analyze, run_one  # the same runner
@@ -28,6 +31,8 @@ from healthy_runs import REPO, Config, analyze, run_one  # the same runner
 VARIANTS = REPO / "probes" / "variants.py"
 WIDE = ("--hidden", "96", "--intermediate", "256", "--layers", "3", "--heads", "6", "--kv-heads", "2")
 DEEP = ("--hidden", "48", "--intermediate", "96", "--layers", "6", "--heads", "4", "--kv-heads", "4")
+#: rank0-asymmetry's name for memory kept by the job's own code between steps.
+LOOP = "the training loop's own code between steps"
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Scenario:
     #: The finding id that names what was planted; None for a healthy run.
     expected: str | None
     steps: int = 12
+    #: Where the planted code runs, as rank0-asymmetry names it (its divergence phase).
+    where: str | None = None
     #: "A": the first untuned set (its misses led to two detector fixes, so it is no longer
     #: untuned); "B": added after the last fix, run once.
     group: str = "A"
@@ -51,18 +58,21 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(Config("eval-allreduce", ("--variant", "eval-allreduce"), job=VARIANTS), None),
     Scenario(Config("save-file-ddp", ("--variant", "save-rank0-file", "--engine", "torch"), job=VARIANTS), None),
-    Scenario(Config("eval-metrics", ("--variant", "eval-metrics"), job=VARIANTS), "rank0-asymmetry"),
+    Scenario(Config("eval-metrics", ("--variant", "eval-metrics"), job=VARIANTS), "rank0-asymmetry", where="eval"),
     Scenario(
         Config("eval-metrics-ddp-wide", ("--variant", "eval-metrics", "--engine", "torch", *WIDE), job=VARIANTS),
         "rank0-asymmetry",
+        where="eval",
     ),
     Scenario(
         Config("save-keep-ddp", ("--variant", "save-rank0-keep", "--engine", "torch", "--vocab", "8192"), job=VARIANTS),
         "rank0-asymmetry",
+        where=LOOP,
     ),
     Scenario(
         Config("gather-ddp-3ranks", ("--fault", "rank0-asymmetry-gather", "--engine", "torch"), nproc=3),
         "rank0-asymmetry",
+        where=LOOP,
     ),
     Scenario(Config("straggler", ("--variant", "straggler"), job=VARIANTS), "straggler"),
     Scenario(
@@ -104,6 +114,7 @@ HOLDOUT: list[Scenario] = [
     Scenario(
         Config("B-eval-metrics-3ranks", ("--variant", "eval-metrics"), nproc=3, job=VARIANTS),
         "rank0-asymmetry",
+        where="eval",
         group="B",
     ),
     Scenario(
@@ -111,6 +122,7 @@ HOLDOUT: list[Scenario] = [
             "B-eval-ddp-deep", ("--fault", "rank0-asymmetry-eval", "--engine", "torch", *DEEP, "--eval-batch", "128")
         ),
         "rank0-asymmetry",
+        where="eval",
         group="B",
     ),
     Scenario(
@@ -143,6 +155,14 @@ HOLDOUT: list[Scenario] = [
     ),
 ]
 SCENARIOS += HOLDOUT
+
+
+def named_where(findings: list[dict[str, Any]], expected: str | None) -> str | None:
+    """The phase the expected rank0-asymmetry finding says rank 0 pulled away in."""
+    for f in findings:
+        if f["id"] == expected == "rank0-asymmetry":
+            return ((f.get("details") or {}).get("divergence") or {}).get("phase")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,17 +206,24 @@ def main(argv: list[str] | None = None) -> int:
                 "found": sc.expected in ids if sc.expected else not alarms,
                 "top": (ids[0] == sc.expected) if sc.expected and ids else None,
                 "severity": next((f["severity"] for f in findings if f["id"] == sc.expected), None),
+                "where": sc.where,
+                "named_where": named_where(findings, sc.expected),
                 "false_alarms": alarms,
                 "analysis_error": data.get("error"),
             }
         )
-    print(f"{'scenario':<26} {'expected':<22} {'found':>5} {'top':>5} {'severity':>8} {'false alarms':>12}")
+    print(
+        f"{'scenario':<26} {'expected':<22} {'found':>5} {'top':>5} {'severity':>8} {'where':>5} {'false alarms':>12}"
+    )
     for r in rows:
         top = "-" if r["top"] is None else "yes" if r["top"] else "no"
+        where = "-" if r["where"] is None else "yes" if r["named_where"] == r["where"] else "NO"
         print(
             f"{r['scenario']:<26} {r['expected']:<22} {'yes' if r['found'] else 'NO':>5} {top:>5} "
-            f"{r['severity'] or '-':>8} {len(r['false_alarms']):>12}"
+            f"{r['severity'] or '-':>8} {where:>5} {len(r['false_alarms']):>12}"
         )
+        if where == "NO":
+            print(f"    named {r['named_where']!r}, planted in {r['where']!r}")
         for a in r["false_alarms"]:
             print(f"    {a}")
         if r["analysis_error"]:
@@ -205,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["group"] == group]
         planted = [r for r in mine if r["expected"] != "(healthy)"]
         healthy = [r for r in mine if r["expected"] == "(healthy)"]
+        located = [r for r in planted if r["where"] is not None]
         print(
             f"\ngroup {group}: planted {sum(r['found'] for r in planted)} of {len(planted)} found, "
-            f"{sum(bool(r['top']) for r in planted)} as the top verdict; healthy "
+            f"{sum(bool(r['top']) for r in planted)} as the top verdict; "
+            f"{sum(r['named_where'] == r['where'] for r in located)} of {len(located)} located; healthy "
             f"{sum(r['found'] for r in healthy)} of {len(healthy)} quiet; "
             f"false alarms {sum(len(r['false_alarms']) for r in mine)}"
         )
