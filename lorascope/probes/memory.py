@@ -24,7 +24,7 @@ from lorascope.probes.session import Session
 
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
-#: free chunk, ~50-80 us on the CPU test job: six a step were the largest part of the
+#: free chunk, ~50-150 us on the CPU test job: six a step were the largest part of the
 #: probes' cost on the training thread (CHANGELOG). The backward's end and the optimizer's
 #: begin sit next to each other in a loop, between two edges still read (the backward's
 #: begin, after the loss, and the optimizer's end, the step's end): what they would add is
@@ -148,7 +148,7 @@ class MemoryProbe:
         """RSS, and the C heap in use (unless not ``heap``); on CUDA the allocator's
         counters, NVML from the sampler thread, and the heap only from the sampler: the
         memory detectors read a CUDA rank by its allocator, and mallinfo2 walks every free
-        chunk of every arena (~80-200 us a reading on the CPU test job)."""
+        chunk of every arena (~50-200 us a reading on the CPU test job)."""
         fields: dict[str, Any] = {"rss": self._rss()}
         cuda = self._cuda(from_main_thread)
         if heap and (cuda is None or not from_main_thread):
