@@ -145,7 +145,7 @@ class MemoryProbe:
         return out
 
     def reading(self, from_main_thread: bool = True, heap: bool = True) -> dict[str, Any]:
-        """RSS, and the C heap in use (unless not ``heap``); on CUDA the allocator's
+        """RSS, and the C heap in use (unless ``heap`` is false); on CUDA the allocator's
         counters, NVML from the sampler thread, and the heap only from the sampler: the
         memory detectors read a CUDA rank by its allocator, and mallinfo2 walks every free
         chunk of every arena (~50-200 us a reading on the CPU test job)."""
@@ -167,7 +167,7 @@ class MemoryProbe:
         """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
         if reading is None:
-            reading = self.reading(from_main_thread, heap=not from_main_thread or src not in RSS_ONLY_EDGES)
+            reading = self.reading(from_main_thread, heap=src not in RSS_ONLY_EDGES)
         self.session.record("mem", src=src, step=self.session.step, **reading)
         return reading
 
