@@ -32,6 +32,7 @@ runs one worker process per core.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import sys
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorascope.rundir import limits
-from lorascope.rundir.fastlines import CALL_LINE, END_LINE, SHAPED_LINE, Shapes
+from lorascope.rundir.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Shapes, flat_line
 from lorascope.rundir.reduce import (
     HEAD_CALLS,
     MAX_REORDER,
@@ -87,6 +88,11 @@ class Sink(Protocol):
 
     def record(self, path: Path, number: int, rec: Any) -> None:
         """Validate and apply one record (BadInputError if it is bad)."""
+
+    def extend(self, path: Path, number: int, kind: str, recs: list[dict[str, Any]], last: float) -> None:
+        """Apply records of one of FLAT_LAYOUTS' kinds, valid by their layout, in stream
+        order (``number``: the first one's line; ``last``: a time no earlier than theirs,
+        of a record of the stream)."""
 
     def check(self, path: Path, number: int, rec: Any) -> None:
         """Validate a collective record read as JSON, which is not applied (the log
@@ -274,10 +280,15 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
     first = int(positions.min()) if positions.len() else None  # type: ignore[arg-type]
     held: list[tuple[int, dict[str, Any]]] = []
     devices: list[tuple[int, str, int, float]] = []
+    flat = _Flat(raw, sink, path, before)
+    if flat.positions:
+        fast = fast.scatter(flat.positions, True)
     others = (~fast).arg_true().to_list()
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
     for i, rec in zip(others, recs, strict=True):
+        flat.apply_before(i)
         _other(log, sink, path, before + i + 1, log.base + i, rec, held, devices, first_call, first)
+    flat.apply_before(len(lines))
     if shaped.height:
         calls = pl.concat([calls, _with_shapes(shaped, sink.shapes, log.declared_at)]).sort("n")
     if held:
@@ -288,6 +299,95 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
         raise Unsuitable("a collective record before the 'start' record")
     if first is not None or devices:
         log.add(calls, ends, _names(sink, calls), devices)
+
+
+class _Flat:
+    """A block's lines in one of FLAT_LAYOUTS' layouts, as records (split as columns, then
+    made dicts as ``json.loads`` makes them: the same keys in the same order, the same
+    values and types), applied to the sink in stream order with the block's other lines."""
+
+    def __init__(self, raw: pl.Series, sink: Sink, path: Path, before: int) -> None:
+        self.sink, self.path, self.before = sink, path, before
+        #: Per kind: its records' positions in the block, the records; how many applied.
+        self.kinds: list[tuple[str, list[int], list[dict[str, Any]]]] = []
+        self.applied: list[int] = []
+        #: Every record's position; the latest time of any (the sink keeps the latest).
+        self.positions: list[int] = []
+        self.latest = 0.0
+        for kind, layouts in FLAT_LAYOUTS.items():
+            pairs: list[tuple[int, dict[str, Any]]] = []
+            for layout in layouts:
+                positions, recs, latest = _flat_records(raw, kind, layout)
+                pairs.extend(zip(positions, recs, strict=True))
+                self.latest = max(self.latest, latest)
+            if not pairs:
+                continue
+            if len(layouts) > 1:
+                pairs.sort(key=lambda pair: pair[0])
+            self.kinds.append((kind, [p for p, _ in pairs], [rec for _, rec in pairs]))
+            self.applied.append(0)
+            self.positions.extend(p for p, _ in pairs)
+
+    def apply_before(self, end: int) -> None:
+        """Apply the records at block positions below ``end`` not applied yet, each kind's
+        in order, the kind that comes first first (its line is the one a stream without a
+        ``start`` record before it is faulted at)."""
+        due = []
+        for i, (kind, positions, recs) in enumerate(self.kinds):
+            done = self.applied[i]
+            upto = bisect.bisect_left(positions, end, done)
+            if upto > done:
+                due.append((positions[done], kind, recs[done:upto]))
+                self.applied[i] = upto
+        for first, kind, recs in sorted(due, key=lambda d: d[0]):
+            self.sink.extend(self.path, self.before + first + 1, kind, recs, self.latest)
+
+
+def _flat_records(
+    raw: pl.Series, kind: str, layout: tuple[tuple[str, str], ...]
+) -> tuple[list[int], list[dict[str, Any]], float]:
+    """The block's lines in one layout of ``kind``: their positions, their records, the
+    latest time of any (0.0: none)."""
+    import polars as pl
+
+    first = f'{{"{layout[0][0]}":'
+    where = raw.bin.starts_with(first.encode()).arg_true()
+    if not where.len():
+        return [], [], 0.0
+    frame = pl.DataFrame({"pos": where, "l": raw.gather(where).cast(pl.String, strict=False)})
+    frame = frame.filter(pl.col("l").str.contains(flat_line(kind, layout)).fill_null(False))
+    if not frame.height:
+        return [], [], 0.0
+    # The pieces between ``,"`` (no string in the layout holds a double quote): the
+    # layout's fields (the first after ``{"``), then k and t (before its closing brace).
+    n = len(layout) + 2
+    parts = frame.select(
+        pl.col("pos"), pl.col("l").str.split_exact(',"', n - 1).struct.rename_fields([f"f{i}" for i in range(n)])
+    ).unnest("l")
+    values = [
+        _flat_value(pl.col(f"f{i}").str.slice(len(key) + (4 if i == 0 else 2)), value).alias(key)
+        for i, (key, value) in enumerate(layout)
+    ]
+    t = _value(pl.col(f"f{n - 1}"), "t").cast(pl.Float64).alias("t")
+    columns = parts.select(*values, t)
+    keys = [*(key for key, _ in layout), "k", "t"]
+    rows = zip(
+        *(columns[key].to_list() for key, _ in layout), [kind] * frame.height, columns["t"].to_list(), strict=True
+    )
+    latest = float(columns["t"].max())  # type: ignore[arg-type]
+    return parts["pos"].to_list(), [dict(zip(keys, row, strict=True)) for row in rows], latest
+
+
+def _flat_value(text: pl.Expr, value: str) -> pl.Expr:
+    """A value of FLAT_LAYOUTS' type ``value`` from its JSON text."""
+    import polars as pl
+
+    if value == "str":
+        return text.str.slice(1).str.strip_suffix('"')
+    dtype = pl.Int64 if value.endswith("int") else pl.Float64
+    if value.startswith("opt_"):
+        return pl.when(text == "null").then(None).otherwise(text).cast(dtype)
+    return text.cast(dtype)
 
 
 def _names(sink: Sink, calls: pl.DataFrame) -> dict[int, str]:

@@ -47,6 +47,39 @@ CALL_LINE = "^" + _CALL_BODY.decode() + "$"
 SHAPED_LINE = "^" + _SHAPED_BODY.decode() + "$"
 END_LINE = "^" + _END_BODY.decode() + "$"
 
+#: Records of other kinds that the probes write many times a step (``mem``, ``phase``,
+#: ``step``: ~15 lines a step of the probes/ job), in the layouts the stream writer gives
+#: them (the probe's fields in its order, then ``k`` and ``t``): kind -> its layouts, each
+#: the (key, value type) pairs before ``k``. Value types: ``int``, ``opt_int`` (or null),
+#: ``float`` (with a fraction: JSON reads ``1`` as an int), ``opt_float``, ``str`` (as
+#: above). A line in exactly such a layout (:func:`flat_line`) is a record that
+#: ``validate_record`` accepts: the columnar reader keeps it without checking it again.
+#: CUDA ranks' ``mem`` records (a nested ``cuda`` object) and anything else take the
+#: general path.
+FLAT_LAYOUTS: dict[str, tuple[tuple[tuple[str, str], ...], ...]] = {
+    "mem": (
+        (("src", "str"), ("step", "int"), ("rss", "opt_int"), ("heap", "int")),
+        (("src", "str"), ("step", "int"), ("rss", "opt_int")),
+    ),
+    "phase": ((("name", "str"), ("edge", "str"), ("step", "int")),),
+    "step": ((("step", "int"), ("dur", "float"), ("loss", "opt_float"), ("src", "str")),),
+}
+_FLOAT = rb"(-?(?:0|[1-9][0-9]{0,17})\.[0-9]+)"
+_FLAT_VALUES = {
+    "int": _INT,
+    "opt_int": rb"(?:" + _INT + rb"|null)",
+    "float": _FLOAT,
+    "opt_float": rb"(?:" + _FLOAT + rb"|null)",
+    "str": _STR,
+}
+
+
+def flat_line(kind: str, layout: tuple[tuple[str, str], ...]) -> str:
+    """The pattern (for polars) of a whole line, without its newline, in one of
+    FLAT_LAYOUTS' layouts of ``kind``."""
+    fields = b",".join(b'"' + key.encode() + b'":' + _FLAT_VALUES[value] for key, value in layout)
+    return "^" + (rb"\{" + fields + b',"k":"' + kind.encode() + b'","t":' + _FLOAT + rb"\}").decode() + "$"
+
 
 class Call(NamedTuple):
     """A ``coll`` or ``coll_done`` record's fields (``end`` and ``err`` only for the latter)."""

@@ -7,6 +7,7 @@ breaks the format is a BadInputError naming the file and line.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -391,6 +392,13 @@ class _Stream:
             else:
                 data.flight_files.append(str(side))
 
+    def extend(self, path: Path, number: int, kind: str, recs: list[dict[str, Any]], last: float) -> None:
+        """Records of a kind kept as a list, valid by their layout (the columnar reader's
+        FLAT_LAYOUTS), in stream order: as ``record`` applies them one by one."""
+        data = self._started(path, number)
+        data.last_time = max(data.last_time, last)
+        getattr(data, _LISTED[kind]).extend(recs)
+
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
         shape again at the head of each segment, the same; other fields under a known id
@@ -683,9 +691,25 @@ def read_process(job: _Job, configured: limits.Limits) -> tuple[RankData | str, 
     warnings: list[str] = []
     rank, segs, budget, windows = job
     try:
-        return _load_process(rank, segs, warnings, budget, windows), warnings
+        with _no_cycle_collection():
+            return _load_process(rank, segs, warnings, budget, windows), warnings
     except BadInputError as exc:
         return str(exc), warnings
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """The cyclic garbage collector off while a stream is read: the records it keeps (~10^5
+    dicts a long stream) hold no cycles, but each collection walks every one kept so far
+    (measured: ~9% of a 3,000-step stream's reading CPU). Switched back on after, unless
+    someone else had switched it off."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _read_all(

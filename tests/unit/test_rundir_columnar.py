@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lorascope.errors import BadInputError
-from lorascope.rundir import columnar, reader, reduce
+from lorascope.rundir import columnar, reader, reduce, schema
+from lorascope.rundir.fastlines import FLAT_LAYOUTS
 from lorascope.rundir.reader import RankData
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +52,23 @@ def _read(segs: list[tuple[int, Path]], windows: dict[str, list[tuple[int, int]]
 
 
 def _fields(data: RankData) -> dict[str, Any]:
+    """Every field, typed: ``1 == 1.0`` and dicts compare equal whatever their keys' order,
+    but a record read as JSON has its keys in the line's order and its values' types."""
     out = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
     out["collectives"] = [dataclasses.astuple(c) for c in data.collectives]
-    return out
+    # Sums per op or step, keyed in the order calls completed a block or a call at a time:
+    # read by key, or sorted (lorascope.report.collectives, detect.straggler)
+    for name in ("op_totals", "coll_wait", "coll_wait_outside_backward"):
+        out[name] = sorted(getattr(data, name).items())
+    return {name: _typed(value) for name, value in out.items()}
+
+
+def _typed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return [(key, _typed(item)) for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [_typed(item) for item in value]
+    return (type(value).__name__, value)
 
 
 def _both(
@@ -114,7 +129,8 @@ def test_small_bounds_and_asked_windows_read_the_same(monkeypatch: pytest.Monkey
     lines, columns, declined = _both(monkeypatch, segs, 16 << 10, windows)
     assert declined is None
     assert columns == lines
-    assert len(lines[0]["collectives"]) < sum(t.calls for t in lines[0]["tallies"].values())
+    tallies = [tally for _, (_, tally) in lines[0]["tallies"]]  # (group, (type name, GroupTally))
+    assert len(lines[0]["collectives"]) < sum(t.calls for t in tallies)
 
 
 def _small(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,10 +240,22 @@ def _streams(draw: st.DrawFn) -> list[str]:
         elif what == "device":  # a synchronous CUDA call's device time, read at a step end
             seq = max(1, seqs[gid] - draw(st.sampled_from([0, 1, 6, 40])))
             out.append(_line({"k": "coll_dev", "t": round(t, 6), "seq": seq, "gid": gid, "ms": 0.25, "host_ms": 0.5}))
-        elif what == "step":
+        elif what == "step":  # the lines of FLAT_LAYOUTS' kinds, in their layouts and not
             step += 1
-            out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
-            out.append(_line({"name": "backward", "edge": "begin", "step": step, "k": "phase", "t": t}))
+            if draw(st.booleans()):  # a CUDA loss, read later, for the step about to end
+                out.append(_line({"step": step, "loss": None, "text": "nan", "k": "loss", "t": t}))
+            dur = draw(st.sampled_from([0.5, 0.0, 1, 1e-07, -0.25]))
+            loss = draw(st.sampled_from([1.0, None, 2.5e-08, 7, 123456.789]))
+            out.append(_line({"step": step, "dur": dur, "loss": loss, "src": "deepspeed", "k": "step", "t": t}))
+            if draw(st.booleans()):
+                out.append(_line({"step": step, "loss": 0.5, "k": "loss", "t": t}))
+            edge = draw(st.sampled_from(["begin", "end", 'a "b"']))
+            out.append(_line({"name": "backward", "edge": edge, "step": step, "k": "phase", "t": t}))
+            mem: dict[str, Any] = {"src": draw(st.sampled_from(["step", "forward.begin"])), "step": step}
+            mem["rss"] = draw(st.sampled_from([5 << 30, None, 0]))
+            heap = draw(st.sampled_from(["heap", "none", "cuda", "after"]))
+            mem.update({"heap": {"heap": 3, "after": 4}, "cuda": {"cuda": {"allocated": 1}}}.get(heap, {}))
+            out.append(_line({**mem, "k": "mem", "t": t} if heap != "after" else {**mem, "k": "mem", "t": t, "x": 1}))
         elif what == "blank":
             out.append("")
         elif what == "odd":
@@ -252,6 +280,58 @@ def test_generated_streams_read_the_same_both_ways(
         assert columns == lines
     else:  # declined streams are read line by line: the same as the line reader's
         assert columns == lines
+
+
+def test_flat_records_before_the_start_record_are_bad_input_at_their_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    first = [
+        _line({"src": "attach", "step": 0, "rss": 5, "heap": 3, "k": "mem", "t": T0}),
+        _line({"name": "forward", "edge": "begin", "step": 0, "k": "phase", "t": T0}),
+    ]
+    for order in (first, first[::-1]):
+        path = tmp_path / "vm-7.0000.jsonl"
+        path.write_text("\n".join([*order, _line({**START, "t": T0})]) + "\n")
+        lines, columns, _ = _both(monkeypatch, [(0, path)], 1 << 20)
+        assert lines == columns == ("error", f"{path}:1: the stream does not begin with a 'start' record")
+
+
+def test_the_probes_flat_records_take_the_columnar_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``mem``, ``phase`` and ``step`` line of a recorded CPU stream is in one of
+    FLAT_LAYOUTS' layouts (a field the probes add or reorder would send them all back to
+    JSON, unnoticed but for this), and each layout is a record validate_record accepts."""
+    import polars as pl
+
+    stream = next((REPO / "fixtures" / "healthy" / "ranks" / "rank-0").glob("*.jsonl"))
+    lines = stream.read_bytes().splitlines()
+    kinds = [json.loads(line)["k"] for line in lines]
+    applied: list[tuple[str, int, dict[str, Any]]] = []
+
+    class Sink:
+        def extend(self, path: Path, number: int, kind: str, recs: list[dict[str, Any]], last: float) -> None:
+            applied.extend((kind, number, rec) for rec in recs)  # number: the first one's line
+
+    flat = columnar._Flat(pl.Series(lines, dtype=pl.Binary), Sink(), stream, 0)  # type: ignore[arg-type]
+    flat.apply_before(len(lines))
+    expected = [i for i, kind in enumerate(kinds) if kind in FLAT_LAYOUTS]
+    assert len(expected) > 100 and sorted(flat.positions) == expected
+    for kind in FLAT_LAYOUTS:
+        assert [rec for k, _, rec in applied if k == kind] == [
+            json.loads(lines[i]) for i in expected if kinds[i] == kind
+        ]
+    assert {n for _, n, _ in applied} <= {i + 1 for i in expected}
+    assert {kind for kind, _, _ in applied} == set(FLAT_LAYOUTS)
+    produced = {"int": {int}, "opt_int": {int, type(None)}, "float": {float}, "opt_float": {float, type(None)}}
+    produced["str"] = {str}
+    for kind, layouts in FLAT_LAYOUTS.items():
+        required = schema.RECORD_FIELDS[kind]
+        for layout in layouts:
+            assert set(required) <= {key for key, _ in layout}, kind
+            for key, value in layout:  # a field the schema lists takes what the layout gives
+                assert produced[value] <= set(required.get(key, produced[value])), (kind, key)
+            for value_of in (min, max):
+                rec = {key: value_of(produced[value], key=str)() for key, value in layout}
+                assert schema.validate_record({**rec, "k": kind, "t": T0})
 
 
 def test_declines_what_it_cannot_reproduce(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
