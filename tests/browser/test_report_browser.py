@@ -101,6 +101,74 @@ def test_gallery_report_in_browser(browser: Any, run_dir: Path, tmp_path: Path, 
     page.close()
 
 
+#: ECharts' component main types (a chart's option names them at its top level), and the
+#: marks a series may carry; report.js's other top-level keys.
+COMPONENTS = (
+    "grid", "xAxis", "yAxis", "polar", "radiusAxis", "angleAxis", "radar", "dataZoom", "visualMap", "tooltip",
+    "axisPointer", "toolbox", "brush", "geo", "parallel", "parallelAxis", "singleAxis", "timeline", "graphic",
+    "calendar", "matrix", "dataset", "aria", "title", "legend", "thumbnail",
+)  # fmt: skip
+MARKS = ("markLine", "markArea", "markPoint")
+NOT_COMPONENTS = ("series", "animation")
+
+
+def _not_built(page: Any) -> list[str]:
+    """What a drawn chart's option asks for that its ECharts instance did not build: a
+    component, a series type or a mark the inlined ECharts leaves out (its production build
+    drops them without a word); and a top-level key this test does not know."""
+    missing: list[str] = page.evaluate(
+        """([components, marks, others]) => {
+        const missing = [];
+        const options = window.lorascopeReport.options;
+        for (const id of Object.keys(options)) {
+            const opt = options[id];
+            const model = echarts.getInstanceByDom(document.getElementById(id)).getModel();
+            const built = (main) => model.queryComponents({mainType: main}).length;
+            for (const main of components) {
+                const asked = opt[main] == null ? 0 : [].concat(opt[main]).length;
+                if (built(main) < asked) { missing.push(`${id}: ${main} (${asked} asked, ${built(main)} built)`); }
+            }
+            const series = [].concat(opt.series || []);
+            const types = model.getSeries().map((s) => s.subType);
+            series.forEach((s) => { if (!types.includes(s.type)) { missing.push(`${id}: a ${s.type} series`); } });
+            for (const mark of marks) {
+                if (series.some((s) => s[mark]) && !built(mark)) { missing.push(`${id}: ${mark}`); }
+            }
+            for (const key of Object.keys(opt)) {
+                if (!components.includes(key) && !others.includes(key)) { missing.push(`${id}: option ${key}?`); }
+            }
+        }
+        return missing;
+    }""",
+        [list(COMPONENTS), list(MARKS), list(NOT_COMPONENTS)],
+    )
+    return missing
+
+
+def test_every_component_a_chart_names_is_in_the_echarts_build(browser: Any, tmp_path: Path) -> None:
+    """The inlined ECharts is built with only what report.js draws
+    (lorascope/report/assets/vendor/echarts/build/entry.js): every chart of the gallery's
+    pages and of a page in bands mode (heatmaps, visualMap) has all it asked for."""
+    pages = []
+    for run_dir in SCENARIOS:
+        pages.append(tmp_path / f"{run_dir.name}.html")
+        write_report(analyze(run_dir), pages[-1])
+    pages.append(_many_ranks_page(tmp_path))
+    asked: set[str] = set()
+    for page_file in pages:
+        loaded = Loaded(browser, page_file)
+        assert loaded.errors == []
+        assert _not_built(loaded.page) == [], page_file.name
+        asked |= set(
+            loaded.page.evaluate("""() => Object.values(window.lorascopeReport.options).flatMap((o) =>
+            [...Object.keys(o), ...[].concat(o.series || []).flatMap((s) => [s.type, ...Object.keys(s)])])""")
+        )
+        loaded.page.close()
+    # what the build holds is in use: the pages ask for each series type, component and mark
+    assert {"line", "bar", "scatter", "custom", "markLine", "markArea", "visualMap", "dataZoom"} <= asked
+    assert {"grid", "tooltip", "toolbox", "legend"} <= asked
+
+
 def test_hostile_text_never_runs(browser: Any, tmp_path: Path, artifacts: Path) -> None:
     run_dir, findings = xss_run(tmp_path / "run")
     from lorascope.report.render import render as render_page
@@ -190,11 +258,12 @@ def _hover_heat(page: Any, column: int, row: int) -> str:
     return str(tip.inner_text())
 
 
-def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Path) -> None:
-    """Above the lines cutoff: bands with the straggler drawn and named, heatmaps painted cell
-    by cell whose hover names the rank and the steps (zoomed too) and whose legend range hides
-    cells, the collective chart bounded; nothing logged, nothing fetched."""
-    ranks = 40
+MANY_RANKS = 40
+
+
+def _many_ranks_page(tmp_path: Path) -> Path:
+    """A page of 40 ranks x 1,200 steps (bands mode): rank 17 a straggler, rank 0 holding more."""
+    ranks = MANY_RANKS
     bundle = load_bundle(write_run(tmp_path / "run", [RankSpec(steps=3) for _ in range(ranks)]))
     steps = range(1, 1201)
     per = PerStep(
@@ -205,7 +274,15 @@ def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Pat
     )
     page_file = tmp_path / "many.html"
     page_file.write_text(render(build_report_data(bundle, [], per_step=per)))
-    loaded = Loaded(browser, page_file)
+    return page_file
+
+
+def test_many_ranks_draw_bands_outliers_and_heatmaps(browser: Any, tmp_path: Path) -> None:
+    """Above the lines cutoff: bands with the straggler drawn and named, heatmaps painted cell
+    by cell whose hover names the rank and the steps (zoomed too) and whose legend range hides
+    cells, the collective chart bounded; nothing logged, nothing fetched."""
+    ranks = MANY_RANKS
+    loaded = Loaded(browser, _many_ranks_page(tmp_path))
     page = loaded.page
     assert loaded.errors == [] and loaded.foreign_requests() == []
     drawn = set(page.evaluate("window.lorascopeReport.charts"))

@@ -2,8 +2,9 @@
  * Strings from the run reach the page only as canvas text, through esc() in tooltips, or as
  * text nodes (the heatmaps' hover).
  * Each drawn chart gets data-points (how many data points it shows); window.lorascopeReport
- * lists the charts once all are drawn, with the milliseconds each took, and <body> gets
- * data-charts-drawn (the browser tests and benchmarks/report_scale.py wait for it). */
+ * lists the charts once all are drawn, with the milliseconds each took and the option each
+ * was given, and <body> gets data-charts-drawn (the browser tests and
+ * benchmarks/report_scale.py wait for it). */
 (function () {
   "use strict";
   var startedMs = Math.round(performance.now());
@@ -12,6 +13,7 @@
   var PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#7f7f7f", "#bcbd22", "#e377c2", "#ff7f0e", "#3f51b5"];
   var STATUS_NAMES = ["done", "pending", "error", "never called"];
   var charts = {};
+  var options = {};
 
   function esc(s) {
     return String(s).replace(/[&<>"']/g, function (c) {
@@ -49,6 +51,7 @@
     chart.getZr().flush();  // paint now, so drawMs counts the painting too
     el.setAttribute("data-points", String(points));
     charts[id] = chart;
+    options[id] = option;
   }
   // Over this many ranks a per-rank bar or scatter chart is drawn in ECharts' large mode (one
   // path per series, no per-bar style): 1,024 bars draw in a fraction of the time.
@@ -529,7 +532,7 @@
     if (!queue.length) {
       window.addEventListener("resize", function () { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); });
       window.lorascopeReport = { charts: Object.keys(charts).sort(), drawMs: timings, startedMs: startedMs,
-                                 doneMs: Math.round(performance.now()) };
+                                 doneMs: Math.round(performance.now()), options: options };
       document.body.setAttribute("data-charts-drawn", String(Object.keys(charts).length));
       return;
     }
