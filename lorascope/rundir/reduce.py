@@ -261,10 +261,21 @@ def _peaks(records: list[dict[str, Any]], by: str | None = None) -> set[int]:
     best: dict[tuple[Any, str], tuple[float, int]] = {}
     for i, rec in enumerate(records):
         tag = rec.get(by) if by else None
-        for name, value in _numbers(rec):
-            key = (tag, name)
-            if key not in best or value > best[key][0]:
-                best[key] = (value, i)
+        for label, item in rec.items():
+            kind = type(item)
+            if kind is int or kind is float:  # most fields (~10^5 records a rank): no generator
+                if label == "t" or label == "step":
+                    continue
+                numbers: Iterable[tuple[str, float]] = ((label, item),)
+            elif kind is str or kind is list or item is None:  # never numeric (_numbers)
+                continue
+            else:
+                numbers = _numbers({label: item})
+            for name, value in numbers:
+                key = (tag, name)
+                held = best.get(key)
+                if held is None or value > held[0]:
+                    best[key] = (value, i)
     return {i for _, i in best.values()}
 
 

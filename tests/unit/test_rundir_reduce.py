@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lorascope.analysis import analyze
 from lorascope.detect.common import peak_memory
@@ -108,6 +110,38 @@ def test_step_records_past_the_budget_keep_first_last_strided_and_peaks(monkeypa
         assert peak_memory(rank) == peak_memory(whole.ranks[n])
         assert rank.totals == whole.ranks[n].totals  # counted over every record read
         assert rank.series("step_time_s") == [(s["step"], float(s["dur"])) for s in whole.ranks[n].steps]
+
+
+_VALUES = st.one_of(
+    st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.booleans(), st.none(), st.text(max_size=3),
+    st.lists(st.integers(), max_size=2),
+)  # fmt: skip
+_FIELDS = st.sampled_from(["t", "step", "rss", "heap", "bytes", "where", "cuda", "nvml"])
+_RECORDS = st.lists(
+    st.dictionaries(
+        _FIELDS,
+        st.one_of(_VALUES, st.dictionaries(st.sampled_from(["used", "total", "reserved", "t"]), _VALUES, max_size=3)),
+        max_size=5,
+    ),
+    max_size=12,
+)
+
+
+@given(records=_RECORDS, by=st.sampled_from([None, "where"]))
+def test_peaks_are_the_records_holding_each_fields_highest_value(records: list[dict[str, Any]], by: Any) -> None:
+    """``_peaks`` (a loop per field, for speed) against its definition: per (``by`` value,
+    numeric field of the record or of a nested object, a nested object's used/total share)
+    the first record holding the highest value; ``t``, ``step`` and bools are not values."""
+    for rec in records:  # a logits record's "where" is a string (the schema's)
+        if "where" in rec:
+            rec["where"] = repr(rec["where"])[:2]
+    best: dict[tuple[Any, str], tuple[float, int]] = {}
+    for i, rec in enumerate(records):
+        for name, value in reduce._numbers(rec):
+            key = (rec.get(by) if by else None, name)
+            if key not in best or value > best[key][0]:
+                best[key] = (value, i)
+    assert reduce._peaks(records, by) == {i for _, i in best.values()}
 
 
 def test_kept_steps() -> None:
