@@ -135,7 +135,9 @@ def main() -> int:
             str(work / "run"), "--", str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
             "--master_port", str(args.port), str(JOB), "--steps", str(args.steps),
         ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        # not the repository: `python -m` puts the working directory first on sys.path, and
+        # the launcher must be --src's lorascope as the ranks are
+        proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1

@@ -162,7 +162,10 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     ranks: list[psutil.Process] = []
     start = time.perf_counter()
     with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1, env=env)
+        # not the repository: `python -m` puts the working directory first on sys.path, and
+        # the launcher must be --baseline's lorascope as the ranks are
+        cwd = tempfile.gettempdir()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1, env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
             now = time.perf_counter()
