@@ -296,7 +296,7 @@ def test_flat_records_before_the_start_record_are_bad_input_at_their_line(
         assert lines == columns == ("error", f"{path}:1: the stream does not begin with a 'start' record")
 
 
-def test_the_probes_flat_records_take_the_columnar_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probes_flat_records_take_the_columnar_path() -> None:
     """Every ``mem``, ``phase`` and ``step`` line of a recorded CPU stream is in one of
     FLAT_LAYOUTS' layouts (a field the probes add or reorder would send them all back to
     JSON, unnoticed but for this), and each layout is a record validate_record accepts."""
