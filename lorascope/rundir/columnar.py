@@ -358,12 +358,9 @@ def _flat_records(
     frame = frame.filter(pl.col("l").str.contains(flat_line(kind, layout)).fill_null(False))
     if not frame.height:
         return [], [], 0.0
-    # The pieces between ``,"`` (no string in the layout holds a double quote): the
-    # layout's fields (the first after ``{"``), then k and t (before its closing brace).
+    # the layout's fields (the first after ``{"``), then k and t (before its closing brace)
     n = len(layout) + 2
-    parts = frame.select(
-        pl.col("pos"), pl.col("l").str.split_exact(',"', n - 1).struct.rename_fields([f"f{i}" for i in range(n)])
-    ).unnest("l")
+    parts = _pieces(frame, n)
     values = [
         _flat_value(pl.col(f"f{i}").str.slice(len(key) + (4 if i == 0 else 2)), value).alias(key)
         for i, (key, value) in enumerate(layout)
@@ -383,11 +380,9 @@ def _flat_value(text: pl.Expr, value: str) -> pl.Expr:
     import polars as pl
 
     if value == "str":
-        return text.str.slice(1).str.strip_suffix('"')
+        return _string(text)  # (never null: the layout says so)
     dtype = pl.Int64 if value.endswith("int") else pl.Float64
-    if value.startswith("opt_"):
-        return pl.when(text == "null").then(None).otherwise(text).cast(dtype)
-    return text.cast(dtype)
+    return _nullable(text, dtype) if value.startswith("opt_") else text.cast(dtype)
 
 
 def _names(sink: Sink, calls: pl.DataFrame) -> dict[int, str]:
@@ -408,6 +403,17 @@ _SHAPE_COLUMNS = ("op", "bytes", "dtype", "async", "site")
 _END_SCHEMA = {"n": "Int64", "t": "Float64", "seq": "Int64", "gid": "Int64", "err": "String"}
 
 
+def _pieces(frame: pl.DataFrame, n: int) -> pl.DataFrame:
+    """Lines (``pos``, ``l``) in one of the probes' layouts split into their ``n`` pieces
+    ``f0``..: the layout is known, and no string in it holds a double quote, so ``,"`` only
+    ever separates fields (a missing piece is null)."""
+    import polars as pl
+
+    return frame.select(
+        pl.col("pos"), pl.col("l").str.split_exact(',"', n - 1).struct.rename_fields([f"f{i}" for i in range(n)])
+    ).unnest("l")
+
+
 def _value(piece: pl.Expr, key: str) -> pl.Expr:
     """The value text of a ``key":value`` piece (the last piece loses its closing brace:
     no other piece ends in one)."""
@@ -420,20 +426,24 @@ def _string(value: pl.Expr) -> pl.Expr:
     return pl.when(value == "null").then(None).otherwise(value.str.slice(1).str.strip_suffix('"'))
 
 
+def _nullable(value: pl.Expr, dtype: Any) -> pl.Expr:
+    """A number's JSON text, or null, as ``dtype``."""
+    import polars as pl
+
+    return pl.when(value == "null").then(None).otherwise(value).cast(dtype)
+
+
 def _calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
     """``coll`` and ``coll_done`` lines (``pos``, ``l``) that match CALL_LINE, as columns
     (pieces: k, t, seq, gid, op, bytes, dtype, async, site, step, ...: :func:`_split_calls`)."""
     import polars as pl
-
-    def nullable_int(value: pl.Expr) -> pl.Expr:
-        return pl.when(value == "null").then(None).otherwise(value).cast(pl.Int64)
 
     return _split_calls(
         frame,
         base,
         [
             ("op", _string),
-            ("bytes", nullable_int),
+            ("bytes", lambda v: _nullable(v, pl.Int64)),
             ("dtype", _string),
             ("async", lambda v: v == "true"),
             ("site", _string),
@@ -453,17 +463,13 @@ def _shaped_calls(frame: pl.DataFrame, base: int) -> pl.DataFrame:
 def _split_calls(
     frame: pl.DataFrame, base: int, middle: list[tuple[str, Callable[[pl.Expr], pl.Expr]]]
 ) -> pl.DataFrame:
-    """Call lines (``pos``, ``l``) of one layout as columns. The layout is known, and no
-    string in it holds a double quote, so ``,"`` only ever separates fields: k, t, seq,
+    """Call lines (``pos``, ``l``) of one layout as columns (:func:`_pieces`): k, t, seq,
     gid, then the ``middle`` ones (each key's value text to its column), then step, ``via``
     (if any) and ``end``, ``err`` (coll_done)."""
     import polars as pl
 
     step = 4 + len(middle)  # the index of the step piece; via / end / err follow it
-    parts = frame.select(
-        pl.col("pos"),
-        pl.col("l").str.split_exact(',"', step + 3).struct.rename_fields([f"f{i}" for i in range(step + 4)]),
-    ).unnest("l")
+    parts = _pieces(frame, step + 4)
     f = pl.col
     has_via = f(f"f{step + 1}").str.starts_with('via":').fill_null(False)
     end_piece = pl.when(has_via).then(f(f"f{step + 2}")).otherwise(f(f"f{step + 1}"))
@@ -505,9 +511,7 @@ def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
     """``coll_end`` lines that match END_LINE, as columns: n (the stream position), t, seq, gid, err."""
     import polars as pl
 
-    parts = frame.select(
-        pl.col("pos"), pl.col("l").str.split_exact(',"', 4).struct.rename_fields([f"f{i}" for i in range(5)])
-    ).unnest("l")
+    parts = _pieces(frame, 5)
     f = pl.col
     return parts.select(
         (f("pos").cast(pl.Int64) + base).alias("n"),
