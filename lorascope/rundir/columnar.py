@@ -367,12 +367,19 @@ def _flat_records(
     ]
     t = _value(pl.col(f"f{n - 1}"), "t").cast(pl.Float64).alias("t")
     columns = parts.select(*values, t)
-    keys = [*(key for key, _ in layout), "k", "t"]
-    rows = zip(
-        *(columns[key].to_list() for key, _ in layout), [kind] * frame.height, columns["t"].to_list(), strict=True
-    )
+    # made a key at a time (a record's keys in the layout's order): ~5x faster than a
+    # dict(zip(keys, row)) per record
+    recs: list[dict[str, Any]] = [{} for _ in range(frame.height)]
+    kinds = [kind] * frame.height
+    for key, values in [
+        *((key, columns[key].to_list()) for key, _ in layout),
+        ("k", kinds),
+        ("t", columns["t"].to_list()),
+    ]:
+        for rec, value in zip(recs, values, strict=True):
+            rec[key] = value
     latest = float(columns["t"].max())  # type: ignore[arg-type]
-    return parts["pos"].to_list(), [dict(zip(keys, row, strict=True)) for row in rows], latest
+    return parts["pos"].to_list(), recs, latest
 
 
 def _flat_value(text: pl.Expr, value: str) -> pl.Expr:
@@ -707,11 +714,10 @@ class ColumnarLog:
             newest = max(newest, carried)
         self._newest[group] = newest
         opened = self._open.setdefault(group, {})
-        recent = rows.filter(pl.col("w") >= (carried if carried is not None else newest) - 1).select("seq", "w")
-        keys = set(recent["seq"].to_list())
-        for _, _, old in opened.values():
-            if keys & old:
-                raise Unsuitable("two calls with one group and sequence number")
+        # (every call is at most one window behind ``carried``, checked above)
+        old = [seq for _, _, seqs in opened.values() for seq in seqs]
+        if old and rows["seq"].is_in(pl.Series(old, dtype=pl.Int64).implode()).any():
+            raise Unsuitable("two calls with one group and sequence number")
         # repr of each distinct op and dtype by Python itself (few distinct values)
         ops = {op: repr(op) for op in rows["op"].unique().to_list()}
         dtypes = {dtype: repr(dtype) for dtype in rows["dtype"].unique().to_list() if dtype is not None}
@@ -738,9 +744,9 @@ class ColumnarLog:
             window = opened.setdefault(w, ([], [], set()))
             window[0].append(three)
             window[1].append(four)
+        recent = rows.filter(pl.col("w") >= newest - 1)
         for w, seq in zip(recent["w"].to_list(), recent["seq"].to_list(), strict=True):
-            if w >= newest - 1:
-                opened[w][2].add(seq)
+            opened[w][2].add(seq)
         for w in sorted(w for w in opened if w < newest - 1):
             self._close(group, w)
 
