@@ -48,7 +48,7 @@ from lorascope.rundir.reduce import (
     TAIL_CALLS,
     WINDOW,
     GroupTally,
-    sync_outside_backward,
+    backward_spans,
     window_digests,
 )
 from lorascope.rundir.safe_open import open_regular
@@ -557,6 +557,9 @@ class ColumnarLog:
         self._pending: dict[tuple[int, int], tuple[int, float, str, bool, int, str]] = {}
         #: Ends of calls read in an earlier block than their end: (gid, seq) -> (end, err).
         self._late_ends: dict[tuple[int, int], tuple[float, str | None]] = {}
+        #: Synchronous calls that completed (step + 1, start, seconds): a frame a block,
+        #: and those of calls ended in a later block than theirs.
+        self._sync_blocks: list[pl.DataFrame] = []
         self._sync: dict[int, list[tuple[float, float]]] = {}
         self._calls = 0
         self._binade: int | None = None
@@ -623,33 +626,41 @@ class ColumnarLog:
 
         if not ends.height:
             return pl.DataFrame()
-        mine = {(gid, seq): n for gid, seq, n in calls.filter(~pl.col("done")).select("gid", "seq", "n").iter_rows()}
-        here: dict[tuple[int, int], tuple[float, str | None, int]] = {}
-        earlier: dict[tuple[int, int], tuple[float, str | None, int]] = {}
-        for n, t, seq, gid, err in ends.iter_rows():
-            key = (gid, seq)
-            if key in self._pending:
-                earlier[key] = (t, err, n)
-                self._ended(key, self._pending.pop(key), t)
-            elif key in mine and mine[key] < n and key not in here:
-                here[key] = (t, err, n)
-        if earlier:
-            self._late_ends.update({k: (t, err) for k, (t, err, _) in earlier.items()})
-            fix = pl.DataFrame(
-                [(k[0], k[1], t, err, n) for k, (t, err, n) in earlier.items()],
-                schema={"gid": pl.Int64, "seq": pl.Int64, "e_end": pl.Float64, "e_err": pl.String, "e_n": pl.Int64},
-                orient="row",
-            )
-            for group, tail in self._tail.items():
-                self._tail[group] = (
-                    tail.join(fix, on=["gid", "seq"], how="left", maintain_order="left")
-                    .with_columns(pl.coalesce("end_n", "e_n").alias("end_n"))
-                    .drop("e_end", "e_err", "e_n")
+        on = ["gid", "seq"]
+        rest = ends.with_row_index("i")
+        if self._pending:
+            pending = pl.DataFrame(list(self._pending), schema={"gid": pl.Int64, "seq": pl.Int64}, orient="row")
+            earlier = (
+                rest.join(pending, on=on, how="semi", maintain_order="left")
+                .unique(on, keep="first", maintain_order=True)
+                .select(
+                    "i",
+                    "gid",
+                    "seq",
+                    pl.col("t").alias("e_end"),
+                    pl.col("err").alias("e_err"),
+                    pl.col("n").alias("e_n"),
                 )
-        return pl.DataFrame(
-            [(k[0], k[1], t, err, n) for k, (t, err, n) in here.items()],
-            schema={"gid": pl.Int64, "seq": pl.Int64, "e_end": pl.Float64, "e_err": pl.String, "e_n": pl.Int64},
-            orient="row",
+            )
+            if earlier.height:
+                for _, gid, seq, t, err, _ in earlier.iter_rows():
+                    self._late_ends[(gid, seq)] = (t, err)
+                    self._ended((gid, seq), self._pending.pop((gid, seq)), t)
+                fix = earlier.drop("i")
+                for group, tail in self._tail.items():
+                    self._tail[group] = (
+                        tail.join(fix, on=on, how="left", maintain_order="left")
+                        .with_columns(pl.coalesce("end_n", "e_n").alias("end_n"))
+                        .drop("e_end", "e_err", "e_n")
+                    )
+                rest = rest.filter(~pl.col("i").is_in(earlier["i"].implode()))
+        # (two calls with one group and sequence number: the block is declined by _windows)
+        mine = calls.filter(~pl.col("done")).select(*on, pl.col("n").alias("c_n"))
+        return (
+            rest.join(mine, on=on, maintain_order="left")
+            .filter(pl.col("c_n") < pl.col("n"))
+            .unique(on, keep="first", maintain_order=True)
+            .select(*on, pl.col("t").alias("e_end"), pl.col("err").alias("e_err"), pl.col("n").alias("e_n"))
         )
 
     def _ended(self, key: tuple[int, int], call: tuple[int, float, str, bool, int, str], end: float) -> None:
@@ -836,10 +847,10 @@ class ColumnarLog:
         for op, took, n in done.group_by("op", maintain_order=True).agg(pl.col("took").sum(), pl.len()).iter_rows():
             total, calls = self.op_totals.get(op, (0.0, 0))
             self.op_totals[op] = (total + took, calls + n)
-        sync = done.filter(~pl.col("async"))
-        for step, start, took in sync.select("step", "t", "took").iter_rows():
-            self.coll_wait[step + 1] = self.coll_wait.get(step + 1, 0.0) + took
-            self._sync.setdefault(step + 1, []).append((start, took))
+        sync = done.filter(~pl.col("async")).select((pl.col("step") + 1).alias("step"), "t", "took")
+        for step, took in sync.group_by("step").agg(pl.col("took").sum()).iter_rows():
+            self.coll_wait[step] = self.coll_wait.get(step, 0.0) + took
+        self._sync_blocks.append(sync)
 
     def finish(self, make: type[Collective]) -> list[Collective]:
         """Close the digests; the kept calls as ``make`` objects, in the order they started."""
@@ -890,5 +901,19 @@ class ColumnarLog:
         return calls
 
     def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
-        """As :meth:`CollectiveLog.outside_backward`."""
-        return sync_outside_backward(self._sync, phases)
+        """As :meth:`CollectiveLog.outside_backward` (:func:`sync_outside_backward`), as
+        columns: a call's seconds count unless a backward span of its step holds its start
+        (sums are exact: ``_exact``)."""
+        import polars as pl
+
+        schema = {"step": pl.Int64, "t": pl.Float64, "took": pl.Float64}
+        late = [(step, start, took) for step, calls in self._sync.items() for start, took in calls]
+        calls = pl.concat([*self._sync_blocks, pl.DataFrame(late, schema=schema, orient="row")]).with_row_index("i")
+        spans = pl.DataFrame(
+            [(step, b, e) for step, pairs in backward_spans(phases).items() for b, e in pairs],
+            schema={"step": pl.Int64, "b": pl.Float64, "e": pl.Float64},
+            orient="row",
+        )
+        inside = calls.join(spans, on="step").filter((pl.col("b") <= pl.col("t")) & (pl.col("t") <= pl.col("e")))["i"]
+        outside = calls.filter(~pl.col("i").is_in(inside.implode()))
+        return dict(outside.group_by("step").agg(pl.col("took").sum()).iter_rows())

@@ -241,7 +241,7 @@ def _streams(draw: st.DrawFn) -> list[str]:
             seq = max(1, seqs[gid] - draw(st.sampled_from([0, 1, 6, 40])))
             out.append(_line({"k": "coll_dev", "t": round(t, 6), "seq": seq, "gid": gid, "ms": 0.25, "host_ms": 0.5}))
         elif what == "step":  # the lines of FLAT_LAYOUTS' kinds, in their layouts and not
-            step += 1
+            step += draw(st.sampled_from([1, 1, 0]))  # (0: a backward span can open and close)
             if draw(st.booleans()):  # a CUDA loss, read later, for the step about to end
                 out.append(_line({"step": step, "loss": None, "text": "nan", "k": "loss", "t": t}))
             dur = draw(st.sampled_from([0.5, 0.0, 1, 1e-07, -0.25]))
