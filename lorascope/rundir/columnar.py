@@ -174,7 +174,7 @@ def _blocks(path: Path, max_line: int) -> Iterator[tuple[list[bytes], bytes]]:
                     rest = data
                 else:
                     lines, rest = data[:cut].split(b"\n"), data[cut + 1 :]
-                    if max(map(len, lines)) > max_line:
+                    if len(data) > max_line and max(map(len, lines)) > max_line:  # (no line is longer than its block)
                         raise Unsuitable("a line over the record size limit")
                     yield lines, b""
                 if len(rest) > max_line:
