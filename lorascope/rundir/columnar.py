@@ -851,7 +851,7 @@ class ColumnarLog:
             total, calls = self.op_totals.get(op, (0.0, 0))
             self.op_totals[op] = (total + took, calls + n)
         sync = done.filter(~pl.col("async")).select((pl.col("step") + 1).alias("step"), "t", "took")
-        for step, took in sync.group_by("step").agg(pl.col("took").sum()).iter_rows():
+        for step, took in sync.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows():
             self.coll_wait[step] = self.coll_wait.get(step, 0.0) + took
         self._sync_blocks.append(sync)
 
@@ -904,9 +904,10 @@ class ColumnarLog:
         return calls
 
     def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
-        """As :meth:`CollectiveLog.outside_backward` (:func:`sync_outside_backward`), as
-        columns: a call's seconds count unless a backward span of its step holds its start
-        (sums are exact: ``_exact``)."""
+        """As :meth:`CollectiveLog.outside_backward`
+        (:func:`~lorascope.rundir.reduce.sync_outside_backward`), as columns: a call's
+        seconds count unless a backward span of its step holds its start (the sums are
+        exact in any order: ``_exact``)."""
         import polars as pl
 
         schema = {"step": pl.Int64, "t": pl.Float64, "took": pl.Float64}
@@ -919,4 +920,4 @@ class ColumnarLog:
         )
         inside = calls.join(spans, on="step").filter((pl.col("b") <= pl.col("t")) & (pl.col("t") <= pl.col("e")))["i"]
         outside = calls.filter(~pl.col("i").is_in(inside.implode()))
-        return dict(outside.group_by("step").agg(pl.col("took").sum()).iter_rows())
+        return dict(outside.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows())
