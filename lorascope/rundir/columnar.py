@@ -415,19 +415,18 @@ _END_SCHEMA = {"n": "Int64", "t": "Float64", "seq": "Int64", "gid": "Int64", "er
 
 def _pieces(frame: pl.DataFrame, n: int) -> pl.DataFrame:
     """Lines (``pos``, ``l``) in one of the probes' layouts split into their ``n`` pieces
-    ``f0``..: the layout is known, and no string in it holds a double quote, so ``,"`` only
-    ever separates fields (a missing piece is null)."""
+    ``f0``.., the line's closing brace left out: the layout is known, and no string in it
+    holds a double quote, so ``,"`` only ever separates fields (a missing piece is null)."""
     import polars as pl
 
-    return frame.select(
-        pl.col("pos"), pl.col("l").str.split_exact(',"', n - 1).struct.rename_fields([f"f{i}" for i in range(n)])
-    ).unnest("l")
+    fields = [f"f{i}" for i in range(n)]
+    line = pl.col("l").str.strip_suffix("}")
+    return frame.select(pl.col("pos"), line.str.split_exact(',"', n - 1).struct.rename_fields(fields)).unnest("l")
 
 
 def _value(piece: pl.Expr, key: str) -> pl.Expr:
-    """The value text of a ``key":value`` piece (the last piece loses its closing brace:
-    no other piece ends in one)."""
-    return piece.str.slice(len(key) + 2).str.strip_suffix("}")
+    """The value text of a ``key":value`` piece."""
+    return piece.str.slice(len(key) + 2)
 
 
 def _string(value: pl.Expr) -> pl.Expr:
