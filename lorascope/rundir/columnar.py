@@ -430,9 +430,10 @@ def _value(piece: pl.Expr, key: str) -> pl.Expr:
 
 
 def _string(value: pl.Expr) -> pl.Expr:
+    """A string's JSON text, or null (the layouts' strings hold no double quote)."""
     import polars as pl
 
-    return pl.when(value == "null").then(None).otherwise(value.str.slice(1).str.strip_suffix('"'))
+    return pl.when(value == "null").then(None).otherwise(value.str.strip_chars('"'))
 
 
 def _nullable(value: pl.Expr, dtype: Any) -> pl.Expr:
