@@ -48,7 +48,6 @@ from lorascope.rundir.reduce import (
     TAIL_CALLS,
     WINDOW,
     GroupTally,
-    backward_spans,
     window_digests,
 )
 from lorascope.rundir.safe_open import open_regular
@@ -903,7 +902,7 @@ class ColumnarLog:
         calls.sort(key=lambda c: c.start)
         return calls
 
-    def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
+    def outside_backward(self, spans: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
         """As :meth:`CollectiveLog.outside_backward`
         (:func:`~lorascope.rundir.reduce.sync_outside_backward`), as columns: a call's
         seconds count unless a backward span of its step holds its start (the sums are
@@ -913,11 +912,13 @@ class ColumnarLog:
         schema = {"step": pl.Int64, "t": pl.Float64, "took": pl.Float64}
         late = [(step, start, took) for step, calls in self._sync.items() for start, took in calls]
         calls = pl.concat([*self._sync_blocks, pl.DataFrame(late, schema=schema, orient="row")]).with_row_index("i")
-        spans = pl.DataFrame(
-            [(step, b, e) for step, pairs in backward_spans(phases).items() for b, e in pairs],
+        backward = pl.DataFrame(
+            [(step, b, e) for step, pairs in spans.items() for b, e in pairs],
             schema={"step": pl.Int64, "b": pl.Float64, "e": pl.Float64},
             orient="row",
         )
-        inside = calls.join(spans, on="step").filter((pl.col("b") <= pl.col("t")) & (pl.col("t") <= pl.col("e")))["i"]
+        inside = calls.join(backward, on="step").filter((pl.col("b") <= pl.col("t")) & (pl.col("t") <= pl.col("e")))[
+            "i"
+        ]
         outside = calls.filter(~pl.col("i").is_in(inside.implode()))
         return dict(outside.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows())

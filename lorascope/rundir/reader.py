@@ -25,7 +25,17 @@ from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
-from lorascope.rundir.reduce import KEEP_WARNINGS, CollectiveLog, GroupTally, decimate, steps_per_rank, totals
+from lorascope.rundir.reduce import (
+    KEEP_WARNINGS,
+    CollectiveLog,
+    GroupTally,
+    MemTally,
+    StepKeeper,
+    backward_spans,
+    decimate,
+    steps_per_rank,
+    totals,
+)
 from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
 from lorascope.rundir.schema import (
     FORMAT_VERSION,
@@ -325,10 +335,11 @@ class _Stream:
     collective ones in the probes' layout (those go to the collective log as they are
     read, or column-wise: :mod:`lorascope.rundir.columnar`)."""
 
-    def __init__(self, rank: int, warnings: list[str], log: CollectiveLog | None) -> None:
+    def __init__(self, rank: int, warnings: list[str], log: CollectiveLog | None, budget: int) -> None:
         self.rank = rank
         self.warnings = warnings
         self.log = log
+        self.keeper = StepKeeper(budget)
         self.data: RankData | None = None
         self.pending: dict[tuple[int, int], Collective] = {}
         #: The call shapes declared so far (format v2's ``shape`` records).
@@ -375,6 +386,8 @@ class _Stream:
             _apply_collective(data, kind, self.shaped(path, number, rec), self.pending, self.log)
         else:
             _apply(data, kind, rec)
+            if kind in _STEP_KEYED:
+                self.keeper.seen(data, kind, [rec])
         if kind == "dropped":  # a running total
             self._dropped = (f"{path}:{number}", rec["records"])
         if kind == "fatal_handler":
@@ -398,6 +411,7 @@ class _Stream:
         data = self._started(path, number)
         data.last_time = max(data.last_time, last)
         getattr(data, _LISTED[kind]).extend(recs)
+        self.keeper.seen(data, kind, recs)
 
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
@@ -460,8 +474,8 @@ class _Stream:
             data.collectives = log.finish(Collective)
             data.last_time = max(data.last_time, log.last_time)
         data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
-        data.coll_wait_outside_backward = log.outside_backward(data.phases)
-        data.totals = totals(data)
+        data.coll_wait_outside_backward = log.outside_backward(self.keeper.spans.spans)
+        data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
         data.stride = decimate(data, budget)
         return data
@@ -492,7 +506,7 @@ def _load_process(
         raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
     if columnar.suits(total):
         tried: list[str] = []
-        stream = _Stream(rank, tried, None)
+        stream = _Stream(rank, tried, None, budget)
         try:
             found = columnar.read(segs, stream, windows)
         except columnar.Unsuitable:
@@ -508,7 +522,7 @@ def _load_process(
             stream.warnings = warnings
             return stream.finish(found, segs[0][1], budget)
     log = CollectiveLog(windows)
-    stream = _Stream(rank, warnings, log)
+    stream = _Stream(rank, warnings, log, budget)
     for _, path in segs:
         for number, rec in _iter_records(path, warnings, stream.shapes):
             if type(rec) is Call or type(rec) is End:
@@ -527,8 +541,8 @@ def recount(data: RankData) -> RankData:
         log.add(coll)
     data.collectives = log.finish()
     data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
-    data.coll_wait_outside_backward = log.outside_backward(data.phases)
-    data.totals = totals(data)
+    data.coll_wait_outside_backward = log.outside_backward(backward_spans(data.phases))
+    data.totals = totals(data, MemTally(data.mem))
     return data
 
 
@@ -555,6 +569,8 @@ _LATEST = {
 }
 
 
+#: Step-keyed kinds (a :class:`~lorascope.rundir.reduce.StepKeeper` sees each as it is read).
+_STEP_KEYED = frozenset({"mem", "step", "phase", "logits"})
 #: Records that need the collective log: a call, its end, its time on the device.
 _COLLECTIVE_KINDS = frozenset({"coll", "coll_done", "coll_end", "coll_dev"})
 

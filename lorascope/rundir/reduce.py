@@ -25,6 +25,7 @@ A stream within the bounds is kept whole: the reduction changes nothing for it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import statistics
@@ -222,19 +223,20 @@ class CollectiveLog:
         calls.sort(key=lambda c: c.start)
         return calls
 
-    def outside_backward(self, phases: list[dict[str, Any]]) -> dict[int, float]:
+    def outside_backward(self, spans: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
         """Per step (+1), the time in synchronous calls that started outside every backward
         phase of the step (FSDP's backward collectives run inside it); call after
-        :meth:`finish`, with every phase record."""
-        out = sync_outside_backward(self._sync, phases)
+        :meth:`finish`, with the backward spans of every phase record (:class:`BackwardSpans`)."""
+        out = sync_outside_backward(self._sync, spans)
         self._sync = {}
         return out
 
 
-def sync_outside_backward(sync: dict[int, list[tuple[float, float]]], phases: list[dict[str, Any]]) -> dict[int, float]:
+def sync_outside_backward(
+    sync: dict[int, list[tuple[float, float]]], spans: dict[int, list[tuple[float, float]]]
+) -> dict[int, float]:
     """Per step (+1), the seconds of the synchronous calls ``sync`` holds ((start,
-    seconds) per step + 1) that started outside every backward phase of the step."""
-    spans = backward_spans(phases)
+    seconds) per step + 1) that started outside every backward span of the step."""
     out: dict[int, float] = {}
     for step, calls in sync.items():
         for start, took in calls:
@@ -257,7 +259,13 @@ def _numbers(rec: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, float
 
 def _peaks(records: list[dict[str, Any]], by: str | None = None) -> set[int]:
     """Indexes of the records that hold the highest value of each numeric field (per
-    ``by`` value, when given)."""
+    ``by`` value, when given): of each, the first."""
+    return _fold_peaks(records, by)[0]
+
+
+def _fold_peaks(records: list[dict[str, Any]], by: str | None = None) -> tuple[set[int], bool]:
+    """:func:`_peaks`, and whether any value was a NaN."""
+    nan = False
     best: dict[tuple[Any, str], tuple[float, int]] = {}
     for i, rec in enumerate(records):
         tag = rec.get(by) if by else None
@@ -276,7 +284,9 @@ def _peaks(records: list[dict[str, Any]], by: str | None = None) -> set[int]:
                 held = best.get(key)
                 if held is None or value > held[0]:
                     best[key] = (value, i)
-    return {i for _, i in best.values()}
+                elif value != value:
+                    nan = True
+    return {i for _, i in best.values()}, nan or any(value != value for value, _ in best.values())
 
 
 def kept_steps(steps: Iterable[int], budget: int, stride: int | None = None) -> tuple[int, set[int]]:
@@ -331,20 +341,16 @@ def _bounded(points: list[tuple[int, float]]) -> tuple[array[int], array[float]]
     return steps, values
 
 
-def totals(data: Any) -> dict[str, Any]:
+def totals(data: Any, mem: MemTally) -> dict[str, Any]:
     """What is computed over every step-keyed record before any is dropped: counts, the
-    median step time, the last loss, and the per-step series."""
+    median step time, the last loss, and the per-step series (``data.steps``: every step
+    record; ``mem``: every mem record, tallied)."""
     durations = [s["dur"] for s in data.steps if s["dur"] > 0]
     losses = [s["loss"] for s in data.steps if s.get("loss") is not None]
-    peak: dict[int, float] = {}
-    cuda = any(isinstance(m.get("cuda"), dict) for m in data.mem)
-    for m in data.mem:
-        value = m["cuda"].get("max_alloc") if cuda and isinstance(m.get("cuda"), dict) else m.get("rss")
-        if isinstance(value, int | float) and isinstance(m.get("step"), int):
-            peak[m["step"]] = max(peak.get(m["step"], value), value)
+    peak = mem.peaks()
     return {
         "steps": len(data.steps),
-        "mem": len(data.mem),
+        "mem": mem.count,
         "warnings": len(data.warnings),
         "step_time_median_s": statistics.median(durations) if durations else None,
         "last_loss": losses[-1] if losses else None,
@@ -355,17 +361,156 @@ def totals(data: Any) -> dict[str, Any]:
     }
 
 
-def backward_spans(phases: list[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+class MemTally:
+    """What :func:`totals` needs of every ``mem`` record, taken as they are read: how many,
+    and per step the highest CUDA max-allocated (where a record has it) or RSS, used if
+    any record has CUDA figures, and the highest RSS, used otherwise."""
+
+    def __init__(self, mem: Iterable[dict[str, Any]] = ()) -> None:
+        self.count = 0
+        self.cuda = False
+        self._by_cuda: dict[int, Any] = {}
+        self._by_rss: dict[int, Any] = {}
+        self.add(mem)
+
+    def add(self, mem: Iterable[dict[str, Any]]) -> None:
+        for m in mem:
+            self.count += 1
+            rss, cuda, step = m.get("rss"), m.get("cuda"), m.get("step")
+            value = rss
+            if isinstance(cuda, dict):
+                self.cuda = True
+                value = cuda.get("max_alloc")
+            if not isinstance(step, int):
+                continue
+            if isinstance(value, int | float):
+                self._by_cuda[step] = max(self._by_cuda.get(step, value), value)
+            if isinstance(rss, int | float):
+                self._by_rss[step] = max(self._by_rss.get(step, rss), rss)
+
+    def peaks(self) -> dict[int, Any]:
+        """Step -> its highest memory figure."""
+        return self._by_cuda if self.cuda else self._by_rss
+
+
+#: Step-keyed records a reader holds before it first drops those that decimation would
+#: drop (:class:`StepKeeper`); after each time, twice what it kept and this many more.
+PRUNE_RECORDS = 1 << 15
+
+
+class StepKeeper:
+    """A rank's step-keyed records as they are read: what is computed over all of them
+    (:class:`MemTally`, :class:`BackwardSpans`), and, every so often, the ``mem``,
+    ``phase`` and ``logits`` records dropped that :func:`decimate` is sure to drop at the
+    end, so that a reader holds about its budget's records, not every step's (the step
+    records themselves, ~350 bytes a step, are kept whole: a later ``loss`` record may
+    change one). The result of :func:`decimate` does not change:
+
+    * a record is dropped only if its step is a whole number with at least a quarter of the
+      budget of step numbers below and above it (it will be in neither the first nor the
+      last steps kept: they only get further away) and is not a multiple of the stride
+      the step numbers so far already need (the final stride is a multiple of it: the
+      numbers between the first and last steps only grow in number);
+    * a record holding a peak (:func:`_peaks` of the records held, which are the peaks of
+      every record so far) is never dropped, so the peaks at the end are the same; a NaN
+      could make the order matter, so a kind in which one is seen is dropped from no more.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.edge = budget // 4
+        self.room = budget - 2 * self.edge
+        self.mem = MemTally()
+        self.spans = BackwardSpans()
+        #: The distinct step numbers of the step records so far, sorted; how many step
+        #: records they come from; per k, how many of those between the first and the
+        #: last ``edge`` are multiples of 2^k.
+        self.numbers: list[int] = []
+        self._taken = 0
+        self._multiples = [0] * 64
+        self._nan = {"mem": False, "logits": False}
+        self._next = PRUNE_RECORDS
+
+    def seen(self, data: Any, kind: str, recs: list[dict[str, Any]]) -> None:
+        """Records of a step-keyed kind just added to ``data``'s lists."""
+        if kind == "mem":
+            self.mem.add(recs)
+        elif kind == "phase":
+            self.spans.add(recs)
+        if len(data.mem) + len(data.phases) + len(data.logits) >= self._next:
+            self.prune(data)
+            self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
+
+    def prune(self, data: Any) -> None:
+        """Drop the records of ``data`` that :func:`decimate` is sure to drop."""
+        for rec in data.steps[self._taken :]:
+            self._number(rec["step"])
+        self._taken = len(data.steps)
+        stride = next((1 << k for k, n in enumerate(self._multiples) if n <= self.room), 1)
+        numbers, edge = self.numbers, self.edge
+        if stride == 1 or len(numbers) <= 2 * edge:
+            return
+        low = numbers[edge - 1] if edge else None
+        high = numbers[-edge] if edge else numbers[-1] + 1
+
+        def drop(step: Any) -> bool:
+            return isinstance(step, int) and (low is None or step > low) and step < high and step % stride != 0
+
+        data.phases = [p for p in data.phases if not drop(p["step"])]
+        for name, by in (("mem", None), ("logits", "where")):
+            if self._nan[name]:
+                continue
+            records = getattr(data, name)
+            peaks, nan = _fold_peaks(records, by)
+            if nan:
+                self._nan[name] = True
+                continue
+            setattr(data, name, [r for i, r in enumerate(records) if i in peaks or not drop(r.get("step"))])
+
+    def _number(self, step: int) -> None:
+        """A step record's number into the sorted numbers, and the multiples counted of
+        those that came between the first and the last ``edge`` with it."""
+        numbers = self.numbers
+        i = bisect.bisect_left(numbers, step)
+        if i < len(numbers) and numbers[i] == step:
+            return
+        numbers.insert(i, step)
+        low, high = self.edge, len(numbers) - self.edge  # the middle's indexes: [low, high)
+        if low <= i < high:
+            self._count(step)
+        if i < low < high:  # the head's last one was pushed into the middle
+            self._count(numbers[low])
+        if i >= high > low:  # so was the tail's first one
+            self._count(numbers[high - 1])
+
+    def _count(self, step: int) -> None:
+        k = 0
+        while k < 64 and step % (1 << k) == 0:
+            self._multiples[k] += 1
+            k += 1
+
+
+def backward_spans(phases: Iterable[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
     """Per step (+1, the step record's number), the (begin, end) times of its backward
     phases that ended."""
-    spans: dict[int, list[tuple[float, float]]] = {}
-    begin: dict[int, float] = {}
-    for p in phases:
-        if p["name"] != "backward":
-            continue
-        step = p["step"] + 1
-        if p["edge"] == "begin":
-            begin[step] = p["t"]
-        elif step in begin:
-            spans.setdefault(step, []).append((begin.pop(step), p["t"]))
-    return spans
+    spans = BackwardSpans()
+    spans.add(phases)
+    return spans.spans
+
+
+class BackwardSpans:
+    """:func:`backward_spans` of phase records given as they are read."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, list[tuple[float, float]]] = {}
+        self._begin: dict[int, float] = {}
+
+    def add(self, phases: Iterable[dict[str, Any]]) -> None:
+        spans, begin = self.spans, self._begin
+        for p in phases:
+            if p["name"] != "backward":
+                continue
+            step = p["step"] + 1
+            if p["edge"] == "begin":
+                begin[step] = p["t"]
+            elif step in begin:
+                spans.setdefault(step, []).append((begin.pop(step), p["t"]))

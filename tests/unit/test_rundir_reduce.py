@@ -6,12 +6,13 @@ worker pool reads what the serial path reads."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorascope.analysis import analyze
@@ -166,3 +167,120 @@ def test_a_collective_pickles_as_its_fields() -> None:
         assert call.__reduce__() == (Collective, tuple(getattr(call, f.name) for f in dataclasses.fields(call)))
     loaded = pickle.loads(pickle.dumps(calls, protocol=pickle.HIGHEST_PROTOCOL))
     assert loaded == calls and loaded[0].pending is False and loaded[1].pending is True
+
+
+_NUMBER = st.one_of(st.integers(0, 2**40), st.floats(0, 2**40), st.just(math.nan))
+
+
+@st.composite
+def _step_keyed(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A rank's step-keyed records: steps mostly in order, now and then one repeated,
+    skipped or going back; mem records with and without the heap or CUDA figures (a NaN
+    now and then), phase edges of backward and other phases, logits of two places, and a
+    loss read after its step."""
+    out: list[dict[str, Any]] = []
+    step, t = 0, 1.0
+    for _ in range(draw(st.integers(0, 160))):
+        t += 0.5
+        step = max(0, step + draw(st.sampled_from([1] * 8 + [0, 3, -5])))
+        what = draw(st.sampled_from(["step", "step", "mem", "mem", "mem", "phase", "phase", "logits", "loss"]))
+        on = step + draw(st.sampled_from([0, 0, 0, 1, -1]))  # a record of the step in progress, or off by one
+        if what == "step":
+            loss = draw(st.one_of(st.none(), st.floats(0, 10)))
+            out.append({"step": step, "dur": draw(st.sampled_from([0.5, 0.0, 1, 0.25])), "loss": loss, "src": "x"})
+        elif what == "mem":
+            rec: dict[str, Any] = {"src": "step", "step": on, "rss": draw(st.one_of(st.none(), st.integers(0, 2**40)))}
+            more = draw(st.sampled_from(["heap", "cuda", "none"]))
+            if more == "heap":
+                rec["heap"] = draw(_NUMBER)
+            elif more == "cuda":
+                rec["cuda"] = {"alloc": draw(_NUMBER), "max_alloc": draw(_NUMBER), "used": 3, "total": 4}
+            out.append(rec)
+        elif what == "phase":
+            name = draw(st.sampled_from(["backward", "backward", "forward"]))
+            out.append({"name": name, "edge": draw(st.sampled_from(["begin", "end"])), "step": on})
+        elif what == "logits":
+            where = draw(st.sampled_from(["lm_head_output", "loss_input"]))
+            out.append({"where": where, "step": on, "shape": [2, 3], "dtype": "f", "bytes": draw(st.integers(0, 99))})
+        else:
+            out.append({"step": on, "loss": draw(st.floats(0, 10))})
+        out[-1].update(k=what, t=t)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=_step_keyed(), budget=st.integers(1, 24))
+def test_dropping_step_keyed_records_on_the_way_changes_nothing(records: list[dict[str, Any]], budget: int) -> None:
+    """The reader drops on the way (StepKeeper.prune, here after every record) only what
+    decimation drops at the end: the kept records, peaks, stride, totals and backward
+    spans are those of a reader that holds every record until the end; and the totals are
+    those of their definition over every record."""
+    start = {
+        "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "ppid": 1, "host": "vm", "argv": ["train.py"],
+        "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start", "t": 0.5,
+    }  # fmt: skip
+    path = Path("stream.jsonl")
+    streams = []
+    for prune in (False, True):
+        stream = reader._Stream(0, [], reduce.CollectiveLog(), budget)
+        stream.record(path, 1, dict(start))
+        stream.keeper._next = 1 << 62  # no pruning but what the test asks for
+        for n, rec in enumerate(records, 2):
+            stream.record(path, n, json.loads(json.dumps(rec)))  # a copy: a loss record changes its step
+            if prune:
+                stream.keeper.prune(stream.data)
+        streams.append(stream)
+    whole, pruned = streams
+    assert whole.data is not None and pruned.data is not None
+    assert len(pruned.data.mem) <= len(whole.data.mem)
+    assert whole.keeper.spans.spans == reduce.backward_spans(whole.data.phases)
+    full_mem = list(whole.data.mem)
+    a, b = (s.finish(s.log, path, budget) for s in streams)  # type: ignore[arg-type]
+    for name in ("mem", "phases", "steps", "logits", "stride", "totals", "coll_wait_outside_backward"):
+        assert json.dumps(getattr(a, name), default=str) == json.dumps(getattr(b, name), default=str), name
+    # the memory totals by their definition: every mem record; CUDA max-allocated if any has it
+    cuda = any(isinstance(m.get("cuda"), dict) for m in full_mem)
+    peak: dict[int, Any] = {}
+    for m in full_mem:
+        value = m["cuda"].get("max_alloc") if cuda and isinstance(m.get("cuda"), dict) else m.get("rss")
+        if isinstance(value, int | float) and isinstance(m.get("step"), int):
+            peak[m["step"]] = max(peak.get(m["step"], value), value)
+    assert a.totals["mem"] == len(full_mem)
+    assert json.dumps(a.totals["series"]["peak_memory_bytes"], default=str) == json.dumps(
+        reduce._bounded(sorted(peak.items())), default=str
+    )
+
+
+def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3,000 steps in order (a step, three mem and two phase records each) read with a
+    budget of 16 steps: the reader never holds more than a few hundred mem and phase
+    records (it held all 15,000 before StepKeeper), and decimation keeps the same ones."""
+    monkeypatch.setattr(reduce, "PRUNE_RECORDS", 64)
+    start = {
+        "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "ppid": 1, "host": "vm", "argv": ["train.py"],
+        "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start", "t": 0.5,
+    }  # fmt: skip
+    path = Path("stream.jsonl")
+    stream = reader._Stream(0, [], reduce.CollectiveLog(), 16)
+    stream.record(path, 1, start)
+    held, n = 0, 1
+    for step in range(1, 3001):
+        for rec in (
+            {"name": "backward", "edge": "begin", "step": step, "k": "phase"},
+            {"src": "backward.begin", "step": step, "rss": 100 + step % 7, "heap": 9, "k": "mem"},
+            {"name": "backward", "edge": "end", "step": step, "k": "phase"},
+            {"src": "sampler", "step": step, "rss": 100, "heap": 9, "k": "mem"},
+            {"step": step + 1, "dur": 0.5, "loss": 1.0, "src": "x", "k": "step"},
+            {"src": "step", "step": step + 1, "rss": 100, "heap": 9, "k": "mem"},
+        ):
+            n += 1
+            stream.record(path, n, {**rec, "t": float(n)})
+            assert stream.data is not None
+            held = max(held, len(stream.data.mem) + len(stream.data.phases))
+    assert held < 600, held
+    data = stream.finish(stream.log, path, 16)  # type: ignore[arg-type]
+    stride, kept = reduce.kept_steps(range(2, 3002), 16)
+    assert data.totals["mem"] == 9000 and data.stride == stride == 512
+    assert [s["step"] for s in data.steps] == sorted(kept)
+    assert {m["step"] for m in data.mem} == set(kept) | {1, 6}  # the peaks: the first heap of 9, RSS of 106
+    assert len(stream.keeper.spans.spans) == 3000
