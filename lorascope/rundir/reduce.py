@@ -16,7 +16,8 @@ report use, and counts the rest while it streams past:
   order the calls started, as a sort of the whole list would;
 * **step-keyed records** (memory samples, phase edges, steps, logits): every record of the
   first and the last steps, and of every ``stride``-th step between, within a budget of
-  steps per rank (:func:`decimate`); the records that hold a peak are always kept;
+  steps per rank (:func:`decimate`); the records that hold a peak are always kept, and
+  those it is sure to drop are dropped while the stream is read (:class:`StepKeeper`);
 * counts of every listed kind, the median step time and the last loss over all steps, and
   per-step series (step time, peak memory) bounded to :data:`SERIES_POINTS` points.
 
