@@ -400,12 +400,12 @@ PRUNE_RECORDS = 1 << 15
 
 
 class StepKeeper:
-    """A rank's step-keyed records as they are read: what is computed over all of them
-    (:class:`MemTally`, :class:`BackwardSpans`), and, every so often, the ``mem``,
-    ``phase`` and ``logits`` records dropped that :func:`decimate` is sure to drop at the
+    """A rank's step-keyed records as they are read: it takes what is computed over all of
+    them (:class:`MemTally`, :class:`BackwardSpans`) and, every so often, drops the
+    ``mem``, ``phase`` and ``logits`` records that :func:`decimate` is sure to drop at the
     end, so that a reader holds about its budget's records, not every step's (the step
-    records themselves, ~350 bytes a step, are kept whole: a later ``loss`` record may
-    change one). The result of :func:`decimate` does not change:
+    records themselves, ~0.4 KB a step, are kept whole: a later ``loss`` record may change
+    one). The result of :func:`decimate` does not change:
 
     * a record is dropped only if its step is a whole number with at least a quarter of the
       budget of step numbers below and above it (it will be in neither the first nor the
