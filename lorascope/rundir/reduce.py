@@ -27,6 +27,7 @@ A stream within the bounds is kept whole: the reduction changes nothing for it.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import statistics
@@ -63,13 +64,33 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-def window_digests(op_size: str, full: str) -> tuple[bytes, bytes]:
-    """A window's two digests from the ``repr`` of its calls' (seq, op, bytes) tuples and
-    of their (seq, op, bytes, dtype) tuples, in the order they were read."""
-    return (
-        hashlib.blake2b(op_size.encode(), digest_size=12).digest(),
-        hashlib.blake2b(full.encode(), digest_size=12).digest(),
-    )
+#: Arithmetic modulo 2^64 (a call's hash, a window's digest).
+MASK = (1 << 64) - 1
+#: splitmix64's finaliser's constants; a missing size's code in a call's hash.
+MIX_A, MIX_B = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+NO_BYTES = 0x9E3779B97F4A7C15
+
+
+def mix(z: int) -> int:
+    """splitmix64's finaliser: a 64-bit value's bits spread over all 64."""
+    z = ((z ^ (z >> 30)) * MIX_A) & MASK
+    z = ((z ^ (z >> 27)) * MIX_B) & MASK
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=4096)
+def name_code(name: str | None) -> int:
+    """A 64-bit code of an op or dtype name (None too) in a call's hash."""
+    return int.from_bytes(hashlib.blake2b(repr(name).encode(), digest_size=8).digest(), "little")
+
+
+def call_hashes(seq: int, op: str, size: int | None, dtype: str | None) -> tuple[int, int]:
+    """A call's two hashes: of (seq, op, bytes), and of that with the dtype. A window's
+    digest is their sum modulo 2^64 over its calls: the same whatever order they were read
+    in, so it can be summed a block of columns at a time (:mod:`lorascope.rundir.columnar`
+    computes the same as polars expressions, which wrap modulo 2^64 too)."""
+    op_size = mix(mix((seq & MASK) ^ name_code(op)) ^ (NO_BYTES if size is None else size & MASK))
+    return op_size, mix(op_size ^ name_code(dtype))
 
 
 @dataclass
@@ -83,8 +104,9 @@ class GroupTally:
     #: The highest sequence number of a completed call (0: none completed).
     last_done: int = 0
     ops: set[str] = field(default_factory=set)
-    #: Window index -> (digest of seq, op and size; digest with the dtype too).
-    digests: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    #: Window index -> (digest of seq, op and size; digest with the dtype too): the sums
+    #: modulo 2^64 of its calls' :func:`call_hashes`.
+    digests: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: The last call kept from the start; the first of the newest calls kept (None: all kept).
     head_last: int = 0
     tail_first: int | None = None
@@ -109,8 +131,6 @@ class CollectiveLog:
         self.extra: list[Collective] = []
         self.coll_wait: dict[int, float] = {}
         self.op_totals: dict[str, tuple[float, int]] = {}
-        #: Per group, the (seq, op, bytes, dtype) of the calls of the windows still open.
-        self._open: dict[str, dict[int, list[tuple[int, str, int | None, str | None]]]] = {}
         self._order: list[tuple[float, int, Collective]] = []
         #: Per step (+1), the (start, seconds) of its completed synchronous calls, until
         #: :meth:`outside_backward` has used them.
@@ -174,20 +194,13 @@ class CollectiveLog:
         return any(lo <= coll.seq <= hi for lo, hi in self.windows.get(coll.group, ()))
 
     def _hash(self, coll: Collective) -> None:
+        digests = self.tallies[coll.group].digests
         index = (coll.seq - 1) // WINDOW
-        opened = self._open.get(coll.group)
-        if opened is None:
-            opened = self._open[coll.group] = {}
-        calls = opened.get(index)
-        if calls is None:
-            for old in [i for i in opened if i < index - 1]:
-                self._close(coll.group, old)
-            calls = opened[index] = []
-        calls.append((coll.seq, coll.op, coll.bytes, coll.dtype))
-
-    def _close(self, group: str, index: int) -> None:
-        calls = self._open[group].pop(index)
-        self.tallies[group].digests[index] = window_digests(repr([c[:3] for c in calls]), repr(calls))
+        op_size, full = call_hashes(coll.seq, coll.op, coll.bytes, coll.dtype)
+        held = digests.get(index)
+        if held is not None:
+            op_size, full = (held[0] + op_size) & MASK, (held[1] + full) & MASK
+        digests[index] = (op_size, full)
 
     def _release(self, everything: bool) -> None:
         """Sum completed calls in the order they started: a call waits while an older one
@@ -208,11 +221,8 @@ class CollectiveLog:
         self.op_totals[coll.op] = (total + took, n + 1)
 
     def finish(self) -> list[Collective]:
-        """Close the digests and the sums; the kept calls, in the order they started."""
+        """Close the sums; the kept calls, in the order they started."""
         self._release(True)
-        for group, opened in self._open.items():
-            for index in list(opened):
-                self._close(group, index)
         kept: dict[int, Collective] = {}
         for pool in (*self.head.values(), *self.tail.values(), self.extra):
             for coll in pool:

@@ -408,3 +408,38 @@ def test_streams_from_one_mb_go_column_wise_once_polars_is_imported(monkeypatch:
     assert columnar.suits(columnar.MIN_BYTES)
     monkeypatch.setattr(columnar, "available", lambda: False)
     assert not columnar.suits(columnar.MIN_BYTES)
+
+
+_NAMES = st.sampled_from(["all_reduce", "all_gather", "float32", "", "'", "é\\", "None"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.integers(1, 2**62),
+            _NAMES,
+            st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+            st.one_of(st.none(), _NAMES),
+        ),
+        max_size=300,
+    )
+)
+def test_a_blocks_window_sums_are_its_calls_hashes_summed_modulo_2_64(calls: list[Any]) -> None:
+    """The digests summed as columns are the line reader's (which needs polars' integer
+    arithmetic to wrap modulo 2^64, as it does)."""
+    import polars as pl
+
+    columnar.available()
+    rows = pl.DataFrame(
+        calls, schema={"seq": pl.Int64, "op": pl.String, "bytes": pl.Int64, "dtype": pl.String}, orient="row"
+    )
+    rows = rows.with_columns(((pl.col("seq") - 1) // 4).alias("w"))
+    expected: dict[int, tuple[int, int]] = {}
+    for seq, op, size, dtype in calls:
+        hashes = reduce.call_hashes(seq, op, size, dtype)
+        held = expected.get((seq - 1) // 4, (0, 0))
+        expected[(seq - 1) // 4] = ((held[0] + hashes[0]) & reduce.MASK, (held[1] + hashes[1]) & reduce.MASK)
+    sums = columnar._window_sums(rows)
+    assert {w: (a, b) for w, a, b in sums.iter_rows()} == expected
+    assert list(sums["w"]) == list(dict.fromkeys((seq - 1) // 4 for seq, *_ in calls))

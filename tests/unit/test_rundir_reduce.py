@@ -284,3 +284,32 @@ def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.Monkey
     assert [s["step"] for s in data.steps] == sorted(kept)
     assert {m["step"] for m in data.mem} == set(kept) | {1, 6}  # the peaks: the first heap of 9, RSS of 106
     assert len(stream.keeper.spans.spans) == 3000
+
+
+def test_a_windows_digest_is_its_calls_in_any_order() -> None:
+    """The digest of a window is its calls' (seq, op, bytes[, dtype]), however they were
+    read (a call two windows late counts too); a change of op or size changes both
+    aspects, of the dtype only the second; nothing else of a call counts."""
+    from lorascope.rundir.reader import Collective
+
+    def digests(calls: list[tuple[int, str, int | None, str | None]], start: float = 1.0) -> dict[int, Any]:
+        log = reduce.CollectiveLog()
+        for seq, op, size, dtype in calls:
+            log.add(Collective(seq, "g", op, size, dtype, False, "a.py:1", 0, start + seq, start + seq + 1))
+        log.finish()
+        return log.tallies["g"].digests
+
+    w = reduce.WINDOW
+    calls = [
+        (s, "all_reduce" if s % 3 else "broadcast", None if s % 7 == 0 else 8 * s, "float32") for s in range(1, 4 * w)
+    ]
+    whole = digests(calls)
+    assert sorted(whole) == [0, 1, 2, 3]
+    late = calls[1 : 3 * w] + [calls[0]] + calls[3 * w :]  # seq 1 read after window 2 began
+    assert digests(late) == digests(calls[::-1]) == digests(calls, start=50.0) == whole
+    for i, change, aspects in [(5, (6, "all_gather", 48, "float32"), {0, 1}), (5, (6, "all_reduce", 49, "float32"), {0, 1}),
+                               (301, (302, "all_reduce", 2416, "bfloat16"), {1}), (6, (7, "all_reduce", 0, "float32"), {0, 1})]:  # fmt: skip
+        changed = digests(calls[:i] + [change] + calls[i + 1 :])
+        index = (change[0] - 1) // w
+        assert {a for a in (0, 1) if changed[index][a] != whole[index][a]} == aspects, change
+        assert {k: v for k, v in changed.items() if k != index} == {k: v for k, v in whole.items() if k != index}
