@@ -98,6 +98,14 @@ class Sink(Protocol):
         order (``number``: the first one's line; ``last``: a time no earlier than theirs,
         of a record of the stream)."""
 
+    def sure_to_drop(self, kind: str) -> tuple[int | None, int, int] | None:
+        """Which records of ``kind`` decimation is sure to drop unless they hold a peak
+        (:meth:`~lorascope.rundir.reduce.StepKeeper.sure_to_drop`); None: none."""
+
+    def dropped(self, path: Path, number: int, kind: str, count: int, rss: dict[int, int], last: float) -> None:
+        """``count`` records of ``kind`` that were not made (``sure_to_drop``): of ``mem``
+        records, the highest RSS per step; ``last``, a time no earlier than theirs."""
+
     def check(self, path: Path, number: int, rec: Any) -> None:
         """Validate a collective record read as JSON, which is not applied (the log
         takes it); BadInputError if it is bad or comes before the stream's start."""
@@ -142,16 +150,18 @@ def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple
     """Read every segment of one process: other records to ``sink``, collective records
     reduced into the returned log; Unsuitable when the stream needs the line reader."""
     log = ColumnarLog(windows)
+    pending = _Pending()
     max_line = limits.current().record_bytes
     for _, path in segs:
         deep_lines: list[int] = []
         number = 0
         for lines, last in _blocks(path, max_line):
             if lines:
-                _block(log, sink, path, number, lines, deep_lines)
+                _block(log, sink, pending, path, number, lines, deep_lines)
                 number += len(lines)
                 log.base += len(lines)
             if last:
+                pending.flush(sink)
                 number += 1
                 held: list[tuple[int, dict[str, Any]]] = []
                 devices: list[tuple[int, str, int, float]] = []
@@ -162,6 +172,7 @@ def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple
                     log.add(calls, ends, _names(sink, calls), devices)
                 log.base += 1
         sink.file_done(path, deep_lines)
+    pending.flush(sink)
     return log
 
 
@@ -263,9 +274,13 @@ def _held(held: list[tuple[int, dict[str, Any]]]) -> tuple[pl.DataFrame, pl.Data
     )
 
 
-def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[bytes], deep: list[int]) -> None:
+def _block(
+    log: ColumnarLog, sink: Sink, pending: _Pending, path: Path, before: int, lines: list[bytes], deep: list[int]
+) -> None:
     """One block of a file (``before``: its lines before the block): the other lines to the
-    sink in order, then the collective records to the log."""
+    sink in order, then the collective records to the log; its ``mem`` and ``phase``
+    lines to ``pending`` unless other records of those kinds (or no ``start`` record yet)
+    need them applied in order."""
     import polars as pl
 
     raw = pl.Series(lines, dtype=pl.Binary)
@@ -292,6 +307,11 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
         fast = fast.scatter(flat.positions, True)
     others = (~fast).arg_true().to_list()
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
+    if log.start_at is not None and not any(isinstance(rec, dict) and rec.get("k") in _DEFERRED for rec in recs):
+        pending.add(flat, _DEFERRED)
+    else:
+        pending.flush(sink)
+    flat.make()
     for i, rec in zip(others, recs, strict=True):
         flat.apply_before(i)
         _other(log, sink, path, before + i + 1, log.base + i, rec, held, devices, first_call, first)
@@ -309,31 +329,35 @@ def _block(log: ColumnarLog, sink: Sink, path: Path, before: int, lines: list[by
 
 
 class _Flat:
-    """A block's lines in one of FLAT_LAYOUTS' layouts, as records (split as columns, then
-    made dicts as ``json.loads`` makes them: the same keys in the same order, the same
-    values and types), applied to the sink in stream order with the block's other lines."""
+    """A block's lines in one of FLAT_LAYOUTS' layouts, as columns (per kind, a frame per
+    layout), then as records (:meth:`make`: made dicts as ``json.loads`` makes them: the
+    same keys in the same order, the same values and types), applied to the sink in
+    stream order with the block's other lines."""
 
     def __init__(self, raw: pl.Series, sink: Sink, path: Path, before: int) -> None:
         self.sink, self.path, self.before = sink, path, before
+        #: Per kind, its lines' columns (``pos`` in the block, the layout's fields, t) per layout.
+        self.frames: dict[str, list[tuple[Layout, pl.DataFrame]]] = {}
         #: Per kind: its records' positions in the block, the records; how many applied.
         self.kinds: list[tuple[str, list[int], list[dict[str, Any]]]] = []
         self.applied: list[int] = []
-        #: Every record's position; the latest time of any (the sink keeps the latest).
+        #: Every line's position; the latest time of any (the sink keeps the latest).
         self.positions: list[int] = []
         self.latest = 0.0
         for kind, layouts in FLAT_LAYOUTS.items():
-            pairs: list[tuple[int, dict[str, Any]]] = []
             for layout in layouts:
-                positions, recs, latest = _flat_records(raw, kind, layout)
-                pairs.extend(zip(positions, recs, strict=True))
-                self.latest = max(self.latest, latest)
-            if not pairs:
-                continue
-            if len(layouts) > 1:
-                pairs.sort(key=lambda pair: pair[0])
-            self.kinds.append((kind, [p for p, _ in pairs], [rec for _, rec in pairs]))
+                frame = _flat_columns(raw, kind, layout)
+                if frame is not None:
+                    self.frames.setdefault(kind, []).append((layout, frame))
+                    self.positions.extend(frame["pos"].to_list())
+                    self.latest = max(self.latest, float(frame["t"].max()))  # type: ignore[arg-type]
+
+    def make(self) -> None:
+        """The records of the kinds whose columns are still here, to be applied."""
+        for kind, frames in self.frames.items():
+            positions, recs = _made(kind, frames)
+            self.kinds.append((kind, positions, recs))
             self.applied.append(0)
-            self.positions.extend(p for p, _ in pairs)
 
     def apply_before(self, end: int) -> None:
         """Apply the records at block positions below ``end`` not applied yet, each kind's
@@ -350,43 +374,129 @@ class _Flat:
             self.sink.extend(self.path, self.before + first + 1, kind, recs, self.latest)
 
 
-def _flat_records(
-    raw: pl.Series, kind: str, layout: tuple[tuple[str, str], ...]
-) -> tuple[list[int], list[dict[str, Any]], float]:
-    """The block's lines in one layout of ``kind``: their positions, their records, the
-    latest time of any (0.0: none)."""
+Layout = tuple[tuple[str, str], ...]
+#: The kinds of FLAT_LAYOUTS held as columns across blocks (:class:`_Pending`); the
+#: ``step`` records are applied at once (a later ``loss`` record may change one).
+_DEFERRED = ("mem", "phase")
+#: The types of FLAT_LAYOUTS' values that :func:`~lorascope.rundir.reduce._peaks` looks at.
+_NUMERIC = frozenset({"int", "opt_int", "float", "opt_float"})
+#: Lines held as columns before they are applied, at most (~60 bytes each).
+PENDING_LINES = 1 << 16
+
+
+class _Pending:
+    """Blocks' ``mem`` and ``phase`` lines as columns, until they are applied (before any
+    other record of those kinds, past PENDING_LINES, and at the end): those decimation is
+    then sure to drop (the sink's ``sure_to_drop``) are never made records, only counted
+    (with what is taken of every ``mem`` record): most of a long run's. A record a block
+    applies at once has the steps before it only, so most of its lines were of steps too
+    recent to be sure of. Kept, whatever their step: a record that may hold a peak (the
+    first highest value of a field in its block: one before it holds as much otherwise)
+    and the ``backward`` phase edges (the time outside backward is taken from all)."""
+
+    def __init__(self) -> None:
+        #: (path, lines before the block, latest time, kind, that kind's frames), in order.
+        self.blocks: list[tuple[Path, int, float, str, list[tuple[Layout, pl.DataFrame]]]] = []
+        self.lines = 0
+
+    def add(self, flat: _Flat, kinds: tuple[str, ...]) -> None:
+        """Take ``kinds``' columns of ``flat`` (a block whose other lines hold none)."""
+        for kind in kinds:
+            frames = flat.frames.pop(kind, None)
+            if frames:
+                self.blocks.append((flat.path, flat.before, flat.latest, kind, frames))
+                self.lines += sum(frame.height for _, frame in frames)
+        if self.lines > PENDING_LINES:
+            self.flush(flat.sink)
+
+    def flush(self, sink: Sink) -> None:
+        """Apply every line held, in order, but those sure to be dropped."""
+        import polars as pl
+
+        rules = {kind: sink.sure_to_drop(kind) for kind in _DEFERRED}
+        for path, before, latest, kind, frames in self.blocks:
+            rule = rules[kind]
+            if rule is not None:
+                kept = []
+                for layout, frame in frames:
+                    gone = _sure_to_drop(kind, layout, rule)
+                    out = frame.filter(gone)
+                    kept.append((layout, frame.filter(~gone)))
+                    if not out.height:
+                        continue
+                    rss = {}
+                    if kind == "mem":
+                        by_step = out.filter(pl.col("rss").is_not_null()).group_by("step").agg(pl.col("rss").max())
+                        rss = dict(by_step.iter_rows())
+                    sink.dropped(path, before + int(out["pos"][0]) + 1, kind, out.height, rss, latest)
+                frames = kept
+            positions, recs = _made(kind, frames)
+            if recs:
+                sink.extend(path, before + positions[0] + 1, kind, recs, latest)
+        self.blocks, self.lines = [], 0
+
+
+def _flat_columns(raw: pl.Series, kind: str, layout: Layout) -> pl.DataFrame | None:
+    """The block's lines in one layout of ``kind`` as columns: ``pos`` (in the block), the
+    layout's fields, t (None: no line)."""
     import polars as pl
 
     first = f'{{"{layout[0][0]}":'
     where = raw.bin.starts_with(first.encode()).arg_true()
     if not where.len():
-        return [], [], 0.0
+        return None
     frame = pl.DataFrame({"pos": where, "l": raw.gather(where).cast(pl.String, strict=False)})
     frame = frame.filter(pl.col("l").str.contains(flat_line(kind, layout)).fill_null(False))
     if not frame.height:
-        return [], [], 0.0
+        return None
     # the layout's fields (the first after ``{"``), then k and t (before its closing brace)
     n = len(layout) + 2
-    parts = _pieces(frame, n)
     values = [
         _flat_value(pl.col(f"f{i}").str.slice(len(key) + (4 if i == 0 else 2)), value).alias(key)
         for i, (key, value) in enumerate(layout)
     ]
     t = _value(pl.col(f"f{n - 1}"), "t").cast(pl.Float64).alias("t")
-    columns = parts.select(*values, t)
-    # made a key at a time (a record's keys in the layout's order): ~5x faster than a
-    # dict(zip(keys, row)) per record
-    recs: list[dict[str, Any]] = [{} for _ in range(frame.height)]
-    kinds = [kind] * frame.height
-    for key, values in [
-        *((key, columns[key].to_list()) for key, _ in layout),
-        ("k", kinds),
-        ("t", columns["t"].to_list()),
-    ]:
-        for rec, value in zip(recs, values, strict=True):
-            rec[key] = value
-    latest = float(columns["t"].max())  # type: ignore[arg-type]
-    return parts["pos"].to_list(), recs, latest
+    return _pieces(frame, n).select("pos", *values, t)
+
+
+def _made(kind: str, frames: list[tuple[Layout, pl.DataFrame]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """The records of a kind's columns (a frame per layout), in the order of their lines:
+    their positions, the records."""
+    pairs: list[tuple[int, dict[str, Any]]] = []
+    for layout, frame in frames:
+        # made a key at a time (a record's keys in the layout's order): ~5x faster than a
+        # dict(zip(keys, row)) per record
+        recs: list[dict[str, Any]] = [{} for _ in range(frame.height)]
+        for key, values in [
+            *((key, frame[key].to_list()) for key, _ in layout),
+            ("k", [kind] * frame.height),
+            ("t", frame["t"].to_list()),
+        ]:
+            for rec, value in zip(recs, values, strict=True):
+                rec[key] = value
+        pairs.extend(zip(frame["pos"].to_list(), recs, strict=True))
+    if len(frames) > 1:
+        pairs.sort(key=lambda pair: pair[0])
+    return [p for p, _ in pairs], [rec for _, rec in pairs]
+
+
+def _sure_to_drop(kind: str, layout: Layout, rule: tuple[int | None, int, int]) -> pl.Expr:
+    """Whether a line of the layout's columns need not be made a record: its step is one
+    decimation is sure to drop (``rule``: low, high, stride), it holds no field's first
+    highest value among the columns, and it is not a backward phase edge."""
+    import polars as pl
+
+    low, high, stride = rule
+    step = pl.col("step")
+    gone = (step < high) & (step % stride != 0)
+    if low is not None:
+        gone = gone & (step > low)
+    if kind == "phase":
+        gone = gone & (pl.col("name") != "backward")
+    for key, value in layout:
+        if value in _NUMERIC and key != "step":
+            gone = gone & (pl.int_range(pl.len()) != pl.col(key).arg_max()).fill_null(True)
+    return gone.fill_null(False)
 
 
 def _flat_value(text: pl.Expr, value: str) -> pl.Expr:

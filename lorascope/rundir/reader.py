@@ -413,6 +413,15 @@ class _Stream:
         getattr(data, _LISTED[kind]).extend(recs)
         self.keeper.seen(data, kind, recs)
 
+    def sure_to_drop(self, kind: str) -> tuple[int | None, int, int] | None:
+        return None if self.data is None else self.keeper.sure_to_drop(self.data, kind)
+
+    def dropped(self, path: Path, number: int, kind: str, count: int, rss: dict[int, int], last: float) -> None:
+        data = self._started(path, number)
+        data.last_time = max(data.last_time, last)
+        if kind == "mem":
+            self.keeper.mem.add_maxima(count, rss)
+
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
         shape again at the head of each segment, the same; other fields under a known id

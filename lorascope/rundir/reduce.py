@@ -399,6 +399,14 @@ class MemTally:
             if isinstance(rss, int | float):
                 self._by_rss[step] = max(self._by_rss.get(step, rss), rss)
 
+    def add_maxima(self, count: int, rss: dict[int, int]) -> None:
+        """``count`` records without CUDA figures, of which the highest RSS per step is
+        ``rss`` (what :meth:`add` takes of them)."""
+        self.count += count
+        for step, value in rss.items():
+            self._by_cuda[step] = max(self._by_cuda.get(step, value), value)
+            self._by_rss[step] = max(self._by_rss.get(step, value), value)
+
     def peaks(self) -> dict[int, Any]:
         """Step -> its highest memory figure."""
         return self._by_cuda if self.cuda else self._by_rss
@@ -451,17 +459,28 @@ class StepKeeper:
             self.prune(data)
             self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
 
-    def prune(self, data: Any) -> None:
-        """Drop the records of ``data`` that :func:`decimate` is sure to drop."""
+    def sure_to_drop(self, data: Any, kind: str) -> tuple[int | None, int, int] | None:
+        """(low, high, stride): the records of ``kind`` whose step is a whole number s with
+        ``low < s < high`` (no lower bound if low is None) and ``s % stride != 0`` are
+        sure to be dropped by :func:`decimate` unless they hold a peak (``mem``, ``logits``);
+        None if none is yet, or ``kind`` is no longer dropped from (a NaN was seen)."""
         for rec in data.steps[self._taken :]:
             self._number(rec["step"])
         self._taken = len(data.steps)
+        if self._nan.get(kind):
+            return None
         stride = next((1 << k for k, n in enumerate(self._multiples) if n <= self.room), 1)
         numbers, edge = self.numbers, self.edge
         if stride == 1 or len(numbers) <= 2 * edge:
+            return None
+        return (numbers[edge - 1] if edge else None), (numbers[-edge] if edge else numbers[-1] + 1), stride
+
+    def prune(self, data: Any) -> None:
+        """Drop the records of ``data`` that :func:`decimate` is sure to drop."""
+        rule = self.sure_to_drop(data, "phase")
+        if rule is None:
             return
-        low = numbers[edge - 1] if edge else None
-        high = numbers[-edge] if edge else numbers[-1] + 1
+        low, high, stride = rule
 
         def drop(step: Any) -> bool:
             return isinstance(step, int) and (low is None or step > low) and step < high and step % stride != 0

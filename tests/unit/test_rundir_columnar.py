@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import sys
 from collections.abc import Iterator
@@ -42,10 +43,12 @@ def _mode(monkeypatch: pytest.MonkeyPatch, use: bool, block: int) -> Iterator[No
         yield
 
 
-def _read(segs: list[tuple[int, Path]], windows: dict[str, list[tuple[int, int]]] | None = None) -> Any:
+def _read(
+    segs: list[tuple[int, Path]], windows: dict[str, list[tuple[int, int]]] | None = None, budget: int = 1 << 16
+) -> Any:
     warnings: list[str] = []
     try:
-        data = reader._load_process(0, segs, warnings, 1 << 16, windows)
+        data = reader._load_process(0, segs, warnings, budget, windows)
     except BadInputError as exc:
         return ("error", str(exc))
     return _fields(data), warnings
@@ -72,11 +75,15 @@ def _typed(value: Any) -> Any:
 
 
 def _both(
-    monkeypatch: pytest.MonkeyPatch, segs: list[tuple[int, Path]], block: int, windows: Any = None
+    monkeypatch: pytest.MonkeyPatch,
+    segs: list[tuple[int, Path]],
+    block: int,
+    windows: Any = None,
+    budget: int = 1 << 16,
 ) -> tuple[Any, Any, str | None]:
     """Both readings, and why the columnar reader declined (None: it read the stream)."""
     with _mode(monkeypatch, False, block):
-        lines = _read(segs, windows)
+        lines = _read(segs, windows, budget)
     declined: list[str] = []
     real = columnar.read
 
@@ -89,7 +96,7 @@ def _both(
 
     with _mode(monkeypatch, True, block):
         monkeypatch.setattr(columnar, "read", spy)
-        columns = _read(segs, windows)
+        columns = _read(segs, windows, budget)
         monkeypatch.setattr(columnar, "read", real)
     return lines, columns, declined[0] if declined else None
 
@@ -282,6 +289,89 @@ def test_generated_streams_read_the_same_both_ways(
         assert columns == lines
 
 
+@st.composite
+def _long_streams(draw: st.DrawFn) -> list[str]:
+    """Steps with their ``step``, ``phase`` and ``mem`` lines in the probes' layouts
+    (values that tie, peak anywhere or are null; step numbers that repeat, skip and go
+    back), now and then a ``mem`` record read as JSON (an extra field, a NaN), a call."""
+    out = [_line({**START, "t": T0})]
+    out.append(_line({"gid": 0, "name": "0", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}))
+    t, step, seq = T0 + 1, 0, 0
+    for _ in range(draw(st.integers(10, 160))):
+        t += draw(st.integers(1, 5000)) / 1e6
+        step += draw(st.sampled_from([1] * 8 + [0, 2, -3]))
+        out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
+        for name in draw(st.sampled_from([["forward", "backward"], ["backward"], ["forward"]])):
+            for edge in ("begin", "end"):
+                out.append(_line({"name": name, "edge": edge, "step": step, "k": "phase", "t": t}))
+        for _ in range(draw(st.integers(0, 3))):
+            mem: dict[str, Any] = {"src": "step", "step": draw(st.sampled_from([step, step, step + 1, step - 2]))}
+            mem["rss"] = draw(st.sampled_from([None, 0, 5, 7, 7, 1 << 40]))
+            heap = draw(st.sampled_from([None, 3, 3, 9, 1 << 33, "nan", "extra"]))
+            if heap == "nan":
+                mem["heap"] = math.nan
+            elif heap is not None:
+                mem["heap"] = 4 if heap == "extra" else heap
+            out.append(_line({**mem, "k": "mem", "t": t, **({"x": 1} if heap == "extra" else {})}))
+        if draw(st.integers(0, 9)) == 0:
+            seq += 1
+            out.append(_call("coll_done", t, seq, 0, "all_reduce", False, step, bytes=8, end=t + 1e-4))
+    return out
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=_long_streams(), block=st.sampled_from([700, 4096, 1 << 20]), budget=st.integers(1, 24))
+def test_long_streams_past_their_budget_read_the_same_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+    stream: list[str],
+    block: int,
+    budget: int,
+) -> None:
+    """The records the columnar reader does not make (sure to be dropped) change nothing."""
+    path = tmp_path_factory.mktemp("stream") / "vm-7.0000.jsonl"
+    path.write_text("\n".join(stream) + "\n")
+    lines, columns, declined = _both(monkeypatch, [(0, path)], block, budget=budget)
+    assert declined is None
+    assert columns == lines
+
+
+def test_a_long_streams_records_sure_to_be_dropped_are_not_made(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Read column-wise at a small budget, a 2,000-step stream's ``mem`` and ``phase``
+    records are mostly never made, and it reads as line by line."""
+    path = tmp_path / "vm-7.0000.jsonl"
+    out = [_line({**START, "t": T0})]
+    for step in range(2000):
+        t = T0 + step
+        out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
+        out += [
+            _line({"name": n, "edge": e, "step": step, "k": "phase", "t": t})
+            for n in ("forward", "backward")
+            for e in ("begin", "end")
+        ]
+        out += [
+            _line({"src": "step", "step": step, "rss": (step * 7919) % 1009, "heap": step % 13, "k": "mem", "t": t})
+        ] * 2
+    path.write_text("\n".join(out) + "\n")
+    made = dict.fromkeys(FLAT_LAYOUTS, 0)
+    real = columnar._made
+
+    def spy(kind: str, frames: Any) -> Any:
+        positions, recs = real(kind, frames)
+        made[kind] += len(recs)
+        return positions, recs
+
+    monkeypatch.setattr(columnar, "_made", spy)
+    lines, columns, declined = _both(monkeypatch, [(0, path)], 64 << 10, budget=16)
+    assert declined is None and columns == lines
+    # made: every step record and backward edge; of the rest, the first block's (applied
+    # at once: it holds the start record), the peaks, the steps kept, the newest
+    assert made["step"] == 2000 and made["mem"] < 400 and 4000 <= made["phase"] < 4400, made
+    assert dict(lines[0]["totals"])["mem"] == ("int", 4000)
+
+
 def test_flat_records_before_the_start_record_are_bad_input_at_their_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -312,6 +402,7 @@ def test_the_probes_flat_records_take_the_columnar_path() -> None:
             applied.extend((kind, number, rec) for rec in recs)  # number: the first one's line
 
     flat = columnar._Flat(pl.Series(lines, dtype=pl.Binary), Sink(), stream, 0)  # type: ignore[arg-type]
+    flat.make()
     flat.apply_before(len(lines))
     expected = [i for i, kind in enumerate(kinds) if kind in FLAT_LAYOUTS]
     assert len(expected) > 100 and sorted(flat.positions) == expected
