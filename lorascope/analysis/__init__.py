@@ -19,7 +19,7 @@ from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
 from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import Progress, RunData
+from lorascope.rundir.reader import Progress, RunData, no_cycle_collection
 
 
 @dataclass
@@ -41,8 +41,9 @@ class Analysis:
 
 
 def of_bundle(bundle: EvidenceBundle, progress: Progress | None = None) -> Analysis:
-    findings = run_detectors(bundle, progress=progress)
-    summary = build_summary(bundle.run) if bundle.run is not None else None
+    with no_cycle_collection():
+        findings = run_detectors(bundle, progress=progress)
+        summary = build_summary(bundle.run) if bundle.run is not None else None
     return Analysis(bundle=bundle, findings=findings, summary=summary)
 
 

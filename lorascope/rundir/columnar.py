@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorascope.rundir import limits
-from lorascope.rundir.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Shapes, flat_line
+from lorascope.rundir.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Layout, Shapes, flat_line
 from lorascope.rundir.reduce import (
     HEAD_CALLS,
     MASK,
@@ -374,7 +374,6 @@ class _Flat:
             self.sink.extend(self.path, self.before + first + 1, kind, recs, self.latest)
 
 
-Layout = tuple[tuple[str, str], ...]
 #: The kinds of FLAT_LAYOUTS held as columns across blocks (:class:`_Pending`); the
 #: ``step`` records are applied at once (a later ``loss`` record may change one).
 _DEFERRED = ("mem", "phase")

@@ -47,6 +47,8 @@ CALL_LINE = "^" + _CALL_BODY.decode() + "$"
 SHAPED_LINE = "^" + _SHAPED_BODY.decode() + "$"
 END_LINE = "^" + _END_BODY.decode() + "$"
 
+#: A layout of FLAT_LAYOUTS: its fields' (key, value type) in the order the probes write them.
+Layout = tuple[tuple[str, str], ...]
 #: Records of other kinds that the probes write many times a step (``mem``, ``phase``,
 #: ``step``: ~15 lines a step of the probes/ job), in the layouts the stream writer gives
 #: them (the probe's fields in its order, then ``k`` and ``t``): kind -> its layouts, each
@@ -56,7 +58,7 @@ END_LINE = "^" + _END_BODY.decode() + "$"
 #: ``validate_record`` accepts: the columnar reader keeps it without checking it again.
 #: CUDA ranks' ``mem`` records (a nested ``cuda`` object) and anything else take the
 #: general path.
-FLAT_LAYOUTS: dict[str, tuple[tuple[tuple[str, str], ...], ...]] = {
+FLAT_LAYOUTS: dict[str, tuple[Layout, ...]] = {
     "mem": (
         (("src", "str"), ("step", "int"), ("rss", "opt_int"), ("heap", "int")),
         (("src", "str"), ("step", "int"), ("rss", "opt_int")),
@@ -74,7 +76,7 @@ _FLAT_VALUES = {
 }
 
 
-def flat_line(kind: str, layout: tuple[tuple[str, str], ...]) -> str:
+def flat_line(kind: str, layout: Layout) -> str:
     """The pattern (for polars) of a whole line, without its newline, in one of
     FLAT_LAYOUTS' layouts of ``kind``."""
     fields = b",".join(b'"' + key.encode() + b'":' + _FLAT_VALUES[value] for key, value in layout)

@@ -313,3 +313,30 @@ def test_a_windows_digest_is_its_calls_in_any_order() -> None:
         index = (change[0] - 1) // w
         assert {a for a in (0, 1) if changed[index][a] != whole[index][a]} == aspects, change
         assert {k: v for k, v in changed.items() if k != index} == {k: v for k, v in whole.items() if k != index}
+
+
+def test_the_cycle_collector_is_off_while_ranks_are_taken_in_and_detected_and_back_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    import lorascope.analysis
+
+    seen: list[tuple[str, bool]] = []
+    for owner, name in ((reader, "_align"), (lorascope.analysis, "run_detectors")):
+        real = getattr(owner, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            seen.append((_name, gc.isenabled()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    assert gc.isenabled()
+    analyze(FIXTURES / "healthy")
+    assert seen == [("_align", False), ("run_detectors", False)] and gc.isenabled()
+    gc.disable()
+    try:
+        analyze(FIXTURES / "healthy")
+        assert not gc.isenabled()  # someone else's setting is left as it was
+    finally:
+        gc.enable()
