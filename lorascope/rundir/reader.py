@@ -173,6 +173,9 @@ class RunData:
     manifest: dict[str, Any]
     ranks: dict[int, RankData]
     warnings: list[str]
+    #: What several detectors compute from the run alike, computed once (a loaded run is
+    #: not changed): name -> value.
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def world_size(self) -> int | None:

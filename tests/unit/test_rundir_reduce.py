@@ -340,3 +340,19 @@ def test_the_cycle_collector_is_off_while_ranks_are_taken_in_and_detected_and_ba
         assert not gc.isenabled()  # someone else's setting is left as it was
     finally:
         gc.enable()
+
+
+def test_the_first_divergence_is_found_once_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three detectors ask for it; it is computed once, and a run loaded again is new."""
+    from lorascope.detect.hang import divergence
+
+    _plant_mismatch(tmp_path / "run", 200)
+    found: list[Any] = []
+    real = divergence._first_divergence
+    monkeypatch.setattr(divergence, "_first_divergence", lambda run: found.append(real(run)) or found[-1])
+    analysis = analyze(tmp_path / "run")
+    assert len(found) == 1 and found[0] is not None and (found[0].group, found[0].seq) == ("default_pg", 200)
+    assert {f.id for f in analysis.findings} & {"collective-mismatch", "rank-conditional-hang"}
+    assert first_divergence(analysis.bundle.run) is found[0]  # type: ignore[arg-type]
+    first_divergence(load_run(tmp_path / "run"))
+    assert len(found) == 2

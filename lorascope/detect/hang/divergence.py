@@ -145,7 +145,15 @@ def first_divergence(run: RunData) -> Divergence | None:
     """The earliest (by time) sequence number, over all groups, at which the ranks that
     issued it disagree on the op or the size. A rank that never issued the call while
     others wait in it is not a disagreement: it is stuck elsewhere or dead (the hang
-    diagnosis tells which)."""
+    diagnosis tells which). Computed once a run (three detectors ask; ~0.4 s each at
+    1,024 ranks)."""
+    if "first_divergence" not in run.derived:
+        run.derived["first_divergence"] = _first_divergence(run)
+    found: Divergence | None = run.derived["first_divergence"]
+    return found
+
+
+def _first_divergence(run: RunData) -> Divergence | None:
     found: list[tuple[float, Divergence]] = []
     for group, tables in sorted(by_group(run).items()):
         if len(tables) < 2:
