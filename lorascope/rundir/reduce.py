@@ -320,8 +320,8 @@ def kept_steps(steps: Iterable[int], budget: int, stride: int | None = None) -> 
 
 
 def decimate(data: Any, budget: int, stride: int | None = None) -> int:
-    """Keep the step-keyed records of ``data`` (a RankData) for the kept steps, and those
-    holding a peak; returns the stride."""
+    """Keep the step-keyed records of ``data`` (a RankData) and its per-step sums of the
+    collectives for the kept steps, and the records holding a peak; returns the stride."""
     stride, kept = kept_steps((s["step"] for s in data.steps), budget, stride)
     if stride == 1:
         return 1
@@ -337,6 +337,12 @@ def decimate(data: Any, budget: int, stride: int | None = None) -> int:
     data.logits = [r for i, r in enumerate(data.logits) if i in logit_peaks or keep(r)]
     data.phases = [p for p in data.phases if keep(p)]
     data.steps = [s for s in data.steps if keep(s)]
+    # the per-step sums of the collectives, keyed by the step record's number (the step in
+    # progress): ~0.3 KB a step and rank each, every step kept, would grow with the run
+    data.coll_wait = {k: v for k, v in data.coll_wait.items() if k in kept or k > last}
+    data.coll_wait_outside_backward = {
+        k: v for k, v in data.coll_wait_outside_backward.items() if k in kept or k > last
+    }
     return stride
 
 

@@ -111,6 +111,9 @@ def test_step_records_past_the_budget_keep_first_last_strided_and_peaks(monkeypa
         assert peak_memory(rank) == peak_memory(whole.ranks[n])
         assert rank.totals == whole.ranks[n].totals  # counted over every record read
         assert rank.series("step_time_s") == [(s["step"], float(s["dur"])) for s in whole.ranks[n].steps]
+        for sums in ("coll_wait", "coll_wait_outside_backward"):  # per step: of the kept steps, as they were
+            kept = {k: v for k, v in getattr(whole.ranks[n], sums).items() if k in steps or k > max(steps)}
+            assert getattr(rank, sums) == kept and len(kept) < len(getattr(whole.ranks[n], sums)), sums
 
 
 _VALUES = st.one_of(
