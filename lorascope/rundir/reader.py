@@ -33,6 +33,7 @@ from lorascope.rundir.reduce import (
     StepKeeper,
     backward_spans,
     decimate,
+    share_strings,
     steps_per_rank,
     totals,
 )
@@ -490,6 +491,7 @@ class _Stream:
         data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
         data.stride = decimate(data, budget)
+        share_strings(data)
         return data
 
 

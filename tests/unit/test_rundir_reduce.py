@@ -359,3 +359,17 @@ def test_the_first_divergence_is_found_once_a_run(tmp_path: Path, monkeypatch: p
     assert first_divergence(analysis.bundle.run) is found[0]  # type: ignore[arg-type]
     first_divergence(load_run(tmp_path / "run"))
     assert len(found) == 2
+
+
+def test_a_ranks_kept_records_share_their_strings() -> None:
+    """One object a distinct string (a rank's summary pickles each once), the same records."""
+    run = load_run(FIXTURES / "healthy")
+    shared = 0
+    for rank in run.ranks.values():
+        seen: dict[str, str] = {}
+        for rec in [*rank.mem, *rank.phases, *rank.steps, *rank.logits]:
+            for value in rec.values():
+                if type(value) is str:
+                    shared += value in seen
+                    assert seen.setdefault(value, value) is value
+    assert shared > 100
