@@ -12,8 +12,8 @@ report use, and counts the rest while it streams past:
   (:mod:`lorascope.rundir.align`): only the windows where they differ, and the one where the
   shortest rank stops, are read again in full;
 * what is summed over every call: each step's time in synchronous collectives (the
-  straggler's waiting), and each op's total time and calls (the report), summed in the
-  order the calls started, as a sort of the whole list would;
+  straggler's waiting; kept for the kept steps below), and each op's total time and calls
+  (the report), summed in the order the calls started, as a sort of the whole list would;
 * **step-keyed records** (memory samples, phase edges, steps, logits): every record of the
   first and the last steps, and of every ``stride``-th step between, within a budget of
   steps per rank (:func:`decimate`); the records that hold a peak are always kept, and
@@ -338,7 +338,7 @@ def decimate(data: Any, budget: int, stride: int | None = None) -> int:
     data.phases = [p for p in data.phases if keep(p)]
     data.steps = [s for s in data.steps if keep(s)]
     # the per-step sums of the collectives, keyed by the step record's number (the step in
-    # progress): ~0.3 KB a step and rank each, every step kept, would grow with the run
+    # progress): every step's (~0.24 KB a rank-step, both) would grow with the run
     data.coll_wait = {k: v for k, v in data.coll_wait.items() if k in kept or k > last}
     data.coll_wait_outside_backward = {
         k: v for k, v in data.coll_wait_outside_backward.items() if k in kept or k > last
