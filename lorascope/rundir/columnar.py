@@ -37,7 +37,7 @@ import bisect
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -279,8 +279,8 @@ def _block(
 ) -> None:
     """One block of a file (``before``: its lines before the block): the other lines to the
     sink in order, then the collective records to the log; its ``mem`` and ``phase``
-    lines to ``pending`` unless other records of those kinds (or no ``start`` record yet)
-    need them applied in order."""
+    lines to ``pending``, each kind unless other records of it (or no ``start`` record
+    yet) need them applied in order."""
     import polars as pl
 
     raw = pl.Series(lines, dtype=pl.Binary)
@@ -307,10 +307,13 @@ def _block(
         fast = fast.scatter(flat.positions, True)
     others = (~fast).arg_true().to_list()
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
-    if log.start_at is not None and not any(isinstance(rec, dict) and rec.get("k") in _DEFERRED for rec in recs):
-        pending.add(flat, _DEFERRED)
-    else:
+    if log.start_at is None:
         pending.flush(sink)
+    else:  # (a kind whose records this block also has as JSON, a CUDA rank's mem, in order)
+        kinds = {rec.get("k") for rec in recs if isinstance(rec, dict)}
+        inline = [kind for kind in _DEFERRED if kind in kinds]
+        pending.flush(sink, inline)
+        pending.add(flat, [kind for kind in _DEFERRED if kind not in inline])
     flat.make()
     for i, rec in zip(others, recs, strict=True):
         flat.apply_before(i)
@@ -384,8 +387,8 @@ PENDING_LINES = 1 << 16
 
 
 class _Pending:
-    """Blocks' ``mem`` and ``phase`` lines as columns, until they are applied (before any
-    other record of those kinds, past PENDING_LINES, and at the end): those decimation is
+    """Blocks' ``mem`` and ``phase`` lines as columns, until they are applied (a kind's
+    before any other record of it, all past PENDING_LINES and at the end): those decimation is
     then sure to drop (the sink's ``sure_to_drop``) are never made records, only counted
     (with what is taken of every ``mem`` record): most of a long run's. A record a block
     applies at once has the steps before it only, so most of its lines were of steps too
@@ -398,7 +401,7 @@ class _Pending:
         self.blocks: list[tuple[Path, int, float, str, list[tuple[Layout, pl.DataFrame]]]] = []
         self.lines = 0
 
-    def add(self, flat: _Flat, kinds: tuple[str, ...]) -> None:
+    def add(self, flat: _Flat, kinds: list[str]) -> None:
         """Take ``kinds``' columns of ``flat`` (a block whose other lines hold none)."""
         for kind in kinds:
             frames = flat.frames.pop(kind, None)
@@ -408,12 +411,17 @@ class _Pending:
         if self.lines > PENDING_LINES:
             self.flush(flat.sink)
 
-    def flush(self, sink: Sink) -> None:
-        """Apply every line held, in order, but those sure to be dropped."""
+    def flush(self, sink: Sink, kinds: Iterable[str] = _DEFERRED) -> None:
+        """Apply every line held of ``kinds``, in order, but those sure to be dropped."""
         import polars as pl
 
-        rules = {kind: sink.sure_to_drop(kind) for kind in _DEFERRED}
+        rules = {kind: sink.sure_to_drop(kind) for kind in kinds}
+        if not rules:
+            return
+        held = [block for block in self.blocks if block[3] not in rules]
         for path, before, latest, kind, frames in self.blocks:
+            if kind not in rules:
+                continue
             rule = rules[kind]
             if rule is not None:
                 kept = []
@@ -432,7 +440,8 @@ class _Pending:
             positions, recs = _made(kind, frames)
             if recs:
                 sink.extend(path, before + positions[0] + 1, kind, recs, latest)
-        self.blocks, self.lines = [], 0
+        self.blocks = held
+        self.lines = sum(frame.height for *_, frames in held for _, frame in frames)
 
 
 def _flat_columns(raw: pl.Series, kind: str, layout: Layout) -> pl.DataFrame | None:

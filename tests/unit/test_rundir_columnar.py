@@ -293,7 +293,8 @@ def test_generated_streams_read_the_same_both_ways(
 def _long_streams(draw: st.DrawFn) -> list[str]:
     """Steps with their ``step``, ``phase`` and ``mem`` lines in the probes' layouts
     (values that tie, peak anywhere or are null; step numbers that repeat, skip and go
-    back), now and then a ``mem`` record read as JSON (an extra field, a NaN), a call."""
+    back), now and then a ``mem`` record read as JSON (an extra field, a NaN, CUDA
+    figures), a call."""
     out = [_line({**START, "t": T0})]
     out.append(_line({"gid": 0, "name": "0", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}))
     t, step, seq = T0 + 1, 0, 0
@@ -307,9 +308,11 @@ def _long_streams(draw: st.DrawFn) -> list[str]:
         for _ in range(draw(st.integers(0, 3))):
             mem: dict[str, Any] = {"src": "step", "step": draw(st.sampled_from([step, step, step + 1, step - 2]))}
             mem["rss"] = draw(st.sampled_from([None, 0, 5, 7, 7, 1 << 40]))
-            heap = draw(st.sampled_from([None, 3, 3, 9, 1 << 33, "nan", "extra"]))
+            heap = draw(st.sampled_from([None, 3, 3, 9, 1 << 33, "nan", "extra", "cuda"]))
             if heap == "nan":
                 mem["heap"] = math.nan
+            elif heap == "cuda":  # a CUDA rank's (read as JSON)
+                mem["cuda"] = {"alloc": draw(st.sampled_from([1, 9])), "max_alloc": draw(st.sampled_from([2, 9, 12]))}
             elif heap is not None:
                 mem["heap"] = 4 if heap == "extra" else heap
             out.append(_line({**mem, "k": "mem", "t": t, **({"x": 1} if heap == "extra" else {})}))
