@@ -24,7 +24,7 @@ from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
 from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.reader import RunData, no_cycle_collection
 
 
 def _missing(bundle: EvidenceBundle) -> list[str]:
@@ -134,7 +134,16 @@ def build_report_data(
     """The report as plain data (see the module docstring). ``summary``: the run's
     :func:`build_summary`, when the caller has it already; ``per_step``: the per-step series
     the step, loss, collective-wait and memory charts draw, when the caller has them
-    already (e.g. from compact per-rank summaries), else read from the run."""
+    already (e.g. from compact per-rank summaries), else read from the run. Built with the
+    cyclic garbage collector off (:func:`~lorascope.rundir.reader.no_cycle_collection`:
+    1,024 ranks x 300 steps, 5.0 -> 2.9 s)."""
+    with no_cycle_collection():
+        return _report_data(bundle, findings, summary, per_step)
+
+
+def _report_data(
+    bundle: EvidenceBundle, findings: list[Finding], summary: dict[str, Any] | None, per_step: PerStep | None
+) -> dict[str, Any]:
     run = bundle.run
     found = [finding_data(f) for f in findings]
     data: dict[str, Any] = {

@@ -318,15 +318,20 @@ def test_a_windows_digest_is_its_calls_in_any_order() -> None:
         assert {k: v for k, v in changed.items() if k != index} == {k: v for k, v in whole.items() if k != index}
 
 
-def test_the_cycle_collector_is_off_while_ranks_are_taken_in_and_detected_and_back_after(
+def test_the_cycle_collector_is_off_while_ranks_are_taken_in_detected_and_reported_and_back_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import gc
 
     import lorascope.analysis
+    import lorascope.report.data
 
     seen: list[tuple[str, bool]] = []
-    for owner, name in ((reader, "_align"), (lorascope.analysis, "run_detectors")):
+    for owner, name in (
+        (reader, "_align"),
+        (lorascope.analysis, "run_detectors"),
+        (lorascope.report.data, "_report_data"),
+    ):
         real = getattr(owner, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
@@ -335,8 +340,9 @@ def test_the_cycle_collector_is_off_while_ranks_are_taken_in_and_detected_and_ba
 
         monkeypatch.setattr(owner, name, spy)
     assert gc.isenabled()
-    analyze(FIXTURES / "healthy")
-    assert seen == [("_align", False), ("run_detectors", False)] and gc.isenabled()
+    analysis = analyze(FIXTURES / "healthy")
+    build_report_data(analysis.bundle, analysis.findings, analysis.summary)
+    assert seen == [("_align", False), ("run_detectors", False), ("_report_data", False)] and gc.isenabled()
     gc.disable()
     try:
         analyze(FIXTURES / "healthy")
