@@ -45,7 +45,6 @@ from lorascope.rundir import limits
 from lorascope.rundir.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Layout, Shapes, flat_line
 from lorascope.rundir.reduce import (
     HEAD_CALLS,
-    MASK,
     MAX_REORDER,
     MIX_A,
     MIX_B,
@@ -893,12 +892,9 @@ class ColumnarLog:
             recent.setdefault(w, set()).add(seq)
         for w in [w for w in recent if w < newest - 1]:
             del recent[w]
-        digests = self.tallies[group].digests
+        tally = self.tallies[group]
         for w, op_size, full in _window_sums(rows).iter_rows():
-            held = digests.get(w)
-            if held is not None:
-                op_size, full = (held[0] + op_size) & MASK, (held[1] + full) & MASK
-            digests[w] = (op_size, full)
+            tally.add_to_digest(w, op_size, full)
 
     def _keep(self, group: str, rows: pl.DataFrame) -> list[pl.DataFrame]:
         """Counted, and kept as CollectiveLog keeps them: the first HEAD_CALLS of the group,

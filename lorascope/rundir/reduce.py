@@ -111,6 +111,13 @@ class GroupTally:
     head_last: int = 0
     tail_first: int | None = None
 
+    def add_to_digest(self, window: int, op_size: int, full: int) -> None:
+        """Calls' :func:`call_hashes` (or their sums) added to a window's digest."""
+        held = self.digests.get(window)
+        if held is not None:
+            op_size, full = (held[0] + op_size) & MASK, (held[1] + full) & MASK
+        self.digests[window] = (op_size, full)
+
     def holds(self, lo: int, hi: int) -> bool:
         """Whether every call of this rank with a sequence number in lo..hi is kept."""
         if self.first_seq is None or self.tail_first is None:
@@ -194,13 +201,8 @@ class CollectiveLog:
         return any(lo <= coll.seq <= hi for lo, hi in self.windows.get(coll.group, ()))
 
     def _hash(self, coll: Collective) -> None:
-        digests = self.tallies[coll.group].digests
-        index = (coll.seq - 1) // WINDOW
         op_size, full = call_hashes(coll.seq, coll.op, coll.bytes, coll.dtype)
-        held = digests.get(index)
-        if held is not None:
-            op_size, full = (held[0] + op_size) & MASK, (held[1] + full) & MASK
-        digests[index] = (op_size, full)
+        self.tallies[coll.group].add_to_digest((coll.seq - 1) // WINDOW, op_size, full)
 
     def _release(self, everything: bool) -> None:
         """Sum completed calls in the order they started: a call waits while an older one
@@ -483,11 +485,14 @@ class StepKeeper:
         ``low < s < high`` (no lower bound if low is None) and ``s % stride != 0`` are
         sure to be dropped by :func:`decimate` unless they hold a peak (``mem``, ``logits``);
         None if none is yet, or ``kind`` is no longer dropped from (a NaN was seen)."""
+        return None if self._nan.get(kind) else self._bounds(data)
+
+    def _bounds(self, data: Any) -> tuple[int | None, int, int] | None:
+        """:meth:`sure_to_drop`'s (low, high, stride) from the step records so far, peaks
+        and NaNs aside (None: no step is yet sure to be dropped)."""
         for rec in data.steps[self._taken :]:
             self._number(rec["step"])
         self._taken = len(data.steps)
-        if self._nan.get(kind):
-            return None
         stride = next((1 << k for k, n in enumerate(self._multiples) if n <= self.room), 1)
         numbers, edge = self.numbers, self.edge
         if stride == 1 or len(numbers) <= 2 * edge:
@@ -496,7 +501,7 @@ class StepKeeper:
 
     def prune(self, data: Any) -> None:
         """Drop the records of ``data`` that :func:`decimate` is sure to drop."""
-        rule = self.sure_to_drop(data, "phase")
+        rule = self._bounds(data)
         if rule is None:
             return
         low, high, stride = rule
