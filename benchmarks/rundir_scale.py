@@ -12,13 +12,17 @@ the run ends in a rank-conditional hang. Planted on top:
 * rank ``RANKS // 2 + 1`` computes twice as long every step, the others wait for it in
   their first synchronous collective (straggler).
 
-Prints per size: what was written, wall time and peak memory (RSS of the command and its
-worker processes together, sampled every 50 ms) of `lorascope analyze --json` and
-`lorascope report`, the bytes read per second and per core, and whether each planting
-was named (rank0-asymmetry on rank 0, straggler on its rank, rank-conditional-hang).
+Prints per size: what was written, wall time and peak memory of `lorascope analyze
+--json` and `lorascope report` (the command and its worker processes together: summed RSS,
+and summed PSS, what the machine needs, the code the workers share counted once), the
+bytes read per second and per core, and whether each planting was named (rank0-asymmetry
+on rank 0, straggler on its rank, rank-conditional-hang).
 
     python benchmarks/rundir_scale.py [--ranks 64,256,1024] [--steps 10000] [--dir /tmp/rundir-scale] [--keep]
-        [--cluster ADDRESS | --local-cluster N]
+        [--workers N] [--cluster ADDRESS | --local-cluster N]
+
+``--workers N`` passes `lorascope --workers N`: the memory of N workers can be measured on
+fewer cores (slower, the same memory: each worker holds what its stream needs).
 
 ``--cluster ADDRESS`` reads the streams on that Dask cluster (`--cluster` of the commands;
 its workers' CPU is not counted, they are not this machine's); ``--local-cluster N`` starts
@@ -32,6 +36,7 @@ a rank-step is ~9 KB (format v2), so 64 x 10,000 writes ~6 GB.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -217,11 +222,26 @@ def _cpu(procs: Sequence[psutil.Process]) -> float:
     return total
 
 
-def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -> tuple[float, float, float, int, str]:
+def _memory(tree: Sequence[psutil.Process], proportional: bool) -> int:
+    """Summed RSS of ``tree``, or summed PSS (proportional: a page shared by n processes,
+    as the workers share polars' and Python's code, counts 1/n in each)."""
+    total = 0
+    for p in tree:
+        try:
+            total += p.memory_full_info().pss if proportional else p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(
+    cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()
+) -> tuple[float, float, float, tuple[int, int], str]:
     """Wall seconds, CPU seconds of the command and its worker processes, CPU seconds of
-    the processes of a local Dask cluster (``workers``), peak RSS of the command's process
-    tree (bytes), stdout. On a shared machine the wall time moves with the load; the CPU
-    time does not."""
+    the processes of a local Dask cluster (``workers``), peak summed RSS and peak summed
+    PSS of the command's process tree (bytes: RSS sampled every 50 ms, PSS every 200 ms),
+    stdout. On a shared machine the wall time moves with the load; the CPU time does not.
+    The machine needs the PSS: summed RSS counts the code the workers share once a worker."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     cluster_cpu = _cpu(workers)
     cwd = tempfile.gettempdir()  # `python -m` puts the working directory first on sys.path
@@ -230,19 +250,23 @@ def measure(cmd: list[str], src: Path, workers: Sequence[psutil.Process] = ()) -
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
         root = psutil.Process(proc.pid)
-        peak = 0
-        while proc.poll() is None:
+        rss = pss = 0
+        for sample in itertools.count():
+            if proc.poll() is not None:
+                break
             try:
                 tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
             except psutil.Error:
-                pass
+                continue
+            rss = max(rss, _memory(tree, False))
+            if sample % 4 == 0:
+                pss = max(pss, _memory(tree, True))
             time.sleep(0.05)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         stdout.seek(0)
-        return wall, cpu, _cpu(workers) - cluster_cpu, peak, stdout.read().decode()
+        return wall, cpu, _cpu(workers) - cluster_cpu, (rss, pss), stdout.read().decode()
 
 
 def named(findings: list[dict[str, Any]], straggler: int) -> dict[str, bool]:
@@ -265,6 +289,7 @@ def main() -> int:
     parser.add_argument("--src", type=Path, default=REPO, help="the lorascope source tree to measure (PYTHONPATH)")
     parser.add_argument("--no-write", action="store_true", help="measure run directories --keep left")
     parser.add_argument("--no-report", action="store_true", help="measure `lorascope analyze` only")
+    parser.add_argument("--workers", type=int, help="`lorascope --workers N`: N reading workers (default one per core)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cluster", metavar="ADDRESS", help="read on this Dask cluster (its workers' CPU not counted)")
     where.add_argument("--local-cluster", type=int, metavar="N", help="start a Dask cluster of N worker processes here")
@@ -293,7 +318,7 @@ def main() -> int:
             write_run(out, ranks, args.steps)
         wrote = time.perf_counter() - start
         size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl"))
-        lorascope = [sys.executable, "-m", "lorascope"]
+        lorascope = [sys.executable, "-m", "lorascope", *(["--workers", str(args.workers)] if args.workers else [])]
         a_wall, a_here, a_dask, a_peak, text = measure(
             [*lorascope, "analyze", "--json", str(out), *extra], args.src, workers
         )
@@ -302,20 +327,24 @@ def main() -> int:
         html = out.parent / f"{out.name}.html"
         report = [*lorascope, "report", str(out), "-o", str(html), *extra]
         r_wall, r_here, r_dask, r_peak, _ = (
-            (0.0, 0.0, 0.0, 0, "") if args.no_report else measure(report, args.src, workers)
+            (0.0, 0.0, 0.0, (0, 0), "") if args.no_report else measure(report, args.src, workers)
         )
         r_cpu = r_here + r_dask
         split = "(here {:.1f}, Dask workers {:.1f}) ".format
+
+        def peak(rss_pss: tuple[int, int]) -> str:
+            return "RSS {:.2f} GiB, PSS {:.2f} GiB".format(*(n / 2**30 for n in rss_pss))
+
         page = html.stat().st_size if html.exists() else 0
         html.unlink(missing_ok=True)
         mb = size / 1e6
         print(
             f"{ranks} ranks x {args.steps} steps: {mb:,.0f} MB of streams (written in {wrote:.0f} s)\n"
             f"  analyze: {a_wall:.1f} s wall, {a_cpu:.1f} s CPU {split(a_here, a_dask) if local else ''}"
-            f"peak {a_peak / 2**30:.2f} GiB; "
+            f"peak {peak(a_peak)}; "
             f"{mb / a_wall:.1f} MB/s, {mb / a_cpu:.1f} MB per CPU-second\n"
             f"  report:  {r_wall:.1f} s wall, {r_cpu:.1f} s CPU {split(r_here, r_dask) if local else ''}"
-            f"peak {r_peak / 2**30:.2f} GiB, page {page / 1e6:.1f} MB\n"
+            f"peak {peak(r_peak)}, page {page / 1e6:.1f} MB\n"
             f"  named: {named(findings, ranks // 2 + 1)}; findings: {[(f['id'], f['ranks'][:4]) for f in findings]}",
             flush=True,
         )

@@ -15,7 +15,7 @@ import click
 from lorascope import __version__
 from lorascope.cli import analyze, export, hang, plan, report, run
 from lorascope.errors import LorascopeError
-from lorascope.rundir import limits
+from lorascope.rundir import limits, workers
 from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
@@ -66,10 +66,22 @@ def _limit(name: str, help_text: str) -> click.Option:
 )
 @click.version_option(__version__, prog_name="lorascope")
 @click.option("--debug", is_flag=True, envvar="LORASCOPE_DEBUG", help="On an error, show the traceback too.")
-def cli(debug: bool, **sizes: int | None) -> None:
+@click.option(
+    "--workers",
+    "reading_workers",
+    type=click.IntRange(min=1),
+    metavar="N",
+    envvar="LORASCOPE_WORKERS",
+    default=None,
+    help="Worker processes that read a run directory's rank streams at once (default: one per core; "
+    "env LORASCOPE_WORKERS). Each holds ~100-180 MB on long streams: fewer use less memory, "
+    "take longer, and read the same.",
+)
+def cli(debug: bool, reading_workers: int | None, **sizes: int | None) -> None:
     """Diagnose distributed LoRA fine-tuning: probe a run, analyse what went wrong."""
     global _debug
     _debug = debug
+    workers.configure(reading_workers)
     limits.configure(**{name: sizes[flag.lstrip("-").replace("-", "_")] for name, flag in limits.FLAGS.items()})
 
 

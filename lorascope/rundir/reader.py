@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
-from lorascope.rundir import columnar, limits
+from lorascope.rundir import columnar, limits, workers
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.cluster import Cluster
@@ -756,7 +755,7 @@ def _read_all(
     if parallel and cluster is None:
         # Workers that will read a stream column-wise import polars once, at their start.
         pool = ProcessPoolExecutor(
-            max_workers=min(len(jobs), os.cpu_count() or 1), initializer=columnar.available if _big(jobs) else None
+            max_workers=workers.for_jobs(len(jobs)), initializer=columnar.available if _big(jobs) else None
         )
     try:
         if cluster is not None:
@@ -830,7 +829,7 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
         for segs in procs.values():
             warnings.append(len(jobs))  # where this stream's reading warnings go
             jobs.append((rank, segs, budget, None))
-    parallel = len(jobs) > 1 and (os.cpu_count() or 1) > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
+    parallel = len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
     if cluster is not None and jobs:
         cluster.prepare(run_dir, _big(jobs))
     with no_cycle_collection():

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,7 @@ from lorascope.analysis import analyze
 from lorascope.detect.common import peak_memory
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.report.data import build_report_data
-from lorascope.rundir import align, reader, reduce
+from lorascope.rundir import align, reader, reduce, workers
 from lorascope.rundir.reader import load_run
 from tests.helpers import FIXTURES
 
@@ -83,19 +88,64 @@ def test_a_divergence_mid_run_is_found_by_its_window(tmp_path: Path, monkeypatch
     assert outcome(tmp_path / "run") == expected
 
 
-def test_the_worker_pool_reads_what_one_process_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    serial = outcome(FIXTURES / "rank-conditional-hang")
+@pytest.fixture
+def pools(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Every stream read in a pool however small the run; the sizes of the pools started.
+    The configured number of workers is reset after."""
+    sizes: list[int] = []
+
+    class Recorded(ProcessPoolExecutor):
+        def __init__(self, max_workers: int, **kwargs: Any) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers, **kwargs)
+
     monkeypatch.setattr(reader, "POOL_MIN_BYTES", 0)
-    monkeypatch.setattr(reader.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(reader, "ProcessPoolExecutor", Recorded)
+    yield sizes
+    workers.configure(None)
+
+
+def test_the_worker_pool_reads_what_one_process_reads(pools: list[int]) -> None:
+    serial = outcome(FIXTURES / "rank-conditional-hang")
+    workers.configure(2)
     assert outcome(FIXTURES / "rank-conditional-hang") == serial
+    assert pools == [2, 2]  # one to read the streams, one to read the divergence windows again
 
 
-def test_a_bad_stream_in_a_worker_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_configured_workers_are_the_pools_size(pools: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lorascope --workers N`: at most N workers, one per stream at most, none for 1."""
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 1)
+    load_run(FIXTURES / "healthy")
+    assert pools == []  # one core: read in the calling process
+    workers.configure(8)
+    load_run(FIXTURES / "healthy")
+    assert pools == [2]  # asked for: on one core too; two streams, two workers
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 8)
+    workers.configure(1)
+    load_run(FIXTURES / "healthy")
+    assert pools == [2]
+    with pytest.raises(ValueError, match="at least 1"):
+        workers.configure(0)
+
+
+def test_the_workers_flag_and_its_variable() -> None:
+    def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "lorascope", *args], capture_output=True, text=True, timeout=120, env=env
+        )
+
+    default = cli("analyze", "--json", str(FIXTURES / "rank-conditional-hang"))
+    one = cli("--workers", "1", "analyze", "--json", str(FIXTURES / "rank-conditional-hang"))
+    assert default.returncode == one.returncode == 0 and one.stdout == default.stdout
+    bad = cli("analyze", str(FIXTURES / "healthy"), env={**os.environ, "LORASCOPE_WORKERS": "0"})
+    assert bad.returncode == 2 and "Invalid value for '--workers'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_bad_stream_in_a_worker_is_one_line(tmp_path: Path, pools: list[int]) -> None:
     shutil.copytree(FIXTURES / "healthy", tmp_path / "run")
     [stream] = (tmp_path / "run" / "ranks" / "rank-1").glob("*.jsonl")
     stream.write_text("not json\n" + stream.read_text())
-    monkeypatch.setattr(reader, "POOL_MIN_BYTES", 0)
-    monkeypatch.setattr(reader.os, "cpu_count", lambda: 2)
+    workers.configure(2)
     with pytest.raises(reader.BadInputError, match=r"rank-1/.*:1: not a JSON record"):
         load_run(tmp_path / "run")
 
