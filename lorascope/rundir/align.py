@@ -12,6 +12,8 @@ reads as a call the other never made.
 
 from __future__ import annotations
 
+import bisect
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,13 +24,45 @@ Windows = dict[str, list[tuple[int, int]]]
 
 
 def _first_differing(tallies: Mapping[int, GroupTally], aspect: int) -> int | None:
-    """The first window index whose digests differ among the ranks that completed it."""
-    indexes = sorted({i for t in tallies.values() for i in t.digests})
-    for index in indexes:
-        done = [t for t in tallies.values() if t.last_seq >= (index + 1) * WINDOW]
-        if len({(d[aspect] if (d := t.digests.get(index)) else None) for t in done}) > 1:
-            return index
-    return None
+    """The first window index whose digests differ among the ranks that completed it.
+
+    A rank completed window i when its last sequence number is at least (i + 1) x WINDOW;
+    the rank with the highest one completed every window any rank did, so the windows
+    differ among them exactly where some rank's differ from its: each rank is compared
+    with it, up to the windows the rank completed, as arrays (:class:`Digests`)."""
+    if not tallies:
+        return None
+    ref = max(tallies.values(), key=lambda t: t.last_seq)
+    ref_index, *ref_digests = ref.digests.columns()
+    first = None
+    for tally in tallies.values():
+        if tally is ref:
+            continue
+        index, *digests = tally.digests.columns()
+        found = _first_mismatch((index, digests[aspect]), (ref_index, ref_digests[aspect]), tally.last_seq // WINDOW)
+        if found is not None and (first is None or found < first):
+            first = found
+    return first
+
+
+def _first_mismatch(a: tuple[array[int], array[int]], b: tuple[array[int], array[int]], limit: int) -> int | None:
+    """The first window index below ``limit`` that (index, digest) arrays ``a`` and ``b``
+    do not hold alike (one holds it and the other not, or their digests differ)."""
+    n_a, n_b = bisect.bisect_left(a[0], limit), bisect.bisect_left(b[0], limit)
+
+    def alike(start: int, stop: int) -> bool:  # slices compared in C
+        return a[0][start:stop] == b[0][start:stop] and a[1][start:stop] == b[1][start:stop]
+
+    lo, hi = 0, min(n_a, n_b)
+    if alike(lo, hi):
+        return None if n_a == n_b else (a if n_a > n_b else b)[0][hi]
+    while hi - lo > 1:  # alike up to lo, not up to hi
+        mid = (lo + hi) // 2
+        if alike(lo, mid):
+            lo = mid
+        else:
+            hi = mid
+    return min(a[0][lo], b[0][lo])
 
 
 def group_windows(tallies: Mapping[int, GroupTally]) -> list[tuple[int, int]]:

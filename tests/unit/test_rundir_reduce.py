@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -366,6 +367,63 @@ def test_a_windows_digest_is_its_calls_in_any_order() -> None:
         index = (change[0] - 1) // w
         assert {a for a in (0, 1) if changed[index][a] != whole[index][a]} == aspects, change
         assert {k: v for k, v in changed.items() if k != index} == {k: v for k, v in whole.items() if k != index}
+
+
+def _first_differing_by_definition(tallies: dict[int, reduce.GroupTally], aspect: int) -> int | None:
+    """align._first_differing as it was written first: window by window, every rank."""
+    for index in sorted({i for t in tallies.values() for i in t.digests}):
+        done = [t for t in tallies.values() if t.last_seq >= (index + 1) * reduce.WINDOW]
+        if len({(d[aspect] if (d := t.digests.get(index)) else None) for t in done}) > 1:
+            return index
+    return None
+
+
+_DIGEST = st.tuples(st.integers(0, 2), st.sampled_from([0, 1, 2**64 - 1]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    base=st.dictionaries(st.integers(-2, 14), _DIGEST, max_size=14),
+    ranks=st.lists(
+        st.tuples(
+            st.integers(0, 16 * reduce.WINDOW),  # last sequence number
+            st.sets(st.integers(-2, 14), max_size=3),  # windows it does not hold
+            st.dictionaries(st.integers(-2, 16), _DIGEST, max_size=3),  # and holds otherwise
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_the_first_differing_window_is_the_one_defined(
+    base: dict[int, tuple[int, int]], ranks: list[tuple[int, set[int], dict[int, tuple[int, int]]]]
+) -> None:
+    """Each rank's digests compared as arrays with the furthest rank's find the window
+    comparing every rank's, window by window, finds; so does a pickled copy."""
+    tallies = {}
+    for n, (last, missing, changed) in enumerate(ranks):
+        tally = tallies[n] = reduce.GroupTally(last_seq=last)
+        for window, (op_size, full) in ({**base, **changed}).items():
+            if window not in missing:
+                tally.add_to_digest(window, op_size, full)
+    copies = {n: pickle.loads(pickle.dumps(t)) for n, t in tallies.items()}
+    for aspect in (0, 1):
+        expected = _first_differing_by_definition(tallies, aspect)
+        assert align._first_differing(tallies, aspect) == align._first_differing(copies, aspect) == expected
+
+
+def test_digests_are_held_as_arrays_and_added_to_again() -> None:
+    tally = reduce.GroupTally()
+    for window in range(1000, 0, -1):
+        tally.add_to_digest(window, window, 2**64 - window)
+    index, op_size, full = tally.digests.columns()
+    assert list(index) == list(range(1, 1001)) and op_size[0] == 1 and full[-1] == 2**64 - 1000
+    held = sum(sys.getsizeof(a) for a in (index, op_size, full))
+    assert held < 25 * 1000 + 300, held  # a dict of tuples held ~230 bytes a window
+    copy = pickle.loads(pickle.dumps(tally))
+    assert copy == tally and len(pickle.dumps(tally.digests)) < 25 * 1000 + 300
+    copy.add_to_digest(1, 2**64 - 1, 1)  # read on after it was held: open again
+    assert copy.digests[1] == (0, 0) and copy.digests[2] == tally.digests[2] and copy != tally
+    assert dict(copy.digests) == {**dict(tally.digests), 1: (0, 0)}
 
 
 def test_the_cycle_collector_is_off_while_ranks_are_taken_in_detected_and_reported_and_back_after(
