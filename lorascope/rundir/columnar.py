@@ -101,9 +101,9 @@ class Sink(Protocol):
         """Which records of ``kind`` decimation is sure to drop unless they hold a peak
         (:meth:`~lorascope.rundir.reduce.StepKeeper.sure_to_drop`); None: none."""
 
-    def dropped(self, path: Path, number: int, kind: str, count: int, rss: dict[int, int], last: float) -> None:
-        """``count`` records of ``kind`` that were not made (``sure_to_drop``): of ``mem``
-        records, the highest RSS per step; ``last``, a time no earlier than theirs."""
+    def dropped(self, path: Path, number: int, kind: str, count: int, last: float) -> None:
+        """``count`` records of ``kind`` that were not made (``sure_to_drop``); ``last``, a
+        time no earlier than theirs."""
 
     def check(self, path: Path, number: int, rec: Any) -> None:
         """Validate a collective record read as JSON, which is not applied (the log
@@ -388,9 +388,8 @@ PENDING_LINES = 1 << 16
 class _Pending:
     """Blocks' ``mem`` and ``phase`` lines as columns, until they are applied (a kind's
     before any other record of it, all past PENDING_LINES and at the end): those decimation is
-    then sure to drop (the sink's ``sure_to_drop``) are never made records, only counted
-    (with what is taken of every ``mem`` record): most of a long run's. A record a block
-    applies at once has the steps before it only, so most of its lines were of steps too
+    then sure to drop (the sink's ``sure_to_drop``) are never made records, only counted:
+    most of a long run's. A record a block applies at once has the steps before it only, so most of its lines were of steps too
     recent to be sure of. Kept, whatever their step: a record that may hold a peak (the
     first highest value of a field in its block: one before it holds as much otherwise)
     and the ``backward`` phase edges (the time outside backward is taken from all)."""
@@ -412,8 +411,6 @@ class _Pending:
 
     def flush(self, sink: Sink, kinds: Iterable[str] = _DEFERRED) -> None:
         """Apply every line held of ``kinds``, in order, but those sure to be dropped."""
-        import polars as pl
-
         rules = {kind: sink.sure_to_drop(kind) for kind in kinds}
         if not rules:
             return
@@ -428,13 +425,8 @@ class _Pending:
                     gone = _sure_to_drop(kind, layout, rule)
                     out = frame.filter(gone)
                     kept.append((layout, frame.filter(~gone)))
-                    if not out.height:
-                        continue
-                    rss = {}
-                    if kind == "mem":
-                        by_step = out.filter(pl.col("rss").is_not_null()).group_by("step").agg(pl.col("rss").max())
-                        rss = dict(by_step.iter_rows())
-                    sink.dropped(path, before + int(out["pos"][0]) + 1, kind, out.height, rss, latest)
+                    if out.height:
+                        sink.dropped(path, before + int(out["pos"][0]) + 1, kind, out.height, latest)
                 frames = kept
             positions, recs = _made(kind, frames)
             if recs:

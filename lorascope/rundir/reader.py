@@ -28,7 +28,6 @@ from lorascope.rundir.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
     GroupTally,
-    MemTally,
     StepKeeper,
     backward_spans,
     decimate,
@@ -136,7 +135,7 @@ class RankData:
     #: computed over everything read: per group, the calls counted (:class:`GroupTally`);
     #: per step, the time in synchronous collectives (key: step + 1, the step record's
     #: number); per op, (total seconds, completed calls); ``totals``: counts per kind,
-    #: median step time, last loss, per-step series.
+    #: median step time, last loss.
     tallies: dict[str, GroupTally] = field(default_factory=dict)
     coll_wait: dict[int, float] = field(default_factory=dict)
     #: The same, of the calls that started outside the step's backward phases.
@@ -152,13 +151,6 @@ class RankData:
     @property
     def collectives_total(self) -> int:
         return sum(t.calls for t in self.tallies.values())
-
-    def series(self, name: str) -> list[tuple[int, float]]:
-        """A per-step series over the whole run, bounded (``step_time_s``,
-        ``peak_memory_bytes``): (step, value) pairs, the max over consecutive steps where
-        the run has more steps than points."""
-        steps, values = self.totals["series"][name]
-        return list(zip(steps, values, strict=True))
 
     @property
     def host(self) -> str:
@@ -419,11 +411,11 @@ class _Stream:
     def sure_to_drop(self, kind: str) -> tuple[int | None, int, int] | None:
         return None if self.data is None else self.keeper.sure_to_drop(self.data, kind)
 
-    def dropped(self, path: Path, number: int, kind: str, count: int, rss: dict[int, int], last: float) -> None:
+    def dropped(self, path: Path, number: int, kind: str, count: int, last: float) -> None:
         data = self._started(path, number)
         data.last_time = max(data.last_time, last)
         if kind == "mem":
-            self.keeper.mem.add_maxima(count, rss)
+            self.keeper.mem += count
 
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
@@ -555,7 +547,7 @@ def recount(data: RankData) -> RankData:
     data.collectives = log.finish()
     data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
     data.coll_wait_outside_backward = log.outside_backward(backward_spans(data.phases))
-    data.totals = totals(data, MemTally(data.mem))
+    data.totals = totals(data, len(data.mem))
     return data
 
 

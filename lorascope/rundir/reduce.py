@@ -18,8 +18,7 @@ report use, and counts the rest while it streams past:
   first and the last steps, and of every ``stride``-th step between, within a budget of
   steps per rank (:func:`decimate`); the records that hold a peak are always kept, and
   those it is sure to drop are dropped while the stream is read (:class:`StepKeeper`);
-* counts of every listed kind, the median step time and the last loss over all steps, and
-  per-step series (step time, peak memory) bounded to :data:`SERIES_POINTS` points.
+* counts of every listed kind, the median step time and the last loss over all steps.
 
 A stream within the bounds is kept whole: the reduction changes nothing for it.
 """
@@ -57,8 +56,6 @@ STEP_BUDGET = 1 << 17
 MIN_STEPS_KEPT = 64
 #: Warnings kept per rank (all are counted).
 KEEP_WARNINGS = 200
-#: Points per per-step series, at most (beyond, the max over consecutive steps).
-SERIES_POINTS = 4096
 
 
 def steps_per_rank(ranks: int) -> int:
@@ -433,76 +430,19 @@ def share_strings(data: Any) -> None:
                     rec[key] = strings.setdefault(value, value)
 
 
-def _bounded(points: list[tuple[int, float]]) -> tuple[array[int], array[float]]:
-    """At most SERIES_POINTS points: beyond, the max over runs of consecutive steps."""
-    size = max(1, -(-len(points) // SERIES_POINTS))
-    steps: array[int] = array("q")
-    values: array[float] = array("d")
-    for i in range(0, len(points), size):
-        chunk = points[i : i + size]
-        steps.append(chunk[0][0])
-        values.append(max(v for _, v in chunk))
-    return steps, values
-
-
-def totals(data: Any, mem: MemTally) -> dict[str, Any]:
-    """What is computed over every step-keyed record before any is dropped: counts, the
-    median step time, the last loss, and the per-step series (``data.steps``: every step
-    record; ``mem``: every mem record, tallied)."""
+def totals(data: Any, mem: int) -> dict[str, Any]:
+    """What is computed over every step-keyed record before any is dropped (``data.steps``:
+    every step record; ``mem``: how many mem records were read): counts, the median step
+    time, the last loss."""
     durations = [s["dur"] for s in data.steps if s["dur"] > 0]
     losses = [s["loss"] for s in data.steps if s.get("loss") is not None]
-    peak = mem.peaks()
     return {
         "steps": len(data.steps),
-        "mem": mem.count,
+        "mem": mem,
         "warnings": len(data.warnings),
         "step_time_median_s": statistics.median(durations) if durations else None,
         "last_loss": losses[-1] if losses else None,
-        "series": {
-            "step_time_s": _bounded([(s["step"], float(s["dur"])) for s in data.steps]),
-            "peak_memory_bytes": _bounded(sorted(peak.items())),
-        },
     }
-
-
-class MemTally:
-    """What :func:`totals` needs of every ``mem`` record, taken as they are read: how many,
-    and per step the highest CUDA max-allocated (where a record has it) or RSS, used if
-    any record has CUDA figures, and the highest RSS, used otherwise."""
-
-    def __init__(self, mem: Iterable[dict[str, Any]] = ()) -> None:
-        self.count = 0
-        self.cuda = False
-        self._by_cuda: dict[int, Any] = {}
-        self._by_rss: dict[int, Any] = {}
-        self.add(mem)
-
-    def add(self, mem: Iterable[dict[str, Any]]) -> None:
-        for m in mem:
-            self.count += 1
-            rss, cuda, step = m.get("rss"), m.get("cuda"), m.get("step")
-            value = rss
-            if isinstance(cuda, dict):
-                self.cuda = True
-                value = cuda.get("max_alloc")
-            if not isinstance(step, int):
-                continue
-            if isinstance(value, int | float):
-                self._by_cuda[step] = max(self._by_cuda.get(step, value), value)
-            if isinstance(rss, int | float):
-                self._by_rss[step] = max(self._by_rss.get(step, rss), rss)
-
-    def add_maxima(self, count: int, rss: dict[int, int]) -> None:
-        """``count`` records without CUDA figures, of which the highest RSS per step is
-        ``rss`` (what :meth:`add` takes of them)."""
-        self.count += count
-        for step, value in rss.items():
-            self._by_cuda[step] = max(self._by_cuda.get(step, value), value)
-            self._by_rss[step] = max(self._by_rss.get(step, value), value)
-
-    def peaks(self) -> dict[int, Any]:
-        """Step -> its highest memory figure."""
-        return self._by_cuda if self.cuda else self._by_rss
 
 
 #: Step-keyed records a reader holds before it first drops those that decimation would
@@ -512,7 +452,7 @@ PRUNE_RECORDS = 1 << 15
 
 class StepKeeper:
     """A rank's step-keyed records as they are read: it takes what is computed over all of
-    them (:class:`MemTally`, :class:`BackwardSpans`) and, every so often, drops the
+    them (the count of ``mem`` records, :class:`BackwardSpans`) and, every so often, drops the
     ``mem``, ``phase`` and ``logits`` records that :func:`decimate` is sure to drop at the
     end, so that a reader holds about its budget's records, not every step's (the step
     records themselves, ~0.4 KB a step, are kept whole: a later ``loss`` record may change
@@ -531,7 +471,8 @@ class StepKeeper:
     def __init__(self, budget: int) -> None:
         self.edge = budget // 4
         self.room = budget - 2 * self.edge
-        self.mem = MemTally()
+        #: How many mem records were read (:func:`totals`), made or not.
+        self.mem = 0
         self.spans = BackwardSpans()
         #: The distinct step numbers of the step records so far, sorted (a SortedList: a
         #: list's insert moved every later number, so a stream whose step numbers go down
@@ -547,7 +488,7 @@ class StepKeeper:
     def seen(self, data: Any, kind: str, recs: list[dict[str, Any]]) -> None:
         """Records of a step-keyed kind just added to ``data``'s lists."""
         if kind == "mem":
-            self.mem.add(recs)
+            self.mem += len(recs)
         elif kind == "phase":
             self.spans.add(recs)
         if len(data.mem) + len(data.phases) + len(data.logits) >= self._next:

@@ -161,7 +161,6 @@ def test_step_records_past_the_budget_keep_first_last_strided_and_peaks(monkeypa
         assert len(rank.mem) < len(whole.ranks[n].mem) and len(rank.phases) < len(whole.ranks[n].phases)
         assert peak_memory(rank) == peak_memory(whole.ranks[n])
         assert rank.totals == whole.ranks[n].totals  # counted over every record read
-        assert rank.series("step_time_s") == [(s["step"], float(s["dur"])) for s in whole.ranks[n].steps]
         for sums in ("coll_wait", "coll_wait_outside_backward"):  # per step: of the kept steps, as they were
             kept = {k: v for k, v in getattr(whole.ranks[n], sums).items() if k in steps or k > max(steps)}
             assert getattr(rank, sums) == kept and len(kept) < len(getattr(whole.ranks[n], sums)), sums
@@ -292,17 +291,7 @@ def test_dropping_step_keyed_records_on_the_way_changes_nothing(records: list[di
     a, b = (s.finish(s.log, path, budget) for s in streams)  # type: ignore[arg-type]
     for name in ("mem", "phases", "steps", "logits", "stride", "totals", "coll_wait_outside_backward"):
         assert json.dumps(getattr(a, name), default=str) == json.dumps(getattr(b, name), default=str), name
-    # the memory totals by their definition: every mem record; CUDA max-allocated if any has it
-    cuda = any(isinstance(m.get("cuda"), dict) for m in full_mem)
-    peak: dict[int, Any] = {}
-    for m in full_mem:
-        value = m["cuda"].get("max_alloc") if cuda and isinstance(m.get("cuda"), dict) else m.get("rss")
-        if isinstance(value, int | float) and isinstance(m.get("step"), int):
-            peak[m["step"]] = max(peak.get(m["step"], value), value)
-    assert a.totals["mem"] == len(full_mem)
-    assert json.dumps(a.totals["series"]["peak_memory_bytes"], default=str) == json.dumps(
-        reduce._bounded(sorted(peak.items())), default=str
-    )
+    assert a.totals["mem"] == len(full_mem)  # every mem record counted, made or not
 
 
 def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.MonkeyPatch) -> None:
