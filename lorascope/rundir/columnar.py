@@ -49,10 +49,13 @@ from lorascope.rundir.reduce import (
     MIX_A,
     MIX_B,
     NO_BYTES,
+    SYNC_PRUNE,
     TAIL_CALLS,
     WINDOW,
     GroupTally,
+    Rule,
     name_code,
+    sure_dropped,
 )
 from lorascope.rundir.safe_open import open_regular
 
@@ -97,7 +100,7 @@ class Sink(Protocol):
         order (``number``: the first one's line; ``last``: a time no earlier than theirs,
         of a record of the stream)."""
 
-    def sure_to_drop(self, kind: str) -> tuple[int | None, int, int] | None:
+    def sure_to_drop(self, kind: str) -> Rule | None:
         """Which records of ``kind`` decimation is sure to drop unless they hold a peak
         (:meth:`~lorascope.rundir.reduce.StepKeeper.sure_to_drop`); None: none."""
 
@@ -157,6 +160,7 @@ def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple
         for lines, last in _blocks(path, max_line):
             if lines:
                 _block(log, sink, pending, path, number, lines, deep_lines)
+                log.forget_sync(sink.sure_to_drop)
                 number += len(lines)
                 log.base += len(lines)
             if last:
@@ -479,17 +483,20 @@ def _made(kind: str, frames: list[tuple[Layout, pl.DataFrame]]) -> tuple[list[in
     return [p for p, _ in pairs], [rec for _, rec in pairs]
 
 
-def _sure_to_drop(kind: str, layout: Layout, rule: tuple[int | None, int, int]) -> pl.Expr:
+def _dropped_steps(step: pl.Expr, rule: Rule) -> pl.Expr:
+    """:func:`~lorascope.rundir.reduce.sure_dropped` as an expression (null where the step is)."""
+    low, high, stride = rule
+    gone = (step < high) & (step % stride != 0)
+    return gone if low is None else gone & (step > low)
+
+
+def _sure_to_drop(kind: str, layout: Layout, rule: Rule) -> pl.Expr:
     """Whether a line of the layout's columns need not be made a record: its step is one
     decimation is sure to drop (``rule``: low, high, stride), it holds no field's first
     highest value among the columns, and it is not a backward phase edge."""
     import polars as pl
 
-    low, high, stride = rule
-    step = pl.col("step")
-    gone = (step < high) & (step % stride != 0)
-    if low is not None:
-        gone = gone & (step > low)
+    gone = _dropped_steps(pl.col("step"), rule)
     if kind == "phase":
         gone = gone & (pl.col("name") != "backward")
     for key, value in layout:
@@ -712,6 +719,8 @@ class ColumnarLog:
         #: and those of calls ended in a later block than theirs.
         self._sync_blocks: list[pl.DataFrame] = []
         self._sync: dict[int, list[tuple[float, float]]] = {}
+        self._sync_held = 0
+        self._sync_next = SYNC_PRUNE
         self._calls = 0
         self._binade: int | None = None
         self._took = 0.0
@@ -830,6 +839,7 @@ class ColumnarLog:
         if not is_async:
             self.coll_wait[step + 1] = self.coll_wait.get(step + 1, 0.0) + took
             self._sync.setdefault(step + 1, []).append((start, took))
+            self._sync_held += 1
 
     def _check_time(self, *values: float | None) -> None:
         for value in values:
@@ -974,6 +984,24 @@ class ColumnarLog:
         for step, took in sync.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows():
             self.coll_wait[step] = self.coll_wait.get(step, 0.0) + took
         self._sync_blocks.append(sync)
+        self._sync_held += sync.height
+
+    def forget_sync(self, sure_to_drop: Callable[[str], Rule | None]) -> None:
+        """As :meth:`CollectiveLog.forget_sync`: the synchronous calls' columns of steps
+        decimation is sure to drop, and their steps' sums, forgotten (the rest made one
+        frame)."""
+        import polars as pl
+
+        if self._sync_held < self._sync_next:
+            return
+        rule = sure_to_drop("coll_wait")
+        if rule is not None:
+            gone = _dropped_steps(pl.col("step"), rule).fill_null(False)
+            self._sync_blocks = [pl.concat(self._sync_blocks).filter(~gone)] if self._sync_blocks else []
+            self._sync = {k: v for k, v in self._sync.items() if not sure_dropped(rule, k)}
+            self.coll_wait = {k: v for k, v in self.coll_wait.items() if not sure_dropped(rule, k)}
+            self._sync_held = sum(f.height for f in self._sync_blocks) + sum(map(len, self._sync.values()))
+        self._sync_next = 2 * self._sync_held + SYNC_PRUNE
 
     def finish(self, make: type[Collective]) -> list[Collective]:
         """The kept calls as ``make`` objects, in the order they started."""

@@ -28,6 +28,7 @@ from lorascope.rundir.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
     GroupTally,
+    Rule,
     StepKeeper,
     backward_spans,
     decimate,
@@ -361,6 +362,7 @@ class _Stream:
         data = self._started(path, number)
         assert self.log is not None
         _collective(data, rec, self.pending, self.log)
+        self.log.forget_sync(self.sure_to_drop)
 
     def record(self, path: Path, number: int, rec: Any) -> None:
         """Any other record: validated, then applied."""
@@ -379,6 +381,7 @@ class _Stream:
         elif kind in _COLLECTIVE_KINDS:
             assert self.log is not None
             _apply_collective(data, kind, self.shaped(path, number, rec), self.pending, self.log)
+            self.log.forget_sync(self.sure_to_drop)
         else:
             _apply(data, kind, rec)
             if kind in _STEP_KEYED:
@@ -408,7 +411,7 @@ class _Stream:
         getattr(data, _LISTED[kind]).extend(recs)
         self.keeper.seen(data, kind, recs)
 
-    def sure_to_drop(self, kind: str) -> tuple[int | None, int, int] | None:
+    def sure_to_drop(self, kind: str) -> Rule | None:
         return None if self.data is None else self.keeper.sure_to_drop(self.data, kind)
 
     def dropped(self, path: Path, number: int, kind: str, count: int, last: float) -> None:

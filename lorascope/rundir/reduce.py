@@ -51,6 +51,10 @@ WINDOW = 256
 WINDOW_PAD = 64
 #: Completed calls waiting behind an older pending one before they are summed anyway.
 MAX_REORDER = 1 << 18
+#: Synchronous calls a collective log holds before it first forgets those of steps
+#: decimation is sure to drop (:meth:`CollectiveLog.forget_sync`); after each time, twice
+#: what it kept and this many more.
+SYNC_PRUNE = 1 << 16
 #: Step-keyed records: rank-steps kept over the whole run, and at least per rank.
 STEP_BUDGET = 1 << 17
 MIN_STEPS_KEPT = 64
@@ -61,6 +65,18 @@ KEEP_WARNINGS = 200
 def steps_per_rank(ranks: int) -> int:
     """The step budget of one rank in a run of ``ranks`` ranks."""
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
+
+
+#: What :meth:`StepKeeper.sure_to_drop` says: (low, high, stride).
+Rule = tuple[int | None, int, int]
+
+
+def sure_dropped(rule: Rule, step: Any) -> bool:
+    """Whether decimation is sure to drop what is keyed by step number ``step`` (a record's
+    step; a per-step sum's key, the step record's number): a whole number with
+    ``low < step < high`` (no lower bound if low is None), not a multiple of the stride."""
+    low, high, stride = rule
+    return isinstance(step, int) and (low is None or step > low) and step < high and step % stride != 0
 
 
 #: Arithmetic modulo 2^64 (a call's hash, a window's digest).
@@ -211,6 +227,8 @@ class CollectiveLog:
         #: Per step (+1), the (start, seconds) of its completed synchronous calls, until
         #: :meth:`outside_backward` has used them.
         self._sync: dict[int, list[tuple[float, float]]] = {}
+        self._sync_held = 0
+        self._sync_next = SYNC_PRUNE
         self._n = 0
 
     def add(self, coll: Collective) -> None:
@@ -288,8 +306,23 @@ class CollectiveLog:
         if not coll.is_async:
             self.coll_wait[coll.step + 1] = self.coll_wait.get(coll.step + 1, 0.0) + took
             self._sync.setdefault(coll.step + 1, []).append((coll.start, took))
+            self._sync_held += 1
         total, n = self.op_totals.get(coll.op, (0.0, 0))
         self.op_totals[coll.op] = (total + took, n + 1)
+
+    def forget_sync(self, sure_to_drop: Callable[[str], Rule | None]) -> None:
+        """Once enough synchronous calls are held (:data:`SYNC_PRUNE`), forget those of the
+        steps decimation is sure to drop (``sure_to_drop``: the stream's
+        :meth:`StepKeeper.sure_to_drop`), and their steps' sums: decimation would drop
+        what they add up to (~1.2 KB a step of the probes/ job, held to the end)."""
+        if self._sync_held < self._sync_next:
+            return
+        rule = sure_to_drop("coll_wait")
+        if rule is not None:
+            self._sync = {k: v for k, v in self._sync.items() if not sure_dropped(rule, k)}
+            self.coll_wait = {k: v for k, v in self.coll_wait.items() if not sure_dropped(rule, k)}
+            self._sync_held = sum(map(len, self._sync.values()))
+        self._sync_next = 2 * self._sync_held + SYNC_PRUNE
 
     def finish(self) -> list[Collective]:
         """Close the sums; the kept calls, in the order they started."""
@@ -495,14 +528,16 @@ class StepKeeper:
             self.prune(data)
             self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
 
-    def sure_to_drop(self, data: Any, kind: str) -> tuple[int | None, int, int] | None:
+    def sure_to_drop(self, data: Any, kind: str) -> Rule | None:
         """(low, high, stride): the records of ``kind`` whose step is a whole number s with
         ``low < s < high`` (no lower bound if low is None) and ``s % stride != 0`` are
-        sure to be dropped by :func:`decimate` unless they hold a peak (``mem``, ``logits``);
-        None if none is yet, or ``kind`` is no longer dropped from (a NaN was seen)."""
+        sure to be dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a
+        peak (``mem``, ``logits``); so are the per-step sums of the collectives with such a
+        key (``coll_wait``); None if none is yet, or ``kind`` is no longer dropped from (a
+        NaN was seen)."""
         return None if self._nan.get(kind) else self._bounds(data)
 
-    def _bounds(self, data: Any) -> tuple[int | None, int, int] | None:
+    def _bounds(self, data: Any) -> Rule | None:
         """:meth:`sure_to_drop`'s (low, high, stride) from the step records so far, peaks
         and NaNs aside (None: no step is yet sure to be dropped)."""
         for rec in data.steps[self._taken :]:
@@ -519,10 +554,9 @@ class StepKeeper:
         rule = self._bounds(data)
         if rule is None:
             return
-        low, high, stride = rule
 
         def drop(step: Any) -> bool:
-            return isinstance(step, int) and (low is None or step > low) and step < high and step % stride != 0
+            return sure_dropped(rule, step)
 
         data.phases = [p for p in data.phases if not drop(p["step"])]
         for name, by in (("mem", None), ("logits", "where")):

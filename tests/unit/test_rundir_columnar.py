@@ -322,21 +322,78 @@ def _long_streams(draw: st.DrawFn) -> list[str]:
     return out
 
 
+def _forget_sync_after(monkeypatch: pytest.MonkeyPatch, calls: int) -> None:
+    """Both collective logs forget synchronous calls of dropped steps past ``calls``."""
+    monkeypatch.setattr(reduce, "SYNC_PRUNE", calls)
+    monkeypatch.setattr(columnar, "SYNC_PRUNE", calls)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(stream=_long_streams(), block=st.sampled_from([700, 4096, 1 << 20]), budget=st.integers(1, 24))
+@given(
+    stream=_long_streams(),
+    block=st.sampled_from([700, 4096, 1 << 20]),
+    budget=st.integers(1, 24),
+    forget=st.sampled_from([None, 1, 3]),
+)
 def test_long_streams_past_their_budget_read_the_same_both_ways(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
     stream: list[str],
     block: int,
     budget: int,
+    forget: int | None,
 ) -> None:
-    """The records the columnar reader does not make (sure to be dropped) change nothing."""
+    """The records the columnar reader does not make (sure to be dropped) change nothing;
+    nor do the synchronous calls of such steps that either reader forgets (``forget``:
+    after so many, compared with a reading that keeps them all)."""
     path = tmp_path_factory.mktemp("stream") / "vm-7.0000.jsonl"
     path.write_text("\n".join(stream) + "\n")
+    if forget is not None:
+        _forget_sync_after(monkeypatch, forget)
     lines, columns, declined = _both(monkeypatch, [(0, path)], block, budget=budget)
     assert declined is None
     assert columns == lines
+    if forget is not None:
+        _forget_sync_after(monkeypatch, 1 << 62)
+        assert _both(monkeypatch, [(0, path)], block, budget=budget)[0] == lines
+
+
+def test_a_long_streams_synchronous_calls_of_dropped_steps_are_forgotten(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """3,000 steps of 8 synchronous calls at a budget of 16 steps: both readers hold a few
+    hundred calls' times at most, not 24,000, and read what they read keeping them all."""
+    path = tmp_path / "vm-7.0000.jsonl"
+    out = [_line({**START, "t": T0})]
+    out.append(_line({"gid": 0, "name": "0", "ranks": [0, 1], "backend": "gloo", "k": "group", "t": T0}))
+    seq = 0
+    for step in range(3000):
+        t = T0 + step
+        out.append(_line({"step": step, "dur": 0.5, "loss": 1.0, "src": "deepspeed", "k": "step", "t": t}))
+        out += [_line({"name": "backward", "edge": e, "step": step, "k": "phase", "t": t + 0.1 * i}) for i, e in enumerate(("begin", "end"))]  # fmt: skip
+        for i in range(8):
+            seq += 1
+            out.append(
+                _call("coll_done", t + 0.05 * i, seq, 0, "all_reduce", False, step, bytes=8, end=t + 0.05 * i + 0.01)
+            )
+    path.write_text("\n".join(out) + "\n")
+    held: list[int] = []
+    for log in (reduce.CollectiveLog, columnar.ColumnarLog):
+        real = log.forget_sync
+
+        def spy(self: Any, sure_to_drop: Any, real: Any = real) -> None:
+            real(self, sure_to_drop)
+            held.append(self._sync_held)
+
+        monkeypatch.setattr(log, "forget_sync", spy)
+    _forget_sync_after(monkeypatch, 64)
+    lines, columns, declined = _both(monkeypatch, [(0, path)], 64 << 10, budget=16)
+    assert declined is None and columns == lines
+    assert held and max(held) < 600, max(held)
+    _forget_sync_after(monkeypatch, 1 << 62)
+    held.clear()
+    assert _both(monkeypatch, [(0, path)], 64 << 10, budget=16)[:2] == (lines, lines)
+    assert max(held) == 24_000  # kept them all
 
 
 def test_a_long_streams_records_sure_to_be_dropped_are_not_made(
