@@ -142,6 +142,19 @@ def test_the_workers_flag_and_its_variable() -> None:
     assert bad.returncode == 2 and "Invalid value for '--workers'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_the_ranks_share_each_groups_member_list(pools: list[int]) -> None:
+    """Every rank records the member ranks of its groups: one list a group, read in
+    the calling process or by workers."""
+    for n in (1, 2):
+        workers.configure(n)
+        members: dict[str, list[Any]] = {}
+        for rank in load_run(FIXTURES / "healthy").ranks.values():
+            for group in rank.groups.values():
+                members.setdefault(group["name"], []).append(group["ranks"])
+        assert members and all(len(ls) == 2 and ls[0] == [0, 1] and ls[0] is ls[1] for ls in members.values())
+    assert pools == [2]
+
+
 def test_a_bad_stream_in_a_worker_is_one_line(tmp_path: Path, pools: list[int]) -> None:
     shutil.copytree(FIXTURES / "healthy", tmp_path / "run")
     [stream] = (tmp_path / "run" / "ranks" / "rank-1").glob("*.jsonl")
@@ -464,15 +477,17 @@ def test_the_first_divergence_is_found_once_a_run(tmp_path: Path, monkeypatch: p
     assert len(found) == 2
 
 
-def test_a_ranks_kept_records_share_their_strings() -> None:
-    """One object a distinct string (a rank's summary pickles each once), the same records."""
+def test_a_ranks_kept_records_and_calls_share_their_values() -> None:
+    """One object a distinct string or integer of the kept records, and of the kept calls'
+    sizes and steps (a rank's summary pickles each once); the same records."""
     run = load_run(FIXTURES / "healthy")
-    shared = 0
+    shared = {str: 0, int: 0}
     for rank in run.ranks.values():
-        seen: dict[str, str] = {}
-        for rec in [*rank.mem, *rank.phases, *rank.steps, *rank.logits]:
-            for value in rec.values():
-                if type(value) is str:
-                    shared += value in seen
-                    assert seen.setdefault(value, value) is value
-    assert shared > 100
+        seen: dict[Any, Any] = {}
+        values = [v for rec in [*rank.mem, *rank.phases, *rank.steps, *rank.logits] for v in rec.values()]
+        values += [v for c in rank.collectives for v in (c.bytes, c.step)]
+        for value in values:
+            if type(value) in shared and (type(value) is str or value > 256):  # smaller ints are one object anyway
+                shared[type(value)] += value in seen
+                assert seen.setdefault(value, value) is value
+    assert shared[str] > 100 and shared[int] > 500, shared
