@@ -841,7 +841,7 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
         for segs in procs.values():
             warnings.append(len(jobs))  # where this stream's reading warnings go
             jobs.append((rank, segs, budget, None))
-    parallel = len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
+    parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
     if cluster is not None and jobs:
         cluster.prepare(run_dir, _big(jobs))
     with no_cycle_collection():
