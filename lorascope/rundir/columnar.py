@@ -391,12 +391,13 @@ PENDING_LINES = 1 << 16
 
 class _Pending:
     """Blocks' ``mem`` and ``phase`` lines as columns, until they are applied (a kind's
-    before any other record of it, all past PENDING_LINES and at the end): those decimation is
-    then sure to drop (the sink's ``sure_to_drop``) are never made records, only counted:
-    most of a long run's. A record a block applies at once has the steps before it only, so most of its lines were of steps too
-    recent to be sure of. Kept, whatever their step: a record that may hold a peak (the
-    first highest value of a field in its block: one before it holds as much otherwise)
-    and the ``backward`` phase edges (the time outside backward is taken from all)."""
+    before any other record of it, all past PENDING_LINES and at the end): those
+    decimation is then sure to drop (the sink's ``sure_to_drop``) are never made records,
+    only counted: most of a long run's. A record a block applies at once has the steps
+    before it only, so most of its lines were of steps too recent to be sure of. Kept,
+    whatever their step: a record that may hold a peak (the first highest value of a
+    field in its block: one before it holds as much otherwise) and the ``backward`` phase
+    edges (the time outside backward is taken from all)."""
 
     def __init__(self) -> None:
         #: (path, lines before the block, latest time, kind, that kind's frames), in order.
