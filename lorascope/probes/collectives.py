@@ -241,7 +241,14 @@ class CollectiveProbe:
         self.session = session
         self._local = threading.local()
         self._seq: dict[int, int] = {}
-        self._gids: dict[int, tuple[int, Any]] = {}  # id(group) -> (gid, group): keeps it alive
+        #: id(group) -> (gid, a weak reference to the group, or the group itself when it
+        #: cannot be referenced weakly). A ProcessGroup is held weakly: kept alive past the
+        #: job's ``destroy_process_group``, gloo's backend would be destroyed during the
+        #: interpreter's teardown, where it can abort the process ("terminate called
+        #: without an active exception", pytorch/pytorch#190489). A group's entry goes when
+        #: the group does, so that its id, reused by another object, is not mistaken for it.
+        self._gids: dict[int, tuple[int, Any]] = {}
+        self._next_gid = 0
         # The call-site caches are keyed by id(code): hashing a code object hashes its
         # constants, nested functions' code included, at every lookup (~1 us for
         # Module._call_impl), and a call looks at up to MAX_VIA_FRAMES frames. The code
@@ -680,12 +687,21 @@ class CollectiveProbe:
         c10d = self._c10d
         if group is None and c10d is not None:
             group = c10d.GroupMember.WORLD
-        known = self._gids.get(id(group))
+        key = id(group)
+        known = self._gids.get(key)
         if known is not None:
             return known[0]
         with self._lock:
-            gid = len(self._gids)
-            self._gids[id(group)] = (gid, group)
+            known = self._gids.get(key)
+            if known is not None:  # another thread named it first
+                return known[0]
+            gid = self._next_gid
+            self._next_gid += 1
+            try:
+                held: Any = weakref.ref(group, lambda _: self._gids.pop(key, None))
+            except TypeError:  # None, a name, a list of ranks
+                held = group
+            self._gids[key] = (gid, held)
         name: str = str(gid)
         ranks: list[int] | None = None
         backend: str | None = None

@@ -179,6 +179,39 @@ def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
     assert len(rank.steps) == 3 and len(rank.collectives) == 5  # the other probes go on
 
 
+GROUPS_JOB = textwrap.dedent("""
+    import gc, weakref, torch, torch.distributed as dist
+    import lorascope
+    lorascope.attach({out!r})
+    for port in ({port}, {port2}):  # a second process group after the first is destroyed
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        sub = dist.new_group([0])
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(2), group=sub)
+        refs = [weakref.ref(dist.group.WORLD), weakref.ref(sub)]
+        del sub
+        dist.destroy_process_group()
+        gc.collect()
+        print("alive", sum(r() is not None for r in refs))
+""")
+
+
+def test_process_groups_are_not_kept_alive_past_the_jobs_destroy(tmp_path: Path) -> None:
+    """A group the probes held would be destroyed in the interpreter's teardown instead,
+    where gloo can abort the process after a finished job (CI saw it once)."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    script = tmp_path / "job.py"
+    script.write_text(GROUPS_JOB.format(out=str(out), port=free_port(), port2=free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["alive 0", "alive 0"], proc.stdout
+    # Each group made is its own group (its own record), its calls numbered from 1.
+    records = [json.loads(line) for p in (out / "ranks" / "rank-0").glob("*.jsonl") for line in p.open()]
+    assert len({r["gid"] for r in records if r["k"] == "group"}) == 4
+    assert sorted((c.op, c.seq) for c in load_run(out).ranks[0].collectives) == [("all_reduce", 1)] * 4
+
+
 TRAINER_JOB = textwrap.dedent("""
     import os, torch
     import lorascope
