@@ -17,7 +17,7 @@ from lorascope.cli.supervise import Job
 from lorascope.errors import LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.kernels import parse_window
-from lorascope.rundir.attachments import attached_processes, why_none_attached
+from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
@@ -126,6 +126,7 @@ def command(
     rc = job.wait()
     record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=rc, signals=job.forwarded)
     attached = attached_processes(out, launch_id)
+    remove_empty_fatal_files(out, attached, socket.gethostname())
     if attached:
         try:
             data = build_summary(load_run(out))

@@ -92,7 +92,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
     # peer closed the connection) follow from it, and a signal sent from outside (the
     # launcher's SIGTERM to the ranks left once one died) follows from both.
     died = sorted(
-        ((n, e) for n in calls if (e := ending_of(run.ranks[n])).status in ("signal", "exception")),
+        ((n, e) for n in calls if (e := ending_of(run.ranks[n])).status in ("signal", "exception") and not e.teardown),
         key=lambda d: (not d[1].fatal, d[1].status != "exception", d[0]),
     )
     crashed = ""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from lorascope.detect import (
     allocator_fragmentation,
     collective_mismatch,
+    failed_after_exit,
     hung_ranks,
     logits_spike,
     oom,
@@ -40,6 +41,7 @@ MODULES = [
     logits_spike,
     plan_deviation,
     oom,
+    failed_after_exit,
     straggler,
     tiny_kernel_tail,
 ]

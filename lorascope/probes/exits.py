@@ -18,6 +18,7 @@ from types import FrameType
 from typing import IO, Any
 
 from lorascope.probes.session import Session
+from lorascope.rundir.schema import FATAL_SUFFIX
 
 MAX_WARNINGS = 200
 _TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -38,24 +39,19 @@ def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
     data size doesn't match", ``std::terminate``) leaves no exception, no signal record and
     no end record, only this file (announced by a ``fatal_handler`` record). Left alone when
     the job enabled faulthandler itself (PYTHONFAULTHANDLER, ``-X faulthandler``). Returns
-    the open file (it must stay open while the process lives)."""
+    the open file (it must stay open while the process lives).
+
+    It stays enabled through the interpreter's teardown, after the end record: a process
+    group destroyed there can abort a rank whose job has finished (gloo's threads,
+    "terminate called without an active exception"), which only this file then tells. So
+    the file exists while the process lives; `lorascope run` removes the empty ones of its
+    processes once they are gone (the reader ignores an empty one)."""
     if faulthandler.is_enabled():
         return None
-    path = prefix.with_name(f"{prefix.name}.fatal.txt")
+    path = prefix.with_name(prefix.name + FATAL_SUFFIX)
     file = open(path, "w")  # kept open for the life of the process
     faulthandler.enable(file=file, all_threads=True)
     session.record("fatal_handler", file=path.name)
-
-    def tidy() -> None:  # a rank that exits normally leaves no empty file behind
-        try:
-            if file.tell() == 0:
-                faulthandler.disable()
-                file.close()
-                path.unlink(missing_ok=True)
-        except Exception:
-            pass  # the run directory may be gone or read-only by now: never into the job
-
-    atexit.register(tidy)
     return file
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.schema import BOOTSTRAP_DIR, FATAL_SUFFIX, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
 
 #: What is read, at most: of a stream's first line (its start record), of processes.jsonl.
 MAX_START_BYTES = 1 << 20
@@ -36,6 +36,29 @@ def attached_processes(run_dir: Path, launch_id: str | None = None) -> list[dict
             if launch_id is None or rec.get("launch_id") in (None, launch_id):
                 out.append(rec)
     return out
+
+
+def remove_empty_fatal_files(run_dir: Path, processes: list[dict[str, Any]], host: str) -> None:
+    """Remove the empty faulthandler files of PROCESSES (their start records) that ran on
+    HOST and are gone: a rank that died of no fatal signal leaves none behind. A process
+    still alive (an orphan of a launcher killed first) keeps its file; so does any other
+    host's (its ranks may still run)."""
+    for rec in processes:
+        if rec.get("host") != host or not isinstance(rec.get("pid"), int) or not isinstance(rec.get("rank"), int):
+            continue
+        try:
+            os.kill(rec["pid"], 0)
+            continue  # still alive (or another process has its pid now)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = run_dir / RANKS_DIR / f"rank-{rec['rank']}" / f"{host}-{rec['pid']}{FATAL_SUFFIX}"
+        try:
+            if path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+                path.unlink()
+        except OSError:
+            pass  # left as it is: the reader ignores an empty one
 
 
 def bootstrap_processes(run_dir: Path, launch_id: str | None = None) -> list[dict[str, Any]]:

@@ -31,6 +31,9 @@ class Ending:
     detail: str | None
     #: When the rank recorded it (None: no record).
     t: float | None
+    #: A fatal signal in the interpreter's teardown, after the rank recorded its exit
+    #: (``t`` is that end record's: the job had finished).
+    teardown: bool = False
 
     @property
     def fatal(self) -> bool:
@@ -54,10 +57,15 @@ def ending_of(rank: RankData) -> Ending:
     if rank.signal is not None:
         sig = rank.signal
         return Ending("signal", -sig["signum"], sig["name"], float(sig["t"]))
-    if rank.end is not None:
-        return Ending(rank.end["status"], rank.end["code"], None, float(rank.end["t"]))
     if rank.fatal is not None:
         first = rank.fatal.splitlines()[0]
         signum = FATAL_SIGNALS.get(first.removeprefix("Fatal Python error: ").strip())
-        return Ending("signal", None if signum is None else -signum, f"{first} (faulthandler)\n{rank.fatal}", None)
+        code = None if signum is None else -signum
+        if rank.end is not None:  # faulthandler wrote after the end record: in the teardown
+            after = f"{rank.end['status']} {rank.end['code']}"
+            detail = f"{first} (faulthandler) in the interpreter's teardown, after {after}\n{rank.fatal}"
+            return Ending("signal", code, detail, float(rank.end["t"]), teardown=True)
+        return Ending("signal", code, f"{first} (faulthandler)\n{rank.fatal}", None)
+    if rank.end is not None:
+        return Ending(rank.end["status"], rank.end["code"], None, float(rank.end["t"]))
     return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)

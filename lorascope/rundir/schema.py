@@ -26,6 +26,8 @@ BOOTSTRAP_DIR = "bootstrap"
 #: what it decided to be (rank, lone, launcher, child).
 PROCESSES_LOG = "processes.jsonl"
 STREAM_SUFFIX = ".jsonl"
+#: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
+FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
 #: whose default action is to ignore it (see lorascope.probes.dumps).
 DUMP_SIGNAL = signal.SIGURG

@@ -4,11 +4,9 @@ are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.helpers import JOB_TIMEOUT, Finished, free_port, job_env, losses, probed, torchrun
+from tests.helpers import Finished, bare, free_port, losses, probed, torchrun
 
 
 @pytest.fixture(scope="session")
@@ -21,12 +19,6 @@ def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Finished:
 @pytest.fixture(scope="session")
 def bare_losses() -> list[str]:
     """Rank 0's losses of the same 20-step job without lorascope."""
-    bare = subprocess.run(
-        torchrun(free_port(), "--steps", "20", "--print-losses"),
-        capture_output=True,
-        text=True,
-        timeout=JOB_TIMEOUT,
-        env=job_env(),
-    )
-    assert bare.returncode == 0, bare.stderr[-3000:]
-    return losses(bare.stdout)
+    proc = bare(torchrun(free_port(), "--steps", "20", "--print-losses"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(proc.stdout)

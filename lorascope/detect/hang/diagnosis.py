@@ -77,6 +77,8 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
         return None
     if rank.exception is not None:
         return f"died: {rank.exception['type']}: {rank.exception['message'].splitlines()[0][:160]}"
+    if end.teardown:  # its job had finished: it exited, and died on the way out
+        return f"exited ({(end.detail or '').splitlines()[0][:160]})"
     if end.status == "signal":
         return f"died: killed by {end.detail}"
     if end.known:

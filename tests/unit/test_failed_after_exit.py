@@ -1,0 +1,97 @@
+"""failed-after-exit: a job that failed after its ranks had finished (lorascope/detect/
+failed_after_exit.py), how such a rank's ending reads (lorascope/rundir/ending.py), and
+`lorascope run` removing the empty faulthandler files of its finished processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from lorascope.detect import failed_after_exit
+from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.rundir.attachments import remove_empty_fatal_files
+from lorascope.rundir.ending import ending_of
+from lorascope.rundir.reader import load_run
+from tests.helpers import LORASCOPE, RankSpec, write_run
+
+#: What faulthandler writes when gloo's threads abort a rank in the interpreter's teardown.
+ABORTED = (
+    "Fatal Python error: Aborted\n\nCurrent thread 0x00007fc08fa02b80 (most recent call first):\n"
+    "  <no Python frame>\n\nExtension modules: torch._C (total: 1)\n"
+)
+
+
+def findings(run_dir: Path) -> list:
+    return failed_after_exit.detect(EvidenceBundle(path=run_dir, run=load_run(run_dir)))
+
+
+def test_a_rank_aborted_after_its_end_record_is_named_with_the_launchers_status(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(fatal=""), RankSpec(fatal=ABORTED)], exit_status=1)
+    end = ending_of(load_run(run_dir).ranks[1])
+    assert end.teardown and end.status == "signal" and end.code == -6 and end.fatal
+    assert end.detail is not None and "teardown, after exit 0" in end.detail.splitlines()[0]
+    assert not ending_of(load_run(run_dir).ranks[0]).teardown  # an empty file: no word
+    (finding,) = findings(run_dir)
+    assert finding.ranks == [1] and finding.severity == "error" and finding.confidence == "high"
+    assert finding.title.startswith("rank 1 died of SIGABRT in the interpreter's teardown")
+    assert finding.title.endswith("the launcher exited 1")
+    values = {e.label: str(e.value) for e in finding.evidence}
+    assert values["rank 1 exit"] == "end record: exit 0"
+    assert "Aborted; innermost: no Python frame (C++ code" in values["rank 1 afterwards"]
+    assert "exited 1" in values["launcher"]
+    sources = {e.label: e.source for e in finding.evidence}
+    assert sources["rank 1 afterwards"].startswith("ranks/rank-1/h-101.fatal.txt")
+
+
+def test_many_ranks_aborted_alike_are_one_group_of_evidence(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(fatal=ABORTED) for _ in range(8)], exit_status=1)
+    (finding,) = findings(run_dir)
+    assert finding.ranks == list(range(8)) and finding.title.startswith("ranks 0-7 died of SIGABRT")
+    assert len(finding.evidence) == 3  # one group's two rows and the launcher, not 17 rows
+
+
+def test_a_failed_launcher_whose_ranks_all_exited_cleanly_is_not_a_clean_bill(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(), RankSpec()], exit_status=1)
+    (finding,) = findings(run_dir)
+    assert finding.confidence == "low" and finding.severity == "error" and finding.ranks == [0, 1]
+    assert finding.title.startswith("the launcher exited 1, yet every rank recorded exit 0")
+    res = subprocess.run([*LORASCOPE, "analyze", str(run_dir), "--json"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["findings"][0]["id"] == "failed-after-exit"
+
+
+def test_nothing_to_say_when_the_ranks_explain_the_status_or_nothing_failed(tmp_path: Path) -> None:
+    healthy = write_run(tmp_path / "healthy", [RankSpec(), RankSpec(fatal="")])
+    assert findings(healthy) == []
+    crashed = write_run(tmp_path / "crashed", [RankSpec(exception=("RuntimeError", "boom")), RankSpec()], exit_status=1)
+    assert findings(crashed) == []  # the rank's exception says how it failed
+    # A rank that died of a fatal signal before recording its exit did not finish its job.
+    died = write_run(tmp_path / "died", [RankSpec(ends=False, fatal=ABORTED), RankSpec()], exit_status=1)
+    assert not ending_of(load_run(died).ranks[0]).teardown and findings(died) == []
+    # Stopped by the user: lorascope forwarded the signal.
+    stopped = write_run(tmp_path / "stopped", [RankSpec(), RankSpec()], exit_status=130)
+    manifest = json.loads((stopped / "manifest.json").read_text())
+    manifest["launches"][0]["signals"] = ["SIGINT"]
+    (stopped / "manifest.json").write_text(json.dumps(manifest))
+    assert findings(stopped) == []
+
+
+def test_empty_fatal_files_of_finished_processes_on_this_host_are_removed(tmp_path: Path) -> None:
+    dead_pid = subprocess.Popen(["true"])  # a pid that has exited (reaped)
+    dead_pid.wait()
+    ranks = tmp_path / "ranks"
+    procs = [
+        {"rank": 0, "host": "here", "pid": dead_pid.pid},  # gone, empty: removed
+        {"rank": 1, "host": "here", "pid": dead_pid.pid},  # gone, but it wrote: kept
+        {"rank": 2, "host": "here", "pid": os.getpid()},  # alive: kept
+        {"rank": 3, "host": "there", "pid": dead_pid.pid},  # another host's: kept
+    ]
+    for p in procs:
+        (ranks / f"rank-{p['rank']}").mkdir(parents=True)
+        (ranks / f"rank-{p['rank']}" / f"{p['host']}-{p['pid']}.fatal.txt").write_text(
+            ABORTED if p["rank"] == 1 else ""
+        )
+    remove_empty_fatal_files(tmp_path, procs, "here")
+    assert sorted(f.parent.name for f in ranks.glob("*/*.fatal.txt")) == ["rank-1", "rank-2", "rank-3"]
