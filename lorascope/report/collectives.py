@@ -8,6 +8,7 @@ pending calls (a ``coll`` with no ``coll_end``) are where the ranks wait.
 
 from __future__ import annotations
 
+import operator
 import statistics
 from collections import Counter, defaultdict
 from typing import Any
@@ -38,6 +39,10 @@ def wait_per_step(run: RunData) -> dict[int, list[tuple[int, float]]]:
     return {rank.rank: sorted(rank.coll_wait.items()) for rank in run.ranks.values()}
 
 
+#: A call's end (None while pending), read in C over a rank's calls.
+_END = operator.attrgetter("end")
+
+
 def _signature(c: Collective) -> tuple[str, int | None, str | None]:
     return (c.op, c.bytes, c.dtype)
 
@@ -50,10 +55,13 @@ def _describe(c: Collective) -> str:
 def _members(run: RunData, group: str, users: set[int]) -> list[int]:
     """Ranks expected in a group: the ``ranks`` its members recorded, else those that used it."""
     listed: set[int] = set()
+    seen: set[int] = set()  # the reader shares equal member lists: each read once, not once a rank
     for rank in run.ranks.values():
         for g in rank.groups.values():
-            if g.get("name") == group and isinstance(g.get("ranks"), list):
-                listed.update(int(r) for r in g["ranks"] if isinstance(r, int))
+            ranks = g.get("ranks")
+            if g.get("name") == group and isinstance(ranks, list) and id(ranks) not in seen:
+                seen.add(id(ranks))
+                listed.update(int(r) for r in ranks if isinstance(r, int))
     return sorted((listed & set(run.ranks)) | users)
 
 
@@ -145,13 +153,13 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
         else:
             split = first_split(calls, RUN_ALL, missing=True, members=members)
             first = None if split is None else _at(calls, members, split.seq)
-        pending = sum(c.end is None for per in calls.values() for c in per.values())
+        pending = any(None in map(_END, per.values()) for per in calls.values())
         made = sum(t.calls for r in run.ranks.values() if (t := r.tallies.get(group)) is not None)
-        summaries.append((first is not None, pending > 0, made, group, members, first, calls))
+        summaries.append((first is not None, pending, made, group, members, first, calls))
     summaries.sort(key=lambda s: (not s[0], not s[1], -s[2], s[3]))
     _, _, _, group, members, first, calls = summaries[0]
-    lo_seq = min(s for per in calls.values() for s in per)
-    hi_seq = max(s for per in calls.values() for s in per)
+    lo_seq = min(min(per) for per in calls.values() if per)
+    hi_seq = max(max(per) for per in calls.values() if per)
     focus = first["seq"] if first else None
     ops: list[str] = sorted({op for r in run.ranks.values() if (t := r.tallies.get(group)) for op in t.ops})
     op_index = {op: i for i, op in enumerate(ops)}
@@ -186,7 +194,7 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
         "window": [w_lo, w_hi],
         "cells": cells,
         "first": first,
-        "pending": [[r, c.seq, c.op, c.site] for r in everyone for c in calls.get(r, {}).values() if c.pending],
+        "pending": [[r, c.seq, c.op, c.site] for r in everyone for c in calls.get(r, {}).values() if c.end is None],
         "table_seqs": list(range(t_lo, t_hi + 1)),
         "table": table,
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, mem_value, memory_kind
+from lorascope.detect.common import CUDA_ALLOCATED, HEAP_IN_USE, RSS, has_figure, mem_reader, mem_value, memory_kind
 from lorascope.detect.finding import Finding
 from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
@@ -51,12 +51,12 @@ def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
     """Per rank, its highest sample of one figure (MiB) in each step, by the step in progress
     when it was taken (a sample's ``step`` is the steps completed, so step n's carry n - 1)."""
     out: dict[int, list[tuple[int, float]]] = {}
+    read = mem_reader(kind)
     for rank in run.ranks.values():
         high: dict[int, int] = {}
-        for m in rank.mem:
-            v = mem_value(m, kind)
-            if v is not None and type(m.get("step")) is int:
-                step = m["step"] + 1
+        for m, v in zip(rank.mem, map(read, rank.mem), strict=True):
+            if v is not None and type(step := m.get("step")) is int:
+                step += 1
                 if v > high.get(step, -1):
                     high[step] = v
         out[rank.rank] = [(s, v / MIB) for s, v in sorted(high.items())]
@@ -150,7 +150,7 @@ def _ends_by_step(run: RunData, kind: str, ends: dict[int, dict[str, Any]]) -> l
 def recorded_metrics(run: RunData) -> list[str]:
     """The figures the run recorded, the one the detectors use first."""
     metric = default_metric(run)
-    recorded = [k for k in METRICS if any(mem_value(m, k) is not None for r in run.ranks.values() for m in r.mem)]
+    recorded = [k for k in METRICS if any(has_figure(r, k) for r in run.ranks.values())]
     return [metric] + [k for k in recorded if k != metric]
 
 

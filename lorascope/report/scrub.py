@@ -10,6 +10,7 @@ positive costs a config value in the page, a false negative leaks a credential.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -66,8 +67,10 @@ def is_secret_name(name: str) -> bool:
     return any(p in _SECRET_WORDS for p in parts)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def scrub_text(text: str) -> str:
-    """Redact secret-looking values inside free text (a command line, a message, a stack)."""
+    """Redact secret-looking values inside free text (a command line, a message, a stack).
+    Cached: a 1,024-rank report repeats its texts (sites, ops, labels) rank after rank."""
     text = _ENV_ASSIGN.sub(
         lambda m: (
             m.group(0) if _NUMBER.match(m.group(2)) and m.group(1).startswith("-") else f"{m.group(1)}={REDACTED}"

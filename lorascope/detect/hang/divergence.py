@@ -127,8 +127,14 @@ def by_group(run: RunData) -> dict[str, dict[int, dict[int, Collective]]]:
     """Run records as group -> rank -> seq -> call."""
     out: dict[str, dict[int, dict[int, Collective]]] = {}
     for rank in run.ranks.values():
+        mine: dict[str, dict[int, Collective]] = {}  # a rank's calls are of a few groups
         for coll in rank.collectives:
-            out.setdefault(coll.group, {}).setdefault(rank.rank, {})[coll.seq] = coll
+            table = mine.get(coll.group)
+            if table is None:
+                table = mine[coll.group] = {}
+            table[coll.seq] = coll
+        for group, table in mine.items():
+            out.setdefault(group, {})[rank.rank] = table
     return out
 
 
