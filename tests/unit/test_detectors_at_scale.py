@@ -16,14 +16,16 @@ from lorascope.detect.common import (
     HEAP_IN_USE,
     RSS,
     figure_ranges,
+    has_figure,
     mem_reader,
     mem_value,
+    memory_kind,
     per_rank_evidence,
 )
 from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
 from lorascope.detect.straggler import _others_medians
-from lorascope.rundir.reader import Collective
+from lorascope.rundir.reader import Collective, RankData
 
 # Few distinct values, so that ties (a rank's own value held by others too) are common.
 WORK = st.sampled_from([0.0, 1e-9, 0.1, 0.2, 0.30000000000000004, 0.3, 5.5, 1e300])
@@ -114,6 +116,23 @@ SAMPLES = st.fixed_dictionaries(
 def test_mem_reader_reads_as_mem_value(sample: dict[str, Any]) -> None:
     for kind in (None, CUDA_ALLOCATED, HEAP_IN_USE, RSS, "other"):
         assert mem_reader(kind)(sample) == mem_value(sample, kind)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(SAMPLES, max_size=6))
+def test_the_figures_found_in_c_are_those_a_scan_finds(samples: list[dict[str, Any]]) -> None:
+    """has_figure and memory_kind test a key's presence in C before scanning: the same
+    answers as the plain scans they replace."""
+    rank = RankData(rank=0, start={}, files=[], mem=samples)
+    for kind in (CUDA_ALLOCATED, HEAP_IN_USE, RSS):
+        assert has_figure(rank, kind) == any(mem_value(m, kind) is not None for m in samples)
+    if any(isinstance(m.get("cuda"), dict) for m in samples):
+        want = CUDA_ALLOCATED
+    elif any(m.get("heap") is not None for m in samples):
+        want = HEAP_IN_USE
+    else:
+        want = RSS
+    assert memory_kind(rank) == want
 
 
 def _rows(n: int, port: int, op: str = "barrier") -> list[tuple[str, Any, str]]:
