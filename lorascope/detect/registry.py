@@ -17,6 +17,7 @@ from lorascope.detect import (
     reentrant_dead_grads,
     straggler,
     tiny_kernel_tail,
+    unobserved_ranks,
 )
 from lorascope.detect.finding import CONFIDENCE_ORDER, SEVERITY_ORDER, Finding
 from lorascope.ingest.evidence import EvidenceBundle
@@ -44,6 +45,7 @@ MODULES = [
     failed_after_exit,
     straggler,
     tiny_kernel_tail,
+    unobserved_ranks,
 ]
 #: Every detector, in the order they run. Each is a pure function of the bundle.
 DETECTORS: list[Detector] = [m.detect for m in MODULES]
