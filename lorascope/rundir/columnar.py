@@ -49,13 +49,12 @@ from lorascope.rundir.reduce import (
     MIX_A,
     MIX_B,
     NO_BYTES,
-    SYNC_PRUNE,
     TAIL_CALLS,
     WINDOW,
     GroupTally,
     Rule,
+    SyncTimes,
     name_code,
-    sure_dropped,
 )
 from lorascope.rundir.safe_open import open_regular
 
@@ -151,7 +150,7 @@ def available() -> bool:
 def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple[int, int]]] | None) -> ColumnarLog:
     """Read every segment of one process: other records to ``sink``, collective records
     reduced into the returned log; Unsuitable when the stream needs the line reader."""
-    log = ColumnarLog(windows)
+    log = ColumnarLog(windows, sink.sure_to_drop)
     pending = _Pending()
     max_line = limits.current().record_bytes
     for _, path in segs:
@@ -160,7 +159,6 @@ def read(segs: list[tuple[int, Path]], sink: Sink, windows: dict[str, list[tuple
         for lines, last in _blocks(path, max_line):
             if lines:
                 _block(log, sink, pending, path, number, lines, deep_lines)
-                log.forget_sync(sink.sure_to_drop)
                 number += len(lines)
                 log.base += len(lines)
             if last:
@@ -688,13 +686,41 @@ def _window_sums(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+class _FrameSyncTimes(SyncTimes):
+    """:class:`~lorascope.rundir.reduce.SyncTimes` whose calls come a block at a time, as a
+    frame (step + 1, start ``t``, seconds ``took``); those of calls ended in a later block
+    than their start come one by one (:meth:`add`)."""
+
+    def __init__(self, sure_to_drop: Callable[[str], Rule | None]) -> None:
+        super().__init__(sure_to_drop)
+        self.blocks: list[pl.DataFrame] = []
+
+    def add_block(self, sync: pl.DataFrame) -> None:
+        import polars as pl
+
+        for step, took in sync.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows():
+            self.sums[step] = self.sums.get(step, 0.0) + took
+        self.blocks.append(sync)
+        self.grew(sync.height)
+
+    def forget_more(self, rule: Rule) -> int:
+        """The frames' calls of dropped steps forgotten (the rest made one frame)."""
+        import polars as pl
+
+        gone = _dropped_steps(pl.col("step"), rule).fill_null(False)
+        self.blocks = [pl.concat(self.blocks).filter(~gone)] if self.blocks else []
+        return sum(f.height for f in self.blocks)
+
+
 class ColumnarLog:
     """What :class:`~lorascope.rundir.reduce.CollectiveLog` keeps and counts, fed a block
     of calls and ends at a time (see the module's docstring for when it declines)."""
 
-    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None) -> None:
+    def __init__(
+        self, windows: dict[str, list[tuple[int, int]]] | None, sure_to_drop: Callable[[str], Rule | None]
+    ) -> None:
         self.tallies: dict[str, GroupTally] = {}
-        self.coll_wait: dict[int, float] = {}
+        self.sync = _FrameSyncTimes(sure_to_drop)
         self.op_totals: dict[str, tuple[float, int]] = {}
         self.last_time = 0.0
         #: Lines of the stream before the current block; where the start record was.
@@ -716,12 +742,6 @@ class ColumnarLog:
         self._pending: dict[tuple[int, int], tuple[int, float, str, bool, int, str]] = {}
         #: Ends of calls read in an earlier block than their end: (gid, seq) -> (end, err).
         self._late_ends: dict[tuple[int, int], tuple[float, str | None]] = {}
-        #: Synchronous calls that completed (step + 1, start, seconds): a frame a block,
-        #: and those of calls ended in a later block than theirs.
-        self._sync_blocks: list[pl.DataFrame] = []
-        self._sync: dict[int, list[tuple[float, float]]] = {}
-        self._sync_held = 0
-        self._sync_next = SYNC_PRUNE
         self._calls = 0
         self._binade: int | None = None
         self._took = 0.0
@@ -838,9 +858,7 @@ class ColumnarLog:
         total, n = self.op_totals.get(op, (0.0, 0))
         self.op_totals[op] = (total + took, n + 1)
         if not is_async:
-            self.coll_wait[step + 1] = self.coll_wait.get(step + 1, 0.0) + took
-            self._sync.setdefault(step + 1, []).append((start, took))
-            self._sync_held += 1
+            self.sync.add(step + 1, start, took)
 
     def _check_time(self, *values: float | None) -> None:
         for value in values:
@@ -981,28 +999,7 @@ class ColumnarLog:
         for op, took, n in done.group_by("op", maintain_order=True).agg(pl.col("took").sum(), pl.len()).iter_rows():
             total, calls = self.op_totals.get(op, (0.0, 0))
             self.op_totals[op] = (total + took, calls + n)
-        sync = done.filter(~pl.col("async")).select((pl.col("step") + 1).alias("step"), "t", "took")
-        for step, took in sync.group_by("step", maintain_order=True).agg(pl.col("took").sum()).iter_rows():
-            self.coll_wait[step] = self.coll_wait.get(step, 0.0) + took
-        self._sync_blocks.append(sync)
-        self._sync_held += sync.height
-
-    def forget_sync(self, sure_to_drop: Callable[[str], Rule | None]) -> None:
-        """As :meth:`CollectiveLog.forget_sync`: the synchronous calls' columns of steps
-        decimation is sure to drop, and their steps' sums, forgotten (the rest made one
-        frame)."""
-        import polars as pl
-
-        if self._sync_held < self._sync_next:
-            return
-        rule = sure_to_drop("coll_wait")
-        if rule is not None:
-            gone = _dropped_steps(pl.col("step"), rule).fill_null(False)
-            self._sync_blocks = [pl.concat(self._sync_blocks).filter(~gone)] if self._sync_blocks else []
-            self._sync = {k: v for k, v in self._sync.items() if not sure_dropped(rule, k)}
-            self.coll_wait = {k: v for k, v in self.coll_wait.items() if not sure_dropped(rule, k)}
-            self._sync_held = sum(f.height for f in self._sync_blocks) + sum(map(len, self._sync.values()))
-        self._sync_next = 2 * self._sync_held + SYNC_PRUNE
+        self.sync.add_block(done.filter(~pl.col("async")).select((pl.col("step") + 1).alias("step"), "t", "took"))
 
     def finish(self, make: type[Collective]) -> list[Collective]:
         """The kept calls as ``make`` objects, in the order they started."""
@@ -1057,8 +1054,8 @@ class ColumnarLog:
         import polars as pl
 
         schema = {"step": pl.Int64, "t": pl.Float64, "took": pl.Float64}
-        late = [(step, start, took) for step, calls in self._sync.items() for start, took in calls]
-        calls = pl.concat([*self._sync_blocks, pl.DataFrame(late, schema=schema, orient="row")]).with_row_index("i")
+        late = [(step, start, took) for step, calls in self.sync.calls.items() for start, took in calls]
+        calls = pl.concat([*self.sync.blocks, pl.DataFrame(late, schema=schema, orient="row")]).with_row_index("i")
         backward = pl.DataFrame(
             [(step, b, e) for step, pairs in spans.items() for b, e in pairs],
             schema={"step": pl.Int64, "b": pl.Float64, "e": pl.Float64},

@@ -363,7 +363,6 @@ class _Stream:
         data = self._started(path, number)
         assert self.log is not None
         _collective(data, rec, self.pending, self.log)
-        self.log.forget_sync(self.sure_to_drop)
 
     def record(self, path: Path, number: int, rec: Any) -> None:
         """Any other record: validated, then applied."""
@@ -382,7 +381,6 @@ class _Stream:
         elif kind in _COLLECTIVE_KINDS:
             assert self.log is not None
             _apply_collective(data, kind, self.shaped(path, number, rec), self.pending, self.log)
-            self.log.forget_sync(self.sure_to_drop)
         else:
             _apply(data, kind, rec)
             if kind in _STEP_KEYED:
@@ -481,7 +479,7 @@ class _Stream:
         else:
             data.collectives = log.finish(Collective)
             data.last_time = max(data.last_time, log.last_time)
-        data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+        data.tallies, data.coll_wait, data.op_totals = log.tallies, log.sync.sums, log.op_totals
         data.coll_wait_outside_backward = log.outside_backward(self.keeper.spans.spans)
         data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
@@ -530,8 +528,8 @@ def _load_process(
             warnings.extend(tried)
             stream.warnings = warnings
             return stream.finish(found, segs[0][1], budget)
-    log = CollectiveLog(windows)
-    stream = _Stream(rank, warnings, log, budget)
+    stream = _Stream(rank, warnings, None, budget)
+    stream.log = log = CollectiveLog(windows, stream.sure_to_drop)
     for _, path in segs:
         for number, rec in _iter_records(path, warnings, stream.shapes):
             if type(rec) is Call or type(rec) is End:
@@ -549,7 +547,7 @@ def recount(data: RankData) -> RankData:
     for coll in sorted(data.collectives, key=lambda c: c.start):
         log.add(coll)
     data.collectives = log.finish()
-    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.coll_wait, log.op_totals
+    data.tallies, data.coll_wait, data.op_totals = log.tallies, log.sync.sums, log.op_totals
     data.coll_wait_outside_backward = log.outside_backward(backward_spans(data.phases))
     data.totals = totals(data, len(data.mem))
     return data

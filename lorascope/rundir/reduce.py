@@ -52,8 +52,8 @@ WINDOW_PAD = 64
 #: Completed calls waiting behind an older pending one before they are summed anyway.
 MAX_REORDER = 1 << 18
 #: Synchronous calls a collective log holds before it first forgets those of steps
-#: decimation is sure to drop (:meth:`CollectiveLog.forget_sync`); after each time, twice
-#: what it kept and this many more.
+#: decimation is sure to drop (:class:`SyncTimes`); after each time, twice what it kept and
+#: this many more.
 SYNC_PRUNE = 1 << 16
 #: Step-keyed records: rank-steps kept over the whole run, and at least per rank.
 STEP_BUDGET = 1 << 17
@@ -211,24 +211,67 @@ class GroupTally:
         return lo > hi or hi <= self.head_last or lo >= self.tail_first
 
 
+class SyncTimes:
+    """A rank's completed synchronous calls, (start, seconds) by step (+1), held for the
+    time outside backward (:func:`sync_outside_backward`), and each step's sum of them
+    (``sums``: the rank's ``coll_wait``). Once :data:`SYNC_PRUNE` calls are held, those of
+    the steps decimation is sure to drop (``sure_to_drop``: the stream's
+    :meth:`StepKeeper.sure_to_drop`; None: none is) are forgotten with their sums, as
+    decimation would drop what they add up to (~1.2 KB a step of the probes/ job, else held
+    to the end); then again at twice what was kept plus :data:`SYNC_PRUNE`. Both collective
+    logs hold one; the columnar log's calls come a block at a time, as frames
+    (:meth:`forget_more`)."""
+
+    def __init__(self, sure_to_drop: Callable[[str], Rule | None] | None) -> None:
+        self.sums: dict[int, float] = {}
+        self.calls: dict[int, list[tuple[float, float]]] = {}
+        #: Calls held, here and in :meth:`forget_more`'s keeping.
+        self.held = 0
+        self._sure_to_drop = sure_to_drop
+        self._next = SYNC_PRUNE
+
+    def add(self, step: int, start: float, took: float) -> None:
+        self.sums[step] = self.sums.get(step, 0.0) + took
+        self.calls.setdefault(step, []).append((start, took))
+        self.grew(1)
+
+    def grew(self, n: int) -> None:
+        """``n`` more calls are held; past the threshold, forget what is sure to go."""
+        self.held += n
+        if self.held >= self._next and self._sure_to_drop is not None:
+            rule = self._sure_to_drop("coll_wait")
+            if rule is not None:
+                self.calls = {k: v for k, v in self.calls.items() if not sure_dropped(rule, k)}
+                self.sums = {k: v for k, v in self.sums.items() if not sure_dropped(rule, k)}
+                self.held = sum(map(len, self.calls.values())) + self.forget_more(rule)
+            self._next = 2 * self.held + SYNC_PRUNE
+
+    def forget_more(self, rule: Rule) -> int:
+        """Forget the calls held elsewhere than :attr:`calls` of the steps ``rule`` drops;
+        how many are left there (none here)."""
+        return 0
+
+
 class CollectiveLog:
     """The bounded collective records of one rank, fed call by call as they are read."""
 
-    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None = None) -> None:
+    def __init__(
+        self,
+        windows: dict[str, list[tuple[int, int]]] | None = None,
+        sure_to_drop: Callable[[str], Rule | None] | None = None,
+    ) -> None:
+        """``sure_to_drop``: the stream's :meth:`StepKeeper.sure_to_drop`, so that the
+        synchronous calls of steps decimation drops are forgotten as the stream is read
+        (None: every one is kept)."""
         self.tallies: dict[str, GroupTally] = {}
         self.head: dict[str, list[Collective]] = {}
         self.tail: dict[str, deque[Collective]] = {}
         #: Calls asked for by sequence number (a window read again), per group.
         self.windows = windows or {}
         self.extra: list[Collective] = []
-        self.coll_wait: dict[int, float] = {}
+        self.sync = SyncTimes(sure_to_drop)
         self.op_totals: dict[str, tuple[float, int]] = {}
         self._order: list[tuple[float, int, Collective]] = []
-        #: Per step (+1), the (start, seconds) of its completed synchronous calls, until
-        #: :meth:`outside_backward` has used them.
-        self._sync: dict[int, list[tuple[float, float]]] = {}
-        self._sync_held = 0
-        self._sync_next = SYNC_PRUNE
         self._n = 0
 
     def add(self, coll: Collective) -> None:
@@ -304,25 +347,9 @@ class CollectiveLog:
         assert coll.end is not None
         took = coll.end - coll.start
         if not coll.is_async:
-            self.coll_wait[coll.step + 1] = self.coll_wait.get(coll.step + 1, 0.0) + took
-            self._sync.setdefault(coll.step + 1, []).append((coll.start, took))
-            self._sync_held += 1
+            self.sync.add(coll.step + 1, coll.start, took)
         total, n = self.op_totals.get(coll.op, (0.0, 0))
         self.op_totals[coll.op] = (total + took, n + 1)
-
-    def forget_sync(self, sure_to_drop: Callable[[str], Rule | None]) -> None:
-        """Once enough synchronous calls are held (:data:`SYNC_PRUNE`), forget those of the
-        steps decimation is sure to drop (``sure_to_drop``: the stream's
-        :meth:`StepKeeper.sure_to_drop`), and their steps' sums: decimation would drop
-        what they add up to (~1.2 KB a step of the probes/ job, held to the end)."""
-        if self._sync_held < self._sync_next:
-            return
-        rule = sure_to_drop("coll_wait")
-        if rule is not None:
-            self._sync = {k: v for k, v in self._sync.items() if not sure_dropped(rule, k)}
-            self.coll_wait = {k: v for k, v in self.coll_wait.items() if not sure_dropped(rule, k)}
-            self._sync_held = sum(map(len, self._sync.values()))
-        self._sync_next = 2 * self._sync_held + SYNC_PRUNE
 
     def finish(self) -> list[Collective]:
         """Close the sums; the kept calls, in the order they started."""
@@ -342,8 +369,8 @@ class CollectiveLog:
         """Per step (+1), the time in synchronous calls that started outside every backward
         phase of the step (FSDP's backward collectives run inside it); call after
         :meth:`finish`, with the backward spans of every phase record (:class:`BackwardSpans`)."""
-        out = sync_outside_backward(self._sync, spans)
-        self._sync = {}
+        out = sync_outside_backward(self.sync.calls, spans)
+        self.sync.calls = {}
         return out
 
 

@@ -325,7 +325,6 @@ def _long_streams(draw: st.DrawFn) -> list[str]:
 def _forget_sync_after(monkeypatch: pytest.MonkeyPatch, calls: int) -> None:
     """Both collective logs forget synchronous calls of dropped steps past ``calls``."""
     monkeypatch.setattr(reduce, "SYNC_PRUNE", calls)
-    monkeypatch.setattr(columnar, "SYNC_PRUNE", calls)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -378,14 +377,13 @@ def test_a_long_streams_synchronous_calls_of_dropped_steps_are_forgotten(
             )
     path.write_text("\n".join(out) + "\n")
     held: list[int] = []
-    for log in (reduce.CollectiveLog, columnar.ColumnarLog):
-        real = log.forget_sync
+    real = reduce.SyncTimes.grew
 
-        def spy(self: Any, sure_to_drop: Any, real: Any = real) -> None:
-            real(self, sure_to_drop)
-            held.append(self._sync_held)
+    def spy(self: Any, n: int) -> None:
+        real(self, n)
+        held.append(self.held)
 
-        monkeypatch.setattr(log, "forget_sync", spy)
+    monkeypatch.setattr(reduce.SyncTimes, "grew", spy)
     _forget_sync_after(monkeypatch, 64)
     lines, columns, declined = _both(monkeypatch, [(0, path)], 64 << 10, budget=16)
     assert declined is None and columns == lines
