@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -135,14 +136,23 @@ class TeardownAbortWarning(UserWarning):
 
 
 def finished_then_aborted(out: Path) -> bool:
-    """Every rank of the run recorded exit 0 and one or more then died in the
-    interpreter's teardown (failed-after-exit's high-confidence case)."""
+    """One or more ranks recorded exit 0 and then died in the interpreter's teardown
+    (failed-after-exit's high-confidence case); every other rank recorded exit 0 too, or
+    the SIGTERM the launcher sends the rest once one died."""
     try:
         ranks = list(load_run(out).ranks.values())
     except Exception:
         return False
-    clean = all(r.end is not None and r.end["status"] == "exit" and r.end["code"] == 0 for r in ranks)
-    return clean and any(ending_of(r).teardown for r in ranks)
+    ends = [ending_of(r) for r in ranks]
+    if not any(e.teardown for e in ends):
+        return False
+    return all(
+        e.teardown
+        and r.end is not None
+        and r.end["code"] == 0
+        or (e.status, e.code) in (("exit", 0), ("signal", -signal.SIGTERM))
+        for r, e in zip(ranks, ends, strict=True)
+    )
 
 
 def probed(out: Path, cmd: list[str], *extra: str, rerun_teardown_abort: bool = True) -> Finished:

@@ -14,7 +14,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.attachments import remove_empty_fatal_files
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import load_run
-from tests.helpers import LORASCOPE, RankSpec, write_run
+from tests.helpers import LORASCOPE, RankSpec, finished_then_aborted, write_run
 
 #: What faulthandler writes when gloo's threads abort a rank in the interpreter's teardown.
 ABORTED = (
@@ -95,3 +95,13 @@ def test_empty_fatal_files_of_finished_processes_on_this_host_are_removed(tmp_pa
         )
     remove_empty_fatal_files(tmp_path, procs, "here")
     assert sorted(f.parent.name for f in ranks.glob("*/*.fatal.txt")) == ["rank-1", "rank-2", "rank-3"]
+
+
+def test_the_harness_reruns_only_a_job_that_finished_then_aborted(tmp_path: Path) -> None:
+    """tests/helpers.finished_then_aborted: what `probed` runs again once."""
+    assert finished_then_aborted(write_run(tmp_path / "a", [RankSpec(), RankSpec(fatal=ABORTED)], exit_status=1))
+    assert not finished_then_aborted(write_run(tmp_path / "b", [RankSpec(), RankSpec()], exit_status=1))
+    crashed = [RankSpec(exception=("RuntimeError", "boom")), RankSpec(fatal=ABORTED)]
+    assert not finished_then_aborted(write_run(tmp_path / "c", crashed, exit_status=1))
+    died = [RankSpec(ends=False, fatal=ABORTED), RankSpec()]
+    assert not finished_then_aborted(write_run(tmp_path / "d", died, exit_status=1))
