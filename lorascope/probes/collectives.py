@@ -698,7 +698,7 @@ class CollectiveProbe:
             gid = self._next_gid
             self._next_gid += 1
             try:
-                held: Any = weakref.ref(group, lambda _: self._gids.pop(key, None))
+                held: Any = weakref.ref(group, lambda ref: self._forget_group(key, ref))
             except TypeError:  # None, a name, a list of ranks
                 held = group
             self._gids[key] = (gid, held)
@@ -723,6 +723,13 @@ class CollectiveProbe:
         self._group_names[gid] = name
         self.session.record("group", gid=gid, name=name, ranks=ranks, backend=backend)
         return gid
+
+    def _forget_group(self, key: int, ref: weakref.ref[Any]) -> None:
+        """A group is gone (a weak reference's callback): its entry goes, if it is still
+        the one this reference was made for."""
+        entry = self._gids.get(key)
+        if entry is not None and entry[1] is ref:
+            self._gids.pop(key, None)
 
     def _site(self) -> tuple[str | None, str | None]:
         """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
