@@ -12,6 +12,7 @@ from lorascope.detect import (
     logits_spike,
     oom,
     plan_deviation,
+    probes_off,
     rank0_asymmetry,
     rank_conditional_hang,
     reentrant_dead_grads,
@@ -46,6 +47,7 @@ MODULES = [
     straggler,
     tiny_kernel_tail,
     unobserved_ranks,
+    probes_off,
 ]
 #: Every detector, in the order they run. Each is a pure function of the bundle.
 DETECTORS: list[Detector] = [m.detect for m in MODULES]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.detect import probes_off
+from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import record_launch
@@ -181,6 +183,9 @@ def test_failing_probe_switches_off_and_job_goes_on(tmp_path: Path) -> None:
     assert "memory" in {e["probe"] for e in rank.probe_errors}
     assert all("planted" in e["error"] for e in rank.probe_errors)
     assert len(rank.steps) == 3 and len(rank.collectives) == 5  # the other probes go on
+    # and `analyze` says what is missing instead of a clean bill
+    (off,) = probes_off.detect(EvidenceBundle(path=out, run=load_run(out)))
+    assert off.ranks == [0] and off.severity == "warning" and off.title.startswith("the memory probe switched off")
 
 
 GROUPS_JOB = textwrap.dedent("""
