@@ -86,3 +86,9 @@ def rank_ranges(ranks: Iterable[int]) -> str:
             parts.append(str(numbers[i]))
             i += 1
     return ", ".join(parts)
+
+
+def ranks_named(ranks: Iterable[int]) -> str:
+    """``rank 3`` for one rank, ``ranks 0, 2, 4-7`` (:func:`rank_ranges`) for more."""
+    numbers = sorted(set(ranks))
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {rank_ranges(numbers)}"

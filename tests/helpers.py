@@ -26,8 +26,7 @@ import pytest
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import FATAL_SUFFIX
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.writer import Stream, fatal_path, record_launch, stream_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
@@ -262,7 +261,7 @@ def write_run(
             device="cpu",
         )
         if spec.fatal is not None:
-            fatal = stream_prefix(root, n, "h", 100 + n).with_name(f"h-{100 + n}{FATAL_SUFFIX}")
+            fatal = fatal_path(stream_prefix(root, n, "h", 100 + n))
             fatal.parent.mkdir(parents=True, exist_ok=True)
             fatal.write_text(spec.fatal)
             write("fatal_handler", file=fatal.name)

@@ -23,7 +23,7 @@ from lorascope.hang.targets import Target, verify
 from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import RunData
-from lorascope.units import rank_ranges
+from lorascope.units import rank_ranges, ranks_named
 
 
 def _alike(groups: list[dict[str, Any]]) -> list[tuple[str, list[Any], bool]]:
@@ -64,7 +64,7 @@ def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
     for where, ranks, merged in _alike(diagnosis["groups"]):
         # rank numbers, or "rank N" / "pid N" labels in --pid mode
         if all(isinstance(r, int) for r in ranks):
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+            who = ranks_named(ranks)
         else:
             who = ", ".join(map(str, ranks))
         if merged:

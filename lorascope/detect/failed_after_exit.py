@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+from pathlib import Path
 from typing import Any
 
 from lorascope.detect.common import per_rank_evidence, stream_source
@@ -17,8 +18,8 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.ending import Ending, ending_of
 from lorascope.rundir.reader import RankData, RunData
-from lorascope.rundir.schema import FATAL_SUFFIX
-from lorascope.units import rank_ranges
+from lorascope.rundir.writer import fatal_path
+from lorascope.units import ranks_named
 
 ID = "failed-after-exit"
 
@@ -69,7 +70,8 @@ def _fatal_source(run: RunData, rank: RankData) -> str:
     fatal suffix in place of the segment's."""
     if not rank.files:
         return f"ranks/rank-{rank.rank} (faulthandler)"
-    return os.path.relpath(rank.files[0], run.path).rsplit(".", 2)[0] + f"{FATAL_SUFFIX} (faulthandler)"
+    prefix = Path(os.path.relpath(rank.files[0], run.path).rsplit(".", 2)[0])
+    return f"{fatal_path(prefix).as_posix()} (faulthandler)"
 
 
 def _fatal_summary(text: str) -> str:
@@ -90,7 +92,7 @@ def _teardown_finding(run: RunData, ends: dict[int, Ending], failed: list[dict[s
     ranks = sorted(ends)
     codes = sorted({c for n in ranks if (c := ends[n].code) is not None})
     how = " or ".join(signal.Signals(-c).name for c in codes) or "a fatal signal"
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+    who = ranks_named(ranks)
     exited = f": the launcher exited {failed[0]['exit_status']}" if failed else ""
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n in ranks:

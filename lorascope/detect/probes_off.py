@@ -12,7 +12,7 @@ from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 ID = "probes-off"
 
@@ -70,7 +70,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     for probe, by_rank in sorted(off.items()):
         records, readers = _fed(probe)
         ranks = sorted(by_rank)
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+        who = ranks_named(ranks)
         first = str(by_rank[ranks[0]].get("error", "")).splitlines()[0][:200]
         rows = {
             n: [

@@ -9,7 +9,7 @@ from __future__ import annotations
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.units import rank_ranges
+from lorascope.units import rank_ranges, ranks_named
 
 ID = "unobserved-ranks"
 
@@ -36,7 +36,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if not absent:
         return []
     first = next(iter(run.ranks.values()))
-    who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {rank_ranges(absent)}"
+    who = ranks_named(absent)
     return [
         Finding(
             id=ID,

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import IO, Any
 
 from lorascope.probes.session import Session
-from lorascope.rundir.schema import FATAL_SUFFIX
+from lorascope.rundir.writer import fatal_path
 
 MAX_WARNINGS = 200
 _TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -48,7 +48,7 @@ def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
     processes once they are gone (the reader ignores an empty one)."""
     if faulthandler.is_enabled():
         return None
-    path = prefix.with_name(prefix.name + FATAL_SUFFIX)
+    path = fatal_path(prefix)
     file = open(path, "w")  # kept open for the life of the process
     faulthandler.enable(file=file, all_threads=True)
     session.record("fatal_handler", file=path.name)

@@ -12,7 +12,8 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import BOOTSTRAP_DIR, FATAL_SUFFIX, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.writer import fatal_path, stream_prefix
 
 #: What is read, at most: of a stream's first line (its start record), of processes.jsonl.
 MAX_START_BYTES = 1 << 20
@@ -53,7 +54,7 @@ def remove_empty_fatal_files(run_dir: Path, processes: list[dict[str, Any]], hos
             pass
         except OSError:
             continue
-        path = run_dir / RANKS_DIR / f"rank-{rec['rank']}" / f"{host}-{rec['pid']}{FATAL_SUFFIX}"
+        path = fatal_path(stream_prefix(run_dir, rec["rank"], host, rec["pid"]))
         try:
             if path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
                 path.unlink()

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from lorascope.rundir.schema import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.schema import FATAL_SUFFIX, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEP_SEGMENTS = 4
@@ -70,6 +70,11 @@ def _write_all(fd: int, data: bytes) -> None:
 def stream_prefix(run_dir: Path, rank: int, host: str, pid: int) -> Path:
     """Where a rank process's segments go: ``ranks/rank-R/HOST-PID.NNNN.jsonl``."""
     return run_dir / RANKS_DIR / f"rank-{rank}" / f"{host}-{pid}"
+
+
+def fatal_path(prefix: Path) -> Path:
+    """A rank process's faulthandler file, beside its segments: ``HOST-PID.fatal.txt``."""
+    return prefix.with_name(prefix.name + FATAL_SUFFIX)
 
 
 class Stream:
