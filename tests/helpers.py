@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -29,6 +29,7 @@ from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, fatal_path, record_launch, stream_prefix
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 FIXTURES = REPO / "fixtures"
 
 # --- real GPU Kineto traces: ../shared/real-traces beside the repository (not in git) ---------
@@ -154,12 +155,29 @@ def finished_then_aborted(out: Path) -> bool:
     )
 
 
+def rerun_if_teardown_abort(out: Path, launch: Callable[[], T], failed: Callable[[T], bool]) -> T:
+    """``launch()`` a job writing the run directory OUT; if it ``failed`` only because a
+    rank aborted in its interpreter's teardown after finishing (gloo's threads:
+    pytorch/pytorch#190489; a bare run does it too, now and then), launch it once more,
+    with a warning, its first run directory kept beside as OUT-teardown-abort: the tests
+    are about the job, not torch's exit."""
+    result = launch()
+    if failed(result) and finished_then_aborted(out):
+        kept = out.with_name(out.name + "-teardown-abort")
+        shutil.rmtree(kept, ignore_errors=True)
+        out.rename(kept)
+        warnings.warn(
+            f"{kept}: a rank aborted in its teardown after the job finished; run again",
+            TeardownAbortWarning,
+            stacklevel=2,
+        )
+        result = launch()
+    return result
+
+
 def probed(out: Path, cmd: list[str], *extra: str, rerun_teardown_abort: bool = True) -> Finished:
-    """CMD under `lorascope run --out OUT`. A job that failed only because a rank aborted
-    in its interpreter's teardown after finishing (gloo's threads: pytorch/pytorch#190489;
-    a bare run does it too, now and then) is run once more, with a warning, its first
-    run directory kept beside as OUT-teardown-abort: the test is about the job, not torch's
-    exit."""
+    """CMD under `lorascope run --out OUT` (once more on a teardown abort, unless
+    ``rerun_teardown_abort`` is off: :func:`rerun_if_teardown_abort`)."""
 
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -170,18 +188,9 @@ def probed(out: Path, cmd: list[str], *extra: str, rerun_teardown_abort: bool = 
             env=job_env(),
         )
 
-    proc = run()
-    if rerun_teardown_abort and proc.returncode != 0 and finished_then_aborted(out):
-        kept = out.with_name(out.name + "-teardown-abort")
-        shutil.rmtree(kept, ignore_errors=True)
-        out.rename(kept)
-        warnings.warn(
-            f"{kept}: a rank aborted in its teardown after the job finished; run again",
-            TeardownAbortWarning,
-            stacklevel=2,
-        )
-        proc = run()
-    return Finished(out, proc)
+    if not rerun_teardown_abort:
+        return Finished(out, run())
+    return Finished(out, rerun_if_teardown_abort(out, run, lambda proc: proc.returncode != 0))
 
 
 def bare(cmd: list[str]) -> subprocess.CompletedProcess[str]:

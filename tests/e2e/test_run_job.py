@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,11 @@ from tests.helpers import (
     LORASCOPE,
     TRAIN,
     Finished,
-    TeardownAbortWarning,
-    finished_then_aborted,
     free_port,
     job_env,
     losses,
     probed,
+    rerun_if_teardown_abort,
     torchrun,
 )
 
@@ -133,9 +131,9 @@ def test_plain_torch_loop_is_recorded(tmp_path: Path) -> None:
 
 
 def test_two_node_launch_makes_one_run(tmp_path: Path) -> None:
-    out, port = tmp_path / "run", free_port()
+    out = tmp_path / "run"
 
-    def launch(node: int) -> subprocess.Popen[str]:
+    def launch(node: int, port: int) -> subprocess.Popen[str]:
         cmd = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1"]
         return subprocess.Popen(
             [
@@ -160,20 +158,13 @@ def test_two_node_launch_makes_one_run(tmp_path: Path) -> None:
             text=True,
         )
 
-    def both() -> list[tuple[int, str]]:
-        procs = [launch(node) for node in (0, 1)]
+    def both() -> list[tuple[int | None, str]]:
+        port = free_port()
+        procs = [launch(node, port) for node in (0, 1)]
         errs = [proc.communicate(timeout=300)[1] for proc in procs]
         return [(proc.returncode, err) for proc, err in zip(procs, errs, strict=True)]
 
-    ended = both()
-    if any(rc for rc, _ in ended) and finished_then_aborted(out):  # as tests.helpers.probed does
-        out.rename(out.with_name("run-teardown-abort"))
-        warnings.warn(
-            "a rank aborted in its teardown after the job finished; run again", TeardownAbortWarning, stacklevel=1
-        )
-        port = free_port()
-        ended = both()
-    for rc, err in ended:
+    for rc, err in rerun_if_teardown_abort(out, both, lambda ended: any(rc for rc, _ in ended)):
         assert rc == 0, err[-3000:]
     summary = Finished(out, subprocess.CompletedProcess([], 0)).summary()
     assert summary["manifest"]["world_size"] == 2
