@@ -52,6 +52,8 @@ from typing import Any
 
 import psutil
 
+from lorascope.probes.logits import MAX_CALLS
+
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "fixtures" / "rank-conditional-hang"
 EXTRA = 512 * 2**20
@@ -144,6 +146,11 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             off += period - span
         offsets.append(off)
     templates = [_template(r) for r in block]
+    steady = list(zip(block, templates, offsets, strict=True))
+    # the probes look at the first MAX_CALLS calls' logits only, one call a step: the
+    # recording's steady step holds the last of them, its repetitions none
+    later = [(r, tmpl, off) for r, tmpl, off in steady if r["k"] != "logits"]
+    assert all(r["step"] + 1 >= MAX_CALLS for r, _, _ in steady if r["k"] == "logits")
     path = out / "ranks" / f"rank-{rank}" / f"bench-{pid}.0000.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     written = 0
@@ -169,7 +176,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
         for j in range(steps - 1):
             base = t1 + j * period
             chunk = []
-            for r, tmpl, off in zip(block, templates, offsets, strict=True):
+            for r, tmpl, off in steady if j == 0 else later:
                 extra = EXTRA if rank == 0 and r.get("step", 0) + j >= plant else 0
                 chunk.append(
                     tmpl.format(
