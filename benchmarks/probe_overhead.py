@@ -23,6 +23,11 @@ per step does much less. So the ranks' CPU time (user + system, every thread, re
 arrive) is reported too, per pair and as the same median over pairs: it is what the
 probes add to the job's work, whatever the machine's load.
 
+And what each probed job measured itself (its ``cost`` records: `analyze`'s "probes'
+cost"): the time its threads spent in probe code a step, as a share of its step, which
+no other run's noise enters (a lower bound: the hooks' dispatch and what the probes'
+own threads take from the job are outside it); printed per pair and as IN-JOB.
+
 Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
 few percent only with many repetitions (20 pairs or more), and say what else the
 machine was running (the load average is printed before and after). With ``taskset`` on the
@@ -53,6 +58,9 @@ from pathlib import Path
 
 import psutil
 
+from lorascope.analysis.summary import build_summary
+from lorascope.rundir.reader import load_run
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "probes" / "train_lora.py"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$")
@@ -69,6 +77,10 @@ class Run:
     mean_step_s: float | None = None  # what the job itself prints
     rc: int = 0
     cpu_step_s: float | None = None  # the ranks' CPU seconds per post-warm-up step, all ranks together
+    #: what the probed job measured itself (its ``cost`` records, `analyze`'s "probes' cost"):
+    #: the median over its ranks of the time a step spent in probe code, ms and share of the step
+    in_job_ms: float | None = None
+    in_job_share: float | None = None
 
     @property
     def median(self) -> float:
@@ -192,7 +204,19 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
         run.cpu_step_s = (cpu_at[args.steps] - cpu_at[args.warmup]) / (args.steps - args.warmup)
     if variant != "bare" and not list((work / f"{variant}-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
         print(f"  warning: the {variant} run {index} wrote no rank stream (probes not attached?)")
+    elif variant != "bare":
+        summary = build_summary(load_run(work / f"{variant}-{index:02d}"))
+        cost = summary["probe_cost"]  # None from a --baseline checkout that writes no cost records
+        if cost is not None:
+            run.in_job_ms, run.in_job_share = cost["job_ms_per_step"], cost["share_of_step"]
     return run
+
+
+def in_job_text(run: Run) -> str:
+    if run.in_job_ms is None:
+        return "-"
+    share = f" ({run.in_job_share * 100:.2f}%)" if run.in_job_share is not None else ""
+    return f"{run.in_job_ms:.2f} ms{share}"
 
 
 def rank_processes(root: int, nproc: int) -> list[psutil.Process]:
@@ -304,7 +328,8 @@ def main() -> None:
             print(
                 f"  pair {rep + 1:2d} ({''.join(v[0] for v in order)}): bare {ms(bare.median)} probed {ms(probed.median)} "
                 f"overhead {(probed.median / bare.median - 1) * 100:+6.2f}%; "
-                f"CPU/step {cpu_text(bare)} / {cpu_text(probed)} ({cpu_overhead_text(bare, probed)})   "
+                f"CPU/step {cpu_text(bare)} / {cpu_text(probed)} ({cpu_overhead_text(bare, probed)}); "
+                f"in-job {in_job_text(probed)}   "
                 f"(wall {bare.wall_s:.1f} s / {probed.wall_s:.1f} s; load {os.getloadavg()[0]:.2f})",
                 flush=True,
             )
@@ -343,6 +368,18 @@ def main() -> None:
             f"(ranks' CPU seconds per step, all ranks: bare "
             f"{statistics.median(b.cpu_step_s for b, _ in pairs if b.cpu_step_s) * 1000:.1f} ms, probed "
             f"{statistics.median(p.cpu_step_s for _, p in pairs if p.cpu_step_s) * 1000:.1f} ms)"
+        )
+    in_job = [(r.in_job_ms, r.in_job_share) for r in probed_runs if r.in_job_ms is not None]
+    if in_job:
+        shares = [share for _, share in in_job if share is not None]
+        print(
+            f"IN-JOB (median of {len(in_job)} probed runs, each the median of its ranks): "
+            f"{statistics.median(m for m, _ in in_job):.2f} ms a step in probe code on the job's threads"
+            + (
+                f", {statistics.median(shares) * 100:.2f}% of the step (IQR {' .. '.join(f'{q * 100:.2f}%' for q in quartiles(shares)[::2])})"
+                if shares
+                else ""
+            )
         )
     print(f"median step time, bare:   {ms(bare_med)}  ({len(bare_runs)} runs x {len(bare_runs[0].step_s)} steps)")
     print(f"median step time, probed: {ms(probed_med)}")
@@ -396,6 +433,8 @@ def main() -> None:
                     "overhead_iqr_pct": [q1, q3],
                     "cpu_overhead_median_pct": quartiles(cpu)[1] if cpu else None,
                     "cpu_overhead_iqr_pct": [quartiles(cpu)[0], quartiles(cpu)[2]] if cpu else None,
+                    "in_job_ms": [r.in_job_ms for r in probed_runs],
+                    "in_job_share": [r.in_job_share for r in probed_runs],
                     "bare_median_ms": bare_med * 1e3,
                     "probed_median_ms": probed_med * 1e3,
                     "losses_identical": bare_vs_probed,

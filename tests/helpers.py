@@ -236,6 +236,8 @@ class RankSpec:
     sites: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     #: What faulthandler wrote to the rank's fatal file (None: no file; "" an empty one).
     fatal: str | None = None
+    #: Records written after the steps, as given (``t`` added).
+    extra: list[dict[str, Any]] = field(default_factory=list)
 
 
 def write_run(
@@ -303,6 +305,8 @@ def write_run(
                 write("coll_end", seq=seq, gid=0, err=call.err)
         for message in spec.warnings:
             write("warning", category="UserWarning", message=message, filename="train.py", lineno=3)
+        for rec in spec.extra:
+            write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
         if spec.exception:
             write(
                 "exception",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
@@ -79,6 +80,7 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
         "ended": ending_of(rank).as_dict(),
         "unseen_collectives": _unseen(rank),
+        "probe_cost": rank_cost(rank),
         "files": rank.files,
     }
 
@@ -87,6 +89,7 @@ def build_summary(run: RunData) -> dict[str, Any]:
     """Everything `analyze` reports, as plain data (the JSON output is this)."""
     ranks = list(run.ranks.values())
     first = ranks[0] if ranks else None
+    rank_summaries = [_rank_summary(r) for r in ranks]
     launches = run.manifest["launches"]
     starts = [launch["start"] for launch in launches] + [float(r.start["t"]) for r in ranks]
     ends = [launch["end"] for launch in launches if launch["end"] is not None] + [r.last_time for r in ranks]
@@ -103,6 +106,7 @@ def build_summary(run: RunData) -> dict[str, Any]:
             "configs": first.configs if first else {},
             "sharding": _sharding(first),
         },
-        "ranks": [_rank_summary(r) for r in ranks],
+        "ranks": rank_summaries,
+        "probe_cost": run_cost(rank_summaries),
         "warnings": run.warnings,
     }

@@ -32,6 +32,7 @@ FEEDS: dict[str, tuple[str, str]] = {
     "fatal": ("how a rank ended on a fatal signal", "collective-mismatch, failed-after-exit"),
     "nvml": ("device memory as NVML sees it", "rank0-asymmetry, logits-spike (severity)"),
     "fsdp": ("FSDP's settings", "plan-deviation"),
+    "cost": ("what the probes cost the job", ""),
 }
 
 

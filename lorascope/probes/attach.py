@@ -203,6 +203,7 @@ def _start(
     steps = StepProbe(session, memory, GradProbe(session), logits, kernels, on_step_end=on_step_end)
 
     def on_end() -> None:
+        session.record_cost()  # before the sampler stops (its thread's CPU) and its last reading
         memory.stop()
         memory.sample("end")
         collectives.resolve_device_times()

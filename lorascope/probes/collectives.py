@@ -445,20 +445,29 @@ class CollectiveProbe:
         call (``all_gather_object`` uses ``all_gather``), or with the probe off, passes
         straight through."""
         probe = self
+        session = self.session
+        clock = time.perf_counter_ns
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             local = probe._local
-            if getattr(local, "depth", 0) or "collectives" in probe.session.disabled:
+            if getattr(local, "depth", 0) or "collectives" in session.disabled:
                 return original(*args, **kwargs)
             local.depth = 1
             try:
+                began = clock()
                 started = begin(args, kwargs)
+                called = clock()
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
                     probe._end(started, repr(exc)[:500])
                     raise
+                back = clock()
                 returned(started, result)
+                spent = called - began + clock() - back
+                session.cost_ns += spent
+                session.calls_ns += spent
+                session.calls += 1
                 return result
             finally:
                 local.depth = 0
@@ -565,10 +574,13 @@ class CollectiveProbe:
             # condition (the rank-conditional call a peer's mismatch aborts this rank in,
             # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
             # call's record waits for the writer (most end in time to be one record).
+            flushed = time.perf_counter_ns()
             if not is_async:
                 session.flush(final=False)
+                session.flush_ns += time.perf_counter_ns() - flushed
             elif op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
                 session.flush(final=True)
+                session.flush_ns += time.perf_counter_ns() - flushed
             on_device = first is not None and bool(getattr(first, "is_cuda", False))
             events = self._cuda_events(first) if on_device and not is_async else None
             return _Started(call, events, on_device)
@@ -651,7 +663,11 @@ class CollectiveProbe:
                     probe._end_open(id(work), repr(exc)[:500])
                 raise
             if probe._open:
+                began = time.perf_counter_ns()
                 probe._end_open(id(work), None)
+                spent = time.perf_counter_ns() - began
+                probe.session.cost_ns += spent
+                probe.session.calls_ns += spent
             return out
 
         return _like(wait, original, "wait")

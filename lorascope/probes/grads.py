@@ -63,8 +63,8 @@ class GradProbe:
         self.session = session
         self._setup_done = False
         self._grads_done = False
-        self.before_backward = session.guarded("grads")(self._before_backward)
-        self.after_backward = session.guarded("grads")(self._after_backward)
+        self.before_backward = session.guarded("grads", job_thread=True)(self._before_backward)
+        self.after_backward = session.guarded("grads", job_thread=True)(self._after_backward)
 
     def _before_backward(self, model: Any) -> None:
         if self._setup_done or model is None:

@@ -30,8 +30,8 @@ class LogitsProbe:
         self._head_calls = 0
         self._hooked_heads: set[int] = set()
         self.watch_model = session.guarded("logits")(self._watch_model)
-        self._record = session.guarded("logits")(self._record_logits)
-        self._reading = session.guarded("logits")(memory.reading)
+        self._record = session.guarded("logits", job_thread=True)(self._record_logits)
+        self._reading = session.guarded("logits", job_thread=True)(memory.reading)
 
     def install(self, torch: Any) -> None:
         """Wrap torch.nn.functional.cross_entropy (transformers' causal-LM loss calls it

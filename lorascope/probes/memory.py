@@ -16,6 +16,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import psutil
@@ -152,9 +153,13 @@ class MemoryProbe:
         fields: dict[str, Any] = {"rss": self._rss()}
         cuda = self._cuda(from_main_thread)
         if heap and (cuda is None or not from_main_thread):
+            began = time.perf_counter_ns()
             value = heap_in_use()
             if value is not None:
                 fields["heap"] = value
+                if from_main_thread:  # the job's time (``Session.cost_ns``)
+                    self.session.heap_ns += time.perf_counter_ns() - began
+                    self.session.heap_reads += 1
         if cuda is not None:
             fields["cuda"] = cuda
             if not from_main_thread:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -14,6 +15,9 @@ from typing import Any, TypeVar
 from lorascope.rundir.writer import LazyRecord, Stream
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Steps between two ``cost`` records.
+COST_EVERY = 100
 
 
 def plain(value: Any, depth: int = 0) -> Any:
@@ -46,6 +50,20 @@ class Session:
         self.step_source: str | None = None
         self.disabled: set[str] = set()
         self.ended = False
+        #: What the probes cost the job's own threads: wall ns in probe code (the
+        #: collective wrappers, phase edges, step ends, the loss) and, of it, the
+        #: collective calls' (how many; the flushes before synchronous ones among it), the
+        #: C heap readings' (how many) and the kernel trace window's (starting, stopping,
+        #: exporting the trace: a few steps' one-off cost). Added to without a lock: two
+        #: job threads adding at once lose a measurement, never a record.
+        self.cost_ns = 0
+        self.calls_ns = 0
+        self.calls = 0
+        self.flush_ns = 0
+        self.heap_ns = 0
+        self.heap_reads = 0
+        self.trace_ns = 0
+        self.record_cost = self.guarded("cost")(self._record_cost)
 
     @property
     def active(self) -> bool:
@@ -74,6 +92,31 @@ class Session:
         calls started in the last few ms that may still end and become one record."""
         self.stream.flush(final)
 
+    def _record_cost(self) -> None:
+        """A ``cost`` record (at the first step's end, every ``COST_EVERY`` steps, at the
+        end): so far, the time in probe code on the job's threads and its parts (above),
+        and the CPU time of each of the probes' own threads (by its clock; Linux).
+        Cumulative, so the difference of two is what the steps between cost."""
+        threads: dict[str, float] = {}
+        ours = {t.name: t.ident for t in threading.enumerate() if t.name.startswith("lorascope-") and t.ident}
+        for name, ident in ours.items() if hasattr(time, "pthread_getcpuclockid") else []:
+            try:
+                threads[name] = round(time.clock_gettime(time.pthread_getcpuclockid(ident)) * 1e3, 3)
+            except OSError:  # it has just ended
+                pass
+        self.record(
+            "cost",
+            step=self.step,
+            job_ms=round(self.cost_ns / 1e6, 3),
+            calls_ms=round(self.calls_ns / 1e6, 3),
+            calls=self.calls,
+            flush_ms=round(self.flush_ns / 1e6, 3),
+            heap_ms=round(self.heap_ns / 1e6, 3),
+            heap_reads=self.heap_reads,
+            trace_ms=round(self.trace_ns / 1e6, 3),
+            threads_cpu_ms=threads,
+        )
+
     def fail(self, probe: str, exc: BaseException) -> None:
         """Switch a probe off for the rest of the job, and say why in the stream."""
         if probe in self.disabled:
@@ -83,8 +126,10 @@ class Session:
         self.record("probe_error", probe=probe, error=text)
         print(f"lorascope: probe {probe!r} switched off on rank {self.rank}: {text}", file=sys.stderr)
 
-    def guarded(self, probe: str) -> Callable[[F], F]:
-        """Decorate probe code: any exception turns the probe off; it never reaches the job."""
+    def guarded(self, probe: str, job_thread: bool = False) -> Callable[[F], F]:
+        """Decorate probe code: any exception turns the probe off; it never reaches the job.
+        ``job_thread``: code the job's own threads run (a phase edge, a step's end), whose
+        time counts in ``cost_ns`` (none of it calls another such function)."""
 
         def deco(fn: F) -> F:
             @functools.wraps(fn)
@@ -97,6 +142,18 @@ class Session:
                     self.fail(probe, exc)
                     return None
 
-            return wrapper  # type: ignore[return-value]
+            if not job_thread:
+                return wrapper  # type: ignore[return-value]
+            clock = time.perf_counter_ns
+
+            @functools.wraps(fn)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                began = clock()
+                try:
+                    return wrapper(*args, **kwargs)
+                finally:
+                    self.cost_ns += clock() - began
+
+            return timed  # type: ignore[return-value]
 
         return deco

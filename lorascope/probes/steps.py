@@ -24,7 +24,7 @@ from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
-from lorascope.probes.session import Session, plain
+from lorascope.probes.session import COST_EVERY, Session, plain
 
 
 def ddp_settings(wrapper: Any) -> dict[str, Any]:
@@ -67,9 +67,9 @@ class StepProbe:
         self._configs_done: set[str] = set()
         self._open_spans: set[str] = set()
         self._forward_hooks: list[Any] = []
-        self.phase = session.guarded("steps")(self._phase)
-        self.step_done = session.guarded("steps")(self._step_done)
-        self.see_loss = session.guarded("steps")(self._see_loss)
+        self.phase = session.guarded("steps", job_thread=True)(self._phase)
+        self.step_done = session.guarded("steps")(self._step_done)  # timed inside
+        self.see_loss = session.guarded("steps", job_thread=True)(self._see_loss)
         self.record_model = session.guarded("configs")(self._record_model)
         self.record_config = session.guarded("configs")(self._record_config)
         self.adopt_model = session.guarded("configs")(self._adopt_model)
@@ -105,6 +105,7 @@ class StepProbe:
     def _step_done(self, source: str, reading: dict[str, Any] | None = None) -> None:
         """The step ends: its record, and the memory at its end (``reading``: the one the
         optimizer's end edge took just before, when the step ends there)."""
+        began = time.perf_counter_ns()
         now = time.time()
         session = self.session
         session.step += 1
@@ -120,7 +121,13 @@ class StepProbe:
         self._resolve_losses()
         self.memory.sample("step", reading=reading)
         self._on_step_end()
+        traced = time.perf_counter_ns()
         self.kernels.on_step_end()
+        done = time.perf_counter_ns()
+        session.trace_ns += done - traced
+        session.cost_ns += done - began  # by hand: the cost record must hold this step's
+        if session.step == 1 or session.step % COST_EVERY == 0:
+            session.record_cost()
         self._step_start = time.time()
 
     def _resolve_losses(self) -> None:

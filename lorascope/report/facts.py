@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from lorascope.analysis.cost import cost_text
 from lorascope.detect.common import but_for_numbers
 from lorascope.report.scrub import scrub
 from lorascope.rundir.reader import RankData, RunData
@@ -115,6 +116,7 @@ def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, A
         "start_utc": utc(start),
         "duration_s": None if start is None or end is None else round(end - start, 1),
         "versions": manifest["versions"],
+        "probe_cost": cost_text(summary["probe_cost"]) if summary.get("probe_cost") else None,
         "launches": [
             {
                 "command": shlex.join(str(a) for a in scrub(launch["command"])),

@@ -107,6 +107,8 @@ class RankData:
     signal: dict[str, Any] | None = None
     end: dict[str, Any] | None = None
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    #: The first ``cost`` record (the probes' cost so far, cumulative) and the latest.
+    costs: list[dict[str, Any]] = field(default_factory=list)
     #: Collective paths the job used that the probes cannot see (``coll_unseen``).
     unseen_collectives: list[dict[str, Any]] = field(default_factory=list)
     #: Call site -> {"line": source text, "conditions": enclosing if/while lines}.
@@ -590,6 +592,8 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
         setattr(data, _LATEST[kind], rec)
     elif kind == "config":
         data.configs[rec["name"]] = rec["value"]
+    elif kind == "cost":
+        data.costs[1:] = [rec]
     elif kind == "site":
         data.sites[rec["site"]] = rec
     elif kind == "group":

@@ -100,6 +100,20 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
+    #: What the probes cost the job so far (cumulative): time in probe code on the job's
+    #: threads, its parts (collective calls, the flushes before synchronous ones, the C
+    #: heap readings, the kernel trace window), the CPU time of the probes' own threads.
+    "cost": {
+        "step": _INT,
+        "job_ms": _NUM,
+        "calls_ms": _NUM,
+        "calls": _INT,
+        "flush_ms": _NUM,
+        "heap_ms": _NUM,
+        "heap_reads": _INT,
+        "trace_ms": _NUM,
+        "threads_cpu_ms": (dict,),
+    },
     "dropped": {"records": _INT},
     "end": {"status": _STR, "code": _OPT_INT},
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lorascope.analysis.cost import cost_text
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges
 
@@ -199,6 +200,7 @@ def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
         f"run {data['run_dir']}: world size {manifest['world_size']}, hosts {', '.join(manifest['hosts'])}",
         f"  {versions}" if versions else "",
         f"  sharding: {sharding_text(manifest['sharding'])}" if manifest.get("sharding") else "",
+        f"  probes' cost: {cost_text(data['probe_cost'])}" if data.get("probe_cost") else "",
         f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
         f"{'colls':>6}  last seq per group      ended",
     ]

@@ -61,6 +61,23 @@ def test_torchrun_job_is_fully_recorded(torchrun_run: Finished) -> None:
     assert "world size 2" in torchrun_run.proc.stderr  # the end-of-run summary
 
 
+def test_what_the_probes_cost_is_measured_in_the_job(torchrun_run: Finished) -> None:
+    """Each rank's cost records (step 1, the end): its threads' time in probe code a
+    step, within the step, the C heap readings (four a step on this CPU job: the forward's
+    begin and end, the backward's begin, the optimizer's end; and the logits probe's two
+    around the second step's loss) and the kernel window (the default 5:2) apart."""
+    summary = torchrun_run.summary()
+    for rank in summary["ranks"]:
+        cost = rank["probe_cost"]
+        assert cost is not None and cost["steps"] == 19
+        step_ms = rank["step_time_median_s"] * 1000
+        assert 0 < cost["heap_ms_per_step"] < cost["job_ms_per_step"] < step_ms / 4
+        assert cost["heap_reads_per_step"] == round(4 + 2 / 19, 2)
+        assert cost["trace_window_ms"] > 0 and cost["threads_cpu_ms_per_step"] > 0
+    assert summary["probe_cost"]["ranks"] == 2
+    assert "probes' cost: " in torchrun_run.proc.stderr  # the end-of-run summary
+
+
 def test_losses_are_identical_with_and_without_probes(torchrun_run: Finished, bare_losses: list[str]) -> None:
     assert len(bare_losses) == 20
     assert losses(torchrun_run.proc.stdout) == bare_losses

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,7 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
     from lorascope.probes import memory
 
     probe = memory.MemoryProbe.__new__(memory.MemoryProbe)
+    probe.session = types.SimpleNamespace(heap_ns=0, heap_reads=0)  # type: ignore[assignment]
     probe._rss = lambda: 1
     probe._nvml = lambda: None
     calls: list[int] = []
@@ -278,6 +280,8 @@ def test_a_cuda_rank_reads_the_heap_only_from_the_sampler(monkeypatch: pytest.Mo
     probe._cuda = lambda from_main_thread: None  # type: ignore[method-assign]
     assert probe.reading(from_main_thread=True)["heap"] == 5 and calls == [1, 1]
     assert "heap" not in probe.reading(from_main_thread=True, heap=False) and calls == [1, 1]
+    # the job's cost counts the training thread's reading, not the sampler's
+    assert probe.session.heap_reads == 1 and probe.session.heap_ns > 0
 
 
 def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

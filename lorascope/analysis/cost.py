@@ -1,0 +1,101 @@
+"""What the probes cost the job, as the job itself measured it (its ``cost`` records).
+
+The probes add up the time the job's own threads spend in probe code (the collective
+wrappers, phase edges, step ends; the C heap readings among it) and write the running
+totals with the CPU time of their own threads (writer, sampler, watchdog) at the first
+step's end, every ``COST_EVERY`` steps and at the end. The difference between a rank's
+first record and its latest, over the steps between them, is what a step cost it once
+warmed up; the kernel trace window (a few steps traced, its trace exported on the job's
+thread) is a one-off, said apart. A lower bound of what the job pays: the hooks' dispatch, the GIL the probes'
+threads take and what their CPU takes from a full machine are not in it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lorascope.rundir.reader import RankData
+
+
+def rank_cost(rank: RankData) -> dict[str, Any] | None:
+    """Per step between the rank's first ``cost`` record and its latest; None without two
+    records a step or more apart."""
+    if len(rank.costs) < 2:
+        return None
+    first, last = rank.costs
+    steps = int(last["step"] - first["step"])
+    if steps < 1:
+        return None
+
+    def per_step(key: str) -> float:
+        return float(last[key] - first[key]) / steps
+
+    threads = last["threads_cpu_ms"]
+    own = sum(ms - first["threads_cpu_ms"].get(name, 0.0) for name, ms in threads.items())
+    trace_ms = last["trace_ms"] - first["trace_ms"]
+    job_ms = per_step("job_ms") - trace_ms / steps
+    step_s = rank.totals.get("step_time_median_s")
+    return {
+        "steps": steps,
+        "job_ms_per_step": round(job_ms, 3),
+        "calls_ms_per_step": round(per_step("calls_ms"), 3),
+        "calls_per_step": round(per_step("calls"), 2),
+        "flush_ms_per_step": round(per_step("flush_ms"), 3),
+        "heap_ms_per_step": round(per_step("heap_ms"), 3),
+        "heap_reads_per_step": round(per_step("heap_reads"), 2),
+        "trace_window_ms": round(trace_ms, 1),
+        "threads_cpu_ms_per_step": round(own / steps, 3),
+        "share_of_step": round(job_ms / (step_s * 1000), 5) if step_s else None,
+    }
+
+
+#: What :func:`run_cost` takes the median of over the ranks.
+_MEDIANS = (
+    "job_ms_per_step",
+    "calls_ms_per_step",
+    "calls_per_step",
+    "flush_ms_per_step",
+    "heap_ms_per_step",
+    "heap_reads_per_step",
+    "trace_window_ms",
+    "threads_cpu_ms_per_step",
+)
+
+
+def run_cost(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The median over the ranks that measured it (rank summaries' ``probe_cost``), and
+    the rank it cost most."""
+    measured = [(r["rank"], r["probe_cost"]) for r in ranks if r.get("probe_cost")]
+    if not measured:
+        return None
+    shared = [(rank, c["share_of_step"]) for rank, c in measured if c["share_of_step"] is not None]
+    most = max(shared, key=lambda rs: rs[1]) if shared else None
+    return {
+        "ranks": len(measured),
+        **{key: round(float(statistics.median(c[key] for _, c in measured)), 3) for key in _MEDIANS},
+        "share_of_step": round(statistics.median(s for _, s in shared), 5) if shared else None,
+        "most": None if most is None else {"rank": most[0], "share_of_step": most[1]},
+    }
+
+
+def cost_text(cost: dict[str, Any]) -> str:
+    """One line: what the probes cost a step, as the job measured it, and its parts."""
+    share = cost["share_of_step"]
+    of_step = f" ({share:.1%} of the median step)" if share is not None else ""
+    rest = cost["job_ms_per_step"] - cost["calls_ms_per_step"] - cost["heap_ms_per_step"]
+    most = cost["most"]
+    spread = (
+        f"; median of {cost['ranks']} ranks, most on rank {most['rank']} ({most['share_of_step']:.1%})"
+        if most is not None and cost["ranks"] > 1
+        else ""
+    )
+    trace = f"; the kernel trace window {cost['trace_window_ms']:.0f} ms once" if cost["trace_window_ms"] else ""
+    return (
+        f"{cost['job_ms_per_step']:.2f} ms a step in probe code on the job's threads{of_step}: "
+        f"collective calls {cost['calls_ms_per_step']:.2f} ms ({cost['calls_per_step']:g} a step; "
+        f"the flushes before synchronous ones {cost['flush_ms_per_step']:.2f} ms of it), "
+        f"C heap readings {cost['heap_ms_per_step']:.2f} ms ({cost['heap_reads_per_step']:g} a step), "
+        f"phase edges and step ends {max(rest, 0.0):.2f} ms{trace}; "
+        f"{cost['threads_cpu_ms_per_step']:.2f} ms CPU a step on the probes' own threads{spread}"
+    )

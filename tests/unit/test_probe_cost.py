@@ -1,0 +1,153 @@
+"""What the probes cost the job, as the job measures it: the time its threads spend in
+probe code (``cost`` records), and what the analysis makes of it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.analysis.cost import cost_text, rank_cost, run_cost
+from lorascope.analysis.summary import build_summary
+from lorascope.probes import memory
+from lorascope.probes.grads import GradProbe
+from lorascope.probes.kernels import KernelWindow
+from lorascope.probes.logits import LogitsProbe
+from lorascope.probes.session import Session
+from lorascope.probes.steps import StepProbe
+from lorascope.rundir.reader import load_run
+from lorascope.rundir.writer import Stream
+from lorascope.text.summary import render_text
+from tests.helpers import RankSpec, write_run
+
+
+def _records(root: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(root.iterdir()) for line in path.read_text().splitlines()]
+
+
+def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Phase edges and step ends count (their heap readings and the kernel window apart);
+    a cost record at the first step's end and every COST_EVERY steps, cumulative."""
+    monkeypatch.setattr("lorascope.probes.steps.COST_EVERY", 2)
+    stream = Stream(tmp_path / "r" / "s")
+    session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
+    mem = memory.MemoryProbe(session)
+    kernels = KernelWindow(session, None, tmp_path / "k")
+    monkeypatch.setattr(kernels, "on_step_end", lambda: time.sleep(0.004))
+    steps = StepProbe(session, mem, GradProbe(session), LogitsProbe(session, mem), kernels, lambda: None)
+    spun, stop = threading.Event(), threading.Event()
+
+    def spin() -> None:  # a probe thread that used some CPU
+        sum(range(200_000))
+        spun.set()
+        stop.wait()
+
+    threading.Thread(target=spin, name="lorascope-test", daemon=True).start()
+    spun.wait()
+    for _ in range(4):
+        steps.phase("forward", "begin")
+        steps.phase("forward", "end")
+        steps._optimizer_begin()
+        steps._optimizer_end()
+    stop.set()
+    stream.close()
+    costs = [r for r in _records(tmp_path / "r") if r["k"] == "cost"]
+    assert [c["step"] for c in costs] == [1, 2, 4]
+    # heap at forward.begin, forward.end and optimizer.end (optimizer.begin reads RSS only)
+    assert [c["heap_reads"] for c in costs] == [3, 6, 12]
+    assert [c["calls"] for c in costs] == [0, 0, 0]  # no collective in this job
+    for c in costs:
+        assert c["trace_ms"] >= 4.0 * c["step"]  # the kernel window's sleep, each step
+        assert c["job_ms"] >= c["trace_ms"] + c["heap_ms"] > c["trace_ms"]
+    assert all(a["job_ms"] < b["job_ms"] for a, b in zip(costs, costs[1:], strict=False))
+    assert costs[0]["threads_cpu_ms"]["lorascope-test"] > 0  # by the thread's own clock
+
+
+def test_a_failing_probe_still_counts_and_switches_off(tmp_path: Path) -> None:
+    stream = Stream(tmp_path / "r" / "s")
+    session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
+
+    def slow_failure() -> None:
+        time.sleep(0.003)
+        raise RuntimeError("boom")
+
+    timed = session.guarded("steps", job_thread=True)(slow_failure)
+    assert timed() is None and session.cost_ns >= 3_000_000
+    assert "steps" in session.disabled
+    before = session.cost_ns
+    assert timed() is None and session.cost_ns - before < 3_000_000  # off: not called again
+    stream.close()
+
+
+def _cost(step: int, job: float, heap: float, trace: float, writer: float, reads: int) -> dict[str, Any]:
+    """Collective calls: 50 a step, 1.5 ms, 0.4 ms of it flushing, once warmed up."""
+    return {
+        "k": "cost",
+        "step": step,
+        "job_ms": job,
+        "calls_ms": 100.0 + 1.5 * step,
+        "calls": 50 * step,
+        "flush_ms": 20.0 + 0.4 * step,
+        "heap_ms": heap,
+        "heap_reads": reads,
+        "trace_ms": trace,
+        "threads_cpu_ms": {"lorascope-writer": writer},
+    }
+
+
+def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp_path: Path) -> None:
+    """The reader keeps the first cost record and the latest; the one-off start (before
+    the first) and the kernel window are not a step's cost."""
+    specs = [
+        RankSpec(
+            steps=101,
+            extra=[
+                _cost(1, 900.0, 0.5, 0.0, 40.0, 4),
+                _cost(50, 900.0 + job / 2, 50.0, 120.0, 60.0, 200),
+                _cost(101, 900.0 + job + 250.0, 100.5, 250.0, 140.0, 404),
+            ],
+        )
+        for job in (300.0, 500.0)
+    ]  # steps of 500 and 510 ms
+    run = load_run(write_run(tmp_path / "run", specs))
+    assert [c["step"] for c in run.ranks[0].costs] == [1, 101]
+    cost0 = rank_cost(run.ranks[0])
+    assert cost0 is not None
+    assert cost0["steps"] == 100 and cost0["job_ms_per_step"] == 3.0 and cost0["heap_ms_per_step"] == 1.0
+    assert cost0["heap_reads_per_step"] == 4.0 and cost0["trace_window_ms"] == 250.0
+    assert (cost0["calls_ms_per_step"], cost0["calls_per_step"], cost0["flush_ms_per_step"]) == (1.5, 50, 0.4)
+    assert cost0["threads_cpu_ms_per_step"] == 1.0 and cost0["share_of_step"] == pytest.approx(0.006)
+    summary = build_summary(run)
+    cost = summary["probe_cost"]
+    assert cost["ranks"] == 2 and cost["job_ms_per_step"] == 4.0  # the median of 3 and 5 ms
+    assert cost["most"]["rank"] == 1 and cost["most"]["share_of_step"] == pytest.approx(5 / 510, abs=1e-5)
+    text = render_text(summary)
+    assert (
+        "probes' cost: 4.00 ms a step in probe code on the job's threads (0.8% of the median step): "
+        "collective calls 1.50 ms (50 a step; the flushes before synchronous ones 0.40 ms of it), "
+        "C heap readings 1.00 ms (4 a step), phase edges and step ends 1.50 ms; "
+        "the kernel trace window 250 ms once; 1.00 ms CPU a step on the probes' own threads; "
+        "median of 2 ranks, most on rank 1 (1.0%)"
+    ) in text
+    assert cost_text(cost) in text
+
+
+def test_no_cost_without_two_records(tmp_path: Path) -> None:
+    """A rank killed before its second record, or an older lorascope's: nothing is said
+    of it (not zero)."""
+    run = load_run(write_run(tmp_path / "run", [RankSpec(steps=3, extra=[_cost(1, 900.0, 0.5, 0.0, 40.0, 4)])]))
+    assert rank_cost(run.ranks[0]) is None
+    assert run_cost([{"rank": 0, "probe_cost": None}]) is None
+
+
+def test_a_run_without_cost_records_prints_no_cost_line(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path / "run", [RankSpec(steps=5)]))
+    summary = build_summary(run)
+    assert summary["probe_cost"] is None and summary["ranks"][0]["probe_cost"] is None
+    assert "probes' cost" not in render_text(summary)
