@@ -5,8 +5,10 @@ wrappers, phase edges, step ends; the C heap readings among it) and write the ru
 totals with the CPU time of their own threads (writer, sampler, watchdog) at the first
 step's end, every ``COST_EVERY`` steps and at the end. The difference between a rank's
 first record and its latest, over the steps between them, is what a step cost it once
-warmed up; the kernel trace window (a few steps traced, its trace exported on the job's
-thread) is a one-off, said apart. A lower bound of what the job pays: the hooks' dispatch, the GIL the probes'
+warmed up; one-offs are said apart: the kernel trace window (a few steps traced, its
+trace exported on the job's thread) and the first call at a new site (its source read
+for rank conditions: ~50 ms for a barrier at the end of a short DDP run, which would
+otherwise read as 5 ms a step). A lower bound of what the job pays: the hooks' dispatch, the GIL the probes'
 threads take and what their CPU takes from a full machine are not in it.
 """
 
@@ -34,17 +36,20 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
     threads = last["threads_cpu_ms"]
     own = sum(ms - first["threads_cpu_ms"].get(name, 0.0) for name, ms in threads.items())
     trace_ms = last["trace_ms"] - first["trace_ms"]
-    job_ms = per_step("job_ms") - trace_ms / steps
+    sites_ms = last["sites_ms"] - first["sites_ms"]
+    job_ms = per_step("job_ms") - (trace_ms + sites_ms) / steps
     step_s = rank.totals.get("step_time_median_s")
     return {
         "steps": steps,
         "job_ms_per_step": round(job_ms, 3),
-        "calls_ms_per_step": round(per_step("calls_ms"), 3),
+        "calls_ms_per_step": round(per_step("calls_ms") - sites_ms / steps, 3),
         "calls_per_step": round(per_step("calls"), 2),
         "flush_ms_per_step": round(per_step("flush_ms"), 3),
         "heap_ms_per_step": round(per_step("heap_ms"), 3),
         "heap_reads_per_step": round(per_step("heap_reads"), 2),
         "trace_window_ms": round(trace_ms, 1),
+        "new_sites": last["sites"] - first["sites"],
+        "new_sites_ms": round(sites_ms, 1),
         "threads_cpu_ms_per_step": round(own / steps, 3),
         "share_of_step": round(job_ms / (step_s * 1000), 5) if step_s else None,
     }
@@ -59,6 +64,8 @@ _MEDIANS = (
     "heap_ms_per_step",
     "heap_reads_per_step",
     "trace_window_ms",
+    "new_sites",
+    "new_sites_ms",
     "threads_cpu_ms_per_step",
 )
 
@@ -90,7 +97,13 @@ def cost_text(cost: dict[str, Any]) -> str:
         if most is not None and cost["ranks"] > 1
         else ""
     )
-    trace = f"; the kernel trace window {cost['trace_window_ms']:.0f} ms once" if cost["trace_window_ms"] else ""
+    once = [f"the kernel trace window {cost['trace_window_ms']:.0f} ms"] if cost["trace_window_ms"] else []
+    if cost["new_sites"]:
+        sites = cost["new_sites"]
+        once.append(
+            f"reading the source of {sites:g} new call site{'' if sites == 1 else 's'} {cost['new_sites_ms']:.0f} ms"
+        )
+    trace = f"; once: {', '.join(once)}" if once else ""
     return (
         f"{cost['job_ms_per_step']:.2f} ms a step in probe code on the job's threads{of_step}: "
         f"collective calls {cost['calls_ms_per_step']:.2f} ms ({cost['calls_per_step']:g} a step; "

@@ -789,10 +789,13 @@ class CollectiveProbe:
         if self._keep(code):
             self._sites[key] = site
         if site not in self._described:
+            began = time.perf_counter_ns()
             self._described.add(site)
             context = describe(code.co_filename, line)
             self._conditioned[site] = rank_condition_in(context) is not None
             self.session.record("site", site=site, **context)
+            self.session.sites_ns += time.perf_counter_ns() - began
+            self.session.sites += 1
         return site
 
     def _via(self, frame: FrameType, site: str) -> str | None:

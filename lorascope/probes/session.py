@@ -52,7 +52,8 @@ class Session:
         self.ended = False
         #: What the probes cost the job's own threads: wall ns in probe code (the
         #: collective wrappers, phase edges, step ends, the loss) and, of it, the
-        #: collective calls' (how many; the flushes before synchronous ones among it), the
+        #: collective calls' (how many; of theirs, the flushes before synchronous ones and
+        #: the first call at each site, which reads its source: a one-off, how many), the
         #: C heap readings' (how many) and the kernel trace window's (starting, stopping,
         #: exporting the trace: a few steps' one-off cost). Added to without a lock: two
         #: job threads adding at once lose a measurement, never a record.
@@ -60,6 +61,8 @@ class Session:
         self.calls_ns = 0
         self.calls = 0
         self.flush_ns = 0
+        self.sites_ns = 0
+        self.sites = 0
         self.heap_ns = 0
         self.heap_reads = 0
         self.trace_ns = 0
@@ -111,6 +114,8 @@ class Session:
             calls_ms=round(self.calls_ns / 1e6, 3),
             calls=self.calls,
             flush_ms=round(self.flush_ns / 1e6, 3),
+            sites_ms=round(self.sites_ns / 1e6, 3),
+            sites=self.sites,
             heap_ms=round(self.heap_ns / 1e6, 3),
             heap_reads=self.heap_reads,
             trace_ms=round(self.trace_ns / 1e6, 3),

@@ -101,14 +101,17 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
     #: What the probes cost the job so far (cumulative): time in probe code on the job's
-    #: threads, its parts (collective calls, the flushes before synchronous ones, the C
-    #: heap readings, the kernel trace window), the CPU time of the probes' own threads.
+    #: threads, its parts (collective calls, the flushes before synchronous ones, new call
+    #: sites described, the C heap readings, the kernel trace window), the CPU time of the
+    #: probes' own threads.
     "cost": {
         "step": _INT,
         "job_ms": _NUM,
         "calls_ms": _NUM,
         "calls": _INT,
         "flush_ms": _NUM,
+        "sites_ms": _NUM,
+        "sites": _INT,
         "heap_ms": _NUM,
         "heap_reads": _INT,
         "trace_ms": _NUM,

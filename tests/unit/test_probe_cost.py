@@ -4,6 +4,9 @@ probe code (``cost`` records), and what the analysis makes of it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -20,9 +23,9 @@ from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
 from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream
+from lorascope.rundir.writer import Stream, record_launch
 from lorascope.text.summary import render_text
-from tests.helpers import RankSpec, write_run
+from tests.helpers import RankSpec, free_port, write_run
 
 
 def _records(root: Path) -> list[dict[str, Any]]:
@@ -85,15 +88,20 @@ def test_a_failing_probe_still_counts_and_switches_off(tmp_path: Path) -> None:
     stream.close()
 
 
-def _cost(step: int, job: float, heap: float, trace: float, writer: float, reads: int) -> dict[str, Any]:
-    """Collective calls: 50 a step, 1.5 ms, 0.4 ms of it flushing, once warmed up."""
+def _cost(
+    step: int, job: float, heap: float, trace: float, writer: float, reads: int, sites: float = 0.0
+) -> dict[str, Any]:
+    """Collective calls: 50 a step, 1.5 ms, 0.4 ms of it flushing, once warmed up; and
+    ``sites`` ms reading the source of new call sites (three)."""
     return {
         "k": "cost",
         "step": step,
         "job_ms": job,
-        "calls_ms": 100.0 + 1.5 * step,
+        "calls_ms": 100.0 + 1.5 * step + sites,
         "calls": 50 * step,
         "flush_ms": 20.0 + 0.4 * step,
+        "sites_ms": sites,
+        "sites": 3 if sites else 0,
         "heap_ms": heap,
         "heap_reads": reads,
         "trace_ms": trace,
@@ -110,7 +118,7 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
             extra=[
                 _cost(1, 900.0, 0.5, 0.0, 40.0, 4),
                 _cost(50, 900.0 + job / 2, 50.0, 120.0, 60.0, 200),
-                _cost(101, 900.0 + job + 250.0, 100.5, 250.0, 140.0, 404),
+                _cost(101, 900.0 + job + 250.0 + 60.0, 100.5, 250.0, 140.0, 404, sites=60.0),
             ],
         )
         for job in (300.0, 500.0)
@@ -121,7 +129,9 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
     assert cost0 is not None
     assert cost0["steps"] == 100 and cost0["job_ms_per_step"] == 3.0 and cost0["heap_ms_per_step"] == 1.0
     assert cost0["heap_reads_per_step"] == 4.0 and cost0["trace_window_ms"] == 250.0
+    # the new sites' 60 ms (after the first record: a barrier at the end) are no step's
     assert (cost0["calls_ms_per_step"], cost0["calls_per_step"], cost0["flush_ms_per_step"]) == (1.5, 50, 0.4)
+    assert (cost0["new_sites"], cost0["new_sites_ms"]) == (3, 60.0)
     assert cost0["threads_cpu_ms_per_step"] == 1.0 and cost0["share_of_step"] == pytest.approx(0.006)
     summary = build_summary(run)
     cost = summary["probe_cost"]
@@ -132,7 +142,8 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
         "probes' cost: 4.00 ms a step in probe code on the job's threads (0.8% of the median step): "
         "collective calls 1.50 ms (50 a step; the flushes before synchronous ones 0.40 ms of it), "
         "C heap readings 1.00 ms (4 a step), phase edges and step ends 1.50 ms; "
-        "the kernel trace window 250 ms once; 1.00 ms CPU a step on the probes' own threads; "
+        "once: the kernel trace window 250 ms, reading the source of 3 new call sites 60 ms; "
+        "1.00 ms CPU a step on the probes' own threads; "
         "median of 2 ranks, most on rank 1 (1.0%)"
     ) in text
     assert cost_text(cost) in text
@@ -151,3 +162,31 @@ def test_a_run_without_cost_records_prints_no_cost_line(tmp_path: Path) -> None:
     summary = build_summary(run)
     assert summary["probe_cost"] is None and summary["ranks"][0]["probe_cost"] is None
     assert "probes' cost" not in render_text(summary)
+
+
+COLLECTIVES_JOB = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    import lorascope
+    lorascope.attach({out!r})
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.all_reduce(t, async_op=True).wait()
+    dist.destroy_process_group()
+""")
+
+
+def test_collective_calls_and_their_first_call_at_each_site_are_counted(tmp_path: Path) -> None:
+    """Every call's time in the wrapper (and in the wait of an async one) counts; the
+    first call at each site also reads its source (a one-off, counted apart)."""
+    out = tmp_path / "run"
+    record_launch(out, "test", ["job.py"])
+    script = tmp_path / "job.py"
+    script.write_text(COLLECTIVES_JOB.format(out=str(out), port=free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    [last] = load_run(out).ranks[0].costs  # the end's (no step ended)
+    assert last["calls"] == 4 and last["sites"] == 2  # the loop's line and the async call's
+    assert 0 < last["sites_ms"] < last["calls_ms"] <= last["job_ms"]
+    assert last["flush_ms"] > 0  # before each synchronous call
