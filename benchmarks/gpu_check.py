@@ -345,6 +345,16 @@ def peak_rss(run_dir: Path) -> int:
     return max((m["rss"] or 0) for m in load_run(run_dir).ranks[0].mem)
 
 
+def in_job_cost(run_dir: Path) -> float | None:
+    """What the probes cost the run, as it measured itself: the share of a step its ranks
+    spent in probe code (`analyze`'s "probes' cost"; None without cost records)."""
+    from lorascope.analysis.summary import build_summary
+    from lorascope.rundir.reader import load_run
+
+    cost = build_summary(load_run(run_dir))["probe_cost"]
+    return None if cost is None else cost["share_of_step"]
+
+
 def overhead(times: dict[str, list[float]]) -> dict[str, Any]:
     """Mean step seconds per variant and each probed variant against bare."""
     means = {k: statistics.mean(v) for k, v in times.items() if v}
@@ -541,6 +551,7 @@ class GpuCheck:
         dirs = {"probed": self.work / "ovh-probed", "probed_no_history": self.work / "ovh-nohist"}
         times: dict[str, list[float]] = {k: [] for k in variants}
         rss: dict[str, list[int]] = {k: [] for k in dirs}
+        in_job: dict[str, list[float]] = {k: [] for k in dirs}
         for _ in range(3):
             if self.left_s() < 75:
                 break
@@ -553,16 +564,22 @@ class GpuCheck:
                     times[name].append(step)
                 if name in dirs and proc.returncode == 0:
                     rss[name].append(peak_rss(dirs[name]))
+                    if (share := in_job_cost(dirs[name])) is not None:
+                        in_job[name].append(share)
         figures = overhead(times)
         # host memory the allocator history costs: the probed ranks' peak RSS, with and without
         figures["peak_rss_mib"] = {k: round(statistics.mean(v) / 2**20, 1) for k, v in rss.items() if v}
+        # the probed runs' own measure: the share of a step in probe code on the job's threads
+        figures["in_job_share"] = {k: round(statistics.median(v), 5) for k, v in in_job.items() if v}
         self.report.figures["overhead"] = figures
         ok = all(bool(v) for v in times.values())
         vs = ", ".join(f"{k} {v:+.1%}" for k, v in figures["vs_bare"].items())
+        own = ", ".join(f"{k} {v:.2%}" for k, v in figures["in_job_share"].items())
         self.report.add(
             "probes' overhead on GPU (mean step)",
             ok,
-            f"{figures['mean_step_s']} over {figures['runs']} runs; vs bare: {vs}; peak RSS MiB {figures['peak_rss_mib']}",
+            f"{figures['mean_step_s']} over {figures['runs']} runs; vs bare: {vs}; in the job: {own or '-'}; "
+            f"peak RSS MiB {figures['peak_rss_mib']}",
         )
 
     def keep(self, name: str, run_dir: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle
 from lorascope.rundir.reader import load_run
-from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot, real_trace
+from tests.helpers import FIXTURES, OOM_SNAPSHOTS, RankSpec, add_snapshot, real_trace, write_run
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -131,6 +131,19 @@ def test_job_wrapper_splits_its_options_from_the_jobs() -> None:
 
     assert gpu_job._split(["--stall", "1:8:12", "--", "--steps", "3"]) == (["--stall", "1:8:12"], ["--steps", "3"])
     assert gpu_job._split(["--share-gpu", "--steps", "3"]) == (["--share-gpu", "--steps", "3"], [])
+
+
+def test_in_job_cost_of_a_run(tmp_path: Path) -> None:
+    """The share of a step the run says it spent in probe code; None from a run (the
+    recorded fixtures) without cost records."""
+    assert gpu_check.in_job_cost(FIXTURES / "healthy") is None
+    costs = [
+        {"k": "cost", "step": s, "job_ms": 10.0 * s, "calls_ms": 0.0, "calls": 0, "flush_ms": 0.0, "sites_ms": 0.0,
+         "sites": 0, "heap_ms": 0.0, "heap_reads": 0, "trace_ms": 0.0, "threads_cpu_ms": {}}
+        for s in (1, 4)
+    ]  # fmt: skip
+    run = write_run(tmp_path / "run", [RankSpec(steps=4, extra=costs)])
+    assert gpu_check.in_job_cost(run) == 0.02  # 10 ms of 500 ms steps
 
 
 def test_peak_rss_of_a_run() -> None:
