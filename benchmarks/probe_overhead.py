@@ -25,8 +25,9 @@ probes add to the job's work, whatever the machine's load.
 
 And what each probed job measured itself (its ``cost`` records: `analyze`'s "probes'
 cost"): the time its threads spent in probe code a step, as a share of its step, which
-no other run's noise enters (a lower bound: the hooks' dispatch and what the probes'
-own threads take from the job are outside it); printed per pair and as IN-JOB.
+no other run's noise enters (wall time in probe code: the hooks' dispatch and what the
+probes' own threads take from the job outside it are not in it); printed per pair and
+as IN-JOB.
 
 Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
 few percent only with many repetitions (20 pairs or more), and say what else the

@@ -8,8 +8,9 @@ first record and its latest, over the steps between them, is what a step cost it
 warmed up; one-offs are said apart: the kernel trace window (a few steps traced, its
 trace exported on the job's thread) and the first call at a new site (its source read
 for rank conditions: ~50 ms for a barrier at the end of a short DDP run, which would
-otherwise read as 5 ms a step). A lower bound of what the job pays: the hooks' dispatch, the GIL the probes'
-threads take and what their CPU takes from a full machine are not in it.
+otherwise read as 5 ms a step). Wall time: a wait for the GIL or a preemption that lands
+in probe code counts; the hooks' dispatch, and what the probes' threads take from the
+job outside probe code (the GIL, a core of a full machine), do not.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import statistics
 from typing import Any
 
 from lorascope.rundir.reader import RankData
+
+
+def _number(value: Any) -> bool:
+    """A thread's CPU ms as the probes write it (the record's schema checks only that
+    the field is an object)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def rank_cost(rank: RankData) -> dict[str, Any] | None:
@@ -33,8 +40,8 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
     def per_step(key: str) -> float:
         return float(last[key] - first[key]) / steps
 
-    threads = last["threads_cpu_ms"]
-    own = sum(ms - first["threads_cpu_ms"].get(name, 0.0) for name, ms in threads.items())
+    before = {name: ms for name, ms in first["threads_cpu_ms"].items() if _number(ms)}
+    own = sum(ms - before.get(name, 0.0) for name, ms in last["threads_cpu_ms"].items() if _number(ms))
     trace_ms = last["trace_ms"] - first["trace_ms"]
     sites_ms = last["sites_ms"] - first["sites_ms"]
     job_ms = per_step("job_ms") - (trace_ms + sites_ms) / steps

@@ -149,6 +149,15 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
     assert cost_text(cost) in text
 
 
+def test_a_hostile_threads_object_is_read_as_far_as_it_holds_numbers(tmp_path: Path) -> None:
+    first, last = _cost(1, 10.0, 1.0, 0.0, 5.0, 4), _cost(3, 20.0, 3.0, 0.0, 9.0, 12)
+    first["threads_cpu_ms"] = {"lorascope-writer": 5.0, "x": "y", "z": None}
+    last["threads_cpu_ms"] = {"lorascope-writer": 9.0, "x": [1], "z": True, "new": 2.0}
+    run = load_run(write_run(tmp_path / "run", [RankSpec(steps=3, extra=[first, last])]))
+    cost = rank_cost(run.ranks[0])
+    assert cost is not None and cost["threads_cpu_ms_per_step"] == 3.0  # (9 - 5 + 2) / 2
+
+
 def test_no_cost_without_two_records(tmp_path: Path) -> None:
     """A rank killed before its second record, or an older lorascope's: nothing is said
     of it (not zero)."""
