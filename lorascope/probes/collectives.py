@@ -573,13 +573,11 @@ class CollectiveProbe:
             # away, so it counts as one; so does an async c10d call made under a rank
             # condition (the rank-conditional call a peer's mismatch aborts this rank in,
             # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
-            # call's record waits for the writer (most end in time to be one record).
-            flushed = time.perf_counter_ns()
-            if not is_async:
-                session.flush(final=False)
-                session.flush_ns += time.perf_counter_ns() - flushed
-            elif op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
-                session.flush(final=True)
+            # call's record waits for the writer (most end in time to be one record): a
+            # synchronous call's flush may leave the youngest async calls queued.
+            if not is_async or op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
+                flushed = time.perf_counter_ns()
+                session.flush(final=is_async)
                 session.flush_ns += time.perf_counter_ns() - flushed
             on_device = first is not None and bool(getattr(first, "is_cuda", False))
             events = self._cuda_events(first) if on_device and not is_async else None
