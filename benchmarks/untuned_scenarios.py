@@ -44,7 +44,7 @@ class Scenario:
     #: Where the planted code runs, as rank0-asymmetry names it (its divergence phase).
     where: str | None = None
     #: "A": the first untuned set (its misses led to two detector fixes, so it is no longer
-    #: untuned); "B": added after the last fix, run once.
+    #: untuned); "B": added after the last fix, run once; "C": long runs (``LONG``).
     group: str = "A"
 
 
@@ -156,6 +156,42 @@ HOLDOUT: list[Scenario] = [
 ]
 SCENARIOS += HOLDOUT
 
+#: Group C: runs long enough that a CPU rank's heap is read at the edges of every
+#: HEAP_EVERY-th step only (after the first HEAP_DENSE_STEPS, probes/memory.py), written
+#: after that rule and rank0-asymmetry's reading of it were fixed: a healthy run, memory
+#: kept from the first step on, and an eval whose first run falls in a step not read.
+LONG: list[Scenario] = [
+    Scenario(Config("C-healthy-60", ()), None, steps=60, group="C"),
+    Scenario(
+        Config("C-ddp-healthy-60", ("--engine", "torch", *DEEP, "--vocab", "1000", "--seq", "40")),
+        None,
+        steps=60,
+        group="C",
+    ),
+    Scenario(
+        Config("C-eval-metrics-every25", ("--variant", "eval-metrics", "--eval-every", "25"), job=VARIANTS),
+        "rank0-asymmetry",
+        steps=60,
+        where="eval",
+        group="C",
+    ),
+    Scenario(
+        Config("C-save-keep-ddp-60", ("--variant", "save-rank0-keep", "--engine", "torch"), job=VARIANTS),
+        "rank0-asymmetry",
+        steps=60,
+        where=LOOP,
+        group="C",
+    ),
+    Scenario(
+        Config("C-gather-60", ("--fault", "rank0-asymmetry-gather")),
+        "rank0-asymmetry",
+        steps=60,
+        where=LOOP,
+        group="C",
+    ),
+]
+SCENARIOS += LONG
+
 
 def named_where(findings: list[dict[str, Any]], expected: str | None) -> str | None:
     """The phase the expected rank0-asymmetry finding says rank 0 pulled away in."""
@@ -169,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs" / "untuned", help="where run directories are kept")
     p.add_argument("--only", help="only scenarios whose name contains this")
-    p.add_argument("--group", choices=("A", "B"), help="only this group of scenarios")
+    p.add_argument("--group", choices=("A", "B", "C"), help="only this group of scenarios")
     p.add_argument("--analyze-only", action="store_true", help="re-analyse the kept runs, run no job")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)

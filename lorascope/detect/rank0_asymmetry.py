@@ -100,11 +100,17 @@ def held_gap(gaps: Gaps) -> float | None:
     gaps = [(key, g) for key, g in gaps if key[1] != "end"]
     if not gaps:
         return None
-    window = max(1, round(statistics.median(Counter(key[0] for key, _ in gaps).values())))
+    window = max(1, round(statistics.median(Counter(_iteration(key) for key, _ in gaps).values())))
     values = [g for _, g in gaps]
     if len(values) <= window:
         return min(values)
     return max(min(values[i : i + window]) for i in range(len(values) - window + 1))
+
+
+def _iteration(key: tuple[int, str, int]) -> int:
+    """The loop iteration a sample belongs to: a ``step`` sample's number is the step it
+    ends plus one (``probes/steps.py``), every other edge's the steps done before it."""
+    return key[0] - (key[1] == "step")
 
 
 def divergence_point(gaps: Gaps, excess: float) -> dict[str, Any] | None:
@@ -112,21 +118,51 @@ def divergence_point(gaps: Gaps, excess: float) -> dict[str, Any] | None:
     the others' median is followed edge to edge, and the interval (from one edge to the
     next) whose gap increases add up to the most names the phase — robust to an allocator
     that wobbles at any single edge. ``step`` is where the gap first reached half the
-    final excess."""
-    previous, last_gap = "start", 0.0
+    final excess; ``since`` (only when the steps before it were not read: a CPU rank's
+    heap after ``HEAP_DENSE_STEPS`` in ``probes/memory.py``, or steps the reader left out
+    of a long run) the first step it may have reached it at.
+
+    An interval across steps not read holds every phase of those steps: its growth names
+    none. When one such stretch grew more than the named interval did over the whole run
+    (a one-off allocation in a step not read), the point names that stretch instead
+    (``unread``: its first and last step; ``phase`` None); a steady growth in one phase
+    adds up over the steps read, more than any one stretch between them holds. Where
+    steps were not read, ``steps_read`` says in how many steps the named interval was read."""
+    previous, last_gap, last_iteration = "start", 0.0, None
     growth: dict[tuple[str, str], float] = {}
+    unread: tuple[float, int, int] | None = None
     first_step: int | None = None
-    for (step, edge, _), gap in gaps:
-        growth[(previous, edge)] = growth.get((previous, edge), 0.0) + (gap - last_gap)
+    since: int | None = None
+    times: Counter[tuple[str, str]] = Counter()
+    for key, gap in gaps:
+        step, edge, _ = key
+        iteration = _iteration(key)
+        skipped = last_iteration is not None and iteration > last_iteration + 1
+        if not skipped:
+            growth[(previous, edge)] = growth.get((previous, edge), 0.0) + (gap - last_gap)
+            times[(previous, edge)] += 1
+        elif last_iteration is not None and (unread is None or gap - last_gap > unread[0]):
+            unread = (gap - last_gap, last_iteration + 1, iteration - 1)
         if first_step is None and gap >= excess / 2:
             first_step = step
-        previous, last_gap = edge, gap
-    if not growth or first_step is None:
+            since = last_iteration + 1 if skipped and last_iteration is not None else None
+        previous, last_gap, last_iteration = edge, gap, iteration
+    if first_step is None:
         return None
-    (after, edge), added = max(growth.items(), key=lambda kv: kv[1])
-    if added <= 0:
+    (after, edge), added = max(growth.items(), key=lambda kv: kv[1]) if growth else (("", ""), 0.0)
+    point: dict[str, Any]
+    if unread is not None and unread[0] > max(added, 0.0):
+        point = {"step": first_step, "after": None, "edge": None, "phase": None, "gap": unread[0]}
+        point["unread"] = [unread[1], unread[2]]
+    elif added > 0:
+        point = {"step": first_step, "after": after, "edge": edge, "phase": _phase_between(after, edge), "gap": added}
+    else:
         return None
-    return {"step": first_step, "after": after, "edge": edge, "phase": _phase_between(after, edge), "gap": added}
+    if since is not None:
+        point["since"] = since
+    if unread is not None and point["phase"] is not None:
+        point["steps_read"] = times[(after, edge)]
+    return point
 
 
 def _phase_between(previous: str, edge: str) -> str:
@@ -282,15 +318,20 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         ),
     ]
     if point is not None:
-        evidence.append(
-            Evidence(
-                "rank 0 pulled away",
-                f"between {point['after']} and {point['edge']}: "
-                f"{point['phase']} (+{fmt_bytes(point['gap'])} over the run; half the excess "
-                f"reached at step {point['step']})",
-                "mem records aligned by phase edge",
+        reached = (
+            f"half the excess reached at step {point['step']}"
+            if "since" not in point
+            else f"half the excess reached between steps {point['since']} and {point['step']}"
+        )
+        where = (
+            f"between {point['after']} and {point['edge']}: {point['phase']} (+{fmt_bytes(point['gap'])} over "
+            + ("the run" if "steps_read" not in point else f"the {point['steps_read']} steps it was read in")
+            if point["phase"] is not None
+            else "in steps {} to {}, whose memory was not read (+{} there; no phase can be named".format(
+                *point["unread"], fmt_bytes(point["gap"])
             )
         )
+        evidence.append(Evidence("rank 0 pulled away", f"{where}; {reached})", "mem records aligned by phase edge"))
     if guests:
         evidence.append(
             Evidence(
@@ -310,12 +351,14 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             )
         )
     reasons = [f"excess {excess / threshold:.1f}x the threshold"]
+    phase = point["phase"] if point else None
     if point is not None:
-        reasons.append(f"divergence located at {point['edge']}")
+        reasons.append(
+            f"divergence located at {point['edge']}" if phase else "divergence in steps whose memory was not read"
+        )
     if guests:
         reasons.append("other ranks' contexts seen on GPU 0")
-    confidence: Confidence = "high" if excess >= 2 * threshold and (point is not None or guests) else "medium"
-    phase = point["phase"] if point else None
+    confidence: Confidence = "high" if excess >= 2 * threshold and (phase is not None or guests) else "medium"
     return [
         Finding(
             id=ID,

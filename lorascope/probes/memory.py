@@ -36,6 +36,23 @@ from lorascope.probes.session import Session
 #: is in.
 RSS_ONLY_EDGES = frozenset({"backward.end", "optimizer.begin"})
 
+#: The training loop's phases, whose edges repeat every step; any other phase (eval,
+#: save, a user's span) and the background sampler read the C heap whenever they read.
+STRIDED_PHASES = frozenset({"forward", "backward", "optimizer", "step"})
+#: A CPU rank's training thread reads the heap at the edges above through its first
+#: HEAP_DENSE_STEPS steps, then at those of every HEAP_EVERY-th step only (and RSS at
+#: every edge): a reading walks every free chunk (150-380 us on the CPU test job), and
+#: four a step were a fifth of what the probes cost it (cost records). The first steps are
+#: where plan-deviation and the logits-spike detector read, and rank0-asymmetry needs a
+#: gap held at every edge of a step, which a gap held from one step on is at every read
+#: step; where it first reached its size is then known to within HEAP_EVERY steps, and
+#: growth between two read steps is in none of the named phases (``divergence_point``).
+#: The end of the step before a read one is read too (``heap_due``).
+HEAP_DENSE_STEPS = 20
+HEAP_EVERY = 10
+#: The edges that end a step (a ``step`` record takes the optimizer's end reading).
+_STEP_ENDS = frozenset({"optimizer.end", "step"})
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
@@ -168,11 +185,25 @@ class MemoryProbe:
                     fields["nvml"] = nvml
         return fields
 
+    def heap_due(self, src: str) -> bool:
+        """Whether a training-thread reading at edge ``src`` reads the C heap (above). A
+        ``step`` record's step number is the step it ends plus one."""
+        if src in RSS_ONLY_EDGES:
+            return False
+        if src.partition(".")[0] not in STRIDED_PHASES:
+            return True
+        step = self.session.step - (src == "step")
+        if step < HEAP_DENSE_STEPS or step % HEAP_EVERY == 0:
+            return True
+        # the end of the step before one read: what the loop's own code does between the
+        # two steps (rank 0's evaluation, logging, gathers) is then read too
+        return src in _STEP_ENDS and (step + 1) % HEAP_EVERY == 0
+
     def _sample(self, src: str, from_main_thread: bool = True, reading: dict[str, Any] | None = None) -> dict[str, Any]:
         """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
         if reading is None:
-            reading = self.reading(from_main_thread, heap=src not in RSS_ONLY_EDGES)
+            reading = self.reading(from_main_thread, heap=not from_main_thread or self.heap_due(src))
         self.session.record("mem", src=src, step=self.session.step, **reading)
         return reading
 

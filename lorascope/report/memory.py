@@ -49,18 +49,34 @@ def _samples(rank: RankData, kind: str) -> tuple[list[float], list[float]]:
 
 def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
     """Per rank, its highest sample of one figure (MiB) in each step, by the step in progress
-    when it was taken (a sample's ``step`` is the steps completed, so step n's carry n - 1)."""
+    when it was taken (a sample's ``step`` is the steps completed, so step n's carry n - 1).
+
+    A CPU rank's heap is read at the phase edges of some steps only (``HEAP_EVERY`` in
+    ``probes/memory.py``); a step whose edges were not read has at most a background
+    sample and the previous step's end, not its peak: such steps are left out of the heap's
+    figure, so that its line does not saw between peaks and troughs."""
     out: dict[int, list[tuple[int, float]]] = {}
-    read = mem_reader(kind)
+    value_of = mem_reader(kind)
     for rank in run.ranks.values():
         high: dict[int, int] = {}
-        for m, v in zip(rank.mem, map(read, rank.mem), strict=True):
+        edges: set[int] = set()
+        for m, v in zip(rank.mem, map(value_of, rank.mem), strict=True):
             if v is not None and type(step := m.get("step")) is int:
                 step += 1
                 if v > high.get(step, -1):
                     high[step] = v
+                if kind == HEAP_IN_USE and m["src"] not in _NOT_EDGES:
+                    edges.add(step)
+        if edges:
+            high = {s: v for s, v in high.items() if s in edges}
         out[rank.rank] = [(s, v / MIB) for s, v in sorted(high.items())]
     return out
+
+
+#: Samples that do not say a step was read (``per_step``): the background sampler's, a
+#: step's end (counted in the step after it), and the optimizer's end, which is read alone
+#: at the end of the step before a read one.
+_NOT_EDGES = frozenset({"sampler", "step", "optimizer.end"})
 
 
 def per_rank_points(n_ranks: int, budget: int = TIMELINE_BUDGET) -> int:

@@ -90,13 +90,14 @@ def test_rank0_asymmetry_ignores_a_transient_caught_by_the_sampler() -> None:
 
 
 def _gaps_growing(edges: list[str], grows_at: str, steps: int = 4) -> list[tuple[tuple[int, str, int], float]]:
-    """Rank 0's gap at each edge of ``steps`` steps: 64 MiB more from the first ``grows_at``."""
+    """Rank 0's gap at each edge of ``steps`` steps: 64 MiB more from the first ``grows_at``.
+    A ``step`` sample is numbered as the probes number it: the step it ends plus one."""
     out, gap = [], 0.0
     for step in range(steps):
         for edge in edges:
             if edge == grows_at and step == 1:
                 gap = 64.0 * 2**20
-            out.append(((step, edge, 1), gap))
+            out.append(((step + (edge == "step"), edge, 1), gap))
     return out
 
 
