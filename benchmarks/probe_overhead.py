@@ -220,6 +220,22 @@ def in_job_text(run: Run) -> str:
     return f"{run.in_job_ms:.2f} ms{share}"
 
 
+def in_job_text_of(runs: list[Run]) -> str | None:
+    """The in-job cost over probed runs (their cost records), or None without them."""
+    in_job = [(r.in_job_ms, r.in_job_share) for r in runs if r.in_job_ms is not None]
+    if not in_job:
+        return None
+    shares = [share for _, share in in_job if share is not None]
+    text = (
+        f"(median of {len(in_job)} probed runs, each the median of its ranks): "
+        f"{statistics.median(m for m, _ in in_job):.2f} ms a step in probe code on the job's threads"
+    )
+    if shares:
+        iqr = " .. ".join(f"{q * 100:.2f}%" for q in quartiles(shares)[::2])
+        text += f", {statistics.median(shares) * 100:.2f}% of the step (IQR {iqr})"
+    return text
+
+
 def rank_processes(root: int, nproc: int) -> list[psutil.Process]:
     """The job's rank processes: descendants of the launch running the job script."""
     found = []
@@ -323,7 +339,7 @@ def main() -> None:
                 print(
                     f"  pair {rep + 1:2d} baseline: {ms(base.median)} overhead "
                     f"{(base.median / bare.median - 1) * 100:+6.2f}%; CPU/step {cpu_text(base)} "
-                    f"({cpu_overhead_text(bare, base)})",
+                    f"({cpu_overhead_text(bare, base)}); in-job {in_job_text(base)}",
                     flush=True,
                 )
             print(
@@ -370,18 +386,8 @@ def main() -> None:
             f"{statistics.median(b.cpu_step_s for b, _ in pairs if b.cpu_step_s) * 1000:.1f} ms, probed "
             f"{statistics.median(p.cpu_step_s for _, p in pairs if p.cpu_step_s) * 1000:.1f} ms)"
         )
-    in_job = [(r.in_job_ms, r.in_job_share) for r in probed_runs if r.in_job_ms is not None]
-    if in_job:
-        shares = [share for _, share in in_job if share is not None]
-        print(
-            f"IN-JOB (median of {len(in_job)} probed runs, each the median of its ranks): "
-            f"{statistics.median(m for m, _ in in_job):.2f} ms a step in probe code on the job's threads"
-            + (
-                f", {statistics.median(shares) * 100:.2f}% of the step (IQR {' .. '.join(f'{q * 100:.2f}%' for q in quartiles(shares)[::2])})"
-                if shares
-                else ""
-            )
-        )
+    if in_job := in_job_text_of(probed_runs):
+        print(f"IN-JOB {in_job}")
     print(f"median step time, bare:   {ms(bare_med)}  ({len(bare_runs)} runs x {len(bare_runs[0].step_s)} steps)")
     print(f"median step time, probed: {ms(probed_med)}")
     print(f"pooled ratio probed/bare: {probed_med / bare_med:.3f}  ({(probed_med / bare_med - 1) * 100:+.2f}%)")
@@ -411,6 +417,10 @@ def main() -> None:
             print(f"  per-pair CPU overhead, %: {' '.join(f'{o:+.2f}' for o in base_cpu)}")
             print(f"  CPU OVERHEAD (median): {b2:+.2f}%   IQR {b1:+.2f}% .. {b3:+.2f}%")
             baseline.update(cpu_overhead_pct=base_cpu, cpu_overhead_median_pct=b2, cpu_overhead_iqr_pct=[b1, b3])
+        if in_job := in_job_text_of([b for _, b in baseline_pairs]):
+            print(f"  IN-JOB {in_job}")
+            baseline["in_job_ms"] = [b.in_job_ms for _, b in baseline_pairs]
+            baseline["in_job_share"] = [b.in_job_share for _, b in baseline_pairs]
         same = all(p.losses == b.losses for b, p in baseline_pairs)
         baseline["losses_identical"] = same
         print(f"  losses identical bare vs baseline: {'yes' if same else 'NO'}")
