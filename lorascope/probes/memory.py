@@ -47,7 +47,8 @@ STRIDED_PHASES = frozenset({"forward", "backward", "optimizer", "step"})
 #: gap held at every edge of a step, which a gap held from one step on is at every read
 #: step; where it first reached its size is then known to within HEAP_EVERY steps, and
 #: growth between two read steps is in none of the named phases (``divergence_point``).
-#: The end of the step before a read one is read too (``heap_due``).
+#: The end of the step before a read one is read too, and every edge of the step after
+#: a phase outside the loop (an eval, a save: ``heap_due``).
 HEAP_DENSE_STEPS = 20
 HEAP_EVERY = 10
 #: The edges that end a step (a ``step`` record takes the optimizer's end reading).
@@ -119,6 +120,9 @@ class MemoryProbe:
         self._nvml_handle: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: The step whose edges are read because a phase outside the loop ran just before
+        #: it (``heap_due``).
+        self._after_phase: int | None = None
         self.sample = session.guarded("memory")(self._sample)
         self._nvml = session.guarded("nvml")(self._read_nvml)
 
@@ -187,13 +191,17 @@ class MemoryProbe:
 
     def heap_due(self, src: str) -> bool:
         """Whether a training-thread reading at edge ``src`` reads the C heap (above). A
-        ``step`` record's step number is the step it ends plus one."""
+        ``step`` record's step number is the step it ends plus one; an edge's, the steps
+        done before it (an eval run after 25 steps carries 25, as the next step's edges do)."""
         if src in RSS_ONLY_EDGES:
             return False
         if src.partition(".")[0] not in STRIDED_PHASES:
+            # and the step after it: what the loop's code keeps of an eval or a save
+            # (rank 0's gathered outputs) shows between this phase's end and that step
+            self._after_phase = self.session.step
             return True
         step = self.session.step - (src == "step")
-        if step < HEAP_DENSE_STEPS or step % HEAP_EVERY == 0:
+        if step < HEAP_DENSE_STEPS or step % HEAP_EVERY == 0 or step == self._after_phase:
             return True
         # the end of the step before one read: what the loop's own code does between the
         # two steps (rank 0's evaluation, logging, gathers) is then read too

@@ -125,11 +125,13 @@ def test_the_heap_is_read_at_every_edge_of_the_first_steps_then_every_tenth_step
     every = {"forward.begin", "forward.end", "backward.begin", "optimizer.end", "step"}
     for iteration in range(45):
         edges = {src for it, src in read if it == iteration} - {"eval.begin", "eval.end"}
-        dense = iteration < memory.HEAP_DENSE_STEPS or iteration % memory.HEAP_EVERY == 0
+        dense = iteration < memory.HEAP_DENSE_STEPS or iteration % memory.HEAP_EVERY == 0 or iteration == 34
         before_one = (iteration + 1) % memory.HEAP_EVERY == 0  # its end: the loop's code before a step read
         assert edges == (every if dense else {"optimizer.end", "step"} if before_one else set()), iteration
     assert {src for _, src in unread} >= memory.RSS_ONLY_EDGES
-    assert not {src for _, src in unread} & {"eval.begin", "eval.end"}  # a phase outside the loop: always read
+    # a phase outside the loop is always read, and so is the step after it (34: the eval
+    # ran after 34 steps)
+    assert not {src for _, src in unread} & {"eval.begin", "eval.end"}
     assert all("rss" in m for m in mem)  # RSS at every edge
     assert len(read) < 0.5 * len(mem)
 
@@ -197,3 +199,22 @@ def test_the_reports_heap_figure_holds_the_steps_read(tmp_path: Path) -> None:
     heap = report_memory.per_step(bundle.run, HEAP_IN_USE)
     assert [step for step, _ in heap[0]] == [*range(1, 22), 31, 41]  # steps 1-21, 31, 41 (a sample's step + 1)
     assert 34 in {step for step, _ in report_memory.per_step(bundle.run, RSS)[0]}
+
+
+def test_what_the_loop_keeps_after_an_eval_is_named_the_evals_between_steps_not_read(tmp_path: Path) -> None:
+    """Every rank evaluates after 34 steps; rank 0's loop code then keeps the outputs
+    (gathered metrics) before the next step: the step after a phase outside the loop is
+    read, so the gap opens between the eval's end and that step's forward, as when every
+    step is read."""
+    evaluated: list[bool] = []
+
+    def held(step: int, where: str) -> int:  # read at the eval's end: not kept yet
+        if where == "eval":
+            evaluated.append(True)
+            return 0
+        return KEPT if evaluated else 0
+
+    [finding] = rank0_asymmetry.detect(run_of(tmp_path, 60, held, evals=(33,)))
+    point = finding.details["divergence"]
+    assert (point["after"], point["edge"], point["phase"]) == ("eval.end", "forward.begin", "eval")
+    assert finding.confidence == "high"
