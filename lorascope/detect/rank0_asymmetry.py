@@ -323,14 +323,13 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             if "since" not in point
             else f"half the excess reached between steps {point['since']} and {point['step']}"
         )
-        where = (
-            f"between {point['after']} and {point['edge']}: {point['phase']} (+{fmt_bytes(point['gap'])} over "
-            + ("the run" if "steps_read" not in point else f"the {point['steps_read']} steps it was read in")
-            if point["phase"] is not None
-            else "in steps {} to {}, whose memory was not read (+{} there; no phase can be named".format(
-                *point["unread"], fmt_bytes(point["gap"])
-            )
-        )
+        if point["phase"] is None:
+            first, last = point["unread"]
+            where = f"in steps {first} to {last}, whose memory was not read (+{fmt_bytes(point['gap'])} there; "
+            where += "no phase can be named"
+        else:
+            over = f"the {point['steps_read']} steps it was read in" if "steps_read" in point else "the run"
+            where = f"between {point['after']} and {point['edge']}: {point['phase']} (+{fmt_bytes(point['gap'])} over {over}"
         evidence.append(Evidence("rank 0 pulled away", f"{where}; {reached})", "mem records aligned by phase edge"))
     if guests:
         evidence.append(

@@ -57,6 +57,7 @@ def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
     figure, so that its line does not saw between peaks and troughs."""
     out: dict[int, list[tuple[int, float]]] = {}
     value_of = mem_reader(kind)
+    heap = kind == HEAP_IN_USE
     for rank in run.ranks.values():
         high: dict[int, int] = {}
         edges: set[int] = set()
@@ -65,7 +66,7 @@ def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
                 step += 1
                 if v > high.get(step, -1):
                     high[step] = v
-                if kind == HEAP_IN_USE and m["src"] not in _NOT_EDGES:
+                if heap and m.get("src") not in _NOT_EDGES:
                     edges.add(step)
         if edges:
             high = {s: v for s, v in high.items() if s in edges}
