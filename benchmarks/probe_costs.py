@@ -52,7 +52,14 @@ TIMED = [
     ("lorascope.probes.collectives", "CollectiveProbe", "_end_when_done", "async: track its work", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_poll", "async: poll completed works", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_end", "collective end", ""),
-    ("lorascope.probes.memory", "", "heap_in_use", "C heap reading (mallinfo2)", ""),
+    ("lorascope.probes.memory", "MemoryProbe", "reading", "memory reading (an edge's, the sampler's)", ""),
+    (
+        "lorascope.probes.memory",
+        "",
+        "heap_in_use",
+        "C heap reading (mallinfo2)",
+        "memory reading (an edge's, the sampler's)",
+    ),
     ("lorascope.rundir.writer", "", "_encode_entry", "format a record", "flush"),
 ]
 
