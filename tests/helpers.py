@@ -53,6 +53,27 @@ def real_trace(name: str) -> Path:
     return path
 
 
+# --- the step probe driven by hand -----------------------------------------------------------
+
+
+def step_probe(session: Any, mem: Any, trace_dir: Path, kernels: Any = None) -> Any:
+    """A StepProbe on ``session`` and memory probe ``mem`` with the other probes it needs
+    (grads, logits, a kernel window writing under ``trace_dir`` unless ``kernels`` is
+    given), for a test that calls its phase edges and step ends itself."""
+    from lorascope.probes.grads import GradProbe
+    from lorascope.probes.kernels import KernelWindow
+    from lorascope.probes.logits import LogitsProbe
+    from lorascope.probes.steps import StepProbe
+
+    kernels = kernels if kernels is not None else KernelWindow(session, None, trace_dir)
+    return StepProbe(session, mem, GradProbe(session), LogitsProbe(session, mem), kernels, lambda: None)
+
+
+def stream_records(folder: Path) -> list[dict[str, Any]]:
+    """Every record of the stream segments in ``folder``, in order."""
+    return [json.loads(line) for path in sorted(folder.iterdir()) for line in path.read_text().splitlines()]
+
+
 # --- allocator snapshots as the probes write them into a run directory ---------------------
 
 #: Two ranks' snapshots at a LoRA OOM, in torch's pickle format (fixtures/snapshots/build.py).

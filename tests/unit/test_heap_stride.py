@@ -6,7 +6,6 @@ around it, with no phase named."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,11 @@ from lorascope.detect import rank0_asymmetry
 from lorascope.detect.common import HEAP_IN_USE, RSS
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.probes import memory
-from lorascope.probes.grads import GradProbe
-from lorascope.probes.kernels import KernelWindow
-from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.session import Session
-from lorascope.probes.steps import StepProbe
 from lorascope.report import memory as report_memory
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.writer import Stream
+from tests.helpers import step_probe, stream_records
 
 MiB = 2**20
 BASE = 900 * MiB
@@ -52,14 +48,7 @@ def probed_loop(
         return out
 
     mem.reading = reading  # type: ignore[method-assign]
-    probe = StepProbe(
-        session,
-        mem,
-        GradProbe(session),
-        LogitsProbe(session, mem),
-        KernelWindow(session, None, tmp_path / "k"),
-        lambda: None,
-    )
+    probe = step_probe(session, mem, tmp_path / "k")
     for step in range(steps):
         where[0] = "loop"
         probe.phase("forward", "begin")
@@ -75,12 +64,7 @@ def probed_loop(
             where[0] = "eval"
             probe.phase("eval", "end")
     stream.close()
-    lines = [
-        json.loads(line)
-        for path in sorted((tmp_path / f"rank{rank}").iterdir())
-        for line in path.read_text().splitlines()
-    ]
-    return [m for m in lines if m["k"] == "mem"]
+    return [m for m in stream_records(tmp_path / f"rank{rank}") if m["k"] == "mem"]
 
 
 def kept_from_forward_of(at: int) -> Callable[[int, str], int]:

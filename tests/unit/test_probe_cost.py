@@ -17,15 +17,12 @@ import pytest
 from lorascope.analysis.cost import cost_text, rank_cost, run_cost
 from lorascope.analysis.summary import build_summary
 from lorascope.probes import memory
-from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import KernelWindow
-from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.session import Session
-from lorascope.probes.steps import StepProbe
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch
 from lorascope.text.summary import render_text
-from tests.helpers import RankSpec, free_port, write_run
+from tests.helpers import RankSpec, free_port, step_probe, write_run
 
 
 def _records(root: Path) -> list[dict[str, Any]]:
@@ -43,7 +40,7 @@ def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
     mem = memory.MemoryProbe(session)
     kernels = KernelWindow(session, None, tmp_path / "k")
     monkeypatch.setattr(kernels, "on_step_end", lambda: time.sleep(0.004))
-    steps = StepProbe(session, mem, GradProbe(session), LogitsProbe(session, mem), kernels, lambda: None)
+    steps = step_probe(session, mem, tmp_path / "k", kernels)
     spun, stop = threading.Event(), threading.Event()
 
     def spin() -> None:  # a probe thread that used some CPU

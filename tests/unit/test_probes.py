@@ -289,32 +289,22 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
     (each costs a mallinfo2 walk): one reading, recorded for both. The optimizer's begin is
     read without the heap (RSS_ONLY_EDGES)."""
     from lorascope.probes import memory
-    from lorascope.probes.grads import GradProbe
-    from lorascope.probes.kernels import KernelWindow
-    from lorascope.probes.logits import LogitsProbe
     from lorascope.probes.session import Session
-    from lorascope.probes.steps import StepProbe
     from lorascope.rundir.writer import Stream
+    from tests.helpers import step_probe, stream_records
 
     stream = Stream(tmp_path / "r" / "s")
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
     mem = memory.MemoryProbe(session)
     readings = iter(range(1, 100))
     monkeypatch.setattr(mem, "reading", lambda from_main_thread=True, heap=True: {"rss": next(readings), "heap": heap})
-    steps = StepProbe(
-        session,
-        mem,
-        GradProbe(session),
-        LogitsProbe(session, mem),
-        KernelWindow(session, None, tmp_path / "k"),
-        lambda: None,
-    )
+    steps = step_probe(session, mem, tmp_path / "k")
     for _ in range(2):
         steps.phase("forward", "begin")
         steps._optimizer_begin()
         steps._optimizer_end()
     stream.close()
-    lines = [json.loads(line) for path in sorted((tmp_path / "r").iterdir()) for line in path.read_text().splitlines()]
+    lines = stream_records(tmp_path / "r")
     got = [(m["src"], m["rss"], m["heap"]) for m in lines if m["k"] == "mem"]
     assert got == [
         ("forward.begin", 1, True), ("optimizer.begin", 2, False), ("optimizer.end", 3, True), ("step", 3, True),
