@@ -453,23 +453,29 @@ class CollectiveProbe:
             if getattr(local, "depth", 0) or "collectives" in session.disabled:
                 return original(*args, **kwargs)
             local.depth = 1
+            spent = 0
             try:
                 began = clock()
                 started = begin(args, kwargs)
-                called = clock()
+                # Counted whether or not the call returns: the reading of a new call site's
+                # source is counted apart inside it (``sites_ns``), and a call that raises
+                # (a hang's timeout) must not leave it out of the calls' own time.
+                spent = clock() - began
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
+                    back = clock()
                     probe._end(started, repr(exc)[:500])
+                    spent += clock() - back
                     raise
                 back = clock()
                 returned(started, result)
-                spent = called - began + clock() - back
+                spent += clock() - back
+                return result
+            finally:
                 session.cost_ns += spent
                 session.calls_ns += spent
                 session.calls += 1
-                return result
-            finally:
                 local.depth = 0
 
         return _like(wrapper, original, name)

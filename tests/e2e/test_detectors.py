@@ -33,7 +33,8 @@ def run_fault(tmp_path: Path, *args: str) -> tuple[Finished, dict]:
     "planting",
     [
         ["--fault", "rank-conditional-hang", "--fault-step", "3"],
-        ["--fault", "rank-conditional-gather", "--fault-step", "3"],
+        # The library's collective under the job's rank condition is in test_collective_paths too.
+        pytest.param(["--fault", "rank-conditional-gather", "--fault-step", "3"], marks=pytest.mark.slow),
     ],
 )
 def test_rank_conditional_hang(tmp_path: Path, planting: list[str]) -> None:
@@ -126,7 +127,8 @@ def test_rank0_asymmetry(tmp_path: Path, planting: list[str]) -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        ["--steps", "8"],
+        # The default shape's healthy run: test_run_job's shared 20-step run asserts it too.
+        pytest.param(["--steps", "8"], marks=pytest.mark.slow),
         ["--steps", "30", "--hidden", "128", "--intermediate", "256", "--layers", "4", "--vocab", "2048"],
     ],
 )

@@ -155,6 +155,16 @@ def test_a_hostile_threads_object_is_read_as_far_as_it_holds_numbers(tmp_path: P
     assert cost is not None and cost["threads_cpu_ms_per_step"] == 3.0  # (9 - 5 + 2) / 2
 
 
+def test_a_cost_that_reads_negative_is_not_shown(tmp_path: Path) -> None:
+    """Recorded before calls that raise were counted: a hung run's new site (read in the
+    call that timed out) taken from calls that never counted it. Nothing is said of it."""
+    first, last = _cost(1, 900.0, 0.5, 0.0, 40.0, 4), _cost(2, 905.0, 1.0, 0.0, 45.0, 8, sites=11.0)
+    last["calls_ms"] = first["calls_ms"] + 5.5  # the timed-out call's 11 ms never added
+    run = load_run(write_run(tmp_path / "run", [RankSpec(steps=2, extra=[first, last])]))
+    assert rank_cost(run.ranks[0]) is None
+    assert "probes' cost" not in render_text(build_summary(run))
+
+
 def test_no_cost_without_two_records(tmp_path: Path) -> None:
     """A rank killed before its second record, or an older lorascope's: nothing is said
     of it (not zero)."""
@@ -179,13 +189,18 @@ COLLECTIVES_JOB = textwrap.dedent("""
     for _ in range(3):
         dist.all_reduce(t)
     dist.all_reduce(t, async_op=True).wait()
+    try:
+        dist.all_reduce("not a tensor")  # raises inside torch, at a new site
+    except Exception:
+        pass
     dist.destroy_process_group()
 """)
 
 
 def test_collective_calls_and_their_first_call_at_each_site_are_counted(tmp_path: Path) -> None:
-    """Every call's time in the wrapper (and in the wait of an async one) counts; the
-    first call at each site also reads its source (a one-off, counted apart)."""
+    """Every call's time in the wrapper (and in the wait of an async one) counts, a call
+    that raises too; the first call at each site also reads its source (a one-off, counted
+    apart: within the calls' time, so that what is left of it is never negative)."""
     out = tmp_path / "run"
     record_launch(out, "test", ["job.py"])
     script = tmp_path / "job.py"
@@ -193,6 +208,6 @@ def test_collective_calls_and_their_first_call_at_each_site_are_counted(tmp_path
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     [last] = load_run(out).ranks[0].costs  # the end's (no step ended)
-    assert last["calls"] == 4 and last["sites"] == 2  # the loop's line and the async call's
+    assert last["calls"] == 5 and last["sites"] == 3  # the loop's line, the async call's, the raising one's
     assert 0 < last["sites_ms"] < last["calls_ms"] <= last["job_ms"]
     assert last["flush_ms"] > 0  # before each synchronous call
