@@ -13,7 +13,7 @@ import pytest
 
 from lorascope.detect.hang.flight_align import align
 from lorascope.errors import BadInputError
-from lorascope.ingest.flight.reader import parse_flight_dump, read_flight_dump
+from lorascope.ingest.flight.reader import call_chain, call_site, parse_flight_dump, read_flight_dump
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "flight-recorder"
 
@@ -94,3 +94,30 @@ def test_odd_entries_are_tolerated() -> None:
     raw["pg_status"] = {"0": "nonsense"}
     dump = parse_flight_dump(raw, Path("rank-0"), 0)
     assert len(dump.entries) == 6 and dump.warnings and dump.entries[-1].op == "?"
+
+
+def test_the_call_site_is_past_the_wrappers_a_call_passes_through() -> None:
+    """A ZeRO step's reduce_scatter_tensor as torch 2.13 records it in a probed DeepSpeed
+    job (fixtures/hung-ranks): torch marks it ``@deprecated``, so typing_extensions'
+    wrapper sits between torch.distributed and DeepSpeed; a standard-library decorator may
+    too. The call site is DeepSpeed's line; the chain goes on to the job's own code."""
+    frames = [
+        "torch/distributed/distributed_c10d.py:4936 in reduce_scatter_single",
+        "torch/distributed/c10d_logger.py:83 in wrapper",
+        "torch/distributed/distributed_c10d.py:4962 in reduce_scatter_tensor",
+        "typing_extensions.py:3140 in wrapper",
+        "torch/distributed/c10d_logger.py:83 in wrapper",
+        "/work/main/lorascope/probes/collectives.py:134 in wrapper",
+        "/usr/lib/python3.11/contextlib.py:81 in inner",
+        "deepspeed/comm/torch.py:437 in reduce_scatter_tensor",
+        "deepspeed/comm/comm.py:326 in reduce_scatter_tensor",
+        "/usr/lib/python3.11/functools.py:23 in wrapped",
+        "/home/u/job/train.py:314 in backward_and_step",
+    ]
+    assert call_site(frames) == "deepspeed/comm/torch.py:437 in reduce_scatter_tensor"
+    assert call_chain(frames) == [
+        "deepspeed/comm/torch.py:437 in reduce_scatter_tensor",
+        "deepspeed/comm/comm.py:326 in reduce_scatter_tensor",
+        "/home/u/job/train.py:314 in backward_and_step",
+    ]
+    assert call_site(frames[:6]) == frames[0]  # only torch's and lorascope's: the innermost

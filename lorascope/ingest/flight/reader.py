@@ -269,9 +269,16 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
     )
 
 
-#: Frames that are not where the job made a call: torch.distributed's own, and lorascope's
-#: probe wrapper (the dumps of a probed job carry it).
-_NOT_A_CALL_SITE = re.compile(r"torch[/\\]distributed[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]")
+#: Frames that are not where the job made a call: torch.distributed's own, lorascope's
+#: probe wrapper (the dumps of a probed job carry it), and the wrappers a call passes
+#: through on its way: typing_extensions' ``@deprecated`` (torch marks
+#: ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` with it, the two calls of every
+#: ZeRO step) and the standard library's (an absolute path under ``lib/python3.X/``; a
+#: site-packages frame has lost that prefix, see frames.short_path).
+_NOT_A_CALL_SITE = re.compile(
+    r"torch[/\\]distributed[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]"
+    r"|^typing_extensions\.py:|^(/|[A-Za-z]:[/\\]).*[/\\]lib[/\\]python3[.\d]*[/\\]"
+)
 #: A frame of the job's own code: an absolute path (frames under site-packages lose that
 #: prefix, see frames.short_path) outside the interpreter's standard library.
 _JOB_CODE = re.compile(r"^(/|[A-Za-z]:[/\\])(?!.*[/\\]lib[/\\]python3[.\d]*[/\\])")
