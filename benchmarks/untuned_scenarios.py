@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from healthy_runs import REPO, Config, analyze, run_one  # the same runner
+from healthy_runs import REPO, TRAINER_JOB, Config, analyze, run_one  # the same runner
 
 VARIANTS = REPO / "probes" / "variants.py"
 WIDE = ("--hidden", "96", "--intermediate", "256", "--layers", "3", "--heads", "6", "--kv-heads", "2")
@@ -44,7 +44,8 @@ class Scenario:
     #: Where the planted code runs, as rank0-asymmetry names it (its divergence phase).
     where: str | None = None
     #: "A": the first untuned set (its misses led to two detector fixes, so it is no longer
-    #: untuned); "B": added after the last fix, run once; "C": long runs (``LONG``).
+    #: untuned); "B": added after the last fix, run once; "C": long runs (``LONG``); "D":
+    #: the HF Trainer over long runs (``TRAINER``).
     group: str = "A"
 
 
@@ -192,6 +193,59 @@ LONG: list[Scenario] = [
 ]
 SCENARIOS += LONG
 
+#: Group D: the Hugging Face Trainer job (``probes/train_trainer.py``: its own loop, eval
+#: and save code, ZeRO-3 through TrainingArguments or its own DDP) over 60 steps, with
+#: evaluations and saves in steps whose heap is not read densely; written after group C,
+#: with no detector change since.
+TRAINER: list[Scenario] = [
+    Scenario(
+        Config("D-trainer-zero3-healthy", ("--eval-steps", "25", "--save-steps", "25"), job=TRAINER_JOB),
+        None,
+        steps=60,
+        group="D",
+    ),
+    Scenario(
+        Config(
+            "D-trainer-ddp-healthy", ("--engine", "ddp", "--eval-steps", "20", "--save-steps", "30"), job=TRAINER_JOB
+        ),
+        None,
+        steps=60,
+        group="D",
+    ),
+    Scenario(
+        Config(
+            "D-trainer-ddp-eval-keep",
+            ("--engine", "ddp", "--fault", "rank0-eval-keep", "--eval-steps", "25", "--save-steps", "30"),
+            job=TRAINER_JOB,
+        ),
+        "rank0-asymmetry",
+        steps=60,
+        where="eval",
+        group="D",
+    ),
+    Scenario(
+        Config(
+            "D-trainer-save-gather",
+            ("--fault", "rank0-save-gather", "--eval-steps", "100", "--save-steps", "25", "--pg-timeout", "30"),
+            job=TRAINER_JOB,
+        ),
+        "rank-conditional-hang",
+        steps=60,
+        group="D",
+    ),
+    Scenario(
+        Config(
+            "D-trainer-ddp-logits",
+            ("--engine", "ddp", "--fault", "logits-spike", "--eval-steps", "15", "--save-steps", "100"),
+            job=TRAINER_JOB,
+        ),
+        "logits-spike",
+        steps=30,
+        group="D",
+    ),
+]
+SCENARIOS += TRAINER
+
 
 def named_where(findings: list[dict[str, Any]], expected: str | None) -> str | None:
     """The phase the expected rank0-asymmetry finding says rank 0 pulled away in."""
@@ -205,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs" / "untuned", help="where run directories are kept")
     p.add_argument("--only", help="only scenarios whose name contains this")
-    p.add_argument("--group", choices=("A", "B", "C"), help="only this group of scenarios")
+    p.add_argument("--group", choices=("A", "B", "C", "D"), help="only this group of scenarios")
     p.add_argument("--analyze-only", action="store_true", help="re-analyse the kept runs, run no job")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)

@@ -31,6 +31,10 @@ the Trainer's ``state.global_step`` after training and after each evaluation / s
                         inside ``if state.is_world_process_zero``); the other ranks go on
                         training: a rank-conditional collective, the job fails or hangs
                         until ``--pg-timeout``.
+  rank0-eval-keep       DDP only: at each evaluation a callback on rank 0 alone runs the
+                        model on ``--keep-batch`` sequences and keeps their logits ("a
+                        sample of eval outputs for the dashboard"): rank 0's memory grows
+                        by B*T*V*4 bytes an evaluation (vocab 4096 unless ``--vocab``).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=("deepspeed", "ddp"), default="deepspeed")
     p.add_argument("--adapter", choices=("get_peft_model", "add_adapter", "from_pretrained"), default="get_peft_model")
-    p.add_argument("--fault", choices=("none", "logits-spike", "rank0-save-gather"), default="none")
+    p.add_argument("--fault", choices=("none", "logits-spike", "rank0-save-gather", "rank0-eval-keep"), default="none")
+    p.add_argument("--keep-batch", type=int, default=64, help="rank0-eval-keep: sequences kept an evaluation")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--eval-steps", type=int, default=3)
     p.add_argument("--save-steps", type=int, default=3)
@@ -67,9 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     spike = args.fault == "logits-spike"
     args.seq = args.seq or (128 if spike else 32)
-    args.vocab = args.vocab or (32000 if spike else 512)
+    args.vocab = args.vocab or (32000 if spike else 4096 if args.fault == "rank0-eval-keep" else 512)
     if args.fault == "rank0-save-gather" and args.engine != "deepspeed":
         p.error("rank0-save-gather needs --engine deepspeed (ZeRO-3 partitions the adapters)")
+    if args.fault == "rank0-eval-keep" and args.engine != "ddp":
+        p.error("rank0-eval-keep needs --engine ddp (a forward on rank 0 alone under ZeRO-3 is a hang)")
     return args
 
 
@@ -208,6 +215,18 @@ def main(argv: list[str] | None = None) -> None:
                 with deepspeed.zero.GatheredParameters(adapters):
                     _ = [p.detach().clone() for p in adapters]
 
+    class KeepEvalSamples(TrainerCallback):
+        """The planted bug: rank 0 alone keeps a sample of eval outputs at each evaluation."""
+
+        def __init__(self) -> None:
+            self.kept: list[torch.Tensor] = []
+            self.sample = Tokens(args.keep_batch, args, args.seed + 2).ids
+
+        def on_evaluate(self, targs: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if state.is_world_process_zero:
+                with torch.no_grad():  # the unwrapped model: no DDP hook, no collective
+                    self.kept.append(model(input_ids=self.sample.to(model.device)).logits)
+
     class UpcastLoss(Trainer):
         """The planted logits spike: the loss taken here from an fp32 copy of the logits."""
 
@@ -242,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[Any] = [Record()]
     if args.fault == "rank0-save-gather":
         callbacks.append(SaveOnRank0())
+    if args.fault == "rank0-eval-keep":
+        callbacks.append(KeepEvalSamples())
     trainer_cls = UpcastLoss if args.fault == "logits-spike" else Trainer
     trainer = trainer_cls(
         model=build_model(args, scratch),
