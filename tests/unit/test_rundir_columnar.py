@@ -327,7 +327,7 @@ def _forget_sync_after(monkeypatch: pytest.MonkeyPatch, calls: int) -> None:
     monkeypatch.setattr(reduce, "SYNC_PRUNE", calls)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     stream=_long_streams(),
     block=st.sampled_from([700, 4096, 1 << 20]),
