@@ -100,7 +100,8 @@ def test_the_call_site_is_past_the_wrappers_a_call_passes_through() -> None:
     """A ZeRO step's reduce_scatter_tensor as torch 2.13 records it in a probed DeepSpeed
     job (fixtures/hung-ranks): torch marks it ``@deprecated``, so typing_extensions'
     wrapper sits between torch.distributed and DeepSpeed; a standard-library decorator may
-    too. The call site is DeepSpeed's line; the chain goes on to the job's own code."""
+    too. The call site is DeepSpeed's line; the chain goes on to the job's own code. An
+    FSDP call's site is the model's line, past torch's module-call machinery."""
     frames = [
         "torch/distributed/distributed_c10d.py:4936 in reduce_scatter_single",
         "torch/distributed/c10d_logger.py:83 in wrapper",
@@ -121,3 +122,16 @@ def test_the_call_site_is_past_the_wrappers_a_call_passes_through() -> None:
         "/home/u/job/train.py:314 in backward_and_step",
     ]
     assert call_site(frames[:6]) == frames[0]  # only torch's and lorascope's: the innermost
+    # FSDP2's all_gather before a layer's forward: torch.distributed's frames, then torch's
+    # module-call machinery running the pre-forward hook, then the model's line.
+    fsdp = [
+        "torch/distributed/distributed_c10d.py:4387 in all_gather_into_tensor",
+        "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:293 in foreach_all_gather",
+        "torch/distributed/fsdp/_fully_shard/_fsdp_state.py:246 in _pre_forward",
+        "torch/nn/modules/module.py:1840 in inner",
+        "torch/nn/modules/module.py:1879 in _call_impl",
+        "transformers/models/llama/modeling_llama.py:420 in forward",
+        "/home/u/job/train_fsdp.py:88 in step",
+    ]
+    assert call_site(fsdp) == "transformers/models/llama/modeling_llama.py:420 in forward"
+    assert call_chain(fsdp) == fsdp[-2:]

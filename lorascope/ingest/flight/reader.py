@@ -269,14 +269,15 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
     )
 
 
-#: Frames that are not where the job made a call: torch.distributed's own, lorascope's
-#: probe wrapper (the dumps of a probed job carry it), and the wrappers a call passes
-#: through on its way: typing_extensions' ``@deprecated`` (torch marks
+#: Frames that are not where the job made a call: torch's own (torch.distributed, and the
+#: module-call and hook machinery an FSDP or DDP collective passes through on its way from
+#: the model's line), lorascope's probe wrapper (the dumps of a probed job carry it), and
+#: the wrappers a call passes through: typing_extensions' ``@deprecated`` (torch marks
 #: ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` with it, the two calls of every
 #: ZeRO step) and the standard library's (an absolute path under ``lib/python3.X/``; a
 #: site-packages frame has lost that prefix, see frames.short_path).
 _NOT_A_CALL_SITE = re.compile(
-    r"torch[/\\]distributed[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]"
+    r"(^|[/\\])torch[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]"
     r"|^typing_extensions\.py:|^(/|[A-Za-z]:[/\\]).*[/\\]lib[/\\]python3[.\d]*[/\\]"
 )
 #: A frame of the job's own code: an absolute path (frames under site-packages lose that
@@ -287,8 +288,8 @@ MAX_CHAIN = 64
 
 
 def call_site(frames: list[str]) -> str | None:
-    """The first frame outside torch.distributed and lorascope: where the call was made
-    (a library's frame, when a library made it)."""
+    """The first frame outside torch, lorascope's probes and the wrappers above: where the
+    call was made (a library's frame, when a library made it: DeepSpeed's for ZeRO)."""
     return frames[first_user_index(frames)] if frames else None
 
 
