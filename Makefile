@@ -25,10 +25,10 @@ install: $(PYTHON)  ## the virtualenv with lorascope editable, the test bed and 
 	$(PYTHON) -m pip install -q -e ".[test,analysis,dev]"
 	$(BIN)/pre-commit install
 
-test:  ## every test but those marked slow, the end-to-end ones included (~30 min on 2 cores): what CI runs
+test:  ## every test but those marked slow, the end-to-end ones included (~15-27 min on 2 cores): what CI runs
 	$(PYTHON) -m pytest -q -ra $(PYTEST_ARGS)
 
-test-slow:  ## only the tests marked slow: second plantings of e2e scenarios (~5 min)
+test-slow:  ## only the tests marked slow: second plantings and variants of e2e scenarios (~7 min)
 	$(PYTHON) -m pytest -q -ra -m slow $(PYTEST_ARGS)
 
 test-fast:  ## unit and browser tests, no end-to-end job (~3 min)
