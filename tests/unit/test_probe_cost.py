@@ -3,7 +3,6 @@ probe code (``cost`` records), and what the analysis makes of it."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -22,11 +21,7 @@ from lorascope.probes.session import Session
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch
 from lorascope.text.summary import render_text
-from tests.helpers import RankSpec, free_port, step_probe, write_run
-
-
-def _records(root: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for path in sorted(root.iterdir()) for line in path.read_text().splitlines()]
+from tests.helpers import RankSpec, free_port, step_probe, stream_records, write_run
 
 
 def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
@@ -57,7 +52,7 @@ def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
         steps._optimizer_end()
     stop.set()
     stream.close()
-    costs = [r for r in _records(tmp_path / "r") if r["k"] == "cost"]
+    costs = [r for r in stream_records(tmp_path / "r") if r["k"] == "cost"]
     assert [c["step"] for c in costs] == [1, 2, 4]
     # heap at forward.begin, forward.end and optimizer.end (optimizer.begin reads RSS only)
     assert [c["heap_reads"] for c in costs] == [3, 6, 12]
