@@ -1,5 +1,5 @@
-"""logits-spike: the loss, not the layers, sets the peak: B·T·V logits, their fp32 copy
-and their gradient.
+"""logits-spike: the loss, not the layers, sets the peak: B·T·V logits in fp32, the
+log-softmax the loss builds from them and their gradient.
 
 Evidence: the logits the probes saw at the first steps (shape, dtype, bytes, B·T·V), the
 memory reading right before and after the loss, and how that footprint compares with
@@ -97,7 +97,7 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
     evidence.append(
         Evidence(
             f"share of the step's memory ({memory_kind(rank)})",
-            f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}",
+            _share_text(spike, step_memory, share),
             f"{LIVE_COPIES} x fp32 logits vs peak minus memory before the first forward",
         )
     )
@@ -116,6 +116,18 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
             "failed": run_failed_here(rank),
             "device_total": device_total(rank),
         },
+    )
+
+
+def _share_text(spike: int, step_memory: int, share: float) -> str:
+    """The estimate against what the readings measured. An estimate above the step's whole
+    measured growth is said as such, not as a share over 100%: the copies it counts live
+    inside the loss, between the phase edges where memory is read."""
+    if share < 1:
+        return f"~{fmt_bytes(spike)} of {fmt_bytes(step_memory)} = {share:.0%}"
+    return (
+        f"~{fmt_bytes(spike)} estimated, more than the {fmt_bytes(step_memory)} the step was measured to grow by "
+        "(its readings are at phase edges; the loss's copies live between them)"
     )
 
 
@@ -199,16 +211,18 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         if "tokens" in details
         else " at the allocator's peak"
     )
-    if share >= 1 and "step_memory_bytes" in details:
+    whole = share >= 1 and "step_memory_bytes" in details
+    if whole:
         title = (
-            f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} with their fp32 copy and gradient) "
-            f"outweigh everything else the step allocates ({fmt_bytes(details['step_memory_bytes'])}){shape}"
+            f"the loss's logits (~{fmt_bytes(details['spike_bytes'])} estimated, with the log-softmax and their "
+            f"gradient) are more than the step's whole measured growth ({fmt_bytes(details['step_memory_bytes'])})"
+            f"{shape}"
         )
     else:
         title = f"the loss's logits take ~{share:.0%} of each step's memory{shape}"
     severity = _severity(details)
     if severity == "info":
-        amount = "" if "outweigh" in title else f"~{fmt_bytes(details['spike_bytes'])}, "
+        amount = "" if whole else f"~{fmt_bytes(details['spike_bytes'])}, "
         title += f": {amount}no memory pressure in this run"
     return [
         Finding(
@@ -218,7 +232,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             confidence="high" if share >= 2 * MIN_SHARE_OF_STEP else "medium",
             confidence_reason=(
                 f"logits measured at the loss on {len(hits)} rank(s); their footprint is "
-                f"{share:.0%} of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"
+                + ("more than all" if share >= 1 else f"{share:.0%}")
+                + f" of the step's memory (threshold {MIN_SHARE_OF_STEP:.0%})"
             ),
             ranks=sorted(hits),
             evidence=evidence,

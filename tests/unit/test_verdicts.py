@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,27 @@ def test_logits_spike_severity_follows_consequence() -> None:
         {"k": "mem", "src": "sampler", "step": 1, "t": 0.0, "rss": 1, "nvml": {"used": 2**29, "total": 2**30}}
     )
     assert logits_spike.detect(small_gpu)[0].severity == "warning"
+
+
+def test_a_logits_estimate_above_the_measured_step_is_not_a_share_over_100_percent() -> None:
+    """On the fixture the estimate (3 fp32 copies, 187.5 MiB) is more than the step's heap was
+    read to grow by (142.2 MiB, at phase edges): said as such, never "132% of the step's
+    memory"; a step measured larger (a reading past the estimate) gets its share."""
+    bundle = load_bundle(FIX / "logits-spike")
+    [note] = logits_spike.detect(bundle)
+    text = " ".join([note.title, note.confidence_reason, *(e.value for e in note.evidence)])
+    assert "more than" in note.title and "187.5 MiB estimated" in note.title
+    assert all(int(percent) <= 100 for percent in re.findall(r"(\d+)%", text))
+    assert "%" not in note.title and "more than all" in note.confidence_reason
+
+    larger = copy.deepcopy(bundle)
+    for rank in larger.run.ranks.values():
+        heap = max(m["heap"] for m in rank.mem if m.get("heap")) + 400 * 2**20
+        rank.mem.append({"k": "mem", "src": "optimizer.end", "step": 2, "t": 0.0, "rss": 1, "heap": heap})
+    [shared] = logits_spike.detect(larger)
+    [line] = [e for e in shared.evidence if e.label.startswith("share of the step's memory")]
+    assert line.value.endswith("%") and "estimated" not in line.value and "more than" not in shared.title
+    assert "% of the step's memory" in shared.confidence_reason
 
 
 def test_device_at_90_percent_makes_rank0_asymmetry_an_error() -> None:
