@@ -17,6 +17,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
+from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
 from lorascope.units import fmt_bytes, rank_ranges
 
@@ -32,9 +33,7 @@ def _flight_finding(bundle: EvidenceBundle, d: Disagreement) -> Finding:
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for rank, entry in sorted(d.entries.items()):
         path = bundle.flight_records[rank].path if rank in bundle.flight_records else "?"
-        site = next(
-            (f for f in entry.frames if "torch/distributed/" not in f), entry.frames[0] if entry.frames else "-"
-        )
+        site = call_site(entry.frames) or "-"
         rows[rank] = [
             (
                 f" #{d.seq}",

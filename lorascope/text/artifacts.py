@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.ingest.flight.reader import call_site
+from lorascope.ingest.flight.reader import call_chain, call_site
 from lorascope.units import fmt_bytes
 
 #: Sites and kernels shown per block (all are in the JSON).
@@ -162,6 +162,15 @@ def _entry(e: dict[str, Any]) -> str:
     return f"{e['op']}{sizes}{dtypes}"
 
 
+def _called_from(frames: list[str]) -> str:
+    """A flight-recorder entry's stack from its call site out (its innermost frames are
+    torch's own wrappers): the site, and the outermost frames the dump holds, toward or in
+    the job's code (torch records a limited depth)."""
+    chain = call_chain(frames) or frames
+    shown = chain if len(chain) <= 5 else [*chain[:2], "...", *chain[-3:]]
+    return " < ".join(shown)
+
+
 def _render_flight(data: dict[str, Any]) -> list[str]:
     dumps = data.get("flight_records", {})
     if not dumps:
@@ -200,7 +209,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         if first:
             for r, e in list(first["entries"].items()) + list(first["waiting_at"].items()):
                 if e["frames"]:
-                    lines.append(f"      rank {r} frames: {' < '.join(e['frames'][:5])}")
+                    lines.append(f"      rank {r} called from: {_called_from(e['frames'])}")
         elif g["compared"]:
             lines.append(f"    the ranks agree on all {g['compared']} collectives they hold")
     for r, d in dumps.items():

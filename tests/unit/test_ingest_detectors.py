@@ -41,6 +41,21 @@ def test_collective_mismatch_but_not_for_the_rank_conditional_hang() -> None:
     assert collective_mismatch.detect(load_bundle(FIX / "flight-recorder" / "healthy")) == []
 
 
+def test_collective_mismatch_names_the_call_site_past_the_wrappers() -> None:
+    """The mismatched call's site is the flight reader's call site: past typing_extensions'
+    ``@deprecated`` wrapper (ZeRO's all_gather_into_tensor / reduce_scatter_tensor in torch
+    2.13) and torch's module-call machinery (FSDP), not the first frame outside
+    torch.distributed, which named them."""
+    bundle = load_bundle(FIX / "flight-recorder" / "dtype-mismatch")
+    wrappers = ["typing_extensions.py:3140 in wrapper", "torch/nn/modules/module.py:1786 in _call_impl"]
+    for dump in bundle.flight_records.values():
+        for entry in dump.entries:
+            entry.frames[2:2] = wrappers
+    (finding,) = collective_mismatch.detect(bundle)
+    text = " ".join(str(e.value) for e in finding.evidence)
+    assert "record.py:65 in rank_main" in text and "typing_extensions" not in text and "_call_impl" not in text
+
+
 def test_healthy_artifacts_raise_nothing() -> None:
     for path in (FIX / "healthy", FIX / "flight-recorder" / "healthy"):
         bundle = load_bundle(path, hta=False)

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from lorascope.cli import cli
 from lorascope.detect.hang.flight_align import align
 from lorascope.errors import BadInputError
 from lorascope.ingest.flight.reader import call_chain, call_site, parse_flight_dump, read_flight_dump
@@ -94,6 +96,27 @@ def test_odd_entries_are_tolerated() -> None:
     raw["pg_status"] = {"0": "nonsense"}
     dump = parse_flight_dump(raw, Path("rank-0"), 0)
     assert len(dump.entries) == 6 and dump.warnings and dump.entries[-1].op == "?"
+
+
+def test_analyze_shows_a_disagreements_stack_from_its_call_site_out() -> None:
+    """fixtures/hung-ranks' first disagreement: each rank's stack line starts at DeepSpeed's
+    call site (not at torch's wrappers, which were all five frames shown before) and ends
+    at the outermost frame the dump holds; a chain that reaches the job's code ends there."""
+    result = CliRunner().invoke(cli, ["analyze", str(FR.parent / "hung-ranks")])
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.output.splitlines() if "called from:" in line]
+    assert len(lines) == 2, result.output
+    zero = lines[0].removeprefix("rank 0 called from: ").split(" < ")
+    assert zero[0] == "deepspeed/comm/torch.py:437 in reduce_scatter_tensor" and "..." in zero
+    assert zero[-1] == "deepspeed/utils/nvtx.py:33 in wrapped_fn"
+    assert not [f for f in zero if f.startswith(("torch/", "typing_extensions"))]
+    one = lines[1].removeprefix("rank 1 called from: ").split(" < ")
+    assert one[0] == "deepspeed/comm/torch.py:380 in all_gather_into_tensor" and one[-1].endswith("in _all_gather")
+    result = CliRunner().invoke(cli, ["analyze", str(FR / "library-save-rank0")])
+    [lib] = [line.strip() for line in result.output.splitlines() if line.strip().startswith("rank 0 called from:")]
+    assert lib.split(" < ")[0] == "rank 0 called from: savelib.py:11 in save_full" and lib.endswith(
+        "/record_more.py:63 in rank_main"
+    )
 
 
 def test_the_call_site_is_past_the_wrappers_a_call_passes_through() -> None:
