@@ -166,7 +166,7 @@ def _called_from(frames: list[str]) -> str:
     """A flight-recorder entry's stack from its call site out (its innermost frames are
     torch's own wrappers): the site, and the outermost frames the dump holds, toward or in
     the job's code (torch records a limited depth)."""
-    chain = call_chain(frames) or frames
+    chain = call_chain(frames)
     shown = chain if len(chain) <= 5 else [*chain[:2], "...", *chain[-3:]]
     return " < ".join(shown)
 
@@ -208,7 +208,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         first = g["disagreements"][0] if g["disagreements"] else None
         if first:
             for r, e in list(first["entries"].items()) + list(first["waiting_at"].items()):
-                if e["frames"]:
+                if len(call_chain(e["frames"])) > 1:  # one frame: the site the line above names
                     lines.append(f"      rank {r} called from: {_called_from(e['frames'])}")
         elif g["compared"]:
             lines.append(f"    the ranks agree on all {g['compared']} collectives they hold")

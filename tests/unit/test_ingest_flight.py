@@ -101,7 +101,8 @@ def test_odd_entries_are_tolerated() -> None:
 def test_analyze_shows_a_disagreements_stack_from_its_call_site_out() -> None:
     """fixtures/hung-ranks' first disagreement: each rank's stack line starts at DeepSpeed's
     call site (not at torch's wrappers, which were all five frames shown before) and ends
-    at the outermost frame the dump holds; a chain that reaches the job's code ends there."""
+    at the outermost frame the dump holds; a chain that reaches the job's code ends there,
+    and a call made by the job's own line (the disagreement line names it) gets none."""
     result = CliRunner().invoke(cli, ["analyze", str(FR.parent / "hung-ranks")])
     assert result.exit_code == 0, result.output
     lines = [line.strip() for line in result.output.splitlines() if "called from:" in line]
@@ -114,6 +115,8 @@ def test_analyze_shows_a_disagreements_stack_from_its_call_site_out() -> None:
     assert one[0] == "deepspeed/comm/torch.py:380 in all_gather_into_tensor" and one[-1].endswith("in _all_gather")
     result = CliRunner().invoke(cli, ["analyze", str(FR / "library-save-rank0")])
     [lib] = [line.strip() for line in result.output.splitlines() if line.strip().startswith("rank 0 called from:")]
+    result = CliRunner().invoke(cli, ["analyze", str(FR / "rank0-extra-allreduce")])
+    assert "disagreement:" in result.output and "called from:" not in result.output
     assert lib.split(" < ")[0] == "rank 0 called from: savelib.py:11 in save_full" and lib.endswith(
         "/record_more.py:63 in rank_main"
     )
