@@ -335,7 +335,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         evidence.append(
             Evidence(
                 "other ranks' processes on rank 0's GPU",
-                f"ranks {guests} (NVML process list)",
+                f"ranks {rank_ranges(guests)} (NVML process list)",
                 stream_source(run, rank0, "mem.nvml"),
             )
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorascope.ingest.flight.reader import call_chain, call_site
-from lorascope.units import fmt_bytes
+from lorascope.units import fmt_bytes, rank_ranges
 
 #: Sites and kernels shown per block (all are in the JSON).
 TOP = 6
@@ -185,10 +185,10 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         window = f", #{g['window'][0]}..#{g['window'][1]} held by every rank" if g["window"] else ""
         lines.append(
             f"  group {g['group']}{' (' + g['desc'] + ')' if g['desc'] else ''}, ranks "
-            f"{g['expected_ranks'] if g['expected_ranks'] is not None else 'unknown'}{window}"
+            f"{rank_ranges(g['expected_ranks']) if g['expected_ranks'] is not None else 'unknown'}{window}"
         )
         if g["missing_dumps"]:
-            lines.append(f"    no dump from ranks {g['missing_dumps']}")
+            lines.append(f"    no dump from ranks {rank_ranges(g['missing_dumps'])}")
         for r, p in g["progress"].items():
             last = p["last_entry"]
             on = (

@@ -5,12 +5,15 @@ evidence reads alike are one group of rows, from three ranks on."""
 
 from __future__ import annotations
 
+import copy
 import statistics
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lorascope.detect import reentrant_dead_grads
 from lorascope.detect.common import (
     CUDA_ALLOCATED,
     HEAP_IN_USE,
@@ -25,7 +28,9 @@ from lorascope.detect.common import (
 from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
 from lorascope.detect.straggler import _others_medians
+from lorascope.ingest.load import load_bundle
 from lorascope.rundir.reader import Collective, RankData
+from lorascope.text.artifacts import _render_flight
 
 # Few distinct values, so that ties (a rank's own value held by others too) are common.
 WORK = st.sampled_from([0.0, 1e-9, 0.1, 0.2, 0.30000000000000004, 0.3, 5.5, 1e300])
@@ -200,3 +205,25 @@ def test_measured_evidence_of_a_group_shows_each_figures_range() -> None:
         ),
         ("rank 3 work per step", "median 103.3 ms over 96 steps"),
     ]
+
+
+def test_rank_lists_in_evidence_and_the_flight_section_stay_one_short_line() -> None:
+    """At 1,024 ranks a list of every rank (``[0, 1, ..., 1023]``, ~6 KB) in an evidence
+    line or the flight-recorder section reads as ranges: ``0-1023``."""
+    bundle = load_bundle(Path(__file__).resolve().parents[2] / "fixtures" / "reentrant-dead-grads")
+    assert bundle.run is not None
+    template = bundle.run.ranks[1]
+    for n in range(2, 1024):
+        rank = copy.copy(template)
+        rank.rank = n
+        bundle.run.ranks[n] = rank
+    [finding] = reentrant_dead_grads.detect(bundle)
+    [warned] = [e for e in finding.evidence if e.label == "torch warned"]
+    assert warned.value.endswith("on ranks 0-1023")
+
+    group = {"group": "0", "desc": "default_pg", "window": [1, 9], "expected_ranks": list(range(1024))}
+    group |= {"missing_dumps": list(range(2, 1024)), "progress": {}, "disagreements": [], "compared": 9}
+    data = {"flight_records": {"0": {"backends": ["nccl"], "version": "2.10", "warnings": []}}}
+    lines = _render_flight({**data, "flight_alignment": {"groups": [group]}})
+    assert "ranks 0-1023, #1..#9" in lines[1] and lines[2] == "    no dump from ranks 2-1023"
+    assert max(map(len, lines)) < 120
