@@ -119,10 +119,13 @@ def _render_traces(data: dict[str, Any]) -> list[str]:
         )
         d = t["durations"]
         what = "GPU kernels" if t["unit"] == "kernel" else "leaf CPU ops (no GPU kernels in this trace)"
-        steps = f"{len(t['steps'])} steps in " if t["steps"] else ""
+        count = len(t["steps"])
+        steps = f"{count} step{'s' if count != 1 else ''} in " if count else ""
+        lanes = t["lanes"]
+        summed = f" (summed over {lanes} {'devices' if t['unit'] == 'kernel' else 'threads'})" if lanes > 1 else ""
         lines.append(
             f"  {steps}{_ms(t['span_us'])}: {d['count']} {what}, busy {_ms(t['busy_us'])}, idle "
-            f"{_ms(t['idle_us'])} in {t['idle_gaps']} gaps; compute {_ms(t['compute_us'])}, "
+            f"{_ms(t['idle_us'])} in {t['idle_gaps']} gaps{summed}; compute {_ms(t['compute_us'])}, "
             f"communication {_ms(t['comm_us'])}"
         )
         under = "; ".join(

@@ -11,10 +11,13 @@ from typing import Any
 
 import pytest
 
+from lorascope.analysis.artifacts import artifacts_data
 from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.compare import STRAGGLER_RATIO, compare_traces
 from lorascope.ingest.kineto.hta import hta_available, hta_figures
 from lorascope.ingest.kineto.reader import analyse_trace, read_trace
+from lorascope.ingest.load import load_bundle
+from lorascope.text.artifacts import render_artifacts
 from tests.helpers import REAL_TRACES
 
 REAL = REAL_TRACES
@@ -86,6 +89,26 @@ def test_cpu_trace_uses_leaf_ops_and_gloo_ranges() -> None:
     gloo = [e for e in raw["traceEvents"] if str(e.get("name", "")).startswith("gloo:")]
     assert len(trace.collectives) == len(gloo)
     assert sum(n for n, _ in trace.collective_ops.values()) == len(gloo)
+
+
+def test_busy_and_idle_are_summed_over_threads_and_say_so(tmp_path: Path) -> None:
+    """Two threads' CPU ops in a 30 us trace: 20 + 10 us busy, 10 + 20 us idle (more than
+    the trace's span, as the recorded CPU traces' idle is): the trace counts its lanes and
+    the text says what the figures are summed over."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+        for tid, ts, dur in [(1, 0, 10), (1, 20, 10), (2, 0, 5), (2, 25, 5)]
+    ]
+    path = tmp_path / "two.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = read_trace(path)
+    assert (trace.lanes, trace.busy_us, trace.idle_us, trace.idle_gaps, trace.span_us) == (2, 30.0, 30.0, 2, 30.0)
+    [line] = [x for x in render_artifacts(artifacts_data(load_bundle(path))).splitlines() if " gaps" in x]
+    assert "in 2 gaps (summed over 2 threads)" in line
+    one = tmp_path / "one.trace.json"
+    one.write_text(json.dumps({"traceEvents": events[:2]}))
+    assert read_trace(one).lanes == 1
+    assert "summed over" not in render_artifacts(artifacts_data(load_bundle(one)))
 
 
 @needs_real

@@ -114,6 +114,9 @@ class KinetoTrace:
     busy_us: float
     idle_gaps: int
     idle_us: float
+    #: How many lanes (devices, or threads on a CPU trace) the three figures above sum:
+    #: over several, idle time can be more than the trace's span.
+    lanes: int
     #: Time in communication (union of the collectives' spans) and in the other units.
     comm_us: float
     compute_us: float
@@ -209,7 +212,9 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
         if kernels
         else [e for e in spans if str(e.get("name", "")).startswith(_GLOO)]
     )
-    busy, gaps, idle = _busy(_lanes(units, by_device=bool(kernels)))
+    lanes = _lanes(units, by_device=bool(kernels))
+    lane_count = len(lanes)
+    busy, gaps, idle = _busy(lanes)
     compute = [e for e in units if not _is_comm(e)]
     compute_busy = _busy(_lanes(compute, by_device=bool(kernels)))[0] if compute else 0.0
     comm_busy = _busy(_lanes(comm, by_device=bool(kernels)))[0] if comm else 0.0
@@ -234,6 +239,7 @@ def analyse_trace(data: Any, path: Path, rank: int | None = None) -> KinetoTrace
         busy_us=busy,
         idle_gaps=gaps,
         idle_us=idle,
+        lanes=lane_count,
         comm_us=comm_busy,
         compute_us=compute_busy,
         collectives=collectives,
