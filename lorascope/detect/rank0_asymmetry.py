@@ -24,7 +24,7 @@ from lorascope.detect.common import (
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RankData
-from lorascope.units import fmt_bytes, rank_ranges
+from lorascope.units import fmt_bytes, ranks_named
 
 ID = "rank0-asymmetry"
 #: Rank 0's excess over the others' median must pass a share of the others' peak ...
@@ -305,7 +305,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             stream_source(run, rank0, "mem records"),
         ),
         Evidence(
-            f"median peak of ranks {rank_ranges(r.rank for r in others)}",
+            f"median peak of {ranks_named(r.rank for r in others)}",
             fmt_bytes(median),
             "mem records of those ranks",
         ),
@@ -335,7 +335,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         evidence.append(
             Evidence(
                 "other ranks' processes on rank 0's GPU",
-                f"ranks {rank_ranges(guests)} (NVML process list)",
+                f"{ranks_named(guests)} (NVML process list)",
                 stream_source(run, rank0, "mem.nvml"),
             )
         )

@@ -18,7 +18,7 @@ from lorascope.detect.hang.flight_align import flight_alignment, flight_conditio
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.reader import Collective
-from lorascope.units import fmt_bytes, rank_ranges
+from lorascope.units import fmt_bytes, ranks_named
 
 ID = "rank-conditional-hang"
 
@@ -117,8 +117,7 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     if odd_entry is not None:
         title += f": {odd_entry.op} {_where(sites[odd[0]], found[odd[0]])}"
     if first.missing_ranks:
-        title += f"; rank{'s' if len(first.missing_ranks) > 1 else ''} "
-        title += f"{rank_ranges(first.missing_ranks)} never enqueued it"
+        title += f"; {ranks_named(first.missing_ranks)} never enqueued it"
     sure = any(conditions.values())
     return [
         Finding(
@@ -176,7 +175,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             )
         )
     others = sorted(set(div.calls) - set(odd))
-    who = f"ranks {rank_ranges(odd)} vs {rank_ranges(others)}" if odd else "the ranks"
+    who = f"{ranks_named(odd)} vs {ranks_named(others)}" if odd else "the ranks"
     first_odd = div.calls.get(odd[0]) if odd else None
     headline = f"{who} disagree from collective #{div.seq} on {div.group}" + (
         f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else ""

@@ -15,7 +15,7 @@ from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.reader import RunData
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 ID = "reentrant-dead-grads"
 WARNING_TEXT = "None of the inputs have requires_grad=True"
@@ -66,7 +66,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         evidence.append(
             Evidence(
                 "torch warned",
-                f'"{WARNING_TEXT}. Gradients will be None" on ranks {rank_ranges(warned)}',
+                f'"{WARNING_TEXT}. Gradients will be None" on {ranks_named(warned)}',
                 stream_source(run, run.ranks[warned[0]], "warning records"),
             )
         )

@@ -17,7 +17,7 @@ from lorascope.detect.finding import Finding
 from lorascope.detect.hang.divergence import RUN_ALL, first_split
 from lorascope.detect.hang.divergence import by_group as groups_of
 from lorascope.rundir.reader import Collective, RunData
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 #: Sequence numbers shown in the alignment chart, and in the table under it.
 CHART_WINDOW = 48
@@ -76,7 +76,7 @@ def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -
     for r, c in made.items():
         by_sig[_signature(c)].append(r)
     if len(by_sig) > 1:
-        parts = [f"ranks {rank_ranges(rs)}: {_describe(made[rs[0]])}" for rs in sorted(by_sig.values())]
+        parts = [f"{ranks_named(rs)}: {_describe(made[rs[0]])}" for rs in sorted(by_sig.values())]
         return {"seq": seq, "kind": "mismatch", "ranks": sorted(made), "text": "; ".join(parts)}
     missing = sorted(r for r, c in present.items() if c is None)
     if not missing:
@@ -85,8 +85,7 @@ def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -
         "seq": seq,
         "kind": "missing",
         "ranks": missing,
-        "text": f"ranks {rank_ranges(made)} called {_describe(next(iter(made.values())))}; "
-        f"ranks {rank_ranges(missing)} never did",
+        "text": f"{ranks_named(made)} called {_describe(next(iter(made.values())))}; {ranks_named(missing)} never did",
     }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 ECHARTS_VERSION = "6.0.0"
 _ASSETS = resources.files("lorascope.report") / "assets"
@@ -36,7 +36,7 @@ def _environment() -> Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    env.filters["rank_ranges"] = rank_ranges
+    env.filters["ranks_named"] = ranks_named
     env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False}
     return env
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import textwrap
 
 from lorascope.detect.finding import Finding
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 
 def _ranks(ranks: list[int]) -> str:
-    return "ranks " + rank_ranges(ranks) if ranks else "all ranks"
+    return ranks_named(ranks) if ranks else "all ranks"
 
 
 def render_findings(findings: list[Finding]) -> str:

@@ -100,6 +100,9 @@ def test_a_call_only_some_ranks_made_is_a_disagreement(tmp_path: Path) -> None:
     ]
     col = build_report_data(load_bundle(write_run(tmp_path, ranks)), [])["charts"]["collectives"]
     assert col["first"]["seq"] == 3 and col["first"]["kind"] == "missing" and col["first"]["ranks"] == [1]
+    assert col["first"]["text"].startswith("rank 0 called all_reduce") and col["first"]["text"].endswith(
+        "rank 1 never did"
+    )
 
 
 def test_a_detectors_pointer_wins(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ def test_ranks_without_a_stream_are_named_and_the_verdict_is_not_a_clean_bill(tm
     only = write_run(tmp_path / "only", [RankSpec(), RankSpec()])
     shutil.rmtree(only / "ranks" / "rank-1")
     res = subprocess.run([*LORASCOPE, "analyze", str(only)], capture_output=True, text=True, timeout=60)
-    assert res.stdout.startswith("unobserved-ranks  WARNING  confidence high  ranks 1\n"), res.stdout[:300]
+    assert res.stdout.startswith("unobserved-ranks  WARNING  confidence high  rank 1\n"), res.stdout[:300]
     html = tmp_path / "r.html"
     subprocess.run([*LORASCOPE, "report", str(only), "-o", str(html)], check=True, capture_output=True, timeout=120)
     assert "no problem found" not in html.read_text() and "rank 1 of 2 was not observed" in html.read_text()
