@@ -70,7 +70,8 @@ def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
         if merged:
             first = f"rank {ranks[0]}" if isinstance(ranks[0], int) else str(ranks[0])
             where = f"{where} ({len(ranks):,} ranks alike but for their numbers; {first}'s shown)"
-        lines.append(f"{who:<10} {'is' if len(ranks) == 1 else 'are'} {where}")
+        verb = "" if where.startswith(("died", "exited")) else ("is " if len(ranks) == 1 else "are ")
+        lines.append(f"{who:<10} {verb}{where}")
     lines.append(f"verdict: {diagnosis['verdict']}")
     lines.append(f"fix: {diagnosis['fix']}")
     lines.extend(f"note: {n}" for n in notes)

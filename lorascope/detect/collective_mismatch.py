@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import per_rank_evidence, short_site, stream_source
+from lorascope.detect.common import pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
@@ -79,7 +79,13 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
                 (
                     f" at {div.group} #{div.seq}",
                     f"{c.op} {fmt_bytes(c.bytes)} {c.dtype or ''} at {c.site or '?'}"
-                    + (f" — failed: {c.err[:160]}" if c.err else " — still waiting in it" if c.pending else ""),
+                    + (
+                        f" — failed: {c.err[:160]}"
+                        if c.err
+                        else f" — {pending_state(c, run.ranks[n])}"
+                        if c.pending
+                        else ""
+                    ),
                     stream_source(run, run.ranks[n], "coll records"),
                 )
             ]

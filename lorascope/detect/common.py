@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from lorascope.detect.finding import Evidence
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.ending import ending_of
+from lorascope.rundir.reader import Collective, RankData, RunData
 from lorascope.units import rank_ranges
 
 #: The memory figures a rank can be measured by (``memory_kind``).
@@ -202,3 +203,13 @@ def per_rank_evidence(
             )
         )
     return [ev for _, evidence in sorted(shown, key=lambda s: s[0]) for ev in evidence]
+
+
+def pending_state(call: Collective, rank: RankData) -> str:
+    """What a call with no recorded end means: the rank is still waiting in it, unless its
+    stream says how it ended (a signal, an abort, an exit): then it ended inside it."""
+    ending = ending_of(rank)
+    if not ending.known:
+        return "still waiting in it"
+    how = (ending.detail or f"{ending.status} {ending.code}").splitlines()[0][:80]
+    return f"never returned: the rank ended inside it ({how})"

@@ -10,24 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import per_rank_evidence, short_site, stream_source
+from lorascope.detect.common import pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.reader import Collective
+from lorascope.rundir.reader import Collective, RankData
 from lorascope.units import fmt_bytes, ranks_named
 
 ID = "rank-conditional-hang"
 
 
-def _describe(call: Collective | None) -> str:
+def _describe(call: Collective | None, rank: RankData) -> str:
     if call is None:
         return "never issued it"
     size = "" if call.bytes is None else f" ({fmt_bytes(call.bytes)}{', ' + call.dtype if call.dtype else ''})"
-    state = "still waiting in it" if call.pending else ("failed: " + call.err[:120] if call.err else "completed")
+    state = pending_state(call, rank) if call.pending else ("failed: " + call.err[:120] if call.err else "completed")
     return f"{call.op} #{call.seq}{size} at {call.site or '?'} — {state}"
 
 
@@ -154,7 +154,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
-        own = rows[n] = [(f" at {div.group} #{div.seq}", _describe(call), stream_source(run, rank, "coll records"))]
+        own = rows[n] = [
+            (f" at {div.group} #{div.seq}", _describe(call, rank), stream_source(run, rank, "coll records"))
+        ]
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})
             if context.get("line"):

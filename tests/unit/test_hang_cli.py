@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lorascope.detect import rank_conditional_hang
+from lorascope.detect.hang.diagnosis import fatal_main_frame
+from lorascope.ingest.load import load_bundle
+from tests.helpers import Call, RankSpec, write_run
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 #: Runs the CLI with jinja2 made unimportable, as on `pip install lorascope` alone.
 NO_JINJA = "import sys; sys.modules['jinja2'] = None; from lorascope.cli import main; main(sys.argv[1:])"
@@ -56,8 +61,8 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
     diagnosis = {"groups": groups, "verdict": "rank 0 died; the others wait for it", "fix": "see rank 0"}
     lines = _render(diagnosis, ["a note"]).splitlines()
     assert lines == [
-        "rank 0     is died: RuntimeError: rank 0's own failure in train.py:88",
-        "ranks 1-1023 are died: RuntimeError: Connection closed by peer [10.0.0.1]:29501"
+        "rank 0     died: RuntimeError: rank 0's own failure in train.py:88",
+        "ranks 1-1023 died: RuntimeError: Connection closed by peer [10.0.0.1]:29501"
         " (1,023 ranks alike but for their numbers; rank 1's shown)",
         "verdict: rank 0 died; the others wait for it",
         "fix: see rank 0",
@@ -66,8 +71,8 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
     # two ranks alike keep a line each, as they always did
     two = _render({**diagnosis, "groups": groups[1:3]}, []).splitlines()
     assert two[:2] == [
-        "rank 1     is died: RuntimeError: Connection closed by peer [10.0.0.1]:29501",
-        "rank 2     is died: RuntimeError: Connection closed by peer [10.0.0.2]:29502",
+        "rank 1     died: RuntimeError: Connection closed by peer [10.0.0.1]:29501",
+        "rank 2     died: RuntimeError: Connection closed by peer [10.0.0.2]:29502",
     ]
 
 
@@ -87,3 +92,50 @@ def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
         "rank 1024 (pid 10024): on host b: run `lorascope hang` there",
         "rank 1025 (pid 10025): on host b: run `lorascope hang` there",
     ]
+
+
+#: What faulthandler wrote for a ZeRO-3 rank that gloo aborted in a rank-0-only gather
+#: (probes/train_lora.py --fault rank-conditional-gather; paths shortened).
+ABORTED_IN_GATHER = """Fatal Python error: Aborted
+
+Thread 0x00007fabce01c6c0 (most recent call first):
+  File "/env/lib/python3.11/site-packages/lorascope/rundir/writer.py", line 241 in _run
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Thread 0x00007fabd0a91b80 (most recent call first):
+  File "/env/lib/python3.11/site-packages/lorascope/probes/collectives.py", line 664 in wait
+  File "/env/lib/python3.11/site-packages/deepspeed/runtime/zero/partition_parameters.py", line 2474 in __enter__
+  File "/job/train.py", line 397 in save_adapters_on_rank0
+  File "/job/train.py", line 364 in before_step
+  File "/job/train.py", line 480 in <module>
+
+Extension modules: psutil._psutil_linux, torch._C (total: 2)
+"""
+
+
+def test_a_rank_killed_by_an_abort_is_one_line_naming_its_main_threads_frame(tmp_path: Path) -> None:
+    """`lorascope hang` printed faulthandler's whole dump (every thread, the extension
+    modules) as the dead rank's place, before the verdict; its pending call read "still
+    waiting in it". Now one line, with the job's frame on its main thread, and the call
+    the rank ended inside."""
+    assert fatal_main_frame(ABORTED_IN_GATHER) == "/job/train.py:397 in save_adapters_on_rank0"
+    assert fatal_main_frame("Fatal Python error: Aborted\n\n<no Python frame>\n") is None
+    gather = Call("all_gather_into_tensor", bytes=1024, site="/job/train.py:397 in save_adapters_on_rank0", end=False)
+    ranks = [
+        RankSpec(calls=[Call("all_reduce"), gather], ends=False, fatal=ABORTED_IN_GATHER),
+        RankSpec(calls=[Call("all_reduce"), Call("all_reduce", end=False)], ends=False),
+    ]
+    run = write_run(tmp_path / "run", ranks, exit_status=1)
+    res = _hang(run, "--no-html")
+    assert res.returncode == 0, res.stderr
+    [dead] = [line for line in res.stdout.splitlines() if line.startswith("rank 0 ")]
+    assert dead == (
+        "rank 0     died: killed by Fatal Python error: Aborted (faulthandler), "
+        "main thread at /job/train.py:397 in save_adapters_on_rank0"
+    )
+    assert "Extension modules" not in res.stdout and "Thread 0x" not in res.stdout
+    bundle = load_bundle(run)
+    rows = [str(e.value) for f in rank_conditional_hang.detect(bundle) for e in f.evidence]
+    assert any("never returned: the rank ended inside it (Fatal Python error: Aborted" in r for r in rows), rows
+    assert any(r.endswith("still waiting in it") for r in rows), rows  # rank 1 has no word on its end

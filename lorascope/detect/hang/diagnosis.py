@@ -19,7 +19,8 @@ _LIBRARY = re.compile(
     r"^<frozen |/(torch|deepspeed|lorascope|threading\.py|concurrent|multiprocessing|"
     r"site-packages|dist-packages|lib/python3\.\d+)/"
 )
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+#: A frame in a thread dump (traceback's "line N, in f") or faulthandler's ("line N in f").
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
 #: A rank whose last record is this much older than the newest rank's is not moving.
 MOVING_WITHIN_S = 2.0
 
@@ -69,6 +70,17 @@ def main_thread_frame(stacks: str) -> str | None:
     return f"{first['file']}:{first['line']} in {first['func']}" if first else None
 
 
+def fatal_main_frame(fatal: str) -> str | None:
+    """The innermost frame of the job's own code on the main thread of a faulthandler dump:
+    the thread whose stack (most recent call first) ends at ``<module>``."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", fatal):
+        frames = list(_FRAME.finditer(block))
+        if frames and frames[-1]["func"] == "<module>":
+            own = [m for m in frames if not _LIBRARY.search(m["file"])]
+            return f"{own[0]['file']}:{own[0]['line']} in {own[0]['func']}" if own else None
+    return None
+
+
 def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | None:
     """How the rank ended, if it did before ``cutoff`` (the moment the hang was dumped:
     the timeouts that kill every rank afterwards are consequences, not the cause)."""
@@ -79,8 +91,9 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
         return f"died: {rank.exception['type']}: {rank.exception['message'].splitlines()[0][:160]}"
     if end.teardown:  # its job had finished: it exited, and died on the way out
         return f"exited ({(end.detail or '').splitlines()[0][:160]})"
-    if end.status == "signal":
-        return f"died: killed by {end.detail}"
+    if end.status == "signal":  # a fatal one's detail goes on with faulthandler's whole dump
+        at = fatal_main_frame(rank.fatal) if rank.fatal else None
+        return f"died: killed by {(end.detail or '').splitlines()[0][:160]}" + (f", main thread at {at}" if at else "")
     if end.known:
         return f"exited ({end.status} {end.code})"
     if alive is False:
