@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorascope.ingest.flight.reader import call_chain, call_site
-from lorascope.units import fmt_bytes, rank_ranges
+from lorascope.units import fmt_bytes, rank_ranges, ranks_named
 
 #: Sites and kernels shown per block (all are in the JSON).
 TOP = 6
@@ -181,7 +181,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
     backends = sorted({b for d in dumps.values() for b in d["backends"]})
     versions = sorted({d["version"] for d in dumps.values() if d["version"]})
     lines = [
-        f"flight-recorder dumps: ranks {', '.join(dumps)} ({'/'.join(backends) or 'backend unknown'}, "
+        f"flight-recorder dumps: {ranks_named(int(r) for r in dumps)} ({'/'.join(backends) or 'backend unknown'}, "
         f"format {'/'.join(versions) or '?'})"
     ]
     for g in (data.get("flight_alignment") or {}).get("groups", []):

@@ -101,13 +101,45 @@ def _probe_notes(r: dict[str, Any]) -> list[str]:
     return lines + [f"       probe switched off: {err}" for err in r["probe_errors"]]
 
 
+def _continues(last: dict[str, Any], p: dict[str, Any]) -> bool:
+    """Whether pending call ``p`` is the next of ``last``'s run: the same op, group and site,
+    and the next sequence number."""
+    same = (last["op"], last["group"], last["site"]) == (p["op"], p["group"], p["site"])
+    return same and isinstance(last["seq"], int) and p["seq"] == last["seq"] + 1
+
+
+def _pending_lines(pending: list[dict[str, Any]]) -> list[str]:
+    """A rank's pending calls, one line per run of calls with consecutive sequence numbers
+    and the same op, group and site (a ZeRO-3 gather of a whole model's parameters under a
+    rank condition is dozens of them: ``#193-#220 ... (28 calls, 512-2048 B)``)."""
+    runs: list[list[dict[str, Any]]] = []
+    for p in pending:
+        if runs and _continues(runs[-1][-1], p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    lines = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        if len(run) == 1:
+            seqs, sizes = f"#{first['seq']}", f"{first['bytes']} B"
+        else:
+            known = [p["bytes"] for p in run if isinstance(p["bytes"], int)]
+            size = (
+                ""
+                if not known
+                else f", {min(known)} B"
+                if min(known) == max(known)
+                else f", {min(known)}-{max(known)} B"
+            )
+            seqs, sizes = f"#{first['seq']}-#{last['seq']}", f"{len(run)} calls{size}"
+        lines.append(f"       pending: {first['op']} {seqs} on {first['group']} ({sizes}) at {first['site']}")
+    return lines
+
+
 def _notes(r: dict[str, Any]) -> list[str]:
     """The lines under a rank's row: its pending calls, then its probes' notes."""
-    pending = [
-        f"       pending: {p['op']} #{p['seq']} on {p['group']} ({p['bytes']} B) at {p['site']}"
-        for p in r["collectives"]["pending"]
-    ]
-    return pending + _probe_notes(r)
+    return _pending_lines(r["collectives"]["pending"]) + _probe_notes(r)
 
 
 def _row(r: dict[str, Any]) -> list[str]:

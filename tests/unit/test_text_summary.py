@@ -98,3 +98,23 @@ def test_a_split_world_keeps_a_row_per_side(recorded: dict[str, Any]) -> None:
         "  ranks 1-5, 7-31",
         "  ranks 33-62",
     ]
+
+
+def test_a_run_of_pending_calls_from_one_site_is_one_line(recorded: dict[str, Any]) -> None:
+    """A rank-0-only ZeRO-3 gather of every adapter: 28 gathers pending at one site were 28
+    lines under the rank's row. Consecutive calls of one op, group and site are one line;
+    a call that breaks the run (another site, a gap in the numbers) starts its own."""
+    data = _world(recorded, 2)
+    site = "/job/train.py:397 in save"
+    gathers = [
+        {"op": "all_gather_into_tensor", "seq": 193 + i, "group": "default_pg", "bytes": 512 << (i % 3), "site": site}
+        for i in range(28)
+    ]
+    later = {"op": "barrier", "seq": 222, "group": "default_pg", "bytes": 0, "site": "/job/train.py:9 in main"}
+    data["ranks"][0]["collectives"]["pending"] = [*gathers, later]
+    lines = [line.strip() for line in render_text(data).splitlines() if "pending:" in line]
+    assert lines[:2] == [
+        f"pending: all_gather_into_tensor #193-#220 on default_pg (28 calls, 512-2048 B) at {site}",
+        "pending: barrier #222 on default_pg (0 B) at /job/train.py:9 in main",
+    ]
+    assert lines[2] == "pending: barrier #7580 on default_pg (0 B) at /j/train.py:88 in main"  # rank 1's, as before
