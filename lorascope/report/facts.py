@@ -24,7 +24,7 @@ from lorascope.units import MAX_TABLE_RANKS, rank_ranges
 
 MAX_WARNINGS_PER_RANK = 20
 #: What a rank's ending shows (:func:`_rank_facts`); a rank with none of them has nothing to show.
-ENDING_KEYS = ("exception", "signal", "stacks", "warnings", "probe_errors")
+ENDING_KEYS = ("exception", "signal", "stacks", "fatal", "warnings", "probe_errors")
 CONFIG_ORDER = ("deepspeed", "lora", "model")
 
 
@@ -62,6 +62,7 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
         else {"type": exc["type"], "message": exc["message"], "traceback": exc["traceback"]},
         "signal": None if rank.signal is None else {"name": rank.signal["name"]},
         "stacks": (exc or rank.signal or {}).get("stacks"),
+        "fatal": rank.fatal or None,
         "warnings": _warnings(rank),
         "probe_errors": summary["probe_errors"],
         "files": summary["files"],
@@ -69,7 +70,7 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
 
 
 def endings(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ranks' endings (exception, signal, stacks, warnings, probe errors), each shown
+    """The ranks' endings (exception, signal, stacks, faulthandler's text, warnings, probe errors), each shown
     once for the ranks whose ending reads the same but for its numbers, in rank order of
     their first rank: ``ranks`` (its members), ``label``, ``same`` ("text": identical,
     "shape": identical but for numbers, the first rank's shown; None: one rank) and the

@@ -90,8 +90,8 @@ def end_mark(ended: dict[str, Any], rank: RankData) -> dict[str, Any]:
     if status == "exception":
         text = (rank.exception or {}).get("message", "")
         label = "OOM" if "out of memory" in text.lower() else (rank.exception or {}).get("type", "exception")
-    elif status == "signal":
-        label = str(ended["detail"])
+    elif status == "signal":  # a fatal signal's detail goes on with faulthandler's whole dump
+        label = str(ended["detail"] or "signal").splitlines()[0][:80]
     elif status == "exit":
         label = f"exit {ended['code']}"
     else:

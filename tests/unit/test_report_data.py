@@ -268,3 +268,22 @@ def test_the_per_rank_table_is_folded_past_the_limit(tmp_path: Path) -> None:
     page = render(many)
     folded = page.index('<details class="ranks">')
     assert folded < page.index('<table class="ranks">') < page.index("</details>", folded)
+
+
+def test_a_rank_killed_by_an_abort_gets_a_one_line_pin_and_faulthandlers_text_in_its_ending(tmp_path: Path) -> None:
+    """The memory chart's pin for a rank gloo aborted was labelled with faulthandler's whole
+    dump (every thread's stack, the extension modules: dozens of lines drawn over the
+    chart). The pin and the ranks table say its first line; the ending shows the dump."""
+    dump = (
+        'Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File "/job/t.py", line 3 in <module>\n'
+    )
+    run = write_run(tmp_path, [RankSpec(ends=False, fatal=dump), RankSpec()], exit_status=1)
+    data = build_report_data(load_bundle(run), [])
+    [pin] = [s["end"] for s in data["charts"]["memory"]["series"] if s["end"] and s["end"]["bad"]]
+    assert pin["label"] == "Fatal Python error: Aborted (faulthandler)"
+    [row] = [r for r in data["facts"]["ranks"] if r["rank"] == 0]
+    assert row["end_label"] == pin["label"]
+    [ending] = [e for e in data["facts"]["endings"] if e["rank"] == 0]
+    assert ending["fatal"] == dump.strip()
+    page = render(data)
+    assert "what faulthandler wrote" in page and "line 3 in &lt;module&gt;" in page
