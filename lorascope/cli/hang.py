@@ -70,7 +70,10 @@ def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
         if merged:
             first = f"rank {ranks[0]}" if isinstance(ranks[0], int) else str(ranks[0])
             where = f"{where} ({len(ranks):,} ranks alike but for their numbers; {first}'s shown)"
+        # "died: ...", "in its own code at ...", or the collective it waits in
         verb = "" if where.startswith(("died", "exited")) else ("is " if len(ranks) == 1 else "are ")
+        if verb and not where.startswith("in "):
+            verb += "in "
         lines.append(f"{who:<10} {verb}{where}")
     lines.append(f"verdict: {diagnosis['verdict']}")
     lines.append(f"fix: {diagnosis['fix']}")

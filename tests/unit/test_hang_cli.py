@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lorascope.cli.hang import _render, _target_notes
 from lorascope.detect import rank_conditional_hang
-from lorascope.detect.hang.diagnosis import fatal_main_frame
+from lorascope.detect.hang.diagnosis import _verdict, fatal_main_frame
+from lorascope.hang.targets import Target
 from lorascope.ingest.load import load_bundle
 from tests.helpers import Call, RankSpec, write_run
 
@@ -48,7 +50,6 @@ def test_report_written_after_the_verdict(tmp_path: Path) -> None:
 
 def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
     """Every rank's error names its own peer and port: one line for them, not 1,023."""
-    from lorascope.cli.hang import _render
 
     groups = [{"where": "died: RuntimeError: rank 0's own failure in train.py:88", "ranks": [0]}]
     groups += [
@@ -78,8 +79,6 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
 
 def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
     """1,024 "process gone" lines would push the verdict off the screen."""
-    from lorascope.cli.hang import _target_notes
-    from lorascope.hang.targets import Target
 
     gone = [Target(n, 100 + n, "a", alive=False, ours=False, why="process gone") for n in range(1024)]
     elsewhere = [
@@ -139,3 +138,24 @@ def test_a_rank_killed_by_an_abort_is_one_line_naming_its_main_threads_frame(tmp
     rows = [str(e.value) for f in rank_conditional_hang.detect(bundle) for e in f.evidence]
     assert any("never returned: the rank ended inside it (Fatal Python error: Aborted" in r for r in rows), rows
     assert any(r.endswith("still waiting in it") for r in rows), rows  # rank 1 has no word on its end
+
+
+def test_each_ranks_place_reads_as_a_sentence() -> None:
+    """A rank waiting in a collective "is in" it (it read "rank 0 is reduce_scatter_tensor
+    #386 ..."); one in its own code "is in its own code"; a dead one "died"; the verdict
+    names one rank or several with the verb that goes with them."""
+    groups = [
+        {"where": "reduce_scatter_tensor #386 on default_pg at t.py:314 in step", "ranks": [0, 3]},
+        {"where": "in its own code at t.py:368 in fetch (no collective in flight)", "ranks": [1]},
+        {"where": "died: killed by SIGTERM", "ranks": [2]},
+    ]
+    lines = _render({"groups": groups, "verdict": "v", "fix": "f"}, []).splitlines()
+    assert lines[:3] == [
+        "ranks 0, 3 are in reduce_scatter_tensor #386 on default_pg at t.py:314 in step",
+        "rank 1     is in its own code at t.py:368 in fetch (no collective in flight)",
+        "rank 2     died: killed by SIGTERM",
+    ]
+    place = {"where": "in its own code at t.py:368 in fetch"}
+    assert _verdict("stuck-outside", [1], place).startswith("rank 1 is stuck outside any collective, in its own")
+    assert _verdict("stuck-outside", [1, 2], place).startswith("ranks 1, 2 are stuck outside any collective")
+    assert _verdict("straggler", [5], None) == "rank 5 is a straggler still moving; the others wait for it"

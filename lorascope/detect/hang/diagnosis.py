@@ -12,7 +12,7 @@ from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
-from lorascope.units import rank_ranges
+from lorascope.units import ranks_named
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -218,13 +218,14 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
 
 
 def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
-    who = rank_ranges(odd)
+    who = ranks_named(odd) if odd else "no rank"
     where = first["where"] if first else "?"
+    one = len(odd) == 1
     return {
-        "rank-conditional-hang": f"rank-conditional collective (rank {who}): {where}",
-        "dead-rank": f"rank {who} died; the others wait for it ({where})",
-        "stuck-outside": f"rank {who} is stuck outside any collective, {where}; the others wait",
-        "straggler": f"rank {who} is a straggler still moving; the others wait for it",
+        "rank-conditional-hang": f"rank-conditional collective ({who}): {where}",
+        "dead-rank": f"{who} died; the others wait for it ({where})",
+        "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
+        "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
     }[kind]
