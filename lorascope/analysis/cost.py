@@ -99,6 +99,11 @@ def run_cost(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def _count(per_step: float) -> str:
+    """A count a step to a tenth: ``50``, ``53.2`` (not ``53.165``)."""
+    return f"{per_step:.1f}".removesuffix(".0")
+
+
 def cost_text(cost: dict[str, Any]) -> str:
     """One line: what the probes cost a step, as the job measured it, and its parts."""
     share = cost["share_of_step"]
@@ -119,9 +124,9 @@ def cost_text(cost: dict[str, Any]) -> str:
     trace = f"; once: {', '.join(once)}" if once else ""
     return (
         f"{cost['job_ms_per_step']:.2f} ms a step in probe code on the job's threads{of_step}: "
-        f"collective calls {cost['calls_ms_per_step']:.2f} ms ({cost['calls_per_step']:g} a step; "
+        f"collective calls {cost['calls_ms_per_step']:.2f} ms ({_count(cost['calls_per_step'])} a step; "
         f"the flushes before synchronous ones {cost['flush_ms_per_step']:.2f} ms of it), "
-        f"C heap readings {cost['heap_ms_per_step']:.2f} ms ({cost['heap_reads_per_step']:g} a step), "
+        f"C heap readings {cost['heap_ms_per_step']:.2f} ms ({_count(cost['heap_reads_per_step'])} a step), "
         f"phase edges and step ends {max(rest, 0.0):.2f} ms{trace}; "
         f"{cost['threads_cpu_ms_per_step']:.2f} ms CPU a step on the probes' own threads{spread}"
     )

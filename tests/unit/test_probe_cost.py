@@ -139,6 +139,9 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
         "median of 2 ranks, most on rank 1 (1.0%)"
     ) in text
     assert cost_text(cost) in text
+    # counts a step to a tenth (a run's read "53.165 a step")
+    uneven = cost_text({**cost, "calls_per_step": 53.165, "heap_reads_per_step": 6.17})
+    assert "(53.2 a step; " in uneven and "(6.2 a step)" in uneven
 
 
 def test_a_hostile_threads_object_is_read_as_far_as_it_holds_numbers(tmp_path: Path) -> None:
