@@ -159,3 +159,9 @@ def test_each_ranks_place_reads_as_a_sentence() -> None:
     assert _verdict("stuck-outside", [1], place).startswith("rank 1 is stuck outside any collective, in its own")
     assert _verdict("stuck-outside", [1, 2], place).startswith("ranks 1, 2 are stuck outside any collective")
     assert _verdict("straggler", [5], None) == "rank 5 is a straggler still moving; the others wait for it"
+    # a dead rank's place starts "died: " (it read "rank 1 died; the others wait for it (died: its process ...)")
+    gone = {"where": "died: its process is gone without a word (SIGKILL or the OOM killer)"}
+    assert _verdict("dead-rank", [1], gone) == (
+        "rank 1 died first: its process is gone without a word (SIGKILL or the OOM killer); "
+        "the others wait for it or failed after it"
+    )

@@ -223,7 +223,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
     one = len(odd) == 1
     return {
         "rank-conditional-hang": f"rank-conditional collective ({who}): {where}",
-        "dead-rank": f"{who} died; the others wait for it ({where})",
+        "dead-rank": f"{who} died first: {where.removeprefix('died: ')}; the others wait for it or failed after it",
         "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
