@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import linecache
 import re
+import tokenize
 from typing import Any
 
 MAX_FILE_BYTES = 2_000_000
@@ -37,6 +39,19 @@ def _spans(node: ast.AST, lineno: int) -> bool:
     return start <= lineno <= end
 
 
+def code_only(text: str) -> str:
+    """A line of source without its trailing comment: ``if step > 5:  # every rank saves``
+    tests no rank. Tokenized, so a ``#`` inside a string stays; a line that does not
+    tokenize alone (the first line of a condition spanning several) is cut at its ``#``."""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.COMMENT:
+                return text[: token.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):
+        return text.split("#", 1)[0].rstrip()
+    return text
+
+
 def describe(filename: str, lineno: int) -> dict[str, Any]:
     """``{"line": text or None, "conditions": [enclosing if/while lines, innermost first]}``;
     a line in an ``else`` branch is given as ``else of: <the if line>``."""
@@ -46,15 +61,18 @@ def describe(filename: str, lineno: int) -> dict[str, Any]:
     if tree is not None:
         for node in ast.walk(tree):
             if isinstance(node, (ast.If, ast.While)) and node.lineno < lineno and _spans(node, lineno):
-                text = linecache.getline(filename, node.lineno).strip()
+                text = code_only(linecache.getline(filename, node.lineno).strip())
                 in_else = any(_spans(child, lineno) for child in node.orelse)
                 found.append((node.lineno, f"{ELSE} {text}" if in_else else text))
     return {"line": line, "conditions": [text for _, text in sorted(found, reverse=True)]}
 
 
 def rank_condition_in(context: dict[str, Any] | None) -> str | None:
-    """The innermost enclosing condition in a :func:`describe` context that tests the rank."""
+    """The innermost enclosing condition in a :func:`describe` context that tests the rank
+    (in its code: a recording made before conditions were stored without their comments
+    may carry one)."""
     for cond in (context or {}).get("conditions", []):
-        if RANK_CONDITION.search(cond):
-            return str(cond)
+        code = code_only(str(cond))
+        if RANK_CONDITION.search(code):
+            return code
     return None

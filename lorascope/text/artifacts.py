@@ -191,7 +191,7 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
             f"{rank_ranges(g['expected_ranks']) if g['expected_ranks'] is not None else 'unknown'}{window}"
         )
         if g["missing_dumps"]:
-            lines.append(f"    no dump from ranks {rank_ranges(g['missing_dumps'])}")
+            lines.append(f"    no dump from {ranks_named(g['missing_dumps'])}")
         for r, p in g["progress"].items():
             last = p["last_entry"]
             on = (

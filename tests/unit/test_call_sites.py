@@ -15,6 +15,7 @@ import pytest
 from lorascope.probes import collectives
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.session import Session
+from lorascope.rundir.sources import rank_condition_in
 from lorascope.rundir.writer import Stream
 
 JOB = textwrap.dedent("""
@@ -97,3 +98,46 @@ def test_calls_at_one_line_share_its_site_and_condition(tmp_path: Path) -> None:
     assert described.count(via) == 1 and len(described) == len(set(described))
     # one entry per call instruction of that line, each looked at once
     assert len({key for key in probe._line_conditioned if key[0] == id(job.pair.__code__)}) == 3
+
+
+COMMENTED = textwrap.dedent("""
+    def begin(probe):
+        return probe._site()
+
+    def wrapper(probe):
+        return begin(probe)
+
+    def collective(probe):
+        return wrapper(probe)
+
+    def loop(probe, rank, step):
+        out = []
+        if step % 2 == 0:  # every rank saves here
+            out.append(collective(probe))
+        if rank == 0:  # the bug: only rank 0
+            out.append(collective(probe))
+        return out
+""")
+
+
+def test_a_comment_on_a_conditions_line_is_not_the_condition(tmp_path: Path) -> None:
+    """``if step % 2 == 0:  # every rank saves here`` tests no rank: the word in its comment
+    made it a rank condition (the probes flush and follow such a call, and the verdicts name
+    it). Conditions are recorded without their comments; one recorded with its comment
+    (an older run) is read without it."""
+    path = tmp_path / "commented_job.py"
+    path.write_text(COMMENTED)
+    spec = importlib.util.spec_from_file_location("commented_job", path)
+    assert spec is not None and spec.loader is not None
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    probe, records = _probe(tmp_path)
+    site = f"{path}:9 in collective"
+    assert job.loop(probe, 1, 2) == [(site, None)]
+    assert job.loop(probe, 0, 1) == [(site, f"{path}:16 in loop")]
+    described = {r["site"]: r for r in records if r["k"] == "site"}
+    assert described[f"{path}:14 in loop"]["conditions"] == ["if step % 2 == 0:"]
+    assert described[f"{path}:16 in loop"]["conditions"] == ["if rank == 0:"]
+    assert rank_condition_in({"conditions": ["if step % 2 == 0:  # every rank saves here"]}) is None
+    assert rank_condition_in({"conditions": ["else of: if rank == 0:  # only rank 0"]}) == "else of: if rank == 0:"
+    assert rank_condition_in({"conditions": ['if tag == "#rank":']}) == 'if tag == "#rank":'  # a string, not a comment
