@@ -50,7 +50,8 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
     outside = [s for s in states if not s["collective"]]
     if inside and outside:
         kind, odd = "stuck-outside", [s["who"] for s in outside]
-        verdict = f"{', '.join(odd)} stuck outside any collective ({outside[0]['where']}); the others wait"
+        verb = "is" if len(odd) == 1 else "are"
+        verdict = f"{', '.join(odd)} {verb} stuck outside any collective ({outside[0]['where']}); the others wait"
     elif len({s["where"] for s in inside}) > 1:
         kind, odd = "rank-conditional-hang", []
         verdict = "the processes wait in different collectives or call sites: a collective not all ranks run"

@@ -71,6 +71,7 @@ def test_hang_pid_mode_names_who_is_outside_collectives(procs: list[subprocess.P
     assert data["kind"] == "stuck-outside" and data["id"] == "hung-ranks"
     assert data["odd_ranks"] == [f"pid {procs[1].pid}"]
     assert "load_batch" in data["ranks"][1]["where"] and data["ranks"][0]["collective"] == "all_reduce"
+    assert data["verdict"].startswith(f"pid {procs[1].pid} is stuck outside any collective (")
 
 
 def test_native_frames_are_kept_but_not_taken_for_the_jobs_code() -> None:
