@@ -120,6 +120,12 @@ def test_a_rank_killed_by_an_abort_is_one_line_naming_its_main_threads_frame(tmp
     the rank ended inside."""
     assert fatal_main_frame(ABORTED_IN_GATHER) == "/job/train.py:397 in save_adapters_on_rank0"
     assert fatal_main_frame("Fatal Python error: Aborted\n\n<no Python frame>\n") is None
+    as_module = ABORTED_IN_GATHER.replace(
+        '  File "/job/train.py", line 480 in <module>',
+        '  File "/job/train.py", line 480 in main\n  File "<frozen runpy>", line 88 in _run_code\n'
+        '  File "<frozen runpy>", line 198 in _run_module_as_main',
+    )
+    assert fatal_main_frame(as_module) == "/job/train.py:397 in save_adapters_on_rank0"  # python -m job
     gather = Call("all_gather_into_tensor", bytes=1024, site="/job/train.py:397 in save_adapters_on_rank0", end=False)
     ranks = [
         RankSpec(calls=[Call("all_reduce"), gather], ends=False, fatal=ABORTED_IN_GATHER),

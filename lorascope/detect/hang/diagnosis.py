@@ -72,10 +72,12 @@ def main_thread_frame(stacks: str) -> str | None:
 
 def fatal_main_frame(fatal: str) -> str | None:
     """The innermost frame of the job's own code on the main thread of a faulthandler dump:
-    the thread whose stack (most recent call first) ends at ``<module>``."""
+    the thread whose stack (most recent call first) ends at ``<module>`` (a script) or in
+    runpy (``python -m``). None when no block does (faulthandler cuts a stack at 100
+    frames) or the main thread holds no frame of the job's own."""
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", fatal):
         frames = list(_FRAME.finditer(block))
-        if frames and frames[-1]["func"] == "<module>":
+        if frames and (frames[-1]["func"] == "<module>" or frames[-1]["file"] == "<frozen runpy>"):
             own = [m for m in frames if not _LIBRARY.search(m["file"])]
             return f"{own[0]['file']}:{own[0]['line']} in {own[0]['func']}" if own else None
     return None
