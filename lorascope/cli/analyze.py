@@ -77,7 +77,7 @@ def command(
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
-        click.echo(render_findings(findings))
+        click.echo(render_findings(findings, data))
         if analysis.summary is not None:
             click.echo(render_text(data, all_ranks=all_ranks))
         elif analysis.bundle.warnings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from lorascope.detect.finding import Finding
 from lorascope.units import ranks_named
@@ -12,9 +13,28 @@ def _ranks(ranks: list[int]) -> str:
     return ranks_named(ranks) if ranks else "all ranks"
 
 
-def render_findings(findings: list[Finding]) -> str:
+def quiet(data: dict[str, Any]) -> str:
+    """The headline when no detector found anything, as far as the input lets it say so:
+    artifacts alone are not a run; a rank that ended badly is not a healthy run."""
+    ranks = data.get("ranks") or []
+    if not ranks:
+        return (
+            "no problem found in the loaded artifacts (no run directory: the detectors that read "
+            "the ranks' own records, of hangs, memory over time and gradients, had nothing to read)"
+        )
+    bad = [r for r in ranks if (r["ended"]["status"], r["ended"]["code"]) != ("exit", 0)]
+    if bad:
+        ended = bad[0]["ended"]
+        how = (ended["detail"] or f"{ended['status']} {ended['code']}").splitlines()[0][:200]
+        return f"no detector named a cause, but rank {bad[0]['rank']} ended badly: {how}"
+    every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "its one rank"
+    return f"no problem found by the detectors: {every} exited 0"
+
+
+def render_findings(findings: list[Finding], data: dict[str, Any]) -> str:
+    """The findings, or (none) :func:`quiet`'s headline; ``data`` is the analysis's."""
     if not findings:
-        return "no problem found by the detectors"
+        return quiet(data)
     out: list[str] = []
     for f in findings:
         out.append(f"{f.id}  {f.severity.upper()}  confidence {f.confidence}  {_ranks(f.ranks)}")

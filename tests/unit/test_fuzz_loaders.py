@@ -118,7 +118,7 @@ def _analyse(path: Path, kind: str) -> None:
     data = analysis.to_data()
     json.dumps(data, default=str)  # --json
     assert render_artifacts(data["artifacts"]).strip()  # the text output says what was loaded
-    render_findings(analysis.findings)
+    render_findings(analysis.findings, analysis.to_data())
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

@@ -11,6 +11,7 @@ import pytest
 
 from lorascope.analysis.summary import build_summary
 from lorascope.rundir.reader import load_run
+from lorascope.text.findings import quiet, render_findings
 from lorascope.text.summary import MAX_TABLE_RANKS, render_text
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -118,3 +119,21 @@ def test_a_run_of_pending_calls_from_one_site_is_one_line(recorded: dict[str, An
         "pending: barrier #222 on default_pg (0 B) at /job/train.py:9 in main",
     ]
     assert lines[2] == "pending: barrier #7580 on default_pg (0 B) at /j/train.py:88 in main"  # rank 1's, as before
+
+
+def test_no_finding_says_what_was_looked_at() -> None:
+    """ "no problem found by the detectors" was printed for a kernel trace alone (which the
+    hang, memory and gradient detectors cannot read) and for a run a rank of which died
+    with no detector naming why; the report said both. Now the terminal does too."""
+    assert quiet({"ranks": []}).startswith("no problem found in the loaded artifacts (no run directory: ")
+    fine = {"rank": 0, "ended": {"status": "exit", "code": 0, "detail": None}}
+    aborted = {
+        "rank": 1,
+        "ended": {"status": "signal", "code": -6, "detail": "Fatal Python error: Aborted\nThread 0x1"},
+    }
+    assert (
+        quiet({"ranks": [fine, aborted]})
+        == "no detector named a cause, but rank 1 ended badly: Fatal Python error: Aborted"
+    )
+    assert quiet({"ranks": [fine, {**fine, "rank": 1}]}) == "no problem found by the detectors: all 2 ranks exited 0"
+    assert render_findings([], {"ranks": [fine]}) == "no problem found by the detectors: its one rank exited 0"
