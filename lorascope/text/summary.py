@@ -124,15 +124,9 @@ def _pending_lines(pending: list[dict[str, Any]]) -> list[str]:
         if len(run) == 1:
             seqs, sizes = f"#{first['seq']}", f"{first['bytes']} B"
         else:
-            known = [p["bytes"] for p in run if isinstance(p["bytes"], int)]
-            size = (
-                ""
-                if not known
-                else f", {min(known)} B"
-                if min(known) == max(known)
-                else f", {min(known)}-{max(known)} B"
-            )
-            seqs, sizes = f"#{first['seq']}-#{last['seq']}", f"{len(run)} calls{size}"
+            known = sorted(p["bytes"] for p in run if isinstance(p["bytes"], int))
+            size = f"{known[0]} B" if known and known[0] == known[-1] else f"{known[0]}-{known[-1]} B" if known else ""
+            seqs, sizes = f"#{first['seq']}-#{last['seq']}", f"{len(run)} calls" + (f", {size}" if size else "")
         lines.append(f"       pending: {first['op']} {seqs} on {first['group']} ({sizes}) at {first['site']}")
     return lines
 

@@ -95,7 +95,8 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
         return f"exited ({(end.detail or '').splitlines()[0][:160]})"
     if end.status == "signal":  # a fatal one's detail goes on with faulthandler's whole dump
         at = fatal_main_frame(rank.fatal) if rank.fatal else None
-        return f"died: killed by {(end.detail or '').splitlines()[0][:160]}" + (f", main thread at {at}" if at else "")
+        how = (end.detail or "a signal").splitlines()[0][:160]
+        return f"died: killed by {how}" + (f", main thread at {at}" if at else "")
     if end.known:
         return f"exited ({end.status} {end.code})"
     if alive is False:
@@ -224,7 +225,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
     where = first["where"] if first else "?"
     one = len(odd) == 1
     return {
-        "rank-conditional-hang": f"rank-conditional collective ({who}): {where}",
+        "rank-conditional-hang": f"rank-conditional collective{f' ({who})' if odd else ''}: {where}",
         "dead-rank": f"{who} died first: {where.removeprefix('died: ')}; the others wait for it or failed after it",
         "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
