@@ -95,6 +95,10 @@ def test_heatmap_rows_merge_ranks_and_name_the_highest() -> None:
     assert hm["who"] is not None and hm["who"][3] == 5 and hm["max"] == 4.5 and hm["min"] == 1.0
     one = spread.heatmap(spread.reduce_all(series, cols), cols, "max", 2)
     assert one["who"] is None and len(one["rows"]) == 10 and one["values"][5 * 4 + 2] == 8.0
+    # ranks within 1% of each other are not drawn as far apart: the scale spans >= 10% of the top
+    close = {r: [(s, 130.7 + 1.6 * (r == 0)) for s in range(1, 5)] for r in range(2)}
+    near = spread.heatmap(spread.reduce_all(close, cols), cols, "max", 2)
+    assert (near["min"], near["max"]) == (round(132.3 * 0.9, 2), 132.3) and min(v for v in near["values"] if v) == 130.7
 
 
 def test_sizes_are_bounded_at_1024_ranks_by_10000_steps() -> None:

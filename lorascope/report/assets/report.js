@@ -396,7 +396,7 @@
       legend: { show: false },
       toolbox: { show: false },
       tooltip: { show: false },
-      grid: { left: 96, right: 140, top: 16, bottom: 62 },
+      grid: { left: 96, right: 160, top: 16, bottom: 62 },  // room for the scale's labels, left of its bar
       xAxis: { type: "category", data: hm.columns.map(function (c) { return c[0] === c[1] ? String(c[0]) : c[0] + "–" + c[1]; }),
                name: "step", nameLocation: "middle", nameGap: 26, splitArea: { show: false } },
       yAxis: { type: "category", data: hm.rows.map(rowName), inverse: true, axisLabel: { fontSize: 10 } },
