@@ -165,11 +165,10 @@ def _entry(e: dict[str, Any]) -> str:
     return f"{e['op']}{sizes}{dtypes}"
 
 
-def _called_from(frames: list[str]) -> str:
-    """A flight-recorder entry's stack from its call site out (its innermost frames are
-    torch's own wrappers): the site, and the outermost frames the dump holds, toward or in
-    the job's code (torch records a limited depth)."""
-    chain = call_chain(frames)
+def _called_from(chain: list[str]) -> str:
+    """A flight-recorder entry's :func:`call_chain` (its stack from the call site out: the
+    innermost frames are torch's own wrappers), as the site and the outermost frames the
+    dump holds, toward or in the job's code (torch records a limited depth)."""
     shown = chain if len(chain) <= 5 else [*chain[:2], "...", *chain[-3:]]
     return " < ".join(shown)
 
@@ -211,8 +210,9 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
         first = g["disagreements"][0] if g["disagreements"] else None
         if first:
             for r, e in list(first["entries"].items()) + list(first["waiting_at"].items()):
-                if len(call_chain(e["frames"])) > 1:  # one frame: the site the line above names
-                    lines.append(f"      rank {r} called from: {_called_from(e['frames'])}")
+                chain = call_chain(e["frames"])
+                if len(chain) > 1:  # one frame: the site the line above names
+                    lines.append(f"      rank {r} called from: {_called_from(chain)}")
         elif g["compared"]:
             lines.append(f"    the ranks agree on all {g['compared']} collectives they hold")
     for r, d in dumps.items():

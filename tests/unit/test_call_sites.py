@@ -46,10 +46,12 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _job(tmp_path: Path) -> ModuleType:
-    path = tmp_path / "job_under_test.py"
-    path.write_text(JOB)
-    spec = importlib.util.spec_from_file_location("job_under_test", path)
+def _job(tmp_path: Path, source: str = JOB, name: str = "job_under_test") -> ModuleType:
+    """``source`` written to ``tmp_path/NAME.py`` and imported from there (its lines are what
+    the probe reads)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -125,12 +127,8 @@ def test_a_comment_on_a_conditions_line_is_not_the_condition(tmp_path: Path) -> 
     made it a rank condition (the probes flush and follow such a call, and the verdicts name
     it). Conditions are recorded without their comments; one recorded with its comment
     (an older run) is read without it."""
+    job = _job(tmp_path, COMMENTED, "commented_job")
     path = tmp_path / "commented_job.py"
-    path.write_text(COMMENTED)
-    spec = importlib.util.spec_from_file_location("commented_job", path)
-    assert spec is not None and spec.loader is not None
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
     probe, records = _probe(tmp_path)
     site = f"{path}:9 in collective"
     assert job.loop(probe, 1, 2) == [(site, None)]
