@@ -65,6 +65,10 @@ MAX_VIA_FRAMES = 40
 #: Code objects the call-site caches keep alive, at most (a process has a few thousand;
 #: beyond this, sites are worked out again at every call instead of growing the caches).
 MAX_KEPT_CODES = 1 << 16
+#: Call-site shortcuts kept (``_Hop``), at most; and the fewest frames a walk must pass
+#: before the site for its result to be kept as one (a shorter walk costs no more).
+MAX_HOPS = 4096
+HOP_MIN = 4
 #: Distinct call shapes (op, size, dtype, async, site) a stream declares, at most; a call of
 #: a shape beyond them carries its fields in its own record (as in format v1).
 MAX_SHAPES = 4096
@@ -227,6 +231,19 @@ class _Call:
         }
 
 
+#: A call's first two frames above the wrapper: (id(code), f_lasti) of each.
+_HopKey = tuple[int, int, int, int]
+
+
+class _Hop(NamedTuple):
+    """Where a walk from a call's first two frames found the call site: ``depth`` frames
+    up, the site and the library frame just below it as (id(code), f_lasti)."""
+
+    depth: int
+    below: tuple[int, int]
+    site: tuple[int, int]
+
+
 class _Started(NamedTuple):
     """A recorded call in flight: its record, the CUDA events around it (a synchronous
     call on the device), and whether its payload is on a CUDA device."""
@@ -266,6 +283,8 @@ class CollectiveProbe:
         #: The same per (id(code), f_lasti) of the job's callers, and which code is not the job's.
         self._line_conditioned: dict[tuple[int, int], bool] = {}
         self._foreign: dict[int, bool] = {}
+        #: A call's first two frames -> where the walk from them found its site.
+        self._hops: dict[_HopKey, _Hop] = {}
         self._stdlib = os.path.dirname(os.__file__) + os.sep
         self._events: collections.deque[tuple[int, int, Any, Any, float]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
@@ -755,8 +774,39 @@ class CollectiveProbe:
         """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
         its line sits in no rank condition, ``via``: the nearest caller in the job's own
         code whose line does (a save helper, a library's or the job's own, called under
-        ``if rank == 0:``)."""
-        frame: FrameType | None = sys._getframe(3)  # from the wrapper up (our own frames are skipped)
+        ``if rank == 0:``).
+
+        Most calls come from deep in a library (a ZeRO-3 step's reduce-scatters are ~17
+        frames below the job's ``engine.step()``), and following ``f_back`` makes a frame
+        object of every frame on the way (~0.5 us each in the job; a frame object also
+        copies its locals when its frame returns). So a walk that passed library frames
+        leaves a ``_Hop``: for a call whose first two frames are the same instructions
+        again, the frame that many up is read straight (``sys._getframe`` makes no frame
+        object of the frames it passes) and taken as the site when it and the frame
+        below it are the same instructions as the walk's; else the walk is taken."""
+        first = sys._getframe(3)  # from the wrapper up (our own frames are skipped)
+        second = first.f_back
+        key: _HopKey | None = None
+        if second is not None:
+            key = (id(first.f_code), first.f_lasti, id(second.f_code), second.f_lasti)
+            hop = self._hops.get(key)
+            if hop is not None:
+                try:
+                    under: FrameType | None = sys._getframe(3 + hop.depth - 1)
+                except ValueError:  # a shallower stack than the walk's
+                    under = None
+                found = under.f_back if under is not None else None
+                if (
+                    found is not None
+                    and under is not None
+                    and (id(under.f_code), under.f_lasti) == hop.below
+                    and (id(found.f_code), found.f_lasti) == hop.site
+                ):
+                    site = self._describe(found)
+                    return site, self._via(found, site)
+        frame: FrameType | None = first
+        below: FrameType | None = None
+        depth = 0
         internal = self._internal
         while frame is not None:
             code = frame.f_code
@@ -767,9 +817,24 @@ class CollectiveProbe:
                     internal[id(code)] = skip
             if not skip:
                 site = self._describe(frame)
+                if key is not None and second is not None and below is not None and depth >= HOP_MIN:
+                    self._remember_hop(key, first, second, below, frame, depth)
                 return site, self._via(frame, site)
+            below = frame
             frame = frame.f_back
+            depth += 1
         return None, None
+
+    def _remember_hop(
+        self, key: _HopKey, first: FrameType, second: FrameType, below: FrameType, site: FrameType, depth: int
+    ) -> None:
+        """Keep a walk's result as a ``_Hop`` for calls from the same first two frames, if
+        every code object it names is kept alive (so that no id in it is another's later)
+        and there is room."""
+        if len(self._hops) >= MAX_HOPS:
+            return
+        if all(self._keep(frame.f_code) for frame in (first, second, below, site)):
+            self._hops[key] = _Hop(depth, (id(below.f_code), below.f_lasti), (id(site.f_code), site.f_lasti))
 
     def _keep(self, code: CodeType) -> bool:
         """Whether ``code`` may be cached by its id (kept alive here: under MAX_KEPT_CODES)."""

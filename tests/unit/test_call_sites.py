@@ -139,3 +139,94 @@ def test_a_comment_on_a_conditions_line_is_not_the_condition(tmp_path: Path) -> 
     assert rank_condition_in({"conditions": ["if step % 2 == 0:  # every rank saves here"]}) is None
     assert rank_condition_in({"conditions": ["else of: if rank == 0:  # only rank 0"]}) == "else of: if rank == 0:"
     assert rank_condition_in({"conditions": ['if tag == "#rank":']}) == 'if tag == "#rank":'  # a string, not a comment
+
+
+LIBRARY = textwrap.dedent("""
+    def begin(probe):
+        return probe._site()
+
+    def wrapper(probe):
+        return begin(probe)
+
+    def gather(probe, depth):
+        if depth:
+            return gather(probe, depth - 1)
+        return wrapper(probe)
+
+    def through(probe, hook, depth):
+        return hook(probe, depth)
+""")
+
+DEEP_JOB = textwrap.dedent("""
+    def step(lib, probe, depth):
+        return lib.gather(probe, depth)
+
+    def other_step(lib, probe, depth):
+        return lib.gather(probe, depth)
+
+    def hook(probe, depth):
+        return LIB.gather(probe, depth)
+
+    def hooked_step(lib, probe, depth):
+        return lib.through(probe, hook, depth)
+
+    def save(lib, probe, rank, depth):
+        if rank == 0:
+            return step(lib, probe, depth)
+        return None
+""")
+
+
+def _deep(tmp_path: Path) -> tuple[ModuleType, ModuleType, CollectiveProbe, str]:
+    """A job whose calls pass library frames (``gather`` recursing ``depth`` + 1 frames
+    deep, under ``wrapper``: its file is taken for a library's) before its own line."""
+    lib = _job(tmp_path, LIBRARY, "library_under_test")
+    job = _job(tmp_path, DEEP_JOB, "deep_job")
+    job.LIB = lib
+    probe, _ = _probe(tmp_path)
+    lib_file = str(tmp_path / "library_under_test.py")
+    is_internal = probe._is_internal
+    probe._is_internal = lambda filename: filename == lib_file or is_internal(filename)  # type: ignore[method-assign]
+    return lib, job, probe, str(tmp_path / "deep_job.py")
+
+
+def test_a_call_from_the_same_library_frames_hops_to_its_site(tmp_path: Path) -> None:
+    """A walk past library frames leaves a hop for calls from the same first two frames:
+    the next such call reads its site straight from the frame that many up, not by
+    following every frame (which makes a frame object of each)."""
+    lib, job, probe, path = _deep(tmp_path)
+    site = (f"{path}:3 in step", None)
+    assert job.step(lib, probe, 6) == site
+    assert len(probe._hops) == 1 and next(iter(probe._hops.values())).depth == 7  # gather's 7 frames
+    # Taken for the job's own code now, gather's frames would be the site of a walk: the
+    # site still found is the hop's (the walk was not taken).
+    for code in list(probe._internal):
+        if probe._kept.get(code) is lib.gather.__code__:
+            probe._internal[code] = False
+    probe._is_internal = lambda filename: False  # type: ignore[method-assign]
+    assert job.step(lib, probe, 6) == site
+
+
+def test_a_hop_is_taken_only_where_its_frames_are_the_walks(tmp_path: Path) -> None:
+    """Calls from the same first two frames whose site lies at another depth, on another
+    line, or behind a job frame in between (a library calling back into the job) get the
+    walk's answer, as does the same call under a rank condition (its ``via``)."""
+    lib, job, probe, path = _deep(tmp_path)
+    step, other = f"{path}:3 in step", f"{path}:6 in other_step"
+    for _ in range(2):  # the first round walks; the second may hop
+        assert job.step(lib, probe, 6) == (step, None)
+        assert job.step(lib, probe, 9) == (step, None)  # deeper: the hop's frames are gather's
+        assert job.step(lib, probe, 4) == (step, None)  # shallower
+        assert job.other_step(lib, probe, 6) == (other, None)  # same depth, another line
+        assert job.hooked_step(lib, probe, 4) == (f"{path}:9 in hook", None)  # the job in between
+        assert job.save(lib, probe, 0, 6) == (step, f"{path}:16 in save")
+        assert job.save(lib, probe, 1, 6) is None
+    assert probe._hops  # kept, and checked before each use
+
+
+def test_no_hop_is_kept_past_the_cap_on_kept_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collectives, "MAX_KEPT_CODES", 0)
+    lib, job, probe, path = _deep(tmp_path)
+    for _ in range(2):
+        assert job.step(lib, probe, 6) == (f"{path}:3 in step", None)
+    assert not probe._hops
