@@ -86,23 +86,36 @@ def read_capped(path: Path | str, limit_name: str, what: str) -> bytearray:
 
     Truncated or corrupt gzip is a BadInputError. At most the limit + 1 MiB is held (a
     bytearray, not copied into bytes: json.loads takes it as it is)."""
+    return _read(path, limit_name, what, keep_cut=False)[0]
+
+
+def read_capped_cut(path: Path | str, limit_name: str, what: str) -> tuple[bytearray, bool]:
+    """As :func:`read_capped`, but a gzip file that ends inside its compressed stream (a
+    writer killed mid-file) gives what it holds, and True: for readers that can use the
+    start of a file cut short."""
+    return _read(path, limit_name, what, keep_cut=True)
+
+
+def _read(path: Path | str, limit_name: str, what: str, keep_cut: bool) -> tuple[bytearray, bool]:
     limit = getattr(limits.current(), limit_name)
     with open_regular(path) as f:
         head = f.read(2)
         out = bytearray(head)
         if is_gzip(head):
             out.clear()
-            _inflate(f, head, out, limit, path, limit_name, what)
-        else:
-            while chunk := f.read(_CHUNK):
-                out += chunk
-                if len(out) > limit:
-                    raise LimitError(str(path), what, limit_name)
-    return out
+            return out, _inflate(f, head, out, limit, path, limit_name, what, keep_cut)
+        while chunk := f.read(_CHUNK):
+            out += chunk
+            if len(out) > limit:
+                raise LimitError(str(path), what, limit_name)
+    return out, False
 
 
-def _inflate(f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path | str, name: str, what: str) -> None:
-    """Gunzip f (every member, as gzip does) into out, never past limit + one chunk."""
+def _inflate(
+    f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path | str, name: str, what: str, keep_cut: bool
+) -> bool:
+    """Gunzip f (every member, as gzip does) into out, never past limit + one chunk; True
+    when it ends inside a compressed stream and ``keep_cut`` (else that is a BadInputError)."""
     d = zlib.decompressobj(zlib.MAX_WBITS | 16)
     fed = False
     data = head
@@ -130,7 +143,10 @@ def _inflate(f: IO[bytes], head: bytes, out: bytearray, limit: int, path: Path |
     except zlib.error as exc:
         raise BadInputError(f"{path}: not a readable gzip file ({exc})") from None
     if fed and not d.eof:
+        if keep_cut:
+            return True
         raise BadInputError(f"{path}: a truncated gzip file (it ends inside the compressed stream)")
+    return False
 
 
 def loads_json(data: bytes | bytearray, path: Path | str, what: str) -> Any:

@@ -13,6 +13,7 @@ import pytest
 
 from lorascope.analysis.artifacts import artifacts_data
 from lorascope.errors import BadInputError
+from lorascope.ingest.kineto import salvage
 from lorascope.ingest.kineto.compare import STRAGGLER_RATIO, compare_traces
 from lorascope.ingest.kineto.hta import hta_available, hta_figures
 from lorascope.ingest.kineto.reader import analyse_trace, read_trace
@@ -147,3 +148,63 @@ def test_hta_figures_on_gpu_traces_and_its_refusal_of_cpu_ones() -> None:
 def test_not_a_trace(data: Any, message: str) -> None:
     with pytest.raises(BadInputError, match=message):
         analyse_trace(data, Path("t.json"))
+
+
+def _text(path: Path) -> bytes:
+    with gzip.open(path) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("share", [0.2, 0.5, 0.93])
+def test_a_trace_cut_inside_its_events_is_read_as_far_as_it_goes(tmp_path: Path, share: float) -> None:
+    """A trace whose JSON breaks off (the job killed while the profiler wrote it) keeps its
+    head and every whole event before the cut, in order, none invented; said in a warning."""
+    text = _text(CPU_TRACE)
+    whole = json.loads(text)["traceEvents"]
+    path = tmp_path / "cut.json"
+    path.write_bytes(text[: int(len(text) * share)])
+    trace = read_trace(path)
+    events = trace.events
+    assert events == whole[: len(events)] and len(events) < len(whole)
+    assert len(events) >= len(whole) * share * 0.8  # the events before the cut, not a few of them
+    assert trace.rank == 0 and trace.world_size == 2  # the head (distributedInfo) is kept
+    assert any("breaks off inside its events" in w and f"{len(events):,} whole events" in w for w in trace.warnings)
+
+
+def test_a_trace_cut_after_its_events_or_in_its_gzip_stream(tmp_path: Path) -> None:
+    text = _text(CPU_TRACE)
+    whole = json.loads(text)["traceEvents"]
+    after = text.rindex(b"]") + 1  # the event list closed; what follows it is cut
+    path = tmp_path / "after.json"
+    path.write_bytes(text[: after + 3])
+    trace = read_trace(path)
+    assert trace.events == whole and any("after its events: all of them read" in w for w in trace.warnings)
+    packed = gzip.compress(text)
+    path = tmp_path / "cut.json.gz"
+    path.write_bytes(packed[: len(packed) // 2])
+    trace = read_trace(path)
+    assert 0 < len(trace.events) < len(whole) and trace.events == whole[: len(trace.events)]
+    assert "ends inside its compressed stream" in trace.warnings[0] and "inside its events" in trace.warnings[1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b'{"schemaVersion": 1, "deviceProperties": [{"id": 0, "na', b'{"other": [{"ph": "X", "ts": 1, "du', b"[1, 2"],
+)
+def test_a_cut_that_leaves_no_trace_is_still_an_error(tmp_path: Path, text: bytes) -> None:
+    path = tmp_path / "t.json"
+    path.write_bytes(text)
+    with pytest.raises(BadInputError, match="is not valid JSON"):
+        read_trace(path)
+
+
+def test_a_trace_broken_in_its_middle_is_not_taken_for_a_cut_one(tmp_path: Path) -> None:
+    """Bytes that break the JSON with megabytes of events after them are a broken file,
+    not one cut short: the error stands (nothing is read as if the trace ended there)."""
+    text = _text(CPU_TRACE)
+    at = text.rindex(b"{", 0, text.index(b'"ph": "X"', len(text) // 5))  # an event's start
+    path = tmp_path / "broken.json"
+    path.write_bytes(text[:at] + b'{"ph": "X", "ts": 1,, ' + text[at:])
+    assert len(text) - at > salvage.MAX_AFTER_CUT
+    with pytest.raises(BadInputError, match="is not valid JSON"):
+        read_trace(path)

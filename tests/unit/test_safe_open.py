@@ -13,7 +13,7 @@ import pytest
 from lorascope.errors import BadInputError
 from lorascope.rundir import limits
 from lorascope.rundir.limits import LimitError
-from lorascope.rundir.safe_open import json_depth, leaves, maybe_too_deep, open_regular, read_capped
+from lorascope.rundir.safe_open import json_depth, leaves, maybe_too_deep, open_regular, read_capped, read_capped_cut
 from lorascope.rundir.writer import record_launch, record_ranks
 
 MIB = 1 << 20
@@ -119,3 +119,14 @@ def test_manifest_writes_never_raise(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert len(err) == 2 and all(line.startswith("lorascope: warning: cannot record the") for line in err)
     assert record_launch(tmp_path / "run", "h-1", ["job"]) is True
     assert not list((tmp_path / "run").glob(".manifest.json.*.tmp"))
+
+
+def test_read_capped_cut_keeps_what_a_cut_gzip_holds(tmp_path: Path) -> None:
+    data = _data("text", 300_000)
+    whole = gzip.compress(data)
+    path = tmp_path / "f.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    held, cut = read_capped_cut(path, "json_bytes", "it")
+    assert cut and 0 < len(held) < len(data) and data.startswith(bytes(held))
+    path.write_bytes(whole)
+    assert read_capped_cut(path, "json_bytes", "it") == (bytearray(data), False)

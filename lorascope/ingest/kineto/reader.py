@@ -29,7 +29,8 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.hta import HtaFigures
-from lorascope.rundir.safe_open import loads_json, read_capped
+from lorascope.ingest.kineto.salvage import salvage
+from lorascope.rundir.safe_open import loads_json, read_capped_cut
 
 #: Duration buckets' upper edges (microseconds) for the distribution.
 BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 1000, 10_000)
@@ -135,15 +136,37 @@ class KinetoTrace:
         return self.raw.get("traceEvents") or []
 
 
-def load_trace_json(path: Path) -> Any:
-    """The trace's JSON (gzipped or not), read up to the JSON size limit; BadInputError
-    when unreadable or over the limit."""
-    data = read_capped(path, "json_bytes", "the trace (decompressed)")
-    return loads_json(data, path, "the trace")
+def load_trace_json(path: Path) -> tuple[Any, list[str]]:
+    """The trace's JSON (gzipped or not), read up to the JSON size limit, and what was
+    wrong with it; BadInputError when unreadable or over the limit. A trace cut short (a
+    gzip stream or JSON text that breaks off) is read as far as it goes (``salvage``),
+    with a warning."""
+    data, gzip_cut = read_capped_cut(path, "json_bytes", "the trace (decompressed)")
+    try:
+        return loads_json(data, path, "the trace"), _gzip_warning(gzip_cut)
+    except BadInputError:
+        kept = salvage(data)
+        if kept is None:
+            raise
+    events = kept.data["traceEvents"]
+    if not kept.events_cut:
+        return kept.data, [*_gzip_warning(gzip_cut), "the trace's JSON breaks off after its events: all of them read"]
+    return kept.data, [
+        *_gzip_warning(gzip_cut),
+        f"the trace's JSON breaks off inside its events, {len(data):,} bytes in: read the {len(events):,} "
+        "whole events before that (the profiler's later events, and any step they hold, are not in it)",
+    ]
+
+
+def _gzip_warning(cut: bool) -> list[str]:
+    return ["the gzip file ends inside its compressed stream (cut short): read what it holds"] if cut else []
 
 
 def read_trace(path: Path, rank: int | None = None) -> KinetoTrace:
-    return analyse_trace(load_trace_json(path), path, rank)
+    data, warnings = load_trace_json(path)
+    trace = analyse_trace(data, path, rank)
+    trace.warnings[:0] = warnings
+    return trace
 
 
 def _num(value: Any) -> float | None:
