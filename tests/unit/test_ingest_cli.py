@@ -44,6 +44,13 @@ def _truncated(src: Path) -> Callable[[Path], Path]:
     return make
 
 
+def _trace_cut_in_its_head(tmp: Path) -> Path:
+    """A trace cut before its events (a trace cut inside them is read as far as it goes)."""
+    out = tmp / "cut-head.trace.json"
+    out.write_bytes(gzip.decompress(TRACE.read_bytes())[:60])
+    return out
+
+
 def _empty(tmp: Path) -> Path:
     out = tmp / "empty"
     out.write_bytes(b"")
@@ -103,7 +110,7 @@ CASES: list[tuple[str | None, Callable[[Path], Path]]] = [
     ("flight", _truncated(FLIGHT)),
     ("flight", _truncated(FLIGHT_JSON)),
     ("flight", lambda t: SNAPSHOT),
-    ("kineto", _truncated(TRACE)),
+    ("kineto", _trace_cut_in_its_head),
     ("kineto", lambda t: FLIGHT_JSON),
     ("log", _truncated_gz_log),
     ("log", lambda t: SNAPSHOT),
@@ -115,7 +122,7 @@ CASES: list[tuple[str | None, Callable[[Path], Path]]] = [
     (None, _other_json),
     (None, _other_pickle),
     (None, _truncated(SNAPSHOT)),
-    (None, _truncated(TRACE)),
+    (None, _trace_cut_in_its_head),
     (None, _truncated_gz_log),
     (None, _junk_folder),
     (None, _empty_folder),
