@@ -81,11 +81,12 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for r, entry in sorted(first.entries.items()):
         sizes = f" {list(entry.input_sizes)}" if entry.input_sizes else ""
+        dtypes = f" {'/'.join(entry.input_dtypes)}" if entry.input_dtypes else ""
         done = "completed" if entry.completed else "not completed"
         own = rows[r] = [
             (
                 f" at group {first.group} #{first.seq}",
-                f"{entry.op}{sizes} {'/'.join(entry.input_dtypes)} at {sites[r] or '?'} — {done}",
+                f"{entry.op}{sizes}{dtypes} at {sites[r] or '?'} — {done}",
                 f"flight-recorder dump of rank {r}",
             )
         ]

@@ -193,20 +193,20 @@ def _render_flight(data: dict[str, Any]) -> list[str]:
             lines.append(f"    no dump from {ranks_named(g['missing_dumps'])}")
         for r, p in g["progress"].items():
             last = p["last_entry"]
-            on = (
-                f" (on {_entry(last)}{' at ' + str(call_site(last['frames'])) if last['frames'] else ''})"
+            pending = (
+                f" ({_entry(last)}{' at ' + str(call_site(last['frames'])) if last['frames'] else ''})"
                 if p["pending"] and last
                 else ""
             )
             lines.append(
-                f"    rank {r}: last enqueued #{p['last_enqueued']}, started "
+                f"    rank {r}: last enqueued #{p['last_enqueued']}{pending}, started "
                 f"{'#' + str(p['last_started']) if p['last_started'] is not None else '-'}, completed "
-                f"#{p['last_completed']}{on}"
+                f"#{p['last_completed']}"
             )
         for d in g["disagreements"][:3]:
             lines.append(f"    disagreement: {d['describe']}")
             if d["extra_on"]:
-                lines.append(f"      ranks {d['extra_on']} ran one collective more than the others here")
+                lines.append(f"      {ranks_named(d['extra_on'])} ran one collective more than the other ranks here")
         first = g["disagreements"][0] if g["disagreements"] else None
         if first:
             for r, e in list(first["entries"].items()) + list(first["waiting_at"].items()):

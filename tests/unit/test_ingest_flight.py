@@ -161,3 +161,17 @@ def test_the_call_site_is_past_the_wrappers_a_call_passes_through() -> None:
     ]
     assert call_site(fsdp) == "transformers/models/llama/modeling_llama.py:420 in forward"
     assert call_chain(fsdp) == fsdp[-2:]
+
+
+def test_a_ranks_pending_entry_follows_the_number_it_names() -> None:
+    """The progress line names the pending entry beside its number ("last enqueued #4
+    (all_reduce ... at ...)"), not after "completed #3", which it is not; an entry with
+    no sizes or dtypes (a barrier) reads without a gap."""
+    result = CliRunner().invoke(cli, ["analyze", str(FR / "rank1-stalls")])
+    lines = [line.strip() for line in result.output.splitlines() if "last enqueued" in line]
+    assert lines[0].startswith("rank 0: last enqueued #4 (all_reduce [[16]] Float at ") and lines[0].endswith(
+        "/record_more.py:68 in rank_main), started -, completed #3"
+    )
+    assert lines[1] == "rank 1: last enqueued #3, started -, completed #3"
+    result = CliRunner().invoke(cli, ["analyze", str(FR / "library-save-rank0")])
+    assert "rank 1 at group 0 #4: barrier at " in result.output and "barrier  at" not in result.output
