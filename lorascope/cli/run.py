@@ -22,6 +22,7 @@ from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
 from lorascope.text.summary import render_text
+from lorascope.units import ranks_named
 
 
 def _prepare(out: Path, config: dict[str, object]) -> Path | None:
@@ -147,7 +148,6 @@ def _attached_line(attached: list[dict[str, object]], out: Path, cmd: list[str],
         return f"lorascope: no process attached the probes: {why}"
     ranks = sorted({int(str(a["rank"])) for a in attached})
     hosts = sorted({str(a["host"]) for a in attached})
-    shown = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
     where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
     processes = "1 process" if len(attached) == 1 else f"{len(attached)} processes"
-    return f"lorascope: {processes} attached the probes (ranks {shown}){where}"
+    return f"lorascope: {processes} attached the probes ({ranks_named(ranks)}){where}"

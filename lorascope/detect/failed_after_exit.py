@@ -136,7 +136,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             severity="error",
             confidence="low",
             confidence_reason="the run directory holds no record of the failure: it happened in a rank's "
-            "teardown after its end record, or in a process lorascope did not probe",
+            "teardown after its end record, in a process lorascope did not probe, or a rank raised "
+            "SystemExit(n) itself (the probes see the code given to sys.exit, not a raised SystemExit's)",
             ranks=sorted(run.ranks),
             evidence=_launch_evidence(failed),
             explanation=EXPLANATION,

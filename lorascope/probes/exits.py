@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import os
 import signal
 import sys
 import threading
@@ -158,16 +159,38 @@ class ExitProbe:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
-    def _write_end(self, status: str, code: int | None) -> None:
+    def _write_end(self, status: str, code: int | None, why: str | None = None) -> None:
         if self.session.ended:
             return
         self.session.ended = True
         self._on_end()
-        self.session.record("end", status=status, code=code)
+        if why is None:
+            self.session.record("end", status=status, code=code)
+        else:
+            self.session.record("end", status=status, code=code, why=why)
         self.session.flush()
 
     def _at_exit(self) -> None:
         try:
-            self._write_end("exit", self._exit_code if self._exit_code is not None else 0)
+            if self._exit_code is not None:
+                self._write_end("exit", self._exit_code)
+                return
+            missing = unopened_script()
+            if missing is not None:  # python exits 2 without a SystemExit the probes see
+                self._write_end("exit", 2, f"python could not open the script {missing!r}: it never ran")
+            else:
+                self._write_end("exit", 0)
         except Exception:
             pass
+
+
+def unopened_script() -> str | None:
+    """The script python was given and could not open (``python /no/such.py``: it prints
+    "can't open file" and exits 2 with no exception, after the exit handlers ran), else
+    None. Its ``__main__`` never ran, so has no ``__file__``; ``-c``, ``-m`` and stdin
+    name no script."""
+    main = sys.modules.get("__main__")
+    if main is None or hasattr(main, "__file__") or not sys.argv or sys.argv[0] in ("", "-", "-c", "-m"):
+        return None
+    path = sys.argv[0]
+    return None if os.access(path, os.R_OK) else path  # a folder without __main__.py exits 1: not this

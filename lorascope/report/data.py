@@ -23,7 +23,7 @@ from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ended_badly_headline, ending_of
 from lorascope.rundir.reader import RunData, no_cycle_collection
 
 
@@ -78,15 +78,8 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
         }
     bad = [r for r in facts["ranks"] if r["bad"]]
     if bad:
-        first = bad[0]
-        detail = first["ended"]["detail"] or first["end_label"]
-        return {
-            "level": "warning",
-            "ranks": [r["rank"] for r in bad],
-            "also": [],
-            "headline": f"no detector named a cause, but rank {first['rank']} ended badly: "
-            f"{detail.splitlines()[0][:200] if detail else first['end_label']}",
-        }
+        hows = {r["rank"]: str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200] for r in bad}
+        return {"level": "warning", "ranks": list(hows), "also": [], "headline": ended_badly_headline(hows)}
     return {
         "level": "ok",
         "ranks": [],

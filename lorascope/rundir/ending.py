@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorascope.rundir.reader import RankData
+from lorascope.units import ranks_named
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
 FATAL_SIGNALS = {
@@ -67,5 +68,18 @@ def ending_of(rank: RankData) -> Ending:
             return Ending("signal", code, detail, float(rank.end["t"]), teardown=True)
         return Ending("signal", code, f"{first} (faulthandler)\n{rank.fatal}", None)
     if rank.end is not None:
-        return Ending(rank.end["status"], rank.end["code"], None, float(rank.end["t"]))
+        why = rank.end.get("why")
+        return Ending(rank.end["status"], rank.end["code"], why if isinstance(why, str) else None, float(rank.end["t"]))
     return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)
+
+
+def ended_badly_headline(hows: dict[int, str]) -> str:
+    """The headline of a run no detector named a cause for but some ranks ended badly,
+    from each such rank's ending as one line (in rank order): the ranks that ended like
+    the first, and the others apart (the terminal's and the report's, alike)."""
+    first = next(iter(hows.values()))
+    alike = [rank for rank, how in hows.items() if how == first]
+    rest = sorted(set(hows) - set(alike))
+    others = f" (and {ranks_named(rest)} otherwise)" if rest else ""
+    verb = "ended" if len(alike) == 1 else "all ended"
+    return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}{others}"

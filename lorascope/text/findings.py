@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 from lorascope.detect.finding import Finding
+from lorascope.rundir.ending import ended_badly_headline
 from lorascope.units import ranks_named
 
 
@@ -24,11 +25,14 @@ def quiet(data: dict[str, Any]) -> str:
         )
     bad = [r for r in ranks if (r["ended"]["status"], r["ended"]["code"]) != ("exit", 0)]
     if bad:
-        ended = bad[0]["ended"]
-        how = (ended["detail"] or f"{ended['status']} {ended['code']}").splitlines()[0][:200]
-        return f"no detector named a cause, but rank {bad[0]['rank']} ended badly: {how}"
+        return ended_badly_headline({r["rank"]: _how(r["ended"]) for r in bad})
     every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "its one rank"
     return f"no problem found by the detectors: {every} exited 0"
+
+
+def _how(ended: dict[str, Any]) -> str:
+    """A rank's ending as one line."""
+    return (str(ended["detail"] or f"{ended['status']} {ended['code']}").splitlines() or ["?"])[0][:200]
 
 
 def render_findings(findings: list[Finding], data: dict[str, Any]) -> str:

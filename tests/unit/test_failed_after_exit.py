@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from lorascope.detect import failed_after_exit
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.attachments import remove_empty_fatal_files
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ended_badly_headline, ending_of
 from lorascope.rundir.reader import load_run
 from tests.helpers import LORASCOPE, RankSpec, finished_then_aborted, write_run
 
@@ -105,3 +106,31 @@ def test_the_harness_reruns_only_a_job_that_finished_then_aborted(tmp_path: Path
     assert not finished_then_aborted(write_run(tmp_path / "c", crashed, exit_status=1))
     died = [RankSpec(ends=False, fatal=ABORTED), RankSpec()]
     assert not finished_then_aborted(write_run(tmp_path / "d", died, exit_status=1))
+
+
+def test_a_script_python_could_not_open_ends_with_exit_2_and_says_why(tmp_path: Path) -> None:
+    """``python /no/such.py`` exits 2 after the exit handlers ran, with no exception and no
+    ``sys.exit``: its end record read "exit 0", a clean exit, and the launcher's failure was
+    put on the interpreter's teardown."""
+    out = tmp_path / "run"
+    env = [f"{k}=0" for k in ("RANK", "LOCAL_RANK")] + ["WORLD_SIZE=1"]
+    job = ["env", *env, sys.executable, str(tmp_path / "missing.py")]
+    res = subprocess.run(
+        [*LORASCOPE, "run", "--out", str(out), "--", *job], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    end = ending_of(load_run(out).ranks[0])
+    assert (end.status, end.code) == ("exit", 2)
+    assert end.detail == f"python could not open the script {str(tmp_path / 'missing.py')!r}: it never ran"
+    assert findings(out) == []  # the rank's own ending explains the launcher's status
+    text = subprocess.run([*LORASCOPE, "analyze", str(out)], capture_output=True, text=True, timeout=60).stdout
+    assert text.startswith("no detector named a cause, but rank 0 ended badly: python could not open the script")
+
+
+def test_the_ranks_that_ended_badly_are_named_together_when_they_ended_alike() -> None:
+    assert ended_badly_headline({0: "exit 2", 1: "exit 2"}) == (
+        "no detector named a cause, but ranks 0, 1 all ended badly: exit 2"
+    )
+    assert ended_badly_headline({1: "SIGTERM", 2: "exit 1", 3: "SIGTERM"}) == (
+        "no detector named a cause, but ranks 1, 3 all ended badly: SIGTERM (and rank 2 otherwise)"
+    )
