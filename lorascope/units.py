@@ -92,3 +92,23 @@ def ranks_named(ranks: Iterable[int]) -> str:
     """``rank 3`` for one rank, ``ranks 0, 2, 4-7`` (:func:`rank_ranges`) for more."""
     numbers = sorted(set(ranks))
     return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {rank_ranges(numbers)}"
+
+
+#: The C++ source locations torch and gloo put in front of their messages
+#: (``[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] ``).
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:c|cc|cpp|cxx|cu|h|hpp):\d+\]\s*")
+
+
+def strip_source_locations(text: str) -> str:
+    return _SOURCE_LOCATION.sub("", text)
+
+
+def short_error(text: str, limit: int) -> str:
+    """An error message as one line of at most about ``limit`` characters, without the C++
+    source locations in it (they pushed "Connection reset by peer" past the cut), cut
+    at a word with "..."."""
+    line = " ".join(strip_source_locations(text).split())
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[: cut if cut > limit // 2 else limit] + " ..."

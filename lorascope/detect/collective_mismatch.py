@@ -19,7 +19,7 @@ from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
-from lorascope.units import fmt_bytes, rank_ranges
+from lorascope.units import fmt_bytes, rank_ranges, short_error
 
 ID = "collective-mismatch"
 FIX = (
@@ -80,7 +80,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
                     f" at {div.group} #{div.seq}",
                     f"{c.op} {fmt_bytes(c.bytes)} {c.dtype or ''} at {c.site or '?'}"
                     + (
-                        f" — failed: {c.err[:160]}"
+                        f" — failed: {short_error(c.err, 160)}"
                         if c.err
                         else f" — {pending_state(c, run.ranks[n])}"
                         if c.pending
@@ -103,7 +103,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
     crashed = ""
     if died:
         n, end = died[0]
-        detail = (end.detail or end.status).splitlines()[0][:200]
+        detail = short_error((end.detail or end.status).splitlines()[0], 200)
         crashed = f"; it crashed the job (rank {n}: {detail})"
         evidence.append(Evidence("how it ended", f"rank {n}: {detail}", stream_source(run, run.ranks[n], "end")))
     return Finding(

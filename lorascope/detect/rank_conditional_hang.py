@@ -17,8 +17,9 @@ from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ran
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import Collective, RankData
-from lorascope.units import fmt_bytes, ranks_named
+from lorascope.units import fmt_bytes, ranks_named, short_error
 
 ID = "rank-conditional-hang"
 
@@ -27,7 +28,11 @@ def _describe(call: Collective | None, rank: RankData) -> str:
     if call is None:
         return "never issued it"
     size = "" if call.bytes is None else f" ({fmt_bytes(call.bytes)}{', ' + call.dtype if call.dtype else ''})"
-    state = pending_state(call, rank) if call.pending else ("failed: " + call.err[:120] if call.err else "completed")
+    state = (
+        pending_state(call, rank)
+        if call.pending
+        else ("failed: " + short_error(call.err, 160) if call.err else "completed")
+    )
     return f"{call.op} #{call.seq}{size} at {call.site or '?'} — {state}"
 
 
@@ -169,11 +174,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 own.append((" called it from", f"{line}   inside `{via[0]}`", via[1]))
     evidence = per_rank_evidence(rows)
     crashed = [r for r in run.ranks.values() if r.exception]
-    if crashed and (exc := crashed[0].exception) is not None:
+    if crashed:
+        detail = ending_of(crashed[0]).detail or "an exception"
         evidence.append(
             Evidence(
                 "how it ended",
-                f"rank {crashed[0].rank}: {exc['type']}: {exc['message'].splitlines()[0][:200]}",
+                f"rank {crashed[0].rank}: {short_error(detail.splitlines()[0], 200)}",
                 stream_source(run, crashed[0], "exception record"),
             )
         )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorascope.rundir.reader import RankData
-from lorascope.units import ranks_named
+from lorascope.units import ranks_named, strip_source_locations
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
 FATAL_SIGNALS = {
@@ -54,7 +54,10 @@ class Ending:
 def ending_of(rank: RankData) -> Ending:
     if rank.exception is not None:
         exc = rank.exception
-        return Ending("exception", 1, f"{exc['type']}: {exc['message']}".strip(), float(exc["t"]))
+        # torch's and gloo's C++ source locations left out ("[/__w/pytorch/.../pair.cc:537] "):
+        # every one-line reading of the ending would show them before the message.
+        message = "\n".join(strip_source_locations(line) for line in str(exc["message"]).splitlines())
+        return Ending("exception", 1, f"{exc['type']}: {message}".strip(), float(exc["t"]))
     if rank.signal is not None:
         sig = rank.signal
         return Ending("signal", -sig["signum"], sig["name"], float(sig["t"]))

@@ -17,7 +17,7 @@ from typing import Any
 
 from lorascope.analysis.cost import cost_text
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
-from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges
+from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges, short_error
 
 
 def _mib(n: int | None) -> str:
@@ -29,7 +29,7 @@ def _ended_text(ended: dict[str, Any]) -> str:
         return f"exit {ended['code']}"
     detail = ended["detail"] or ""
     first_line = detail.splitlines()[0] if detail else ""
-    return f"{ended['status']}: {first_line[:100]}" if first_line else ended["status"]
+    return f"{ended['status']}: {short_error(first_line, 100)}" if first_line else ended["status"]
 
 
 def _mesh_text(mesh: dict[str, Any] | None) -> str:

@@ -134,3 +134,16 @@ def test_the_ranks_that_ended_badly_are_named_together_when_they_ended_alike() -
     assert ended_badly_headline({1: "SIGTERM", 2: "exit 1", 3: "SIGTERM"}) == (
         "no detector named a cause, but ranks 1, 3 all ended badly: SIGTERM (and rank 2 otherwise)"
     )
+
+
+def test_an_exceptions_ending_reads_without_cpp_source_locations(tmp_path: Path) -> None:
+    """gloo's "[/__w/pytorch/.../pair.cc:537] " before its message pushed "Connection reset by
+    peer" past every one-line reading of the ending (the rank table, `hang`, the evidence)."""
+    message = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    )
+    run_dir = write_run(tmp_path / "run", [RankSpec(exception=("RuntimeError", message)), RankSpec()])
+    end = ending_of(load_run(run_dir).ranks[0])
+    assert end.detail == "RuntimeError: Read error: Connection reset by peer"
+    text = subprocess.run([*LORASCOPE, "analyze", str(run_dir)], capture_output=True, text=True, timeout=60).stdout
+    assert "exception: RuntimeError: Read error: Connection reset by peer" in text and "pair.cc" not in text

@@ -12,7 +12,7 @@ from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
-from lorascope.units import ranks_named
+from lorascope.units import ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -89,8 +89,8 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
     end = ending_of(rank)
     if end.t is not None and cutoff is not None and end.t > cutoff:
         return None
-    if rank.exception is not None:
-        return f"died: {rank.exception['type']}: {rank.exception['message'].splitlines()[0][:160]}"
+    if end.status == "exception":
+        return f"died: {short_error((end.detail or 'an exception').splitlines()[0], 160)}"
     if end.teardown:  # its job had finished: it exited, and died on the way out
         return f"exited ({(end.detail or '').splitlines()[0][:160]})"
     if end.status == "signal":  # a fatal one's detail goes on with faulthandler's whole dump
