@@ -63,6 +63,13 @@ def _collectives(rank: RankData) -> dict[str, Any]:
     return {"count": rank.collectives_total, "last_seq": last, "pending": pending}
 
 
+def _ended(rank: RankData) -> dict[str, Any]:
+    """How the rank ended, and when (``t``: its ending's record, else its last record's
+    time: a rank killed without a word, or aborted with only faulthandler's file)."""
+    end = ending_of(rank)
+    return {**end.as_dict(), "t": end.t if end.t is not None else rank.last_time}
+
+
 def _rank_summary(rank: RankData) -> dict[str, Any]:
     totals = rank.totals
     return {
@@ -78,7 +85,7 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "collectives": _collectives(rank),
         "warnings": totals["warnings"],
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
-        "ended": ending_of(rank).as_dict(),
+        "ended": _ended(rank),
         "unseen_collectives": _unseen(rank),
         "probe_cost": rank_cost(rank),
         "files": rank.files,

@@ -76,7 +76,10 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
             "ranks": [],
             "also": [],
         }
-    bad = [r for r in facts["ranks"] if r["bad"]]
+    bad = sorted(
+        (r for r in facts["ranks"] if r["bad"]),
+        key=lambda r: (r["ended"].get("t") is None, r["ended"].get("t") or 0.0, r["rank"]),
+    )
     if bad:
         hows = {r["rank"]: str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200] for r in bad}
         return {"level": "warning", "ranks": list(hows), "also": [], "headline": ended_badly_headline(hows)}

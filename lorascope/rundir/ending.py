@@ -78,11 +78,16 @@ def ending_of(rank: RankData) -> Ending:
 
 def ended_badly_headline(hows: dict[int, str]) -> str:
     """The headline of a run no detector named a cause for but some ranks ended badly,
-    from each such rank's ending as one line (in rank order): the ranks that ended like
-    the first, and the others apart (the terminal's and the report's, alike)."""
+    from each such rank's ending as one line, the first to end first (the others often
+    fail because it did: a peer's connection closed): the ranks that ended like it, and
+    the others apart (the terminal's and the report's, alike)."""
     first = next(iter(hows.values()))
     alike = [rank for rank, how in hows.items() if how == first]
-    rest = sorted(set(hows) - set(alike))
-    others = f" (and {ranks_named(rest)} otherwise)" if rest else ""
-    verb = "ended" if len(alike) == 1 else "all ended"
-    return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}{others}"
+    rest = [rank for rank in hows if rank not in alike]
+    if not rest:
+        verb = "ended" if len(alike) == 1 else "all ended"
+        return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}"
+    return (
+        f"no detector named a cause, but {ranks_named(alike)} ended badly first: {first} "
+        f"({ranks_named(rest)} ended otherwise after {'it' if len(alike) == 1 else 'them'})"
+    )

@@ -15,6 +15,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.attachments import remove_empty_fatal_files
 from lorascope.rundir.ending import ended_badly_headline, ending_of
 from lorascope.rundir.reader import load_run
+from lorascope.text.findings import quiet
 from tests.helpers import LORASCOPE, RankSpec, finished_then_aborted, write_run
 
 #: What faulthandler writes when gloo's threads abort a rank in the interpreter's teardown.
@@ -131,8 +132,23 @@ def test_the_ranks_that_ended_badly_are_named_together_when_they_ended_alike() -
     assert ended_badly_headline({0: "exit 2", 1: "exit 2"}) == (
         "no detector named a cause, but ranks 0, 1 all ended badly: exit 2"
     )
-    assert ended_badly_headline({1: "SIGTERM", 2: "exit 1", 3: "SIGTERM"}) == (
-        "no detector named a cause, but ranks 1, 3 all ended badly: SIGTERM (and rank 2 otherwise)"
+    assert ended_badly_headline({2: "exit 1", 1: "SIGTERM", 3: "SIGTERM"}) == (
+        "no detector named a cause, but rank 2 ended badly first: exit 1 (ranks 1, 3 ended otherwise after it)"
+    )
+
+
+def test_the_rank_that_ended_badly_first_leads_the_headline() -> None:
+    """A rank that died of its own error first, and a peer whose connection then closed:
+    the headline led with the lowest rank, the consequence (run by hand: rank 1's
+    ModuleNotFoundError under rank 0's "Connection closed by peer")."""
+    ranks = [
+        {"rank": 0, "ended": {"status": "exception", "code": 1, "detail": "RuntimeError: Connection closed", "t": 9.0}},
+        {"rank": 1, "ended": {"status": "exception", "code": 1, "detail": "ModuleNotFoundError: x", "t": 5.0}},
+        {"rank": 2, "ended": {"status": "exit", "code": 0, "detail": None, "t": 12.0}},
+    ]
+    assert quiet({"ranks": ranks}) == (
+        "no detector named a cause, but rank 1 ended badly first: ModuleNotFoundError: x "
+        "(rank 0 ended otherwise after it)"
     )
 
 
