@@ -136,8 +136,13 @@ def command(
 ) -> int:
     """Diagnose a hung job now: dump every rank's stacks and pending collectives (the job
     keeps running), then say which rank diverged where, and the fix."""
-    if (run_dir is None) == (not pids):
-        raise UsageError("give a run directory or --pid PID..., not both")
+    if run_dir is None and not pids:
+        raise UsageError("give a run directory, or the job's processes with --pid (once each: --pid 101 --pid 102)")
+    if run_dir is not None and pids:
+        if str(run_dir).isdigit() and not run_dir.exists():  # `--pid 101 102`: 102 read as the run directory
+            more = " ".join(f"--pid {p}" for p in (*pids, int(str(run_dir))))
+            raise UsageError(f"{run_dir} is not a run directory: --pid takes one process each ({more})")
+        raise UsageError("give a run directory or --pid, not both")
     if pids:
         diagnosis = diagnose_pids(list(pids))
         click.echo(

@@ -1,6 +1,7 @@
 """`lorascope hang --pid PID...`: a job not started under `lorascope run`. Only what can
 be read from outside: each process's rank (from its environment) and its stacks (py-spy),
-grouped by where the main thread is and whether it is inside a collective."""
+grouped by where the main thread is and whether it is inside a collective, and the rank
+condition its call sits in (the job's source, read on this host, as the probes read it)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ from typing import Any
 
 import psutil
 
-from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_thread_frames, verdict_id
+from lorascope.detect.hang.conditions import odd_by_condition
+from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_thread_frames, own_main_frames, verdict_id
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
 from lorascope.rundir.ranks import LONE, discover
+from lorascope.rundir.sources import describe, rank_condition_in
+
+#: Frames of the job's own code looked at up the main thread's stack for a rank condition.
+MAX_VIA_FRAMES = 40
 
 
 def _rank_of(pid: int) -> str:
@@ -34,6 +40,17 @@ def _collective(stacks: str) -> str | None:
     return None
 
 
+def _condition(stacks: str) -> tuple[str, str] | None:
+    """The rank condition the main thread is in, read from the job's source on this host:
+    around its innermost own frame, else around the nearest caller of the job's own code
+    whose line has one (as the probes' ``via``). (the condition, the frame it encloses)."""
+    for m in own_main_frames(stacks)[:MAX_VIA_FRAMES]:
+        cond = rank_condition_in(describe(m["file"], int(m["line"])))
+        if cond is not None:
+            return cond, f"{m['file']}:{m['line']} in {m['func']}"
+    return None
+
+
 def diagnose_pids(pids: list[int]) -> dict[str, Any]:
     states: list[dict[str, Any]] = []
     for pid in pids:
@@ -42,7 +59,8 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         frame = main_thread_frame(stacks)
         op = _collective(stacks)
         where = f"in {op} at {frame or '?'}" if op else f"in its own code at {frame or '?'} (no collective)"
-        states.append({"who": who, "pid": pid, "collective": op, "where": where, "stacks": stacks})
+        cond = _condition(stacks) if op else None
+        states.append({"who": who, "pid": pid, "collective": op, "where": where, "stacks": stacks, "condition": cond})
     groups: dict[str, list[str]] = {}
     for s in states:
         groups.setdefault(s["where"], []).append(s["who"])
@@ -53,8 +71,20 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         verb = "is" if len(odd) == 1 else "are"
         verdict = f"{', '.join(odd)} {verb} stuck outside any collective ({outside[0]['where']}); the others wait"
     elif len({s["where"] for s in inside}) > 1:
-        kind, odd = "rank-conditional-hang", []
-        verdict = "the processes wait in different collectives or call sites: a collective not all ranks run"
+        kind = "rank-conditional-hang"
+        conditions = {i: s["condition"][0] if s["condition"] else None for i, s in enumerate(states)}
+        odd_states = [states[i] for i in odd_by_condition(conditions, include_else=False)]
+        odd = [s["who"] for s in odd_states]
+        if odd_states:
+            verb = "is" if len(odd) == 1 else "are"
+            cond, at = odd_states[0]["condition"]
+            verdict = (
+                f"{', '.join(odd)} {verb} {odd_states[0]['where']}, inside `{cond}`"
+                f"{'' if at in odd_states[0]['where'] else ' at ' + at}; the others wait elsewhere: "
+                "a collective not all ranks run"
+            )
+        else:
+            verdict = "the processes wait in different collectives or call sites: a collective not all ranks run"
     elif inside:
         kind, odd = "collective-stuck", []
         verdict = "every process waits in the same collective: the collective itself is stuck"

@@ -5,6 +5,7 @@ diagnosed with the same parser."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -93,3 +94,48 @@ def test_native_frames_are_kept_but_not_taken_for_the_jobs_code() -> None:
     text = stacks_text(threads)
     assert "[native] ncclGroupEnd (libnccl.so.2)" in text
     assert main_thread_frame(text) == "/job/train.py:42 in step"
+
+
+RANKED = (
+    "import os, time\n"
+    "rank = int(os.environ['RANK'])\n"
+    "def all_reduce():\n"
+    "    time.sleep(60)\n"
+    "def barrier():\n"
+    "    time.sleep(60)\n"
+    "if rank == 0:\n"
+    "    all_reduce()\n"
+    "barrier()\n"
+)
+
+
+def test_hang_pid_mode_names_the_rank_condition_a_call_sits_in(tmp_path: Path) -> None:
+    """From outside, rank 0 in a collective under `if rank == 0:` and rank 1 in another: the
+    verdict names rank 0 and the condition (read from the job's source on this host), as
+    `hang RUN_DIR` does; it said "the processes wait in different collectives"."""
+    script = tmp_path / "ranked.py"
+    script.write_text(RANKED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    started = [
+        subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)
+    ]
+    try:
+        time.sleep(1.5)
+        res = subprocess.run(
+            [sys.executable, "-m", "lorascope", "hang", "--json", *sum((["--pid", str(p.pid)] for p in started), [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["kind"] == "rank-conditional-hang" and data["odd_ranks"] == ["rank 0"]
+    assert data["verdict"].startswith(
+        f"rank 0 is in all_reduce at {script}:4 in all_reduce, inside `if rank == 0:` at "
+    )
+    assert data["ranks"][0]["condition"] == ["if rank == 0:", f"{script}:8 in <module>"]
+    assert data["ranks"][1]["condition"] is None

@@ -63,11 +63,15 @@ def main_thread_frames(stacks: str) -> list[re.Match[str]]:
     return list(_FRAME.finditer(text))
 
 
+def own_main_frames(stacks: str) -> list[re.Match[str]]:
+    """The main thread's frames that belong to the job (not a library), innermost first."""
+    return [m for m in reversed(main_thread_frames(stacks)) if not _LIBRARY.search(m["file"])]
+
+
 def main_thread_frame(stacks: str) -> str | None:
     """The innermost frame of the main thread that belongs to the job (not a library)."""
-    frames = [m for m in main_thread_frames(stacks) if not _LIBRARY.search(m["file"])]
-    first = frames[-1] if frames else None
-    return f"{first['file']}:{first['line']} in {first['func']}" if first else None
+    frames = own_main_frames(stacks)
+    return f"{frames[0]['file']}:{frames[0]['line']} in {frames[0]['func']}" if frames else None
 
 
 def fatal_main_frame(fatal: str) -> str | None:
