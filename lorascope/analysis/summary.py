@@ -7,7 +7,7 @@ from typing import Any
 
 from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ending_of, still_moving
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
 
@@ -102,6 +102,8 @@ def build_summary(run: RunData) -> dict[str, Any]:
     ends = [launch["end"] for launch in launches if launch["end"] is not None] + [r.last_time for r in ranks]
     return {
         "run_dir": str(run.path),
+        #: Read while it runs and makes steps (``rundir.ending.still_moving``).
+        "running": still_moving(run),
         "format_version": FORMAT_VERSION,
         "manifest": {
             "launches": launches,

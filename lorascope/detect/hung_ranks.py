@@ -15,7 +15,7 @@ from lorascope.detect.hang.diagnosis import FIXES, diagnose
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ending_of, moving_at_dumps, still_moving
 from lorascope.rundir.reader import RunData
 from lorascope.units import rank_ranges
 
@@ -142,11 +142,13 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or len(run.ranks) < 2:
         return from_flight_recorder(bundle)
-    stalled = any(r.dumps or r.stall for r in run.ranks.values())
+    # A dump taken while the rank moved (`lorascope hang` on a job that was slow, not hung)
+    # is no evidence of a hang, during the run or after it.
+    stalled = any(r.stall or not moving_at_dumps(r) for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
-    if not (stalled or waiting):
+    if not (stalled or waiting) or still_moving(run):
         return []
     diagnosis = diagnose(run, liveness(run))
-    if diagnosis["kind"] in ("rank-conditional-hang", "unknown"):
-        return []  # rank-conditional-hang names the first; the second has nothing to say
+    if diagnosis["kind"] in ("rank-conditional-hang", "unknown", "moving"):
+        return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]

@@ -23,7 +23,7 @@ from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
-from lorascope.rundir.ending import ended_badly_headline, ending_of
+from lorascope.rundir.ending import RUNNING, ended_badly_headline, ending_of
 from lorascope.rundir.reader import RunData, no_cycle_collection
 
 
@@ -76,6 +76,8 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
             "ranks": [],
             "also": [],
         }
+    if facts.get("running"):
+        return {"level": "ok", "ranks": [], "also": [], "headline": RUNNING}
     bad = sorted(
         (r for r in facts["ranks"] if r["bad"]),
         key=lambda r: (r["ended"].get("t") is None, r["ended"].get("t") or 0.0, r["rank"]),

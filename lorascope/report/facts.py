@@ -113,6 +113,7 @@ def run_facts(run: RunData, summary: dict[str, Any], ends: dict[int, dict[str, A
     ranks = [_rank_facts(run.ranks[r["rank"]], r, ends[r["rank"]]) for r in summary["ranks"]]
     return {
         "world_size": manifest["world_size"],
+        "running": summary["running"],
         "hosts": manifest["hosts"],
         "start_utc": utc(start),
         "duration_s": None if start is None or end is None else round(end - start, 1),

@@ -4,10 +4,11 @@ signal and end records that the summary, the hang diagnosis and the report share
 from __future__ import annotations
 
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.rundir.reader import RankData
+from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import ranks_named, strip_source_locations
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
@@ -91,3 +92,69 @@ def ended_badly_headline(hows: dict[int, str]) -> str:
         f"no detector named a cause, but {ranks_named(alike)} ended badly first: {first} "
         f"({ranks_named(rest)} ended otherwise after {'it' if len(alike) == 1 else 'them'})"
     )
+
+
+#: A run read while it runs and makes steps is not hung (``still_moving``): its newest
+#: record is under LIVE_SECONDS old (the probes' sampler writes every 0.5 s), and every
+#: rank's last step is within MOVING_STEPS of its median steps (at least MOVING_MIN_S) of
+#: that record.
+LIVE_SECONDS = 30.0
+#: The headline of such a run with no finding (the terminal's and the report's).
+RUNNING = (
+    "no problem found so far: the job is still running and every rank makes steps "
+    "(analyse it again once it ends; `lorascope hang` if it stops)"
+)
+MOVING_STEPS = 10
+MOVING_MIN_S = 5.0
+#: A dump within this many median steps (at least DUMP_MIN_S) of the rank's last step's
+#: end caught it moving (``moving_at_dumps``).
+DUMP_STEPS = 3
+DUMP_MIN_S = 0.5
+
+
+def still_moving(run: RunData, now: float | None = None) -> bool:
+    """The run is running and every rank makes steps: a launcher has not ended, no rank
+    recorded a stall or its ending, its dumps (if any) came as it moved
+    (:func:`moving_at_dumps`), and its records are fresh (above). Its
+    pending calls are then the calls in flight when it was read, not a hang: read live, a
+    healthy job read "rank 0 is a straggler still moving; the others wait for it" (an
+    error) whenever rank 1 was inside a collective at that moment. A job that stops
+    making steps gets a stall record from the probes' watchdog (at most 300 s). Decided
+    once per loaded run (``run.derived``), so that every reader of it agrees."""
+    if now is None:
+        if "still_moving" not in run.derived:
+            run.derived["still_moving"] = still_moving(run, time.time())
+        return bool(run.derived["still_moving"])
+    launches = run.manifest["launches"]
+    if not launches or all(launch["end"] is not None for launch in launches):
+        return False
+    ranks = list(run.ranks.values())
+    if any(r.stall or ending_of(r).known or not r.steps or not moving_at_dumps(r) for r in ranks):
+        return False
+    newest = max(r.last_time for r in ranks)
+    if now - newest > LIVE_SECONDS:
+        return False
+    return all(newest - float(r.steps[-1]["t"]) <= progress_window(r) for r in ranks)
+
+
+def progress_window(rank: RankData) -> float:
+    """How long a rank that makes steps may go without one: MOVING_STEPS of its median
+    steps, at least MOVING_MIN_S."""
+    return max(MOVING_MIN_S, MOVING_STEPS * float(rank.totals.get("step_time_median_s") or 0.0))
+
+
+def moving_at_dumps(rank: RankData) -> bool:
+    """Every dump the rank took caught it moving (:func:`moving_at`)."""
+    return all(moving_at(d, rank) for d in rank.dumps)
+
+
+def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
+    """A dump (`lorascope hang`'s, on demand) came within DUMP_STEPS of the rank's median
+    steps (at least DUMP_MIN_S) of a step's end (its ``since_progress``): the rank was
+    moving, not hung, whatever it was doing at that instant. A stall dump never is (it
+    fires past 5 s without a step); a dump without the figure counts as not moving.
+    Tighter than :func:`progress_window`: a hang caught a second after it began must
+    still read as one."""
+    window = max(DUMP_MIN_S, DUMP_STEPS * float(rank.totals.get("step_time_median_s") or 0.0))
+    since = dump.get("since_progress")
+    return dump.get("reason") != "stall" and isinstance(since, (int, float)) and float(since) <= window

@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from lorascope.detect.finding import Finding
-from lorascope.rundir.ending import ended_badly_headline
+from lorascope.rundir.ending import RUNNING, ended_badly_headline
 from lorascope.units import ranks_named
 
 
@@ -23,6 +23,8 @@ def quiet(data: dict[str, Any]) -> str:
             "no problem found in the loaded artifacts (no run directory: the detectors that read "
             "the ranks' own records, of hangs, memory over time and gradients, had nothing to read)"
         )
+    if data.get("running"):
+        return RUNNING
     bad = [r for r in ranks if (r["ended"]["status"], r["ended"]["code"]) != ("exit", 0)]
     if bad:
         bad.sort(key=lambda r: (r["ended"].get("t") is None, r["ended"].get("t") or 0.0, r["rank"]))

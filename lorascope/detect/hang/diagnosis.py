@@ -10,7 +10,7 @@ from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ending_of, moving_at
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import ranks_named, short_error
 
@@ -45,6 +45,11 @@ FIXES = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
     ),
     "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
+    "moving": (
+        "Nothing is stuck yet: every rank had finished a step shortly before its dump. If the "
+        "job stops making steps, run `lorascope hang` again; if it is slow, `lorascope analyze` "
+        "names a straggler."
+    ),
 }
 
 
@@ -171,7 +176,16 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
-    kind, odd, div = _classify(run, states)
+    dumped_ranks = [r for r in run.ranks.values() if r.dumps]
+    odd: list[int]
+    if (
+        len(dumped_ranks) == len(run.ranks)
+        and all(moving_at(r.dumps[-1], r) and not ending_of(r).known for r in dumped_ranks)
+        and first_divergence(run) is None
+    ):
+        kind, odd, div = "moving", [], None
+    else:
+        kind, odd, div = _classify(run, states)
     first = next((s for s in states if s["rank"] in odd), None)
     if div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
@@ -235,4 +249,5 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
+        "moving": "not hung: every rank had finished a step within seconds before its dump (the job is moving)",
     }[kind]
