@@ -106,9 +106,9 @@ RUNNING = (
 )
 MOVING_STEPS = 10
 MOVING_MIN_S = 5.0
-#: A dump within this many median steps (at least DUMP_MIN_S) of the rank's last step's
-#: end caught it moving (``moving_at_dumps``).
-DUMP_STEPS = 3
+#: A dump within this many of the rank's fastest steps (at least DUMP_MIN_S) of its last
+#: step's end caught it moving (``moving_at``).
+DUMP_STEPS = 2
 DUMP_MIN_S = 0.5
 
 
@@ -149,12 +149,14 @@ def moving_at_dumps(rank: RankData) -> bool:
 
 
 def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
-    """A dump (`lorascope hang`'s, on demand) came within DUMP_STEPS of the rank's median
+    """A dump (`lorascope hang`'s, on demand) came within DUMP_STEPS of the rank's fastest
     steps (at least DUMP_MIN_S) of a step's end (its ``since_progress``): the rank was
     moving, not hung, whatever it was doing at that instant. A stall dump never is (it
     fires past 5 s without a step); a dump without the figure counts as not moving.
-    Tighter than :func:`progress_window`: a hang caught a second after it began must
-    still read as one."""
-    window = max(DUMP_MIN_S, DUMP_STEPS * float(rank.totals.get("step_time_median_s") or 0.0))
+    Tighter than :func:`progress_window`, and from the fastest step, not the median (the
+    first steps' warm-up): a hang caught a second after it began must still read as
+    one."""
+    durations = [float(d) for s in rank.steps if isinstance(d := s.get("dur"), (int, float)) and d > 0]
+    window = max(DUMP_MIN_S, DUMP_STEPS * min(durations, default=0.0))
     since = dump.get("since_progress")
     return dump.get("reason") != "stall" and isinstance(since, (int, float)) and float(since) <= window
