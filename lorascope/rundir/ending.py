@@ -1,5 +1,7 @@
 """How a rank ended, as far as its stream tells: the one reading of a rank's exception,
-signal and end records that the summary, the hang diagnosis and the report share."""
+signal and end records that the summary, the hang diagnosis and the report share; and,
+for a run whose ranks have not ended, whether it still moves (a run read mid-job, a dump
+taken while a rank made steps: not a hang)."""
 
 from __future__ import annotations
 
@@ -99,13 +101,13 @@ def ended_badly_headline(hows: dict[int, str]) -> str:
 #: rank's last step is within MOVING_STEPS of its median steps (at least MOVING_MIN_S) of
 #: that record.
 LIVE_SECONDS = 30.0
+MOVING_STEPS = 10
+MOVING_MIN_S = 5.0
 #: The headline of such a run with no finding (the terminal's and the report's).
 RUNNING = (
     "no problem found so far: the job is still running and every rank makes steps "
     "(analyse it again once it ends; `lorascope hang` if it stops)"
 )
-MOVING_STEPS = 10
-MOVING_MIN_S = 5.0
 #: A dump within this many of the rank's fastest steps (at least DUMP_MIN_S) of its last
 #: step's end caught it moving (``moving_at``).
 DUMP_STEPS = 2
