@@ -15,10 +15,7 @@ from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
 from lorascope.rundir.ranks import LONE, discover
-from lorascope.rundir.sources import describe, rank_condition_in
-
-#: Frames of the job's own code looked at up the main thread's stack for a rank condition.
-MAX_VIA_FRAMES = 40
+from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, rank_condition_in
 
 
 def _rank_of(pid: int) -> str:

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 from lorascope.probes.session import Session
 from lorascope.rundir.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
-from lorascope.rundir.sources import describe, rank_condition_in
+from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, rank_condition_in
 
 MAX_PENDING_EVENTS = 4096
 
@@ -60,8 +60,6 @@ MAX_PENDING_EVENTS = 4096
 #: this (seconds), so that most end in time to be written as one ``coll_done``; the
 #: writer's 40 ms interval plus this stays well under the 100 ms a SIGKILL may lose.
 HOLD_ASYNC = 0.03
-#: Frames followed up from a library call site to the job's own code, at most.
-MAX_VIA_FRAMES = 40
 #: Code objects the call-site caches keep alive, at most (a process has a few thousand;
 #: beyond this, sites are worked out again at every call instead of growing the caches).
 MAX_KEPT_CODES = 1 << 16

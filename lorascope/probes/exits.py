@@ -164,10 +164,7 @@ class ExitProbe:
             return
         self.session.ended = True
         self._on_end()
-        if why is None:
-            self.session.record("end", status=status, code=code)
-        else:
-            self.session.record("end", status=status, code=code, why=why)
+        self.session.record("end", status=status, code=code, **({} if why is None else {"why": why}))
         self.session.flush()
 
     def _at_exit(self) -> None:

@@ -78,13 +78,18 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
         }
     if facts.get("running"):
         return {"level": "ok", "ranks": [], "also": [], "headline": RUNNING}
-    bad = sorted(
-        (r for r in facts["ranks"] if r["bad"]),
-        key=lambda r: (r["ended"].get("t") is None, r["ended"].get("t") or 0.0, r["rank"]),
-    )
+    bad = [r for r in facts["ranks"] if r["bad"]]
     if bad:
-        hows = {r["rank"]: str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200] for r in bad}
-        return {"level": "warning", "ranks": list(hows), "also": [], "headline": ended_badly_headline(hows)}
+        hows = [
+            (r["rank"], r["ended"].get("t"), str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200])
+            for r in bad
+        ]
+        return {
+            "level": "warning",
+            "ranks": [r["rank"] for r in bad],
+            "also": [],
+            "headline": ended_badly_headline(hows),
+        }
     return {
         "level": "ok",
         "ranks": [],

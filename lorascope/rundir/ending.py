@@ -79,14 +79,16 @@ def ending_of(rank: RankData) -> Ending:
     return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)
 
 
-def ended_badly_headline(hows: dict[int, str]) -> str:
+def ended_badly_headline(bad: list[tuple[int, float | None, str]]) -> str:
     """The headline of a run no detector named a cause for but some ranks ended badly,
-    from each such rank's ending as one line, the first to end first (the others often
-    fail because it did: a peer's connection closed): the ranks that ended like it, and
-    the others apart (the terminal's and the report's, alike)."""
-    first = next(iter(hows.values()))
-    alike = [rank for rank, how in hows.items() if how == first]
-    rest = [rank for rank in hows if rank not in alike]
+    from each such rank's (rank, when it ended or None, its ending as one line): the
+    first to end leads (the others often fail because it did: a peer's connection
+    closed), with the ranks that ended like it, and the others apart (the terminal's and
+    the report's, alike)."""
+    ordered = sorted(bad, key=lambda b: (b[1] is None, b[1] or 0.0, b[0]))
+    first = ordered[0][2]
+    alike = [rank for rank, _, how in ordered if how == first]
+    rest = [rank for rank, _, how in ordered if how != first]
     if not rest:
         verb = "ended" if len(alike) == 1 else "all ended"
         return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}"

@@ -20,6 +20,9 @@ RANK_CONDITION = re.compile(
 )
 #: How :func:`describe` marks the ``else`` branch of a condition.
 ELSE = "else of:"
+#: Frames followed up from a call site to the job's own code whose line sits in a rank
+#: condition, at most (the probes' ``via``; `hang --pid`'s reading of a stack).
+MAX_VIA_FRAMES = 40
 
 
 @functools.lru_cache(maxsize=64)

@@ -129,10 +129,10 @@ def test_a_script_python_could_not_open_ends_with_exit_2_and_says_why(tmp_path: 
 
 
 def test_the_ranks_that_ended_badly_are_named_together_when_they_ended_alike() -> None:
-    assert ended_badly_headline({0: "exit 2", 1: "exit 2"}) == (
+    assert ended_badly_headline([(0, 5.0, "exit 2"), (1, 5.0, "exit 2")]) == (
         "no detector named a cause, but ranks 0, 1 all ended badly: exit 2"
     )
-    assert ended_badly_headline({2: "exit 1", 1: "SIGTERM", 3: "SIGTERM"}) == (
+    assert ended_badly_headline([(1, 2.0, "SIGTERM"), (2, 1.0, "exit 1"), (3, None, "SIGTERM")]) == (
         "no detector named a cause, but rank 2 ended badly first: exit 1 (ranks 1, 3 ended otherwise after it)"
     )
 
