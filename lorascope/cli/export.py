@@ -18,6 +18,7 @@ from lorascope.cli.options import cluster_option
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
 from lorascope.rundir.cluster import connect
+from lorascope.rundir.reader import records_between
 from lorascope.text.progress import terminal_progress
 
 
@@ -76,16 +77,24 @@ def command(
         raise UsageError("--max-events must be at least 1")
     with connect(cluster) as on, terminal_progress(True) as progress:
         analysis = analyze(path, progress=progress, cluster=on)
-    run = analysis.bundle.run
-    if run is None:
-        raise BadInputError(f"{path}: not a lorascope run directory (export reads run directories)")
-    window = Window()
-    if steps is not None:
-        window = step_window(run, *_steps(steps))
-    elif t_from is not None or t_to is not None:
-        origin = min((float(r.start["t"]) for r in run.ranks.values()), default=0.0)
-        window = Window(None if t_from is None else origin + t_from, None if t_to is None else origin + t_to)
-    doc = timeline(analysis, window, max_events)
+        run = analysis.bundle.run
+        if run is None:
+            raise BadInputError(f"{path}: not a lorascope run directory (export reads run directories)")
+        window = Window()
+        if steps is not None:
+            window = step_window(run, *_steps(steps))
+        elif t_from is not None or t_to is not None:
+            origin = min((float(r.start["t"]) for r in run.ranks.values()), default=0.0)
+            window = Window(None if t_from is None else origin + t_from, None if t_to is None else origin + t_to)
+        spans = None
+        if any(r.stride > 1 or r.collectives_total > len(r.collectives) for r in run.ranks.values()):
+            # the loaded run keeps each group's first and newest calls (and every stride-th
+            # step of a long run): the window is read again whole
+            most = max(1, max_events // len(run.ranks))
+            spans = records_between(run, window.start, window.end, most, progress, on)
+            if steps is not None:  # the range's own steps, now that every step of it is read
+                window = step_window(run, *_steps(steps), spans)
+    doc = timeline(analysis, window, max_events, spans)
     data = json.dumps(doc, separators=(",", ":"), default=str).encode()
     try:
         out.write_bytes(gzip.compress(data, 6) if out.name.endswith(".gz") else data)

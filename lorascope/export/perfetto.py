@@ -22,7 +22,8 @@ from lorascope.analysis import Analysis
 from lorascope.detect.common import CUDA_ALLOCATED, RSS, mem_value
 from lorascope.detect.finding import Finding
 from lorascope.ingest.kineto.reader import KinetoTrace
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.span import SpanRecords
 
 #: Events written at most, by default (a 1,000-step, 64-rank ZeRO-3 run holds ~3 M calls).
 MAX_EVENTS = 2_000_000
@@ -42,16 +43,31 @@ class Window:
         return (self.start is None or end >= self.start) and (self.end is None or begin <= self.end)
 
 
-def step_window(run: RunData, first: int, last: int) -> Window:
-    """Steps ``first``..``last`` of the first rank that recorded steps (a step record is
-    written at its end, with its duration)."""
+def step_window(run: RunData, first: int, last: int, spans: dict[int, SpanRecords] | None = None) -> Window:
+    """Steps ``first``..``last`` of the first rank that recorded steps, from its records read
+    again in ``spans`` when given (a step record is written at its end, with its duration).
+    Where the range's first or last step is not among the records held (a reduced run keeps
+    every stride-th step of a long one), the window reaches to the nearest steps held
+    outside the range: it holds the range and a little more."""
     rank = next((r for r in run.ranks.values() if r.steps), None)
     if rank is None:
         return Window()
-    chosen = [s for s in rank.steps if first <= s["step"] <= last]
-    if not chosen:
+    span = None if spans is None else spans.get(rank.rank)
+    steps = rank.steps if span is None else span.steps
+    chosen = [s for s in steps if first <= s["step"] <= last]
+    before = [s for s in steps if s["step"] < first]
+    after = [s for s in steps if s["step"] > last]
+    if not chosen and not (before and after):
         return Window(0.0, 0.0)
-    return Window(float(chosen[0]["t"]) - float(chosen[0]["dur"]), float(chosen[-1]["t"]))
+    if chosen and chosen[0]["step"] == first:
+        start: float | None = float(chosen[0]["t"]) - float(chosen[0]["dur"])
+    else:
+        start = float(before[-1]["t"]) if before else None
+    if chosen and chosen[-1]["step"] == last:
+        end: float | None = float(chosen[-1]["t"])
+    else:
+        end = float(after[0]["t"]) - float(after[0]["dur"]) if after else None
+    return Window(start, end)
 
 
 def _us(t: float) -> float:
@@ -66,15 +82,20 @@ def _meta(pid: int, name: str, tid: int | None = None) -> dict[str, Any]:
     return event
 
 
-def _rank_events(rank: RankData, window: Window, tids: dict[str, int]) -> Iterator[dict[str, Any]]:
+def _rank_events(
+    rank: RankData, window: Window, tids: dict[str, int], span: SpanRecords | None
+) -> Iterator[dict[str, Any]]:
+    """The rank's process: its steps, phases, calls and memory readings in the window (from
+    ``span`` when the run's were reduced and the span was read again)."""
     pid = rank.rank
+    held: RankData | SpanRecords = rank if span is None else span
     yield _meta(pid, f"rank {rank.rank} ({rank.host} pid {rank.pid})")
     yield {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": rank.rank}}
     yield _meta(pid, "steps", TID_STEPS)
     yield _meta(pid, "phases", TID_PHASES)
     for group, tid in tids.items():
         yield _meta(pid, f"collectives {group}", tid)
-    for s in rank.steps:
+    for s in held.steps:
         end, dur = float(s["t"]), float(s["dur"])
         if window.holds(end - dur, end):
             args = {"loss": s.get("loss"), "src": s.get("src")}
@@ -87,7 +108,7 @@ def _rank_events(rank: RankData, window: Window, tids: dict[str, int]) -> Iterat
                 "dur": _us(dur),
                 "args": args,
             }
-    for p in rank.phases:
+    for p in held.phases:
         t = float(p["t"])
         if window.holds(t, t) and p.get("edge") in ("begin", "end"):
             yield {
@@ -97,7 +118,7 @@ def _rank_events(rank: RankData, window: Window, tids: dict[str, int]) -> Iterat
                 "name": str(p.get("name", "phase")),
                 "ts": _us(t),
             }
-    for c in rank.collectives:
+    for c in held.collectives:
         end = c.end if c.end is not None else rank.last_time
         if not window.holds(c.start, end):
             continue
@@ -125,7 +146,7 @@ def _rank_events(rank: RankData, window: Window, tids: dict[str, int]) -> Iterat
             "dur": _us(max(end - c.start, 1e-6)),
             "args": call,
         }
-    for m in rank.mem:
+    for m in held.mem:
         t = float(m["t"])
         if not window.holds(t, t):
             continue
@@ -140,11 +161,13 @@ def _rank_events(rank: RankData, window: Window, tids: dict[str, int]) -> Iterat
             yield {"ph": "C", "pid": pid, "name": "memory", "ts": _us(t), "args": args}
 
 
-def _flows(run: RunData, window: Window, tids: dict[str, int]) -> Iterator[dict[str, Any]]:
+def _flows(
+    run: RunData, window: Window, tids: dict[str, int], spans: dict[int, SpanRecords] | None
+) -> Iterator[dict[str, Any]]:
     """An arrow through the same collective on every rank that ran it, in rank order."""
     by_call: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for rank in run.ranks.values():
-        for c in rank.collectives:
+        for c in _calls(rank, spans):
             end = c.end if c.end is not None else rank.last_time
             if window.holds(c.start, end):
                 by_call.setdefault((c.group, c.seq), []).append((rank.rank, c.start))
@@ -209,12 +232,24 @@ def _kernel_events(rank: int, trace: KinetoTrace, window: Window) -> Iterator[di
             yield {**e, "pid": rank, "tid": f"kineto {tid}" if not isinstance(tid, int) else 1000 + tid}
 
 
-def timeline(analysis: Analysis, window: Window | None = None, max_events: int = MAX_EVENTS) -> dict[str, Any]:
-    """The trace-event document (see the module docstring)."""
+def _calls(rank: RankData, spans: dict[int, SpanRecords] | None) -> list[Collective]:
+    span = None if spans is None else spans.get(rank.rank)
+    return rank.collectives if span is None else span.collectives
+
+
+def timeline(
+    analysis: Analysis,
+    window: Window | None = None,
+    max_events: int = MAX_EVENTS,
+    spans: dict[int, SpanRecords] | None = None,
+) -> dict[str, Any]:
+    """The trace-event document (see the module docstring). ``spans``: each rank's records
+    in the window read again (:func:`lorascope.rundir.reader.records_between`), for a run
+    whose loaded records were reduced."""
     window = window or Window()
     run = analysis.bundle.run
     events: list[dict[str, Any]] = []
-    left_out = 0
+    left_out = sum(span.left_out for span in spans.values()) if spans is not None else 0
 
     def add(source: Iterator[dict[str, Any]]) -> None:
         nonlocal left_out
@@ -225,11 +260,11 @@ def timeline(analysis: Analysis, window: Window | None = None, max_events: int =
                 left_out += 1
 
     if run is not None:
-        groups = sorted({c.group for r in run.ranks.values() for c in r.collectives})
+        groups = sorted({c.group for r in run.ranks.values() for c in _calls(r, spans)})
         tids = {g: TID_COLLECTIVES + i for i, g in enumerate(groups)}
         for rank in run.ranks.values():
-            add(_rank_events(rank, window, tids))
-        add(_flows(run, window, tids))
+            add(_rank_events(rank, window, tids, None if spans is None else spans.get(rank.rank)))
+        add(_flows(run, window, tids, spans))
     add(_finding_events(analysis))
     for n, trace in sorted(analysis.bundle.traces.items()):
         add(_kernel_events(n, trace, window))

@@ -11,7 +11,7 @@ import gc
 import json
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -27,6 +27,7 @@ from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
 from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.reduce import (
     KEEP_WARNINGS,
+    CallSink,
     CollectiveLog,
     GroupTally,
     Rule,
@@ -48,6 +49,7 @@ from lorascope.rundir.schema import (
     validate_manifest,
     validate_record,
 )
+from lorascope.rundir.span import SpanLog, SpanRecords
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -334,7 +336,7 @@ class _Stream:
     collective ones in the probes' layout (those go to the collective log as they are
     read, or column-wise: :mod:`lorascope.rundir.columnar`)."""
 
-    def __init__(self, rank: int, warnings: list[str], log: CollectiveLog | None, budget: int) -> None:
+    def __init__(self, rank: int, warnings: list[str], log: CallSink | None, budget: int) -> None:
         self.rank = rank
         self.warnings = warnings
         self.log = log
@@ -608,7 +610,7 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
 
 
 def _apply_collective(
-    data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CollectiveLog
+    data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CallSink
 ) -> None:
     """A validated collective record that is not in the probes' own layout (read as JSON)."""
     if kind == "coll" or kind == "coll_done":
@@ -649,9 +651,7 @@ def _device_group(data: RankData, gid: int) -> Any:
     return data.groups.get(gid, {}).get("name")
 
 
-def _collective(
-    data: RankData, rec: Call | End, pending: dict[tuple[int, int], Collective], log: CollectiveLog
-) -> None:
+def _collective(data: RankData, rec: Call | End, pending: dict[tuple[int, int], Collective], log: CallSink) -> None:
     """A call's start (``coll``), its end (``coll_end``), or both at once (``coll_done``)."""
     if type(rec) is End:
         data.last_time = max(data.last_time, rec.t)
@@ -724,6 +724,88 @@ def read_process(job: _Job, configured: limits.Limits) -> tuple[RankData | str, 
         return str(exc), warnings
 
 
+#: One process's stream read again for a span: (rank, its segment files, the span's start
+#: and end in epoch seconds or None, the most records of each kind kept).
+_SpanJob = tuple[int, list[str], float | None, float | None, int]
+#: The step-keyed kinds a span keeps: RankData's list of each.
+_SPAN_KINDS = {"step": "steps", "phase": "phases", "mem": "mem"}
+
+
+def read_span(job: _SpanJob, configured: limits.Limits) -> tuple[SpanRecords | str, list[str]]:
+    """Read one process's stream again for what overlaps a span (a pure function of its
+    files, run in a worker; :mod:`lorascope.rundir.span`): its records, or the one-line
+    reason it is bad input, and the reading warnings."""
+    limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
+    warnings: list[str] = []
+    rank, files, start, end, most = job
+    try:
+        with no_cycle_collection():
+            return _read_span(rank, [Path(f) for f in files], SpanLog(start, end, most), warnings), warnings
+    except BadInputError as exc:
+        return str(exc), warnings
+
+
+def _read_span(rank: int, paths: list[Path], log: SpanLog, warnings: list[str]) -> SpanRecords:
+    """The stream read line by line, its records applied as a whole read does, but the
+    calls fed to ``log`` and only the step-keyed records that overlap its span kept."""
+    stream = _Stream(rank, warnings, log, 1 << 62)  # a budget nothing is dropped for
+    out = SpanRecords()
+    records = ((path, number, rec) for path in paths for number, rec in _iter_records(path, warnings, stream.shapes))
+    with contextlib.closing(records):
+        for path, number, rec in records:
+            if type(rec) is Call or type(rec) is End:
+                if type(rec) is Call and log.past(rec.t):
+                    break
+                stream.call(path, number, rec)
+                continue
+            kind = rec.get("k") if isinstance(rec, dict) else None
+            listed = _SPAN_KINDS.get(kind) if isinstance(kind, str) else None
+            if listed is not None and stream.data is not None and _Stream._validated(path, number, rec):
+                t = float(rec["t"])
+                if not log.holds(t - float(rec["dur"]) if listed == "steps" else t, t):
+                    continue
+                if len(getattr(stream.data, listed)) >= log.most:
+                    out.left_out += 1
+                    continue
+            stream.record(path, number, rec)
+    data = stream.data
+    if data is None:
+        raise BadInputError(f"{paths[0]}: empty rank stream")
+    out.collectives = log.finish()
+    out.steps, out.phases, out.mem = data.steps, data.phases, data.mem
+    out.left_out += log.left_out
+    return out
+
+
+def records_between(
+    run: RunData,
+    start: float | None,
+    end: float | None,
+    most: int,
+    progress: Progress | None = None,
+    cluster: Cluster | None = None,
+) -> dict[int, SpanRecords]:
+    """Per rank, everything it recorded that overlaps [start, end] (None: open), read again
+    from the stream of the process analysed: at most ``most`` records of each kind, the
+    first ones (see :mod:`lorascope.rundir.span`)."""
+    jobs: list[_SpanJob] = [(n, data.files, start, end, most) for n, data in run.ranks.items()]
+    total = 0
+    for data in run.ranks.values():
+        for name in data.files:
+            with contextlib.suppress(OSError):
+                total += Path(name).stat().st_size
+    parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and total >= POOL_MIN_BYTES
+    out: dict[int, SpanRecords] = {}
+    with contextlib.closing(_run_jobs(read_span, jobs, parallel, cluster)) as results:
+        for done, ((n, *_), (found, _warnings)) in enumerate(zip(jobs, results, strict=True), 1):
+            if progress is not None:
+                progress("reading the span again", done, len(jobs))
+            if isinstance(found, str):
+                raise BadInputError(found)
+            out[n] = found
+    return out
+
+
 @contextlib.contextmanager
 def no_cycle_collection() -> Iterator[None]:
     """The cyclic garbage collector off while a stream is read, while the calling process
@@ -747,28 +829,11 @@ def _read_all(
 ) -> list[tuple[RankData, list[str]]]:
     """Read every job, on the cluster if given, else over a pool of worker processes when
     ``parallel``; in job order."""
-    configured = limits.current()
     out = []
-    pool = None
-    if parallel and cluster is None:
-        # Workers that will read a stream column-wise import polars once, at their start.
-        pool = ProcessPoolExecutor(
-            max_workers=workers.for_jobs(len(jobs)), initializer=columnar.available if _big(jobs) else None
-        )
-    try:
-        if cluster is not None:
-            submitted = [cluster.submit(read_process, job, configured) for job in jobs]
-            results: Iterable[tuple[RankData | str, list[str]]] = (
-                cluster.result(f, f"reading rank {job[0]}") for f, job in zip(submitted, jobs, strict=True)
-            )
-        elif pool is not None:
-            # each future let go of once its result is taken in: a result held by its
-            # future too would keep its own group member lists (_share_members)
-            futures = deque(pool.submit(read_process, job, configured) for job in jobs)
-            results = (futures.popleft().result() for _ in range(len(futures)))
-        else:
-            results = (read_process(job, configured) for job in jobs)
-        members: dict[tuple[Any, ...], list[Any]] = {}
+    members: dict[tuple[Any, ...], list[Any]] = {}
+    # Workers that will read a stream column-wise import polars once, at their start.
+    initializer = columnar.available if parallel and _big(jobs) else None
+    with contextlib.closing(_run_jobs(read_process, jobs, parallel, cluster, initializer)) as results:
         for done, (data, warnings) in enumerate(results, 1):
             if progress is not None:
                 progress(what, done, len(jobs))
@@ -776,10 +841,37 @@ def _read_all(
                 raise BadInputError(data)
             _share_members(data, members)
             out.append((data, warnings))
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
     return out
+
+
+def _run_jobs(
+    fn: Callable[[Any, limits.Limits], Any],
+    jobs: list[Any],
+    parallel: bool,
+    cluster: Cluster | None,
+    initializer: Callable[[], Any] | None = None,
+) -> Generator[Any, None, None]:
+    """``fn(job, limits)`` of every job, in job order: on the cluster if given, else over a
+    pool of worker processes when ``parallel``, else here."""
+    configured = limits.current()
+    if cluster is not None:
+        submitted = [cluster.submit(fn, job, configured) for job in jobs]
+        for future, job in zip(submitted, jobs, strict=True):
+            yield cluster.result(future, f"reading rank {job[0]}")
+        return
+    if not parallel:
+        for job in jobs:
+            yield fn(job, configured)
+        return
+    pool = ProcessPoolExecutor(max_workers=workers.for_jobs(len(jobs)), initializer=initializer)
+    try:
+        # each future let go of once its result is taken in: a result held by its
+        # future too would keep its own group member lists (_share_members)
+        futures = deque(pool.submit(fn, job, configured) for job in jobs)
+        while futures:
+            yield futures.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) -> None:

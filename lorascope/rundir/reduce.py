@@ -34,7 +34,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sortedcontainers import SortedList
 
@@ -250,6 +250,17 @@ class SyncTimes:
         """Forget the calls held elsewhere than :attr:`calls` of the steps ``rule`` drops;
         how many are left there (none here)."""
         return 0
+
+
+class CallSink(Protocol):
+    """What a stream's reader feeds the calls it reads to: :class:`CollectiveLog`, or a
+    span's :class:`lorascope.rundir.span.SpanLog`."""
+
+    def add(self, coll: Collective) -> None: ...
+
+    def ended(self, coll: Collective) -> None: ...
+
+    def find(self, group: str, seq: int) -> Collective | None: ...
 
 
 class CollectiveLog:

@@ -121,3 +121,79 @@ def test_snapshot_export_is_the_standard_pickle(tmp_path: Path) -> None:
         timeout=120,
     )
     assert res.returncode == 3 and "no allocator snapshot of rank 0 (ranks with one: 1)" in res.stderr
+
+
+def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path, monkeypatch: Any) -> None:
+    """A long run is loaded reduced (each group's first and newest calls, every stride-th
+    step): the export reads the window again, so no call or step in it is missing. The
+    healthy fixture (537 calls a rank, 6 steps) read with bounds small enough to reduce it."""
+    from click.testing import CliRunner
+
+    from lorascope.cli import cli
+    from lorascope.rundir import reduce
+
+    whole = analyze(FIXTURES / "healthy").bundle.run
+    assert whole is not None
+    monkeypatch.setattr(reduce, "HEAD_CALLS", 40)
+    monkeypatch.setattr(reduce, "TAIL_CALLS", 60)
+    monkeypatch.setattr(reduce, "STEP_BUDGET", 4)
+    monkeypatch.setattr(reduce, "MIN_STEPS_KEPT", 2)
+    run = analyze(FIXTURES / "healthy").bundle.run
+    assert run is not None
+    for n, rank in run.ranks.items():  # the bounds took effect
+        assert len(rank.collectives) < rank.collectives_total == len(whole.ranks[n].collectives)
+        assert rank.stride > 1 and len(rank.steps) < len(whole.ranks[n].steps)
+
+    def exported(*args: str) -> list[dict[str, Any]]:
+        out = tmp_path / "t.json"
+        result = CliRunner().invoke(cli, ["export", str(FIXTURES / "healthy"), "--perfetto", str(out), *args])
+        assert result.exit_code == 0, result.output
+        return events(out)
+
+    evs = exported()
+    for n, rank in whole.ranks.items():
+        calls = [e for e in evs if e["pid"] == n and e["ph"] == "X" and e.get("cat") == "collective"]
+        assert sorted((e["args"]["group"], e["args"]["seq"]) for e in calls) == sorted(
+            (c.group, c.seq) for c in rank.collectives
+        )
+        steps = [e["name"] for e in evs if e["pid"] == n and e["ph"] == "X" and e["name"].startswith("step ")]
+        assert steps == [f"step {s['step']}" for s in rank.steps]
+        assert sum(1 for e in evs if e["pid"] == n and e["ph"] == "C") == len(rank.mem)
+
+    window = step_window(whole, 3, 4)
+    part = exported("--steps", "3:4")
+    for n, rank in whole.ranks.items():
+        inside = {
+            (c.group, c.seq) for c in rank.collectives if window.holds(c.start, c.end if c.end is not None else c.start)
+        }
+        got = {
+            (e["args"]["group"], e["args"]["seq"])
+            for e in part
+            if e["pid"] == n and e["ph"] == "X" and e.get("cat") == "collective"
+        }
+        assert got == inside and len(inside) > 40  # more than the reduced run kept from the middle
+
+
+def test_a_span_keeps_what_overlaps_it_up_to_its_bound() -> None:
+    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.span import SLACK_S, SpanLog
+
+    def call(seq: int, start: float, end: float | None) -> Collective:
+        return Collective(seq, "g", "all_reduce", 4, "float32", False, None, 0, start, end)
+
+    log = SpanLog(10.0, 20.0, most=2)
+    before, through, late_end = call(1, 1.0, 2.0), call(2, 5.0, None), call(3, 8.0, None)
+    for c in (before, through, late_end):
+        log.add(c)
+    late_end.end = 12.0
+    log.ended(late_end)  # started before the span, ended inside it: kept
+    assert not log.past(20.0 + 2 * SLACK_S)  # call 2 is still in flight: it may end in the span
+    inside, after = call(4, 15.0, 16.0), call(5, 21.0, 22.0)
+    log.add(inside)
+    log.add(after)
+    extra = call(6, 19.0, 19.5)
+    log.add(extra)  # a third call over the bound of two: counted, not kept
+    assert [c.seq for c in log.finish()] == [2, 3, 4] and log.left_out == 1  # 2: in flight to the end
+    done = SpanLog(10.0, 20.0, most=10)
+    done.add(call(1, 11.0, 12.0))
+    assert not done.past(20.0 + SLACK_S / 2) and done.past(20.0 + 2 * SLACK_S)
