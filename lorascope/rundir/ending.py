@@ -25,6 +25,15 @@ FATAL_SIGNALS = {
 
 _FATAL_NUMBERS = {int(s) for s in FATAL_SIGNALS.values()}
 
+#: How a job is stopped from outside, each with who sends it: a rank that ended by one of
+#: these (and ``KeyboardInterrupt``, Python's SIGINT) did not fail by itself.
+STOPPED = {
+    "KeyboardInterrupt": "Ctrl-C, or SIGINT from a launcher passing it on",
+    signal.SIGINT.name: "Ctrl-C, or a launcher passing it on",
+    signal.SIGTERM.name: "kill, a launcher, or a scheduler's time limit or preemption",
+    signal.SIGHUP.name: "the terminal or session closed",
+}
+
 
 @dataclass(frozen=True)
 class Ending:
@@ -59,8 +68,9 @@ def ending_of(rank: RankData) -> Ending:
         exc = rank.exception
         # torch's and gloo's C++ source locations left out ("[/__w/pytorch/.../pair.cc:537] "):
         # every one-line reading of the ending would show them before the message.
-        message = "\n".join(strip_source_locations(line) for line in str(exc["message"]).splitlines())
-        return Ending("exception", 1, f"{exc['type']}: {message}".strip(), float(exc["t"]))
+        message = "\n".join(strip_source_locations(line) for line in str(exc["message"]).splitlines()).strip()
+        detail = f"{exc['type']}: {message}" if message else str(exc["type"])  # KeyboardInterrupt has none
+        return Ending("exception", 1, detail, float(exc["t"]))
     if rank.signal is not None:
         sig = rank.signal
         return Ending("signal", -sig["signum"], sig["name"], float(sig["t"]))
@@ -79,16 +89,27 @@ def ending_of(rank: RankData) -> Ending:
     return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)
 
 
+def stopped_by(how: str) -> str | None:
+    """Who stops a job the way a rank's ending (as one line) says, if it was stopped from
+    outside (``STOPPED``), else None."""
+    return STOPPED.get(how.strip())
+
+
 def ended_badly_headline(bad: list[tuple[int, float | None, str]]) -> str:
     """The headline of a run no detector named a cause for but some ranks ended badly,
     from each such rank's (rank, when it ended or None, its ending as one line): the
     first to end leads (the others often fail because it did: a peer's connection
     closed), with the ranks that ended like it, and the others apart (the terminal's and
-    the report's, alike)."""
+    the report's, alike). A run every such rank of which was stopped from outside (Ctrl-C,
+    SIGTERM) is said to be that, not to have ended badly."""
     ordered = sorted(bad, key=lambda b: (b[1] is None, b[1] or 0.0, b[0]))
     first = ordered[0][2]
     alike = [rank for rank, _, how in ordered if how == first]
     rest = [rank for rank, _, how in ordered if how != first]
+    if all(stopped_by(how) for _, _, how in ordered):
+        kinds = {how: [rank for rank, _, h in ordered if h == how] for _, _, how in ordered}
+        got = "; ".join(f"{ranks_named(ranks)} got {how} ({stopped_by(how)})" for how, ranks in kinds.items())
+        return f"no problem found before the job was stopped from outside: {got}"
     if not rest:
         verb = "ended" if len(alike) == 1 else "all ended"
         return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}"

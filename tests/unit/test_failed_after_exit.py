@@ -163,3 +163,24 @@ def test_an_exceptions_ending_reads_without_cpp_source_locations(tmp_path: Path)
     assert end.detail == "RuntimeError: Read error: Connection reset by peer"
     text = subprocess.run([*LORASCOPE, "analyze", str(run_dir)], capture_output=True, text=True, timeout=60).stdout
     assert "exception: RuntimeError: Read error: Connection reset by peer" in text and "pair.cc" not in text
+
+
+def test_a_job_stopped_from_outside_is_said_to_be_stopped_not_to_have_ended_badly(tmp_path: Path) -> None:
+    """Ctrl-C on `lorascope run` (run by hand): every rank raised KeyboardInterrupt, and
+    the headline read "no detector named a cause, but ranks 0, 1 all ended badly:
+    KeyboardInterrupt:" (an exception without a message kept the colon)."""
+    run = write_run(tmp_path / "r", [RankSpec(exception=("KeyboardInterrupt", ""), ends=False)])
+    end = ending_of(load_run(run).ranks[0])
+    assert (end.status, end.detail) == ("exception", "KeyboardInterrupt")
+    assert ended_badly_headline([(1, 5.0, "KeyboardInterrupt"), (0, 5.0, "KeyboardInterrupt")]) == (
+        "no problem found before the job was stopped from outside: ranks 0, 1 got KeyboardInterrupt "
+        "(Ctrl-C, or SIGINT from a launcher passing it on)"
+    )
+    assert ended_badly_headline([(0, 5.0, "SIGTERM"), (1, 5.1, "KeyboardInterrupt")]).startswith(
+        "no problem found before the job was stopped from outside: rank 0 got SIGTERM (kill, a launcher, "
+        "or a scheduler's time limit or preemption); rank 1 got KeyboardInterrupt"
+    )
+    # a rank that failed by itself is not a stop from outside, whatever the others got
+    assert ended_badly_headline([(0, 5.0, "SIGTERM"), (1, 4.0, "RuntimeError: boom")]).startswith(
+        "no detector named a cause, but rank 1 ended badly first: RuntimeError: boom"
+    )
