@@ -82,7 +82,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
                     + (
                         f" — failed: {short_error(c.err, 160)}"
                         if c.err
-                        else f" — {pending_state(c, run.ranks[n])}"
+                        else f" — {pending_state(c, run.ranks[n], run)}"
                         if c.pending
                         else ""
                     ),

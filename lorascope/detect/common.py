@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from lorascope.detect.finding import Evidence
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.ending import ending_of, launchers_ended
 from lorascope.rundir.reader import Collective, RankData, RunData
 from lorascope.units import rank_ranges
 
@@ -205,11 +205,14 @@ def per_rank_evidence(
     return [ev for _, evidence in sorted(shown, key=lambda s: s[0]) for ev in evidence]
 
 
-def pending_state(call: Collective, rank: RankData) -> str:
+def pending_state(call: Collective, rank: RankData, run: RunData) -> str:
     """What a call with no recorded end means: the rank is still waiting in it, unless its
-    stream says how it ended (a signal, an abort, an exit): then it ended inside it."""
+    stream says how it ended (a signal, an abort, an exit), or the job's launchers have
+    all ended: then it ended inside it."""
     ending = ending_of(rank)
     if not ending.known:
+        if launchers_ended(run):
+            return "never returned: the rank's process ended inside it without a word (SIGKILL)"
         return "still waiting in it"
     how = (ending.detail or f"{ending.status} {ending.code}").splitlines()[0][:80]
     return f"never returned: the rank ended inside it ({how})"

@@ -15,7 +15,7 @@ from lorascope.detect.hang.diagnosis import FIXES, diagnose
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.ending import ending_of, moving_at_dumps, still_moving
+from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, still_moving
 from lorascope.rundir.reader import RunData
 from lorascope.units import rank_ranges
 
@@ -29,8 +29,7 @@ EXPLANATION = (
 
 def liveness(run: RunData) -> dict[int, bool]:
     """Once every launcher has ended, a rank without an end record died without a word."""
-    launches = run.manifest["launches"]
-    if launches and all(launch["end"] is not None for launch in launches):
+    if launchers_ended(run):
         return {n: False for n, r in run.ranks.items() if not ending_of(r).known}
     return {}
 

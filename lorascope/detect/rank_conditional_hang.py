@@ -18,18 +18,18 @@ from lorascope.detect.hang.flight_align import flight_alignment, flight_conditio
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import Collective, RankData
+from lorascope.rundir.reader import Collective, RankData, RunData
 from lorascope.units import fmt_bytes, ranks_named, short_error
 
 ID = "rank-conditional-hang"
 
 
-def _describe(call: Collective | None, rank: RankData) -> str:
+def _describe(call: Collective | None, rank: RankData, run: RunData) -> str:
     if call is None:
         return "never issued it"
     size = "" if call.bytes is None else f" ({fmt_bytes(call.bytes)}{', ' + call.dtype if call.dtype else ''})"
     state = (
-        pending_state(call, rank)
+        pending_state(call, rank, run)
         if call.pending
         else ("failed: " + short_error(call.err, 160) if call.err else "completed")
     )
@@ -161,7 +161,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
         own = rows[n] = [
-            (f" at {div.group} #{div.seq}", _describe(call, rank), stream_source(run, rank, "coll records"))
+            (f" at {div.group} #{div.seq}", _describe(call, rank, run), stream_source(run, rank, "coll records"))
         ]
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})

@@ -137,6 +137,14 @@ DUMP_STEPS = 2
 DUMP_MIN_S = 0.5
 
 
+def launchers_ended(run: RunData) -> bool:
+    """Every launch the run directory records has ended: a rank with no word on how it
+    ended then died without one (SIGKILL: the OOM killer, or a launcher's after its grace
+    period), it is not still running."""
+    launches = run.manifest["launches"]
+    return bool(launches) and all(launch["end"] is not None for launch in launches)
+
+
 def still_moving(run: RunData, now: float | None = None) -> bool:
     """The run is running and every rank makes steps: a launcher has not ended, no rank
     recorded a stall or its ending, its dumps (if any) came as it moved
@@ -150,8 +158,7 @@ def still_moving(run: RunData, now: float | None = None) -> bool:
         if "still_moving" not in run.derived:
             run.derived["still_moving"] = still_moving(run, time.time())
         return bool(run.derived["still_moving"])
-    launches = run.manifest["launches"]
-    if not launches or all(launch["end"] is not None for launch in launches):
+    if not run.manifest["launches"] or launchers_ended(run):
         return False
     ranks = list(run.ranks.values())
     if any(r.stall or ending_of(r).known or not r.steps or not moving_at_dumps(r) for r in ranks):
