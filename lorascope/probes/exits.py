@@ -6,6 +6,7 @@ the reader says so."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import signal
@@ -13,7 +14,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -23,6 +24,41 @@ from lorascope.rundir.writer import fatal_path
 
 MAX_WARNINGS = 200
 _TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: Held off while the probes write how the process ends (``_signals_held``).
+_HELD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and the terminating signals set to be noted and dropped while the probes
+    write how the process ends, then set back. A second SIGINT (a launcher passing on the
+    one the rank got already: `lorascope run` and torchrun both do, ms apart) raised a
+    KeyboardInterrupt inside the exception hook while it read source lines for the stacks
+    (~20 ms): the record was lost, and the rank read "exit 0" at its exit. The process is
+    ending already when they come. Only on the main thread (where handlers are set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: dict[int, Any] = {}
+    for name in _HELD:
+        signum = getattr(signal, name, None)
+        try:
+            previous = signal.getsignal(signum) if signum is not None else None
+            if signum is not None and previous not in (None, signal.SIG_IGN):
+                signal.signal(signum, _dropped)
+                held[signum] = previous
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for signum, previous in held.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signum, previous)
+
+
+def _dropped(signum: int, frame: FrameType | None) -> None:
+    """A signal that came while the probes wrote how the process ends."""
 
 
 def thread_stacks() -> str:
@@ -110,22 +146,23 @@ class ExitProbe:
         previous = sys.excepthook
 
         def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
-            try:
-                self.session.record(
-                    "exception",
-                    type=exc_type.__name__,
-                    message=str(exc)[:20000],
-                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
-                    stacks=thread_stacks()[-50000:],
-                )
-                self.session.flush()
-                if self._on_exception is not None:
-                    self._on_exception(exc)
-                self._on_crash("exception")
-                self._write_end("exception", 1)
-            except Exception:
-                pass
-            previous(exc_type, exc, tb)
+            with _signals_held():
+                try:
+                    self.session.record(
+                        "exception",
+                        type=exc_type.__name__,
+                        message=str(exc)[:20000],
+                        traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
+                        stacks=thread_stacks()[-50000:],
+                    )
+                    self.session.flush()
+                    if self._on_exception is not None:
+                        self._on_exception(exc)
+                    self._on_crash("exception")
+                    self._write_end("exception", 1)
+                except Exception:
+                    pass
+                previous(exc_type, exc, tb)
 
         sys.excepthook = excepthook
 
@@ -150,11 +187,12 @@ class ExitProbe:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         try:
-            name = signal.Signals(signum).name
-            self.session.record("signal", signum=signum, name=name, stacks=thread_stacks()[-50000:])
-            self.session.flush()
-            self._on_crash("signal")
-            self._write_end("signal", -signum)
+            with _signals_held():
+                name = signal.Signals(signum).name
+                self.session.record("signal", signum=signum, name=name, stacks=thread_stacks()[-50000:])
+                self.session.flush()
+                self._on_crash("signal")
+                self._write_end("signal", -signum)
         finally:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)

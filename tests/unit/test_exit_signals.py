@@ -1,0 +1,48 @@
+"""How a rank ended is written even when a second signal comes while it is written.
+
+Ctrl-C on `lorascope run` over torchrun (run by hand): lorascope passes SIGINT on to the
+ranks and torchrun passes its own on, ms apart. The second KeyboardInterrupt came while the
+exception hook read source lines for every thread's stack; it escaped the hook, the
+exception record was lost, and the rank read "exit 0" at its exit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.probes import exits
+from lorascope.probes.exits import ExitProbe
+from lorascope.probes.session import Session
+from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(run.rglob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def test_a_second_sigint_while_the_exception_is_written_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ensure_manifest(tmp_path)
+    session = Session(Stream(stream_prefix(tmp_path, 0, "h", 1)), 0, 0, 1, 0.0)
+    probe = ExitProbe(session, on_end=lambda: None, on_crash=lambda how: None)
+    printed: list[type] = []
+    monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: printed.append(exc_type))
+    monkeypatch.setattr(exits, "thread_stacks", lambda: signal.raise_signal(signal.SIGINT) or "stacks")
+    probe._install_excepthook()
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())  # as the interpreter calls it: the second SIGINT comes inside
+    assert signal.getsignal(signal.SIGINT) is handler  # set back once written
+    assert printed == [KeyboardInterrupt]  # the job's own hook (python's: the traceback) still ran
+    kinds = [(r["k"], r.get("type") or r.get("status")) for r in _records(tmp_path) if r["k"] in ("exception", "end")]
+    assert kinds == [("exception", "KeyboardInterrupt"), ("end", "exception")]
+    with pytest.raises(KeyboardInterrupt):  # and Ctrl-C works as before afterwards
+        signal.raise_signal(signal.SIGINT)
