@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lorascope.rundir.reader import Collective
 
-#: Seconds a record may be written after a later one: the probes hold an async call up to
-#: 30 ms and flush every 40 ms, so a stream is read this far past a span's end.
-SLACK_S = 5.0
+#: How far past a span's end a stream is read: a record may be written after a later one
+#: (the probes hold an async call up to 30 ms and flush every 40 ms), and a call's time on
+#: the device (``coll_dev``) comes at a later step's end.
+SLACK_S = 30.0
 
 
 @dataclass
