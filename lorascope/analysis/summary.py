@@ -7,7 +7,7 @@ from typing import Any
 
 from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
-from lorascope.rundir.ending import ending_of, still_moving
+from lorascope.rundir.ending import ending_of, still_moving, stopped_reading
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
 
@@ -63,14 +63,18 @@ def _collectives(rank: RankData) -> dict[str, Any]:
     return {"count": rank.collectives_total, "last_seq": last, "pending": pending}
 
 
-def _ended(rank: RankData) -> dict[str, Any]:
+def _ended(rank: RankData, run: RunData) -> dict[str, Any]:
     """How the rank ended, and when (``t``: its ending's record, else its last record's
     time: a rank killed without a word, or aborted with only faulthandler's file)."""
     end = ending_of(rank)
-    return {**end.as_dict(), "t": end.t if end.t is not None else rank.last_time}
+    out = {**end.as_dict(), "t": end.t if end.t is not None else rank.last_time}
+    stopped = stopped_reading(rank, run)
+    if stopped is not None:
+        out["stopped"] = stopped
+    return out
 
 
-def _rank_summary(rank: RankData) -> dict[str, Any]:
+def _rank_summary(rank: RankData, run: RunData) -> dict[str, Any]:
     totals = rank.totals
     return {
         "rank": rank.rank,
@@ -85,7 +89,7 @@ def _rank_summary(rank: RankData) -> dict[str, Any]:
         "collectives": _collectives(rank),
         "warnings": totals["warnings"],
         "probe_errors": [f"{e['probe']}: {e['error']}" for e in rank.probe_errors],
-        "ended": _ended(rank),
+        "ended": _ended(rank, run),
         "unseen_collectives": _unseen(rank),
         "probe_cost": rank_cost(rank),
         "files": rank.files,
@@ -96,7 +100,7 @@ def build_summary(run: RunData) -> dict[str, Any]:
     """Everything `analyze` reports, as plain data (the JSON output is this)."""
     ranks = list(run.ranks.values())
     first = ranks[0] if ranks else None
-    rank_summaries = [_rank_summary(r) for r in ranks]
+    rank_summaries = [_rank_summary(r, run) for r in ranks]
     launches = run.manifest["launches"]
     starts = [launch["start"] for launch in launches] + [float(r.start["t"]) for r in ranks]
     ends = [launch["end"] for launch in launches if launch["end"] is not None] + [r.last_time for r in ranks]

@@ -74,6 +74,8 @@ def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
         verb = "" if where.startswith(("died", "exited")) else ("is " if len(ranks) == 1 else "are ")
         if verb and not where.startswith("in "):
             verb += "in "
+        if len(ranks) > 1:
+            where = where.replace("in its own code", "in their own code", 1)
         lines.append(f"{who:<10} {verb}{where}")
     lines.append(f"verdict: {diagnosis['verdict']}")
     lines.append(f"fix: {diagnosis['fix']}")

@@ -60,13 +60,17 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
             )
         )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
+    stopped = dumped and all(s["dumped"] in ("stopped", None) for s in diagnosis["ranks"])
     return Finding(
         id=ID,
         title=diagnosis["verdict"],
         severity="error",
         confidence="high" if dumped and diagnosis["kind"] != "unknown" else "medium",
         confidence_reason=(
-            "every rank's stack and pending collectives were dumped while it hung"
+            "read where each rank was when the job was stopped from outside (its exception's "
+            "traceback or its signal's stacks, and the calls in flight then)"
+            if stopped
+            else "every rank's stack and pending collectives were dumped while it hung"
             if dumped
             else "from the ranks' streams only (no dump taken while it hung)"
         ),
@@ -143,11 +147,11 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         return from_flight_recorder(bundle)
     # A dump taken while the rank moved (`lorascope hang` on a job that was slow, not hung)
     # is no evidence of a hang, during the run or after it.
-    stalled = any(r.stall or not moving_at_dumps(r) for r in run.ranks.values())
+    stalled = any(r.stall or not moving_at_dumps(r, run) for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting) or still_moving(run):
         return []
     diagnosis = diagnose(run, liveness(run))
-    if diagnosis["kind"] in ("rank-conditional-hang", "unknown", "moving"):
+    if diagnosis["kind"] in ("rank-conditional-hang", "unknown", "moving", "stopped"):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]

@@ -81,7 +81,12 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
     bad = [r for r in facts["ranks"] if r["bad"]]
     if bad:
         hows = [
-            (r["rank"], r["ended"].get("t"), str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200])
+            (
+                r["rank"],
+                r["ended"].get("t"),
+                str(r["ended"]["detail"] or r["end_label"] or "?").splitlines()[0][:200],
+                r["ended"].get("stopped"),
+            )
             for r in bad
         ]
         return {

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.reader import Collective, RankData, RunData
 from lorascope.units import ranks_named, strip_source_locations
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
@@ -95,21 +95,32 @@ def stopped_by(how: str) -> str | None:
     return STOPPED.get(how.strip())
 
 
-def ended_badly_headline(bad: list[tuple[int, float | None, str]]) -> str:
+def ended_badly_headline(bad: list[tuple[int, float | None, str, dict[str, Any] | None]]) -> str:
     """The headline of a run no detector named a cause for but some ranks ended badly,
-    from each such rank's (rank, when it ended or None, its ending as one line): the
-    first to end leads (the others often fail because it did: a peer's connection
-    closed), with the ranks that ended like it, and the others apart (the terminal's and
-    the report's, alike). A run every such rank of which was stopped from outside (Ctrl-C,
-    SIGTERM) is said to be that, not to have ended badly."""
+    from each such rank's (rank, when it ended or None, its ending as one line, its
+    ``stopped`` reading or None: :func:`stopped_reading`): the first to end leads (the
+    others often fail because it did: a peer's connection closed), with the ranks that
+    ended like it, and the others apart (the terminal's and the report's, alike). A run
+    every such rank of which was stopped from outside (Ctrl-C, SIGTERM) is said to be that:
+    found nothing if every rank was making steps when it was, else stopped while stuck."""
     ordered = sorted(bad, key=lambda b: (b[1] is None, b[1] or 0.0, b[0]))
     first = ordered[0][2]
-    alike = [rank for rank, _, how in ordered if how == first]
-    rest = [rank for rank, _, how in ordered if how != first]
-    if all(stopped_by(how) for _, _, how in ordered):
-        kinds = {how: [rank for rank, _, h in ordered if h == how] for _, _, how in ordered}
+    alike = [b[0] for b in ordered if b[2] == first]
+    rest = [b[0] for b in ordered if b[2] != first]
+    if all(stopped_by(b[2]) and b[3] is not None for b in ordered):
+        kinds: dict[str, list[int]] = {}
+        for b in ordered:
+            kinds.setdefault(b[2], []).append(b[0])
         got = "; ".join(f"{ranks_named(ranks)} got {how} ({stopped_by(how)})" for how, ranks in kinds.items())
-        return f"no problem found before the job was stopped from outside: {got}"
+        idle = [(b[0], b[3]["since_step_s"]) for b in ordered if b[3] is not None and not b[3]["moving"]]
+        if not idle:
+            return f"no problem found before the job was stopped from outside: {got}"
+        longest = max(idle, key=lambda i: i[1] if i[1] is not None else float("inf"))
+        since = "made no step" if longest[1] is None else f"made no step for {longest[1]:.0f} s"
+        return (
+            f"no detector named a cause, but the job was stuck when it was stopped from outside: {got}; "
+            f"rank {longest[0]} had {since} before it was"
+        )
     if not rest:
         verb = "ended" if len(alike) == 1 else "all ended"
         return f"no detector named a cause, but {ranks_named(alike)} {verb} badly: {first}"
@@ -161,7 +172,7 @@ def still_moving(run: RunData, now: float | None = None) -> bool:
     if not run.manifest["launches"] or launchers_ended(run):
         return False
     ranks = list(run.ranks.values())
-    if any(r.stall or ending_of(r).known or not r.steps or not moving_at_dumps(r) for r in ranks):
+    if any(r.stall or ending_of(r).known or not r.steps or not moving_at_dumps(r, run) for r in ranks):
         return False
     newest = max(r.last_time for r in ranks)
     if now - newest > LIVE_SECONDS:
@@ -175,9 +186,90 @@ def progress_window(rank: RankData) -> float:
     return max(MOVING_MIN_S, MOVING_STEPS * float(rank.totals.get("step_time_median_s") or 0.0))
 
 
-def moving_at_dumps(rank: RankData) -> bool:
-    """Every dump the rank took caught it moving (:func:`moving_at`)."""
-    return all(moving_at(d, rank) for d in rank.dumps)
+def moving_at_dumps(rank: RankData, run: RunData) -> bool:
+    """Every dump the rank took (its stop from outside as one: :func:`dumps_of`) caught it
+    moving (:func:`moving_at`)."""
+    return all(moving_at(d, rank) for d in dumps_of(rank, run))
+
+
+def call_entry(call: Collective) -> dict[str, Any]:
+    """A call in flight as a dump lists it (the probes' ``pending``)."""
+    return {"group": call.group, "seq": call.seq, "op": call.op, "bytes": call.bytes, "site": call.site}
+
+
+def stopped_at(rank: RankData) -> float | None:
+    """When the rank ended by a stop from outside (Ctrl-C, SIGTERM: :func:`stopped_by`),
+    else None."""
+    end = ending_of(rank)
+    if end.t is None or end.status not in ("exception", "signal") or end.teardown:
+        return None
+    return end.t if stopped_by((end.detail or "").split("\n", 1)[0]) else None
+
+
+def stop_time(run: RunData) -> float | None:
+    """When the job was stopped from outside: the first rank's stop (a rank blocked in a
+    collective raises its KeyboardInterrupt only once the call returns, seconds later),
+    else None; also None when a rank had failed by itself before it (torchrun SIGTERMs
+    the other ranks once one fails: a consequence, not a stop). Computed once per run."""
+    if "stop_time" not in run.derived:
+        stops = [t for r in run.ranks.values() if (t := stopped_at(r)) is not None]
+        first = min(stops, default=None)
+        failed = [
+            end.t
+            for r in run.ranks.values()
+            if (end := ending_of(r)).t is not None and stopped_at(r) is None and (end.status, end.code) != ("exit", 0)
+        ]
+        run.derived["stop_time"] = None if first is None or min(failed, default=first + 1) <= first else first
+    found = run.derived["stop_time"]
+    return None if found is None else float(found)
+
+
+def stop_dump(rank: RankData, run: RunData) -> dict[str, Any] | None:
+    """A rank stopped from outside as a dump taken when the job was (:func:`stop_time`),
+    read by the hang diagnosis like `lorascope hang`'s: the calls in flight then, the stack
+    its exception's traceback or its signal record holds, and how long since its last step.
+    A job that hangs is often stopped by hand before anyone runs `lorascope hang`; without
+    this the stop read as how the ranks died ("rank 0 died first: KeyboardInterrupt").
+    None for a rank not stopped from outside."""
+    at = stop_time(run)
+    if at is None or stopped_at(rank) is None:
+        return None
+    record = rank.exception if rank.exception is not None else rank.signal
+    stacks = (record or {}).get("traceback" if rank.exception is not None else "stacks")
+    return {
+        "t": at,
+        "reason": "stopped",
+        "since_progress": at - float(rank.steps[-1]["t"]) if rank.steps else None,
+        "pending": [call_entry(c) for c in rank.collectives if c.start <= at and _in_flight_at_stop(c, at)],
+        "stacks": stacks if isinstance(stacks, str) else "",
+    }
+
+
+#: A call that ended with an error this little before the job was stopped was in flight at
+#: the stop: the stop ended it (its end is taken before the exception that ends the rank).
+STOP_CALL_S = 1.0
+
+
+def _in_flight_at_stop(call: Collective, at: float) -> bool:
+    end = call.end
+    return end is None or end >= at or (call.err is not None and end >= at - STOP_CALL_S)
+
+
+def stopped_reading(rank: RankData, run: RunData) -> dict[str, Any] | None:
+    """For a rank stopped from outside: how long after its last step's end the job was
+    stopped (``since_step_s``, None without steps), and whether the rank was moving then
+    (``moving``: :func:`moving_at`); else None. In each rank's ``ended`` (analyze --json,
+    the report)."""
+    stop = stop_dump(rank, run)
+    if stop is None:
+        return None
+    return {"since_step_s": stop["since_progress"], "moving": moving_at(stop, rank)}
+
+
+def dumps_of(rank: RankData, run: RunData) -> list[dict[str, Any]]:
+    """The rank's dumps, its stop from outside last as one (:func:`stop_dump`)."""
+    stop = stop_dump(rank, run)
+    return rank.dumps if stop is None else [*rank.dumps, stop]
 
 
 def moving_at(dump: dict[str, Any], rank: RankData) -> bool:

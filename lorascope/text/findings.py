@@ -27,7 +27,9 @@ def quiet(data: dict[str, Any]) -> str:
         return RUNNING
     bad = [r for r in ranks if (r["ended"]["status"], r["ended"]["code"]) != ("exit", 0)]
     if bad:
-        return ended_badly_headline([(r["rank"], r["ended"].get("t"), _how(r["ended"])) for r in bad])
+        return ended_badly_headline(
+            [(r["rank"], r["ended"].get("t"), _how(r["ended"]), r["ended"].get("stopped")) for r in bad]
+        )
     every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "its one rank"
     return f"no problem found by the detectors: {every} exited 0"
 

@@ -129,10 +129,10 @@ def test_a_script_python_could_not_open_ends_with_exit_2_and_says_why(tmp_path: 
 
 
 def test_the_ranks_that_ended_badly_are_named_together_when_they_ended_alike() -> None:
-    assert ended_badly_headline([(0, 5.0, "exit 2"), (1, 5.0, "exit 2")]) == (
+    assert ended_badly_headline([(0, 5.0, "exit 2", None), (1, 5.0, "exit 2", None)]) == (
         "no detector named a cause, but ranks 0, 1 all ended badly: exit 2"
     )
-    assert ended_badly_headline([(1, 2.0, "SIGTERM"), (2, 1.0, "exit 1"), (3, None, "SIGTERM")]) == (
+    assert ended_badly_headline([(1, 2.0, "SIGTERM", None), (2, 1.0, "exit 1", None), (3, None, "SIGTERM", None)]) == (
         "no detector named a cause, but rank 2 ended badly first: exit 1 (ranks 1, 3 ended otherwise after it)"
     )
 
@@ -172,15 +172,16 @@ def test_a_job_stopped_from_outside_is_said_to_be_stopped_not_to_have_ended_badl
     run = write_run(tmp_path / "r", [RankSpec(exception=("KeyboardInterrupt", ""), ends=False)])
     end = ending_of(load_run(run).ranks[0])
     assert (end.status, end.detail) == ("exception", "KeyboardInterrupt")
-    assert ended_badly_headline([(1, 5.0, "KeyboardInterrupt"), (0, 5.0, "KeyboardInterrupt")]) == (
+    moving = {"since_step_s": 0.2, "moving": True}
+    assert ended_badly_headline([(1, 5.0, "KeyboardInterrupt", moving), (0, 5.0, "KeyboardInterrupt", moving)]) == (
         "no problem found before the job was stopped from outside: ranks 0, 1 got KeyboardInterrupt "
         "(Ctrl-C, or SIGINT from a launcher passing it on)"
     )
-    assert ended_badly_headline([(0, 5.0, "SIGTERM"), (1, 5.1, "KeyboardInterrupt")]).startswith(
+    assert ended_badly_headline([(0, 5.0, "SIGTERM", moving), (1, 5.1, "KeyboardInterrupt", moving)]).startswith(
         "no problem found before the job was stopped from outside: rank 0 got SIGTERM (kill, a launcher, "
         "or a scheduler's time limit or preemption); rank 1 got KeyboardInterrupt"
     )
     # a rank that failed by itself is not a stop from outside, whatever the others got
-    assert ended_badly_headline([(0, 5.0, "SIGTERM"), (1, 4.0, "RuntimeError: boom")]).startswith(
+    assert ended_badly_headline([(0, 5.0, "SIGTERM", None), (1, 4.0, "RuntimeError: boom", None)]).startswith(
         "no detector named a cause, but rank 1 ended badly first: RuntimeError: boom"
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
-from lorascope.rundir.ending import ending_of, moving_at
+from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, stopped_at
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import ranks_named, short_error
 
@@ -49,6 +49,10 @@ FIXES = {
         "Nothing is stuck yet: every rank had finished a step shortly before its dump. If the "
         "job stops making steps, run `lorascope hang` again; if it is slow, `lorascope analyze` "
         "names a straggler."
+    ),
+    "stopped": (
+        "Nothing was stuck when the job was stopped (Ctrl-C, SIGTERM): every rank had finished a "
+        "step shortly before. If it was slow, `lorascope analyze` names a straggler."
     ),
 }
 
@@ -94,9 +98,12 @@ def fatal_main_frame(fatal: str) -> str | None:
 
 def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | None:
     """How the rank ended, if it did before ``cutoff`` (the moment the hang was dumped:
-    the timeouts that kill every rank afterwards are consequences, not the cause)."""
+    the timeouts that kill every rank afterwards are consequences, not the cause), and not
+    by a stop from outside (read as a dump taken then: ``dumps_of``)."""
     end = ending_of(rank)
     if end.t is not None and cutoff is not None and end.t > cutoff:
+        return None
+    if stopped_at(rank) is not None:
         return None
     if end.status == "exception":
         return f"died: {short_error((end.detail or 'an exception').splitlines()[0], 160)}"
@@ -120,15 +127,14 @@ def _death_time(rank: RankData) -> float:
 
 def pending_calls(rank: RankData) -> list[dict[str, Any]]:
     """The collectives the rank's records show it waiting in (started, never ended)."""
-    return [
-        {"group": c.group, "seq": c.seq, "op": c.op, "bytes": c.bytes, "site": c.site}
-        for c in rank.collectives
-        if c.pending
-    ]
+    return [call_entry(c) for c in rank.collectives if c.pending]
 
 
-def _rank_state(rank: RankData, alive: bool | None, newest: float, cutoff: float | None) -> dict[str, Any]:
-    dump = rank.dumps[-1] if rank.dumps else None
+def _rank_state(
+    rank: RankData, run: RunData, alive: bool | None, newest: float, cutoff: float | None
+) -> dict[str, Any]:
+    dumps = dumps_of(rank, run)
+    dump = dumps[-1] if dumps else None
     pending = dump["pending"] if dump else pending_calls(rank)
     last_done = {group: tally.last_done for group, tally in rank.tallies.items() if tally.last_done}
     ended = _ended(rank, alive, cutoff)
@@ -170,20 +176,24 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
     the kind, the first rank that diverged, the verdict line and the fix."""
     alive = alive or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
-    dumped = [float(d["t"]) for r in run.ranks.values() for d in r.dumps]
+    dumped = [float(d["t"]) for r in run.ranks.values() for d in dumps_of(r, run)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
-    states = [_rank_state(r, alive.get(n), newest, cutoff) for n, r in run.ranks.items()]
+    states = [_rank_state(r, run, alive.get(n), newest, cutoff) for n, r in run.ranks.items()]
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
-    dumped_ranks = [r for r in run.ranks.values() if r.dumps]
+    last_dumps = {n: dumps[-1] for n, r in run.ranks.items() if (dumps := dumps_of(r, run))}
     odd: list[int]
     if (
-        len(dumped_ranks) == len(run.ranks)
-        and all(moving_at(r.dumps[-1], r) and not ending_of(r).known for r in dumped_ranks)
+        len(last_dumps) == len(run.ranks)
+        and all(
+            moving_at(d, run.ranks[n]) and (d["reason"] == "stopped" or not ending_of(run.ranks[n]).known)
+            for n, d in last_dumps.items()
+        )
         and first_divergence(run) is None
     ):
-        kind, odd, div = "moving", [], None
+        stopped = all(d["reason"] == "stopped" for d in last_dumps.values())
+        kind, odd, div = ("stopped" if stopped else "moving"), [], None
     else:
         kind, odd, div = _classify(run, states)
     first = next((s for s in states if s["rank"] in odd), None)
@@ -250,4 +260,5 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
         "moving": "not hung: every rank had finished a step within seconds before its dump (the job is moving)",
+        "stopped": "not hung when it was stopped from outside: every rank had finished a step within seconds before",
     }[kind]

@@ -1,0 +1,95 @@
+"""A job stopped from outside (Ctrl-C, SIGTERM) is read as of the moment it was stopped.
+
+Run by hand: the rank-1 stall planting (rank 1 sleeps in its data fetch, rank 0 waits in a
+reduce-scatter) stopped with Ctrl-C after ~30 s read "rank 0 died first: KeyboardInterrupt;
+the others wait for it" in `lorascope hang` and no finding in `analyze`; a healthy job
+stopped the same way read "ranks 0, 1 all ended badly: KeyboardInterrupt:"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lorascope.detect import hung_ranks
+from lorascope.detect.hang.diagnosis import diagnose
+from lorascope.ingest.load import load_bundle
+from lorascope.rundir.ending import ended_badly_headline, stop_time
+from lorascope.rundir.reader import load_run
+from lorascope.text.findings import quiet
+from tests.helpers import T0, Call, RankSpec, write_run
+
+FETCH = (
+    "Traceback (most recent call last):\n"
+    '  File "/job/train.py", line 480, in <module>\n    main()\n'
+    '  File "/job/train.py", line 432, in train\n    input_ids = fetch(data, step)\n'
+    '  File "/job/train.py", line 368, in fetch\n    time.sleep(600)\n'
+    "KeyboardInterrupt\n"
+)
+
+
+def _stopped(
+    at: float, traceback: str = "Traceback (most recent call last):\nKeyboardInterrupt\n"
+) -> list[dict[str, Any]]:
+    return [
+        {"k": "exception", "t": at, "type": "KeyboardInterrupt", "message": "", "traceback": traceback},
+        {"k": "end", "t": at + 0.001, "status": "exception", "code": 1},
+    ]
+
+
+def test_a_hang_stopped_by_hand_is_named_as_it_was_when_stopped(tmp_path: Path) -> None:
+    stop = T0 + 40.0  # ~37 s after the last step
+    waiting = [{"k": "coll_end", "t": stop - 0.01, "seq": 2, "gid": 0, "err": "KeyboardInterrupt()"}]
+    ranks = [
+        RankSpec(
+            calls=[Call("all_reduce"), Call("reduce_scatter_tensor", end=False)],
+            ends=False,
+            extra=waiting + _stopped(stop + 0.2),
+        ),  # fmt: skip
+        RankSpec(calls=[Call("all_reduce")], ends=False, extra=_stopped(stop, FETCH)),
+    ]
+    run_dir = write_run(tmp_path / "run", ranks, exit_status=130)
+    run = load_run(run_dir)
+    assert stop_time(run) == stop
+    diagnosis = diagnose(run)
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("stuck-outside", [1])
+    assert "/job/train.py:368 in fetch" in diagnosis["verdict"]
+    waiting_rank = next(s for s in diagnosis["ranks"] if s["rank"] == 0)
+    assert waiting_rank["state"] == "in-collective" and waiting_rank["pending"][0]["seq"] == 2
+    [finding] = hung_ranks.detect(load_bundle(run_dir))
+    assert finding.ranks == [1] and "stopped from outside" in finding.confidence_reason
+
+
+def test_a_healthy_job_stopped_by_hand_found_nothing_and_says_it_was_stopped(tmp_path: Path) -> None:
+    ranks = [RankSpec(exception=("KeyboardInterrupt", "")), RankSpec(exception=("KeyboardInterrupt", ""))]
+    run_dir = write_run(tmp_path / "run", ranks, exit_status=130)
+    assert hung_ranks.detect(load_bundle(run_dir)) == []
+    run = load_run(run_dir)
+    assert diagnose(run)["kind"] == "stopped"
+    from lorascope.analysis.summary import build_summary
+
+    summary = build_summary(run)
+    assert all(r["ended"]["stopped"]["moving"] for r in summary["ranks"])
+    assert quiet(summary).startswith("no problem found before the job was stopped from outside: ranks 0, 1 got")
+
+
+def test_a_stop_after_the_steps_stopped_is_not_a_clean_bill() -> None:
+    """No detector named a cause, but a rank had made no step for long before the stop."""
+    idle = {"since_step_s": 37.0, "moving": False}
+    moving = {"since_step_s": 0.2, "moving": True}
+    headline = ended_badly_headline([(0, 5.0, "KeyboardInterrupt", moving), (1, 5.0, "KeyboardInterrupt", idle)])
+    assert headline.startswith("no detector named a cause, but the job was stuck when it was stopped from outside")
+    assert headline.endswith("rank 1 had made no step for 37 s before it was")
+
+
+def test_the_sigterm_a_launcher_sends_after_a_rank_failed_is_not_a_stop(tmp_path: Path) -> None:
+    """torchrun SIGTERMs the other ranks once one fails: the hung-ranks fixture's rank 1
+    (stuck in its data fetch) got one after rank 0's gloo timeout."""
+    sigterm = [
+        {"k": "signal", "t": T0 + 30.0, "signum": 15, "name": "SIGTERM", "stacks": FETCH},
+        {"k": "end", "t": T0 + 30.001, "status": "signal", "code": -15},
+    ]
+    ranks = [RankSpec(exception=("RuntimeError", "Timed out waiting")), RankSpec(ends=False, extra=sigterm)]
+    run = load_run(write_run(tmp_path / "run", ranks, exit_status=1))
+    assert stop_time(run) is None and diagnose(run)["kind"] == "dead-rank"
+    stopped = load_run(write_run(tmp_path / "stopped", [RankSpec(), RankSpec(ends=False, extra=sigterm)]))
+    assert stop_time(stopped) == T0 + 30.0  # the other rank exited 0: a stop from outside
