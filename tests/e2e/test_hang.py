@@ -26,11 +26,20 @@ def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess
     """A probed 2-rank job with a planted hang; ended (its whole process group) on exit."""
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
     cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra)]
-    proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_signals
+    )
     try:
         yield proc
     finally:
         end_job(proc)
+
+
+def _terminal_signals() -> None:
+    """The job gets Ctrl-C as from a terminal, whatever this test run inherited (a
+    background job of a non-interactive shell ignores SIGINT, and its children with it)."""
+    for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def end_job(proc: subprocess.Popen[str]) -> None:
@@ -93,7 +102,7 @@ def test_rank_conditional_collective(tmp_path: Path) -> None:
 
 def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3"):
+    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3") as proc:
         run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 2 and any(c.pending for c in r.ranks[0].collectives))
         time.sleep(1)
         data = hang(out, "--no-html")
@@ -109,9 +118,22 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
         )
         assert res.returncode == 0, res.stderr
         outside = json.loads(res.stdout)
+        # and stopped by hand, as on-call engineers do: Ctrl-C on `lorascope run`, which
+        # passes it on to the ranks, as torchrun does too (the second SIGINT lost rank 1's
+        # ending: "exit 0"); read afterwards, the stop is where the ranks were
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
     assert outside["kind"] == "stuck-outside" and outside["odd_ranks"] == ["rank 1"]
     where = outside["groups"][[g["ranks"] for g in outside["groups"]].index(["rank 1"])]["where"]
     assert "train_lora.py" in where and "fetch" in where  # py-spy names it Faults.fetch
+    stopped = load_run(out)
+    assert stopped.ranks[1].exception is not None and stopped.ranks[1].exception["type"] == "KeyboardInterrupt"
+    res = subprocess.run([*LORASCOPE, "analyze", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    [finding] = [f for f in json.loads(res.stdout)["findings"] if f["id"] == "hung-ranks"]
+    assert (
+        finding["ranks"] == [1] and "stuck outside any collective" in finding["title"] and "fetch" in finding["title"]
+    )
 
 
 def test_killed_rank(tmp_path: Path) -> None:
