@@ -263,7 +263,21 @@ def stopped_reading(rank: RankData, run: RunData) -> dict[str, Any] | None:
     stop = stop_dump(rank, run)
     if stop is None:
         return None
-    return {"since_step_s": stop["since_progress"], "moving": moving_at(stop, rank)}
+    return {"since_step_s": stop["since_progress"], "moving": moving_when_stopped(run).get(rank.rank, False)}
+
+
+def moving_when_stopped(run: RunData) -> dict[int, bool]:
+    """Per rank stopped from outside, whether it was moving when the job was stopped: by
+    its last step (:func:`moving_at`), or waiting in a collective for a rank that was (a
+    save or an evaluation on rank 0 while the others wait: no one said the job hung).
+    Computed once per loaded run."""
+    if "moving_when_stopped" not in run.derived:
+        stops = {n: d for n, r in run.ranks.items() if (d := stop_dump(r, run)) is not None}
+        own = {n: moving_at(d, run.ranks[n]) for n, d in stops.items()}
+        some = any(own.values())
+        run.derived["moving_when_stopped"] = {n: own[n] or (some and bool(d["pending"])) for n, d in stops.items()}
+    found: dict[int, bool] = run.derived["moving_when_stopped"]
+    return found
 
 
 def dumps_of(rank: RankData, run: RunData) -> list[dict[str, Any]]:
@@ -281,6 +295,29 @@ def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
     first steps' warm-up): a hang caught a second after it began must still read as
     one."""
     durations = [float(d) for s in rank.steps if isinstance(d := s.get("dur"), (int, float)) and d > 0]
-    window = max(DUMP_MIN_S, DUMP_STEPS * min(durations, default=0.0))
     since = dump.get("since_progress")
+    if dump.get("reason") == "stopped":
+        return _moving_when_stopped(dump, rank, since, durations)
+    window = max(DUMP_MIN_S, DUMP_STEPS * min(durations, default=0.0))
     return dump.get("reason") != "stall" and isinstance(since, (int, float)) and float(since) <= window
+
+
+#: Phases a rank may spend long in without a step, as a healthy job does (an evaluation,
+#: a checkpoint save).
+LONG_PHASES = ("eval", "save")
+
+
+def _moving_when_stopped(dump: dict[str, Any], rank: RankData, since: Any, durations: list[float]) -> bool:
+    """Whether a rank stopped from outside was moving: looser than a dump's reading, as no
+    one said the job hung when it was stopped (a job stopped mid-save must not read as
+    hung): within :func:`progress_window` or twice its longest step of its last step, in
+    an evaluation or a save, or before its first step (nothing to compare with)."""
+    if not isinstance(since, (int, float)):
+        return True
+    if float(since) <= max(progress_window(rank), 2 * max(durations, default=0.0)):
+        return True
+    at = float(dump["t"])
+    for p in reversed(rank.phases):
+        if float(p["t"]) <= at and p.get("name") in LONG_PHASES:
+            return bool(p.get("edge") == "begin")
+    return False

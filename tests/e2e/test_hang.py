@@ -121,6 +121,8 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
         # and stopped by hand, as on-call engineers do: Ctrl-C on `lorascope run`, which
         # passes it on to the ranks, as torchrun does too (the second SIGINT lost rank 1's
         # ending: "exit 0"); read afterwards, the stop is where the ranks were
+        # ... once the stall is longer than a healthy job may go without a step (5 s here)
+        time.sleep(max(0.0, float(run.ranks[1].steps[-1]["t"]) + 8 - time.time()))
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     assert outside["kind"] == "stuck-outside" and outside["odd_ranks"] == ["rank 1"]

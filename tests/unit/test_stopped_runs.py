@@ -93,3 +93,20 @@ def test_the_sigterm_a_launcher_sends_after_a_rank_failed_is_not_a_stop(tmp_path
     assert stop_time(run) is None and diagnose(run)["kind"] == "dead-rank"
     stopped = load_run(write_run(tmp_path / "stopped", [RankSpec(), RankSpec(ends=False, extra=sigterm)]))
     assert stop_time(stopped) == T0 + 30.0  # the other rank exited 0: a stop from outside
+
+
+def test_a_job_stopped_in_a_save_or_before_its_first_step_is_not_read_as_hung(tmp_path: Path) -> None:
+    """No one said the job hung when it was stopped: a rank in a checkpoint save (an open
+    ``save`` phase) or with no step yet is not evidence of a hang, however long ago its
+    last step was."""
+    stop = T0 + 40.0
+    saving = [{"k": "phase", "t": T0 + 5.0, "name": "save", "edge": "begin", "step": 4}, *_stopped(stop, FETCH)]
+    ranks = [
+        RankSpec(calls=[Call("all_reduce"), Call("barrier", end=False)], ends=False, extra=_stopped(stop + 0.1)),
+        RankSpec(calls=[Call("all_reduce")], ends=False, extra=saving),
+    ]
+    run = load_run(write_run(tmp_path / "save", ranks))
+    assert diagnose(run)["kind"] == "stopped" and hung_ranks.detect(load_bundle(tmp_path / "save")) == []
+    early = [RankSpec(steps=0, calls=[], ends=False, extra=_stopped(stop)) for _ in range(2)]
+    run = load_run(write_run(tmp_path / "early", early))
+    assert diagnose(run)["kind"] == "stopped"

@@ -10,7 +10,7 @@ from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
-from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, stopped_at
+from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, moving_when_stopped, stopped_at
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import ranks_named, short_error
 
@@ -51,8 +51,9 @@ FIXES = {
         "names a straggler."
     ),
     "stopped": (
-        "Nothing was stuck when the job was stopped (Ctrl-C, SIGTERM): every rank had finished a "
-        "step shortly before. If it was slow, `lorascope analyze` names a straggler."
+        "Nothing was stuck when the job was stopped (Ctrl-C, SIGTERM): the ranks were making steps, "
+        "or waiting for one that was (a save, an evaluation). If it was slow, `lorascope analyze` "
+        "names a straggler."
     ),
 }
 
@@ -184,16 +185,9 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
     last_dumps = {n: dumps[-1] for n, r in run.ranks.items() if (dumps := dumps_of(r, run))}
     odd: list[int]
-    if (
-        len(last_dumps) == len(run.ranks)
-        and all(
-            moving_at(d, run.ranks[n]) and (d["reason"] == "stopped" or not ending_of(run.ranks[n]).known)
-            for n, d in last_dumps.items()
-        )
-        and first_divergence(run) is None
-    ):
-        stopped = all(d["reason"] == "stopped" for d in last_dumps.values())
-        kind, odd, div = ("stopped" if stopped else "moving"), [], None
+    kind = _not_hung(run, last_dumps)
+    if kind is not None:
+        odd, div = [], None
     else:
         kind, odd, div = _classify(run, states)
     first = next((s for s in states if s["rank"] in odd), None)
@@ -224,6 +218,19 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
         "ranks": states,
         "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
     }
+
+
+def _not_hung(run: RunData, last_dumps: dict[int, dict[str, Any]]) -> str | None:
+    """ "moving" when every rank's latest dump caught it moving (and it had not ended);
+    "stopped" when the job was stopped from outside (every rank's latest dump is its stop)
+    with every rank moving, or waiting in a collective for ranks that were (a save or an
+    evaluation on rank 0 while the others wait: no one said the job hung); else None."""
+    if len(last_dumps) != len(run.ranks) or first_divergence(run) is not None:
+        return None
+    if all(d["reason"] == "stopped" for d in last_dumps.values()):
+        return "stopped" if all(moving_when_stopped(run).values()) else None
+    moving = all(moving_at(d, run.ranks[n]) and not ending_of(run.ranks[n]).known for n, d in last_dumps.items())
+    return "moving" if moving else None
 
 
 def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None]:
@@ -260,5 +267,5 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
         "moving": "not hung: every rank had finished a step within seconds before its dump (the job is moving)",
-        "stopped": "not hung when it was stopped from outside: every rank had finished a step within seconds before",
+        "stopped": "not hung when it was stopped from outside: the ranks were making steps, or waiting for one that was",
     }[kind]
