@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorascope.rundir.ending import progress_window
 from lorascope.rundir.reader import RankData, RunData, load_run
 from tests.helpers import HANG_JSON_KEYS, LORASCOPE, free_port, job_env, torchrun
 
@@ -102,8 +103,8 @@ def test_rank_conditional_collective(tmp_path: Path) -> None:
 
 def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "3") as proc:
-        run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 2 and any(c.pending for c in r.ranks[0].collectives))
+    with hung_job(out, "--steps", "20", "--fault", "rank1-stall", "--fault-step", "5") as proc:
+        run = wait_until(out, lambda r: len(r.ranks[1].steps) >= 4 and any(c.pending for c in r.ranks[0].collectives))
         time.sleep(1)
         data = hang(out, "--no-html")
         assert data["kind"] == "stuck-outside" and data["id"] == "hung-ranks" and data["odd_ranks"] == [1]
@@ -121,8 +122,11 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
         # and stopped by hand, as on-call engineers do: Ctrl-C on `lorascope run`, which
         # passes it on to the ranks, as torchrun does too (the second SIGINT lost rank 1's
         # ending: "exit 0"); read afterwards, the stop is where the ranks were
-        # ... once the stall is longer than a healthy job may go without a step (5 s here)
-        time.sleep(max(0.0, float(run.ranks[1].steps[-1]["t"]) + 8 - time.time()))
+        # ... once the stall is longer than a healthy job may go without a step (the rule's
+        # window from the steps so far: the warm-up step is long on a loaded machine)
+        rank = load_run(out).ranks[1]
+        window = max(progress_window(rank), 2 * max(float(s["dur"]) for s in rank.steps))
+        time.sleep(max(0.0, float(rank.steps[-1]["t"]) + window + 2 - time.time()))
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     assert outside["kind"] == "stuck-outside" and outside["odd_ranks"] == ["rank 1"]
