@@ -35,14 +35,19 @@ def test_a_second_sigint_while_the_exception_is_written_loses_nothing(
     monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: printed.append(exc_type))
     monkeypatch.setattr(exits, "thread_stacks", lambda: signal.raise_signal(signal.SIGINT) or "stacks")
     probe._install_excepthook()
-    handler = signal.getsignal(signal.SIGINT)
+    # Python's own handler, whatever this test run inherited (a background job ignores SIGINT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())  # as the interpreter calls it: the second SIGINT comes inside
-    assert signal.getsignal(signal.SIGINT) is handler  # set back once written
-    assert printed == [KeyboardInterrupt]  # the job's own hook (python's: the traceback) still ran
-    kinds = [(r["k"], r.get("type") or r.get("status")) for r in _records(tmp_path) if r["k"] in ("exception", "end")]
-    assert kinds == [("exception", "KeyboardInterrupt"), ("end", "exception")]
-    with pytest.raises(KeyboardInterrupt):  # and Ctrl-C works as before afterwards
-        signal.raise_signal(signal.SIGINT)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())  # as the interpreter calls it: the second SIGINT comes inside
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # set back once written
+        assert printed == [KeyboardInterrupt]  # the job's own hook (python's: the traceback) still ran
+        records = _records(tmp_path)
+        kinds = [(r["k"], r.get("type") or r.get("status")) for r in records if r["k"] in ("exception", "end")]
+        assert kinds == [("exception", "KeyboardInterrupt"), ("end", "exception")]
+        with pytest.raises(KeyboardInterrupt):  # and Ctrl-C works as before afterwards
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
