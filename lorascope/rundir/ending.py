@@ -1,7 +1,8 @@
 """How a rank ended, as far as its stream tells: the one reading of a rank's exception,
-signal and end records that the summary, the hang diagnosis and the report share; and,
-for a run whose ranks have not ended, whether it still moves (a run read mid-job, a dump
-taken while a rank made steps: not a hang)."""
+signal and end records that the summary, the hang diagnosis and the report share; for a
+run whose ranks have not ended, whether it still moves (a run read mid-job, a dump taken
+while a rank made steps: not a hang); and, for a job stopped from outside (Ctrl-C,
+SIGTERM), where each rank was when it was, read as a dump taken then."""
 
 from __future__ import annotations
 
@@ -146,6 +147,12 @@ RUNNING = (
 #: step's end caught it moving (``moving_at``).
 DUMP_STEPS = 2
 DUMP_MIN_S = 0.5
+#: A call that ended with an error this little before the job was stopped from outside was
+#: in flight at the stop: the stop ended it (its end is taken before the rank's exception).
+STOP_CALL_S = 1.0
+#: Phases a rank may spend long in without a step, as a healthy job does (an evaluation,
+#: a checkpoint save).
+LONG_PHASES = ("eval", "save")
 
 
 def launchers_ended(run: RunData) -> bool:
@@ -245,11 +252,6 @@ def stop_dump(rank: RankData, run: RunData) -> dict[str, Any] | None:
     }
 
 
-#: A call that ended with an error this little before the job was stopped was in flight at
-#: the stop: the stop ended it (its end is taken before the exception that ends the rank).
-STOP_CALL_S = 1.0
-
-
 def _in_flight_at_stop(call: Collective, at: float) -> bool:
     end = call.end
     return end is None or end >= at or (call.err is not None and end >= at - STOP_CALL_S)
@@ -258,8 +260,8 @@ def _in_flight_at_stop(call: Collective, at: float) -> bool:
 def stopped_reading(rank: RankData, run: RunData) -> dict[str, Any] | None:
     """For a rank stopped from outside: how long after its last step's end the job was
     stopped (``since_step_s``, None without steps), and whether the rank was moving then
-    (``moving``: :func:`moving_at`); else None. In each rank's ``ended`` (analyze --json,
-    the report)."""
+    (``moving``: :func:`moving_when_stopped`); else None. In each rank's ``ended``
+    (analyze --json, the report)."""
     stop = stop_dump(rank, run)
     if stop is None:
         return None
@@ -297,17 +299,12 @@ def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
     durations = [float(d) for s in rank.steps if isinstance(d := s.get("dur"), (int, float)) and d > 0]
     since = dump.get("since_progress")
     if dump.get("reason") == "stopped":
-        return _moving_when_stopped(dump, rank, since, durations)
+        return _moved_before_stop(dump, rank, since, durations)
     window = max(DUMP_MIN_S, DUMP_STEPS * min(durations, default=0.0))
     return dump.get("reason") != "stall" and isinstance(since, (int, float)) and float(since) <= window
 
 
-#: Phases a rank may spend long in without a step, as a healthy job does (an evaluation,
-#: a checkpoint save).
-LONG_PHASES = ("eval", "save")
-
-
-def _moving_when_stopped(dump: dict[str, Any], rank: RankData, since: Any, durations: list[float]) -> bool:
+def _moved_before_stop(dump: dict[str, Any], rank: RankData, since: Any, durations: list[float]) -> bool:
     """Whether a rank stopped from outside was moving: looser than a dump's reading, as no
     one said the job hung when it was stopped (a job stopped mid-save must not read as
     hung): within :func:`progress_window` or twice its longest step of its last step, in
