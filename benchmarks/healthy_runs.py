@@ -14,6 +14,11 @@ after a detector changes, without running the jobs again.
     python benchmarks/healthy_runs.py --steps 12                # ~25 min on 2 cores
     python benchmarks/healthy_runs.py --analyze-only            # the kept runs, current detectors
     python benchmarks/healthy_runs.py --only ddp --no-hog       # a subset
+    python benchmarks/healthy_runs.py --stop --steps 400         # each run stopped from outside
+
+``--stop`` stops every run from outside at a random moment after its first step (seeded by
+``--seed``), as a user or a scheduler does: Ctrl-C (SIGINT to ``lorascope run``) on every
+other run, SIGTERM on the rest; a stopped healthy run must raise no warning either.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -75,29 +82,55 @@ def command(cfg: Config, steps: int) -> list[str]:
     return [*launch, str(cfg.job), "--steps", str(steps), *cfg.args]
 
 
-def run_one(cfg: Config, out: Path, steps: int, hog: bool, timeout: float) -> tuple[int, float]:
-    """Run the job under ``lorascope run``; the job's exit status and wall seconds."""
+def run_one(
+    cfg: Config, out: Path, steps: int, hog: bool, timeout: float, stop: tuple[signal.Signals, float] | None = None
+) -> tuple[int, float]:
+    """Run the job under ``lorascope run``; the job's exit status and wall seconds. With
+    ``stop`` (a signal, seconds): that signal is sent to ``lorascope run`` that long after
+    the job's first step record."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     hog_proc = subprocess.Popen([sys.executable, "-c", HOG]) if hog else None
     start = time.monotonic()
+    cmd = [sys.executable, "-m", "lorascope", "run", "--no-summary", "--out", str(out), "--", *command(cfg, steps)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_terminal_signals
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lorascope", "run", "--no-summary", "--out", str(out), "--", *command(cfg, steps)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        if stop is not None:
+            _stop_after_first_step(proc, out, stop, start + timeout)
+        output, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
         rc = proc.returncode
-        if rc:
-            (out / "job-output.txt").write_text(proc.stdout + proc.stderr)
+        if rc and stop is None:
+            (out / "job-output.txt").write_text(output)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         rc = 124
     finally:
         if hog_proc is not None:
             hog_proc.kill()
             hog_proc.wait()
     return rc, time.monotonic() - start
+
+
+def _terminal_signals() -> None:
+    """The job gets Ctrl-C as from a terminal, whatever this script inherited."""
+    for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _stop_after_first_step(
+    proc: subprocess.Popen[str], out: Path, stop: tuple[signal.Signals, float], deadline: float
+) -> None:
+    """Send ``stop``'s signal to ``proc`` its seconds after a step record first shows in
+    the run directory (or not at all if the job ends first)."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any('"k":"step"' in p.read_text(errors="replace") for p in out.glob("ranks/rank-0/*.jsonl")):
+            break
+        time.sleep(0.5)
+    time.sleep(stop[1])
+    if proc.poll() is None:
+        proc.send_signal(stop[0])
 
 
 def analyze(out: Path) -> dict:
@@ -115,11 +148,12 @@ def analyze(out: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def row(name: str, rc: int | str, data: dict) -> dict:
+def row(name: str, rc: int | str, data: dict, stopped: str | None = None) -> dict:
     findings = data.get("findings", [])
     return {
         "run": name,
         "rc": rc,
+        "stopped": stopped,
         "steps": max((r.get("steps") or 0 for r in data.get("ranks", [])), default=0),
         "errors": sum(f["severity"] == "error" for f in findings),
         "warnings": sum(f["severity"] == "warning" for f in findings),
@@ -130,14 +164,17 @@ def row(name: str, rc: int | str, data: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'run':<28} {'rc':>4} {'steps':>5} {'errors':>6} {'warnings':>8} {'notes':>5}")
+    print(f"{'run':<28} {'rc':>4} {'steps':>5} {'errors':>6} {'warnings':>8} {'notes':>5}  stopped")
     for r in rows:
-        print(f"{r['run']:<28} {r['rc']!s:>4} {r['steps']:>5} {r['errors']:>6} {r['warnings']:>8} {r['notes']:>5}")
+        print(
+            f"{r['run']:<28} {r['rc']!s:>4} {r['steps']:>5} {r['errors']:>6} {r['warnings']:>8} {r['notes']:>5}"
+            f"  {r.get('stopped') or ''}"
+        )
         for f in r["findings"]:
             print(f"    {f}")
         if r["analysis_error"]:
             print(f"    analysis failed: {r['analysis_error']}")
-    ran = [r for r in rows if r["rc"] in (0, "kept")]
+    ran = [r for r in rows if r["rc"] in (0, "kept") or (r.get("stopped") and r["rc"] != 124)]
     alarms = sum(1 for r in ran if r["errors"] or r["warnings"])
     print(f"\n{len(ran)} healthy runs analysed; {alarms} with a warning or error")
 
@@ -151,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze-only", action="store_true", help="re-analyse the kept runs, run no job")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--stop", action="store_true", help="stop each run from outside at a random moment")
+    p.add_argument("--seed", type=int, default=0, help="the random moments of --stop")
+    p.add_argument("--stop-within", type=float, default=20.0, help="--stop: at most this many s after step 1")
     args = p.parse_args(argv)
+    chance = random.Random(args.seed)
+    runs = 0
 
     rows = []
     for cfg in CONFIGS:
@@ -170,9 +212,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 if out.exists():
                     subprocess.run(["rm", "-rf", str(out)], check=True)
-                rc, wall = run_one(cfg, out, args.steps, hog, args.timeout)
-                print(f"{name}: exit {rc} in {wall:.0f} s", file=sys.stderr, flush=True)
-            rows.append(row(name, rc, analyze(out)))
+                stop = None
+                if args.stop:
+                    stop = (signal.SIGINT if runs % 2 == 0 else signal.SIGTERM, chance.uniform(0, args.stop_within))
+                    runs += 1
+                rc, wall = run_one(cfg, out, args.steps, hog, args.timeout, stop)
+                how = f", stopped by {stop[0].name} {stop[1]:.1f} s after step 1" if stop else ""
+                print(f"{name}: exit {rc} in {wall:.0f} s{how}", file=sys.stderr, flush=True)
+            stopped = None if not args.stop or args.analyze_only else f"{stop[0].name} +{stop[1]:.1f} s"
+            rows.append(row(name, rc, analyze(out), stopped))
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

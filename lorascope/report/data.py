@@ -23,7 +23,7 @@ from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
-from lorascope.rundir.ending import RUNNING, ended_badly_headline, ending_of
+from lorascope.rundir.ending import RUNNING, ended_badly_headline, ending_of, stopped_while_moving
 from lorascope.rundir.reader import RunData, no_cycle_collection
 
 
@@ -90,7 +90,7 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
             for r in bad
         ]
         return {
-            "level": "warning",
+            "level": "ok" if stopped_while_moving(hows) else "warning",
             "ranks": [r["rank"] for r in bad],
             "also": [],
             "headline": ended_badly_headline(hows),

@@ -108,12 +108,12 @@ def ended_badly_headline(bad: list[tuple[int, float | None, str, dict[str, Any] 
     first = ordered[0][2]
     alike = [b[0] for b in ordered if b[2] == first]
     rest = [b[0] for b in ordered if b[2] != first]
-    if all(stopped_by(b[2]) and b[3] is not None for b in ordered):
+    if _all_stopped(ordered):
         kinds: dict[str, list[int]] = {}
         for b in ordered:
             kinds.setdefault(b[2], []).append(b[0])
         got = "; ".join(f"{ranks_named(ranks)} got {how} ({stopped_by(how)})" for how, ranks in kinds.items())
-        idle = [(b[0], b[3]["since_step_s"]) for b in ordered if b[3] is not None and not b[3]["moving"]]
+        idle = _idle(ordered)
         if not idle:
             return f"no problem found before the job was stopped from outside: {got}"
         longest = max(idle, key=lambda i: i[1] if i[1] is not None else float("inf"))
@@ -129,6 +129,22 @@ def ended_badly_headline(bad: list[tuple[int, float | None, str, dict[str, Any] 
         f"no detector named a cause, but {ranks_named(alike)} ended badly first: {first} "
         f"({ranks_named(rest)} ended otherwise after {'it' if len(alike) == 1 else 'them'})"
     )
+
+
+def stopped_while_moving(bad: list[tuple[int, float | None, str, dict[str, Any] | None]]) -> bool:
+    """Whether every rank that ended badly (as :func:`ended_badly_headline` takes them) was
+    stopped from outside while the job was moving: nothing is wrong with the run (the
+    report's verdict is then not a warning)."""
+    return _all_stopped(bad) and not _idle(bad)
+
+
+def _all_stopped(bad: list[tuple[int, float | None, str, dict[str, Any] | None]]) -> bool:
+    return all(stopped_by(b[2]) and b[3] is not None for b in bad)
+
+
+def _idle(bad: list[tuple[int, float | None, str, dict[str, Any] | None]]) -> list[tuple[int, Any]]:
+    """The ranks that were not moving when the job was stopped, with their time since a step."""
+    return [(b[0], b[3]["since_step_s"]) for b in bad if b[3] is not None and not b[3]["moving"]]
 
 
 #: A run read while it runs and makes steps is not hung (``still_moving``): its newest

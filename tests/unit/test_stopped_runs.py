@@ -13,7 +13,7 @@ from typing import Any
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.ending import ended_badly_headline, stop_time
+from lorascope.rundir.ending import ended_badly_headline, stop_time, stopped_while_moving
 from lorascope.rundir.reader import load_run
 from lorascope.text.findings import quiet
 from tests.helpers import T0, Call, RankSpec, write_run
@@ -79,6 +79,10 @@ def test_a_stop_after_the_steps_stopped_is_not_a_clean_bill() -> None:
     headline = ended_badly_headline([(0, 5.0, "KeyboardInterrupt", moving), (1, 5.0, "KeyboardInterrupt", idle)])
     assert headline.startswith("no detector named a cause, but the job was stuck when it was stopped from outside")
     assert headline.endswith("rank 1 had made no step for 37 s before it was")
+    # the report's verdict is a warning then, and not for a job stopped as it moved
+    assert not stopped_while_moving([(0, 5.0, "KeyboardInterrupt", moving), (1, 5.0, "KeyboardInterrupt", idle)])
+    assert stopped_while_moving([(0, 5.0, "SIGTERM", moving), (1, 5.0, "KeyboardInterrupt", moving)])
+    assert not stopped_while_moving([(0, 5.0, "RuntimeError: x", None), (1, 5.0, "SIGTERM", moving)])
 
 
 def test_the_sigterm_a_launcher_sends_after_a_rank_failed_is_not_a_stop(tmp_path: Path) -> None:
