@@ -15,8 +15,12 @@ from typing import Any
 MAX_FILE_BYTES = 2_000_000
 #: A condition that tests the rank (``if rank == 0:``, ``is_main_process``, ...).
 RANK_CONDITION = re.compile(
-    r"\b(rank|local_rank|global_rank|is_main_process|is_local_main_process|"
-    r"is_world_process_zero|main_process|get_rank\(\))\b"
+    r"\b(?:rank|local_rank|global_rank|is_main_process|is_local_main_process|"
+    r"is_world_process_zero|main_process|process_index|local_process_index)\b"
+    # a call's ")" is followed by no word character: \b after it never matched, and
+    # `if dist.get_rank() == 0:` was no rank condition (get_local_rank(), get_node_local_rank() too)
+    r"|\bget_(?:\w+_)?rank\(",
+    re.IGNORECASE,  # os.environ["RANK"], os.environ.get("LOCAL_RANK")
 )
 #: How :func:`describe` marks the ``else`` branch of a condition.
 ELSE = "else of:"

@@ -230,3 +230,27 @@ def test_no_hop_is_kept_past_the_cap_on_kept_code(tmp_path: Path, monkeypatch: p
     for _ in range(2):
         assert job.step(lib, probe, 6) == (f"{path}:3 in step", None)
     assert not probe._hops
+
+
+@pytest.mark.parametrize(
+    ("condition", "tests_rank"),
+    [
+        # `\b` after "get_rank()" never matched (no word character after the ")"): the
+        # commonest rank test of all was no rank condition (run by hand: variants.py's
+        # log-broadcast-hang read "no rank condition was found at the call sites")
+        ("if dist.get_rank() == 0:", True),
+        ("if torch.distributed.get_rank()==0:", True),
+        ("if dist.get_node_local_rank() == 0:", True),
+        ('if os.environ["RANK"] == "0":', True),
+        ('if int(os.environ.get("LOCAL_RANK", 0)) == 0:', True),
+        ("if accelerator.process_index == 0:", True),
+        ("if trainer.is_world_process_zero():", True),
+        ("if d.rank == 0:", True),
+        ("if ranking > 3:", False),
+        ("if lora_rank > 8:", False),
+        ("if self.args.rank_pattern:", False),
+        ("if step % 10 == 0:", False),
+    ],
+)
+def test_what_reads_as_a_rank_condition(condition: str, tests_rank: bool) -> None:
+    assert (rank_condition_in({"conditions": [condition]}) is not None) is tests_rank
