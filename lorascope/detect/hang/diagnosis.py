@@ -221,10 +221,11 @@ def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, An
 
 
 def _not_hung(run: RunData, last_dumps: dict[int, dict[str, Any]]) -> str | None:
-    """ "moving" when every rank's latest dump caught it moving (and it had not ended);
-    "stopped" when the job was stopped from outside (every rank's latest dump is its stop)
-    with every rank moving, or waiting in a collective for ranks that were (a save or an
-    evaluation on rank 0 while the others wait: no one said the job hung); else None."""
+    """The kind of a diagnosis that finds no hang, else None: "moving" when every rank's
+    latest dump caught it moving (and it had not ended); "stopped" when the job was
+    stopped from outside (every rank's latest dump is its stop) with every rank moving, or
+    waiting in a collective for ranks that were (a save or an evaluation on rank 0 while
+    the others wait: no one said the job hung)."""
     if len(last_dumps) != len(run.ranks) or first_divergence(run) is not None:
         return None
     if all(d["reason"] == "stopped" for d in last_dumps.values()):
