@@ -30,8 +30,8 @@ _HELD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Ctrl-C and the terminating signals set to be noted and dropped while the probes
-    write how the process ends, then set back. A second SIGINT (a launcher passing on the
+    """Ctrl-C and the terminating signals dropped (a handler that does nothing) while the
+    probes write how the process ends, then set back. A second SIGINT (a launcher passing on the
     one the rank got already: `lorascope run` and torchrun both do, ms apart) raised a
     KeyboardInterrupt inside the exception hook while it read source lines for the stacks
     (~20 ms): the record was lost, and the rank read "exit 0" at its exit. The process is
