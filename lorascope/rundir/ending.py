@@ -253,7 +253,15 @@ def stop_dump(rank: RankData, run: RunData) -> dict[str, Any] | None:
     its exception's traceback or its signal record holds, and how long since its last step.
     A job that hangs is often stopped by hand before anyone runs `lorascope hang`; without
     this the stop read as how the ranks died ("rank 0 died first: KeyboardInterrupt").
-    None for a rank not stopped from outside."""
+    None for a rank not stopped from outside. Made once per loaded run (the diagnosis,
+    hung-ranks and the summary each ask for every rank's, several times)."""
+    if "stop_dumps" not in run.derived:
+        run.derived["stop_dumps"] = {n: _stop_dump(r, run) for n, r in run.ranks.items()}
+    found: dict[int, dict[str, Any] | None] = run.derived["stop_dumps"]
+    return found.get(rank.rank)
+
+
+def _stop_dump(rank: RankData, run: RunData) -> dict[str, Any] | None:
     at = stop_time(run)
     if at is None or stopped_at(rank) is None:
         return None
