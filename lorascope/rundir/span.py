@@ -55,7 +55,7 @@ class SpanLog:
 
     def add(self, coll: Collective) -> None:
         """A call read: its start, or (``end`` set) the whole call."""
-        if coll.start > self.end or (coll.end is not None and coll.end < self.start):
+        if not self.holds(coll.start, math.inf if coll.end is None else coll.end):
             return
         if coll.end is None and coll.start < self.start:
             self._before[id(coll)] = coll
