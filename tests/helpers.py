@@ -228,6 +228,17 @@ def losses(stdout: str) -> list[str]:
     return re.findall(r"^step \d+ loss (\S+)$", stdout, flags=re.M)
 
 
+#: Signals a shell may have set to be ignored for this test run (``nohup`` ignores SIGHUP; a
+#: background job of a non-interactive shell ignores SIGINT and SIGQUIT), and an ignored
+#: disposition is inherited by the job: the job under test starts with the defaults.
+INHERITED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def default_signals() -> None:
+    for signum in INHERITED:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 # --- small synthetic run directories, written by the real writer -----------------------------
 
 T0 = 1_800_000_000.0

@@ -17,7 +17,7 @@ import pytest
 
 from lorascope.rundir.ending import progress_window
 from lorascope.rundir.reader import RankData, RunData, load_run
-from tests.helpers import HANG_JSON_KEYS, LORASCOPE, free_port, job_env, torchrun
+from tests.helpers import HANG_JSON_KEYS, LORASCOPE, default_signals, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -28,19 +28,12 @@ def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
     cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra)]
     proc = subprocess.Popen(
-        cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_signals
+        cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals
     )
     try:
         yield proc
     finally:
         end_job(proc)
-
-
-def _terminal_signals() -> None:
-    """The job gets Ctrl-C as from a terminal, whatever this test run inherited (a
-    background job of a non-interactive shell ignores SIGINT, and its children with it)."""
-    for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def end_job(proc: subprocess.Popen[str]) -> None:

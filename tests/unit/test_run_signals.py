@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LORASCOPE
+from tests.helpers import LORASCOPE, default_signals
 
 LAUNCHER = textwrap.dedent("""
     import os, signal, subprocess, sys
@@ -41,17 +41,6 @@ WORKER = textwrap.dedent("""
         f.write(str(os.getpid()))
     time.sleep(120)
 """)
-
-
-#: Signals a shell may have set to be ignored for this test run (``nohup`` ignores SIGHUP; a
-#: background job of a non-interactive shell ignores SIGINT and SIGQUIT), and an ignored
-#: disposition is inherited by the job: the job under test starts with the defaults.
-INHERITED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def default_signals() -> None:
-    for signum in INHERITED:
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def alive(pid: int) -> bool:
