@@ -12,12 +12,12 @@ from typing import Any
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.diagnosis import FIXES, diagnose
-from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
+from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, still_moving
 from lorascope.rundir.reader import RunData
-from lorascope.units import rank_ranges
+from lorascope.units import rank_ranges, ranks_named
 
 ID = "hung-ranks"
 EXPLANATION = (
@@ -42,7 +42,11 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
                 (
                     f" ({s['state']})",
                     s["where"] or s["state"],
-                    stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"),
+                    f"flight-recorder dump of rank {s['rank']}"
+                    if _from_flight(s)
+                    else stream_source(
+                        run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"
+                    ),
                 )
             ]
             for s in diagnosis["ranks"]
@@ -61,6 +65,7 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
         )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
     stopped = dumped and all(s["dumped"] in ("stopped", None) for s in diagnosis["ranks"])
+    flight = [s["rank"] for s in diagnosis["ranks"] if _from_flight(s)]
     return Finding(
         id=ID,
         title=diagnosis["verdict"],
@@ -73,6 +78,12 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
             else "every rank's stack and pending collectives were dumped while it hung"
             if dumped
             else "from the ranks' streams only (no dump taken while it hung)"
+        )
+        + (
+            f"; the collective {ranks_named(flight)} waited in is one the probes cannot see, read from "
+            "the flight recorder"
+            if flight
+            else ""
         ),
         ranks=diagnosis["odd_ranks"] or [s["rank"] for s in diagnosis["ranks"]],
         evidence=evidence,
@@ -80,6 +91,11 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
         fix=diagnosis["fix"],
         details={"hang": diagnosis},
     )
+
+
+def _from_flight(state: dict[str, Any]) -> bool:
+    """Whether the call a rank's diagnosis has it waiting in comes from its flight recorder."""
+    return state["state"] == "in-collective" and bool(state["pending"]) and "source" in state["pending"][0]
 
 
 def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
@@ -91,7 +107,7 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
         return []
     waiting = sorted(r for r, e in first.entries.items() if not e.completed)
     if not waiting:
-        return []
+        return _behind(first)
     entry = first.entries[waiting[0]]
     site = call_site(entry.frames) or "?"
     missing = first.missing_ranks
@@ -141,6 +157,54 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     ]
 
 
+def _behind(first: Disagreement) -> list[Finding]:
+    """From flight-recorder dumps alone, a collective some ranks ran and marked completed
+    and others never enqueued: the others fell behind. A warning, not a hang: gloo marks a
+    call completed once it fails (as a peer's exit makes it), and a broadcast's root may
+    finish before its peers join, but a job stopped while moving also leaves its ranks a
+    call or two apart; the dumps alone cannot tell the two."""
+    ran, missing = sorted(first.entries), first.missing_ranks
+    entry = first.entries[ran[0]]
+    outside = all(e is None or e.completed for e in (first.waiting_at.get(r) for r in missing))
+    at = f" at group {first.group} #{first.seq}"
+    evidence = per_rank_evidence(
+        {
+            r: [(at, f"ran {e.op} at {call_site(e.frames) or '?'} (completed)", f"flight-recorder dump of rank {r}")]
+            for r, e in first.entries.items()
+        }
+    ) + per_rank_evidence(
+        {
+            r: [
+                (
+                    at,
+                    "never enqueued it; " + last_activity(first.waiting_at.get(r)),
+                    f"flight-recorder dump of rank {r}",
+                )
+            ]
+            for r in missing
+        }
+    )
+    gone = rank_ranges(missing)
+    return [
+        Finding(
+            id=ID,
+            title=f"rank{'s' if len(missing) > 1 else ''} {gone} never enqueued {entry.op} #{first.seq} on group "
+            f"{first.group}, which {ranks_named(ran)} ran at {call_site(entry.frames) or '?'}: "
+            f"{'they' if len(missing) > 1 else 'it'} fell behind" + (", outside any collective" if outside else ""),
+            severity="warning",
+            confidence="low",
+            confidence_reason="from flight-recorder dumps alone, and the call is marked completed where it ran (gloo "
+            "does so once a call fails, and a broadcast's root may finish before its peers join): they cannot tell a "
+            "stuck rank from one a call behind when the job was stopped; a run directory has the ranks' stacks",
+            ranks=missing,
+            evidence=evidence,
+            explanation=EXPLANATION,
+            fix=FIXES["stuck-outside" if outside else "unknown"],
+            details={"group": first.group, "seq": first.seq, "source": "flight recorder"},
+        )
+    ]
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or len(run.ranks) < 2:
@@ -151,7 +215,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting) or still_moving(run):
         return []
-    diagnosis = diagnose(run, liveness(run))
+    diagnosis = diagnose(run, liveness(run), flight_alignment(bundle))
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", "moving", "stopped"):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]

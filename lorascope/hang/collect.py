@@ -28,6 +28,9 @@ PY_SPY_TIMEOUT_S = 20.0
 #: What is read of a stream file's growth since the dump signal, at most (a dump record
 #: holds every thread's stack: tens of KB; the sampler adds a record every 0.5 s).
 MAX_TAIL_BYTES = 64 << 20
+#: Seconds a dump's flight-recorder dump is waited for, at most, once the dump is in (a
+#: process without torch.distributed writes none).
+FLIGHT_GRACE_S = 2.0
 
 
 #: A process of the run: (host, pid).
@@ -83,8 +86,16 @@ def wait_for_dumps(
     deadline = time.time() + wait_s
     waiting = dict(ends)
     while waiting and time.time() < deadline:
-        waiting = {key: files for key, files in waiting.items() if not _dumped_since(files, since)}
+        waiting = {key: files for key, files in waiting.items() if not _written_since(files, since, "dump")}
         if waiting:
+            time.sleep(POLL_S)
+    # Each dump is followed by the rank's flight-recorder dump (the collectives the probes
+    # cannot see): a moment more for those, as long as the wait lasts.
+    flights = {key: files for key, files in ends.items() if key not in waiting}
+    until = min(deadline, time.time() + FLIGHT_GRACE_S)
+    while flights and time.time() < until:
+        flights = {key: files for key, files in flights.items() if not _written_since(files, since, "flight_dump")}
+        if flights:
             time.sleep(POLL_S)
     run = load_run(run_dir, cluster=cluster)
     silent = [
@@ -102,9 +113,10 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _dumped_since(files: Grown, since: float) -> bool:
-    """Whether a ``dump`` record after ``since`` is in what one process's files gained
+def _written_since(files: Grown, since: float, kind: str) -> bool:
+    """Whether a record of ``kind`` after ``since`` is in what one process's files gained
     past their ends (at most MAX_TAIL_BYTES of each), a segment begun since included."""
+    compact, spaced = f'"k":"{kind}"'.encode(), f'"k": "{kind}"'.encode()
     for path in files.segments():
         try:
             with open_regular(path) as f:
@@ -113,7 +125,7 @@ def _dumped_since(files: Grown, since: float) -> bool:
         except (OSError, BadInputError):
             continue
         for line in tail.split(b"\n"):
-            if b'"k":"dump"' in line or b'"k": "dump"' in line:
+            if compact in line or spaced in line:
                 try:
                     if float(json.loads(line)["t"]) >= since:
                         return True

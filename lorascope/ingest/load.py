@@ -68,16 +68,22 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
     for done, rank in enumerate(run.ranks.values(), 1):
         if progress is not None and (rank.trace_files or rank.flight_files):
             progress("reading traces and dumps", done, len(run.ranks))
-        for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in rank.flight_files]:
-            file = Path(name)
-            store = bundle.traces if kind == "kineto" else bundle.flight_records
-            if rank.rank in store or not file.is_file():
-                continue
-            try:
-                load_files(bundle, [file], kind)
-            except BadInputError as exc:
-                bundle.warnings.append(f"rank {rank.rank}: {exc}")
+        load_rank_files(bundle, rank)
         _load_rank_snapshot(bundle, rank)
+
+
+def load_rank_files(bundle: EvidenceBundle, rank: RankData, kinds: tuple[str, ...] = ("kineto", "flight")) -> None:
+    """The Kineto traces and flight-recorder dumps a rank wrote next to its stream, into the
+    bundle: of each kind the first that reads (one that does not is a warning)."""
+    for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in rank.flight_files]:
+        file = Path(name)
+        store = bundle.traces if kind == "kineto" else bundle.flight_records
+        if kind not in kinds or rank.rank in store or not file.is_file():
+            continue
+        try:
+            load_files(bundle, [file], kind)
+        except BadInputError as exc:
+            bundle.warnings.append(f"rank {rank.rank}: {exc}")
 
 
 def rank_snapshot(rank: RankData) -> dict[str, Any] | None:

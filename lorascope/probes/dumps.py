@@ -75,6 +75,7 @@ class Dumper:
             )
             session.flush()
             self._flight(f"{reason}-{int(time.time())}")
+            session.flush()  # its record too: `lorascope hang` reads the run right after
 
     # -- on demand ----------------------------------------------------------------
     def install_signal(self) -> bool:

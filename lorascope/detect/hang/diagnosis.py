@@ -10,9 +10,11 @@ from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
+from lorascope.detect.hang.flight_align import Ahead, FlightAlignment, ahead_of_peers
+from lorascope.ingest.flight.reader import call_chain, is_job_code
 from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, moving_when_stopped, stopped_at
 from lorascope.rundir.reader import RankData, RunData
-from lorascope.units import ranks_named, short_error
+from lorascope.units import rank_ranges, ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -131,8 +133,37 @@ def pending_calls(rank: RankData) -> list[dict[str, Any]]:
     return [call_entry(c) for c in rank.collectives if c.pending]
 
 
+def flight_pending(ahead: Ahead | None, frame: str | None) -> dict[str, Any] | None:
+    """The collective a rank with no recorded call in flight waits in, from the flight
+    recorder (a call the probes cannot see: DDP's C++ Reducer, its buffer broadcasts): its
+    last, which a peer never enqueued, if it has not completed or the rank's stack is at
+    the job's line that made it (gloo marks a call completed once it fails, as the peer's
+    exit makes it). None otherwise."""
+    if ahead is None:
+        return None
+    entry = ahead.entry
+    chain = call_chain(entry.frames)
+    line = chain[-1] if chain and is_job_code(chain[-1]) else None
+    if entry.completed and (frame is None or frame != line):
+        return None
+    never = ahead.never
+    return {
+        "group": ahead.group,
+        "seq": entry.seq,
+        "op": entry.op,
+        "bytes": None,
+        "site": chain[0] if chain else None,
+        "source": f"flight recorder: rank{'s' if len(never) > 1 else ''} {rank_ranges(never)} never enqueued it",
+    }
+
+
 def _rank_state(
-    rank: RankData, run: RunData, alive: bool | None, newest: float, cutoff: float | None
+    rank: RankData,
+    run: RunData,
+    alive: bool | None,
+    newest: float,
+    cutoff: float | None,
+    ahead: Ahead | None,
 ) -> dict[str, Any]:
     dumps = dumps_of(rank, run)
     dump = dumps[-1] if dumps else None
@@ -140,11 +171,15 @@ def _rank_state(
     last_done = {group: tally.last_done for group, tally in rank.tallies.items() if tally.last_done}
     ended = _ended(rank, alive, cutoff)
     frame = main_thread_frame(dump["stacks"]) if dump else None
+    moving = newest - rank.last_time <= MOVING_WITHIN_S and not dump
+    if ended is None and not pending and not moving:
+        found = flight_pending(ahead, frame)
+        pending = [found] if found is not None else pending
     if ended is not None:
         state = "dead" if ended.startswith("died") else "exited"
     elif pending:
         state = "in-collective"
-    elif newest - rank.last_time <= MOVING_WITHIN_S and not dump:
+    elif moving:
         state = "moving"
     else:
         state = "outside-collectives"
@@ -156,6 +191,8 @@ def _rank_state(
         where = f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}" + (
             f", under `{cond}`" if cond else ""
         )
+        if p.get("source"):
+            where += f" ({p['source']})"
     elif state in ("outside-collectives", "moving"):
         where = f"in its own code at {frame or '?'} (no collective in flight)"
     return {
@@ -172,14 +209,18 @@ def _rank_state(
     }
 
 
-def diagnose(run: RunData, alive: dict[int, bool] | None = None) -> dict[str, Any]:
+def diagnose(
+    run: RunData, alive: dict[int, bool] | None = None, flight: FlightAlignment | None = None
+) -> dict[str, Any]:
     """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
-    the kind, the first rank that diverged, the verdict line and the fix."""
+    the kind, the first rank that diverged, the verdict line and the fix. ``flight``: the
+    ranks' flight-recorder dumps aligned, for the calls the probes cannot see."""
     alive = alive or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
     dumped = [float(d["t"]) for r in run.ranks.values() for d in dumps_of(r, run)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
-    states = [_rank_state(r, run, alive.get(n), newest, cutoff) for n, r in run.ranks.items()]
+    ahead = ahead_of_peers(flight) if flight is not None else {}
+    states = [_rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n)) for n, r in run.ranks.items()]
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])

@@ -256,6 +256,39 @@ def _extra_on(holding: dict[int, dict[int, FlightEntry]], seq: int) -> list[int]
     return extra if len(extra) < len(holding) else []
 
 
+@dataclass
+class Ahead:
+    """The last collective a rank enqueued in a group, which other ranks of it never did."""
+
+    group: str
+    entry: FlightEntry
+    #: The ranks of the group (with a dump) that never enqueued it.
+    never: list[int]
+
+
+def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
+    """Per rank, in a group whose ranks first disagree by a collective some never enqueued:
+    the rank's last collective there, if other ranks never enqueued it (of the groups it is
+    in, the first by name). The calls the probes cannot see (DDP's C++ Reducer) are in the
+    flight recorder only: this is how a rank waiting in one is told from a rank in its own
+    code. Whether the rank is still in it is for the caller to judge: gloo marks a call
+    completed once it fails, and a rank may complete a call its peers never join (a
+    broadcast's receivers once the root sent to them)."""
+    out: dict[int, Ahead] = {}
+    for group in alignment.groups:
+        first = group.first_disagreement
+        if first is None or first.kind != "missing" or first.p2p:
+            continue
+        for r in first.entries:
+            entry = group.progress[r].last_entry
+            if r in out or entry is None or entry.seq is None or entry.is_p2p or entry.seq < first.seq:
+                continue
+            never = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
+            if never:
+                out[r] = Ahead(group.desc or group.group, entry, never)
+    return out
+
+
 def flight_conditions(bundle: EvidenceBundle, first: Disagreement) -> dict[int, tuple[str, str] | None]:
     """Per rank of the disagreement: the rank condition along its call chain, and the frame
     it encloses (None for ranks that never enqueued the call, or with no condition)."""
