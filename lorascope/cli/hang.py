@@ -14,7 +14,7 @@ import click
 from lorascope.analysis import of_run
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
-from lorascope.detect.hang.diagnosis import diagnose
+from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import FlightAlignment, align
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
@@ -94,8 +94,9 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     except ImportError as exc:
         return f"no HTML report: {exc} (pip install 'lorascope[analysis]')"
     analysis = of_run(run, run_dir)
-    others = [f for f in analysis.findings if f.id != "hung-ranks"]
-    analysis.findings = [hang_finding(run, diagnosis), *others]
+    if diagnosis["kind"] not in NOT_HUNG:  # else the page says what `analyze` says
+        others = [f for f in analysis.findings if f.id != "hung-ranks"]
+        analysis.findings = [hang_finding(run, diagnosis), *others]
     try:
         write_report(analysis, out)
     except LorascopeError as exc:

@@ -11,7 +11,7 @@ from typing import Any
 
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.hang.diagnosis import FIXES, diagnose
+from lorascope.detect.hang.diagnosis import FIXES, NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
@@ -216,6 +216,6 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if not (stalled or waiting) or still_moving(run):
         return []
     diagnosis = diagnose(run, liveness(run), flight_alignment(bundle))
-    if diagnosis["kind"] in ("rank-conditional-hang", "unknown", "moving", "stopped"):
+    if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]

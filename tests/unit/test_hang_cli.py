@@ -179,3 +179,16 @@ def test_each_ranks_place_reads_as_a_sentence() -> None:
         "rank 1 died first: its process is gone without a word (SIGKILL or the OOM killer); "
         "the others wait for it or failed after it"
     )
+
+
+def test_a_job_that_finished_while_hang_waited_is_not_hung_in_the_verdict_or_the_page(tmp_path: Path) -> None:
+    """The healthy DDP job ended between `lorascope hang`'s signal and its read: it said "no
+    rank shows why the job is stuck", and its page (as for any job found not hung: moving,
+    stopped while moving) led with that as an error."""
+    run = write_run(tmp_path / "run", [RankSpec(), RankSpec()])
+    out = tmp_path / "hang.html"
+    res = _hang(run, "--html", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "verdict: not hung: every rank exited with code 0 (the job had finished when it was read)" in res.stdout
+    page = out.read_text()  # what `analyze` says of the run (the helper's rank 0 holds 50 MiB more: a warning)
+    assert 'class="verdict level-warning"' in page and "no rank shows why" not in page

@@ -52,12 +52,17 @@ FIXES = {
         "job stops making steps, run `lorascope hang` again; if it is slow, `lorascope analyze` "
         "names a straggler."
     ),
+    "finished": "Nothing is stuck: the job finished. If it hung before, its run directory shows where (`lorascope analyze`).",
     "stopped": (
         "Nothing was stuck when the job was stopped (Ctrl-C, SIGTERM): the ranks were making steps, "
         "or waiting for one that was (a save, an evaluation). If it was slow, `lorascope analyze` "
         "names a straggler."
     ),
 }
+
+
+#: The kinds of a diagnosis that finds no hang.
+NOT_HUNG = ("moving", "stopped", "finished")
 
 
 def verdict_id(kind: str) -> str:
@@ -262,17 +267,26 @@ def diagnose(
 
 
 def _not_hung(run: RunData, last_dumps: dict[int, dict[str, Any]]) -> str | None:
-    """The kind of a diagnosis that finds no hang, else None: "moving" when every rank's
+    """The kind of a diagnosis that finds no hang, else None: "finished" when every rank
+    exited with code 0 (the job ended while `lorascope hang` waited); "moving" when every rank's
     latest dump caught it moving (and it had not ended); "stopped" when the job was
     stopped from outside (every rank's latest dump is its stop) with every rank moving, or
     waiting in a collective for ranks that were (a save or an evaluation on rank 0 while
     the others wait: no one said the job hung)."""
+    if run.ranks and all(_finished(r) for r in run.ranks.values()):
+        return "finished"
     if len(last_dumps) != len(run.ranks) or first_divergence(run) is not None:
         return None
     if all(d["reason"] == "stopped" for d in last_dumps.values()):
         return "stopped" if all(moving_when_stopped(run).values()) else None
     moving = all(moving_at(d, run.ranks[n]) and not ending_of(run.ranks[n]).known for n, d in last_dumps.items())
     return "moving" if moving else None
+
+
+def _finished(rank: RankData) -> bool:
+    """Whether the rank exited with code 0 (and nothing failed in its teardown after)."""
+    end = ending_of(rank)
+    return end.status == "exit" and end.code == 0 and not end.teardown
 
 
 def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None]:
@@ -309,5 +323,6 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
         "moving": "not hung: every rank had finished a step within seconds before its dump (the job is moving)",
+        "finished": "not hung: every rank exited with code 0 (the job had finished when it was read)",
         "stopped": "not hung when it was stopped from outside: the ranks were making steps, or waiting for one that was",
     }[kind]
