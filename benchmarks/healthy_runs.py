@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,11 +84,17 @@ def command(cfg: Config, steps: int) -> list[str]:
 
 
 def run_one(
-    cfg: Config, out: Path, steps: int, hog: bool, timeout: float, stop: tuple[signal.Signals, float] | None = None
+    cfg: Config,
+    out: Path,
+    steps: int,
+    hog: bool,
+    timeout: float,
+    stop: tuple[signal.Signals, float] | None = None,
+    before_stop: Callable[[], None] | None = None,
 ) -> tuple[int, float]:
     """Run the job under ``lorascope run``; the job's exit status and wall seconds. With
     ``stop`` (a signal, seconds): that signal is sent to ``lorascope run`` that long after
-    the job's first step record."""
+    the job's first step record, once ``before_stop`` (if given) has returned."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     hog_proc = subprocess.Popen([sys.executable, "-c", HOG]) if hog else None
     start = time.monotonic()
@@ -97,7 +104,7 @@ def run_one(
     )
     try:
         if stop is not None:
-            _stop_after_first_step(proc, out, stop, start + timeout)
+            _stop_after_first_step(proc, out, stop, start + timeout, before_stop)
         output, _ = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
         rc = proc.returncode
         if rc and stop is None:
@@ -120,7 +127,11 @@ def _terminal_signals() -> None:
 
 
 def _stop_after_first_step(
-    proc: subprocess.Popen[str], out: Path, stop: tuple[signal.Signals, float], deadline: float
+    proc: subprocess.Popen[str],
+    out: Path,
+    stop: tuple[signal.Signals, float],
+    deadline: float,
+    before_stop: Callable[[], None] | None,
 ) -> None:
     """Send ``stop``'s signal to ``proc`` its seconds after a step record first shows in
     the run directory (or not at all if the job ends first)."""
@@ -129,6 +140,8 @@ def _stop_after_first_step(
             break
         time.sleep(0.5)
     time.sleep(stop[1])
+    if before_stop is not None and proc.poll() is None:
+        before_stop()
     if proc.poll() is None:
         proc.send_signal(stop[0])
 
