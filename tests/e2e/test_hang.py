@@ -135,6 +135,32 @@ def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
+def test_ddp_rank_stuck_outside_named_from_the_flight_recorder(tmp_path: Path) -> None:
+    """Under DDP the waiting rank's all_reduces and buffer broadcasts come from the C++
+    Reducer, unseen by the probes: only its flight-recorder dump says it waits for rank 1."""
+    out = tmp_path / "run"
+    args = ("--engine", "torch", "--steps", "20", "--fault", "rank1-stall", "--fault-step", "5")
+    with hung_job(out, *args, "--pg-timeout", "900") as proc:
+        wait_until(out, lambda r: len(r.ranks[1].steps) >= 4)
+        time.sleep(3)
+        assert not any(c.pending for r in load_run(out).ranks.values() for c in r.collectives)
+        data = hang(out, "--no-html")
+        assert (data["kind"], data["odd_ranks"]) == ("stuck-outside", [1]), data["verdict"]
+        waiting = data["ranks"][0]
+        assert waiting["state"] == "in-collective" and "flight recorder: rank 1 never enqueued it" in waiting["where"]
+        # stopped as a scheduler would, once the stall is longer than a moving job's pause
+        rank = load_run(out).ranks[1]
+        window = max(progress_window(rank), 2 * max(float(s["dur"]) for s in rank.steps))
+        time.sleep(max(0.0, float(rank.steps[-1]["t"]) + window + 2 - time.time()))
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    res = subprocess.run([*LORASCOPE, "analyze", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    [finding] = [f for f in json.loads(res.stdout)["findings"] if f["id"] == "hung-ranks"]
+    assert finding["ranks"] == [1] and "fetch" in finding["title"]
+
+
 def test_killed_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with hung_job(out, "--steps", "400", monitor=False):
