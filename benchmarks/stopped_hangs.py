@@ -36,7 +36,8 @@ STALL = ("--fault", "rank1-stall", "--fault-step", "5", "--pg-timeout", "900")
 @dataclass(frozen=True)
 class Scenario:
     config: Config
-    stop: signal.Signals
+    #: None: not stopped, left to its process-group timeout.
+    stop: signal.Signals | None
     expected: str
     rank: int
     live: bool = False
@@ -69,7 +70,8 @@ SCENARIOS = [
 #: flight-recorder dumps the probes write with each dump and ending say which rank is
 #: ahead. Written after the flight reading (hung-ranks, docs/detectors.md) was fixed; its
 #: tuning case was group S's S-ddp-stall-term. ``live``: `lorascope hang` runs on the job
-#: before it is stopped, and its verdict is checked as well.
+#: before it is stopped, and its verdict is checked as well; F-ddp-timeout is not stopped:
+#: the stall watchdog dumps a third into its 30 s process-group timeout, which ends it.
 FLIGHT_SCENARIOS = [
     Scenario(
         Config(
@@ -105,6 +107,12 @@ FLIGHT_SCENARIOS = [
     Scenario(
         Config("F-ddp-mb8-hup", ("--engine", "torch", *STALL, "--micro-batch", "8", "--layers", "4")),
         signal.SIGHUP,
+        "hung-ranks",
+        1,
+    ),
+    Scenario(
+        Config("F-ddp-timeout", ("--engine", "torch", *STALL[:2], "--fault-step", "4", "--pg-timeout", "30")),
+        None,
         "hung-ranks",
         1,
     ),
@@ -159,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                 30,
                 False,
                 300.0,
-                (s.stop, args.after),
+                (s.stop, args.after) if s.stop is not None else None,
                 functools.partial(_into, hang, out) if s.live else None,
             )
-            print(f"{s.config.name}: exit {rc} in {wall:.0f} s, stopped by {s.stop.name}", file=sys.stderr)
+            how = f"stopped by {s.stop.name}" if s.stop is not None else "left to its timeout"
+            print(f"{s.config.name}: exit {rc} in {wall:.0f} s, {how}", file=sys.stderr)
             if s.live:
                 live_hit = hang.get("id") == s.expected and hang.get("odd_ranks") == [s.rank]
                 named_live += live_hit
