@@ -15,14 +15,12 @@ from lorascope.analysis import of_run
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose
-from lorascope.detect.hang.flight_align import FlightAlignment, align
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import Target, verify
-from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.load import load_rank_files
+from lorascope.ingest.load import flight_dump_at
 from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import RunData
@@ -104,16 +102,6 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     return f"report: {out}"
 
 
-def _flight(run: RunData, notes: list[str]) -> FlightAlignment | None:
-    """The ranks' flight-recorder dumps aligned (the probes write one with every dump):
-    they hold the collectives the probes cannot see. What does not read becomes a note."""
-    bundle = EvidenceBundle(run.path)
-    for rank in run.ranks.values():
-        load_rank_files(bundle, rank, ("flight",))
-    notes.extend(bundle.warnings)
-    return align(bundle.flight_records) if bundle.flight_records else None
-
-
 @click.command("hang")
 @click.argument("run_dir", type=click.Path(path_type=Path), required=False)
 @click.option(
@@ -180,7 +168,7 @@ def command(
     mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
     notes = _target_notes(mine)
     notes += read_silent_ranks(run, silent, wait_s)
-    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, _flight(run, notes))
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight_dump_at)
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:
         if out is not None:

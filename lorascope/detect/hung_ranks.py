@@ -15,6 +15,7 @@ from lorascope.detect.hang.diagnosis import FIXES, NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
+from lorascope.ingest.load import flight_dump_at
 from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, still_moving
 from lorascope.rundir.reader import RunData
 from lorascope.units import rank_ranges, ranks_named
@@ -215,7 +216,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting) or still_moving(run):
         return []
-    diagnosis = diagnose(run, liveness(run), flight_alignment(bundle))
+    diagnosis = diagnose(run, liveness(run), flight_dump_at)
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]

@@ -14,7 +14,7 @@ from typing import Any
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.files import add_hta, load_files, load_single, walk_files
-from lorascope.ingest.flight.reader import call_chain
+from lorascope.ingest.flight.reader import FlightDump, call_chain, read_flight_dump
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
@@ -60,30 +60,49 @@ def load_bundle(
     return bundle
 
 
+#: A rank's records and files are written by its threads in their own order: a flight-recorder
+#: dump is read as going with a dump or ending recorded this little after it.
+FLIGHT_EARLY_S = 0.5
+
+
 def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, cluster: Cluster | None) -> None:
     """The run directory, and the traces and dumps its ranks wrote next to their streams."""
     run = load_run(path, progress, cluster)
     bundle.run = run
     bundle.warnings.extend(run.warnings)
     for done, rank in enumerate(run.ranks.values(), 1):
-        if progress is not None and (rank.trace_files or rank.flight_files):
+        if progress is not None and (rank.trace_files or rank.flight_dumps):
             progress("reading traces and dumps", done, len(run.ranks))
         load_rank_files(bundle, rank)
         _load_rank_snapshot(bundle, rank)
 
 
-def load_rank_files(bundle: EvidenceBundle, rank: RankData, kinds: tuple[str, ...] = ("kineto", "flight")) -> None:
+def load_rank_files(bundle: EvidenceBundle, rank: RankData) -> None:
     """The Kineto traces and flight-recorder dumps a rank wrote next to its stream, into the
     bundle: of each kind the first that reads (one that does not is a warning)."""
-    for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in rank.flight_files]:
+    flights = [str(d["path"]) for d in rank.flight_dumps]
+    for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in flights]:
         file = Path(name)
         store = bundle.traces if kind == "kineto" else bundle.flight_records
-        if kind not in kinds or rank.rank in store or not file.is_file():
+        if rank.rank in store or not file.is_file():
             continue
         try:
             load_files(bundle, [file], kind)
         except BadInputError as exc:
             bundle.warnings.append(f"rank {rank.rank}: {exc}")
+
+
+def flight_dump_at(rank: RankData, at: float, until: float) -> FlightDump | None:
+    """The flight-recorder dump the rank wrote with its dump or ending at ``at``: the first
+    written from ``at`` (less FLIGHT_EARLY_S) to ``until``; None if there is none, or it
+    does not read (the hang diagnosis then goes without it)."""
+    for record in rank.flight_dumps:
+        if at - FLIGHT_EARLY_S <= float(record["t"]) <= until:
+            try:
+                return read_flight_dump(Path(record["path"]), rank.rank)
+            except BadInputError:
+                return None
+    return None
 
 
 def rank_snapshot(rank: RankData) -> dict[str, Any] | None:

@@ -123,9 +123,11 @@ class RankData:
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
-    #: Kineto traces and flight-recorder dumps the rank wrote, as absolute paths.
+    #: Kineto traces the rank wrote, as absolute paths.
     trace_files: list[str] = field(default_factory=list)
-    flight_files: list[str] = field(default_factory=list)
+    #: Flight-recorder dumps the rank wrote: their ``flight_dump`` records (``t``: when,
+    #: just after the dump or ending they go with), ``path`` added (absolute), oldest first.
+    flight_dumps: list[dict[str, Any]] = field(default_factory=list)
     #: What faulthandler wrote when the rank died of a fatal signal (a C++ abort, a
     #: segfault): "Fatal Python error: Aborted" and every thread's stack; None when empty.
     fatal: str | None = None
@@ -404,7 +406,7 @@ class _Stream:
             elif kind == "snapshot":
                 data.snapshots.append({**rec, "path": str(side)})
             else:
-                data.flight_files.append(str(side))
+                data.flight_dumps.append({**rec, "path": str(side)})
 
     def extend(self, path: Path, number: int, kind: str, recs: list[dict[str, Any]], last: float) -> None:
         """Records of a kind kept as a list, valid by their layout (the columnar reader's

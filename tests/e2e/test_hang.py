@@ -192,7 +192,10 @@ def test_stall_watchdog_dumps_before_the_timeout_and_analyze_agrees(tmp_path: Pa
     assert rank0.stall is not None and rank0.dumps and rank0.dumps[0]["reason"] == "stall"
     assert rank0.exception is not None and "Timed out" in rank0.exception["message"]
     assert float(rank0.dumps[0]["t"]) < float(rank0.exception["t"])
-    assert any(Path(f).name.startswith(Path(rank0.files[0]).name.split(".")[0]) for f in rank0.flight_files)
+    assert any(
+        Path(f).name.startswith(Path(rank0.files[0]).name.split(".")[0])
+        for f in (d["path"] for d in rank0.flight_dumps)
+    )
     res = subprocess.run([*LORASCOPE, "analyze", str(out), "--json"], capture_output=True, text=True, timeout=120)
     top = json.loads(res.stdout)["findings"][0]
     assert top["id"] == "hung-ranks" and top["ranks"] == [1]

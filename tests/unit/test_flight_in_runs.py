@@ -23,9 +23,7 @@ from typing import Any
 from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
-from lorascope.detect.hang.flight_align import align
-from lorascope.ingest.flight.reader import read_flight_dump
-from lorascope.ingest.load import load_bundle
+from lorascope.ingest.load import flight_dump_at, load_bundle
 from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import stream_prefix
@@ -70,10 +68,13 @@ IN_FETCH = _stacks(
 IN_SAVE = _stacks((480, "<module>", "main()"), (440, "train", "save(model)"), (390, "save", "torch.save(sd, path)"))
 
 
-def _ddp_run(root: Path, stacks: tuple[str, str], stop: float, *, flight: bool = True) -> Path:
+def _ddp_run(
+    root: Path, stacks: tuple[str, str], stop: float, *, flight: bool = True, flight_at: float | None = None
+) -> Path:
     """Two DDP ranks with no recorded collective (the Reducer's are not seen), both
     stopped by SIGTERM at ``stop``, each with the stacks its signal wrote and, with
-    ``flight``, the recorded flight-recorder dump next to its stream."""
+    ``flight``, the recorded flight-recorder dump next to its stream, written at
+    ``flight_at`` (default: with the stop)."""
     ranks = []
     for n in (0, 1):
         name = f"h-{100 + n}.flight.signal.pickle"
@@ -82,7 +83,10 @@ def _ddp_run(root: Path, stacks: tuple[str, str], stop: float, *, flight: bool =
             {"k": "end", "t": stop + 0.01 * n + 0.001, "status": "signal", "code": -15},
         ]
         if flight:
-            extra.insert(1, {"k": "flight_dump", "t": stop, "file": name, "reason": "signal", "bytes": 1})
+            at = stop if flight_at is None else flight_at
+            extra.insert(
+                0 if at < stop else 1, {"k": "flight_dump", "t": at, "file": name, "reason": "signal", "bytes": 1}
+            )
         ranks.append(RankSpec(calls=[], ends=False, extra=extra))
     run_dir = write_run(root, ranks, command=["torchrun", "train.py"], exit_status=1)
     for n in (0, 1):
@@ -92,12 +96,6 @@ def _ddp_run(root: Path, stacks: tuple[str, str], stop: float, *, flight: bool =
     return run_dir
 
 
-def _flight(run_dir: Path) -> Any:
-    return align(
-        {n: read_flight_dump(p, n) for n, p in ((n, next(run_dir.glob(f"ranks/rank-{n}/*.pickle"))) for n in (0, 1))}
-    )
-
-
 STOP = T0 + 40.0  # ~37 s after the last step
 
 
@@ -105,7 +103,7 @@ def test_a_stopped_ddp_hang_names_the_stuck_rank_from_the_flight_recorder(tmp_pa
     run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), STOP)
     run = load_run(run_dir)
     assert diagnose(run)["kind"] == "unknown"  # the probes' records alone: no rank shows why
-    diagnosis = diagnose(run, flight=_flight(run_dir))
+    diagnosis = diagnose(run, flight=flight_dump_at)
     assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("stuck-outside", [1])
     assert "/job/probes/train_lora.py:368 in fetch" in diagnosis["verdict"]
     waiting = diagnosis["ranks"][0]
@@ -126,11 +124,19 @@ def test_without_the_dumps_it_still_says_no_rank_shows_why(tmp_path: Path) -> No
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
 
+def test_a_flight_dump_from_another_moment_is_not_read(tmp_path: Path) -> None:
+    """A flight-recorder dump written long before the stop (with a `lorascope hang` dump
+    taken while the job still moved, say) tells of that moment: the stop is read without it."""
+    run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), STOP, flight_at=STOP - 20.0)
+    assert diagnose(load_run(run_dir), flight=flight_dump_at)["kind"] == "unknown"
+    assert hung_ranks.detect(load_bundle(run_dir)) == []
+
+
 def test_a_completed_call_counts_only_where_the_ranks_stack_is_at_it(tmp_path: Path) -> None:
     """Rank 0's #14 is marked completed: with its stack elsewhere (a save of its own) it
     may have gone on past it, so neither rank is taken for the waiting one."""
     run_dir = _ddp_run(tmp_path / "run", (IN_SAVE, IN_FETCH), STOP)
-    diagnosis = diagnose(load_run(run_dir), flight=_flight(run_dir))
+    diagnosis = diagnose(load_run(run_dir), flight=flight_dump_at)
     assert diagnosis["kind"] == "unknown" and diagnosis["ranks"][0]["state"] == "outside-collectives"
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
@@ -139,7 +145,7 @@ def test_a_job_stopped_while_moving_stays_quiet_with_ranks_a_call_apart(tmp_path
     """Stopped a moment after the last steps, the same dumps (rank 0 a broadcast ahead, as
     ranks of a moving job often are) are no hang."""
     run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), T0 + 4.0)
-    assert diagnose(load_run(run_dir), flight=_flight(run_dir))["kind"] == "stopped"
+    assert diagnose(load_run(run_dir), flight=flight_dump_at)["kind"] == "stopped"
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
 

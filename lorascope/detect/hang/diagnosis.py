@@ -5,13 +5,15 @@ and the kind of hang, with the fix. Pure: works on loaded data (live dumps from
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
-from lorascope.detect.hang.flight_align import Ahead, FlightAlignment, ahead_of_peers
-from lorascope.ingest.flight.reader import call_chain, is_job_code
+from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
+from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
 from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, moving_when_stopped, stopped_at
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import rank_ranges, ranks_named, short_error
@@ -25,6 +27,13 @@ _LIBRARY = re.compile(
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
 #: A rank whose last record is this much older than the newest rank's is not moving.
 MOVING_WITHIN_S = 2.0
+#: A dump's flight-recorder dump is written right after it (this long at most).
+FLIGHT_LATE_S = 10.0
+#: The reason of a rank's records read as a dump (no dump taken at that moment).
+RECORDS_THEN = "records then"
+#: The flight-recorder dump a rank wrote with its dump or ending at a moment, written at
+#: most until another (``ingest.load.flight_dump_at``: this module reads no file).
+FlightPicker = Callable[[RankData, float, float], "FlightDump | None"]
 
 FIXES = {
     "rank-conditional-hang": "Run the collective on every rank; act on its result on rank 0 only.",
@@ -169,8 +178,9 @@ def _rank_state(
     newest: float,
     cutoff: float | None,
     ahead: Ahead | None,
+    as_of: float | None,
 ) -> dict[str, Any]:
-    dumps = dumps_of(rank, run)
+    dumps = _dumps(rank, run, as_of)
     dump = dumps[-1] if dumps else None
     pending = dump["pending"] if dump else pending_calls(rank)
     last_done = {group: tally.last_done for group, tally in rank.tallies.items() if tally.last_done}
@@ -214,24 +224,60 @@ def _rank_state(
     }
 
 
+def _dumps(rank: RankData, run: RunData, as_of: float | None) -> list[dict[str, Any]]:
+    """The rank's dumps (:func:`dumps_of`); with ``as_of``, those taken by then (within
+    MOVING_WITHIN_S), else its records read as a dump taken then (the calls in flight; no
+    stack)."""
+    if as_of is None:
+        return dumps_of(rank, run)
+    taken = [d for d in rank.dumps if float(d["t"]) <= as_of + MOVING_WITHIN_S]
+    if taken:
+        return taken
+    pending = [call_entry(c) for c in rank.collectives if c.start <= as_of and (c.end is None or c.end >= as_of)]
+    return [{"t": as_of, "reason": RECORDS_THEN, "pending": pending, "stacks": "", "since_progress": None}]
+
+
+def _flight_ahead(run: RunData, as_of: float | None, flight: FlightPicker | None) -> dict[int, Ahead]:
+    """:func:`ahead_of_peers` over the flight-recorder dumps the ranks wrote with the dumps
+    the diagnosis reads (an earlier one, from a dump taken while the job moved, would tell
+    of another moment)."""
+    if flight is None:
+        return {}
+    chosen: dict[int, FlightDump] = {}
+    for n, rank in run.ranks.items():
+        dumps = _dumps(rank, run, as_of)
+        if not dumps or dumps[-1]["reason"] == RECORDS_THEN:
+            continue
+        at = float(dumps[-1]["t"])
+        found = flight(rank, at, math.inf if dumps[-1]["reason"] == "stopped" else at + FLIGHT_LATE_S)
+        if found is not None:
+            chosen[n] = found
+    return ahead_of_peers(align(chosen)) if len(chosen) > 1 else {}
+
+
 def diagnose(
-    run: RunData, alive: dict[int, bool] | None = None, flight: FlightAlignment | None = None
+    run: RunData,
+    alive: dict[int, bool] | None = None,
+    flight: FlightPicker | None = None,
+    as_of: float | None = None,
 ) -> dict[str, Any]:
     """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
-    the kind, the first rank that diverged, the verdict line and the fix. ``flight``: the
-    ranks' flight-recorder dumps aligned, for the calls the probes cannot see."""
+    the kind, the first rank that diverged, the verdict line and the fix. ``flight``: how
+    to get the flight-recorder dump a rank wrote with a dump, for the calls the probes
+    cannot see. ``as_of``: the diagnosis of a stall the job came back from, as its dumps
+    at that moment show it (what followed, the job's ending included, left out)."""
     alive = alive or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
-    dumped = [float(d["t"]) for r in run.ranks.values() for d in dumps_of(r, run)]
+    dumped = [float(d["t"]) for r in run.ranks.values() for d in _dumps(r, run, as_of)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
-    ahead = ahead_of_peers(flight) if flight is not None else {}
-    states = [_rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n)) for n, r in run.ranks.items()]
+    ahead = _flight_ahead(run, as_of, flight)
+    states = [_rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of) for n, r in run.ranks.items()]
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
-    last_dumps = {n: dumps[-1] for n, r in run.ranks.items() if (dumps := dumps_of(r, run))}
+    last_dumps = {n: dumps[-1] for n, r in run.ranks.items() if (dumps := _dumps(r, run, as_of))}
     odd: list[int]
-    kind = _not_hung(run, last_dumps)
+    kind = _not_hung(run, last_dumps) if as_of is None else None
     if kind is not None:
         odd, div = [], None
     else:
