@@ -7,6 +7,7 @@ prints live; here it runs on the dumps the stall watchdog left in the run direct
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from lorascope.detect.common import per_rank_evidence, stream_source
@@ -16,8 +17,9 @@ from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, f
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.ingest.load import flight_dump_at
-from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, still_moving
+from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, stalled_now, still_moving
 from lorascope.rundir.reader import RunData
+from lorascope.rundir.stalls import recovered_stalls
 from lorascope.units import rank_ranges, ranks_named
 
 ID = "hung-ranks"
@@ -25,6 +27,14 @@ EXPLANATION = (
     "A distributed job hangs when one rank stops taking part in the collectives the others "
     "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
     "kills it with a message naming a sequence number and no rank or line."
+)
+
+
+STALL_EXPLANATION = (
+    "One rank that stops for a while (a slow read, a stuck data loader, a filesystem pause) "
+    "holds every other rank at its next collective: the whole job waits, and nothing in its "
+    "log or exit status says so. The stall watchdog dumped the ranks when no step had come for "
+    "a third of the process-group timeout (at most 5 minutes; LORASCOPE_STALL_SECONDS)."
 )
 
 
@@ -53,15 +63,14 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
             for s in diagnosis["ranks"]
         }
     )
-    stalls = [r for r in run.ranks.values() if r.stall]
+    stalls = [(r, s) for r in run.ranks.values() if (s := stalled_now(r)) is not None]
     if stalls:
-        s = stalls[0].stall
-        assert s is not None
+        rank, s = stalls[0]
         evidence.append(
             Evidence(
                 "stall watchdog",
                 f"no step for {s['seconds']:.0f} s (limit {s['limit']:.0f} s) after step {s['step']}",
-                stream_source(run, stalls[0], "stall record"),
+                stream_source(run, rank, "stall record"),
             )
         )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
@@ -210,9 +219,14 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or len(run.ranks) < 2:
         return from_flight_recorder(bundle)
+    return _hang(run) + _stall(run)
+
+
+def _hang(run: RunData) -> list[Finding]:
+    """The hang the job ended in, or is in now."""
     # A dump taken while the rank moved (`lorascope hang` on a job that was slow, not hung)
     # is no evidence of a hang, during the run or after it.
-    stalled = any(r.stall or not moving_at_dumps(r, run) for r in run.ranks.values())
+    stalled = any(stalled_now(r) or not moving_at_dumps(r, run) for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting) or still_moving(run):
         return []
@@ -220,3 +234,33 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]
+
+
+def _stall(run: RunData) -> list[Finding]:
+    """The longest stall the job came back from, as its stall dumps show it: a warning (the
+    job went on, but every rank waited that long for one)."""
+    stalls = recovered_stalls(run)
+    if not stalls:
+        return []
+    stall = max(stalls, key=lambda s: s.paused_s)
+    diagnosis = diagnose(run, None, flight_dump_at, as_of=stall.t)
+    if diagnosis["kind"] == "rank-conditional-hang":
+        return []
+    finding = hang_finding(run, diagnosis)
+    more = f" (the longest of {len(stalls)} stalls)" if len(stalls) > 1 else ""
+    return [
+        replace(
+            finding,
+            title=f"the job stalled for {stall.paused_s:.0f} s after step {stall.step}{more}, then went on; "
+            f"when the stall watchdog dumped the ranks, {diagnosis['verdict']}",
+            severity="warning",
+            confidence="low" if diagnosis["kind"] == "unknown" else finding.confidence,
+            confidence_reason="read from the stall watchdog's dumps (each rank's stack and calls in flight once no "
+            "step had come for a while); the ranks made steps again after it",
+            explanation=STALL_EXPLANATION,
+            details={
+                "stall": {"t": stall.t, "step": stall.step, "paused_s": round(stall.paused_s, 3)},
+                "hang": diagnosis,
+            },
+        )
+    ]

@@ -95,16 +95,17 @@ class Dumper:
     # -- stall watchdog -----------------------------------------------------------
     def progress(self) -> None:
         self.last_progress = time.time()
+        self._stall_fired = False  # a step after a stall: the next stall is dumped too
 
     def start_watchdog(self) -> None:
         threading.Thread(target=self._watch, name="lorascope-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        while self.session.active and not self._stall_fired:
+        while self.session.active:
             limit = stall_seconds(self._pg_timeout(), self._stall_override)
             time.sleep(min(1.0, limit / 5))
-            if self.session.step > 0 and time.time() - self.last_progress > limit:
-                self._stall_fired = True  # once: the evidence is taken, the job is left alone
+            if not self._stall_fired and self.session.step > 0 and time.time() - self.last_progress > limit:
+                self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone
                 self.session.record(
                     "stall", seconds=round(time.time() - self.last_progress, 3), limit=limit, step=self.session.step
                 )

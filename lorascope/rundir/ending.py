@@ -181,8 +181,8 @@ def launchers_ended(run: RunData) -> bool:
 
 def still_moving(run: RunData, now: float | None = None) -> bool:
     """The run is running and every rank makes steps: a launcher has not ended, no rank
-    recorded a stall or its ending, its dumps (if any) came as it moved
-    (:func:`moving_at_dumps`), and its records are fresh (above). Its
+    recorded its ending or a stall it made no step after, its dumps (if any) came as it
+    moved (:func:`moving_at_dumps`), and its records are fresh (above). Its
     pending calls are then the calls in flight when it was read, not a hang: read live, a
     healthy job read "rank 0 is a straggler still moving; the others wait for it" (an
     error) whenever rank 1 was inside a collective at that moment. A job that stops
@@ -195,7 +195,7 @@ def still_moving(run: RunData, now: float | None = None) -> bool:
     if not run.manifest["launches"] or launchers_ended(run):
         return False
     ranks = list(run.ranks.values())
-    if any(r.stall or ending_of(r).known or not r.steps or not moving_at_dumps(r, run) for r in ranks):
+    if any(stalled_now(r) or ending_of(r).known or not r.steps or not moving_at_dumps(r, run) for r in ranks):
         return False
     newest = max(r.last_time for r in ranks)
     if now - newest > LIVE_SECONDS:
@@ -307,9 +307,25 @@ def moving_when_stopped(run: RunData) -> dict[int, bool]:
 
 
 def dumps_of(rank: RankData, run: RunData) -> list[dict[str, Any]]:
-    """The rank's dumps, its stop from outside last as one (:func:`stop_dump`)."""
+    """The rank's dumps, its stop from outside last as one (:func:`stop_dump`), less those
+    that caught it stuck and that it made steps after: they tell of a stall it came back
+    from (``rundir.stalls`` reads those), not of where the rank is. A dump that caught it
+    moving (:func:`moving_at`) stays: it is what says so."""
+    dumps = [d for d in rank.dumps if moving_at(d, rank) or not stepped_after(rank, float(d["t"]))]
     stop = stop_dump(rank, run)
-    return rank.dumps if stop is None else [*rank.dumps, stop]
+    return dumps if stop is None else [*dumps, stop]
+
+
+def stepped_after(rank: RankData, at: float) -> bool:
+    """Whether the rank made a step after ``at`` (its last kept step is its last)."""
+    return bool(rank.steps) and float(rank.steps[-1]["t"]) > at
+
+
+def stalled_now(rank: RankData) -> dict[str, Any] | None:
+    """The rank's latest stall record, if it made no step after it (else the stall was one
+    it came back from: ``rundir.stalls``)."""
+    stall = rank.stall
+    return stall if stall is not None and not stepped_after(rank, float(stall["t"])) else None
 
 
 def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
@@ -337,7 +353,11 @@ def _moved_before_stop(dump: dict[str, Any], rank: RankData, since: Any, duratio
         return True
     if float(since) <= max(progress_window(rank), 2 * max(durations, default=0.0)):
         return True
-    at = float(dump["t"])
+    return in_long_phase(rank, float(dump["t"]))
+
+
+def in_long_phase(rank: RankData, at: float) -> bool:
+    """Whether the rank was inside an evaluation or a save (LONG_PHASES) at ``at``."""
     for p in reversed(rank.phases):
         if float(p["t"]) <= at and p.get("name") in LONG_PHASES:
             return bool(p.get("edge") == "begin")
