@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from healthy_runs import JOB, REPO, Config, analyze, run_one  # the same runner
+from healthy_runs import REPO, Config, analyze, run_one  # the same runner
 
 VARIANTS = REPO / "probes" / "variants.py"
 STALL = ("--fault", "rank1-stall", "--fault-step", "5", "--pg-timeout", "900")
+STALL_ENV = "LORASCOPE_STALL_SECONDS"
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class Scenario:
     expected: str
     rank: int
     live: bool = False
+    #: LORASCOPE_STALL_SECONDS for the job (None: the probes' own limit).
+    stall_s: float | None = None
+    steps: int = 30
+    hog: bool = False
+    #: The expected finding's severity ("" expected: no warning or error at all).
+    severity: str = "error"
 
 
 SCENARIOS = [
@@ -124,7 +131,35 @@ FLIGHT_SCENARIOS = [
         live=True,
     ),
 ]
-GROUPS = {"S": SCENARIOS, "F": FLIGHT_SCENARIOS}
+#: Group R: stalls the job comes back from (the watchdog set to 4-6 s, the rank-1 stall
+#: planting's sleep 12-20 s), and healthy jobs with the watchdog set to 0.2 s (it fires in
+#: evaluations and slow steps), which must stay quiet. Written after the recovered-stall reading (hung-ranks, docs/detectors.md) was
+#: fixed; its tuning run was the same planting under ZeRO-3 with a 15 s sleep at step 4.
+RECOVERED = ("--fault", "rank1-stall", "--pg-timeout", "900")
+RECOVERED_SCENARIOS = [
+    Scenario(
+        Config("R-ddp-stall15", ("--engine", "torch", *RECOVERED, "--fault-step", "4", "--stall-seconds", "15")),
+        None, "hung-ranks", 1, stall_s=5.0, steps=12, severity="warning",
+    ),
+    Scenario(
+        Config(
+            "R-3ranks-stall12",
+            (*RECOVERED, "--fault-step", "5", "--stall-seconds", "12", "--hidden", "48", "--layers", "3"),
+            nproc=3,
+        ),
+        None, "hung-ranks", 1, stall_s=4.0, steps=12, severity="warning",
+    ),
+    Scenario(
+        Config("R-zero2-stall20", ("--zero", "2", *RECOVERED, "--fault-step", "6", "--stall-seconds", "20")),
+        None, "hung-ranks", 1, stall_s=6.0, steps=12, severity="warning",
+    ),
+    Scenario(
+        Config("R-trainer-evals-healthy", ("--eval-steps", "2"), job=REPO / "probes" / "train_trainer.py"),
+        None, "", 0, stall_s=0.2, steps=12,
+    ),
+    Scenario(Config("R-ds-hog-healthy", ()), None, "", 0, stall_s=0.2, steps=40, hog=True),
+]  # fmt: skip
+GROUPS = {"S": SCENARIOS, "F": FLIGHT_SCENARIOS, "R": RECOVERED_SCENARIOS}
 
 
 def live_hang(out: Path) -> dict[str, Any]:
@@ -148,41 +183,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "stopped-hangs", help="where run directories are kept")
     p.add_argument("--after", type=float, default=30.0, help="seconds past the first step to stop the job")
     p.add_argument("--analyze-only", action="store_true", help="re-analyse the kept runs, run no job")
+    p.add_argument("--only", help="only scenarios whose name contains this")
     p.add_argument(
-        "--group", choices=sorted(GROUPS), default="S", help="S: stopped hangs; F: DDP hangs (flight recorder)"
+        "--group",
+        choices=sorted(GROUPS),
+        default="S",
+        help="S: stopped hangs; F: DDP hangs (flight recorder); R: stalls the job came back from",
     )
     args = p.parse_args(argv)
-    scenarios = GROUPS[args.group]
+    scenarios = [s for s in GROUPS[args.group] if not args.only or args.only in s.config.name]
     print(f"{'scenario':<26} {'expected':<24} {'named':>5}  top finding")
     named = named_live = 0
     for s in scenarios:
         out = args.out / s.config.name
         if not args.analyze_only:
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            assert s.config.job in (JOB, VARIANTS)
             hang: dict[str, Any] = {}
+            os.environ.pop(STALL_ENV, None)
+            if s.stall_s is not None:
+                os.environ[STALL_ENV] = str(s.stall_s)
             rc, wall = run_one(
                 s.config,
                 out,
-                30,
-                False,
+                s.steps,
+                s.hog,
                 300.0,
                 (s.stop, args.after) if s.stop is not None else None,
                 functools.partial(_into, hang, out) if s.live else None,
             )
-            how = f"stopped by {s.stop.name}" if s.stop is not None else "left to its timeout"
+            how = f"stopped by {s.stop.name}" if s.stop is not None else "not stopped"
             print(f"{s.config.name}: exit {rc} in {wall:.0f} s, {how}", file=sys.stderr)
             if s.live:
                 live_hit = hang.get("id") == s.expected and hang.get("odd_ranks") == [s.rank]
                 named_live += live_hit
                 print(f"  live `lorascope hang`: {'yes' if live_hit else 'no'}  {hang.get('verdict')}")
-        findings = analyze(out).get("findings", [])
+        findings = [f for f in analyze(out).get("findings", []) if f["severity"] in ("warning", "error")]
         top = findings[0] if findings else None
-        hit = top is not None and top["id"] == s.expected and top["ranks"] == [s.rank]
+        if s.expected:
+            hit = top is not None and (top["id"], top["severity"], top["ranks"]) == (s.expected, s.severity, [s.rank])
+        else:
+            hit = top is None
         named += hit
-        shown = f"{top['id']} {top['confidence']} ranks {top['ranks']}: {top['title'][:90]}" if top else "(none)"
-        print(f"{s.config.name:<26} {s.expected + f' r{s.rank}':<24} {'yes' if hit else 'no':>5}  {shown}")
-    print(f"\n{named} of {len(scenarios)} stopped hangs named as expected by `analyze`")
+        shown = (
+            f"{top['id']} {top['severity']} {top['confidence']} ranks {top['ranks']}: {top['title'][:90]}"
+            if top
+            else "(none)"
+        )
+        expected = f"{s.expected} {s.severity} r{s.rank}" if s.expected else "(quiet)"
+        print(f"{s.config.name:<26} {expected:<24} {'yes' if hit else 'no':>5}  {shown}")
+    print(f"\n{named} of {len(scenarios)} read as expected by `analyze`")
     if any(s.live for s in scenarios) and not args.analyze_only:
         print(f"{named_live} of {sum(s.live for s in scenarios)} named as expected by a live `lorascope hang`")
     return 0
