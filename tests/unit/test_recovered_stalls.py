@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.detect import hung_ranks
+from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
 from lorascope.probes.dumps import Dumper
 from lorascope.probes.session import Session
@@ -168,3 +169,16 @@ def test_a_pause_a_moving_job_may_make_is_no_stall(tmp_path: Path) -> None:
     run_dir = _stalled_run(tmp_path / "run", pause=3.0)
     assert recovered_stalls(load_run(run_dir)) == []
     assert hung_ranks.detect(load_bundle(run_dir)) == []
+
+
+def test_ranks_that_stepped_after_the_dumps_hang_took_are_moving(tmp_path: Path) -> None:
+    """`lorascope hang` in a long step (30 s since the last, past the dump's own window):
+    the ranks made steps before the run was read, so the job moves; the dumps no longer
+    say where the ranks are, and it read "no rank shows why the job is stuck"."""
+    dump = {"k": "dump", "t": STALL_AT, "reason": "signal", "step": 4, "stacks": FETCH, "pending": []}
+    ranks = [
+        RankSpec(ends=False, extra=[{**dump, "since_progress": 30.0}, *_steps_after(2, STALL_AT + 1.0)])
+        for _ in range(2)
+    ]
+    run = load_run(write_run(tmp_path / "run", ranks))
+    assert diagnose(run)["kind"] == "moving"

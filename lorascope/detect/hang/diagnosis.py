@@ -14,7 +14,15 @@ from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
-from lorascope.rundir.ending import call_entry, dumps_of, ending_of, moving_at, moving_when_stopped, stopped_at
+from lorascope.rundir.ending import (
+    call_entry,
+    dumps_of,
+    ending_of,
+    moving_at,
+    moving_when_stopped,
+    stepped_after,
+    stopped_at,
+)
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import rank_ranges, ranks_named, short_error
 
@@ -314,18 +322,25 @@ def diagnose(
 
 def _not_hung(run: RunData, last_dumps: dict[int, dict[str, Any]]) -> str | None:
     """The kind of a diagnosis that finds no hang, else None: "finished" when every rank
-    exited with code 0 (the job ended while `lorascope hang` waited); "moving" when every rank's
-    latest dump caught it moving (and it had not ended); "stopped" when the job was
-    stopped from outside (every rank's latest dump is its stop) with every rank moving, or
-    waiting in a collective for ranks that were (a save or an evaluation on rank 0 while
-    the others wait: no one said the job hung)."""
+    exited with code 0 (the job ended while `lorascope hang` waited); "moving" when every
+    rank's latest dump caught it moving, or it made a step after it (and it had not
+    ended); "stopped" when the job was stopped from outside (every rank's latest dump is
+    its stop) with every rank moving, or waiting in a collective for ranks that were (a
+    save or an evaluation on rank 0 while the others wait: no one said the job hung)."""
     if run.ranks and all(_finished(r) for r in run.ranks.values()):
         return "finished"
-    if len(last_dumps) != len(run.ranks) or first_divergence(run) is not None:
+    if first_divergence(run) is not None:
         return None
-    if all(d["reason"] == "stopped" for d in last_dumps.values()):
+    if len(last_dumps) == len(run.ranks) and all(d["reason"] == "stopped" for d in last_dumps.values()):
         return "stopped" if all(moving_when_stopped(run).values()) else None
-    moving = all(moving_at(d, run.ranks[n]) and not ending_of(run.ranks[n]).known for n, d in last_dumps.items())
+
+    def moved(n: int, rank: RankData) -> bool:
+        dump = last_dumps.get(n)
+        if dump is not None:
+            return moving_at(dump, rank)
+        return bool(rank.dumps) and stepped_after(rank, float(rank.dumps[-1]["t"]))  # read past
+
+    moving = all(moved(n, r) and not ending_of(r).known for n, r in run.ranks.items())
     return "moving" if moving else None
 
 
