@@ -248,9 +248,16 @@ def _stall(run: RunData) -> list[Finding]:
         return []
     finding = hang_finding(run, diagnosis)
     more = f" (the longest of {len(stalls)} stalls)" if len(stalls) > 1 else ""
+    dumped = next(r for r in run.ranks.values() if any(float(d["t"]) == stall.t for d in r.dumps))
+    watchdog = Evidence(
+        "stall watchdog",
+        f"no step for {stall.paused_s:.0f} s across step {stall.step}; every rank it dumped made steps after it",
+        stream_source(run, dumped, "stall dump"),
+    )
     return [
         replace(
             finding,
+            evidence=[*finding.evidence, watchdog],
             title=f"the job stalled for {stall.paused_s:.0f} s after step {stall.step}{more}, then went on; "
             f"when the stall watchdog dumped the ranks, {diagnosis['verdict']}",
             severity="warning",

@@ -73,11 +73,11 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
     for done, rank in enumerate(run.ranks.values(), 1):
         if progress is not None and (rank.trace_files or rank.flight_dumps):
             progress("reading traces and dumps", done, len(run.ranks))
-        load_rank_files(bundle, rank)
+        _load_rank_files(bundle, rank)
         _load_rank_snapshot(bundle, rank)
 
 
-def load_rank_files(bundle: EvidenceBundle, rank: RankData) -> None:
+def _load_rank_files(bundle: EvidenceBundle, rank: RankData) -> None:
     """The Kineto traces and flight-recorder dumps a rank wrote next to its stream, into the
     bundle: of each kind the first that reads (one that does not is a warning)."""
     flights = [str(d["path"]) for d in rank.flight_dumps]

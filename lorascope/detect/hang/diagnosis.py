@@ -41,7 +41,7 @@ FLIGHT_LATE_S = 10.0
 RECORDS_THEN = "records then"
 #: The flight-recorder dump a rank wrote with its dump or ending at a moment, written at
 #: most until another (``ingest.load.flight_dump_at``: this module reads no file).
-FlightPicker = Callable[[RankData, float, float], "FlightDump | None"]
+FlightPicker = Callable[[RankData, float, float], FlightDump | None]
 
 FIXES = {
     "rank-conditional-hang": "Run the collective on every rank; act on its result on rank 0 only.",
