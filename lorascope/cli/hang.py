@@ -20,7 +20,7 @@ from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.targets import Target, verify
-from lorascope.ingest.load import flight_dump_at
+from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import RunData
@@ -168,7 +168,8 @@ def command(
     mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
     notes = _target_notes(mine)
     notes += read_silent_ranks(run, silent, wait_s)
-    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight_dump_at)
+    flight = {n: found for n, r in run.ranks.items() if (found := rank_flight_timeline(r, notes))}
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight)
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:
         if out is not None:

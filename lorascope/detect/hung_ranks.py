@@ -16,7 +16,6 @@ from lorascope.detect.hang.diagnosis import FIXES, NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.ingest.load import flight_dump_at
 from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, stalled_now, still_moving
 from lorascope.rundir.reader import RunData
 from lorascope.rundir.stalls import recovered_stalls
@@ -219,10 +218,10 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None or len(run.ranks) < 2:
         return from_flight_recorder(bundle)
-    return _hang(run) + _stall(run)
+    return _hang(bundle, run) + _stall(bundle, run)
 
 
-def _hang(run: RunData) -> list[Finding]:
+def _hang(bundle: EvidenceBundle, run: RunData) -> list[Finding]:
     """The hang the job ended in, or is in now."""
     # A dump taken while the rank moved (`lorascope hang` on a job that was slow, not hung)
     # is no evidence of a hang, during the run or after it.
@@ -230,20 +229,20 @@ def _hang(run: RunData) -> list[Finding]:
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
     if not (stalled or waiting) or still_moving(run):
         return []
-    diagnosis = diagnose(run, liveness(run), flight_dump_at)
+    diagnosis = diagnose(run, liveness(run), bundle.flight_timeline)
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):
         return []  # rank-conditional-hang names the first; the others have nothing to say
     return [hang_finding(run, diagnosis)]
 
 
-def _stall(run: RunData) -> list[Finding]:
+def _stall(bundle: EvidenceBundle, run: RunData) -> list[Finding]:
     """The longest stall the job came back from, as its stall dumps show it: a warning (the
     job went on, but every rank waited that long for one)."""
     stalls = recovered_stalls(run)
     if not stalls:
         return []
     stall = max(stalls, key=lambda s: s.paused_s)
-    diagnosis = diagnose(run, None, flight_dump_at, as_of=stall.t)
+    diagnosis = diagnose(run, None, bundle.flight_timeline, as_of=stall.t)
     if diagnosis["kind"] == "rank-conditional-hang":
         return []
     finding = hang_finding(run, diagnosis)

@@ -30,8 +30,12 @@ class EvidenceBundle:
     snapshots: dict[int, SnapshotAnalysis] = field(default_factory=dict)
     #: Kineto Chrome traces, summarised (``.raw`` keeps the JSON), by rank.
     traces: dict[int, KinetoTrace] = field(default_factory=dict)
-    #: Flight-recorder dumps, by rank.
+    #: Flight-recorder dumps, by rank (of a run directory's rank, the first it wrote).
     flight_records: dict[int, FlightDump] = field(default_factory=dict)
+    #: Every flight-recorder dump a run directory's rank wrote that reads, with the time of
+    #: its record, oldest first (the hang diagnosis reads the one written with the dump it
+    #: reads: :func:`lorascope.detect.hang.diagnosis.flight_at`).
+    flight_timeline: dict[int, list[tuple[float, FlightDump]]] = field(default_factory=dict)
     #: Parsed job logs.
     logs: list[LogAnalysis] = field(default_factory=list)
     #: Ranks' snapshots compared (what one rank holds that the others do not).

@@ -60,11 +60,6 @@ def load_bundle(
     return bundle
 
 
-#: A rank's records and files are written by its threads in their own order: a flight-recorder
-#: dump is read as going with a dump or ending recorded this little after it.
-FLIGHT_EARLY_S = 0.5
-
-
 def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, cluster: Cluster | None) -> None:
     """The run directory, and the traces and dumps its ranks wrote next to their streams."""
     run = load_run(path, progress, cluster)
@@ -73,36 +68,34 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
     for done, rank in enumerate(run.ranks.values(), 1):
         if progress is not None and (rank.trace_files or rank.flight_dumps):
             progress("reading traces and dumps", done, len(run.ranks))
-        _load_rank_files(bundle, rank)
+        for name in rank.trace_files:
+            if rank.rank not in bundle.traces and Path(name).is_file():
+                try:
+                    load_files(bundle, [Path(name)], "kineto")
+                except BadInputError as exc:
+                    bundle.warnings.append(f"rank {rank.rank}: {exc}")
+        timeline = rank_flight_timeline(rank, bundle.warnings)
+        if timeline:
+            bundle.flight_timeline[rank.rank] = timeline
+            first = timeline[0][1]
+            bundle.flight_records[rank.rank] = first
+            bundle.warnings.extend(f"{first.path}: {w}" for w in first.warnings)
         _load_rank_snapshot(bundle, rank)
 
 
-def _load_rank_files(bundle: EvidenceBundle, rank: RankData) -> None:
-    """The Kineto traces and flight-recorder dumps a rank wrote next to its stream, into the
-    bundle: of each kind the first that reads (one that does not is a warning)."""
-    flights = [str(d["path"]) for d in rank.flight_dumps]
-    for name, kind in [(f, "kineto") for f in rank.trace_files] + [(f, "flight") for f in flights]:
-        file = Path(name)
-        store = bundle.traces if kind == "kineto" else bundle.flight_records
-        if rank.rank in store or not file.is_file():
+def rank_flight_timeline(rank: RankData, warnings: list[str]) -> list[tuple[float, FlightDump]]:
+    """Every flight-recorder dump the rank wrote next to its stream, with the time of its
+    record, oldest first; one that does not read is a warning."""
+    out = []
+    for record in rank.flight_dumps:
+        path = Path(record["path"])
+        if not path.is_file():
             continue
         try:
-            load_files(bundle, [file], kind)
+            out.append((float(record["t"]), read_flight_dump(path, rank.rank)))
         except BadInputError as exc:
-            bundle.warnings.append(f"rank {rank.rank}: {exc}")
-
-
-def flight_dump_at(rank: RankData, at: float, until: float) -> FlightDump | None:
-    """The flight-recorder dump the rank wrote with its dump or ending at ``at``: the first
-    written from ``at`` (less FLIGHT_EARLY_S) to ``until``; None if there is none, or it
-    does not read (the hang diagnosis then goes without it)."""
-    for record in rank.flight_dumps:
-        if at - FLIGHT_EARLY_S <= float(record["t"]) <= until:
-            try:
-                return read_flight_dump(Path(record["path"]), rank.rank)
-            except BadInputError:
-                return None
-    return None
+            warnings.append(f"rank {rank.rank}: {exc}")
+    return out
 
 
 def rank_snapshot(rank: RankData) -> dict[str, Any] | None:

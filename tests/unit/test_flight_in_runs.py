@@ -23,9 +23,9 @@ from typing import Any
 from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
-from lorascope.ingest.load import flight_dump_at, load_bundle
+from lorascope.ingest.load import load_bundle, rank_flight_timeline
 from lorascope.ingest.safe_pickle import load_pickle
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import RunData, load_run
 from lorascope.rundir.writer import stream_prefix
 from tests.helpers import T0, RankSpec, write_run
 
@@ -96,6 +96,10 @@ def _ddp_run(
     return run_dir
 
 
+def _timeline(run: RunData) -> dict[int, list[tuple[float, Any]]]:
+    return {n: rank_flight_timeline(r, []) for n, r in run.ranks.items()}
+
+
 STOP = T0 + 40.0  # ~37 s after the last step
 
 
@@ -103,7 +107,7 @@ def test_a_stopped_ddp_hang_names_the_stuck_rank_from_the_flight_recorder(tmp_pa
     run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), STOP)
     run = load_run(run_dir)
     assert diagnose(run)["kind"] == "unknown"  # the probes' records alone: no rank shows why
-    diagnosis = diagnose(run, flight=flight_dump_at)
+    diagnosis = diagnose(run, flight=_timeline(run))
     assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("stuck-outside", [1])
     assert "/job/probes/train_lora.py:368 in fetch" in diagnosis["verdict"]
     waiting = diagnosis["ranks"][0]
@@ -128,7 +132,7 @@ def test_a_flight_dump_from_another_moment_is_not_read(tmp_path: Path) -> None:
     """A flight-recorder dump written long before the stop (with a `lorascope hang` dump
     taken while the job still moved, say) tells of that moment: the stop is read without it."""
     run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), STOP, flight_at=STOP - 20.0)
-    assert diagnose(load_run(run_dir), flight=flight_dump_at)["kind"] == "unknown"
+    assert diagnose(run := load_run(run_dir), flight=_timeline(run))["kind"] == "unknown"
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
 
@@ -136,7 +140,7 @@ def test_a_completed_call_counts_only_where_the_ranks_stack_is_at_it(tmp_path: P
     """Rank 0's #14 is marked completed: with its stack elsewhere (a save of its own) it
     may have gone on past it, so neither rank is taken for the waiting one."""
     run_dir = _ddp_run(tmp_path / "run", (IN_SAVE, IN_FETCH), STOP)
-    diagnosis = diagnose(load_run(run_dir), flight=flight_dump_at)
+    diagnosis = diagnose(run := load_run(run_dir), flight=_timeline(run))
     assert diagnosis["kind"] == "unknown" and diagnosis["ranks"][0]["state"] == "outside-collectives"
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
@@ -145,7 +149,7 @@ def test_a_job_stopped_while_moving_stays_quiet_with_ranks_a_call_apart(tmp_path
     """Stopped a moment after the last steps, the same dumps (rank 0 a broadcast ahead, as
     ranks of a moving job often are) are no hang."""
     run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), T0 + 4.0)
-    assert diagnose(load_run(run_dir), flight=flight_dump_at)["kind"] == "stopped"
+    assert diagnose(run := load_run(run_dir), flight=_timeline(run))["kind"] == "stopped"
     assert hung_ranks.detect(load_bundle(run_dir)) == []
 
 

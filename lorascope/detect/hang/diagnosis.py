@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 from lorascope.detect.hang.conditions import call_condition, rank_condition
@@ -35,13 +35,16 @@ _LIBRARY = re.compile(
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')
 #: A rank whose last record is this much older than the newest rank's is not moving.
 MOVING_WITHIN_S = 2.0
-#: A dump's flight-recorder dump is written right after it (this long at most).
+#: A dump's flight-recorder dump is written right after it (this long at most), and is
+#: taken as going with a dump recorded this little after it (a rank's threads write their
+#: records in their own order).
 FLIGHT_LATE_S = 10.0
+FLIGHT_EARLY_S = 0.5
 #: The reason of a rank's records read as a dump (no dump taken at that moment).
 RECORDS_THEN = "records then"
-#: The flight-recorder dump a rank wrote with its dump or ending at a moment, written at
-#: most until another (``ingest.load.flight_dump_at``: this module reads no file).
-FlightPicker = Callable[[RankData, float, float], FlightDump | None]
+#: Every flight-recorder dump of each rank, with the time of its record, oldest first
+#: (``EvidenceBundle.flight_timeline``; `lorascope hang` reads it the same way).
+FlightTimeline = Mapping[int, list[tuple[float, FlightDump]]]
 
 FIXES = {
     "rank-conditional-hang": "Run the collective on every rank; act on its result on rank 0 only.",
@@ -245,34 +248,39 @@ def _dumps(rank: RankData, run: RunData, as_of: float | None) -> list[dict[str, 
     return [{"t": as_of, "reason": RECORDS_THEN, "pending": pending, "stacks": "", "since_progress": None}]
 
 
-def _flight_ahead(run: RunData, as_of: float | None, flight: FlightPicker | None) -> dict[int, Ahead]:
+def flight_at(timeline: list[tuple[float, FlightDump]], dump: dict[str, Any]) -> FlightDump | None:
+    """The flight-recorder dump a rank wrote with ``dump`` (a dump, or its stop from
+    outside: any written after the stop), if any."""
+    at = float(dump["t"])
+    until = math.inf if dump["reason"] == "stopped" else at + FLIGHT_LATE_S
+    return next((d for t, d in timeline if at - FLIGHT_EARLY_S <= t <= until), None)
+
+
+def _flight_ahead(run: RunData, as_of: float | None, flight: FlightTimeline | None) -> dict[int, Ahead]:
     """:func:`ahead_of_peers` over the flight-recorder dumps the ranks wrote with the dumps
     the diagnosis reads (an earlier one, from a dump taken while the job moved, would tell
     of another moment)."""
-    if flight is None:
+    if not flight:
         return {}
     chosen: dict[int, FlightDump] = {}
     for n, rank in run.ranks.items():
         dumps = _dumps(rank, run, as_of)
-        if not dumps or dumps[-1]["reason"] == RECORDS_THEN:
-            continue
-        at = float(dumps[-1]["t"])
-        found = flight(rank, at, math.inf if dumps[-1]["reason"] == "stopped" else at + FLIGHT_LATE_S)
-        if found is not None:
-            chosen[n] = found
+        if dumps and dumps[-1]["reason"] != RECORDS_THEN:
+            found = flight_at(flight.get(n, []), dumps[-1])
+            if found is not None:
+                chosen[n] = found
     return ahead_of_peers(align(chosen)) if len(chosen) > 1 else {}
 
 
 def diagnose(
     run: RunData,
     alive: dict[int, bool] | None = None,
-    flight: FlightPicker | None = None,
+    flight: FlightTimeline | None = None,
     as_of: float | None = None,
 ) -> dict[str, Any]:
     """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
-    the kind, the first rank that diverged, the verdict line and the fix. ``flight``: how
-    to get the flight-recorder dump a rank wrote with a dump, for the calls the probes
-    cannot see. ``as_of``: the diagnosis of a stall the job came back from, as its dumps
+    the kind, the first rank that diverged, the verdict line and the fix. ``flight``: the
+    ranks' flight-recorder dumps, for the calls the probes cannot see. ``as_of``: the diagnosis of a stall the job came back from, as its dumps
     at that moment show it (what followed, the job's ending included, left out)."""
     alive = alive or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
