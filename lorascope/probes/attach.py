@@ -194,6 +194,7 @@ def _start(
         evidence,
         pg_timeout=lambda: collectives.pg_timeout,
         stall_override=_env_float(ENV_STALL_SECONDS),
+        repeat_flight=flight,
     )
 
     def on_step_end() -> None:

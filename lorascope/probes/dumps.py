@@ -31,6 +31,11 @@ STALL_SHARE_OF_PG_TIMEOUT = 1 / 3
 #: ... within these bounds (seconds).
 STALL_MIN, STALL_MAX = 5.0, 300.0
 TORCH_DEFAULT_PG_TIMEOUT = 30 * 60.0
+#: Stall dumps a process writes at most (the watchdog fires again after a step: a job
+#: with evaluations longer than the limit would write one each). After the first, a stall
+#: dump comes with the flight recorder's dump but no allocator snapshot (which can be
+#: hundreds of MB on a large CUDA job).
+MAX_STALL_DUMPS = 20
 
 
 def stall_seconds(pg_timeout: float | None, override: float | None) -> float:
@@ -49,19 +54,23 @@ class Dumper:
         flight: Callable[[str], None],
         pg_timeout: Callable[[], float | None],
         stall_override: float | None,
+        repeat_flight: Callable[[str], None] | None = None,
     ) -> None:
         self.session = session
         self._pending = pending
         self._reading = reading
         self._flight = flight
+        #: What a stall dump after the first writes beside it (default: as ``flight``).
+        self._repeat_flight = repeat_flight or flight
         self._pg_timeout = pg_timeout
         self._stall_override = stall_override
         self._lock = threading.Lock()
         self.last_progress = time.time()
         self._stall_fired = False
+        self._stall_dumps = 0
         self.dump = session.guarded("dumps")(self._dump)
 
-    def _dump(self, reason: str) -> None:
+    def _dump(self, reason: str, beside: Callable[[str], None] | None = None) -> None:
         with self._lock:  # one dump at a time (a signal during the watchdog's)
             session = self.session
             session.record(
@@ -74,7 +83,7 @@ class Dumper:
                 since_progress=round(time.time() - self.last_progress, 3),
             )
             session.flush()
-            self._flight(f"{reason}-{int(time.time())}")
+            (beside or self._flight)(f"{reason}-{int(time.time())}")
             session.flush()  # its record too: `lorascope hang` reads the run right after
 
     # -- on demand ----------------------------------------------------------------
@@ -104,9 +113,12 @@ class Dumper:
         while self.session.active:
             limit = stall_seconds(self._pg_timeout(), self._stall_override)
             time.sleep(min(1.0, limit / 5))
+            if self._stall_dumps >= MAX_STALL_DUMPS:
+                return
             if not self._stall_fired and self.session.step > 0 and time.time() - self.last_progress > limit:
                 self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone
                 self.session.record(
                     "stall", seconds=round(time.time() - self.last_progress, 3), limit=limit, step=self.session.step
                 )
-                self.dump("stall")
+                self.dump("stall", self._repeat_flight if self._stall_dumps else None)
+                self._stall_dumps += 1

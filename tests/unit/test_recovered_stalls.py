@@ -14,6 +14,7 @@ from typing import Any
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
+from lorascope.probes import dumps
 from lorascope.probes.dumps import Dumper
 from lorascope.probes.session import Session
 from lorascope.rundir.ending import still_moving
@@ -123,13 +124,24 @@ def test_a_running_job_past_a_stall_is_still_moving(tmp_path: Path) -> None:
     assert [f.severity for f in hung_ranks.detect(load_bundle(run_dir))] == ["warning"]
 
 
-def test_the_watchdog_fires_again_at_the_next_stall(tmp_path: Path) -> None:
+def test_the_watchdog_fires_again_at_the_next_stall(tmp_path: Path, monkeypatch: Any) -> None:
     """It fired once per process: a second stall, after the job came back from a first, left
-    no dump."""
+    no dump. Now once a stall, the allocator snapshot with the first only (``flight`` here
+    stands for both), and at most MAX_STALL_DUMPS (2 here) a process."""
+    monkeypatch.setattr(dumps, "MAX_STALL_DUMPS", 2)
     run = tmp_path / "run"
     ensure_manifest(run)
     session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 1, 0.0)
-    dumper = Dumper(session, list, dict, lambda reason: None, lambda: None, stall_override=0.3)
+    beside: list[str] = []
+    dumper = Dumper(
+        session,
+        list,
+        dict,
+        lambda reason: beside.append("flight and snapshot"),
+        lambda: None,
+        stall_override=0.3,
+        repeat_flight=lambda reason: beside.append("flight"),
+    )
     session.step = 1
     dumper.progress()
     dumper.start_watchdog()
@@ -137,12 +149,14 @@ def test_the_watchdog_fires_again_at_the_next_stall(tmp_path: Path) -> None:
         _wait_for(lambda: len(_records(run, "stall")) == 1)
         time.sleep(0.5)
         assert len(_records(run, "stall")) == 1  # once a stall
-        session.step = 2
-        dumper.progress()  # the job came back
-        _wait_for(lambda: len(_records(run, "stall")) == 2)
+        for step in (2, 3):
+            session.step = step
+            dumper.progress()  # the job came back
+            time.sleep(1.0)
     finally:
         session.stream.close()  # the watchdog ends with the stream
     assert [d["reason"] for d in _records(run, "dump")] == ["stall", "stall"]
+    assert beside == ["flight and snapshot", "flight"]
 
 
 def _records(run: Path, kind: str) -> list[dict[str, Any]]:
