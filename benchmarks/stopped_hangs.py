@@ -6,11 +6,15 @@ scheduler's SIGTERM) and analyse it afterwards. Each scenario plants a hang, sto
 ``--after`` seconds past its first step with the scenario's signal (sent to `lorascope
 run`, which passes it on), and prints the verdict `analyze` makes of the run directory
 next to the expected one. Written after the stop reading (hung-ranks, docs/detectors.md)
-was fixed: none of them was used to develop it. Healthy runs stopped the same way:
-``healthy_runs.py --stop``.
+was fixed: none of them was used to develop it (S-ddp-stall-term was, later, for the
+flight-recorder reading). Healthy runs stopped the same way: ``healthy_runs.py --stop``.
+Two more groups (``--group``): F, DDP hangs only the flight recorder explains (a live
+`lorascope hang` among them); R, stalls the job comes back from, and healthy jobs with the
+stall watchdog set short (see the lists below).
 
-    python benchmarks/stopped_hangs.py            # ~5 min on 2 cores
-    python benchmarks/stopped_hangs.py --analyze-only
+    python benchmarks/stopped_hangs.py            # group S, ~3 min on 2 cores
+    python benchmarks/stopped_hangs.py --group F  # ~3 min; --group R ~3 min
+    python benchmarks/stopped_hangs.py --analyze-only [--group G] [--only NAME]
 """
 
 from __future__ import annotations
