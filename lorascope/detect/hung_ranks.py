@@ -199,7 +199,9 @@ def _behind(first: Disagreement) -> list[Finding]:
             id=ID,
             title=f"rank{'s' if len(missing) > 1 else ''} {gone} never enqueued {entry.op} #{first.seq} on group "
             f"{first.group}, which {ranks_named(ran)} ran at {call_site(entry.frames) or '?'}: "
-            f"{'they' if len(missing) > 1 else 'it'} fell behind" + (", outside any collective" if outside else ""),
+            f"{'they' if len(missing) > 1 else 'it'} fell behind"
+            + (", outside any collective" if outside else "")
+            + " (stuck, or a call behind when the dumps were taken: the dumps alone cannot tell)",
             severity="warning",
             confidence="low",
             confidence_reason="from flight-recorder dumps alone, and the call is marked completed where it ran (gloo "
