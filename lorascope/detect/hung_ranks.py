@@ -120,30 +120,22 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     entry = first.entries[waiting[0]]
     site = call_site(entry.frames) or "?"
     missing = first.missing_ranks
-    outside = all(e is None or e.completed for e in (first.waiting_at.get(r) for r in missing))
+    outside, never = _never_enqueued(first)
     at = f" at group {first.group} #{first.seq}"
-    evidence = per_rank_evidence(
-        {
-            r: [
-                (
-                    at,
-                    f"waits in {first.entries[r].op} at {call_site(first.entries[r].frames) or '?'}",
-                    f"flight-recorder dump of rank {r}",
-                )
-            ]
-            for r in waiting
-        }
-    ) + per_rank_evidence(
-        {
-            r: [
-                (
-                    at,
-                    "never enqueued it; " + last_activity(first.waiting_at.get(r)),
-                    f"flight-recorder dump of rank {r}",
-                )
-            ]
-            for r in missing
-        }
+    evidence = (
+        per_rank_evidence(
+            {
+                r: [
+                    (
+                        at,
+                        f"waits in {first.entries[r].op} at {call_site(first.entries[r].frames) or '?'}",
+                        f"flight-recorder dump of rank {r}",
+                    )
+                ]
+                for r in waiting
+            }
+        )
+        + never
     )
     who, gone = rank_ranges(waiting), rank_ranges(missing)
     return [
@@ -166,22 +158,13 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     ]
 
 
-def _behind(first: Disagreement) -> list[Finding]:
-    """From flight-recorder dumps alone, a collective some ranks ran and marked completed
-    and others never enqueued: the others fell behind. A warning, not a hang: gloo marks a
-    call completed once it fails (as a peer's exit makes it), and a broadcast's root may
-    finish before its peers join, but a job stopped while moving also leaves its ranks a
-    call or two apart; the dumps alone cannot tell the two."""
-    ran, missing = sorted(first.entries), first.missing_ranks
-    entry = first.entries[ran[0]]
+def _never_enqueued(first: Disagreement) -> tuple[bool, list[Evidence]]:
+    """Of the ranks that never enqueued the disagreement's call: whether every one is
+    outside any collective (its last call completed, or none), and what each did last."""
+    missing = first.missing_ranks
     outside = all(e is None or e.completed for e in (first.waiting_at.get(r) for r in missing))
     at = f" at group {first.group} #{first.seq}"
     evidence = per_rank_evidence(
-        {
-            r: [(at, f"ran {e.op} at {call_site(e.frames) or '?'} (completed)", f"flight-recorder dump of rank {r}")]
-            for r, e in first.entries.items()
-        }
-    ) + per_rank_evidence(
         {
             r: [
                 (
@@ -192,6 +175,30 @@ def _behind(first: Disagreement) -> list[Finding]:
             ]
             for r in missing
         }
+    )
+    return outside, evidence
+
+
+def _behind(first: Disagreement) -> list[Finding]:
+    """From flight-recorder dumps alone, a collective some ranks ran and marked completed
+    and others never enqueued: the others fell behind. A warning, not a hang: gloo marks a
+    call completed once it fails (as a peer's exit makes it), and a broadcast's root may
+    finish before its peers join, but a job stopped while moving also leaves its ranks a
+    call or two apart; the dumps alone cannot tell the two."""
+    ran, missing = sorted(first.entries), first.missing_ranks
+    entry = first.entries[ran[0]]
+    outside, never = _never_enqueued(first)
+    at = f" at group {first.group} #{first.seq}"
+    evidence = (
+        per_rank_evidence(
+            {
+                r: [
+                    (at, f"ran {e.op} at {call_site(e.frames) or '?'} (completed)", f"flight-recorder dump of rank {r}")
+                ]
+                for r, e in first.entries.items()
+            }
+        )
+        + never
     )
     gone = rank_ranges(missing)
     return [

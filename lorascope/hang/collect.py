@@ -84,19 +84,11 @@ def wait_for_dumps(
     poll took longer than the wait itself, and a rank read in the first instant, before
     its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
-    waiting = dict(ends)
-    while waiting and time.time() < deadline:
-        waiting = {key: files for key, files in waiting.items() if not _written_since(files, since, "dump")}
-        if waiting:
-            time.sleep(POLL_S)
+    waiting = _until_written(dict(ends), since, "dump", deadline)
     # Each dump is followed by the rank's flight-recorder dump (the collectives the probes
     # cannot see): a moment more for those, as long as the wait lasts.
-    flights = {key: files for key, files in ends.items() if key not in waiting}
-    until = min(deadline, time.time() + FLIGHT_GRACE_S)
-    while flights and time.time() < until:
-        flights = {key: files for key, files in flights.items() if not _written_since(files, since, "flight_dump")}
-        if flights:
-            time.sleep(POLL_S)
+    dumped = {key: files for key, files in ends.items() if key not in waiting}
+    _until_written(dumped, since, "flight_dump", min(deadline, time.time() + FLIGHT_GRACE_S))
     run = load_run(run_dir, cluster=cluster)
     silent = [
         n
@@ -111,6 +103,17 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _until_written(files: dict[Process, Grown], since: float, kind: str, until: float) -> dict[Process, Grown]:
+    """Poll until every process's files hold a record of ``kind`` after ``since``, or
+    ``until``; returns the processes still without one."""
+    waiting = files
+    while waiting and time.time() < until:
+        waiting = {key: grown for key, grown in waiting.items() if not _written_since(grown, since, kind)}
+        if waiting:
+            time.sleep(POLL_S)
+    return waiting
 
 
 def _written_since(files: Grown, since: float, kind: str) -> bool:

@@ -310,10 +310,14 @@ def dumps_of(rank: RankData, run: RunData) -> list[dict[str, Any]]:
     """The rank's dumps, its stop from outside last as one (:func:`stop_dump`), less those
     that caught it stuck and that it made steps after: they tell of a stall it came back
     from (``rundir.stalls`` reads those), not of where the rank is. A dump that caught it
-    moving (:func:`moving_at`) stays: it is what says so."""
-    dumps = [d for d in rank.dumps if moving_at(d, rank) or not stepped_after(rank, float(d["t"]))]
-    stop = stop_dump(rank, run)
-    return dumps if stop is None else [*dumps, stop]
+    moving (:func:`moving_at`) stays: it is what says so. Made once per rank of a loaded
+    run (the diagnosis asks for each rank's several times; each a pass over its steps)."""
+    made: dict[int, list[dict[str, Any]]] = run.derived.setdefault("dumps_of", {})
+    if rank.rank not in made:
+        dumps = [d for d in rank.dumps if moving_at(d, rank) or not stepped_after(rank, float(d["t"]))]
+        stop = stop_dump(rank, run)
+        made[rank.rank] = dumps if stop is None else [*dumps, stop]
+    return made[rank.rank]
 
 
 def stepped_after(rank: RankData, at: float) -> bool:
