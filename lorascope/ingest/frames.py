@@ -3,8 +3,8 @@
 A frame is a mapping with ``filename``, ``line`` and ``name``, innermost first. Real
 stacks start with C++ unwind frames (``torch::unwind::unwind()``, filename ``??``) and
 torch's own Python frames; the useful "user frame" is the first Python frame outside
-torch (transformers, peft, deepspeed and the training script all count as user code:
-that is where a LoRA job decides what to allocate).
+torch and lorascope's probes (transformers, peft, deepspeed and the training script all
+count as user code: that is where a LoRA job decides what to allocate).
 
 The memory category of an allocation is read from the whole stack, innermost first: the
 first frame that says what is going on wins (an allocation in ``optimizer.step`` is
@@ -15,13 +15,34 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 #: The categories an allocation can fall into. "unknown": no frames (allocated before
 #: history recording started, or recorded without stacks).
 CATEGORIES = ("weights", "optimizer", "gradients", "activations", "logits", "other", "unknown")
 
-_TORCH_FILE = re.compile(r"(^|[/\\])torch[/\\]")
+#: torch's own files: the package where it is installed (after site- or dist-packages, or
+#: a frame already shortened to ``torch/...``) or in a source checkout (``.../torch/nn/``).
+#: Not any directory named torch: the GPU check's machine keeps its virtual environment in
+#: /opt/torch/.venv, and every frame under it, transformers' and the job's, read as torch's.
+TORCH_FILE = (
+    r"(?:^|[/\\](?:site|dist)-packages[/\\])torch[/\\]"
+    r"|[/\\]torch[/\\](?:nn|distributed|autograd|utils|optim|cuda|amp|fx|_\w+)(?:[/\\]|\.py(?![\w.]))"
+)
+
+
+def _modules(package: str) -> str:
+    here = Path(__file__).resolve().parents[1] / package
+    return "|".join(sorted(re.escape(p.stem) for p in here.glob("*.py")))
+
+
+#: lorascope's probe and run-directory modules (their wrappers sit between the job's code
+#: and torch in every stack of a probed job: the model's forward, every collective, DDP's
+#: set-up), by name: the repository's probes/ jobs (train_lora.py ...) live in a directory
+#: of that name too.
+LORASCOPE_FILE = rf"(?:^|[/\\])lorascope[/\\](?:probes[/\\](?:{_modules('probes')})|rundir[/\\](?:{_modules('rundir')}))\.py(?![\w.])"
+_NOT_USER_FILE = re.compile(f"{TORCH_FILE}|{LORASCOPE_FILE}")
 _SITE_PACKAGES = re.compile(r"^.*?[/\\](?:site|dist)-packages[/\\]")
 
 #: (category, pattern on "filename:name"), tried in this order on every frame.
@@ -82,8 +103,8 @@ def is_python_frame(frame: Mapping[str, Any]) -> bool:
 
 
 def is_user_frame(frame: Mapping[str, Any]) -> bool:
-    """A Python frame outside torch's own package."""
-    return is_python_frame(frame) and not _TORCH_FILE.search(str(frame.get("filename", "")))
+    """A Python frame outside torch's own package and lorascope's probes."""
+    return is_python_frame(frame) and not _NOT_USER_FILE.search(str(frame.get("filename", "")))
 
 
 def short_path(filename: str) -> str:

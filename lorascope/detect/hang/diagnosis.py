@@ -14,6 +14,7 @@ from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
+from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
 from lorascope.rundir.ending import (
     call_entry,
     dumps_of,
@@ -28,8 +29,8 @@ from lorascope.units import rank_ranges, ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
-    r"^<frozen |/(torch|deepspeed|lorascope|threading\.py|concurrent|multiprocessing|"
-    r"site-packages|dist-packages|lib/python3\.\d+)/"
+    f"^<frozen |{TORCH_FILE}|{LORASCOPE_FILE}"
+    r"|/(deepspeed|threading\.py|concurrent|multiprocessing|site-packages|dist-packages|lib/python3\.\d+)/"
 )
 #: A frame in a thread dump (traceback's "line N, in f") or faulthandler's ("line N in f").
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)')

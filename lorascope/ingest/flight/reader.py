@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.frames import frame_label, is_python_frame
+from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE, frame_label, is_python_frame
 from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.safe_open import loads_json, open_regular, read_capped
 
@@ -277,7 +277,7 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
 #: ZeRO step) and the standard library's (an absolute path under ``lib/python3.X/``; a
 #: site-packages frame has lost that prefix, see frames.short_path).
 _NOT_A_CALL_SITE = re.compile(
-    r"(^|[/\\])torch[/\\]|(^|[/\\])lorascope[/\\](probes|rundir)[/\\]"
+    f"{TORCH_FILE}|{LORASCOPE_FILE}"
     r"|^typing_extensions\.py:|^(/|[A-Za-z]:[/\\]).*[/\\]lib[/\\]python3[.\d]*[/\\]"
 )
 #: A frame of the job's own code: an absolute path (frames under site-packages lose that
