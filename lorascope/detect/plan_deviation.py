@@ -80,9 +80,17 @@ HEAP_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=32 * MIB)
 #: allocated, 102.0 MiB live = the plan) and RSS reads ~2x; the first forward also pays
 #: 11-31 MiB of one-off costs. Below: pages freed during initialisation can be reused.
 RSS_TOLERANCE = Tolerance(below=0.25, above=2.0, abs=32 * MIB)
-#: CUDA allocator counters count live tensors exactly; what no term covers is the cuBLAS
-#: workspace (allocated through the caching allocator) and the rounding of every block.
-CUDA_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=64 * MIB)
+#: cuBLAS's workspaces, which torch allocates through its caching allocator, one per thread
+#: that runs a matmul: the training thread's at its first matmul (the first forward), the
+#: autograd device thread's in the first backward. 32 MiB each on Hopper (measured on an
+#: H200, torch 2.11: two 32 MiB blocks, in the forward's rotary matmul and, with no Python
+#: stack, in the backward), ~8 MiB on older GPUs; the larger is assumed (the runs do not
+#: record the GPU's generation).
+CUBLAS_WORKSPACES = 2 * 32 * MIB
+#: CUDA allocator counters count live tensors exactly; what no term covers is cuBLAS's
+#: workspaces (above) and the rounding of every block. 64 MiB before the GPU check ran:
+#: a healthy 1-rank job on the H200 read 66.8 MiB against a 2.5 MiB plan.
+CUDA_TOLERANCE = Tolerance(below=0.10, above=0.10, abs=48 * MIB + CUBLAS_WORKSPACES)
 #: The reading around cross_entropy sees one allocation (its log-probs) plus the first
 #: call's one-off costs (0.5 MiB on the test bed), on either kind of memory.
 LOSS_TOLERANCE = Tolerance(below=0.25, above=0.10, abs=8 * MIB)

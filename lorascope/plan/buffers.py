@@ -4,8 +4,10 @@ buffers.
 
 The two fixed figures are typical values, not derived: a PyTorch CUDA context with cuBLAS
 workspaces takes roughly 0.4-0.6 GiB on Ampere/Hopper with lazy module loading, and NCCL's
-per-communicator buffers a few hundred MiB on a node of 8. They live outside torch's caching
-allocator (nvidia-smi sees them, torch.cuda.max_memory_allocated does not).
+per-communicator buffers a few hundred MiB on a node of 8. Both are counted outside torch's
+caching allocator (nvidia-smi sees them, torch.cuda.max_memory_allocated does not), though
+cuBLAS's workspaces are in fact allocated through it (2 x 32 MiB on an H200: see
+plan-deviation's CUDA tolerance): the plan's allocator-held figure is that much short.
 """
 
 from __future__ import annotations

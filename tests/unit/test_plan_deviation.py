@@ -332,7 +332,10 @@ def test_cuda_counters() -> None:
     assert {c.key for c in check.comparisons} == {"forward", "step_peak", "loss", "peak"}
     assert compared(rank(forward=readings, kind="cuda", cuda_peak=peak)).tolerance == CUDA_TOLERANCE
     assert detect(bundle(rank(forward=readings, kind="cuda", cuda_peak=peak))) == []
-    f = detect(bundle(rank(forward=2 * fwd, kind="cuda", cuda_peak=peak)))
+    # within the tolerance: cuBLAS's two workspaces (2 x 32 MiB on an H200) on top of the plan
+    assert detect(bundle(rank(forward=fwd + 64 * 2**20, kind="cuda", cuda_peak=peak + 64 * 2**20))) == []
+    over = round(1.1 * fwd) + CUDA_TOLERANCE.abs + 16 * 2**20
+    f = detect(bundle(rank(forward=over, kind="cuda", cuda_peak=peak)))
     assert (f[0].severity, f[0].confidence) == ("warning", "high")
     # max_memory_allocated 2 GiB above the plan: a warning while the rank did not run out of
     # memory (issue 11: severity by consequence; it was an error from 1 GiB on) ...
