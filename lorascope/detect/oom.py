@@ -9,10 +9,13 @@ most. Thresholds and reasoning: docs/artifacts.md.
 
 from __future__ import annotations
 
+import dataclasses
+
+from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.logs.reader import OomReport
-from lorascope.ingest.snapshot.types import OomEvent, SnapshotAnalysis
+from lorascope.ingest.logs.reader import OomReport, parse_oom
+from lorascope.ingest.snapshot.types import MemoryPoint, OomEvent, SiteGroup, SnapshotAnalysis
 from lorascope.units import fmt_bytes
 
 ID = "oom"
@@ -35,10 +38,46 @@ DEFAULT_FIX = (
 )
 
 
-def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: int) -> Finding:
+def _room_left(oom: OomEvent) -> bool:
+    """Whether the device still had room for the request: with a cap set, the process ran
+    into its own cap, not the device's end (a planted OOM on the GPU check: 138.5 GiB free)."""
+    return oom.device_free is not None and oom.device_free > oom.requested
+
+
+#: A live block this close to the size of the job's logits is taken as them.
+LOGITS_SLACK = 1024
+
+
+def _logits_sized(live: MemoryPoint, logits_bytes: list[int]) -> tuple[dict[str, int], list[SiteGroup]]:
+    """The live set's categories and sites with the blocks of the logits' size (the probes
+    record it at the output projection) counted as logits: an OOM at the loss comes before
+    the loss allocates anything its frames would name, and the output projection's frame
+    is the model's forward (seen on the GPU check: 62.5 MiB of logits read "activations")."""
+    by_category, by_site = dict(live.by_category), []
+    for g in live.by_site:
+        blocks = round(g.bytes / g.largest) if g.largest else 0
+        if g.category != "logits" and any(abs(g.largest - b) <= LOGITS_SLACK for b in logits_bytes) and blocks:
+            moved = g.largest * min(g.count, blocks)
+            by_category[g.category] -= moved
+            by_category["logits"] = by_category.get("logits", 0) + moved
+            g = dataclasses.replace(g, category="logits")
+        by_site.append(g)
+    return {c: b for c, b in sorted(by_category.items(), key=lambda kv: -kv[1]) if b > 0}, by_site
+
+
+def _snapshot_finding(
+    rank: int,
+    snap: SnapshotAnalysis,
+    oom: OomEvent,
+    device: int,
+    cap: tuple[str, int] | None,
+    logits_bytes: list[int],
+) -> Finding:
     live = oom.live
     src = f"{snap.path}: device_traces[{device}][{oom.index}]"
-    top = max(live.by_category.items(), key=lambda kv: kv[1])[0] if live.by_category else None
+    by_category, by_site = _logits_sized(live, logits_bytes)
+    top = max(by_category.items(), key=lambda kv: kv[1])[0] if by_category else None
+    capped = cap if cap is not None and _room_left(oom) else None
     evidence = [
         Evidence("request that failed", f"{oom.requested:,} B ({fmt_bytes(oom.requested)})", src),
         Evidence("free on the device then", fmt_bytes(oom.device_free), src),
@@ -49,8 +88,9 @@ def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: 
         ),
         Evidence(
             "by category",
-            ", ".join(f"{c} {fmt_bytes(b)}" for c, b in live.by_category.items()),
-            f"{snap.path} (frames of the live allocations)",
+            ", ".join(f"{c} {fmt_bytes(b)}" for c, b in by_category.items()),
+            f"{snap.path} (frames of the live allocations"
+            + ("; blocks of the logits' size as logits)" if by_category != live.by_category else ")"),
         ),
     ]
     evidence += [
@@ -59,15 +99,24 @@ def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: 
             f"{fmt_bytes(g.bytes)} {g.category} in {g.count} blocks",
             f"{snap.path} (first user frame)",
         )
-        for g in live.by_site[:3]
+        for g in by_site[:3]
     ]
     if live.annotations:
         evidence.append(Evidence("inside", " > ".join(live.annotations), f"{snap.path}: external_annotations"))
-    share = live.by_category.get(top, 0) / live.allocated if top and live.allocated else 0.0
+    if capped is not None:
+        evidence.insert(2, Evidence("the process's own cap", f"{fmt_bytes(capped[1])} allowed", capped[0]))
+    share = by_category.get(top, 0) / live.allocated if top and live.allocated else 0.0
+    fix = FIXES.get(top or "", DEFAULT_FIX)
+    if capped is not None:
+        fix = (
+            f"the process hit its own cap of {fmt_bytes(capped[1])} (torch.cuda.set_per_process_memory_fraction) "
+            f"with {fmt_bytes(oom.device_free)} still free on the device: raise or remove the cap; else {fix}"
+        )
     return Finding(
         id=ID,
-        title=f"rank {rank} ran out of memory asking for {fmt_bytes(oom.requested)}; "
-        f"{top or 'unattributed'} memory held {share:.0%} of it",
+        title=f"rank {rank} ran out of memory asking for {fmt_bytes(oom.requested)}"
+        + (f" at its own {fmt_bytes(capped[1])} cap" if capped is not None else "")
+        + f"; {top or 'unattributed'} memory held {share:.0%} of it",
         severity="error",
         confidence="high",
         confidence_reason="the allocator's own OOM record, with every live allocation replayed to it",
@@ -76,11 +125,11 @@ def _snapshot_finding(rank: int, snap: SnapshotAnalysis, oom: OomEvent, device: 
         explanation="The caching allocator could not find or create a block for the request. The live "
         "allocations at that moment say what the memory was spent on; the largest category is "
         "where a change pays most.",
-        fix=FIXES.get(top or "", DEFAULT_FIX),
+        fix=fix,
         details={
             "requested": oom.requested,
-            "by_category": live.by_category,
-            "sites": [g.site for g in live.by_site[:10]],
+            "by_category": by_category,
+            "sites": [g.site for g in by_site[:10]],
         },
     )
 
@@ -93,6 +142,7 @@ def _log_finding(path: str, report: OomReport) -> Finding:
         ("allocated by PyTorch", report.allocated_by_pytorch),
         ("reserved but unallocated", report.reserved_unallocated),
         ("total capacity", report.total_capacity),
+        ("allowed to the process (its own cap)", report.allowed),
     ):
         if value is not None:
             evidence.append(Evidence(label, fmt_bytes(value), src))
@@ -137,6 +187,28 @@ def _log_reports(bundle: EvidenceBundle) -> dict[int, tuple[str, OomReport]]:
     return out
 
 
+def _logits_bytes(bundle: EvidenceBundle, rank: int) -> list[int]:
+    """Sizes of the logits the probes saw at the rank's output projection."""
+    data = bundle.run.ranks.get(rank) if bundle.run is not None else None
+    logits = data.logits if data is not None else []
+    return sorted({int(r["bytes"]) for r in logits if r.get("where") == "lm_head_output" and r.get("bytes")})
+
+
+def _cap(bundle: EvidenceBundle, rank: int, logged: dict[int, tuple[str, OomReport]]) -> tuple[str, int] | None:
+    """(where it is read, bytes) of the rank's own memory cap, from its OOM message: the
+    exception the probes recorded, else the job's log."""
+    run = bundle.run
+    data = run.ranks.get(rank) if run is not None else None
+    message = str((data.exception or {}).get("message") or "") if data is not None else ""
+    report = parse_oom(message, rank)
+    if run is not None and data is not None and report is not None and report.allowed is not None:
+        return stream_source(run, data, "exception record: torch's OOM message"), report.allowed
+    if rank in logged and logged[rank][1].allowed is not None:
+        path, log_report = logged[rank]
+        return f"{path}:{log_report.line}", int(log_report.allowed or 0)
+    return None
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     findings = []
     with_snapshot: set[int] = set()
@@ -144,7 +216,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     for rank, snap in sorted(bundle.snapshots.items()):
         for device in snap.devices:
             if device.ooms:
-                finding = _snapshot_finding(rank, snap, device.ooms[0], device.device)
+                finding = _snapshot_finding(
+                    rank, snap, device.ooms[0], device.device, _cap(bundle, rank, logged), _logits_bytes(bundle, rank)
+                )
                 if rank in logged:  # the log's message adds what the snapshot cannot see
                     path, report = logged[rank]
                     finding.evidence += [

@@ -82,3 +82,15 @@ def test_unreadable_gzip(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(b"[rank0]: hello\n" * 1000)[:50])
     with pytest.raises(BadInputError, match="cannot read the log"):
         read_log(path)
+
+
+def test_oom_message_with_a_per_process_cap() -> None:
+    from lorascope.ingest.logs.reader import parse_oom
+
+    report = parse_oom(
+        "CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+        "138.46 GiB is free. Including non-PyTorch memory, this process has 1.33 GiB memory in use. 170.00 MiB "
+        "allowed; Of the allocated memory 116.84 MiB is allocated by PyTorch"
+    )
+    assert report is not None and report.allowed == 170 * 2**20 and report.requested == 64 * 2**20
+    assert parse_oom("RuntimeError: something else") is None

@@ -37,6 +37,8 @@ OOM_FIELDS: dict[str, re.Pattern[str]] = {
     "allocated_by_pytorch": re.compile(SIZE + r" is allocated by PyTorch|" + SIZE + r" already allocated"),
     "reserved_unallocated": re.compile(SIZE + r" is reserved by PyTorch but unallocated"),
     "reserved_total": re.compile(SIZE + r" reserved in total by PyTorch"),
+    # torch.cuda.set_per_process_memory_fraction's cap ("... memory in use. 170.00 MiB allowed;")
+    "allowed": re.compile(SIZE + r" allowed"),
 }
 OOM_GPU = re.compile(r"GPU (\d+)")
 OTHER_PROCESS = re.compile(r"Process (\d+) has " + SIZE + r" memory in use")

@@ -71,6 +71,8 @@ class OomReport:
     #: "reserved by PyTorch but unallocated" (newer torch), or reserved - allocated (older).
     reserved_unallocated: int | None
     reserved_total: int | None
+    #: The process's own cap (``torch.cuda.set_per_process_memory_fraction``), when set.
+    allowed: int | None
     #: Other processes on the same GPU: pid -> bytes ("Process 4413 has 1.20 GiB memory in use").
     other_processes: dict[int, int]
 
@@ -237,6 +239,12 @@ def _match(line: str, rank: int | None, n: int, result: LogAnalysis) -> None:
         result.lines_of_note.append(LogLine(kind=kind, rank=rank, line=n, text=line.strip()[:500]))
 
 
+def parse_oom(text: str, rank: int | None = None) -> OomReport | None:
+    """The numbers of one CUDA OOM message (a rank's recorded exception), None if it is not one."""
+    m = P.OOM.search(text)
+    return _oom(text, m, rank, 0) if m else None
+
+
 def _oom(line: str, m: re.Match[str], rank: int | None, n: int) -> OomReport:
     fields = {name: P.size_bytes(p.search(line)) for name, p in P.OOM_FIELDS.items()}
     gpu = P.OOM_GPU.search(line)
@@ -254,5 +262,6 @@ def _oom(line: str, m: re.Match[str], rank: int | None, n: int) -> OomReport:
         allocated_by_pytorch=fields["allocated_by_pytorch"],
         reserved_unallocated=unallocated,
         reserved_total=fields["reserved_total"],
+        allowed=fields["allowed"],
         other_processes={int(p.group(1)): P.bytes_of(p.group(2), p.group(3)) for p in P.OTHER_PROCESS.finditer(line)},
     )
