@@ -112,6 +112,32 @@ class _Rss:
         return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
 
 
+def _allocator_counters(torch: Any, dev: int) -> dict[str, int]:
+    """The caching allocator's allocated, reserved and peak-allocated bytes, from one read of
+    its statistics. ``torch.cuda.memory_allocated`` and its kin each build the whole
+    flattened ``memory_stats`` dict (~100 keys); three of them at every phase edge were most
+    of the probes' 4 ms a step on the GPU check's 16 ms steps. The nested form is torch's
+    own ``memory_stats_as_nested_dict``; the public one is the fallback."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is not None:
+        try:
+            stats = nested(dev)
+            allocated = stats["allocated_bytes"]["all"]
+            return {
+                "alloc": int(allocated["current"]),
+                "reserved": int(stats["reserved_bytes"]["all"]["current"]),
+                "max_alloc": int(allocated["peak"]),
+            }
+        except (KeyError, TypeError):
+            pass
+    flat = torch.cuda.memory_stats(dev)
+    return {
+        "alloc": int(flat.get("allocated_bytes.all.current", 0)),
+        "reserved": int(flat.get("reserved_bytes.all.current", 0)),
+        "max_alloc": int(flat.get("allocated_bytes.all.peak", 0)),
+    }
+
+
 class MemoryProbe:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -134,13 +160,7 @@ class MemoryProbe:
             self._device = torch.cuda.current_device()
         if self._device is None:
             return None
-        dev = self._device
-        return {
-            "device": dev,
-            "alloc": torch.cuda.memory_allocated(dev),
-            "reserved": torch.cuda.memory_reserved(dev),
-            "max_alloc": torch.cuda.max_memory_allocated(dev),
-        }
+        return {"device": self._device, **_allocator_counters(torch, self._device)}
 
     def _read_nvml(self) -> dict[str, Any] | None:
         if self._device is None:

@@ -334,3 +334,31 @@ def test_ddp_settings_are_recorded(tmp_path: Path) -> None:
     ddp = load_run(out).ranks[0].configs["ddp"]
     assert ddp["find_unused_parameters"] is True and ddp["static_graph"] is False and ddp["sink_clone"] is True
     assert ddp["bucket_bytes_cap"] == 25 * 2**20  # torch's default bucket_cap_mb
+
+
+def test_allocator_counters_read_once_or_fall_back() -> None:
+    """The CUDA counters come from one read of the allocator's nested statistics (torch's
+    ``memory_stats_as_nested_dict`` form); where that is missing or shaped otherwise, from
+    the public flattened ``memory_stats``."""
+    from types import SimpleNamespace
+
+    from lorascope.probes.memory import _allocator_counters
+
+    nested = {"allocated_bytes": {"all": {"current": 5, "peak": 9}}, "reserved_bytes": {"all": {"current": 8}}}
+    flat = {"allocated_bytes.all.current": 6, "reserved_bytes.all.current": 7, "allocated_bytes.all.peak": 10}
+    calls: list[int] = []
+
+    def stats(dev: int) -> dict[str, object]:
+        calls.append(dev)
+        return nested
+
+    cuda = SimpleNamespace(memory_stats=lambda dev: flat)
+    fake = SimpleNamespace(_C=SimpleNamespace(_cuda_memoryStats=stats), cuda=cuda)
+    assert _allocator_counters(fake, 1) == {"alloc": 5, "reserved": 8, "max_alloc": 9} and calls == [1]
+    assert _allocator_counters(SimpleNamespace(_C=SimpleNamespace(), cuda=cuda), 0) == {
+        "alloc": 6,
+        "reserved": 7,
+        "max_alloc": 10,
+    }
+    odd = SimpleNamespace(_C=SimpleNamespace(_cuda_memoryStats=lambda dev: {}), cuda=cuda)
+    assert _allocator_counters(odd, 0)["alloc"] == 6
