@@ -208,3 +208,19 @@ def test_a_trace_broken_in_its_middle_is_not_taken_for_a_cut_one(tmp_path: Path)
     assert len(text) - at > salvage.MAX_AFTER_CUT
     with pytest.raises(BadInputError, match="is not valid JSON"):
         read_trace(path)
+
+
+def test_hta_failure_without_a_message_says_where() -> None:
+    """HTA's own asserts carry no message: the line says where it failed instead of
+    "AssertionError: " (what the GPU check's real trace read)."""
+    from lorascope.ingest.kineto.hta import why_failed
+
+    def breakdown() -> None:
+        raise AssertionError  # what a bare assert raises (pytest would add a message to one here)
+
+    try:
+        breakdown()
+    except AssertionError as exc:
+        text = why_failed(exc)
+    assert text.startswith("AssertionError: at tests/unit/test_ingest_kineto.py:") and "raise AssertionError" in text
+    assert why_failed(ValueError("no GPU events")) == "ValueError: no GPU events"

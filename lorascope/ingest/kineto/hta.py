@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def hta_available() -> bool:
     return True
 
 
+def why_failed(exc: BaseException) -> str:
+    """The exception in a line; where it was raised when it has no message (HTA's own
+    ``assert``s do not: on the GPU check's trace, "assert non_compute_time >= 0" in its
+    temporal breakdown read "AssertionError: ")."""
+    text = str(exc)[:120]
+    if not text:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            last = frames[-1]
+            text = f"at {'/'.join(Path(last.filename).parts[-3:])}:{last.lineno}" + (
+                f": {last.line.strip()[:80]}" if last.line else ""
+            )
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
 def hta_figures(files: dict[int, Path]) -> tuple[dict[int, HtaFigures], str | None]:
     """Figures per rank, and why there are none when HTA refused (None when it worked)."""
     try:
@@ -64,7 +80,7 @@ def hta_figures(files: dict[int, Path]) -> tuple[dict[int, HtaFigures], str | No
             breakdown = analysis.get_temporal_breakdown(visualize=False)
             launches = analysis.get_cuda_kernel_launch_stats(ranks=sorted(files), visualize=False)
     except Exception as exc:
-        return {}, f"HTA rejected the traces ({exc.__class__.__name__}: {str(exc)[:120]})"
+        return {}, f"HTA rejected the traces ({why_failed(exc)})"
     finally:
         logging.disable(previous)
     out: dict[int, HtaFigures] = {}
