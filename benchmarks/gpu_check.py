@@ -18,12 +18,13 @@ Runs (all the probes/ job, probes/train_lora.py, through benchmarks/gpu_job.py):
 - ``zero3`` (only with DeepSpeed importable, e.g. from the wheels in ``.whl/``): 1 rank
   under DeepSpeed ZeRO-3.
 - ``overhead``: the healthy job bare, probed, and probed without allocator history,
-  alternated; mean step times.
+  alternated; mean step times. The last probed run is analysed: no warning (kept as the
+  ``healthy`` fixture).
 
 Writes ``gpu-check.json`` and ``gpu-check.txt`` (figures) to ``$OUT`` if set, else
-``runs/gpu-check/``; and small real GPU fixtures (the single, shared and oom run
-directories) to ``fixtures/gpu/`` (and ``$OUT/fixtures/gpu/``: copy them into the repo
-from there when the check ran on another machine). Exit status: 0 when every check
+``runs/gpu-check/``; and small real GPU fixtures (the single, shared, oom and healthy run
+directories) to ``fixtures/gpu/`` (and, with ``$OUT``, as ``$OUT/gpu-fixtures.tar.gz``:
+the device tool brings back no folder that deep; unpack it in the repository root). Exit status: 0 when every check
 passed or was skipped with a reason, 1 otherwise; 0 with "skipped" without CUDA.
 """
 
@@ -39,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,7 +54,6 @@ BUDGET_S = 7 * 60
 JOB_TIMEOUT_S = 150
 #: Keep fixtures small: files above this are left out (and said so).
 MAX_FIXTURE_FILE = 6 * 2**20
-FIXTURE_RUNS = ("single", "shared", "oom")
 
 
 @dataclass
@@ -303,6 +304,38 @@ def check_oom(run: Any, bundle: Any, findings: list[Any]) -> tuple[bool, str]:
     return ok, f"exception {exc}; snapshot via {via}; top category {top} of {cats}; top sites {sites}"
 
 
+def check_counters() -> tuple[bool, str]:
+    """The probes' one-read allocator counters equal torch.cuda's three calls, and what each
+    costs (the probes read them at every phase edge)."""
+    import torch
+
+    from lorascope.probes.memory import _allocator_counters
+
+    held = torch.empty(3 << 20, device="cuda")
+    ours = _allocator_counters(torch, 0)
+    theirs = {
+        "alloc": torch.cuda.memory_allocated(0),
+        "reserved": torch.cuda.memory_reserved(0),
+        "max_alloc": torch.cuda.max_memory_allocated(0),
+    }
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _allocator_counters(torch, 0)
+    t1 = time.perf_counter()
+    for _ in range(n):
+        torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0), torch.cuda.max_memory_allocated(0)
+    t2 = time.perf_counter()
+    del held
+    return ours == theirs, f"{ours} vs {theirs}; {(t1 - t0) / n * 1e6:.1f} us a reading vs {(t2 - t1) / n * 1e6:.1f} us"
+
+
+def check_quiet(findings: list[Any], ids: tuple[str, ...] | None) -> tuple[bool, str]:
+    """No finding at warning or error (of these detectors; of any when ``ids`` is None)."""
+    loud = [f for f in findings if f.severity in ("warning", "error") and (ids is None or f.id in ids)]
+    return not loud, "; ".join(f"{f.id} {f.severity}: {f.title}"[:160] for f in loud) or "none"
+
+
 def check_gpu0_guests(run: Any) -> tuple[bool | None, str]:
     """NVML on rank 0's GPU lists the other ranks' processes (they share GPU 0 here).
     Not applicable when NVML reports PIDs of another namespace (a container)."""
@@ -455,6 +488,11 @@ class GpuCheck:
             "rank0-asymmetry from CUDA memory + snapshots",
             g("rank0-asymmetry", check_finding, findings, "rank0-asymmetry", "on rank 0 only", "gather_to_rank0"),
         )
+        self.add(
+            "the stall named: rank 1, outside collectives",
+            g("stall named", check_finding, findings, "hung-ranks", "rank 1 is stuck outside any collective"),
+        )
+        self.add("no false collective-mismatch", g("no mismatch", check_quiet, findings, ("collective-mismatch",)))
         self.keep("shared", out)
 
     def _hang_during_stall(self, out: Path, job: subprocess.Popen[str]) -> tuple[bool, str]:
@@ -474,7 +512,8 @@ class GpuCheck:
                     verdict = json.loads(res.stdout).get("verdict", "")
                 except ValueError:
                     verdict = tail(res)
-                return res.returncode == 0, f"exit {res.returncode}: {str(verdict)[:200]}"
+                named = "rank 1 is stuck" in str(verdict)
+                return res.returncode == 0 and named, f"exit {res.returncode}: {str(verdict)[:200]}"
             time.sleep(0.3)
         return False, "the ranks never recorded the stall"
 
@@ -566,6 +605,12 @@ class GpuCheck:
                     rss[name].append(peak_rss(dirs[name]))
                     if (share := in_job_cost(dirs[name])) is not None:
                         in_job[name].append(share)
+        healthy = self.work / "ovh-nohist"  # the last run (each run clears both probed directories)
+        if (healthy / "manifest.json").is_file():
+            analysed = self.report.guarded("healthy: analysed", self.analyse, healthy)
+            if analysed is not None:
+                self.add("healthy run: no warning", self.report.guarded("healthy", check_quiet, analysed[2], None))
+                self.keep("healthy", healthy)
         figures = overhead(times)
         # host memory the allocator history costs: the probed ranks' peak RSS, with and without
         figures["peak_rss_mib"] = {k: round(statistics.mean(v) / 2**20, 1) for k, v in rss.items() if v}
@@ -622,11 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "runs" / "gpu-check"
     out.mkdir(parents=True, exist_ok=True)
-    fixtures = [REPO / "fixtures" / "gpu"] + ([out / "fixtures" / "gpu"] if os.environ.get("OUT") else [])
+    fixtures = [REPO / "fixtures" / "gpu"]
     work = Path(tempfile.mkdtemp(prefix="lorascope-gpu-check-"))
     check = GpuCheck(work, out, fixtures, started)
     check.report.figures["device"] = torch.cuda.get_device_name(0)
     check.report.figures["torch"] = torch.__version__
+    check.report.figures["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    check.report.figures["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     steps = {
         "single": check.single,
         "shared": check.shared,
@@ -634,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "zero3": check.zero3,
         "overhead": check.overhead,
     }
+    check.add("allocator counters: one read", check.report.guarded("allocator counters", check_counters))
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         for name, step in steps.items():
@@ -657,7 +705,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"checks": [asdict(c) for c in check.report.checks], "figures": check.report.figures}, indent=2)
         + "\n"
     )
-    print(f"gpu_check: figures in {out}; fixtures in {', '.join(map(str, fixtures))}; runs in {work}")
+    if os.environ.get("OUT") and fixtures[0].is_dir():
+        with tarfile.open(out / "gpu-fixtures.tar.gz", "w:gz") as tar:
+            tar.add(fixtures[0], arcname="fixtures/gpu")
+    print(f"gpu_check: figures in {out}; fixtures in {fixtures[0]}; runs in {work}")
     return 0 if check.report.passed else 1
 
 

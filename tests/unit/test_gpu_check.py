@@ -149,3 +149,13 @@ def test_in_job_cost_of_a_run(tmp_path: Path) -> None:
 def test_peak_rss_of_a_run() -> None:
     rank0 = load_run(FIXTURES / "healthy").ranks[0]
     assert gpu_check.peak_rss(FIXTURES / "healthy") == max(m["rss"] for m in rank0.mem) > 0
+
+
+def test_check_quiet_lists_what_is_loud() -> None:
+    """The healthy run must raise no warning; the shared run no collective-mismatch."""
+    loud = SimpleNamespace(id="plan-deviation", severity="warning", title="max_memory_allocated is 66.8 MiB")
+    info = SimpleNamespace(id="logits-spike", severity="info", title="the loss's logits")
+    assert gpu_check.check_quiet([info], None) == (True, "none")
+    ok, detail = gpu_check.check_quiet([info, loud], None)
+    assert not ok and detail.startswith("plan-deviation warning: max_memory_allocated")
+    assert gpu_check.check_quiet([loud], ("collective-mismatch",)) == (True, "none")
