@@ -107,6 +107,7 @@ class ExitProbe:
         self._on_exception = on_exception
         self._seen_warnings = 0
         self._exit_code: int | None = None
+        self._exception_recorded = False
 
     def install(self) -> None:
         self._install_warnings()
@@ -147,24 +148,39 @@ class ExitProbe:
 
         def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
             with _signals_held():
-                try:
-                    self.session.record(
-                        "exception",
-                        type=exc_type.__name__,
-                        message=str(exc)[:20000],
-                        traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
-                        stacks=thread_stacks()[-50000:],
-                    )
-                    self.session.flush()
-                    if self._on_exception is not None:
-                        self._on_exception(exc)
-                    self._on_crash("exception")
-                    self._write_end("exception", 1)
-                except Exception:
-                    pass
+                self._record_exception(exc_type, exc, tb, thread_stacks)
                 previous(exc_type, exc, tb)
 
         sys.excepthook = excepthook
+
+    def _record_exception(self, exc_type: type, exc: BaseException, tb: Any, stacks: Callable[[], str]) -> None:
+        """The exception record, the crash dumps and the end record of an uncaught exception."""
+        try:
+            if not self._exception_recorded:
+                self.session.record(
+                    "exception",
+                    type=exc_type.__name__,
+                    message=str(exc)[:20000],
+                    traceback="".join(traceback.format_exception(exc_type, exc, tb))[-50000:],
+                    stacks=stacks()[-50000:],
+                )
+                self._exception_recorded = True
+                self.session.flush()
+                if self._on_exception is not None:
+                    self._on_exception(exc)
+                self._on_crash("exception")
+            self._write_end("exception", 1)
+        except Exception:
+            pass
+
+    def _uncaught(self) -> BaseException | None:
+        """The exception the interpreter printed as uncaught, if the job dies of one: it sets
+        ``sys.last_value`` before it calls the exception hook, so this holds even when the
+        hook never wrote it. A second Ctrl-C pending when the first KeyboardInterrupt reached
+        the hook fires at the hook's first line, before it can hold signals off: the rank
+        then read "exit 0" (an e2e test saw it under load, one run in four beside a CPU hog)."""
+        exc = getattr(sys, "last_value", None)
+        return exc if isinstance(exc, BaseException) and not isinstance(exc, SystemExit) else None
 
     def _install_exit(self) -> None:
         """Remember the code given to sys.exit (atexit cannot see it)."""
@@ -209,6 +225,11 @@ class ExitProbe:
         try:
             if self._exit_code is not None:
                 self._write_end("exit", self._exit_code)
+                return
+            uncaught = None if self.session.ended else self._uncaught()
+            if uncaught is not None:
+                with _signals_held():  # the process is ending of it: its stacks say nothing now
+                    self._record_exception(type(uncaught), uncaught, uncaught.__traceback__, lambda: "")
                 return
             missing = unopened_script()
             if missing is not None:  # python exits 2 without a SystemExit the probes see
