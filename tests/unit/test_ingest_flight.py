@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from lorascope.cli import cli
 from lorascope.detect.hang.flight_align import align
 from lorascope.errors import BadInputError
-from lorascope.ingest.flight.reader import call_chain, call_site, parse_flight_dump, read_flight_dump
+from lorascope.ingest.flight.reader import FlightEntry, call_chain, call_site, parse_flight_dump, read_flight_dump
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "flight-recorder"
 
@@ -175,3 +175,27 @@ def test_a_ranks_pending_entry_follows_the_number_it_names() -> None:
     assert lines[1] == "rank 1: last enqueued #3, started -, completed #3"
     result = CliRunner().invoke(cli, ["analyze", str(FR / "library-save-rank0")])
     assert "rank 1 at group 0 #4: barrier at " in result.output and "barrier  at" not in result.output
+
+
+def _call(op: str, ins: list[Any], outs: list[Any], in_dt: list[str], out_dt: list[str]) -> FlightEntry:
+    return FlightEntry(
+        record_id=1, group="0", group_desc="default_pg", seq=6, p2p_seq=None, is_p2p=False, op=op,
+        backend="gloo", input_sizes=ins, output_sizes=outs, input_dtypes=in_dt, output_dtypes=out_dt,
+        state="scheduled", retired=False, completed=False, frames=[], time_created_ns=None,
+        timeout_ms=None, duration_ms=None,
+    )  # fmt: skip
+
+
+def test_rooted_calls_compare_the_side_every_rank_holds() -> None:
+    """The GPU check's gather: [[2, 1048576]] outputs on the root, none on rank 1."""
+    root = _call("gather", [[1048576]], [[2, 1048576]], ["Float"], ["Float"])
+    other = _call("gather", [[1048576]], [], ["Float"], [])
+    assert root.signature() == other.signature()
+    assert _call("gather", [[8]], [], ["Float"], []).signature() != other.signature()  # a real mismatch
+    assert _call("gather", [[1048576]], [], ["Double"], []).signature() != other.signature()
+    scatter_root = _call("scatter", [[2, 4]], [[4]], ["Float"], ["Float"])
+    assert scatter_root.signature() == _call("scatter", [], [[4]], [], ["Float"]).signature()
+    # every other op compares both sides
+    assert _call("all_gather", [[1]], [[2, 1]], ["Long"], ["Long"]).signature() != (
+        _call("all_gather", [[1]], [], ["Long"], []).signature()
+    )

@@ -190,22 +190,9 @@ def _align_group(name: str, dumps: dict[int, FlightDump]) -> GroupAlignment:
     )
 
 
-#: Rooted calls whose tensors on one side exist on the root only: a gather's outputs, a
-#: scatter's inputs (the flight recorder lists none on the other ranks). Only the side
-#: every rank has is compared (seen on a GPU run: every gather read as a size mismatch).
-_ROOT_ONLY_SIDE = {"gather": "output", "scatter": "input"}
-
-
-def _sides(e: FlightEntry) -> tuple[tuple[object, object], tuple[tuple[str, ...], tuple[str, ...]]]:
-    """(sizes, dtypes) of the entry's sides that every rank of the call holds."""
-    root_only = _ROOT_ONLY_SIDE.get(e.op)
-    ins = (_key(e.input_sizes), tuple(e.input_dtypes)) if root_only != "input" else ((), ())
-    outs = (_key(e.output_sizes), tuple(e.output_dtypes)) if root_only != "output" else ((), ())
-    return (ins[0], outs[0]), (ins[1], outs[1])
-
-
-#: What can differ between ranks' entries at one sequence number.
-FLIGHT_ASPECTS: Aspects[FlightEntry] = Aspects(("op", "size", "dtype"), lambda e: (e.op, *_sides(e)))
+#: What can differ between ranks' entries at one sequence number (``signature``: the
+#: sides of a rooted call that only its root holds are left out).
+FLIGHT_ASPECTS: Aspects[FlightEntry] = Aspects(("op", "size", "dtype"), FlightEntry.signature)
 
 
 def _compare(
@@ -236,10 +223,6 @@ def _compare(
             )
         )
     return out, window if window[0] <= window[1] else None, compared
-
-
-def _key(sizes: list[object]) -> object:
-    return tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in sizes)
 
 
 def _extra_on(holding: dict[int, dict[int, FlightEntry]], seq: int) -> list[int]:

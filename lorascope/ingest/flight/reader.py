@@ -30,6 +30,10 @@ from lorascope.rundir.safe_open import loads_json, open_regular, read_capped
 MAX_FRAMES = 12
 
 
+#: Rooted calls whose tensors on one side exist on the root only.
+_ROOT_ONLY_SIDE = {"gather": "output", "scatter": "input"}
+
+
 @dataclass
 class FlightEntry:
     """One collective (or p2p op) as one rank's flight recorder saw it."""
@@ -63,14 +67,14 @@ class FlightEntry:
     duration_ms: float | None
 
     def signature(self) -> tuple[Any, ...]:
-        """What every rank must agree on for the same collective."""
-        return (
-            self.op,
-            _plain(self.input_sizes),
-            _plain(self.output_sizes),
-            tuple(self.input_dtypes),
-            tuple(self.output_dtypes),
-        )
+        """What every rank must agree on for the same collective: (op, sizes, dtypes) of
+        the sides every rank holds. A gather's outputs and a scatter's inputs are the
+        root's only (the recorder lists none on the other ranks): left out (on the GPU
+        check's run every gather read as a size mismatch)."""
+        root_only = _ROOT_ONLY_SIDE.get(self.op)
+        ins = (_plain(self.input_sizes), tuple(self.input_dtypes)) if root_only != "input" else ((), ())
+        outs = (_plain(self.output_sizes), tuple(self.output_dtypes)) if root_only != "output" else ((), ())
+        return self.op, (ins[0], outs[0]), (ins[1], outs[1])
 
 
 @dataclass
