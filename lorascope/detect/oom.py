@@ -15,7 +15,9 @@ from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.logs.reader import OomReport, parse_oom
+from lorascope.ingest.snapshot.points import SIZE_SLACK
 from lorascope.ingest.snapshot.types import MemoryPoint, OomEvent, SiteGroup, SnapshotAnalysis
+from lorascope.rundir.reader import RankData, RunData
 from lorascope.units import fmt_bytes
 
 ID = "oom"
@@ -44,10 +46,6 @@ def _room_left(oom: OomEvent) -> bool:
     return oom.device_free is not None and oom.device_free > oom.requested
 
 
-#: A live block this close to the size of the job's logits is taken as them.
-LOGITS_SLACK = 1024
-
-
 def _logits_sized(live: MemoryPoint, logits_bytes: list[int]) -> tuple[dict[str, int], list[SiteGroup]]:
     """The live set's categories and sites with the blocks of the logits' size (the probes
     record it at the output projection) counted as logits: an OOM at the loss comes before
@@ -56,7 +54,7 @@ def _logits_sized(live: MemoryPoint, logits_bytes: list[int]) -> tuple[dict[str,
     by_category, by_site = dict(live.by_category), []
     for g in live.by_site:
         blocks = round(g.bytes / g.largest) if g.largest else 0
-        if g.category != "logits" and any(abs(g.largest - b) <= LOGITS_SLACK for b in logits_bytes) and blocks:
+        if g.category != "logits" and any(abs(g.largest - b) <= SIZE_SLACK for b in logits_bytes) and blocks:
             moved = g.largest * min(g.count, blocks)
             by_category[g.category] -= moved
             by_category["logits"] = by_category.get("logits", 0) + moved
@@ -187,25 +185,22 @@ def _log_reports(bundle: EvidenceBundle) -> dict[int, tuple[str, OomReport]]:
     return out
 
 
-def _logits_bytes(bundle: EvidenceBundle, rank: int) -> list[int]:
+def _logits_bytes(data: RankData | None) -> list[int]:
     """Sizes of the logits the probes saw at the rank's output projection."""
-    data = bundle.run.ranks.get(rank) if bundle.run is not None else None
     logits = data.logits if data is not None else []
     return sorted({int(r["bytes"]) for r in logits if r.get("where") == "lm_head_output" and r.get("bytes")})
 
 
-def _cap(bundle: EvidenceBundle, rank: int, logged: dict[int, tuple[str, OomReport]]) -> tuple[str, int] | None:
+def _cap(run: RunData | None, data: RankData | None, logged: tuple[str, OomReport] | None) -> tuple[str, int] | None:
     """(where it is read, bytes) of the rank's own memory cap, from its OOM message: the
     exception the probes recorded, else the job's log."""
-    run = bundle.run
-    data = run.ranks.get(rank) if run is not None else None
-    message = str((data.exception or {}).get("message") or "") if data is not None else ""
-    report = parse_oom(message, rank)
+    report = parse_oom(str((data.exception or {}).get("message") or "")) if data is not None else None
     if run is not None and data is not None and report is not None and report.allowed is not None:
         return stream_source(run, data, "exception record: torch's OOM message"), report.allowed
-    if rank in logged and logged[rank][1].allowed is not None:
-        path, log_report = logged[rank]
-        return f"{path}:{log_report.line}", int(log_report.allowed or 0)
+    if logged is not None:
+        path, log_report = logged
+        if log_report.allowed is not None:
+            return f"{path}:{log_report.line}", log_report.allowed
     return None
 
 
@@ -216,9 +211,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     for rank, snap in sorted(bundle.snapshots.items()):
         for device in snap.devices:
             if device.ooms:
-                finding = _snapshot_finding(
-                    rank, snap, device.ooms[0], device.device, _cap(bundle, rank, logged), _logits_bytes(bundle, rank)
-                )
+                data = bundle.run.ranks.get(rank) if bundle.run is not None else None
+                cap = _cap(bundle.run, data, logged.get(rank))
+                finding = _snapshot_finding(rank, snap, device.ooms[0], device.device, cap, _logits_bytes(data))
                 if rank in logged:  # the log's message adds what the snapshot cannot see
                     path, report = logged[rank]
                     finding.evidence += [

@@ -21,7 +21,7 @@ LARGEST_BLOCKS = 10
 #: Blocks from the loss at least this large make other blocks of their size "logits-sized".
 LOGITS_MIN_BYTES = 1 << 20
 #: Block sizes are rounded up to 512 bytes: a same-shaped tensor lands within this.
-_SIZE_SLACK = 1024
+SIZE_SLACK = 1024
 
 _NO_STACK = ("<no stack recorded>", "unknown", ())
 
@@ -135,7 +135,7 @@ def _logits_relabel(blocks: list[tuple[int, int, Any]], info: StackInfo) -> dict
     for i, (_, size, frames) in enumerate(blocks):
         if (
             size >= LOGITS_MIN_BYTES // 2
-            and any(abs(size - t) <= _SIZE_SLACK for t in wanted)
+            and any(abs(size - t) <= SIZE_SLACK for t in wanted)
             and info(frames)[1] != "logits"
         ):
             out[i] = "logits"
