@@ -170,7 +170,8 @@ def _tensors(value: Any) -> list[Any]:
 class _Call:
     """One call's raw fields, queued on the stream twice: at its start, and again when it
     has ended (the writer formats it; ``encode`` runs on whichever thread flushes, under
-    the stream's lock), and the stream's declared shapes."""
+    the stream's lock), and the stream's declared shapes. ``dtype`` is the payload's
+    dtype object (named by the writer)."""
 
     __slots__ = (
         "t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "shapes", "end", "err", "state"
@@ -183,7 +184,7 @@ class _Call:
         gid: int,
         op: str,
         nbytes: int | None,
-        dtype: str | None,
+        dtype: Any,
         is_async: bool,
         site: str | None,
         step: int,
@@ -208,7 +209,8 @@ class _Call:
             if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
                 return None
             self.state = 1 if end is None else 2
-            shape, declared = self.shapes.use((self.op, self.nbytes, self.dtype, self.is_async, self.site), self.t)
+            dtype = None if self.dtype is None else _dtype_name(self.dtype)
+            shape, declared = self.shapes.use((self.op, self.nbytes, dtype, self.is_async, self.site), self.t)
             via = "" if self.via is None else ',"via":' + _json(self.via)
             if end is None:
                 return declared + _COLL % (self.t, self.seq, self.gid, shape, self.step, via)
@@ -249,6 +251,20 @@ class _Started(NamedTuple):
     call: _Call
     events: tuple[Any, Any, Any, float] | None
     on_device: bool
+
+
+class _Spec(NamedTuple):
+    """How a wrapped function's arguments read: its op, where its group, ``async_op`` and
+    payload arguments are (-1: none), whether its calls are always async, and whether it
+    is a functional collective (waited for right away)."""
+
+    op: str
+    group_pos: int
+    async_pos: int
+    payload_pos: int
+    payload_kw: str
+    always_async: bool
+    functional: bool
 
 
 class CollectiveProbe:
@@ -416,20 +432,18 @@ class CollectiveProbe:
         async_pos = params.index("async_op") if "async_op" in params else -1
         payload_pos, payload_kw = PAYLOAD_ARG[op]
         always_async = op in ("isend", "irecv", "batch_isend_irecv")
-        probe = self
-
-        def begin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
-            return probe._begin(op, args, kwargs, group_pos, async_pos, payload_pos, payload_kw, always_async)
-
-        return self._recorded(op, original, begin, self._returned)
+        spec = _Spec(op, group_pos, async_pos, payload_pos, payload_kw, always_async, False)
+        return self._recorded(op, original, functools.partial(self._begin, spec), self._returned)
 
     def _returned(self, started: _Started | None, result: Any) -> None:
         """A c10d call returned: an ``async_op`` call is in flight until its work is done;
         any other call has ended."""
-        if result is not None and hasattr(result, "get_future") and started is not None:
-            self._end_when_done(started, result)
-        else:
+        if result is None or started is None or not hasattr(result, "get_future"):
             self._end(started, None)
+        elif not started.on_device and hasattr(result, "is_completed"):
+            self._open[id(result)] = (started, result)  # _end_when_done's host case, inline
+        else:
+            self._end_when_done(started, result)
 
     def _wrap_functional(self, funcol: ModuleType, name: str, original: Any) -> Any:
         """A functional collective: recorded as an async call (it returns an
@@ -439,6 +453,7 @@ class CollectiveProbe:
         group_pos = params.index("group")
         payload_pos, payload_kw = FUNCTIONAL_PAYLOAD_ARG[name]
         op = FUNCTIONAL_PREFIX + name
+        spec = _Spec(op, -1, -1, 0, payload_kw, True, True)
         probe = self
 
         def begin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
@@ -446,7 +461,7 @@ class CollectiveProbe:
                 funcol, kwargs.get("group", args[group_pos] if group_pos < len(args) else None)
             )
             payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
-            return probe._begin(op, (payload,), {"group": group}, -1, -1, 0, payload_kw, True)
+            return probe._begin(spec, (payload,), {"group": group})
 
         return self._recorded(name, original, begin, self._end_when_waited)
 
@@ -490,7 +505,6 @@ class CollectiveProbe:
                 spent += clock() - back
                 return result
             finally:
-                session.cost_ns += spent
                 session.calls_ns += spent
                 session.calls += 1
                 local.depth = 0
@@ -555,35 +569,34 @@ class CollectiveProbe:
         return _like(wait_tensor, original, "wait_tensor")
 
     # -- one call -----------------------------------------------------------------
-    def _begin(
-        self,
-        op: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        group_pos: int,
-        async_pos: int,
-        payload_pos: int,
-        payload_kw: str,
-        always_async: bool,
-    ) -> _Started | None:
+    def _begin(self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
+        """A call begins: its record queued, and on disk before the call when the rank may
+        block or die in it (below). The hot path of every call: written for few Python
+        operations (each costs ~0.3-0.5 us on the job's thread, ~10x a warm loop's)."""
         try:
+            op, group_pos, async_pos, payload_pos, payload_kw, always_async, functional = spec
             group = kwargs.get("group", args[group_pos] if 0 <= group_pos < len(args) else None)
             is_async = always_async or bool(
                 kwargs.get("async_op", args[async_pos] if 0 <= async_pos < len(args) else False)
             )
-            gid = self._gid(group)
-            seq = self._seq.get(gid, 0) + 1
-            self._seq[gid] = seq
+            known = self._gids.get(id(group)) if group is not None else None
+            gid = known[0] if known is not None else self._gid(group)
+            seqs = self._seq
+            seq = seqs[gid] = seqs.get(gid, 0) + 1
             nbytes: int | None = None
-            dtype: str | None = None
+            dtype: Any = None
             first = None
             if payload_pos >= 0:
-                payload = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
-                tensors = _tensors(payload)
-                if tensors:
-                    first = tensors[0]
-                    nbytes = first.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
-                    dtype = _dtype_name(first.dtype)
+                payload: Any = kwargs.get(payload_kw, args[payload_pos] if payload_pos < len(args) else None)
+                if hasattr(payload, "element_size"):  # one tensor (most calls)
+                    first = payload
+                    nbytes, dtype = payload.nbytes, payload.dtype
+                else:
+                    tensors = _tensors(payload)
+                    if tensors:
+                        first = tensors[0]
+                        nbytes = first.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
+                        dtype = first.dtype
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
             site, via = self._site()
@@ -598,13 +611,15 @@ class CollectiveProbe:
             # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
             # call's record waits for the writer (most end in time to be one record): a
             # synchronous call's flush may leave the youngest async calls queued.
-            if not is_async or op.startswith(FUNCTIONAL_PREFIX) or via is not None or self._conditioned.get(site or ""):
+            if not is_async or functional or via is not None or self._conditioned.get(site):  # type: ignore[arg-type]
                 flushed = time.perf_counter_ns()
                 session.flush(final=is_async)
                 session.flush_ns += time.perf_counter_ns() - flushed
-            on_device = first is not None and bool(getattr(first, "is_cuda", False))
-            events = self._cuda_events(first) if on_device and not is_async else None
-            return _Started(call, events, on_device)
+            # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)
+            if first is not None and getattr(first, "is_cuda", False):
+                events = None if is_async else self._cuda_events(first)
+                return tuple.__new__(_Started, (call, events, True))
+            return tuple.__new__(_Started, (call, None, False))
         except Exception as exc:
             self.session.fail("collectives", exc)
             return None
@@ -675,6 +690,7 @@ class CollectiveProbe:
         """``Work.wait`` at class level: a host async call ends when the job's wait for it
         returns (or raises: its error). Any other work passes straight through."""
         probe = self
+        session, opened, in_flight, clock = self.session, self._open, self._in_flight, time.perf_counter_ns
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -683,12 +699,15 @@ class CollectiveProbe:
                 if probe._open:
                     probe._end_open(id(work), repr(exc)[:500])
                 raise
-            if probe._open:
-                began = time.perf_counter_ns()
-                probe._end_open(id(work), None)
-                spent = time.perf_counter_ns() - began
-                probe.session.cost_ns += spent
-                probe.session.calls_ns += spent
+            if opened:
+                began = clock()
+                entry = opened.pop(id(work), None)
+                if entry is not None:  # _end of a host call (no events), inline
+                    call = entry[0].call
+                    call.end = time.time()
+                    in_flight.pop((call.gid, call.seq), None)
+                    session.record_entry(call)
+                session.calls_ns += clock() - began
             return out
 
         return _like(wait, original, "wait")
@@ -800,7 +819,7 @@ class CollectiveProbe:
                     and (id(under.f_code), under.f_lasti) == hop.below
                     and (id(found.f_code), found.f_lasti) == hop.site
                 ):
-                    site = self._describe(found)
+                    site = self._sites.get(hop.site) or self._describe(found)
                     return site, self._via(found, site)
         frame: FrameType | None = first
         below: FrameType | None = None

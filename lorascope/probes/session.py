@@ -50,10 +50,11 @@ class Session:
         self.step_source: str | None = None
         self.disabled: set[str] = set()
         self.ended = False
-        #: What the probes cost the job's own threads: wall ns in probe code (the
-        #: collective wrappers, phase edges, step ends, the loss) and, of it, the
-        #: collective calls' (how many; of theirs, the flushes before synchronous ones and
-        #: the first call at each site, which reads its source: a one-off, how many), the
+        #: What the probes cost the job's own threads: wall ns in probe code outside the
+        #: collective wrappers (phase edges, step ends, the loss); in the collective calls
+        #: (apart: one addition a call less; the cost record sums them), how many, and of
+        #: their time the flushes before synchronous ones and the first call at each site,
+        #: which reads its source (a one-off, how many); of ``cost_ns``, the
         #: C heap readings' (how many) and the kernel trace window's (starting, stopping,
         #: exporting the trace: a few steps' one-off cost). Added to without a lock: two
         #: job threads adding at once lose a measurement, never a record.
@@ -110,7 +111,7 @@ class Session:
         self.record(
             "cost",
             step=self.step,
-            job_ms=round(self.cost_ns / 1e6, 3),
+            job_ms=round((self.cost_ns + self.calls_ns) / 1e6, 3),
             calls_ms=round(self.calls_ns / 1e6, 3),
             calls=self.calls,
             flush_ms=round(self.flush_ns / 1e6, 3),
