@@ -19,7 +19,7 @@ stream waits for that stream before it starts, and that stream waits for the
 collective before the call returns), read at a later step end once the end event is
 done (``Event.query``): nothing here waits for the device. An ``async_op`` call returns
 before its work is waited for, so events around the call would time nothing: it gets
-none, and ends when its work is seen completed (see :meth:`CollectiveProbe._end_when_done`).
+none, and ends when its work is seen completed (see :meth:`CollectiveProbe._returned`).
 
 The paths FSDP takes (torch 2.13): FSDP2's all-gathers and reduce-scatters are
 ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (the new names of
@@ -435,16 +435,6 @@ class CollectiveProbe:
         spec = _Spec(op, group_pos, async_pos, payload_pos, payload_kw, always_async, False)
         return self._recorded(op, original, functools.partial(self._begin, spec), self._returned)
 
-    def _returned(self, started: _Started | None, result: Any) -> None:
-        """A c10d call returned: an ``async_op`` call is in flight until its work is done;
-        any other call has ended."""
-        if result is None or started is None or not hasattr(result, "get_future"):
-            self._end(started, None)
-        elif not started.on_device and hasattr(result, "is_completed"):
-            self._open[id(result)] = (started, result)  # _end_when_done's host case, inline
-        else:
-            self._end_when_done(started, result)
-
     def _wrap_functional(self, funcol: ModuleType, name: str, original: Any) -> Any:
         """A functional collective: recorded as an async call (it returns an
         ``AsyncCollectiveTensor`` before the work is done) on the process group its
@@ -640,9 +630,10 @@ class CollectiveProbe:
             except Exception as exc:
                 self.session.fail("collectives", exc)
 
-    def _end_when_done(self, started: _Started, work: Any) -> None:
-        """An ``async_op`` call ends when its work completes (the rank may wait for it much
-        later, ``work.wait()``: blocked there, it is in a collective), not when it returns.
+    def _returned(self, started: _Started | None, result: Any) -> None:
+        """A c10d call returned: any call but an ``async_op`` one has ended. An ``async_op``
+        call ends when its work completes (the rank may wait for it much later,
+        ``work.wait()``: blocked there, it is in a collective), not when it returns.
 
         A host call (gloo, a CPU payload) ends when its work is first seen completed: when
         the job's ``wait()`` on it returns (the exact end when the rank blocked there), or
@@ -655,11 +646,14 @@ class CollectiveProbe:
         waits for the collective, not when it is done, so a device call keeps the
         callback (which takes the time and the future's error). Without a way to tell
         completion, the call ends now."""
+        if result is None or started is None or not hasattr(result, "get_future"):
+            self._end(started, None)
+            return
         try:
-            if not started.on_device and hasattr(work, "is_completed"):
-                self._open[id(work)] = (started, work)
+            if not started.on_device and hasattr(result, "is_completed"):
+                self._open[id(result)] = (started, result)
                 return
-            future = work.get_future()
+            future = result.get_future()
             future.add_done_callback(lambda done: self._end(started, _future_error(done)))
         except Exception:
             self._end(started, None)
