@@ -7,13 +7,14 @@ probe's own work per call: the collective probe wraps a stand-in for
 ``torch.distributed.all_reduce`` that does nothing and returns a real, completed gloo work
 (1-rank process group), called from below ``--depth`` frames the probe counts as library
 frames (as DeepSpeed's are in the job), so that the call-site walk, the record, the queue,
-the flush before a synchronous call (format and one ``os.write``) and, for an async call,
-the tracking of its work and the end in its ``wait()`` are all in the figure, and the
-collective itself is not. It prints, for synchronous and async calls, the bare and the
+what puts a synchronous call's record on disk before it starts (with ``--queued`` records
+waiting for the writer, as in the job) and, for an async call, the tracking of its work
+and the end in its ``wait()`` are all in the figure, and the collective itself and the
+writer's work are not. It prints, for synchronous and async calls, the bare and the
 probed microseconds per call (the minimum over ``--reps`` repetitions of ``--calls`` calls)
 and their difference: resolves ~1 us where the job-level runs resolve ~5 points.
 
-    python benchmarks/probe_percall.py [--calls 2000] [--reps 9] [--depth 14] [--src OTHER_CHECKOUT]
+    python benchmarks/probe_percall.py [--calls 2000] [--reps 9] [--depth 14] [--queued 25] [--src OTHER_CHECKOUT]
 
 Run it alternately against two checkouts (``--src``) to compare them.
 """
@@ -25,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -40,7 +42,7 @@ CHILD = textwrap.dedent("""
     from lorascope.probes.session import Session
     from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
-    calls, reps, depth, port = (int(a) for a in sys.argv[1:5])
+    calls, reps, depth, port, queued = (int(a) for a in sys.argv[1:6])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     done = dist.all_reduce(torch.ones(2), async_op=True)
@@ -67,22 +69,31 @@ CHILD = textwrap.dedent("""
         probe._kept[id(code)] = code
 
     def loop(fn, is_async):
-        queue = session.stream._queue
-        for _ in range(calls):
+        # Seconds in the calls (and their waits). Not counted: the `queued` records put on
+        # the queue before each synchronous call (what the job's writer has not written yet
+        # when the call comes), and the writer's work, done here between calls (there is no
+        # writer thread): after every synchronous call, as the woken writer does, else
+        # every 64 calls.
+        stream, spent = session.stream, 0.0
+        for i in range(calls):
+            if not is_async:
+                for n in range(queued):
+                    stream.append({"k": "phase", "name": "forward", "edge": "begin", "step": n, "t": 0.0})
+            began = time.perf_counter()
             below(depth, fn, is_async)
             if is_async:
                 done.wait()
-            if len(queue) > 10000:  # no writer thread here: keep the queue small
-                queue.clear()
+            spent += time.perf_counter() - began
+            if not is_async or i % 64 == 63:
+                stream.flush()
+        return spent
 
     out = {}
     for name, fn in (("bare", all_reduce), ("probed", probed)):
         for is_async in (False, True):
             best = float("inf")
             for _ in range(reps):
-                start = time.perf_counter()
-                loop(fn, is_async)
-                best = min(best, (time.perf_counter() - start) / calls * 1e6)
+                best = min(best, loop(fn, is_async) / calls * 1e6)
             out[f"{name} {'async' if is_async else 'sync'}"] = best
     session.stream.close()
     print(json.dumps(out))
@@ -95,11 +106,18 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--depth", type=int, default=14, help="library frames below the caller")
     p.add_argument("--port", type=int, default=29690)
+    p.add_argument(
+        "--queued",
+        type=int,
+        default=25,
+        help="records queued before each synchronous call (the ZeRO-3 CPU job's ~25: half a writer tick's)",
+    )
     p.add_argument("--src", type=Path, help="import lorascope from this checkout (a before)")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": str((args.src or REPO).resolve())}
-    cmd = [sys.executable, "-c", CHILD, str(args.calls), str(args.reps), str(args.depth), str(args.port)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    cmd = [sys.executable, "-c", CHILD, *(str(v) for v in (args.calls, args.reps, args.depth, args.port, args.queued))]
+    # not the repository: `-c` puts the working directory first on sys.path, before --src
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         print(proc.stderr[-3000:], file=sys.stderr)
         return 1

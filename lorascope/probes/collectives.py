@@ -168,10 +168,17 @@ def _tensors(value: Any) -> list[Any]:
 
 
 class _Call:
-    """One call's raw fields, queued on the stream twice: at its start, and again when it
-    has ended (the writer formats it; ``encode`` runs on whichever thread flushes, under
-    the stream's lock), and the stream's declared shapes. ``dtype`` is the payload's
-    dtype object (named by the writer)."""
+    """One call's raw fields, queued on the stream at its start and, when its start was
+    written as an open ``coll``, again at its end (the writer formats it; ``encode`` runs
+    on whichever thread flushes, under the stream's lock), and the stream's declared
+    shapes. ``dtype`` is the payload's dtype object (named by the writer).
+
+    Most calls end before the writer comes to them and are one ``coll_done``: their end
+    is not queued at all (half the queue's entries, a call on the job's thread). Which
+    one it is follows from two orders: ``encode`` claims a call (``state`` 1) before it
+    reads its end, and the ending thread sets the end before it reads ``state``: a call
+    it reads unclaimed will be written whole, one it reads claimed has its end queued
+    (at worst an entry that writes nothing). Sequentially consistent under the GIL."""
 
     __slots__ = (
         "t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "shapes", "end", "err", "state"
@@ -205,10 +212,13 @@ class _Call:
         second time (queued at its end): ``coll_end`` after an open ``coll``, else nothing.
         The end is set before the call is queued again, so the second time sees it."""
         if self.state == 0:
+            self.state = 1  # claimed before the end is read (see the class)
             end = self.end
             if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
+                self.state = 0
                 return None
-            self.state = 1 if end is None else 2
+            if end is not None:
+                self.state = 2
             dtype = None if self.dtype is None else _dtype_name(self.dtype)
             shape, declared = self.shapes.use((self.op, self.nbytes, dtype, self.is_async, self.site), self.t)
             via = "" if self.via is None else ',"via":' + _json(self.via)
@@ -621,7 +631,8 @@ class CollectiveProbe:
         call.err = err
         call.end = time.time()  # after err: a writer that sees the end sees the error too
         self._in_flight.pop((call.gid, call.seq), None)
-        self.session.record_entry(call)
+        if call.state:  # claimed: written (or being written) open, its end a record of its own
+            self.session.record_entry(call)
         if events is not None:
             try:
                 start, end, stream, began = events
@@ -700,7 +711,8 @@ class CollectiveProbe:
                     call = entry[0].call
                     call.end = time.time()
                     in_flight.pop((call.gid, call.seq), None)
-                    session.record_entry(call)
+                    if call.state:
+                        session.record_entry(call)
                 session.calls_ns += clock() - began
             return out
 

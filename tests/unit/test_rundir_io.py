@@ -338,6 +338,45 @@ def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path)
     assert not load_run(tmp_path).ranks[0].collectives[0].pending
 
 
+def test_a_call_that_ends_before_the_writer_comes_to_it_is_queued_once(tmp_path: Path) -> None:
+    """A call's end is queued only when its start was written open (a ``coll``); one that
+    ended first (most), a young async one held at a flush included, is one ``coll_done``
+    from its one queued entry."""
+    from lorascope.probes.collectives import CollectiveProbe, _Call, _Started
+    from lorascope.probes.session import Session
+
+    record_launch(tmp_path, "h-1", ["job"])
+    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
+    stream.write(dict(START, t=0.5))
+    probe = CollectiveProbe(Session(stream, 0, 0, 1, 0.0))
+    stream.write({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
+
+    def started(seq: int, is_async: bool) -> _Started:  # (an async call "starts" in a minute: young at any flush)
+        t = time.time() + (60 if is_async else 0)
+        call = _Call(t, seq, 0, "all_reduce", 8, "float32", is_async, None, 0, None, probe._shapes)
+        stream.append(call)
+        return _Started(call, None, False)
+
+    ended_first = started(1, False)
+    probe._end(ended_first, None)
+    assert len(stream._queue) == 1
+    held = started(2, True)
+    stream.flush()  # writes call 1, holds the young async call 2
+    probe._end(held, None)
+    assert len(stream._queue) == 1
+    stream.flush()
+    written_open = started(3, False)
+    stream.flush(final=True)
+    probe._end(written_open, None)
+    assert len(stream._queue) == 1  # its end
+    stream.flush()
+    records = [json.loads(line) for line in stream_file(tmp_path).read_text().splitlines()]
+    assert [(r["k"], r.get("seq")) for r in records if r["k"].startswith("coll")] == [
+        ("coll_done", 1), ("coll_done", 2), ("coll", 3), ("coll_end", 3)
+    ]  # fmt: skip
+    assert [c.pending for c in load_run(tmp_path).ranks[0].collectives] == [False, False, False]
+
+
 def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) -> None:
     """Format v2: a call names its shape, declared once in the stream; each new segment
     begins with every shape declared so far, so the newest segments still read whole when
