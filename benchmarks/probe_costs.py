@@ -60,7 +60,8 @@ TIMED = [
         "C heap reading (mallinfo2)",
         "memory reading (an edge's, the sampler's)",
     ),
-    ("lorascope.rundir.writer", "", "_encode_entry", "format a record", "flush"),
+    ("lorascope.rundir.writer", "", "_encode", "format a record (not a call's)", "flush"),
+    ("lorascope.probes.collectives", "_Call", "encode", "format a call's record", "flush"),
 ]
 
 HARNESS = textwrap.dedent("""

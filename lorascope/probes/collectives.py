@@ -78,7 +78,9 @@ _COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s}\n'
 _COLL_DONE = '{"k":"coll_done","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s,"end":%.6f,"err":%s}\n'
 _COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
 _SHAPE = '{"k":"shape","t":%.6f,"id":%d%s}\n'
-_ShapeKey = tuple[str, int | None, str | None, bool, str | None]
+#: (op, bytes, dtype, async, site); the dtype as the call holds it (torch's dtype object, or
+#: its name), named when the shape is declared.
+_ShapeKey = tuple[str, int | None, Any, bool, str | None]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -124,7 +126,8 @@ def _fields(key: _ShapeKey) -> str:
     """A shape's fields as record text: ``,"op":...,"site":...``."""
     op, nbytes, dtype, is_async, site = key
     flag = "true" if is_async else "false"
-    return f',"op":{_json(op)},"bytes":{_json_int(nbytes)},"dtype":{_json(dtype)},"async":{flag},"site":{_json(site)}'
+    name = None if dtype is None else _dtype_name(dtype)
+    return f',"op":{_json(op)},"bytes":{_json_int(nbytes)},"dtype":{_json(name)},"async":{flag},"site":{_json(site)}'
 
 
 class _Shapes:
@@ -219,8 +222,10 @@ class _Call:
                 return None
             if end is not None:
                 self.state = 2
-            dtype = None if self.dtype is None else _dtype_name(self.dtype)
-            shape, declared = self.shapes.use((self.op, self.nbytes, dtype, self.is_async, self.site), self.t)
+            key = (self.op, self.nbytes, self.dtype, self.is_async, self.site)
+            shape, declared = self.shapes.ids.get(key), ""
+            if shape is None:
+                shape, declared = self.shapes.use(key, self.t)
             via = "" if self.via is None else ',"via":' + _json(self.via)
             if end is None:
                 return declared + _COLL % (self.t, self.seq, self.gid, shape, self.step, via)

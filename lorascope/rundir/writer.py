@@ -56,10 +56,6 @@ def _encode(record: dict[str, Any]) -> str:
     return _ENCODER.encode(record) + "\n"
 
 
-def _encode_entry(entry: dict[str, Any] | LazyRecord, final: bool) -> str | None:
-    return _encode(entry) if type(entry) is dict else entry.encode(final)  # type: ignore[union-attr]
-
-
 def _write_all(fd: int, data: bytes) -> None:
     """os.write may write less than asked (a full disk, a signal): finish the record."""
     view = memoryview(data)
@@ -169,7 +165,7 @@ class Stream:
                 queue, lines, held = self._queue, [], []
                 while queue:
                     entry = queue.popleft()
-                    line = _encode_entry(entry, final)
+                    line = _encode(entry) if isinstance(entry, dict) else entry.encode(final)
                     if line is None:
                         held.append(entry)
                     else:
@@ -185,6 +181,10 @@ class Stream:
     def _write_lines(self, lines: list[str]) -> None:
         """Append lines to the current segment, moving to a new one where it is full.
         Lines are ASCII (``json.dumps`` escapes the rest), so characters are bytes."""
+        if self._size + sum(map(len, lines)) <= self._segment_bytes:  # (most flushes)
+            if lines:
+                self._write_batch(lines)
+            return
         batch: list[str] = []
         pending = 0
         for line in lines:
