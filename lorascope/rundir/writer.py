@@ -181,8 +181,9 @@ class Stream:
     def _write_lines(self, lines: list[str]) -> None:
         """Append lines to the current segment, moving to a new one where it is full.
         Lines are ASCII (``json.dumps`` escapes the rest), so characters are bytes."""
-        if self._size + sum(map(len, lines)) <= self._segment_bytes:  # (most flushes)
-            if lines:
+        total = sum(map(len, lines))
+        if self._size + total <= self._segment_bytes:  # (most flushes)
+            if total:
                 self._write_batch(lines)
             return
         batch: list[str] = []
