@@ -142,12 +142,10 @@ class _Shapes:
         self.ids: dict[_ShapeKey, str] = {}
         self.lines: list[str] = []
 
-    def use(self, key: _ShapeKey, t: float) -> tuple[str, str]:
-        """The text a call record carries for its shape (``,"sh":N``, or past MAX_SHAPES
-        the fields themselves) and the ``shape`` record to write before it ("" if none)."""
-        text = self.ids.get(key)
-        if text is not None:
-            return text, ""
+    def declare(self, key: _ShapeKey, t: float) -> tuple[str, str]:
+        """For a shape not in ``ids`` (the writer looks there first): the text a call
+        record carries for it (``,"sh":N``, or past MAX_SHAPES the fields themselves) and
+        the ``shape`` record to write before it ("" if none)."""
         if len(self.lines) >= MAX_SHAPES:
             return _fields(key), ""
         n = len(self.lines)
@@ -225,7 +223,7 @@ class _Call:
             key = (self.op, self.nbytes, self.dtype, self.is_async, self.site)
             shape, declared = self.shapes.ids.get(key), ""
             if shape is None:
-                shape, declared = self.shapes.use(key, self.t)
+                shape, declared = self.shapes.declare(key, self.t)
             via = "" if self.via is None else ',"via":' + _json(self.via)
             if end is None:
                 return declared + _COLL % (self.t, self.seq, self.gid, shape, self.step, via)
@@ -616,7 +614,7 @@ class CollectiveProbe:
             # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
             # call's record waits for the writer (most end in time to be one record): a
             # synchronous call's flush may leave the youngest async calls queued.
-            if not is_async or functional or via is not None or self._conditioned.get(site):  # type: ignore[arg-type]
+            if not is_async or functional or via is not None or self._conditioned.get(site or ""):
                 flushed = time.perf_counter_ns()
                 session.flush(final=is_async)
                 session.flush_ns += time.perf_counter_ns() - flushed

@@ -50,12 +50,12 @@ class Session:
         self.step_source: str | None = None
         self.disabled: set[str] = set()
         self.ended = False
-        #: What the probes cost the job's own threads: wall ns in probe code outside the
-        #: collective wrappers (phase edges, step ends, the loss); in the collective calls
-        #: (apart: one addition a call less; the cost record sums them), how many, and of
-        #: their time the flushes before synchronous ones and the first call at each site,
-        #: which reads its source (a one-off, how many); of ``cost_ns``, the
-        #: C heap readings' (how many) and the kernel trace window's (starting, stopping,
+        #: What the probes cost the job's own threads, wall ns: ``cost_ns`` in probe code
+        #: outside the collective wrappers (phase edges, step ends, the loss) and
+        #: ``calls_ns`` in the collective calls (kept apart, so a call adds to one counter;
+        #: the cost record sums the two), how many calls, and of their time the flushes
+        #: before synchronous ones and the first call at each site, which reads its source
+        #: (a one-off, how many); of ``cost_ns``, the C heap readings' (how many) and the kernel trace window's (starting, stopping,
         #: exporting the trace: a few steps' one-off cost). Added to without a lock: two
         #: job threads adding at once lose a measurement, never a record.
         self.cost_ns = 0
