@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from lorascope.probes.session import Session
+from lorascope.rundir.schema import WARM_UP_STEPS
 
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
@@ -49,7 +50,7 @@ STRIDED_PHASES = frozenset({"forward", "backward", "optimizer", "step"})
 #: growth between two read steps is in none of the named phases (``divergence_point``).
 #: The end of the step before a read one is read too, and every edge of the step after
 #: a phase outside the loop (an eval, a save: ``heap_due``).
-HEAP_DENSE_STEPS = 20
+HEAP_DENSE_STEPS = WARM_UP_STEPS
 HEAP_EVERY = 10
 #: The edges that end a step (a ``step`` record takes the optimizer's end reading).
 _STEP_ENDS = frozenset({"optimizer.end", "step"})

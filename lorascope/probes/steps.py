@@ -25,6 +25,7 @@ from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import COST_EVERY, Session, plain
+from lorascope.rundir.schema import WARM_UP_STEPS
 
 
 def ddp_settings(wrapper: Any) -> dict[str, Any]:
@@ -126,7 +127,7 @@ class StepProbe:
         done = time.perf_counter_ns()
         session.trace_ns += done - traced
         session.cost_ns += done - began  # by hand: the cost record must hold this step's
-        if session.step == 1 or session.step % COST_EVERY == 0:
+        if session.step in (1, WARM_UP_STEPS) or session.step % COST_EVERY == 0:
             session.record_cost()
         self._step_start = time.time()
 

@@ -45,6 +45,7 @@ from lorascope.rundir.schema import (
     RANKS_DIR,
     SHAPE_FIELDS,
     STREAM_SUFFIX,
+    WARM_UP_STEPS,
     SchemaError,
     validate_manifest,
     validate_record,
@@ -109,7 +110,8 @@ class RankData:
     signal: dict[str, Any] | None = None
     end: dict[str, Any] | None = None
     probe_errors: list[dict[str, Any]] = field(default_factory=list)
-    #: The first ``cost`` record (the probes' cost so far, cumulative) and the latest.
+    #: The first ``cost`` record (the probes' cost so far, cumulative) and the latest; the
+    #: first is moved up to the first one at or past WARM_UP_STEPS once a later one comes.
     costs: list[dict[str, Any]] = field(default_factory=list)
     #: Collective paths the job used that the probes cannot see (``coll_unseen``).
     unseen_collectives: list[dict[str, Any]] = field(default_factory=list)
@@ -597,7 +599,10 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
     elif kind == "config":
         data.configs[rec["name"]] = rec["value"]
     elif kind == "cost":
-        data.costs[1:] = [rec]
+        costs = data.costs
+        if len(costs) == 2 and costs[0]["step"] < WARM_UP_STEPS <= costs[1]["step"] < rec["step"]:
+            costs[0] = costs[1]  # past the probes' warm-up, with a step after it
+        costs[1:] = [rec]
     elif kind == "site":
         data.sites[rec["site"]] = rec
     elif kind == "group":

@@ -31,6 +31,11 @@ FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
 #: whose default action is to ignore it (see lorascope.probes.dumps).
 DUMP_SIGNAL = signal.SIGURG
+#: The steps the probes take to settle: through them a CPU rank reads the C heap at every
+#: phase edge (``probes/memory.py``), and new call sites are read. A ``cost`` record is
+#: written at the last one's end, and the reader measures a step's cost from there (the
+#: first ``cost`` record at or past it that a later one follows), not from the first step.
+WARM_UP_STEPS = 20
 
 _INT = (int,)
 _NUM = (int, float)

@@ -19,6 +19,7 @@ from lorascope.probes import memory
 from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.session import Session
 from lorascope.rundir.reader import load_run
+from lorascope.rundir.schema import WARM_UP_STEPS
 from lorascope.rundir.writer import Stream, record_launch
 from lorascope.text.summary import render_text
 from tests.helpers import RankSpec, free_port, step_probe, stream_records, write_run
@@ -28,8 +29,10 @@ def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Phase edges and step ends count (their heap readings and the kernel window apart);
-    a cost record at the first step's end and every COST_EVERY steps, cumulative."""
+    a cost record at the first step's end, at the warm-up's and every COST_EVERY steps,
+    cumulative."""
     monkeypatch.setattr("lorascope.probes.steps.COST_EVERY", 2)
+    monkeypatch.setattr("lorascope.probes.steps.WARM_UP_STEPS", 3)
     stream = Stream(tmp_path / "r" / "s")
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
     mem = memory.MemoryProbe(session)
@@ -53,10 +56,10 @@ def test_the_job_threads_time_in_probe_code_and_its_parts_are_recorded(
     stop.set()
     stream.close()
     costs = [r for r in stream_records(tmp_path / "r") if r["k"] == "cost"]
-    assert [c["step"] for c in costs] == [1, 2, 4]
+    assert [c["step"] for c in costs] == [1, 2, 3, 4]
     # heap at forward.begin, forward.end and optimizer.end (optimizer.begin reads RSS only)
-    assert [c["heap_reads"] for c in costs] == [3, 6, 12]
-    assert [c["calls"] for c in costs] == [0, 0, 0]  # no collective in this job
+    assert [c["heap_reads"] for c in costs] == [3, 6, 9, 12]
+    assert [c["calls"] for c in costs] == [0, 0, 0, 0]  # no collective in this job
     for c in costs:
         assert c["trace_ms"] >= 4.0 * c["step"]  # the kernel window's sleep, each step
         assert c["job_ms"] >= c["trace_ms"] + c["heap_ms"] > c["trace_ms"]
@@ -102,14 +105,15 @@ def _cost(
 
 
 def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp_path: Path) -> None:
-    """The reader keeps the first cost record and the latest; the one-off start (before
-    the first) and the kernel window are not a step's cost."""
+    """The reader keeps the first cost record and the latest (none here is at or past the
+    probes' warm-up but the last); the one-off start (before the first) and the kernel
+    window are not a step's cost."""
     specs = [
         RankSpec(
             steps=101,
             extra=[
                 _cost(1, 900.0, 0.5, 0.0, 40.0, 4),
-                _cost(50, 900.0 + job / 2, 50.0, 120.0, 60.0, 200),
+                _cost(10, 900.0 + job / 10, 5.0, 120.0, 60.0, 40),
                 _cost(101, 900.0 + job + 250.0 + 60.0, 100.5, 250.0, 140.0, 404, sites=60.0),
             ],
         )
@@ -142,6 +146,29 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
     # counts a step to a tenth (a run's read "53.165 a step")
     uneven = cost_text({**cost, "calls_per_step": 53.165, "heap_reads_per_step": 6.17})
     assert "(53.2 a step; " in uneven and "(6.2 a step)" in uneven
+
+
+def test_a_step_is_measured_from_the_end_of_the_probes_warm_up(tmp_path: Path) -> None:
+    """Through WARM_UP_STEPS the probes read the C heap at every phase edge: a step's cost
+    is measured from the record at its end once a later one follows (a record at or past
+    it with no later step stays the latest; an older run's first record past it is the one
+    at step 100)."""
+
+    def kept(steps: list[int]) -> list[int]:
+        records = [_cost(s, 900.0 + 2.0 * s, 0.1 * s, 0.0, 40.0 + s, 4 * s) for s in steps]
+        run = load_run(
+            write_run(tmp_path / f"run-{len(list(tmp_path.iterdir()))}", [RankSpec(steps=steps[-1], extra=records)])
+        )
+        return [c["step"] for c in run.ranks[0].costs]
+
+    assert WARM_UP_STEPS == memory.HEAP_DENSE_STEPS == 20
+    assert kept([1, 20, 40]) == [20, 40]
+    assert kept([1, 20, 100, 200, 250]) == [20, 250]
+    assert kept([1, 100, 200, 230]) == [100, 230]  # written before the warm-up record
+    assert kept([1, 20, 20]) == [1, 20]  # a run that ended at the warm-up's end
+    assert kept([1, 100, 100]) == [1, 100]
+    assert kept([1, 12]) == [1, 12]  # a short run: from its first step
+    assert kept([1, 19, 25]) == [1, 25]
 
 
 def test_a_hostile_threads_object_is_read_as_far_as_it_holds_numbers(tmp_path: Path) -> None:
