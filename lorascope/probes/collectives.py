@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import json
 import os
 import sys
 import threading
@@ -53,6 +52,7 @@ from typing import Any, NamedTuple
 from lorascope.probes.session import Session
 from lorascope.rundir.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
 from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, rank_condition_in
+from lorascope.rundir.writer import json_str
 
 MAX_PENDING_EVENTS = 4096
 
@@ -83,13 +83,8 @@ _SHAPE = '{"k":"shape","t":%.6f,"id":%d%s}\n'
 _ShapeKey = tuple[str, int | None, Any, bool, str | None]
 
 
-@functools.lru_cache(maxsize=8192)
-def _json_str(text: str) -> str:
-    return json.dumps(text)
-
-
 def _json(text: str | None) -> str:
-    return "null" if text is None else _json_str(text)
+    return "null" if text is None else json_str(text)
 
 
 class _Awaited:

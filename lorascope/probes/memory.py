@@ -23,6 +23,7 @@ import psutil
 
 from lorascope.probes.session import Session
 from lorascope.rundir.schema import WARM_UP_STEPS
+from lorascope.rundir.writer import Line, json_str
 
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
@@ -54,6 +55,9 @@ HEAP_DENSE_STEPS = WARM_UP_STEPS
 HEAP_EVERY = 10
 #: The edges that end a step (a ``step`` record takes the optimizer's end reading).
 _STEP_ENDS = frozenset({"optimizer.end", "step"})
+#: A ``mem`` record of a reading of RSS (and the C heap), as ``Session.record`` writes it.
+_MEM_RSS = '{"src":%s,"step":%d,"rss":%d,"k":"mem","t":%r}\n'
+_MEM_HEAP = '{"src":%s,"step":%d,"rss":%d,"heap":%d,"k":"mem","t":%r}\n'
 
 
 class _MallInfo2(ctypes.Structure):
@@ -233,7 +237,16 @@ class MemoryProbe:
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
         if reading is None:
             reading = self.reading(from_main_thread, heap=not from_main_thread or self.heap_due(src))
-        self.session.record("mem", src=src, step=self.session.step, **reading)
+        session = self.session
+        heap, size = reading.get("heap"), len(reading)
+        if size == 1 or (size == 2 and heap is not None):  # a CPU rank's: formatted by template
+            if heap is None:
+                line = Line(_MEM_RSS, (json_str(src), session.step, reading["rss"], time.time()))
+            else:
+                line = Line(_MEM_HEAP, (json_str(src), session.step, reading["rss"], heap, time.time()))
+            session.record_entry(line)
+        else:
+            session.record("mem", src=src, step=session.step, **reading)
         return reading
 
     def start_sampler(self) -> None:

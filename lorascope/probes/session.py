@@ -155,8 +155,13 @@ class Session:
             @functools.wraps(fn)
             def timed(*args: Any, **kwargs: Any) -> Any:
                 began = clock()
-                try:
-                    return wrapper(*args, **kwargs)
+                try:  # ``wrapper``'s body, not a call of it: ten a step on the job's thread
+                    if probe in self.disabled or not self.stream.alive:
+                        return None
+                    return fn(*args, **kwargs)
+                except Exception as exc:
+                    self.fail(probe, exc)
+                    return None
                 finally:
                     self.cost_ns += clock() - began
 

@@ -26,6 +26,10 @@ from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import COST_EVERY, Session, plain
 from lorascope.rundir.schema import WARM_UP_STEPS
+from lorascope.rundir.writer import Line, json_str
+
+#: A ``phase`` record, as ``Session.record`` writes it (formatted by the writer: ``Line``).
+_PHASE = '{"name":%s,"edge":%s,"step":%d,"k":"phase","t":%r}\n'
 
 
 def ddp_settings(wrapper: Any) -> dict[str, Any]:
@@ -81,7 +85,8 @@ class StepProbe:
         """A phase edge and its memory reading (returned: None if the memory probe is off)."""
         if self._step_start is None:
             self._step_start = time.time()
-        self.session.record("phase", name=name, edge=edge, step=self.session.step)
+        session = self.session
+        session.record_entry(Line(_PHASE, (json_str(name), json_str(edge), session.step, time.time())))
         return self.memory.sample(f"{name}.{edge}")
 
     def _see_loss(self, loss: Any) -> None:

@@ -408,3 +408,38 @@ def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) ->
     kept = run.ranks[0].collectives
     assert kept and {c.op for c in kept} == set(ops)
     assert all(c.site == f"/j/t.py:{ops.index(c.op)} in f" and c.bytes == 64 for c in kept)
+
+
+def test_phase_edges_and_memory_readings_format_as_the_json_encoder_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A phase edge's ``phase`` and ``mem`` records are formatted from templates (``Line``):
+    byte for byte what the JSON encoder wrote for them as dicts, odd names included; a
+    reading with more than RSS and the heap (a CUDA rank's) is a dict as before."""
+    from lorascope.probes import memory
+    from lorascope.probes.session import Session
+    from lorascope.rundir.writer import _encode
+    from tests.helpers import step_probe
+
+    stream = Stream(tmp_path / "r" / "s")
+    session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
+    mem = memory.MemoryProbe(session)
+    steps = step_probe(session, mem, tmp_path / "k")
+    given = [{"rss": 123456789}, {"rss": 5, "heap": 7}, {"rss": 9, "cuda": {"device": 0, "alloc": 1}}]
+    readings = iter(given)
+    monkeypatch.setattr(mem, "reading", lambda *_, **__: next(readings))
+    session.step = 12
+    for name, edge in (("forward", "begin"), ('sa"ve \\ ✓\n', "end"), ("eval", "begin")):
+        steps.phase(name, edge)
+    stream.close()
+    lines = next((tmp_path / "r").glob("s.*.jsonl")).read_text().splitlines(True)
+    written = [json.loads(line) for line in lines]
+    phases = [i for i, r in enumerate(written) if r["k"] == "phase"]
+    assert [written[i]["name"] for i in phases] == ["forward", 'sa"ve \\ ✓\n', "eval"]
+    for i, fields in zip(phases, given, strict=True):  # each edge: its phase record, its reading's
+        t, t_mem = written[i]["t"], written[i + 1]["t"]
+        name, edge = written[i]["name"], written[i]["edge"]
+        phase = {"name": name, "edge": edge, "step": 12, "k": "phase", "t": t}
+        reading = {"src": f"{name}.{edge}", "step": 12, **fields, "k": "mem", "t": t_mem}
+        assert (lines[i], lines[i + 1]) == (_encode(phase), _encode(reading))  # key order, floats
+        assert isinstance(t, float) and t <= t_mem
