@@ -27,7 +27,9 @@ And what each probed job measured itself (its ``cost`` records: `analyze`'s "pro
 cost"): the time its threads spent in probe code a step, as a share of its step, which
 no other run's noise enters (wall time in probe code: the hooks' dispatch and what the
 probes' own threads take from the job outside it are not in it); printed per pair and
-as IN-JOB.
+as IN-JOB. It is measured from the end of the probes' warm-up (step 20, `analyze`'s window:
+through it the C heap is read at every phase edge) to the run's end; the same from the
+first step's end is printed beside it ("from step 1"), the window earlier versions used.
 
 Step times of the tiny CPU job vary by +-50% between runs on a small machine: resolve a
 few percent only with many repetitions (20 pairs or more), and say what else the
@@ -54,13 +56,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
+from lorascope.analysis.cost import rank_cost
 from lorascope.analysis.summary import build_summary
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import RunData, load_run
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "probes" / "train_lora.py"
@@ -82,6 +85,8 @@ class Run:
     #: the median over its ranks of the time a step spent in probe code, ms and share of the step
     in_job_ms: float | None = None
     in_job_share: float | None = None
+    #: the same from the end of the first step (the median over ranks of its share)
+    in_job_share_from_1: float | None = None
 
     @property
     def median(self) -> float:
@@ -206,11 +211,29 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
     if variant != "bare" and not list((work / f"{variant}-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
         print(f"  warning: the {variant} run {index} wrote no rank stream (probes not attached?)")
     elif variant != "bare":
-        summary = build_summary(load_run(work / f"{variant}-{index:02d}"))
-        cost = summary["probe_cost"]  # None from a --baseline checkout that writes no cost records
+        loaded = load_run(work / f"{variant}-{index:02d}")
+        cost = build_summary(loaded)["probe_cost"]  # None from a --baseline checkout that writes no cost records
         if cost is not None:
             run.in_job_ms, run.in_job_share = cost["job_ms_per_step"], cost["share_of_step"]
+            run.in_job_share_from_1 = share_from_first_step(loaded)
     return run
+
+
+def share_from_first_step(loaded: RunData) -> float | None:
+    """The probes' cost as a share of the step from the first ``cost`` record a rank wrote
+    (the reader keeps the one past the warm-up), the median over ranks."""
+    shares = []
+    for rank in loaded.ranks.values():
+        first = None
+        for name in rank.files if rank.costs else []:  # its stream's segments, in order
+            with open(name) as lines:
+                first = next((json.loads(line) for line in lines if '"k":"cost"' in line), None)
+            if first is not None:
+                break
+        cost = rank_cost(replace(rank, costs=[first, rank.costs[-1]])) if first is not None else None
+        if cost is not None and cost["share_of_step"] is not None:
+            shares.append(cost["share_of_step"])
+    return statistics.median(shares) if shares else None
 
 
 def in_job_text(run: Run) -> str:
@@ -233,6 +256,10 @@ def in_job_text_of(runs: list[Run]) -> str | None:
     if shares:
         iqr = " .. ".join(f"{q * 100:.2f}%" for q in quartiles(shares)[::2])
         text += f", {statistics.median(shares) * 100:.2f}% of the step (IQR {iqr})"
+    from_1 = [r.in_job_share_from_1 for r in runs if r.in_job_share_from_1 is not None]
+    if from_1:
+        iqr = " .. ".join(f"{q * 100:.2f}%" for q in quartiles(from_1)[::2])
+        text += f"; from step 1: {statistics.median(from_1) * 100:.2f}% (IQR {iqr})"
     return text
 
 
@@ -446,6 +473,7 @@ def main() -> None:
                     "cpu_overhead_iqr_pct": [quartiles(cpu)[0], quartiles(cpu)[2]] if cpu else None,
                     "in_job_ms": [r.in_job_ms for r in probed_runs],
                     "in_job_share": [r.in_job_share for r in probed_runs],
+                    "in_job_share_from_step_1": [r.in_job_share_from_1 for r in probed_runs],
                     "bare_median_ms": bare_med * 1e3,
                     "probed_median_ms": probed_med * 1e3,
                     "losses_identical": bare_vs_probed,
