@@ -3,12 +3,12 @@
 The probes add up the time the job's own threads spend in probe code (the collective
 wrappers, phase edges, step ends; the C heap readings among it) and write the running
 totals with the CPU time of their own threads (writer, sampler, watchdog) at the first
-step's end, at the end of the probes' warm-up (``WARM_UP_STEPS``: the C heap read at
-every phase edge, new call sites read), every ``COST_EVERY`` steps and at the end. The
-difference between the first record the reader keeps (the one at the warm-up's end, or
-the first when the run ended before a record past it) and the latest, over the steps
-between them, is what a step cost it once warmed up; one-offs are said apart: the kernel trace window (a few steps traced, its
-trace exported on the job's thread) and the first call at a new site (its source read
+step's end, at the end of the probes' warm-up (``WARM_UP_STEPS``, through which a CPU
+rank's C heap is read at every phase edge), every ``COST_EVERY`` steps and at the end.
+The difference between the first record the reader keeps (the one at the warm-up's end,
+or the first when the run ended before a record past it) and the latest, over the steps
+between them, is what a step cost it once warmed up; one-offs are said apart: the kernel
+trace window (a few steps traced, its trace exported on the job's thread) and the first call at a new site (its source read
 for rank conditions: ~50 ms for a barrier at the end of a short DDP run, which would
 otherwise read as 5 ms a step). Wall time: a wait for the GIL or a preemption that lands
 in probe code counts; the hooks' dispatch, and what the probes' threads take from the

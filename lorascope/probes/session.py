@@ -98,8 +98,9 @@ class Session:
 
     def _record_cost(self) -> None:
         """A ``cost`` record (at the end of the first step and of step ``WARM_UP_STEPS``,
-        every ``COST_EVERY`` steps, at the end): so far, the time in probe code on the job's threads and its parts (above),
-        and the CPU time of each of the probes' own threads (by its clock; Linux).
+        every ``COST_EVERY`` steps, at the end): so far, the time in probe code on the job's
+        threads and its parts (above), and the CPU time of each of the probes' own threads
+        (by its clock; Linux).
         Cumulative, so the difference of two is what the steps between cost."""
         threads: dict[str, float] = {}
         ours = {t.name: t.ident for t in threading.enumerate() if t.name.startswith("lorascope-") and t.ident}

@@ -32,8 +32,7 @@ FATAL_SUFFIX = ".fatal.txt"
 #: whose default action is to ignore it (see lorascope.probes.dumps).
 DUMP_SIGNAL = signal.SIGURG
 #: The steps the probes take to settle: through them a CPU rank reads the C heap at every
-#: phase edge (``probes/memory.py``), and new call sites are read. A ``cost`` record is
-#: written at the last one's end, and the reader measures a step's cost from there (the
+#: phase edge (``probes/memory.py``). A ``cost`` record is written at the last one's end, and the reader measures a step's cost from there (the
 #: first ``cost`` record at or past it that a later one follows), not from the first step.
 WARM_UP_STEPS = 20
 
