@@ -227,7 +227,8 @@ def share_from_first_step(loaded: RunData) -> float | None:
         first = None
         for name in rank.files if rank.costs else []:  # its stream's segments, in order
             with open(name) as lines:
-                first = next((json.loads(line) for line in lines if '"k":"cost"' in line), None)
+                records = (json.loads(line) for line in lines if '"k":"cost"' in line)
+                first = next((r for r in records if r.get("k") == "cost"), None)  # not a site's text
             if first is not None:
                 break
         cost = rank_cost(replace(rank, costs=[first, rank.costs[-1]])) if first is not None else None
