@@ -55,9 +55,10 @@ class Session:
         #: ``calls_ns`` in the collective calls (kept apart, so a call adds to one counter;
         #: the cost record sums the two), how many calls, and of their time the flushes
         #: before synchronous ones and the first call at each site, which reads its source
-        #: (a one-off, how many); of ``cost_ns``, the C heap readings' (how many) and the kernel trace window's (starting, stopping,
-        #: exporting the trace: a few steps' one-off cost). Added to without a lock: two
-        #: job threads adding at once lose a measurement, never a record.
+        #: (a one-off, how many); of ``cost_ns``, the C heap readings' (how many) and the
+        #: kernel trace window's (starting, stopping, exporting the trace: a few steps'
+        #: one-off cost). Added to without a lock: two job threads adding at once lose a
+        #: measurement, never a record.
         self.cost_ns = 0
         self.calls_ns = 0
         self.calls = 0
@@ -156,13 +157,8 @@ class Session:
             @functools.wraps(fn)
             def timed(*args: Any, **kwargs: Any) -> Any:
                 began = clock()
-                try:  # ``wrapper``'s body, not a call of it: ten a step on the job's thread
-                    if probe in self.disabled or not self.stream.alive:
-                        return None
-                    return fn(*args, **kwargs)
-                except Exception as exc:
-                    self.fail(probe, exc)
-                    return None
+                try:
+                    return wrapper(*args, **kwargs)
                 finally:
                     self.cost_ns += clock() - began
 
