@@ -297,7 +297,8 @@ def _block(
     calls = calls.filter(~(pl.col("done") & pl.col("end").is_null()))
     ends = _ends(frame.filter(pl.col("l").str.contains(END_LINE).fill_null(False)), log.base)
     positions = pl.concat([calls["n"], shaped["n"], ends["n"]])
-    fast = pl.Series("fast", [False] * len(lines), dtype=pl.Boolean).scatter(positions - log.base, True)
+    # (scatter's indices sorted: polars 1.30 and 1.33 refuse others, "set indices must be sorted")
+    fast = pl.Series("fast", [False] * len(lines), dtype=pl.Boolean).scatter((positions - log.base).sort(), True)
     starts = pl.concat([calls.select("gid", "n"), shaped.select("gid", "n")])
     first_call = dict(starts.group_by("gid").agg(pl.col("n").min()).iter_rows()) if starts.height else {}
     first = int(positions.min()) if positions.len() else None  # type: ignore[arg-type]
@@ -305,7 +306,7 @@ def _block(
     devices: list[tuple[int, str, int, float]] = []
     flat = _Flat(raw, sink, path, before)
     if flat.positions:
-        fast = fast.scatter(flat.positions, True)
+        fast = fast.scatter(sorted(flat.positions), True)
     others = (~fast).arg_true().to_list()
     recs = sink.decode_many(path, [before + i + 1 for i in others], [lines[i] for i in others], deep)
     if log.start_at is None:

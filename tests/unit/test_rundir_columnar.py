@@ -109,6 +109,29 @@ def test_probe_streams_read_the_same_both_ways(monkeypatch: pytest.MonkeyPatch, 
     assert columns == lines
 
 
+@pytest.mark.parametrize("stream", STREAMS, ids=lambda p: f"{p.parts[-4]}-{p.parts[-2]}")
+def test_column_wise_reading_needs_no_newer_polars_than_the_floor(
+    monkeypatch: pytest.MonkeyPatch, stream: Path
+) -> None:
+    """polars 1.30 (pyproject's floor) to 1.33 refuse unsorted indices in ``Series.scatter``
+    ("set indices must be sorted"), and the reader then fell back to line by line with a
+    warning: with a scatter as strict, every stream still reads column-wise, the same."""
+    import polars as pl
+
+    scatter = pl.Series.scatter
+
+    def strict(self: pl.Series, indices: Any, values: Any) -> pl.Series:
+        given = pl.Series(indices)
+        if not given.equals(given.sort()):
+            raise pl.exceptions.ComputeError("set indices must be sorted")
+        return scatter(self, indices, values)
+
+    monkeypatch.setattr(pl.Series, "scatter", strict)
+    lines, columns, declined = _both(monkeypatch, [(0, stream)], 4 << 20)
+    assert declined is None
+    assert columns == lines
+
+
 @pytest.mark.parametrize("block", [4 << 20, 24 << 10], ids=["one-block", "24KiB-blocks"])
 @pytest.mark.parametrize("stream", STREAMS, ids=lambda p: f"{p.parts[-4]}-{p.parts[-2]}")
 def test_probe_streams_in_format_v2_read_as_in_v1(
