@@ -17,6 +17,7 @@ job outside probe code (the GIL, a core of a full machine), do not.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -43,7 +44,7 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
         return float(last[key] - first[key]) / steps
 
     before = {name: ms for name, ms in first["threads_cpu_ms"].items() if _number(ms)}
-    own = sum(ms - before.get(name, 0.0) for name, ms in last["threads_cpu_ms"].items() if _number(ms))
+    own = math.fsum(ms - before.get(name, 0.0) for name, ms in last["threads_cpu_ms"].items() if _number(ms))
     trace_ms = last["trace_ms"] - first["trace_ms"]
     sites_ms = last["sites_ms"] - first["sites_ms"]
     job_ms = per_step("job_ms") - (trace_ms + sites_ms) / steps

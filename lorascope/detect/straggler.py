@@ -23,6 +23,7 @@ table: docs/detectors.md.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
     inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
     reduce-scatters and backward all-gathers) are then not taken out a second time. The
     collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.reduce`)."""
-    backward = {step: sum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
+    backward = {step: math.fsum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
     waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
     work, by_backward = {}, 0
     for s in rank.steps:

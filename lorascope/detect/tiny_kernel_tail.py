@@ -12,6 +12,7 @@ Thresholds and their reasoning: docs/detectors.md.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -63,7 +64,7 @@ PLAIN_FIX = (
 
 def _rank_stats(entry: dict[str, Any], threshold: float) -> dict[str, Any]:
     durations = [(d, row["module"]) for row in entry["rows"] for d in row["durations_us"]]
-    total = sum(d for d, _ in durations) or 1.0
+    total = math.fsum(d for d, _ in durations) or 1.0  # (fsum: the same on every Python)
     lora = [d for d, m in durations if m in LORA]
     tiny = [d for d, _ in durations if d < threshold]
     steps = entry.get("steps") or None
@@ -71,11 +72,11 @@ def _rank_stats(entry: dict[str, Any], threshold: float) -> dict[str, Any]:
         "units": len(durations),
         "steps": steps,
         "tiny_count_share": len(tiny) / len(durations) if durations else 0.0,
-        "tiny_time_share": sum(tiny) / total,
+        "tiny_time_share": math.fsum(tiny) / total,
         "annotated": any(m is not None for _, m in durations),
         "lora_units": len(lora),
         "lora_per_step": len(lora) / steps if steps else None,
-        "lora_time_share": sum(lora) / total,
+        "lora_time_share": math.fsum(lora) / total,
         "lora_tiny_share": sum(1 for d in lora if d < threshold) / len(lora) if lora else 0.0,
         "lora_median_us": statistics.median(lora) if lora else None,
     }

@@ -8,6 +8,7 @@ pending calls (a ``coll`` with no ``coll_end``) are where the ranks wait.
 
 from __future__ import annotations
 
+import math
 import operator
 import statistics
 from collections import Counter, defaultdict
@@ -223,7 +224,7 @@ def op_times(run: RunData) -> dict[str, Any]:
         for op, (total, calls) in rank.op_totals.items():
             totals[op][rank.rank] += total
             counts[op] += calls
-    ops = sorted(totals, key=lambda op: (-sum(totals[op].values()), op))[:MAX_OPS]
+    ops = sorted(totals, key=lambda op: (-math.fsum(totals[op].values()), op))[:MAX_OPS]
     rows = []
     for op in ops:
         per = totals[op]

@@ -74,7 +74,7 @@ def section(table: dict[str, Any] | None, message: str) -> dict[str, Any]:
             durs = [float(d) for d in row.get("durations_us", []) if isinstance(d, (int, float)) and 0 <= d < 1e15]
             agg = names[(str(row.get("name")), module)]
             agg[0] += len(durs)
-            agg[1] += sum(durs)
+            agg[1] += math.fsum(durs)
             for d in durs:
                 k = _bin_index(d, threshold)
                 (lora_bins if is_lora else other_bins)[k] += 1

@@ -224,3 +224,20 @@ def test_hta_failure_without_a_message_says_where() -> None:
         text = why_failed(exc)
     assert text.startswith("AssertionError: at tests/unit/test_ingest_kineto.py:") and "raise AssertionError" in text
     assert why_failed(ValueError("no GPU events")) == "ValueError: no GPU events"
+
+
+def test_duration_sums_are_correctly_rounded_on_every_python() -> None:
+    """Sums of kernel durations are ``math.fsum``'s: the builtin ``sum`` of floats rounds
+    differently from Python 3.12 on (compensated), and the same trace then gave other last
+    digits in `analyze --json` and the report on 3.11 than on 3.12. Here the naive sum of
+    3.11 (1e16, then + 1.0 twice, each rounded away) is not the correctly rounded one."""
+    from lorascope.detect.tiny_kernel_tail import _rank_stats
+    from lorascope.ingest.kineto.reader import _durations, _top
+
+    values = [1e16, 1.0, 1.0]
+    exact = 1e16 + 2.0
+    stats = _durations(list(values))
+    assert stats.total_us == exact
+    assert _top([{"name": "k", "dur": v} for v in values])[0].total_us == exact
+    rows = [{"module": None, "durations_us": [1.0, 1.0, 1e16]}]
+    assert _rank_stats({"rows": rows, "steps": 1}, 2.0)["tiny_time_share"] == 2.0 / exact

@@ -353,18 +353,18 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
 
 def _durations(values: list[float]) -> DurationStats:
     values.sort()
-    total = sum(values)
+    total = math.fsum(values)  # (fsum: sum() rounds differently from Python 3.12 on)
     histogram: list[tuple[float | None, int, float]] = []
     lo = 0
     for edge in BUCKETS_US:
         hi = bisect.bisect_left(values, edge)
-        histogram.append((float(edge), hi - lo, sum(values[lo:hi])))
+        histogram.append((float(edge), hi - lo, math.fsum(values[lo:hi])))
         lo = hi
-    histogram.append((None, len(values) - lo, sum(values[lo:])))
+    histogram.append((None, len(values) - lo, math.fsum(values[lo:])))
     under = {}
     for t in TINY_THRESHOLDS_US:
         k = bisect.bisect_left(values, t)
-        under[t] = (k, sum(values[:k]) / total if total else 0.0)
+        under[t] = (k, math.fsum(values[:k]) / total if total else 0.0)
     return DurationStats(
         count=len(values),
         total_us=total,
@@ -382,9 +382,9 @@ def _top(units: list[dict[str, Any]]) -> list[KernelSummary]:
     by_name: dict[str, list[float]] = {}
     for e in units:
         by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
-    ordered = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    ordered = sorted(by_name.items(), key=lambda kv: -math.fsum(kv[1]))[:TOP_KERNELS]
     return [
-        KernelSummary(name=n, count=len(d), total_us=sum(d), median_us=statistics.median(d), max_us=max(d))
+        KernelSummary(name=n, count=len(d), total_us=math.fsum(d), median_us=statistics.median(d), max_us=max(d))
         for n, d in ordered
     ]
 
