@@ -23,7 +23,13 @@ from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
-from lorascope.rundir.ending import RUNNING, ended_badly_headline, ending_of, stopped_while_moving
+from lorascope.rundir.ending import (
+    RUNNING,
+    ended_badly_headline,
+    ending_of,
+    no_steps_headline,
+    stopped_while_moving,
+)
 from lorascope.rundir.reader import RunData, no_cycle_collection
 
 
@@ -95,6 +101,8 @@ def _verdict(findings: list[dict[str, Any]], facts: dict[str, Any] | None) -> di
             "also": [],
             "headline": ended_badly_headline(hows),
         }
+    if not any(r["steps"] for r in facts["ranks"]):
+        return {"level": "unknown", "ranks": [], "also": [], "headline": no_steps_headline(len(facts["ranks"]))}
     return {
         "level": "ok",
         "ranks": [],

@@ -159,6 +159,19 @@ RUNNING = (
     "no problem found so far: the job is still running and every rank makes steps "
     "(analyse it again once it ends; `lorascope hang` if it stops)"
 )
+
+
+def no_steps_headline(ranks: int) -> str:
+    """The headline of a run no detector named a cause for, whose ranks all exited 0 without
+    one step the probes saw: not a clean bill (the terminal's and the report's, alike)."""
+    every = f"all {ranks} ranks" if ranks > 1 else "its one rank"
+    return (
+        f"no detector named a cause, but no training step was seen ({every} exited 0 without one): "
+        "memory over steps, stragglers and gradient health had nothing to read (the probes see "
+        "the steps of DeepSpeed's engine, the Hugging Face Trainer and torch optimizers' step())"
+    )
+
+
 #: A dump within this many of the rank's fastest steps (at least DUMP_MIN_S) of its last
 #: step's end caught it moving (``moving_at``).
 DUMP_STEPS = 2

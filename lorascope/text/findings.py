@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from lorascope.detect.finding import Finding
-from lorascope.rundir.ending import RUNNING, ended_badly_headline
+from lorascope.rundir.ending import RUNNING, ended_badly_headline, no_steps_headline
 from lorascope.units import ranks_named
 
 
@@ -30,6 +30,8 @@ def quiet(data: dict[str, Any]) -> str:
         return ended_badly_headline(
             [(r["rank"], r["ended"].get("t"), _how(r["ended"]), r["ended"].get("stopped")) for r in bad]
         )
+    if not any(r.get("steps") for r in ranks):
+        return no_steps_headline(len(ranks))
     every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "its one rank"
     return f"no problem found by the detectors: {every} exited 0"
 

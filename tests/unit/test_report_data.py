@@ -122,6 +122,14 @@ def test_oom_end_and_verdict_without_findings(tmp_path: Path) -> None:
     assert data["facts"]["ranks"][0]["exception"]["message"].startswith("CUDA out of memory")
 
 
+def test_a_run_without_a_step_has_no_ok_verdict(tmp_path: Path) -> None:
+    data = build_report_data(
+        load_bundle(write_run(tmp_path, [RankSpec(steps=0, calls=[]), RankSpec(steps=0, calls=[])])), []
+    )
+    assert data["verdict"]["level"] == "unknown"
+    assert data["verdict"]["headline"].startswith("no detector named a cause, but no training step was seen (all 2")
+
+
 def test_phases_non_finite_losses_and_breakdown(tmp_path: Path) -> None:
     ranks = [
         RankSpec(phases=[("eval", 1), ("save", 3)], losses=[2.0, float("nan"), 1.5, float("inf")]),

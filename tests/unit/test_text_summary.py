@@ -126,7 +126,7 @@ def test_no_finding_says_what_was_looked_at() -> None:
     hang, memory and gradient detectors cannot read) and for a run a rank of which died
     with no detector naming why; the report said both. Now the terminal does too."""
     assert quiet({"ranks": []}).startswith("no problem found in the loaded artifacts (no run directory: ")
-    fine = {"rank": 0, "ended": {"status": "exit", "code": 0, "detail": None}}
+    fine = {"rank": 0, "steps": 40, "ended": {"status": "exit", "code": 0, "detail": None}}
     aborted = {
         "rank": 1,
         "ended": {"status": "signal", "code": -6, "detail": "Fatal Python error: Aborted\nThread 0x1"},
@@ -137,3 +137,17 @@ def test_no_finding_says_what_was_looked_at() -> None:
     )
     assert quiet({"ranks": [fine, {**fine, "rank": 1}]}) == "no problem found by the detectors: all 2 ranks exited 0"
     assert render_findings([], {"ranks": [fine]}) == "no problem found by the detectors: its one rank exited 0"
+
+
+def test_no_finding_in_a_run_without_a_step_is_not_a_clean_bill() -> None:
+    """Ranks that exited 0 without one step the probes saw (a loop that never calls an
+    optimizer's step(), an evaluation script): the step-keyed detectors had nothing to
+    read, and "no problem found by the detectors" said the opposite."""
+    idle = {"rank": 0, "steps": 0, "ended": {"status": "exit", "code": 0, "detail": None}}
+    both = quiet({"ranks": [idle, {**idle, "rank": 1}]})
+    assert both.startswith("no detector named a cause, but no training step was seen (all 2 ranks exited 0 without")
+    assert "no problem found" not in both
+    # a rank with steps: the run was watched, and the headline is as before
+    assert quiet({"ranks": [idle, {**idle, "rank": 1, "steps": 3}]}) == (
+        "no problem found by the detectors: all 2 ranks exited 0"
+    )
