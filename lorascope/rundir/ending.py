@@ -147,6 +147,17 @@ def _idle(bad: list[tuple[int, float | None, str, dict[str, Any] | None]]) -> li
     return [(b[0], b[3]["since_step_s"]) for b in bad if b[3] is not None and not b[3]["moving"]]
 
 
+def no_steps_headline(ranks: int) -> str:
+    """The headline of a run no detector named a cause for, whose ranks all exited 0 without
+    one step the probes saw: not a clean bill (the terminal's and the report's, alike)."""
+    every = f"all {ranks} ranks" if ranks > 1 else "its one rank"
+    return (
+        f"no detector named a cause, but no training step was seen ({every} exited 0 without one): "
+        "memory over steps, stragglers and gradient health had nothing to read (the probes see "
+        "the steps of DeepSpeed's engine, the Hugging Face Trainer and torch optimizers' step())"
+    )
+
+
 #: A run read while it runs and makes steps is not hung (``still_moving``): its newest
 #: record is under LIVE_SECONDS old (the probes' sampler writes every 0.5 s), and every
 #: rank's last step is within MOVING_STEPS of its median steps (at least MOVING_MIN_S) of
@@ -159,19 +170,6 @@ RUNNING = (
     "no problem found so far: the job is still running and every rank makes steps "
     "(analyse it again once it ends; `lorascope hang` if it stops)"
 )
-
-
-def no_steps_headline(ranks: int) -> str:
-    """The headline of a run no detector named a cause for, whose ranks all exited 0 without
-    one step the probes saw: not a clean bill (the terminal's and the report's, alike)."""
-    every = f"all {ranks} ranks" if ranks > 1 else "its one rank"
-    return (
-        f"no detector named a cause, but no training step was seen ({every} exited 0 without one): "
-        "memory over steps, stragglers and gradient health had nothing to read (the probes see "
-        "the steps of DeepSpeed's engine, the Hugging Face Trainer and torch optimizers' step())"
-    )
-
-
 #: A dump within this many of the rank's fastest steps (at least DUMP_MIN_S) of its last
 #: step's end caught it moving (``moving_at``).
 DUMP_STEPS = 2
