@@ -219,3 +219,14 @@ def test_the_collectives_of_1024_ranks_that_agree_are_one_row(tmp_path: Path) ->
     two = build_report_data(load_bundle(write_run(tmp_path / "two", [RankSpec(steps=2)] * 2)), [])
     assert two["charts"]["collectives"]["rows"] == ["rank 0", "rank 1"]
     assert [r["ranks"] for r in two["collective_table"]["table"]] == ["0", "1"]
+
+
+def test_collective_rows_past_64_say_how_many_ranks_are_left_out(tmp_path: Path) -> None:
+    """70 ranks whose calls all differ (a size each): 64 rows, and the page says that 6
+    ranks are left out and which are shown."""
+    specs = [RankSpec(steps=2, calls=[Call("all_reduce", bytes=1024 + 4 * r)] * 3) for r in range(70)]
+    data = build_report_data(load_bundle(write_run(tmp_path, specs)), [])
+    col = data["charts"]["collectives"]
+    assert len(col["rows"]) == 64 == len(data["collective_table"]["table"]) and col["rows_ranks"] == 64
+    assert col["rows"][:2] == ["rank 0", "rank 1"]
+    assert "past 64 rows, 6 ranks are left out" in render(data)
