@@ -52,7 +52,7 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
     if job_ms < 0 or calls_ms < 0:
         # Recorded by a lorascope of before 2026-12-03, which left a call that raised (a
         # hang's timeout) out of the calls' time but counted its new site's reading among
-        # the one-offs taken from it: not a cost to show (CHANGELOG).
+        # the one-offs taken from it: not a cost to show.
         return None
     step_s = rank.totals.get("step_time_median_s")
     return {

@@ -651,7 +651,7 @@ class CollectiveProbe:
         the backend's worker thread, which must then take the GIL, and while the job's
         thread holds it (up to the 5 ms switch interval) the worker starts no other queued
         collective and the peer waits (on the CPU job, ~4 points of step time in paired
-        runs: CHANGELOG). On a CUDA payload ``wait()`` returns once the job's stream
+        runs). On a CUDA payload ``wait()`` returns once the job's stream
         waits for the collective, not when it is done, so a device call keeps the
         callback (which takes the time and the future's error). Without a way to tell
         completion, the call ends now."""

@@ -28,7 +28,7 @@ from lorascope.rundir.writer import Line, json_str
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
 #: free chunk, ~50-150 us on the CPU test job: six a step were the largest part of the
-#: probes' cost on the training thread (CHANGELOG). The backward's end and the optimizer's
+#: probes' cost on the training thread (docs/performance.md). The backward's end and the optimizer's
 #: begin sit next to each other in a loop, between two edges still read (the backward's
 #: begin, after the loss, and the optimizer's end, the step's end): what they would add is
 #: where in that stretch memory moved (rank0-asymmetry then names "the backward phase or

@@ -11,19 +11,20 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
+from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.finding import Finding
 from lorascope.detect.hang.divergence import RUN_ALL, first_split
 from lorascope.detect.hang.divergence import by_group as groups_of
 from lorascope.rundir.reader import Collective, RunData
-from lorascope.units import ranks_named
+from lorascope.units import rank_ranges, ranks_named
 
 #: Sequence numbers shown in the alignment chart, and in the table under it.
 CHART_WINDOW = 48
 TABLE_WINDOW = 12
-#: Ranks (rows) in the chart and the table, at most: those that differ from the others first.
+#: Rows in the chart and the table, at most (a row is one rank, or ranks whose calls read alike).
 MAX_ROWS = 64
 #: Ops in the per-op time chart, at most (the most time-consuming first).
 MAX_OPS = 24
@@ -107,22 +108,30 @@ def _cell(c: Collective | None) -> str:
     return "pending" if c.pending else "ok"
 
 
-def _shown(calls: dict[int, dict[int, Collective]], members: list[int], lo: int, hi: int) -> list[int]:
-    """The rows to draw: all members, or above :data:`MAX_ROWS` the ranks whose call (op,
-    size, dtype, status) at some sequence number of the window differs from what most
-    members have there, then the lowest others, up to :data:`MAX_ROWS`."""
-    if len(members) <= MAX_ROWS:
-        return members
-    odd: set[int] = set()
-    for seq in range(lo, hi + 1):
-        keys = {}
-        for r in members:
-            c = calls.get(r, {}).get(seq)
-            keys[r] = (_signature(c), _cell(c)) if c is not None else None
-        common = Counter(keys.values()).most_common(1)[0][0]
-        odd.update(r for r, k in keys.items() if k != common)
-    picked = sorted(odd)[:MAX_ROWS]
-    return sorted(picked + [r for r in members if r not in odd][: MAX_ROWS - len(picked)])
+def _alike(members: list[int], key: Any) -> list[list[int]]:
+    """The members as rows, as ``analyze`` condenses its table: ranks whose ``key`` (what
+    the row shows of them) is the same, :data:`MIN_ALIKE_RANKS` or more of them, share a
+    row; the others have one each. In the order of each row's first rank."""
+    same: dict[Any, list[int]] = {}
+    for r in members:
+        same.setdefault(key(r), []).append(r)
+    rows = [[r] for group in same.values() if len(group) < MIN_ALIKE_RANKS for r in group]
+    rows += [group for group in same.values() if len(group) >= MIN_ALIKE_RANKS]
+    return sorted(rows)
+
+
+def _row_name(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} ({len(ranks):,})"
+
+
+def _shown(rows: list[list[int]]) -> list[list[int]]:
+    """At most :data:`MAX_ROWS` rows: the largest (what most ranks did), then the others,
+    those that stand alone first (where ranks differ), by rank."""
+    if len(rows) <= MAX_ROWS:
+        return rows
+    largest = max(rows, key=len)
+    rest = sorted((r for r in rows if r is not largest), key=lambda r: (len(r), r[0]))
+    return sorted([largest, *rest[: MAX_ROWS - 1]])
 
 
 def _window(first: int, last: int, focus: int | None, size: int) -> tuple[int, int]:
@@ -164,10 +173,20 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     ops: list[str] = sorted({op for r in run.ranks.values() if (t := r.tallies.get(group)) for op in t.ops})
     op_index = {op: i for i, op in enumerate(ops)}
     w_lo, w_hi = _window(lo_seq, hi_seq, focus, CHART_WINDOW)
-    everyone, members = members, _shown(calls, members, w_lo, w_hi)
-    cells = []
-    for row, r in enumerate(members):
+    t_lo, t_hi = _window(w_lo, w_hi, focus, TABLE_WINDOW)
+
+    def chart_key(r: int) -> tuple[Any, ...]:
         per = calls.get(r, {})
+        return tuple((_signature(c), _cell(c)) if (c := per.get(s)) else None for s in range(w_lo, w_hi + 1))
+
+    def table_key(r: int) -> tuple[Any, ...]:
+        per = calls.get(r, {})
+        return tuple((_signature(c), _cell(c), c.site) if (c := per.get(s)) else None for s in range(t_lo, t_hi + 1))
+
+    rows = _shown(_alike(members, chart_key))
+    cells = []
+    for row, ranks in enumerate(rows):
+        per = calls.get(ranks[0], {})
         for seq in range(w_lo, w_hi + 1):
             call = per.get(seq)
             if call is None and seq > max(per, default=0) and not first:
@@ -176,27 +195,31 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
             cells.append(
                 [seq, row, op_index[call.op] if call else -1, STATUS[_cell(call)], dur, call.bytes if call else None]
             )
-    t_lo, t_hi = _window(w_lo, w_hi, focus, TABLE_WINDOW)
+    table_rows = _shown(_alike(members, table_key))
     table = [
         {
-            "rank": r,
-            "cells": [_table_cell(calls.get(r, {}).get(s), s == focus, sites_of) for s in range(t_lo, t_hi + 1)],
+            "rank": ranks[0],
+            "ranks": rank_ranges(ranks),
+            "count": len(ranks),
+            "cells": [_table_cell(calls.get(ranks[0], {}).get(s), s == focus, sites_of) for s in range(t_lo, t_hi + 1)],
         }
-        for r in members
+        for ranks in table_rows
     ]
     return {
         "available": True,
         "group": group,
         "groups": sorted((s[3], s[2]) for s in summaries),
-        "members": members,
-        "members_total": len(everyone),
+        "rows": [_row_name(ranks) for ranks in rows],
+        "rows_ranks": sum(len(ranks) for ranks in rows),
+        "members_total": len(members),
         "ops": ops,
         "window": [w_lo, w_hi],
         "cells": cells,
         "first": first,
-        "pending": [[r, c.seq, c.op, c.site] for r in everyone for c in calls.get(r, {}).values() if c.end is None],
+        "pending": [[r, c.seq, c.op, c.site] for r in members for c in calls.get(r, {}).values() if c.end is None],
         "table_seqs": list(range(t_lo, t_hi + 1)),
         "table": table,
+        "table_ranks": sum(len(ranks) for ranks in table_rows),
     }
 
 

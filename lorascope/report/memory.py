@@ -6,6 +6,7 @@ RSS (what the probes can read on a CPU run); the chart says which.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -14,6 +15,7 @@ from lorascope.detect.finding import Finding
 from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
 from lorascope.report.timebase import MIB, mib, secs
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RankData, RunData
 
 #: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
@@ -54,7 +56,11 @@ def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
     A CPU rank's heap is read at the phase edges of some steps only (``HEAP_EVERY`` in
     ``probes/memory.py``); a step whose edges were not read has at most a background
     sample and the previous step's end, not its peak: such steps are left out of the heap's
-    figure, so that its line does not saw between peaks and troughs."""
+    figure, so that its line does not saw between peaks and troughs.
+
+    A rank that exited 0 takes its last samples after its last step (the teardown): they are
+    no step, and are left out (20 steps drew 21 columns). A rank that ended otherwise keeps
+    the step it was in when it stopped (where an OOM or a hang shows)."""
     out: dict[int, list[tuple[int, float]]] = {}
     value_of = mem_reader(kind)
     heap = kind == HEAP_IN_USE
@@ -70,6 +76,10 @@ def per_step(run: RunData, kind: str) -> dict[int, list[tuple[int, float]]]:
                     edges.add(step)
         if edges:
             high = {s: v for s, v in high.items() if s in edges}
+        ended = ending_of(rank)
+        if rank.steps and ended.status == "exit" and ended.code == 0:
+            last = max(s["step"] for s in rank.steps)
+            high = {s: v for s, v in high.items() if s <= last}
         out[rank.rank] = [(s, v / MIB) for s, v in sorted(high.items())]
     return out
 
@@ -109,6 +119,30 @@ def _step_markers(run: RunData, origin: float) -> list[list[float]]:
     if picked[-1] is not steps[-1]:
         picked.append(steps[-1])
     return [[secs(float(s["t"]), origin), s["step"]] for s in picked]
+
+
+#: The memory chart opens zoomed to the steps, with this share of their span shown before the first.
+VIEW_MARGIN = 0.05
+
+
+def _duration(step: dict[str, Any]) -> float:
+    dur = step.get("dur")
+    if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not math.isfinite(dur):
+        return 0.0
+    return max(0.0, float(dur))
+
+
+def steps_view(run: RunData, origin: float) -> list[float] | None:
+    """Where the memory chart opens: from just before the first step began to the last
+    sample (seconds since the start), so that the steps fill the width rather than the
+    startup (75 s of loading left 20 steps the last 5 s); None when no step completed.
+    The slider widens it to the whole run."""
+    begins = [float(r.steps[0]["t"]) - _duration(r.steps[0]) for r in run.ranks.values() if r.steps]
+    ends = [max(float(m["t"]) for m in r.mem) for r in run.ranks.values() if r.mem]
+    if not begins or not ends or max(ends) <= min(begins):
+        return None
+    begin, end = min(begins), max(ends)
+    return [max(0.0, secs(begin - VIEW_MARGIN * (end - begin), origin)), secs(end, origin)]
 
 
 def _phase_spans(run: RunData, origin: float) -> list[dict[str, Any]]:
@@ -205,6 +239,7 @@ def timeline(run: RunData, origin: float, ends: dict[int, dict[str, Any]], lines
         "others": {k: v for k, v in by_metric.items() if k != metric},
         "ends": None if lines else _ends_by_step(run, metric, ends),
         "steps": _step_markers(run, origin),
+        "view": steps_view(run, origin) if lines else None,
         "phases": _phase_spans(run, origin),
         "samples": total,
         "shown": shown,

@@ -49,9 +49,11 @@ LINES_UP_TO = 16
 MAX_COLUMNS = 400
 HEAT_COLUMNS = 64
 HEAT_ROWS = 128
-#: A heatmap's colour scale spans at least this share of its largest value: ranks within
-#: 1% of each other (132.3 vs 130.7 MiB) were drawn red against white, as if they differed.
-HEAT_MIN_SPAN = 0.10
+#: A heatmap's colour is a cell's deviation from the median cell: within +-HEAT_NEUTRAL of it
+#: a neutral grey (a healthy run's ~10% spread of memory or step time, which a min-to-max
+#: scale painted alarming red), then blue below and red above, full at +-HEAT_FULL.
+HEAT_NEUTRAL = 0.10
+HEAT_FULL = 0.50
 #: Outlier threshold (robust z-score), most outliers drawn, the MAD's floor relative to the median.
 Z_OUTLIER = 3.5
 MAX_OUTLIERS = 5
@@ -253,7 +255,11 @@ def heatmap(
     """Ranks (rows) by step ranges (columns): at most ``max_rows`` x ``max_columns`` cells.
     A cell is the rank's value in the range (``how``); when there are more ranks than rows,
     consecutive ranks share a row and the cell is the highest of theirs (the worst rank shows:
-    ``who`` names it). ``values`` is row-major, None where no rank of the row has a point."""
+    ``who`` names it). ``values`` is row-major, None where no rank of the row has a point.
+
+    The colour scale: ``median`` (of the cells), ``neutral`` and ``full`` (shares of it:
+    :data:`HEAT_NEUTRAL`, :data:`HEAT_FULL`), ``min`` / ``max`` where the colours are full
+    (median x (1 -+ full))."""
     coarse = cols.coarser(max_columns)
     factor = coarse.width // cols.width
     ranks = sorted(reduced)
@@ -274,18 +280,17 @@ def heatmap(
             values.append(None if best is None else round(best[0], digits))
             who.append(None if best is None else best[1])
     finite = [v for v in values if v is not None]
-    top = max(finite) if finite else None
-    low = min(finite) if finite else None
-    if top is not None and low is not None and top > 0:
-        low = min(low, round(top * (1 - HEAT_MIN_SPAN), digits))
+    median = statistics.median(finite) if finite else None
     return {
         "rows": rows,
         "columns": [list(coarse.span(c)) for c in range(coarse.count)],
         "values": values,
         "who": who if per_row > 1 else None,
-        #: the colour scale: from the smallest cell, or lower (HEAT_MIN_SPAN), to the largest
-        "min": low,
-        "max": top,
+        "median": None if median is None else round(median, digits),
+        "neutral": HEAT_NEUTRAL,
+        "full": HEAT_FULL,
+        "min": None if median is None else round(median * (1 - HEAT_FULL), digits),
+        "max": None if median is None else round(median * (1 + HEAT_FULL), digits),
     }
 
 

@@ -260,7 +260,7 @@ class Stream:
         """Flush every ``interval`` until the stream stops. ``time.sleep``, not a timed
         ``Event.wait``: the thread wakes 25 times a second for the whole job, and a timed
         wait costs a wake-up twice a sleep's CPU (~150 vs ~78 us on the test VM, where any
-        wake-up is dear; CHANGELOG). A stop is seen at the next tick."""
+        wake-up is dear). A stop is seen at the next tick."""
         while True:
             time.sleep(interval)
             if self._stop.is_set() or self._fd is None:

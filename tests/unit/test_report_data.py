@@ -295,3 +295,33 @@ def test_a_rank_killed_by_an_abort_gets_a_one_line_pin_and_faulthandlers_text_in
     assert ending["fatal"] == dump.strip()
     page = render(data)
     assert "what faulthandler wrote" in page and "line 3 in &lt;module&gt;" in page
+
+
+def test_the_heatmaps_have_a_column_per_step(tmp_path: Path) -> None:
+    """20 steps are 20 columns: the samples a rank that exited 0 takes after its last step
+    (its teardown) are no step (they drew a 21st column); a rank that died keeps the step
+    it died in."""
+    data = build_report_data(load_bundle(write_run(tmp_path / "ok", [RankSpec(steps=20)] * 2)), [])
+    spread = data["charts"]["spread"]
+    memory = spread["memory"]["RSS"]["heatmap"]
+    assert memory["columns"] == [[s, s] for s in range(1, 21)] == spread["step_time"]["heatmap"]["columns"]
+    assert "20 column(s) of 1 step each" in render(data) and "21 column(s)" not in render(data)
+    healthy = build_report_data(load_bundle(HEALTHY), [])["charts"]["spread"]
+    assert len(healthy["memory"]["RSS"]["heatmap"]["columns"]) == len(healthy["step_time"]["heatmap"]["columns"]) == 6
+    died = RankSpec(steps=3, extra=[{"k": "mem", "src": "sampler", "step": 3, "rss": 900 << 20}], ends=False)
+    data = build_report_data(load_bundle(write_run(tmp_path / "died", [RankSpec(steps=3), died])), [])
+    heat = data["charts"]["spread"]["memory"]["RSS"]["heatmap"]
+    assert heat["columns"][-1] == [4, 4] and heat["values"][-1] == 900.0  # rank 1, in the step it never finished
+
+
+def test_the_memory_chart_opens_on_the_steps() -> None:
+    """The memory chart's view starts just before the first step (not at the start of a
+    run whose startup took most of its time) and ends at the last sample."""
+    data = build_report_data(load_bundle(HEALTHY), [])
+    mem = data["charts"]["memory"]
+    first_step_end, last = mem["steps"][0][0], max(t for s in mem["series"] for t in s["t"])
+    view = mem["view"]
+    assert view is not None and view[1] == last
+    assert first_step_end - 2.0 < view[0] < first_step_end  # the first step took 1.26 s
+    assert view[0] > last / 2  # the startup (over 30 s of the 36) is left out of the view
+    assert f"It opens on the steps (from\n    {view[0]} s)" in render(data)

@@ -12,6 +12,7 @@ from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle
 from lorascope.report import spread
 from lorascope.report.data import build_report_data
+from lorascope.report.render import render
 from lorascope.report.spread import PerStep
 from tests.helpers import Call, RankSpec, write_run
 
@@ -92,13 +93,47 @@ def test_heatmap_rows_merge_ranks_and_name_the_highest() -> None:
     hm = spread.heatmap(spread.reduce_all(series, cols), cols, "mean", 2, max_columns=2, max_rows=4)
     assert hm["rows"] == [[0, 2], [3, 5], [6, 8], [9, 9]] and hm["columns"] == [[1, 2], [3, 4]]
     assert len(hm["values"]) == 8 and hm["values"][3] == 4.5  # rank 5, steps 3-4: mean of 8 and 1
-    assert hm["who"] is not None and hm["who"][3] == 5 and hm["max"] == 4.5 and hm["min"] == 1.0
+    assert hm["who"] is not None and hm["who"][3] == 5
+    # the colour scale is centred on the median cell (1.0 here), full at +-50% of it
+    assert (hm["median"], hm["min"], hm["max"]) == (1.0, 0.5, 1.5) and hm["neutral"] == spread.HEAT_NEUTRAL
     one = spread.heatmap(spread.reduce_all(series, cols), cols, "max", 2)
     assert one["who"] is None and len(one["rows"]) == 10 and one["values"][5 * 4 + 2] == 8.0
-    # ranks within 1% of each other are not drawn as far apart: the scale spans >= 10% of the top
+    # ranks within 1% of each other are not drawn as far apart: both inside the neutral band
     close = {r: [(s, 130.7 + 1.6 * (r == 0)) for s in range(1, 5)] for r in range(2)}
     near = spread.heatmap(spread.reduce_all(close, cols), cols, "max", 2)
-    assert (near["min"], near["max"]) == (round(132.3 * 0.9, 2), 132.3) and min(v for v in near["values"] if v) == 130.7
+    assert all(abs(v / near["median"] - 1) <= near["neutral"] for v in near["values"] if v is not None)
+
+
+def _deviations(hm: dict[str, object]) -> list[float]:
+    median = hm["median"]
+    assert isinstance(median, float) and median > 0
+    return [v / median - 1 for v in hm["values"] if isinstance(v, float)]  # type: ignore[attr-defined]
+
+
+def test_a_healthy_spread_is_neutral_and_a_straggler_is_not() -> None:
+    """The colour scale is the deviation from the median cell with a neutral band: a healthy
+    run's ~10% spread of memory (1.85-2.06 GiB; 64 ranks x 1,000 steps) lies inside it,
+    where a min-to-max scale painted its top cells full red; a straggler 50% slower lies at
+    the full red end, its peers in the band."""
+    gib = 1024.0
+    memory = {
+        r: [(s, gib * (1.85 + 0.21 * (r % 11) / 10 - 0.001 * (s % 5))) for s in range(1, 1001)] for r in range(64)
+    }
+    cols = spread.columns(memory)
+    assert cols is not None
+    hm = spread.heatmap(spread.reduce_all(memory, cols), cols, "max", 1)
+    devs = _deviations(hm)
+    assert max(devs) - min(devs) > 0.09  # the spread is there ...
+    assert max(abs(d) for d in devs) <= hm["neutral"]  # ... and all of it neutral
+    times = {r: [(s, 0.2 * (1.5 if r == 17 else 1.0) * (1 + 0.02 * (s % 3))) for s in range(1, 101)] for r in range(64)}
+    cols = spread.columns(times)
+    assert cols is not None
+    hm = spread.heatmap(spread.reduce_all(times, cols), cols, "mean", 4)
+    n = len(hm["columns"])
+    row = [v for v in hm["values"][17 * n : 18 * n] if v is not None]
+    assert hm["max"] is not None and min(row) >= hm["max"] * 0.97  # at the full end (within rounding)
+    others = [v for k, v in enumerate(hm["values"]) if v is not None and k // n != 17]
+    assert all(abs(v / hm["median"] - 1) <= hm["neutral"] for v in others)
 
 
 def test_sizes_are_bounded_at_1024_ranks_by_10000_steps() -> None:
@@ -154,8 +189,44 @@ def test_many_ranks_bound_the_collective_rows_and_group_the_end_pins(tmp_path: P
         specs[r] = RankSpec(steps=3, exception=("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2 GiB"))
     data = build_report_data(load_bundle(write_run(tmp_path, specs)), [])
     col = data["charts"]["collectives"]
-    assert col["members_total"] == n and len(col["members"]) == 64 == len(data["collective_table"]["table"])
-    assert 66 in col["members"] and col["first"]["seq"] == 2  # the rank that differs is shown
-    assert col["members"] == sorted(col["members"])
+    # alike ranks share a row, as `analyze` condenses its table; the rank that differs has its own
+    assert col["members_total"] == n and col["first"]["seq"] == 2
+    assert col["rows"] == ["ranks 0-65, 67-69 (69)", "rank 66"]
+    table = data["collective_table"]["table"]
+    assert [(r["ranks"], r["count"]) for r in table] == [("0-65, 67-69", 69), ("66", 1)]
     pins = data["charts"]["memory"]["ends"]
     assert [(p["label"], p["ranks"], p["count"]) for p in pins] == [("OOM", [5, 9, 40], 3)]
+
+
+def test_the_collectives_of_1024_ranks_that_agree_are_one_row(tmp_path: Path) -> None:
+    """A 1,024-rank run whose ranks agree on every collective: one row in the chart and in
+    the table (64 rows of the same calls were listed under "The ranks agree on every
+    collective"); a rank-0-only call splits rank 0 off, the others stay one row; two ranks
+    alike (fewer than MIN_ALIKE_RANKS) keep a row each."""
+    n = 1024
+    bundle = load_bundle(write_run(tmp_path / "agree", [RankSpec(steps=2) for _ in range(n)]))
+    data = build_report_data(bundle, [])
+    col = data["charts"]["collectives"]
+    assert col["first"] is None and col["rows"] == ["ranks 0-1023 (1,024)"] and col["members_total"] == n
+    assert [(r["ranks"], r["count"]) for r in data["collective_table"]["table"]] == [("0-1023", n)]
+    assert {c[1] for c in col["cells"]} == {0}
+    html = render(data)
+    assert "The ranks agree on every collective" in html and "1 row(s) for\n    1024 ranks" in html
+    odd = [RankSpec(steps=2) for _ in range(40)]
+    odd[0] = RankSpec(steps=2, calls=[Call("all_reduce"), Call("barrier", bytes=0, dtype=None), Call("all_reduce")])
+    col = build_report_data(load_bundle(write_run(tmp_path / "odd", odd)), [])["charts"]["collectives"]
+    assert col["rows"] == ["rank 0", "ranks 1-39 (39)"] and col["first"]["seq"] == 2
+    two = build_report_data(load_bundle(write_run(tmp_path / "two", [RankSpec(steps=2)] * 2)), [])
+    assert two["charts"]["collectives"]["rows"] == ["rank 0", "rank 1"]
+    assert [r["ranks"] for r in two["collective_table"]["table"]] == ["0", "1"]
+
+
+def test_collective_rows_past_64_say_how_many_ranks_are_left_out(tmp_path: Path) -> None:
+    """70 ranks whose calls all differ (a size each): 64 rows, and the page says that 6
+    ranks are left out and which are shown."""
+    specs = [RankSpec(steps=2, calls=[Call("all_reduce", bytes=1024 + 4 * r)] * 3) for r in range(70)]
+    data = build_report_data(load_bundle(write_run(tmp_path, specs)), [])
+    col = data["charts"]["collectives"]
+    assert len(col["rows"]) == 64 == len(data["collective_table"]["table"]) and col["rows_ranks"] == 64
+    assert col["rows"][:2] == ["rank 0", "rank 1"]
+    assert "past 64 rows, 6 ranks are left out" in render(data)

@@ -29,9 +29,10 @@
     for (var i = 0; i < units.length; i++) { if (n >= units[i][1]) { return (n / units[i][1]).toFixed(1) + " " + units[i][0]; } }
     return n + " B";
   }
-  function zoom(axisIndex) {
-    return [{ type: "inside", xAxisIndex: axisIndex, filterMode: "none" },
-            { type: "slider", xAxisIndex: axisIndex, filterMode: "none", height: 18, bottom: 8 }];
+  function zoom(axisIndex, view) {
+    var at = view ? { startValue: view[0], endValue: view[1] } : {};
+    return [Object.assign({ type: "inside", xAxisIndex: axisIndex, filterMode: "none" }, at),
+            Object.assign({ type: "slider", xAxisIndex: axisIndex, filterMode: "none", height: 18, bottom: 8 }, at)];
   }
   function yAxis(name, scale) {
     return { type: "value", name: name, nameLocation: "middle", nameGap: 52, scale: !!scale };
@@ -125,8 +126,8 @@
         }).join("<br>");
       } },
       xAxis: { type: "value", name: "seconds since start", nameLocation: "middle", nameGap: 26, min: 0, max: "dataMax" },
-      yAxis: yAxis(metric + " (MiB)", true),
-      dataZoom: zoom(0),
+      yAxis: yAxis(metric + " (MiB)"),
+      dataZoom: zoom(0, mem.view),
       series: series
     }), count(series));
     var el = document.getElementById("chart-memory");
@@ -192,8 +193,8 @@
   function collectivesChart(col) {
     var el = document.getElementById("chart-collectives");
     if (!el) { return; }
-    el.style.height = Math.max(240, col.members.length * 22 + 120) + "px";
-    var ranks = col.members.map(function (r) { return "rank " + r; });
+    el.style.height = Math.max(240, col.rows.length * 22 + 120) + "px";
+    var ranks = col.rows;  // a rank, or ranks whose calls read alike ("ranks 1-63 (63)")
     var series = col.ops.map(function (op, i) {
       return { type: "scatter", name: op, symbol: "rect", symbolSize: [14, 14], color: PALETTE[i % PALETTE.length],
                data: col.cells.filter(function (c) { return c[2] === i; }) };
@@ -285,7 +286,7 @@
         }).join("<br>");
       } },
       xAxis: { type: "value", name: "step", nameLocation: "middle", nameGap: 26, min: "dataMin", max: "dataMax", minInterval: 1 },
-      yAxis: yAxis(yName, true),
+      yAxis: yAxis(yName, id === "chart-loss"),  // seconds and MiB from 0: a 2% band is not a cliff
       dataZoom: zoom(0),
       series: series
     }), count(series));
@@ -344,7 +345,7 @@
       } },
       xAxis: { type: "category", boundaryGap: false, data: b.step.map(String), name: sp.width > 1 ? "step (" + sp.width + " per point)" : "step",
                nameLocation: "middle", nameGap: 26 },
-      yAxis: yAxis(yName, true),
+      yAxis: yAxis(yName, id === "chart-loss"),  // seconds and MiB from 0: a 2% band is not a cliff
       dataZoom: zoom(0),
       series: series
     }), b.step.length * 5 + drawn.reduce(function (n, d) { return n + d[0].step.length; }, 0));
@@ -355,10 +356,18 @@
   // Ranks (rows; consecutive ranks share a row when there are many) by step ranges (columns).
   // A heatmap's cells are painted on one canvas (an image in the chart's grid, painted again
   // on zoom), not as one ECharts element each: at 128 x 58 cells that took 100-250 ms a chart.
-  var RAMP = [[0xf7, 0xfb, 0xff], [0x6b, 0xae, 0xd6], [0x08, 0x30, 0x6b], [0xd6, 0x27, 0x28]];
-  function rampColor(t) {
-    var x = Math.min(Math.max(t, 0), 1) * (RAMP.length - 1), i = Math.min(Math.floor(x), RAMP.length - 2), f = x - i;
-    var c = RAMP[i].map(function (a, j) { return Math.round(a + (RAMP[i + 1][j] - a) * f); });
+  // A cell's colour is its deviation from the median cell (hm.median): neutral grey within
+  // +-hm.neutral of it (a healthy run's spread), then blue below and red above, full at +-hm.full.
+  var NEUTRAL = [0xee, 0xee, 0xee];
+  var ABOVE = [[0xfe, 0xe0, 0xd2], [0xfc, 0x92, 0x72], [0xd6, 0x27, 0x28]];
+  var BELOW = [[0xde, 0xeb, 0xf7], [0x6b, 0xae, 0xd6], [0x08, 0x51, 0x9c]];
+  function mix(ramp, u) {
+    var x = Math.min(Math.max(u, 0), 1) * (ramp.length - 1), i = Math.min(Math.floor(x), ramp.length - 2), f = x - i;
+    return ramp[i].map(function (a, j) { return Math.round(a + (ramp[i + 1][j] - a) * f); });
+  }
+  function deviationColor(hm, v) {
+    var d = hm.median ? v / hm.median - 1 : 0, far = Math.abs(d);
+    var c = far <= hm.neutral ? NEUTRAL : mix(d > 0 ? ABOVE : BELOW, (far - hm.neutral) / (hm.full - hm.neutral));
     return "rgb(" + c.join(",") + ")";
   }
   function heatmapChart(id, hm, name, fmt) {
@@ -368,8 +377,10 @@
     var rowName = function (r) { return r[0] === r[1] ? "rank " + r[0] : "ranks " + r[0] + "–" + r[1]; };
     var colName = function (c) { return c[0] === c[1] ? "step " + c[0] : "steps " + c[0] + "–" + c[1]; };
     var n = hm.columns.length, rows = hm.rows.length, cells = 0;
-    var hi = hm.max > hm.min ? hm.max : hm.min + 1e-9, shown = [hm.min, hi];
-    var colors = hm.values.map(function (v) { if (v == null) { return null; } cells++; return rampColor((v - hm.min) / (hi - hm.min)); });
+    var lo = hm.min, hi = hm.max > hm.min ? hm.max : hm.min + 1e-9, shown = [-Infinity, Infinity];
+    var colors = hm.values.map(function (v) { if (v == null) { return null; } cells++; return deviationColor(hm, v); });
+    var legend = [];  // the legend's bar, sampled from the same colours
+    for (var q = 0; q <= 20; q++) { legend.push(deviationColor(hm, lo + (hi - lo) * q / 20)); }
     function paint(params, api) {
       var box = params.coordSys, ratio = window.devicePixelRatio || 1;
       var origin = api.coord([0, 0]), size = api.size([1, 1]), w = size[0], h = size[1];
@@ -400,9 +411,9 @@
       xAxis: { type: "category", data: hm.columns.map(function (c) { return c[0] === c[1] ? String(c[0]) : c[0] + "–" + c[1]; }),
                name: "step", nameLocation: "middle", nameGap: 26, splitArea: { show: false } },
       yAxis: { type: "category", data: hm.rows.map(rowName), inverse: true, axisLabel: { fontSize: 10 } },
-      visualMap: { type: "continuous", min: hm.min, max: hi, calculable: true, seriesIndex: [],
+      visualMap: { type: "continuous", min: lo, max: hi, calculable: true, seriesIndex: [],
                    orient: "vertical", right: 40, top: "middle", itemHeight: 120, precision: 3,
-                   inRange: { color: RAMP.map(function (c) { return "rgb(" + c.join(",") + ")"; }) },
+                   inRange: { color: legend },
                    formatter: function (v) { return fmt(v); } },
       dataZoom: [{ type: "inside", xAxisIndex: 0, filterMode: "none" },
                  { type: "slider", xAxisIndex: 0, height: 18, bottom: 8, filterMode: "none" }],
@@ -411,8 +422,9 @@
     var chart = charts[id];
     if (!chart) { return; }
     // dragging the legend's handles shows only the cells inside its range, as ECharts' own heatmap does
+    // (a handle at an end of the scale leaves that side open: cells beyond it are painted full)
     chart.on("datarangeselected", function (e) {
-      shown = e.selected;
+      shown = [e.selected[0] <= lo ? -Infinity : e.selected[0], e.selected[1] >= hi ? Infinity : e.selected[1]];
       chart.setOption({ series: [{ id: "cells", data: [[0, 0]] }] });
     });
     var tip = document.createElement("div");
@@ -478,8 +490,8 @@
     }
   }
 
-  // The page's text is painted before any chart exists; charts are then drawn one per task,
-  // so the browser paints between them (the first is on screen while the others draw).
+  // Every chart is drawn now, while the page loads, not later in timers or on scrolling: a
+  // page printed, screenshotted or opened in a background tab (where timers wait) shows them all.
   var queue = [];
   var sp = data.spread;
   var bandsMode = sp && !sp.lines;
@@ -528,17 +540,12 @@
       }]);
     }
   }
-  function next() {
-    if (!queue.length) {
-      window.addEventListener("resize", function () { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); });
-      window.lorascopeReport = { charts: Object.keys(charts).sort(), drawMs: timings, startedMs: startedMs,
-                                 doneMs: Math.round(performance.now()), options: options };
-      document.body.setAttribute("data-charts-drawn", String(Object.keys(charts).length));
-      return;
-    }
-    var job = queue.shift();
-    safely(job[0], job[1]);
-    setTimeout(next, 0);
-  }
-  setTimeout(next, 0);
+  queue.forEach(function (job) { safely(job[0], job[1]); });
+  function resizeAll() { Object.keys(charts).forEach(function (k) { charts[k].resize(); }); }
+  window.addEventListener("resize", resizeAll);
+  window.addEventListener("beforeprint", resizeAll);
+  window.addEventListener("afterprint", resizeAll);
+  window.lorascopeReport = { charts: Object.keys(charts).sort(), drawMs: timings, startedMs: startedMs,
+                             doneMs: Math.round(performance.now()), options: options };
+  document.body.setAttribute("data-charts-drawn", String(Object.keys(charts).length));
 }());
