@@ -1,5 +1,5 @@
 """The GPU check behind ``bash benchmarks/gpu_check.sh``: lorascope's CUDA paths on a real
-GPU, in one command, at most 8 minutes on one GPU; a table of what it verified.
+GPU, in one command, at most 9 minutes on one GPU; a table of what it verified.
 
 Runs (all the probes/ job, probes/train_lora.py, through benchmarks/gpu_job.py):
 
@@ -20,6 +20,14 @@ Runs (all the probes/ job, probes/train_lora.py, through benchmarks/gpu_job.py):
 - ``overhead``: the healthy job bare, probed, and probed without allocator history,
   alternated; mean step times. Every probed run is analysed: no warning in any (the last
   is kept as the ``healthy`` fixture).
+- ``realsize`` (alone with ``--quick``): a LoRA job of real size (benchmarks/gpu_realsize.py:
+  Llama-3.2-1B's shape with random weights, bf16, r=16 on every linear layer, sequence
+  2,048, non-reentrant checkpointing): bare vs probed with ``--memory-history`` auto,
+  always and off, alternated (steady-state step times, the probes' self-measure beside);
+  one probed run with a kernel window (steps 11-12): LoRA kernels' share of GPU time and
+  launches, idle time between kernels, the tiny-kernel-tail finding or its absence; the fix
+  it suggests (the adapted layers compiled) timed again; ``lorascope plan`` for the same
+  configuration against the measured CUDA peaks.
 
 Writes ``gpu-check.json`` and ``gpu-check.txt`` (figures) to ``$OUT`` if set, else
 ``runs/gpu-check/``; and small real GPU fixtures (the single, shared, oom and healthy run
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -49,8 +58,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "gpu_job.py"
-#: The script's own budget: the shell wrapper kills it at 8 minutes; these leave room.
-BUDGET_S = 7 * 60
+REALSIZE = REPO / "benchmarks" / "gpu_realsize.py"
+#: Steps of a real-size run (~0.2-0.5 s each on an H100): the first ``gpu_realsize.WARM``
+#: are left out of the steady-state figure.
+REALSIZE_STEPS = 30
+#: Probed variants of the real-size run: ``--memory-history`` of each.
+HISTORY_MODES = ("auto", "always", "off")
+#: The script's own budget: the shell wrapper kills it at 9 minutes; these leave room.
+BUDGET_S = 8 * 60 + 30
 JOB_TIMEOUT_S = 150
 #: Keep fixtures small: files above this are left out (and said so).
 MAX_FIXTURE_FILE = 6 * 2**20
@@ -399,6 +414,115 @@ def overhead(times: dict[str, list[float]]) -> dict[str, Any]:
     }
 
 
+def realsize_overhead(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Steady-state and mean step seconds per variant of the real-size run (means over its
+    runs) and each probed variant against bare."""
+    steady = {k: statistics.mean(r["steady_step_s"] for r in v) for k, v in runs.items() if v}
+    mean = {k: statistics.mean(r["mean_step_s"] for r in v) for k, v in runs.items() if v}
+    bare_steady, bare_mean = steady.get("bare"), mean.get("bare")
+    return {
+        "steady_step_s": {k: round(v, 5) for k, v in steady.items()},
+        "mean_step_s": {k: round(v, 5) for k, v in mean.items()},
+        "runs": {k: len(v) for k, v in runs.items()},
+        "steady_vs_bare": {k: round(v / bare_steady - 1, 4) for k, v in steady.items() if bare_steady and k != "bare"},
+        "mean_vs_bare": {k: round(v / bare_mean - 1, 4) for k, v in mean.items() if bare_mean and k != "bare"},
+    }
+
+
+def kernel_figures(raw: dict[str, Any], tiny_us: float) -> dict[str, Any]:
+    """A kernel window's figures: kernels and their GPU time, the share of both in LoRA
+    modules' kernels (lora_A, lora_B), kernels under ``tiny_us``, and the GPU's idle time
+    between the window's first kernel and its last (the union of kernels' spans, all
+    streams, against that stretch)."""
+    from lorascope.detect.kernel_attribution import table_from_trace
+
+    table = table_from_trace(raw) or {"rows": [], "unit": None}
+    rows = table["rows"] if table["unit"] == "kernel" else []
+    durations = [d for r in rows for d in r["durations_us"]]
+    lora = [
+        d
+        for r in rows
+        if r["module"] and ("lora_A" in r["module"] or "lora_B" in r["module"])
+        for d in r["durations_us"]
+    ]
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in raw.get("traceEvents", [])
+        if isinstance(e, dict)
+        and e.get("cat") == "kernel"
+        and e.get("ph") == "X"
+        and isinstance(e.get("ts"), (int, float))
+        and isinstance(e.get("dur"), (int, float))
+    )
+    busy, end = 0.0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    stretch = (max(hi for _, hi in spans) - spans[0][0]) if spans else 0.0
+    total = math.fsum(durations)
+    return {
+        "kernels": len(durations),
+        "gpu_us": round(total, 1),
+        "lora_launch_share": round(len(lora) / len(durations), 4) if durations else None,
+        "lora_time_share": round(math.fsum(lora) / total, 4) if total else None,
+        "tiny_launch_share": round(sum(d < tiny_us for d in durations) / len(durations), 4) if durations else None,
+        "idle_share": round(1 - busy / stretch, 4) if stretch else None,
+    }
+
+
+def plan_error(plan: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+    """``lorascope plan --json`` against a run's CUDA peaks: the plan's allocator total
+    against the peak allocated, its total against the peak reserved, each error as a share
+    of the measured peak; and the plan's terms, for the table."""
+    alloc, reserved = measured["peak_alloc"], measured["peak_reserved"]
+    return {
+        "planned_allocated": plan["allocated_bytes"],
+        "planned_total": plan["total_bytes"],
+        "peak_alloc": alloc,
+        "peak_reserved": reserved,
+        "alloc_error": round(plan["allocated_bytes"] / alloc - 1, 4) if alloc else None,
+        "reserved_error": round(plan["total_bytes"] / reserved - 1, 4) if reserved else None,
+        "terms": {t["key"]: t["bytes"] for t in plan["terms"] if t.get("counted")},
+    }
+
+
+def plan_command(config: Path, gpu_mem: int) -> list[str]:
+    """``lorascope plan`` for the real-size run's configuration (gpu_realsize.py: PEFT keeps
+    the adapters in fp32 over the bf16 base; plain AdamW, one GPU)."""
+    return [
+        sys.executable,
+        "-m",
+        "lorascope",
+        "plan",
+        "--model",
+        str(config),
+        "--lora-r",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--lora-targets",
+        "all-linear",
+        "--precision",
+        "bf16",
+        "--fp32-adapters",
+        "--seq",
+        "2048",
+        "--micro-batch",
+        "1",
+        "--checkpointing",
+        "non-reentrant",
+        "--gpus",
+        "1",
+        "--gpu-mem",
+        f"{gpu_mem // 2**20}MiB",
+        "--json",
+    ]
+
+
 # -- the runs ---------------------------------------------------------------------------
 
 
@@ -584,7 +708,7 @@ class GpuCheck:
             "bare": lambda: torchrun(1, *args),
             "probed": lambda: probed(self.work / "ovh-probed", torchrun(1, *args), "--trace-window", "off"),
             "probed_no_history": lambda: probed(
-                self.work / "ovh-nohist", torchrun(1, *args), "--trace-window", "off", "--no-memory-history"
+                self.work / "ovh-nohist", torchrun(1, *args), "--trace-window", "off", "--memory-history", "off"
             ),
         }
         dirs = {"probed": self.work / "ovh-probed", "probed_no_history": self.work / "ovh-nohist"}
@@ -636,6 +760,100 @@ class GpuCheck:
             f"peak RSS MiB {figures['peak_rss_mib']}",
         )
 
+    def realsize(self) -> None:
+        """The real-size LoRA run: the probes' cost by ``--memory-history`` mode, the kernel
+        window and its fix, the plan against the measured peaks."""
+        from gpu_realsize import parse_done
+
+        config = self.work / "realsize-config.json"
+
+        def job(*extra: str) -> list[str]:
+            return [sys.executable, str(REALSIZE), "--steps", str(REALSIZE_STEPS), "--config-out", str(config), *extra]
+
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in ("bare", *HISTORY_MODES)}
+        in_job: dict[str, list[float]] = {k: [] for k in HISTORY_MODES}
+        failed: list[str] = []
+        for _ in range(3):
+            if self.left_s() < 200:
+                break
+            for name in runs:
+                out = self.work / f"rs-{name}"
+                shutil.rmtree(out, ignore_errors=True)
+                cmd = job() if name == "bare" else probed(out, job(), "--trace-window", "off", "--memory-history", name)
+                proc = run(cmd)
+                done = parse_done(proc.stdout)
+                if proc.returncode != 0 or done is None:
+                    failed.append(f"{name}: exit {proc.returncode} {tail(proc)}")
+                    continue
+                runs[name].append(done)
+                if name in in_job and (share := in_job_cost(out)) is not None:
+                    in_job[name].append(share)
+        figures = realsize_overhead(runs)
+        figures["in_job_share"] = {k: round(statistics.median(v), 5) for k, v in in_job.items() if v}
+        self.report.figures["realsize"] = figures
+        self.report.add(
+            "real size: bare vs probed by --memory-history",
+            not failed and all(runs.values()),
+            f"steady s/step {figures['steady_step_s']} over {figures['runs']} runs; vs bare {figures['steady_vs_bare']}; "
+            f"in the job {figures['in_job_share']}" + (f"; {failed[0]}" if failed else ""),
+        )
+        auto = figures["steady_vs_bare"].get("auto")
+        self.report.add("real size: probed auto <= 1% over bare", None if auto is None else auto <= 0.01, f"{auto}")
+        self._realsize_kernels(job)
+        bare = runs["bare"][-1] if runs["bare"] else None
+        if bare is not None and config.is_file():
+            self.report.guarded("real size: plan", self._realsize_plan, config, bare)
+
+    def _realsize_kernels(self, job: Any) -> None:
+        """A kernel window of the real-size run (steps 11-12), analysed; then the fix the
+        tiny-kernel tail suggests (the adapted layers compiled), bare, timed."""
+        from gpu_realsize import parse_done
+
+        from lorascope.detect.kernel_attribution import tiny_threshold_us
+
+        if self.left_s() < 120:
+            self.report.add("real size: kernel window", None, f"not run: {self.left_s():.0f} s left")
+            return
+        out = self.work / "rs-trace"
+        proc = run(probed(out, job(), "--trace-window", "10:2"))
+        analysed = self.report.guarded("real size: analysed", self.analyse, out) if proc.returncode == 0 else None
+        if analysed is None:
+            self.report.add("real size: kernel window", False, f"exit {proc.returncode} {tail(proc)}")
+            return
+        _, bundle, findings = analysed
+        trace = sorted(bundle.traces.items())[0][1] if bundle.traces else None
+        figures = kernel_figures(trace.raw, tiny_threshold_us(bundle.traces)) if trace is not None else {}
+        tail_finding = next((f for f in findings if f.id == "tiny-kernel-tail"), None)
+        figures["finding"] = None if tail_finding is None else f"{tail_finding.severity}: {tail_finding.title}"
+        self.report.figures["realsize_kernels"] = figures
+        self.report.add("real size: kernel window", bool(figures.get("kernels")), json.dumps(figures))
+        if self.left_s() < 90:
+            return
+        fixed = run(job("--compile"))
+        done = parse_done(fixed.stdout)
+        bare = (self.report.figures.get("realsize") or {}).get("steady_step_s", {}).get("bare")
+        self.report.figures["realsize_compiled"] = done
+        gain = round(1 - done["steady_step_s"] / bare, 4) if done and bare else None
+        self.report.add(
+            "real size: adapted layers compiled (the fix)",
+            done is not None,
+            f"steady s/step {done and done['steady_step_s']} vs bare {bare}: {gain} saved" if done else tail(fixed),
+        )
+
+    def _realsize_plan(self, config: Path, measured: dict[str, float]) -> None:
+        import torch
+
+        proc = run(plan_command(config, int(torch.cuda.get_device_properties(0).total_memory)))
+        error = plan_error(json.loads(proc.stdout), measured)
+        self.report.figures["realsize_plan"] = error
+        worst = max(abs(e) for e in (error["alloc_error"], error["reserved_error"]) if e is not None)
+        self.report.add(
+            "real size: plan vs measured CUDA peak (<= 3%)",
+            worst <= 0.03,
+            f"allocated {error['planned_allocated']} planned vs {error['peak_alloc']} ({error['alloc_error']:+.1%}); "
+            f"reserved {error['planned_total']} vs {error['peak_reserved']} ({error['reserved_error']:+.1%})",
+        )
+
     def keep(self, name: str, run_dir: Path) -> None:
         """Copy a run directory as a fixture (bootstrap left out, big files left out)."""
         for root in self.fixtures:
@@ -665,8 +883,13 @@ def _interrupted(*_: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="lorascope's GPU check (see benchmarks/gpu_check.sh)")
-    p.add_argument("--only", nargs="*", choices=("single", "shared", "oom", "zero3", "overhead"), help="run only these")
+    p.add_argument(
+        "--only", nargs="*", choices=("single", "shared", "oom", "zero3", "overhead", "realsize"), help="run only these"
+    )
+    p.add_argument("--quick", action="store_true", help="the real-size part alone (--only realsize)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.only = ["realsize"]
     why = cuda_unavailable()
     if why is not None:
         print(f"gpu_check: skipped: {why}; nothing checked", flush=True)
@@ -689,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         "oom": check.spike_and_oom,
         "zero3": check.zero3,
         "overhead": check.overhead,
+        "realsize": check.realsize,
     }
     check.add("allocator counters: one read", check.report.guarded("allocator counters", check_counters))
     signal.signal(signal.SIGTERM, _interrupted)

@@ -15,7 +15,9 @@ import click
 from lorascope.analysis.summary import build_summary
 from lorascope.cli.supervise import Job
 from lorascope.errors import LorascopeError, UsageError
+from lorascope.probes.allocator import ENV_SWITCH as ENV_MEMORY_HISTORY
 from lorascope.probes.bootstrap import sitecustomize_source
+from lorascope.probes.history_policy import MODES
 from lorascope.probes.kernels import parse_window
 from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
 from lorascope.rundir.reader import load_run
@@ -44,7 +46,7 @@ def _prepare(out: Path, config: dict[str, object]) -> Path | None:
 
 
 def _child_env(
-    out: Path, bootstrap: Path, launch_id: str, sample_interval: float, trace_window: str, memory_history: bool
+    out: Path, bootstrap: Path, launch_id: str, sample_interval: float, trace_window: str, memory_history: str
 ) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(bootstrap), env.get("PYTHONPATH", "")) if p)
@@ -52,8 +54,9 @@ def _child_env(
     env["LORASCOPE_LAUNCH_ID"] = launch_id
     env["LORASCOPE_SAMPLE_INTERVAL"] = str(sample_interval)
     env["LORASCOPE_TRACE_WINDOW"] = trace_window
-    if not memory_history:
-        env["LORASCOPE_MEMORY_HISTORY"] = "off"
+    # the mode from the flag; the entries kept, from LORASCOPE_MEMORY_HISTORY if it names them
+    entries = env.get(ENV_MEMORY_HISTORY, "").rpartition(":")[2].strip()
+    env[ENV_MEMORY_HISTORY] = f"{memory_history}:{entries}" if entries.isdigit() else memory_history
     env.pop("LORASCOPE_ATTACHED_PID", None)
     return env
 
@@ -79,19 +82,24 @@ def _child_env(
     help="Kernel trace: START:STEPS traces steps START+1..START+STEPS; 'off' for none.",
 )
 @click.option(
-    "--memory-history/--no-memory-history",
-    default=True,
+    "--memory-history",
+    type=click.Choice(MODES),
+    default="auto",
     show_default=True,
-    help="On CUDA ranks, record the allocator's history (Python stacks) for the snapshots "
-    "written at an OOM, a hang dump or a stall. LORASCOPE_MEMORY_HISTORY=N sets the entries kept.",
+    help="On CUDA ranks, when to record the allocator's history (Python stacks of allocations) for the "
+    "snapshots written at an OOM, a hang dump or a stall: auto (the first steps, evaluation and save, and "
+    "while reserved memory is at 85% of the device or more), always, off. "
+    "LORASCOPE_MEMORY_HISTORY=MODE:N sets the entries kept.",
 )
+@click.option("--no-memory-history", is_flag=True, hidden=True, help="The same as --memory-history off.")
 @click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(
     out: Path | None,
     sample_interval: float,
     trace_window: str,
-    memory_history: bool,
+    memory_history: str,
+    no_memory_history: bool,
     summary: bool,
     cmd: tuple[str, ...],
 ) -> int:
@@ -102,6 +110,8 @@ def command(
         parse_window(trace_window)
     except ValueError as exc:
         raise UsageError(f"--trace-window: {exc}") from None
+    if no_memory_history:
+        memory_history = "off"
     out = (out or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S")).absolute()
     launch_id = f"{socket.gethostname()}-{os.getpid()}"
     # One bootstrap folder per launch: the launchers of a multi-node job share the run dir.

@@ -122,6 +122,12 @@ def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
         return
     bundle.snapshots[rank.rank] = snapshot
     bundle.warnings.extend(f"{snapshot.path}: {w}" for w in snapshot.warnings)
+    if "history" in chosen and chosen["history"] is None:
+        bundle.warnings.append(
+            f"rank {rank.rank}: its {chosen['reason']} snapshot was taken with allocator history off "
+            f"(--memory-history {(history or {}).get('mode', 'auto')}): blocks allocated while it was off show "
+            "no stacks; --memory-history always records every allocation"
+        )
     if len(rank.snapshots) > 1:
         bundle.warnings.append(
             f"rank {rank.rank}: {len(rank.snapshots)} allocator snapshots; analysed the "

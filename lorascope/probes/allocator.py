@@ -25,11 +25,16 @@ When a snapshot is written (``snapshot`` records; files ``HOST-PID.snapshot.REAS
 - ``signal-T`` / ``stall-T``: with the on-demand dump (``lorascope hang``) and the stall
   watchdog, at most ``MAX_REQUESTED`` per process.
 
-Switch: ``LORASCOPE_MEMORY_HISTORY`` (``lorascope run --memory-history/--no-memory-history``):
-``on`` (the default), ``off``, or a number of entries. On a CPU build of torch, or when
-recording cannot start, the probe stays off silently and a ``memory_history`` record
-says why; it never raises into the job (an exception escaping the lazy-init queue or the
-OOM observer would replace the job's own error).
+When history is recorded: ``LORASCOPE_MEMORY_HISTORY`` (``lorascope run --memory-history``)
+is ``auto`` (the default: the first steps, evaluation and save phases, and while reserved
+memory is near the rank's limit; ``probes/history_policy.py``), ``always``, or ``off``,
+optionally followed by ``:ENTRIES`` (a bare number sets the entries, mode ``auto``). Each
+start and stop under ``auto`` is a ``history`` record. With history off a snapshot is still
+written at an OOM, a hang dump or a stall: its live blocks allocated while recording was
+off show no stacks. On a CPU build of torch, or when recording cannot start, the probe
+stays off silently and a ``memory_history`` record says why; it never raises into the job
+(an exception escaping the lazy-init queue or the OOM observer would replace the job's own
+error).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorascope.probes.history_policy import MODES, HistoryPolicy
 from lorascope.probes.session import Session
 
 ENV_SWITCH = "LORASCOPE_MEMORY_HISTORY"
@@ -54,14 +60,15 @@ MAX_REQUESTED = 4
 _CHAIN_DEPTH = 16
 
 
-def parse_switch(text: str | None) -> tuple[bool, int]:
-    """``LORASCOPE_MEMORY_HISTORY`` -> (on, max_entries); unset or unreadable means on."""
-    value = (text or "").strip().lower()
-    if value in ("0", "off", "no", "false"):
-        return False, DEFAULT_ENTRIES
-    if value.isdigit():
-        return True, int(value)
-    return True, DEFAULT_ENTRIES
+def parse_switch(text: str | None) -> tuple[str, int]:
+    """``LORASCOPE_MEMORY_HISTORY`` -> (mode, max_entries): ``MODE[:ENTRIES]``, a bare
+    number of entries (mode ``auto``), ``on`` for ``always``, ``0``/``no``/``false`` for
+    ``off``; unset or unreadable means ``auto``."""
+    mode, _, entries = (text or "").strip().lower().partition(":")
+    if mode.isdigit() and not entries:
+        mode, entries = ("off", "") if int(mode) == 0 else ("auto", mode)
+    mode = {"on": "always", "0": "off", "no": "off", "false": "off"}.get(mode, mode)
+    return (mode if mode in MODES else "auto"), (int(entries) if entries.isdigit() else DEFAULT_ENTRIES)
 
 
 def is_oom(exc: BaseException | None) -> bool:
@@ -78,10 +85,13 @@ def is_oom(exc: BaseException | None) -> bool:
 
 
 class AllocatorProbe:
-    def __init__(self, session: Session, out_prefix: Path, enabled: bool, max_entries: int = DEFAULT_ENTRIES) -> None:
+    def __init__(self, session: Session, out_prefix: Path, mode: str, max_entries: int = DEFAULT_ENTRIES) -> None:
         self.session = session
-        self.enabled = enabled
+        self.policy = HistoryPolicy(mode)
         self.max_entries = max(1, max_entries)
+        #: Whether the allocator is being probed (history started once: snapshots can be
+        #: taken), and whether history is recorded now (``policy``).
+        self.started = False
         self.recording = False
         self.oom_observer = False
         self._prefix = out_prefix
@@ -89,14 +99,16 @@ class AllocatorProbe:
         self._decided = False
         self._oom_dumped = False
         self._requested = 0
+        self._limit: int | None = None
         self.install = session.guarded("allocator")(self._install)
         self.dump = session.guarded("allocator")(self._dump)
         self.after_exception = session.guarded("allocator")(self._after_exception)
         self.finish = session.guarded("allocator")(self._finish)
+        self.observe = session.guarded("allocator")(self._observe)
 
     # -- starting -----------------------------------------------------------------
     def _decide(self, on: bool, reason: str | None) -> None:
-        """The one ``memory_history`` record of the process: on, or off and why."""
+        """The one ``memory_history`` record of the process: probed, or not and why."""
         if self._decided:
             return
         self._decided = True
@@ -104,13 +116,15 @@ class AllocatorProbe:
             "memory_history",
             on=on,
             reason=reason,
+            mode=self.policy.mode,
             max_entries=self.max_entries if on else None,
             oom_observer=self.oom_observer,
+            limit=self._limit,
         )
 
     def _install(self, torch: Any) -> None:
         """At ``import torch``: queue the start for when the job initialises CUDA."""
-        if not self.enabled:
+        if self.policy.mode == "off":
             self._decide(False, f"switched off ({ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r})")
             return
         if not getattr(torch._C, "_has_cuda", False):
@@ -129,10 +143,10 @@ class AllocatorProbe:
             self._decide(False, f"{type(exc).__name__}: {exc}"[:500])
 
     def _start(self, torch: Any) -> None:
-        torch.cuda.memory._record_memory_history(
-            enabled="all", context="alloc", stacks="python", max_entries=self.max_entries
-        )
-        self.recording = True
+        if self.policy.observe("cuda.init", self.session.step, None, None):
+            self._record(torch, True)
+        self.started = True
+        self._limit = _device_limit(torch)
         attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
         try:
             if attach is not None:
@@ -142,9 +156,33 @@ class AllocatorProbe:
             pass  # the history still serves: an uncaught OOM and the dumps on request write snapshots
         self._decide(True, None)
 
+    def _record(self, torch: Any, on: bool) -> None:
+        """Start or stop recording (stopping clears torch's ring of alloc/free events)."""
+        if on:
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context="alloc", stacks="python", max_entries=self.max_entries
+            )
+        else:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = on
+
+    def _observe(self, src: str, cuda: dict[str, int]) -> None:
+        """A reading on the training thread at a phase edge (``MemoryProbe``): start or
+        stop recording when the policy says so, with a ``history`` record."""
+        if not self.started:
+            return
+        if src == "step":  # the limit may change (set_per_process_memory_fraction)
+            self._limit = _device_limit(sys.modules["torch"]) or self._limit
+        policy = self.policy
+        if policy.observe(src, self.session.step, cuda.get("reserved"), self._limit):
+            self._record(sys.modules["torch"], policy.on)
+            self.session.record(
+                "history", on=policy.on, why=policy.why, step=self.session.step, src=src, reserved=cuda.get("reserved")
+            )
+
     def _finish(self) -> None:
         """At the end: a CUDA build whose job never touched CUDA says so."""
-        if self.enabled:
+        if self.policy.mode != "off":
             self._decide(False, "the process never initialised CUDA")
 
     # -- snapshots ------------------------------------------------------------------
@@ -163,7 +201,7 @@ class AllocatorProbe:
             self._dump("oom", via="exception")
 
     def _dump(self, reason: str, **fields: Any) -> None:
-        if not self.recording:
+        if not self.started:
             return
         with self._lock:  # the OOM observer and the dump thread may both get here
             oom = reason == "oom"
@@ -189,5 +227,19 @@ class AllocatorProbe:
                 ms=round((time.perf_counter() - began) * 1000, 1),
                 step=self.session.step,
                 trace_entries=sum(len(t) for t in traces if isinstance(t, list)),
+                history=self.policy.why if self.recording else None,
                 **fields,
             )
+
+
+def _device_limit(torch: Any) -> int | None:
+    """The bytes the rank may use on its device: the device's memory times the process's
+    ``set_per_process_memory_fraction`` (1 unless the job set it). Host-side reads, no
+    sync; None where torch cannot tell (then only the steps and phases decide)."""
+    try:
+        dev = torch.cuda.current_device()
+        total = int(torch.cuda.get_device_properties(dev).total_memory)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * float(fraction(dev))) if fraction is not None else total
+    except Exception:
+        return None

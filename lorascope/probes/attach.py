@@ -179,6 +179,7 @@ def _start(
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
     allocator = AllocatorProbe(session, prefix, *parse_switch(os.environ.get(ENV_MEMORY_HISTORY)))
+    memory.on_cuda = allocator.observe
 
     def flight(reason: str) -> None:
         dump_flight_recorder(session, prefix, reason)

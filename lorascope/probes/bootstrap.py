@@ -105,8 +105,9 @@ def _attach(config: dict[str, Any], identity: ranks.Identity) -> None:
     from lorascope.probes.allocator import ENV_SWITCH as ENV_MEMORY_HISTORY
     from lorascope.probes.attach import attach
 
-    if config.get("memory_history") is False:  # `lorascope run --no-memory-history`
-        os.environ.setdefault(ENV_MEMORY_HISTORY, "off")
+    mode = config.get("memory_history")  # `lorascope run --memory-history`, for a reduced environment
+    if isinstance(mode, str):
+        os.environ.setdefault(ENV_MEMORY_HISTORY, mode)
 
     attach(
         config["run_dir"],

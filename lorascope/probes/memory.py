@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -154,6 +155,8 @@ class MemoryProbe:
         #: The step whose edges are read because a phase outside the loop ran just before
         #: it (``heap_due``).
         self._after_phase: int | None = None
+        #: Told of every CUDA reading at a phase edge (the allocator probe's history policy).
+        self.on_cuda: Callable[[str, dict[str, int]], None] | None = None
         self.sample = session.guarded("memory")(self._sample)
         self._nvml = session.guarded("nvml")(self._read_nvml)
 
@@ -247,6 +250,8 @@ class MemoryProbe:
             session.record_entry(line)
         else:
             session.record("mem", src=src, step=session.step, **reading)
+            if from_main_thread and self.on_cuda is not None and "cuda" in reading:
+                self.on_cuda(src, reading["cuda"])
         return reading
 
     def start_sampler(self) -> None:

@@ -137,6 +137,8 @@ class RankData:
     #: (absolute), oldest first; and whether allocator history was recorded, and why not.
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     memory_history: dict[str, Any] | None = None
+    #: The latest start or stop of allocator history under ``--memory-history auto``.
+    history: dict[str, Any] | None = None
     last_time: float = 0.0
     #: The reduction (:mod:`lorascope.rundir.reduce`): ``collectives`` holds the first and
     #: the newest calls of each group, the pending ones and the windows where ranks differ;
@@ -581,6 +583,7 @@ _LATEST = {
     "grad_setup": "grad_setup",
     "grads": "grads",
     "memory_history": "memory_history",
+    "history": "history",
 }
 
 

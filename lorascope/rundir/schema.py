@@ -100,6 +100,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "trace_window": {"edge": _STR, "step": _INT},
     "flight_dump": {"file": _STR, "reason": _STR, "bytes": _INT},
     "memory_history": {"on": (bool,), "reason": _OPT_STR},
+    "history": {"on": (bool,), "why": _OPT_STR, "step": _INT, "src": _STR},
     "snapshot": {"file": _STR, "reason": _STR, "bytes": _INT},
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},

@@ -89,14 +89,6 @@ def test_bad_or_missing_snapshot_files_are_warnings(tmp_path: Path) -> None:
 # -- the probe ---------------------------------------------------------------------
 
 
-def test_switch() -> None:
-    assert parse_switch(None) == (True, allocator_mod.DEFAULT_ENTRIES)
-    assert parse_switch("on") == (True, allocator_mod.DEFAULT_ENTRIES)
-    assert parse_switch("off") == (False, allocator_mod.DEFAULT_ENTRIES)
-    assert parse_switch("0") == (False, allocator_mod.DEFAULT_ENTRIES)
-    assert parse_switch("20000") == (True, 20000)
-
-
 def test_oom_is_found_in_the_exception_chain() -> None:
     def caught_and_reraised() -> None:
         try:
@@ -126,7 +118,7 @@ def test_cpu_build_switches_the_probe_off_silently(tmp_path: Path, capsys: pytes
     """A CPU build of torch: off at import with the reason; and should the queue run
     anyway, torch's own error (``_record_memory_history`` raises here) is recorded, not raised."""
     session, prefix = _session(tmp_path / "run")
-    probe = AllocatorProbe(session, prefix, enabled=True)
+    probe = AllocatorProbe(session, prefix, "always")
     probe.install(torch)
     probe._on_cuda_init()  # already decided: nothing more
     probe.dump("signal-1")
@@ -139,9 +131,9 @@ def test_cpu_build_switches_the_probe_off_silently(tmp_path: Path, capsys: pytes
     assert capsys.readouterr().err == ""
     assert not list(prefix.parent.glob("*.pickle"))
     late_session, late_prefix = _session(tmp_path / "late")
-    late = AllocatorProbe(late_session, late_prefix, enabled=True)
+    late = AllocatorProbe(late_session, late_prefix, "always")
     late._on_cuda_init()  # runs torch's real _record_memory_history, which fails on this build
-    assert not late.recording
+    assert not late.recording and not late.started
     late_session.flush()  # records are queued for the writer thread (not started here)
     late_history = load_run(tmp_path / "late").ranks[0].memory_history
     assert late_history["on"] is False and "record_memory_history" in late_history["reason"]
@@ -163,8 +155,8 @@ def test_snapshots_written_once_per_oom_and_bounded_on_request(tmp_path: Path, m
     data = load_pickle(OOM_SNAPSHOTS / "rank-0.pickle")
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: data)
     session, prefix = _session(tmp_path / "run")
-    probe = AllocatorProbe(session, prefix, enabled=True)
-    probe.recording = True  # as after _record_memory_history on a CUDA rank
+    probe = AllocatorProbe(session, prefix, "always")
+    probe.started = True  # as after _record_memory_history on a CUDA rank
     probe._on_oom(0, 2 << 30, 70 << 30, 1 << 30)  # the allocator's observer
     probe._on_oom(0, 2 << 30, 70 << 30, 1 << 30)  # a job that retries: no second file
     probe.after_exception(torch.OutOfMemoryError("CUDA out of memory."))  # already dumped
@@ -190,8 +182,8 @@ def test_oom_observer_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", broken)
     session, prefix = _session(tmp_path / "run")
-    probe = AllocatorProbe(session, prefix, enabled=True)
-    probe.recording = True
+    probe = AllocatorProbe(session, prefix, "always")
+    probe.started = True
     probe._on_oom(0, 1, 2, 3)
     session.flush()  # records are queued for the writer thread (not started here)
     rank = load_run(tmp_path / "run").ranks[0]
@@ -203,8 +195,8 @@ def test_uncaught_oom_dumps_when_no_observer_did(tmp_path: Path, monkeypatch: py
     data = load_pickle(OOM_SNAPSHOTS / "rank-1.pickle")
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: data)
     session, prefix = _session(tmp_path / "run")
-    probe = AllocatorProbe(session, prefix, enabled=True)
-    probe.recording = True
+    probe = AllocatorProbe(session, prefix, "always")
+    probe.started = True
     probe.after_exception(ValueError("not memory"))
     try:
         try:

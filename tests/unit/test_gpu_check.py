@@ -159,3 +159,73 @@ def test_check_quiet_lists_what_is_loud() -> None:
     ok, detail = gpu_check.check_quiet([info, loud], None)
     assert not ok and detail.startswith("plan-deviation warning: max_memory_allocated")
     assert gpu_check.check_quiet([loud], ("collective-mismatch",)) == (True, "none")
+
+
+# -- the real-size part (benchmarks/gpu_realsize.py): its pure figures on CPU inputs ------
+
+
+@NO_CUDA
+def test_quick_skips_without_cuda() -> None:
+    assert gpu_check.main(["--quick"]) == 0
+
+
+def test_realsize_overhead_compares_steady_steps_with_bare() -> None:
+    def done(steady: float, mean: float) -> dict[str, float]:
+        return {"steady_step_s": steady, "mean_step_s": mean, "steps": 30, "peak_alloc": 1, "peak_reserved": 1}
+
+    figures = gpu_check.realsize_overhead(
+        {"bare": [done(0.40, 0.50), done(0.42, 0.52)], "auto": [done(0.41, 0.53)], "always": [], "off": []}
+    )
+    assert figures["steady_step_s"] == {"bare": 0.41, "auto": 0.41}
+    assert figures["steady_vs_bare"] == {"auto": 0.0} and figures["mean_vs_bare"] == {"auto": 0.0392}
+    assert figures["runs"] == {"bare": 2, "auto": 1, "always": 0, "off": 0}
+
+
+def test_kernel_figures_on_a_real_gpu_trace() -> None:
+    import gzip
+    import json
+
+    raw = json.loads(gzip.decompress(real_trace("a100-nccl-collective-args.rank-0.json.gz").read_bytes()))
+    figures = gpu_check.kernel_figures(raw, 10.0)
+    kernels = [e for e in raw["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    assert figures["kernels"] == len(kernels) > 0
+    assert figures["lora_launch_share"] == 0.0  # not a LoRA job: no kernel in a lora_A/lora_B module
+    assert 0.0 <= figures["idle_share"] < 1.0 and 0.0 <= figures["tiny_launch_share"] <= 1.0
+    assert figures["gpu_us"] > 0
+
+
+def test_kernel_figures_on_a_cpu_trace_have_no_kernels() -> None:
+    import gzip
+    import json
+
+    trace = next((FIXTURES / "tiny-kernel-tail" / "ranks" / "rank-0").glob("*.trace.json.gz"))
+    figures = gpu_check.kernel_figures(json.loads(gzip.decompress(trace.read_bytes())), 10.0)
+    assert figures["kernels"] == 0 and figures["lora_time_share"] is None and figures["idle_share"] is None
+
+
+@pytest.mark.e2e
+def test_realsize_job_and_plan_on_cpu(tmp_path: Path) -> None:
+    """The real-size job's code at a tiny shape on CPU: its last line parses, its config.json
+    feeds `lorascope plan`, and the plan's figures compare with the peaks."""
+    import json
+
+    import gpu_realsize
+
+    config = tmp_path / "config.json"
+    job = [sys.executable, str(REPO / "benchmarks" / "gpu_realsize.py"), "--shape", "tiny", "--device", "cpu"]
+    res = subprocess.run(
+        [*job, "--steps", "6", "--seq", "32", "--config-out", str(config)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    done = gpu_realsize.parse_done(res.stdout)
+    assert done is not None and done["steps"] == 6 and done["steady_step_s"] > 0 and done["peak_alloc"] == 0
+    assert gpu_realsize.parse_done(res.stdout.replace("gpu_realsize: done", "")) is None
+    plan = subprocess.run(gpu_check.plan_command(config, 80 * 2**30), capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["model"]["hidden"] == gpu_realsize.SHAPES["tiny"]["hidden_size"]
+    assert planned["lora"]["targets"] == "all-linear" and planned["setup"]["checkpointing"] == "non-reentrant"
+    measured = {**done, "peak_alloc": planned["allocated_bytes"] * 2, "peak_reserved": planned["total_bytes"]}
+    error = gpu_check.plan_error(planned, measured)
+    assert error["alloc_error"] == -0.5 and error["reserved_error"] == 0.0
+    assert error["terms"]["base_weights"] > 0
