@@ -1,0 +1,163 @@
+"""Following a run directory while the job writes it: what each rank process appended
+since the last look, as whole lines (`lorascope watch`).
+
+Each stream file is read from the offset where the last look stopped, up to its last
+complete line (a line the writer has half written waits for the next look). A look
+stats the newest segment of every process it knows; the rank folders are listed again
+every :data:`RESCAN_S` seconds for new ranks, processes and segments (a rotated segment's
+file is finished first, from its offset). Nothing is held open between looks (1,024 ranks
+would take 1,024 file descriptors) and nothing but the appended bytes is read, so a look
+costs one ``stat`` a process when nothing changed. Works on a shared filesystem as on a
+local one: polling, no inotify (which does not see another host's writes).
+
+A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch`` started
+late in a long run) is read from its last :data:`START_TAIL_BYTES` bytes, from the first
+line boundary there: ``Followed.partial`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorascope.rundir.safe_open import leaves
+from lorascope.rundir.schema import RANKS_DIR, STREAM_SUFFIX
+
+#: Seconds between listings of the rank folders (new ranks, processes, segments).
+RESCAN_S = 2.0
+#: A stream longer than this when first seen is followed from its last START_TAIL_BYTES.
+START_TAIL_BYTES = 1 << 20
+#: At most this much of one file is read in one look; the rest at the next.
+MAX_READ_BYTES = 8 << 20
+
+
+@dataclass
+class Followed:
+    """One rank process's stream: its newest segment and where the last look stopped."""
+
+    rank: int
+    process: str
+    segment: int
+    path: Path
+    offset: int = 0
+    #: Bytes after the last newline, kept for the next look.
+    rest: bytes = b""
+    #: Followed from the middle of a stream (its beginning was not read).
+    partial: bool = False
+    #: The segment's size at the last look (a look reads only a file that grew).
+    size: int = field(default=-1, repr=False)
+
+
+def _rank_of(name: str) -> int | None:
+    prefix = "rank-"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return None
+    return int(name[len(prefix) :])
+
+
+def _stream_name(name: str) -> tuple[str, int] | None:
+    """``HOST-PID.NNNN.jsonl`` -> (``HOST-PID``, NNNN); None for any other file."""
+    if not name.endswith(STREAM_SUFFIX):
+        return None
+    proc, _, index = name[: -len(STREAM_SUFFIX)].rpartition(".")
+    if not proc or not index.isdigit() or len(index) > 9:
+        return None
+    return proc, int(index)
+
+
+class Tail:
+    """The appended lines of every rank stream under ``run_dir``, look by look."""
+
+    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir = run_dir
+        self.clock = clock
+        #: (rank, process) -> the stream followed.
+        self.streams: dict[tuple[int, str], Followed] = {}
+        self._scanned = -float("inf")
+        #: Bytes read so far, all looks (for the benchmark and the footer).
+        self.bytes_read = 0
+
+    def _scan(self) -> list[tuple[Followed, list[bytes]]]:
+        """Take in new streams and newer segments; returns the last lines of the segments
+        a newer one replaced (finished from their offset)."""
+        finished: list[tuple[Followed, list[bytes]]] = []
+        try:
+            rank_dirs = list(os.scandir(self.run_dir / RANKS_DIR))
+        except OSError:
+            return finished
+        for entry in rank_dirs:
+            rank = _rank_of(entry.name)
+            if rank is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            newest: dict[str, tuple[int, str]] = {}
+            try:
+                files = list(os.scandir(entry.path))
+            except OSError:
+                continue
+            for f in files:
+                named = _stream_name(f.name)
+                if named is not None and named[1] >= newest.get(named[0], (-1, ""))[0]:
+                    newest[named[0]] = (named[1], f.path)
+            for proc, (index, path) in newest.items():
+                known = self.streams.get((rank, proc))
+                if known is not None and index <= known.segment:
+                    continue
+                if leaves(self.run_dir, Path(path)):
+                    continue
+                if known is None:
+                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path))
+                    continue
+                lines = self._read(known)  # the rest of the segment it replaces
+                if lines:
+                    finished.append((known, lines))
+                known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
+        return finished
+
+    def _read(self, stream: Followed) -> list[bytes]:
+        """The stream's whole lines after its offset (none when its size did not change)."""
+        try:
+            size = os.stat(stream.path).st_size
+        except OSError:
+            return []
+        if size == stream.size:
+            return []
+        first_look = stream.size == -1
+        if first_look and stream.offset == 0 and size > START_TAIL_BYTES:
+            stream.offset, stream.partial = size - START_TAIL_BYTES, True
+        if size < stream.offset:  # truncated or replaced: start over
+            stream.offset, stream.rest = 0, b""
+        try:
+            with open(stream.path, "rb") as f:
+                f.seek(stream.offset)
+                chunk = f.read(min(size - stream.offset, MAX_READ_BYTES))
+        except OSError:
+            return []
+        started_inside = first_look and stream.partial
+        stream.offset += len(chunk)
+        stream.size = size if stream.offset >= size else -2  # -2: more to read at the next look
+        self.bytes_read += len(chunk)
+        data = stream.rest + chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            stream.rest = data
+            return []
+        stream.rest = data[cut + 1 :]
+        lines = data[:cut].split(b"\n")
+        return lines[1:] if started_inside else lines  # a line cut by the start offset
+
+    def look(self) -> list[tuple[Followed, list[bytes]]]:
+        """Every stream's whole lines appended since the last look, oldest first per
+        stream (streams without any are left out)."""
+        out: list[tuple[Followed, list[bytes]]] = []
+        now = self.clock()
+        if now - self._scanned >= RESCAN_S:
+            self._scanned = now
+            out.extend(self._scan())
+        for stream in self.streams.values():
+            lines = self._read(stream)
+            if lines:
+                out.append((stream, lines))
+        return out
