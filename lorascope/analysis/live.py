@@ -38,6 +38,7 @@ import json
 import re
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,30 +59,29 @@ FIRST_STEP_MIN_S = 120.0
 #: Ranks not seen for this long after the first rank started count as missing.
 MISSING_AFTER_S = 30.0
 
-_COLL = re.compile(rb'\{"k":"coll","t":([0-9.]+),"seq":([0-9]+),"gid":([0-9]+),(?:"sh":([0-9]+)|"op":"([^"]*)")')
-_END = re.compile(rb'\{"k":"coll_end","t":([0-9.]+),"seq":([0-9]+),"gid":([0-9]+)')
-_STEP = re.compile(rb'"step":([0-9]+),"dur":([0-9.eE+-]+)')
-_RSS = re.compile(rb'"rss":([0-9]+)')
+#: The lines watch reads, matched where they begin (``{"``) in the probes' layouts: a
+#: ``coll`` or ``coll_end`` (time, sequence number, group, shape or op), a ``step`` (number,
+#: duration), a ``mem`` reading (RSS), or the first key of a rare kind, decoded whole
+#: (``start`` and ``dist_init`` begin with rank, ``group`` gid, ``shape`` its kind, ``stall``
+#: seconds, ``dump`` reason, ``exception`` type, ``signal`` signum, ``end`` status,
+#: ``fatal_handler`` file, ``probe_error`` probe; format v1's collective records, whose
+#: ``k`` comes last, seq). ``coll_done`` lines do not match past
+#: their first bytes, nor do nested objects (a match must begin a line).
+_LINE = re.compile(
+    rb'\{"(?:'
+    rb'k":"coll(?P<end>_end)?","t":(?P<ct>[0-9.]+),"seq":(?P<seq>[0-9]+),"gid":(?P<gid>[0-9]+)'
+    rb'(?:,"sh":(?P<sh>[0-9]+)|,"op":"(?P<op>[^"]*)")?'
+    rb'|step":(?P<step>[0-9]+),"dur":(?P<dur>[0-9.eE+-]+)'
+    rb'|(?P<rare>rank|gid|k":"shape|seconds|reason|type|signum|status|file|probe|seq)"'
+    rb")"
+)
+#: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
+_RSS = re.compile(rb'\{"src":"[a-z._]+","step":[0-9]+,"rss":([0-9]+)')
 _CUDA = re.compile(rb'"cuda":\{[^}]*"alloc":([0-9]+)[^}]*"max_alloc":([0-9]+)')
-_PHASE = re.compile(rb'"name":"([a-z_]+)","edge":"(begin|end)"')
-_T = re.compile(rb'"t":([0-9.]+)\}$')
-_DONE = b'{"k":"coll_done"'
-_COLL_HEAD = b'{"k":"coll",'
-_END_HEAD = b'{"k":"coll_end"'
-_KIND = b'"k":"'
-_DECODED = {
-    b"start",
-    b"dist_init",
-    b"group",
-    b"shape",
-    b"stall",
-    b"dump",
-    b"exception",
-    b"signal",
-    b"end",
-    b"fatal_handler",
-    b"probe_error",
-}
+_PHASE = re.compile(rb'\{"name":"([a-z_]+)","edge":"(begin|end)"')
+_T = re.compile(rb'"t":([0-9.]+)\}')
+_LAST_PHASE = b'"k":"phase"'
+_CUDA_MARK = b'"cuda":{'
 
 
 @dataclass
@@ -109,7 +109,6 @@ class LiveRank:
     pending: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
     phase: str | None = None
     last_t: float = 0.0
-    calls: int = 0
     groups: dict[int, str] = field(default_factory=dict)
     shapes: dict[int, str] = field(default_factory=dict)
     #: How it ended: (status, detail) from its exception / signal / end / fatal record.
@@ -118,82 +117,85 @@ class LiveRank:
     dumps: int = 0
     probe_errors: int = 0
 
-    def take(self, lines: list[bytes]) -> None:
-        for line in lines:
-            if line.startswith(_DONE):
-                self.calls += 1
-            elif line.startswith(_COLL_HEAD):
-                self._coll(line)
-            elif line.startswith(_END_HEAD):
-                self._end(line)
+    def take(self, data: bytes) -> None:
+        """Lines the stream appended (without the last newline)."""
+        pos, search = 0, _LINE.search
+        while (m := search(data, pos)) is not None:
+            start, pos = m.start(), m.end()
+            if start and data[start - 1] != 10:  # inside a line: a nested object
+                continue
+            end_, ct, seq, gid, sh, op, step, dur, _ = m.groups()
+            if seq is not None:
+                self._call(end_ is not None, float(ct), (int(gid), int(seq)), sh, op)
+            elif step is not None:
+                self._step(data, pos, int(step), float(dur))
             else:
-                self._other(line)
+                end = data.find(b"\n", pos)
+                end = len(data) if end < 0 else end
+                self._rare(data[start:end])
+                pos = end
+        self._mem(data)
+        at = data.rfind(_LAST_PHASE)
+        if at >= 0:
+            phase = _PHASE.match(data, data.rfind(b"\n", 0, at) + 1)
+            if phase is not None:
+                self.phase = phase.group(1).decode() if phase.group(2) == b"begin" else None
 
-    def _coll(self, line: bytes) -> None:
-        m = _COLL.match(line)
-        if m is None:
-            return
-        t = float(m.group(1))
-        gid, seq = int(m.group(3)), int(m.group(2))
-        op = m.group(5).decode() if m.group(5) is not None else self.shapes.get(int(m.group(4)), "?")
-        if len(self.pending) < MAX_PENDING:
-            self.pending[(gid, seq)] = (t, op)
-        self.last_t = max(self.last_t, t)
+    def _call(self, ended: bool, t: float, key: tuple[int, int], sh: bytes | None, op: bytes | None) -> None:
+        if t > self.last_t:
+            self.last_t = t
+        if not ended:
+            if len(self.pending) < MAX_PENDING:
+                self.pending[key] = (t, op.decode() if op is not None else self.shapes.get(int(sh or -1), "?"))
+        else:
+            call = self.pending.pop(key, None)
+            if call is not None:
+                self.waited += max(0.0, t - call[0])
 
-    def _end(self, line: bytes) -> None:
-        m = _END.match(line)
-        if m is None:
-            return
-        t = float(m.group(1))
-        call = self.pending.pop((int(m.group(3)), int(m.group(2))), None)
-        self.calls += 1
-        if call is not None:
-            self.waited += max(0.0, t - call[0])
-        self.last_t = max(self.last_t, t)
-
-    def _other(self, line: bytes) -> None:
-        at = line.rfind(_KIND)
-        if at < 0:
-            return
-        kind = line[at + 5 : line.find(b'"', at + 5)]
-        tm = _T.search(line)
-        t = float(tm.group(1)) if tm else self.last_t
-        self.last_t = max(self.last_t, t)
-        if kind == b"step":
-            m = _STEP.search(line)
-            if m is not None:
-                self.step, dur = int(m.group(1)), float(m.group(2))
-                self.last_step_t = t
-                self.durs.append(dur)
-                if self.step > 1:
-                    self.work.append(max(0.0, dur - self.waited))
-                self.waited = 0.0
-        elif kind == b"mem":
-            cuda = _CUDA.search(line)
-            if cuda is not None:
+    def _mem(self, data: bytes) -> None:
+        """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
+        are the allocator's (allocated now, the highest since the start), else RSS."""
+        if _CUDA_MARK in data:
+            readings = [(int(a), int(b)) for a, b in _CUDA.findall(data)]
+            if readings:
                 self.mem_metric = "cuda"
-                now, peak = int(cuda.group(1)), int(cuda.group(2))
-            else:
-                rss = _RSS.search(line)
-                if rss is None or self.mem_metric == "cuda":
-                    return
-                now = peak = int(rss.group(1))
-            self.mem_now = now
-            self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
-        elif kind == b"phase":
-            m = _PHASE.search(line)
-            if m is not None:
-                self.phase = m.group(1).decode() if m.group(2) == b"begin" else None
-        elif kind in _DECODED:
-            try:
-                rec = json.loads(line)
-            except ValueError:
+                self.mem_now, peak = readings[-1][0], max(p for _, p in readings)
+                self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
                 return
-            if isinstance(rec, dict):
-                self._decoded(kind.decode(), rec)
+        if self.mem_metric == "cuda":
+            return
+        rss = _RSS.findall(data)
+        if rss:
+            self.mem_now, peak = int(rss[-1]), max(map(int, rss))
+            self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
+
+    def _step(self, data: bytes, pos: int, step: int, dur: float) -> None:
+        end = data.find(b"\n", pos)
+        tm = _T.search(data, pos, len(data) if end < 0 else end)
+        t = float(tm.group(1)) if tm is not None else self.last_t
+        self.last_t = max(self.last_t, t)
+        self.step = step
+        self.last_step_t = t
+        self.durs.append(dur)
+        if self.step > 1:
+            self.work.append(max(0.0, dur - self.waited))
+        self.waited = 0.0
+
+    def _rare(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(rec, dict) and isinstance(rec.get("k"), str):
+            if isinstance(rec.get("t"), (int, float)):
+                self.last_t = max(self.last_t, float(rec["t"]))
+            self._decoded(rec["k"], rec)
 
     def _decoded(self, kind: str, rec: dict[str, Any]) -> None:
-        if kind == "start":
+        if kind in ("coll", "coll_end") and isinstance(rec.get("seq"), int) and isinstance(rec.get("gid"), int):
+            op = rec.get("op")
+            self._call(kind == "coll_end", float(rec["t"]), (rec["gid"], rec["seq"]), None, str(op).encode())
+        elif kind == "start":
             self.host, self.pid, self.started = rec.get("host"), rec.get("pid"), rec.get("t")
             self.world_size = rec.get("world_size")
         elif kind == "dist_init" and isinstance(rec.get("world_size"), int):
@@ -250,7 +252,7 @@ class LiveRun:
     def __init__(self) -> None:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
-    def take(self, looked: list[tuple[Followed, list[bytes]]]) -> None:
+    def take(self, looked: Iterable[tuple[Followed, bytes]]) -> None:
         for stream, lines in looked:
             key = (stream.rank, stream.process)
             rank = self.processes.get(key)
@@ -311,8 +313,9 @@ class LiveRun:
                 out[n] = m / typical
         return out
 
-    def checks(self, now: float) -> list[Check]:
-        """The findings so far, most severe first (see the module docstring)."""
+    def checks(self, now: float, median: float | None = None, ratios: dict[int, float] | None = None) -> list[Check]:
+        """The findings so far, most severe first (see the module docstring); ``median``
+        and ``ratios``: :meth:`median_step` and :meth:`work_ratio`, when the caller has them."""
         ranks = self.ranks
         found: list[Check] = []
         bad = [r for r in ranks.values() if r.bad_end]
@@ -321,7 +324,7 @@ class LiveRun:
             found.append(Check("ended-badly", "error", [r.rank], f"rank {r.rank} ended: {r.ended[1] or r.ended[0]}"))
         if len(bad) > 3:
             found.append(Check("ended-badly", "error", [r.rank for r in bad[3:]], f"and {len(bad) - 3} more ranks"))
-        median = self.median_step()
+        median = self.median_step() if median is None else median
         quiet = {n: q for n, r in ranks.items() if (q := self.not_stepping(r, now, median)) is not None}
         if quiet:
             outside = sorted(n for n in quiet if not ranks[n].pending)
@@ -354,7 +357,7 @@ class LiveRun:
                     f"the stall watchdog fired: no step for its limit ({limit} s); dumps written",
                 )
             )
-        slow = {n: x for n, x in self.work_ratio().items() if x >= MIN_RATIO}
+        slow = {n: x for n, x in (self.work_ratio() if ratios is None else ratios).items() if x >= MIN_RATIO}
         if slow:
             worst = max(slow, key=lambda n: slow[n])
             found.append(
@@ -374,10 +377,13 @@ class LiveRun:
             )
         return found
 
-    def rows(self, now: float) -> list[dict[str, Any]]:
+    def view(self, now: float) -> tuple[list[dict[str, Any]], list[Check], float | None]:
+        """The rows, the checks and the median step, at ``now``, each computed once."""
+        median, ratios = self.median_step(), self.work_ratio()
+        return self.rows(now, median, ratios), self.checks(now, median, ratios), median
+
+    def rows(self, now: float, median: float | None, ratios: dict[int, float]) -> list[dict[str, Any]]:
         """One plain row per rank: what the view shows (``level``: ok, warning, error)."""
-        median = self.median_step()
-        ratios = self.work_ratio()
         out = []
         for n, r in self.ranks.items():
             oldest = r.oldest_pending()

@@ -46,13 +46,14 @@ def _verdict(run_dir: Path) -> dict[str, str]:
 
 def _view(run_dir: Path, live: LiveRun, tail: Tail, verdict: dict[str, str] | None, interval: float) -> dict[str, Any]:
     now = time.time()
+    rows, checks, median = live.view(now)
     return {
         "run_dir": run_dir,
         "now": now,
-        "rows": live.rows(now),
-        "checks": live.checks(now),
+        "rows": rows,
+        "checks": checks,
         "world_size": live.world_size(),
-        "median_step": live.median_step(),
+        "median_step": median,
         "bytes_read": tail.bytes_read,
         "interval": interval,
         "verdict": verdict,

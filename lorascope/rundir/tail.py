@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +31,7 @@ RESCAN_S = 2.0
 #: A stream longer than this when first seen is followed from its last START_TAIL_BYTES.
 START_TAIL_BYTES = 1 << 20
 #: At most this much of one file is read in one look; the rest at the next.
-MAX_READ_BYTES = 8 << 20
+MAX_READ_BYTES = 4 << 20
 
 
 @dataclass
@@ -80,10 +80,10 @@ class Tail:
         #: Bytes read so far, all looks (for the benchmark and the footer).
         self.bytes_read = 0
 
-    def _scan(self) -> list[tuple[Followed, list[bytes]]]:
+    def _scan(self) -> list[tuple[Followed, bytes]]:
         """Take in new streams and newer segments; returns the last lines of the segments
         a newer one replaced (finished from their offset)."""
-        finished: list[tuple[Followed, list[bytes]]] = []
+        finished: list[tuple[Followed, bytes]] = []
         try:
             rank_dirs = list(os.scandir(self.run_dir / RANKS_DIR))
         except OSError:
@@ -116,14 +116,15 @@ class Tail:
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
-    def _read(self, stream: Followed) -> list[bytes]:
-        """The stream's whole lines after its offset (none when its size did not change)."""
+    def _read(self, stream: Followed) -> bytes:
+        """The stream's whole lines after its offset, without the last newline (empty when
+        its size did not change)."""
         try:
             size = os.stat(stream.path).st_size
         except OSError:
-            return []
+            return b""
         if size == stream.size:
-            return []
+            return b""
         first_look = stream.size == -1
         if first_look and stream.offset == 0 and size > START_TAIL_BYTES:
             stream.offset, stream.partial = size - START_TAIL_BYTES, True
@@ -134,7 +135,7 @@ class Tail:
                 f.seek(stream.offset)
                 chunk = f.read(min(size - stream.offset, MAX_READ_BYTES))
         except OSError:
-            return []
+            return b""
         started_inside = first_look and stream.partial
         stream.offset += len(chunk)
         stream.size = size if stream.offset >= size else -2  # -2: more to read at the next look
@@ -143,21 +144,23 @@ class Tail:
         cut = data.rfind(b"\n")
         if cut < 0:
             stream.rest = data
-            return []
+            return b""
         stream.rest = data[cut + 1 :]
-        lines = data[:cut].split(b"\n")
-        return lines[1:] if started_inside else lines  # a line cut by the start offset
+        if started_inside:  # the first line was cut by the start offset
+            first = data.find(b"\n")
+            return data[first + 1 : cut] if first < cut else b""
+        return data[:cut]
 
-    def look(self) -> list[tuple[Followed, list[bytes]]]:
+    def look(self) -> Iterator[tuple[Followed, bytes]]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream (streams without any are left out)."""
-        out: list[tuple[Followed, list[bytes]]] = []
+        stream (streams without any are left out), as one ``bytes`` of lines without the
+        last newline, one stream at a time: a caller that takes each in before the next
+        holds one stream's lines at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
-            out.extend(self._scan())
-        for stream in self.streams.values():
+            yield from self._scan()
+        for stream in list(self.streams.values()):
             lines = self._read(stream)
             if lines:
-                out.append((stream, lines))
-        return out
+                yield stream, lines
