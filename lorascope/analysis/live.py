@@ -2,20 +2,24 @@
 lines its stream appends (:class:`lorascope.rundir.tail.Tail`), and the checks that can
 run on a partial run.
 
-A line is taken in by what it starts or ends with, without decoding most of it: the
-probes write ~75 lines a rank and step, nine in ten of them collective records, and
-watch runs for hours beside the job. ``coll_done`` lines (calls that had ended when
-written) are only counted; ``coll`` lines (a synchronous call, written before it starts,
-or an async one still in flight) and ``coll_end`` lines are matched by a regular
-expression for their time, sequence number, group and shape; ``step``, ``mem`` and
-``phase`` lines likewise; the rare kinds (``start``, ``dist_init``, ``group``, ``shape``,
-``stall``, ``dump``, ``exception``, ``signal``, ``end``, ``fatal_handler``) are decoded.
+Lines are taken in a block at a time (what one stream appended), without decoding
+most of them: the probes write ~75-100 lines a rank and step, nine in ten of them
+collective records, and watch runs for hours beside the job. One regular expression,
+anchored where a line begins (``{"``), picks out ``coll`` lines (a synchronous call,
+written before it starts, or an async one still in flight) and ``coll_end`` lines (their
+time, sequence number, group, shape or op), ``step`` lines (number, duration, time) and
+the first key of the rare kinds, which are decoded whole (``start``, ``dist_init``,
+``group``, ``shape``, ``stall``, ``dump``, ``exception``, ``signal``, ``end``,
+``probe_error``, and format v1's collective records); ``coll_done`` lines (calls that had
+ended when written) fail past their first bytes. Every ``mem`` reading's figure is taken
+by one ``findall`` over the block, the last phase edge by ``rfind``.
 Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
 :data:`MAX_PENDING`), the group and shape names.
 
 The checks (:meth:`LiveRun.checks`), each from what was read so far:
 
-* a rank ended badly (an ``exception``, ``signal`` or non-empty faulthandler record);
+* a rank ended badly (its ``exception`` or ``signal`` record, or an ``end`` record not exit 0;
+  a rank killed without a word ends with its launch, for the verdict);
 * the stall watchdog fired on a rank (its ``stall`` record: no step for its limit);
 * a rank is not stepping: no step for :data:`STALL_FACTOR` times the run's median step
   and at least :data:`STALL_MIN_S` (the first step: since the rank started, at least
@@ -23,7 +27,7 @@ The checks (:meth:`LiveRun.checks`), each from what was read so far:
   or outside any (the rank the others wait for, when they are in one);
 * a rank is slower: its own work per step (step time minus its time in synchronous
   collectives, as the ``straggler`` detector measures it) over its last steps is
-  ``straggler.MIN_RATIO`` times the median rank's or more, over at least
+  ``straggler.MIN_RATIO`` times the other ranks' median or more, over at least
   ``straggler.MIN_STEPS`` steps;
 * fewer ranks seen than the world size their ``start`` records name.
 
@@ -365,7 +369,7 @@ class LiveRun:
                     "slower",
                     "warning",
                     sorted(slow),
-                    f"rank {worst} works {slow[worst]:.1f}x the median rank per step (its last {KEEP_STEPS} steps)",
+                    f"rank {worst} works {slow[worst]:.1f}x the others' median per step (last {KEEP_STEPS} steps)",
                 )
             )
         size = self.world_size()

@@ -131,9 +131,11 @@ class Tail:
         if size < stream.offset:  # truncated or replaced: start over
             stream.offset, stream.rest = 0, b""
         try:
-            with open(stream.path, "rb") as f:
-                f.seek(stream.offset)
-                chunk = f.read(min(size - stream.offset, MAX_READ_BYTES))
+            fd = os.open(stream.path, os.O_RDONLY)
+            try:
+                chunk = os.pread(fd, min(size - stream.offset, MAX_READ_BYTES), stream.offset)
+            finally:
+                os.close(fd)
         except OSError:
             return b""
         started_inside = first_look and stream.partial
