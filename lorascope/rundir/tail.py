@@ -12,7 +12,8 @@ local one: polling, no inotify (which does not see another host's writes).
 
 A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch`` started
 late in a long run) is read from its last :data:`START_TAIL_BYTES` bytes, from the first
-line boundary there: ``Followed.partial`` says so.
+line boundary there, after the whole lines of its first :data:`HEAD_BYTES`:
+``Followed.partial`` says so.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from lorascope.rundir.schema import RANKS_DIR, STREAM_SUFFIX
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
-#: A stream longer than this when first seen is followed from its last START_TAIL_BYTES.
-START_TAIL_BYTES = 1 << 20
+#: A stream longer than this when first seen is followed from its last START_TAIL_BYTES
+#: (~35 steps of the probes/ job), after the whole lines of its first HEAD_BYTES (its
+#: start record, its first groups and call shapes).
+START_TAIL_BYTES = 256 << 10
+HEAD_BYTES = 64 << 10
 #: At most this much of one file is read in one look; the rest at the next.
 MAX_READ_BYTES = 4 << 20
 
@@ -139,6 +143,8 @@ class Tail:
         except OSError:
             return b""
         started_inside = first_look and stream.partial
+        if started_inside:  # its head still names the rank, its groups and call shapes
+            head = self._head(stream.path)
         stream.offset += len(chunk)
         stream.size = size if stream.offset >= size else -2  # -2: more to read at the next look
         self.bytes_read += len(chunk)
@@ -150,8 +156,21 @@ class Tail:
         stream.rest = data[cut + 1 :]
         if started_inside:  # the first line was cut by the start offset
             first = data.find(b"\n")
-            return data[first + 1 : cut] if first < cut else b""
+            return head + (data[first + 1 : cut] if first < cut else b"")
         return data[:cut]
+
+    @staticmethod
+    def _head(path: Path) -> bytes:
+        """The whole lines of a stream's first HEAD_BYTES, with a newline after them."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                head = os.pread(fd, HEAD_BYTES, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            return b""
+        return head[: head.rfind(b"\n") + 1]
 
     def look(self) -> Iterator[tuple[Followed, bytes]]:
         """Every stream's whole lines appended since the last look, oldest first per

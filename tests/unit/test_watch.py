@@ -72,13 +72,16 @@ def test_tail_reads_only_appended_whole_lines_and_follows_segments_and_new_ranks
 
 def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tail_module, "START_TAIL_BYTES", 100)
+    monkeypatch.setattr(tail_module, "HEAD_BYTES", 20)
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
     (stream, data), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
-    assert lines[-1] == b'{"n":99}' and all(json.loads(line) for line in lines)  # the cut first line left out
+    assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
+    assert lines[-1] == b'{"n":99}' and all(json.loads(line) for line in lines)  # the cut line left out
+    assert json.loads(lines[2])["n"] > 80
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
