@@ -16,6 +16,8 @@ The terminal (:mod:`lorascope.text.diff`), ``--json`` and the HTML page
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections.abc import Iterable, Iterator
@@ -282,22 +284,51 @@ def _steps(a: RunData, b: RunData, shared: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _side_collectives(run: RunData, ranks: list[int], last_step: int) -> tuple[dict[str, list[float]], int]:
-    """Op -> [calls, bytes] over the kept calls made in steps 2..last_step of ``ranks``, and
-    the rank-steps they cover (a call's ``step`` is the steps completed before it)."""
+def _whole_steps(rank: RankData, steps: range) -> set[int]:
+    """The steps of ``steps`` whose every call the reader kept on this rank: a long run's
+    calls are kept from its start and its end (:mod:`lorascope.rundir.reduce`); a step in
+    the gap, or cut by it, is not whole. A call made in step S counted S - 1 steps."""
+    by_group: dict[str, list[tuple[int, int]]] = {}
+    for c in rank.collectives:
+        by_group.setdefault(c.group, []).append((c.seq, c.step + 1))
+    whole = set(steps)
+    for group, calls in by_group.items():
+        tally = rank.tallies.get(group)
+        if tally is None or tally.tail_first is None:
+            continue  # every call of the group kept
+        calls.sort()
+        seqs = [seq for seq, _ in calls]
+        in_step = list(itertools.accumulate((step for _, step in calls), max))
+        for step in list(whole):
+            before, after = bisect.bisect_left(in_step, step), bisect.bisect_right(in_step, step)
+            lo = seqs[before - 1] + 1 if before else 1
+            hi = seqs[after] - 1 if after < len(seqs) else tally.last_seq
+            if not tally.holds(lo, hi):
+                whole.discard(step)
+    return whole
+
+
+def _side_collectives(run: RunData, ranks: list[int], last_step: int) -> tuple[dict[str, list[float]], int, bool]:
+    """Op -> [calls, bytes] over the calls made in steps 2..last_step of ``ranks`` that the
+    reader kept whole, the rank-steps they cover, and whether some steps were not whole."""
     by_op: dict[str, list[float]] = {}
+    covered, cut = 0, False
     for n in ranks:
-        for c in run.ranks[n].collectives:
-            if 2 <= c.step + 1 <= last_step:
+        rank = run.ranks[n]
+        whole = _whole_steps(rank, range(2, last_step + 1))
+        covered += len(whole)
+        cut = cut or len(whole) < max(0, last_step - 1)
+        for c in rank.collectives:
+            if c.step + 1 in whole:
                 row = by_op.setdefault(c.op, [0, 0])
                 row[0] += 1
                 row[1] += c.bytes or 0
-    return by_op, len(ranks) * max(0, last_step - 1)
+    return by_op, covered, cut
 
 
 def _collectives(a: RunData, b: RunData, shared: dict[str, Any]) -> dict[str, Any]:
     last = shared["steps"]
-    (ca, na), (cb, nb) = (_side_collectives(run, shared["ranks"], last) for run in (a, b))
+    (ca, na, cut_a), (cb, nb, cut_b) = (_side_collectives(run, shared["ranks"], last) for run in (a, b))
     rows = []
     for op in sorted(set(ca) | set(cb)):
         xa, xb = ca.get(op, [0, 0]), cb.get(op, [0, 0])
@@ -310,8 +341,12 @@ def _collectives(a: RunData, b: RunData, shared: dict[str, Any]) -> dict[str, An
         }
         row["changed"] = any(not _close(row[f"a_{k}"], row[f"b_{k}"]) for k in ("calls", "bytes"))
         rows.append(row)
-    bounded = any(run.ranks[n].stride > 1 for run in (a, b) for n in shared["ranks"])
-    return {"per_rank_step": rows, "steps_compared": [2, last] if last >= 2 else None, "decimated": bounded}
+    return {
+        "per_rank_step": rows,
+        "steps_compared": [2, last] if last >= 2 else None,
+        "decimated": cut_a or cut_b,
+        "rank_steps": {"a": na, "b": nb},
+    }
 
 
 def _close(a: float | None, b: float | None) -> bool:

@@ -148,7 +148,8 @@ def _collectives(coll: dict[str, Any]) -> list[str]:
         f"Collectives per rank and step (steps {window[0]}-{window[1]}): {len(changed)} of {len(rows)} op(s) changed"
     ]
     if coll["decimated"]:
-        lines.append("  (long runs: counted over the calls the reader kept)")
+        n = coll["rank_steps"]
+        lines.append(f"  (a long run: over the rank-steps whose calls the reader kept, A {n['a']:,}, B {n['b']:,})")
     for r in changed or rows[:3]:
         lines.append(
             f"  {r['op'][:26]:<26} calls {_per_step(r['a_calls'])} -> {_per_step(r['b_calls'])}, "

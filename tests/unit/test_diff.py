@@ -187,3 +187,22 @@ def test_page_escapes_run_text_and_scrubs_secrets() -> None:
     assert "img" not in parser.tags and "script" not in parser.tags
     assert "&lt;img src=x" in page and "hf_abcdef123" not in page
     assert render_diff(diff_page_data(data)) == page  # deterministic
+
+
+def test_collectives_of_a_run_past_the_readers_bounds_are_counted_on_whole_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a run's middle calls dropped (bounds far below the fixture's ~350 calls a rank),
+    the per-step figures of the ops called alike every step are the same as with every call
+    kept: they are taken over the steps kept whole."""
+    from lorascope.rundir import reduce
+
+    whole = _diff("r8", "r64")["collectives"]
+    monkeypatch.setattr(reduce, "HEAD_CALLS", 60)
+    monkeypatch.setattr(reduce, "TAIL_CALLS", 120)
+    data = build_diff(analyze(PAIRS / "r8"), analyze(PAIRS / "r64"))["collectives"]
+    assert data["decimated"] and 0 < data["rank_steps"]["a"] < 12
+    steady = {"all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor"}  # the same calls every step
+    assert [r for r in data["per_rank_step"] if r["op"] in steady] == [
+        r for r in whole["per_rank_step"] if r["op"] in steady
+    ]
