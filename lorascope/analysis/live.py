@@ -325,7 +325,7 @@ class LiveRun:
         bad = [r for r in ranks.values() if r.bad_end]
         for r in bad[:3]:
             assert r.ended is not None
-            found.append(Check("ended-badly", "error", [r.rank], f"rank {r.rank} ended: {r.ended[1] or r.ended[0]}"))
+            found.append(Check("ended-badly", "error", [r.rank], f"ended: {r.ended[1] or r.ended[0]}"))
         if len(bad) > 3:
             found.append(Check("ended-badly", "error", [r.rank for r in bad[3:]], f"and {len(bad) - 3} more ranks"))
         median = self.median_step() if median is None else median
@@ -369,7 +369,7 @@ class LiveRun:
                     "slower",
                     "warning",
                     sorted(slow),
-                    f"rank {worst} works {slow[worst]:.1f}x the others' median per step (last {KEEP_STEPS} steps)",
+                    f"works up to {slow[worst]:.1f}x the others' median per step (last {KEEP_STEPS} steps)",
                 )
             )
         size = self.world_size()

@@ -23,6 +23,8 @@ _STYLE = {"error": "bold red", "warning": "yellow", "ok": ""}
 _ORDER = {"error": 0, "warning": 1, "ok": 2}
 #: Lines besides the rank table: two of header, the table's own header, the findings' title.
 _FIXED_LINES = 4
+#: The widest ranks cell; a group's ranges past it are shown as a count.
+RANKS_WIDTH = 16
 #: Findings shown at most (the rest counted on the last one).
 MAX_CHECKS = 5
 
@@ -51,6 +53,12 @@ def _pending(rows: list[dict[str, Any]]) -> str:
     return f"{longest['op']} {longest['for_s']:.1f}s"
 
 
+def _ranks_cell(ranks: list[int]) -> str:
+    """The ranks of a row: their ranges, or how many when the ranges would not fit."""
+    text = rank_ranges(ranks)
+    return text if len(text) <= RANKS_WIDTH else f"{len(ranks):,} ranks"
+
+
 def _group_key(row: dict[str, Any]) -> tuple[Any, ...]:
     state = "".join(c for c in row["state"] if not c.isdigit())
     pending = row["pending"]["op"] if row["pending"] is not None else None
@@ -76,7 +84,7 @@ def group_rows(rows: list[dict[str, Any]], room: int) -> list[tuple[list[dict[st
 def _table(rows: list[dict[str, Any]], room: int, width: int) -> Table:
     metric = "cuda" if any(r["metric"] == "cuda" for r in rows) else "rss"
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, expand=False, width=width)
-    table.add_column("ranks", no_wrap=True, overflow="ellipsis", max_width=16)
+    table.add_column("ranks", no_wrap=True, overflow="ellipsis", max_width=RANKS_WIDTH)
     table.add_column("step", no_wrap=True, justify="right")
     table.add_column("step s", no_wrap=True, justify="right")
     table.add_column("work×", no_wrap=True, justify="right")
@@ -88,7 +96,7 @@ def _table(rows: list[dict[str, Any]], room: int, width: int) -> Table:
         state = members[0]["state"] if level != "more" else f"{len(members)} more ranks"
         pending = _pending(members)
         cells = (
-            rank_ranges(ranks) if len(ranks) > 1 else str(ranks[0]),
+            _ranks_cell(ranks),
             _span([r["step"] for r in members], str),
             _span([r["step_s"] for r in members], _secs),
             _span([r["work_x"] for r in members], lambda x: f"{x:.1f}"),
