@@ -294,8 +294,8 @@ def _whole_steps(rank: RankData, steps: range) -> set[int]:
     whole = set(steps)
     for group, calls in by_group.items():
         tally = rank.tallies.get(group)
-        if tally is None or tally.tail_first is None:
-            continue  # every call of the group kept
+        if tally is None or tally.tail_first is None or tally.tail_first <= tally.head_last + 1:
+            continue  # every call of the group kept (the newest ones follow the first ones)
         calls.sort()
         seqs = [seq for seq, _ in calls]
         in_step = list(itertools.accumulate((step for _, step in calls), max))

@@ -67,6 +67,7 @@ def test_lora_rank_change_moves_the_adapter_terms_and_the_gathers() -> None:
     assert scatter["a_calls"] == scatter["b_calls"]
     assert not data["findings"]["new"] and not data["findings"]["gone"]
     assert data["shared"]["notes"] == [] and data["shared"]["steps"] == 7
+    assert not data["collectives"]["decimated"] and data["collectives"]["rank_steps"] == {"a": 12, "b": 12}
 
 
 def test_sequence_length_and_logits_spike() -> None:
