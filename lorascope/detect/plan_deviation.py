@@ -232,7 +232,7 @@ def _first_step(rank: RankData) -> _FirstStep | None:
     )
 
 
-def _batch_shape(rank: RankData) -> tuple[int, int] | None:
+def batch_shape(rank: RankData) -> tuple[int, int] | None:
     """(micro-batch, sequence length): from the logits at the output projection, or from the
     loss input's token count and the DeepSpeed config's micro-batch."""
     for rec in rank.logits:
@@ -273,7 +273,7 @@ def plan_for_rank(rank: RankData, **overrides: Any) -> Plan | None:
     """The plan for this rank's recorded configs; None when they are missing or unplannable.
     ``overrides`` replace the settings read from the run (checkpointing, attention, loss)."""
     model, lora = rank.configs.get("model"), rank.configs.get("lora")
-    shape = _batch_shape(rank)
+    shape = batch_shape(rank)
     if not model or not lora or shape is None:
         return None
     micro, seq = shape

@@ -74,3 +74,17 @@ def render(data: dict[str, Any]) -> str:
             echarts_version=ECHARTS_VERSION,
         )
     )
+
+
+def render_diff(data: dict[str, Any]) -> str:
+    """The page of :func:`lorascope.report.diff.diff_page_data`'s result: the report's
+    styles and value layout, no script (a Content Security Policy that allows none)."""
+    csp = (
+        "default-src 'none'; script-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+        "base-uri 'none'; form-action 'none'"
+    )
+    return (
+        _environment()
+        .get_template("diff.html.j2")
+        .render(data=data, css=(_ASSETS / "report.css").read_text(encoding="utf-8"), csp=csp)
+    )

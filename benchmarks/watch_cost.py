@@ -1,0 +1,142 @@
+"""What `lorascope watch` costs the on-call machine (not a test): its CPU, as a share of
+one core, and its peak memory, on a synthetic run directory that grows while it runs.
+
+A writer process appends to every rank's stream what a rank of the probes/ job writes
+in a step (the lines between two step records of a real recorded run, fixtures/diff/r8's
+rank 0, with their times made now: ~75 lines, ~8 KB, nine in ten collective records),
+every ``--step-s`` seconds on every rank; one rank stops stepping after a third of the
+time (a stall, so the checks have something to say). `lorascope watch` runs under a
+pseudo-terminal of 80x24, refreshing every second, for ``--seconds`` after a warm-up;
+its CPU time (user + system, from psutil) over that window and its peak RSS (VmHWM)
+are printed. Goal (issue 43): < 5% of one core and < 200 MB at 1,024 ranks.
+
+    python benchmarks/watch_cost.py --ranks 1024 --seconds 60 --step-s 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "fixtures" / "diff" / "r8" / "ranks" / "rank-0"
+_T = re.compile(rb'"t":[0-9.]+')
+
+
+def _template() -> tuple[list[bytes], list[bytes]]:
+    """The template stream's head (up to its first step record) and one step's lines (those
+    after its second step record up to its third)."""
+    lines = next(TEMPLATE.glob("*.0000.jsonl")).read_bytes().splitlines(keepends=True)
+    steps = [i for i, line in enumerate(lines) if b'"k":"step"' in line]
+    return lines[: steps[0] + 1], lines[steps[1] + 1 : steps[2] + 1]
+
+
+def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: int) -> None:
+    """The growing run: every rank's head, then a step every ``step_s`` seconds."""
+    head, step = _template()
+    paths = []
+    for r in range(ranks):
+        folder = run_dir / "ranks" / f"rank-{r}"
+        folder.mkdir(parents=True)
+        path = folder / f"node{r // 8}-{10000 + r}.0000.jsonl"
+        start = b"".join(head).replace(b'"rank":0,"world_size":2', f'"rank":{r},"world_size":{ranks}'.encode())
+        path.write_bytes(_T.sub(f'"t":{time.time():.6f}'.encode(), start))
+        paths.append(path)
+    began, n = time.time(), 0
+    while time.time() - began < seconds:
+        n += 1
+        now = time.time()
+        block = _T.sub(f'"t":{now:.6f}'.encode(), b"".join(step))
+        block = re.sub(rb'"step":([0-9]+),"dur"', f'"step":{n},"dur"'.encode(), block)
+        for r, path in enumerate(paths):
+            if r == stalled and now - began > seconds / 3:
+                continue
+            with open(path, "ab") as f:
+                f.write(block)
+        time.sleep(max(0.0, step_s - (time.time() - now)))
+
+
+def _hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--seconds", type=float, default=60.0, help="measured window (after --warm-up)")
+    parser.add_argument("--warm-up", type=float, default=10.0)
+    parser.add_argument("--step-s", type=float, default=1.0, help="seconds between a rank's steps")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="watch-cost-") as tmp:
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        (run_dir / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+        total = args.warm_up + args.seconds + 5
+        writer = mp.Process(target=_write, args=(run_dir, args.ranks, args.step_s, total, args.ranks // 2 + 3))
+        writer.start()
+        while not (run_dir / "ranks" / f"rank-{args.ranks - 1}").exists():
+            time.sleep(0.1)
+        master, slave = pty.openpty()
+        env = {**os.environ, "COLUMNS": "80", "LINES": "24", "TERM": "xterm-256color"}
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "lorascope", "watch", str(run_dir)],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=REPO,
+        )
+        os.close(slave)
+        screen: list[bytes] = []
+
+        def drain() -> None:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                screen.append(data)
+                del screen[:-50]
+
+        threading.Thread(target=drain, daemon=True).start()
+        proc = psutil.Process(watch.pid)
+        time.sleep(args.warm_up)
+        cpu0, t0 = proc.cpu_times(), time.monotonic()
+        time.sleep(args.seconds)
+        cpu1, t1 = proc.cpu_times(), time.monotonic()
+        peak = _hwm(watch.pid)
+        watch.send_signal(signal.SIGINT)
+        code = watch.wait(timeout=30)
+        writer.join()
+        streams = sum(p.stat().st_size for p in (run_dir / "ranks").rglob("*.jsonl"))
+    used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    share = used / (t1 - t0) * 100
+    per_step = len(b"".join(_template()[1]))
+    print(f"ranks {args.ranks}, a step every {args.step_s} s a rank ({per_step:,} bytes), window {t1 - t0:.0f} s")
+    print(
+        f"run directory at the end: {streams / 2**20:.0f} MiB ({per_step * args.ranks / args.step_s / 2**20:.1f} MiB/s)"
+    )
+    print(f"watch CPU: {share:.1f}% of one core ({used:.2f} CPU-s); peak RSS {peak / 2**20:.0f} MiB; exit {code}")
+    print(f"goal: < 5% of one core and < 200 MB: {'met' if share < 5 and peak < 200 * 10**6 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
+lines its stream appends (:class:`lorascope.rundir.tail.Tail`), and the checks that can
+run on a partial run.
+
+Lines are taken in a block at a time (what one stream appended), without decoding
+most of them: the probes write ~75-100 lines a rank and step, nine in ten of them
+collective records, and watch runs for hours beside the job. One regular expression,
+anchored where a line begins (``{"``), picks out ``coll`` lines (a synchronous call,
+written before it starts, or an async one still in flight) and ``coll_end`` lines (their
+time, sequence number, group, shape or op), ``step`` lines (number, duration, time) and
+the first key of the rare kinds, which are decoded whole (``start``, ``dist_init``,
+``group``, ``shape``, ``stall``, ``dump``, ``exception``, ``signal``, ``end``,
+``probe_error``, and format v1's collective records); ``coll_done`` lines (calls that had
+ended when written) fail past their first bytes. Every ``mem`` reading's figure is taken
+by one ``findall`` over the block, the last phase edge by ``rfind``.
+Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
+:data:`MAX_PENDING`), the group and shape names.
+
+The checks (:meth:`LiveRun.checks`), each from what was read so far:
+
+* a rank ended badly (its ``exception`` or ``signal`` record, or an ``end`` record not exit 0;
+  a rank killed without a word ends with its launch, for the verdict);
+* the stall watchdog fired on a rank (its ``stall`` record: no step for its limit);
+* a rank is not stepping: no step for :data:`STALL_FACTOR` times the run's median step
+  and at least :data:`STALL_MIN_S` (the first step: since the rank started, at least
+  :data:`FIRST_STEP_MIN_S`), said with what it is in: a collective pending since when,
+  or outside any (the rank the others wait for, when they are in one);
+* a rank is slower: its own work per step (step time minus its time in synchronous
+  collectives, as the ``straggler`` detector measures it) over its last steps is
+  ``straggler.MIN_RATIO`` times the other ranks' median or more, over at least
+  ``straggler.MIN_STEPS`` steps;
+* fewer ranks seen than the world size their ``start`` records name.
+
+The full detectors need the whole run: `watch` runs them once (``analyze``) when the run
+has ended, for the verdict.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorascope.detect.straggler import MIN_RATIO, MIN_STEPS
+from lorascope.rundir.tail import Followed
+from lorascope.units import short_error
+
+#: Steps kept per rank for its step time and work.
+KEEP_STEPS = 16
+#: Pending calls kept per rank (the oldest first: the one a hang sits in).
+MAX_PENDING = 64
+#: A rank is "not stepping" after this many median steps without one, and at least STALL_MIN_S.
+STALL_FACTOR = 4.0
+STALL_MIN_S = 2.0
+#: Before a rank's first step: seconds since its start before it counts as not stepping
+#: (model loading, DeepSpeed's start, a first compilation).
+FIRST_STEP_MIN_S = 120.0
+#: Ranks not seen for this long after the first rank started count as missing.
+MISSING_AFTER_S = 30.0
+
+#: The lines watch reads, matched where they begin (``{"``) in the probes' layouts: a
+#: ``coll`` or ``coll_end`` (time, sequence number, group, shape or op), a ``step`` (number,
+#: duration), a ``mem`` reading (RSS), or the first key of a rare kind, decoded whole
+#: (``start`` and ``dist_init`` begin with rank, ``group`` gid, ``shape`` its kind, ``stall``
+#: seconds, ``dump`` reason, ``exception`` type, ``signal`` signum, ``end`` status,
+#: ``fatal_handler`` file, ``probe_error`` probe; format v1's collective records, whose
+#: ``k`` comes last, seq). ``coll_done`` lines do not match past
+#: their first bytes, nor do nested objects (a match must begin a line).
+_LINE = re.compile(
+    rb'\{"(?:'
+    rb'k":"coll(?P<end>_end)?","t":(?P<ct>[0-9.]+),"seq":(?P<seq>[0-9]+),"gid":(?P<gid>[0-9]+)'
+    rb'(?:,"sh":(?P<sh>[0-9]+)|,"op":"(?P<op>[^"]*)")?'
+    rb'|step":(?P<step>[0-9]+),"dur":(?P<dur>[0-9.eE+-]+)'
+    rb'|(?P<rare>rank|gid|k":"shape|seconds|reason|type|signum|status|file|probe|seq)"'
+    rb")"
+)
+#: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
+_RSS = re.compile(rb'\{"src":"[a-z._]+","step":[0-9]+,"rss":([0-9]+)')
+_CUDA = re.compile(rb'"cuda":\{[^}]*"alloc":([0-9]+)[^}]*"max_alloc":([0-9]+)')
+_PHASE = re.compile(rb'\{"name":"([a-z_]+)","edge":"(begin|end)"')
+_T = re.compile(rb'"t":([0-9.]+)\}')
+_LAST_PHASE = b'"k":"phase"'
+_CUDA_MARK = b'"cuda":{'
+
+
+@dataclass
+class LiveRank:
+    """What one rank process did, so far."""
+
+    rank: int
+    process: str
+    partial: bool = False
+    host: str | None = None
+    pid: int | None = None
+    started: float | None = None
+    world_size: int | None = None
+    step: int = 0
+    last_step_t: float | None = None
+    durs: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
+    work: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
+    #: Seconds in synchronous collectives during the current step.
+    waited: float = 0.0
+    mem_now: int | None = None
+    mem_peak: int | None = None
+    #: "cuda" once a reading carries the CUDA allocator's figures, else "rss".
+    mem_metric: str = "rss"
+    #: (gid, seq) -> (start time, op).
+    pending: dict[tuple[int, int], tuple[float, str]] = field(default_factory=dict)
+    phase: str | None = None
+    last_t: float = 0.0
+    groups: dict[int, str] = field(default_factory=dict)
+    shapes: dict[int, str] = field(default_factory=dict)
+    #: How it ended: (status, detail) from its exception / signal / end / fatal record.
+    ended: tuple[str, str] | None = None
+    stall: dict[str, Any] | None = None
+    dumps: int = 0
+    probe_errors: int = 0
+
+    def take(self, data: bytes) -> None:
+        """Lines the stream appended (without the last newline)."""
+        pos, search = 0, _LINE.search
+        while (m := search(data, pos)) is not None:
+            start, pos = m.start(), m.end()
+            if start and data[start - 1] != 10:  # inside a line: a nested object
+                continue
+            end_, ct, seq, gid, sh, op, step, dur, _ = m.groups()
+            if seq is not None:
+                self._call(end_ is not None, float(ct), (int(gid), int(seq)), sh, op)
+            elif step is not None:
+                self._step(data, pos, int(step), float(dur))
+            else:
+                end = data.find(b"\n", pos)
+                end = len(data) if end < 0 else end
+                self._rare(data[start:end])
+                pos = end
+        self._mem(data)
+        at = data.rfind(_LAST_PHASE)
+        if at >= 0:
+            phase = _PHASE.match(data, data.rfind(b"\n", 0, at) + 1)
+            if phase is not None:
+                self.phase = phase.group(1).decode() if phase.group(2) == b"begin" else None
+
+    def _call(self, ended: bool, t: float, key: tuple[int, int], sh: bytes | None, op: bytes | None) -> None:
+        if t > self.last_t:
+            self.last_t = t
+        if not ended:
+            if len(self.pending) < MAX_PENDING:
+                self.pending[key] = (t, op.decode() if op is not None else self.shapes.get(int(sh or -1), "?"))
+        else:
+            call = self.pending.pop(key, None)
+            if call is not None:
+                self.waited += max(0.0, t - call[0])
+
+    def _mem(self, data: bytes) -> None:
+        """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
+        are the allocator's (allocated now, the highest since the start), else RSS."""
+        if _CUDA_MARK in data:
+            readings = [(int(a), int(b)) for a, b in _CUDA.findall(data)]
+            if readings:
+                self.mem_metric = "cuda"
+                self.mem_now, peak = readings[-1][0], max(p for _, p in readings)
+                self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
+                return
+        if self.mem_metric == "cuda":
+            return
+        rss = _RSS.findall(data)
+        if rss:
+            self.mem_now, peak = int(rss[-1]), max(map(int, rss))
+            self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
+
+    def _step(self, data: bytes, pos: int, step: int, dur: float) -> None:
+        end = data.find(b"\n", pos)
+        tm = _T.search(data, pos, len(data) if end < 0 else end)
+        t = float(tm.group(1)) if tm is not None else self.last_t
+        self.last_t = max(self.last_t, t)
+        self.step = step
+        self.last_step_t = t
+        self.durs.append(dur)
+        if self.step > 1:
+            self.work.append(max(0.0, dur - self.waited))
+        self.waited = 0.0
+
+    def _rare(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(rec, dict) and isinstance(rec.get("k"), str):
+            if isinstance(rec.get("t"), (int, float)):
+                self.last_t = max(self.last_t, float(rec["t"]))
+            self._decoded(rec["k"], rec)
+
+    def _decoded(self, kind: str, rec: dict[str, Any]) -> None:
+        if kind in ("coll", "coll_end") and isinstance(rec.get("seq"), int) and isinstance(rec.get("gid"), int):
+            op = rec.get("op")
+            self._call(kind == "coll_end", float(rec["t"]), (rec["gid"], rec["seq"]), None, str(op).encode())
+        elif kind == "start":
+            self.host, self.pid, self.started = rec.get("host"), rec.get("pid"), rec.get("t")
+            self.world_size = rec.get("world_size")
+        elif kind == "dist_init" and isinstance(rec.get("world_size"), int):
+            self.world_size = rec["world_size"]
+        elif kind == "group" and isinstance(rec.get("gid"), int):
+            self.groups[rec["gid"]] = str(rec.get("name"))
+        elif kind == "shape" and isinstance(rec.get("id"), int):
+            self.shapes[rec["id"]] = str(rec.get("op"))
+        elif kind == "stall":
+            self.stall = rec
+        elif kind == "dump":
+            self.dumps += 1
+        elif kind == "probe_error":
+            self.probe_errors += 1
+        elif kind == "exception":
+            self.ended = ("exception", short_error(f"{rec.get('type')}: {rec.get('message', '')}", 200))
+        elif kind == "signal":
+            self.ended = ("signal", str(rec.get("name")))
+        elif kind == "end" and self.ended is None:
+            code = rec.get("code")
+            self.ended = ("exit", f"exit {code}") if rec.get("status") == "exit" else (str(rec.get("status")), "")
+        elif kind == "fatal_handler":
+            pass  # the file is written only if the rank dies of a fatal signal: read at the end
+
+    def oldest_pending(self) -> tuple[float, str, str] | None:
+        """(since, op, group name) of the call pending longest."""
+        if not self.pending:
+            return None
+        (gid, _), (t, op) = min(self.pending.items(), key=lambda kv: kv[1][0])
+        return t, op, self.groups.get(gid, str(gid))
+
+    @property
+    def bad_end(self) -> bool:
+        return self.ended is not None and self.ended[1] != "exit 0"
+
+
+@dataclass
+class Check:
+    """A finding so far: what it is, how bad, which ranks, one line of evidence."""
+
+    id: str
+    severity: str
+    ranks: list[int]
+    text: str
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class LiveRun:
+    """Every rank's :class:`LiveRank`, fed by the tail's looks."""
+
+    def __init__(self) -> None:
+        self.processes: dict[tuple[int, str], LiveRank] = {}
+
+    def take(self, looked: Iterable[tuple[Followed, bytes]]) -> None:
+        for stream, lines in looked:
+            key = (stream.rank, stream.process)
+            rank = self.processes.get(key)
+            if rank is None:
+                rank = self.processes[key] = LiveRank(stream.rank, stream.process, partial=stream.partial)
+            rank.take(lines)
+
+    @property
+    def ranks(self) -> dict[int, LiveRank]:
+        """Per rank, its latest process (a restarted rank's new one)."""
+        out: dict[int, LiveRank] = {}
+        for proc in self.processes.values():
+            known = out.get(proc.rank)
+            if known is None or (proc.started or 0) >= (known.started or 0):
+                out[proc.rank] = proc
+        return dict(sorted(out.items()))
+
+    def world_size(self) -> int | None:
+        sizes = [r.world_size for r in self.processes.values() if r.world_size is not None]
+        return max(sizes) if sizes else None
+
+    def median_step(self) -> float | None:
+        return _median([statistics.median(r.durs) for r in self.ranks.values() if r.durs])
+
+    def ended(self) -> bool:
+        ranks = self.ranks
+        size = self.world_size()
+        return bool(ranks) and all(r.ended is not None for r in ranks.values()) and (size is None or len(ranks) >= size)
+
+    def not_stepping(self, rank: LiveRank, now: float, median: float | None) -> float | None:
+        """Seconds without a step, when that is long enough to say (else None)."""
+        if rank.ended is not None:
+            return None
+        if rank.last_step_t is None:
+            since = rank.started if rank.started is not None else rank.last_t
+            return now - since if since and now - since >= FIRST_STEP_MIN_S else None
+        limit = max(STALL_MIN_S, STALL_FACTOR * median) if median else STALL_MIN_S
+        quiet = now - rank.last_step_t
+        return quiet if quiet >= limit else None
+
+    def work_ratio(self) -> dict[int, float]:
+        """Per rank with enough steps: its median work over the median of the other ranks'
+        (as the straggler detector compares: with two ranks, the other one)."""
+        medians = {n: statistics.median(r.work) for n, r in self.ranks.items() if len(r.work) >= MIN_STEPS}
+        if len(medians) < 2:
+            return {}
+        ordered = sorted(medians.values())
+        out = {}
+        for n, m in medians.items():
+            i = bisect.bisect_left(ordered, m)
+            others = len(ordered) - 1
+
+            def other(j: int, i: int = i) -> float:  # the j-th smallest of the others
+                return ordered[j if j < i else j + 1]
+
+            typical = other(others // 2) if others % 2 else (other(others // 2 - 1) + other(others // 2)) / 2
+            if typical > 0:
+                out[n] = m / typical
+        return out
+
+    def checks(self, now: float, median: float | None = None, ratios: dict[int, float] | None = None) -> list[Check]:
+        """The findings so far, most severe first (see the module docstring); ``median``
+        and ``ratios``: :meth:`median_step` and :meth:`work_ratio`, when the caller has them."""
+        ranks = self.ranks
+        found: list[Check] = []
+        bad = [r for r in ranks.values() if r.bad_end]
+        for r in bad[:3]:
+            assert r.ended is not None
+            found.append(Check("ended-badly", "error", [r.rank], f"ended: {r.ended[1] or r.ended[0]}"))
+        if len(bad) > 3:
+            found.append(Check("ended-badly", "error", [r.rank for r in bad[3:]], f"and {len(bad) - 3} more ranks"))
+        median = self.median_step() if median is None else median
+        quiet = {n: q for n, r in ranks.items() if (q := self.not_stepping(r, now, median)) is not None}
+        if quiet:
+            outside = sorted(n for n in quiet if not ranks[n].pending)
+            waiting = sorted(n for n in quiet if ranks[n].pending)
+            if outside:
+                longest = max(quiet[n] for n in outside)
+                times = f" ({longest / median:.0f}x median)" if median else ""
+                found.append(
+                    Check("not-stepping", "warning", outside, f"no step for {longest:.0f} s{times}, in no collective")
+                )
+            if waiting:
+                calls = [ranks[n].oldest_pending() for n in waiting]
+                op = max((c for c in calls if c is not None), key=lambda c: now - c[0])
+                found.append(
+                    Check(
+                        "waiting",
+                        "warning",
+                        waiting,
+                        f"in {op[1]} {now - op[0]:.1f} s, no step",
+                    )
+                )
+        stalled = [r for r in ranks.values() if r.stall is not None and r.ended is None]
+        if stalled:
+            limit = stalled[0].stall.get("limit") if stalled[0].stall else None
+            found.append(
+                Check(
+                    "stall-watchdog",
+                    "warning",
+                    [r.rank for r in stalled],
+                    f"the stall watchdog fired: no step for its limit ({limit} s); dumps written",
+                )
+            )
+        slow = {n: x for n, x in (self.work_ratio() if ratios is None else ratios).items() if x >= MIN_RATIO}
+        if slow:
+            worst = max(slow, key=lambda n: slow[n])
+            found.append(
+                Check(
+                    "slower",
+                    "warning",
+                    sorted(slow),
+                    f"works up to {slow[worst]:.1f}x the others' median per step (last {KEEP_STEPS} steps)",
+                )
+            )
+        size = self.world_size()
+        first = min((r.started for r in ranks.values() if r.started), default=None)
+        if size is not None and len(ranks) < size and first is not None and now - first >= MISSING_AFTER_S:
+            missing = sorted(set(range(size)) - set(ranks))
+            found.append(
+                Check("ranks-missing", "warning", missing, f"{len(missing)} of {size} ranks never wrote a stream")
+            )
+        return found
+
+    def view(self, now: float) -> tuple[list[dict[str, Any]], list[Check], float | None]:
+        """The rows, the checks and the median step, at ``now``, each computed once."""
+        median, ratios = self.median_step(), self.work_ratio()
+        return self.rows(now, median, ratios), self.checks(now, median, ratios), median
+
+    def rows(self, now: float, median: float | None, ratios: dict[int, float]) -> list[dict[str, Any]]:
+        """One plain row per rank: what the view shows (``level``: ok, warning, error)."""
+        out = []
+        for n, r in self.ranks.items():
+            oldest = r.oldest_pending()
+            quiet = self.not_stepping(r, now, median)
+            if r.ended is not None:
+                state, level = r.ended[1] or r.ended[0], "error" if r.bad_end else "ok"
+            elif r.stall is not None and quiet is not None:
+                state, level = f"stalled {quiet:.0f}s (watchdog)", "warning"
+            elif quiet is not None:
+                state, level = f"no step {quiet:.0f}s", "warning"
+            elif ratios.get(n, 0) >= MIN_RATIO:
+                state, level = "slower", "warning"
+            else:
+                state, level = (r.phase or "running"), "ok"
+            out.append(
+                {
+                    "rank": n,
+                    "host": r.host,
+                    "step": r.step,
+                    "step_s": statistics.median(r.durs) if r.durs else None,
+                    "work_x": ratios.get(n),
+                    "mem_now": r.mem_now,
+                    "mem_peak": r.mem_peak,
+                    "metric": r.mem_metric,
+                    "pending": None
+                    if oldest is None
+                    else {"op": oldest[1], "group": oldest[2], "for_s": now - oldest[0]},
+                    "state": state,
+                    "level": level,
+                    "partial": r.partial,
+                }
+            )
+        return out

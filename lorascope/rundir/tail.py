@@ -1,0 +1,187 @@
+"""Following a run directory while the job writes it: what each rank process appended
+since the last look, as whole lines (`lorascope watch`).
+
+Each stream file is read from the offset where the last look stopped, up to its last
+complete line (a line the writer has half written waits for the next look). A look
+stats the newest segment of every process it knows; the rank folders are listed again
+every :data:`RESCAN_S` seconds for new ranks, processes and segments (a rotated segment's
+file is finished first, from its offset). Nothing is held open between looks (1,024 ranks
+would take 1,024 file descriptors) and nothing but the appended bytes is read, so a look
+costs one ``stat`` a process when nothing changed. Works on a shared filesystem as on a
+local one: polling, no inotify (which does not see another host's writes).
+
+A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch`` started
+late in a long run) is read from its last :data:`START_TAIL_BYTES` bytes, from the first
+line boundary there, after the whole lines of its first :data:`HEAD_BYTES`:
+``Followed.partial`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorascope.rundir.safe_open import leaves
+from lorascope.rundir.schema import RANKS_DIR, STREAM_SUFFIX
+
+#: Seconds between listings of the rank folders (new ranks, processes, segments).
+RESCAN_S = 2.0
+#: A stream longer than this when first seen is followed from its last START_TAIL_BYTES
+#: (~35 steps of the probes/ job), after the whole lines of its first HEAD_BYTES (its
+#: start record, its first groups and call shapes).
+START_TAIL_BYTES = 256 << 10
+HEAD_BYTES = 64 << 10
+#: At most this much of one file is read in one look; the rest at the next.
+MAX_READ_BYTES = 4 << 20
+
+
+@dataclass
+class Followed:
+    """One rank process's stream: its newest segment and where the last look stopped."""
+
+    rank: int
+    process: str
+    segment: int
+    path: Path
+    offset: int = 0
+    #: Bytes after the last newline, kept for the next look.
+    rest: bytes = b""
+    #: Followed from the middle of a stream (its beginning was not read).
+    partial: bool = False
+    #: The segment's size at the last look (a look reads only a file that grew).
+    size: int = field(default=-1, repr=False)
+
+
+def _rank_of(name: str) -> int | None:
+    prefix = "rank-"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return None
+    return int(name[len(prefix) :])
+
+
+def _stream_name(name: str) -> tuple[str, int] | None:
+    """``HOST-PID.NNNN.jsonl`` -> (``HOST-PID``, NNNN); None for any other file."""
+    if not name.endswith(STREAM_SUFFIX):
+        return None
+    proc, _, index = name[: -len(STREAM_SUFFIX)].rpartition(".")
+    if not proc or not index.isdigit() or len(index) > 9:
+        return None
+    return proc, int(index)
+
+
+class Tail:
+    """The appended lines of every rank stream under ``run_dir``, look by look."""
+
+    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run_dir = run_dir
+        self.clock = clock
+        #: (rank, process) -> the stream followed.
+        self.streams: dict[tuple[int, str], Followed] = {}
+        self._scanned = -float("inf")
+        #: Bytes read so far, all looks (for the benchmark and the footer).
+        self.bytes_read = 0
+
+    def _scan(self) -> list[tuple[Followed, bytes]]:
+        """Take in new streams and newer segments; returns the last lines of the segments
+        a newer one replaced (finished from their offset)."""
+        finished: list[tuple[Followed, bytes]] = []
+        try:
+            rank_dirs = list(os.scandir(self.run_dir / RANKS_DIR))
+        except OSError:
+            return finished
+        for entry in rank_dirs:
+            rank = _rank_of(entry.name)
+            if rank is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            newest: dict[str, tuple[int, str]] = {}
+            try:
+                files = list(os.scandir(entry.path))
+            except OSError:
+                continue
+            for f in files:
+                named = _stream_name(f.name)
+                if named is not None and named[1] >= newest.get(named[0], (-1, ""))[0]:
+                    newest[named[0]] = (named[1], f.path)
+            for proc, (index, path) in newest.items():
+                known = self.streams.get((rank, proc))
+                if known is not None and index <= known.segment:
+                    continue
+                if leaves(self.run_dir, Path(path)):
+                    continue
+                if known is None:
+                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path))
+                    continue
+                lines = self._read(known)  # the rest of the segment it replaces
+                if lines:
+                    finished.append((known, lines))
+                known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
+        return finished
+
+    def _read(self, stream: Followed) -> bytes:
+        """The stream's whole lines after its offset, without the last newline (empty when
+        its size did not change)."""
+        try:
+            size = os.stat(stream.path).st_size
+        except OSError:
+            return b""
+        if size == stream.size:
+            return b""
+        first_look = stream.size == -1
+        if first_look and stream.offset == 0 and size > START_TAIL_BYTES:
+            stream.offset, stream.partial = size - START_TAIL_BYTES, True
+        if size < stream.offset:  # truncated or replaced: start over
+            stream.offset, stream.rest = 0, b""
+        try:
+            fd = os.open(stream.path, os.O_RDONLY)
+            try:
+                chunk = os.pread(fd, min(size - stream.offset, MAX_READ_BYTES), stream.offset)
+            finally:
+                os.close(fd)
+        except OSError:
+            return b""
+        started_inside = first_look and stream.partial
+        if started_inside:  # its head still names the rank, its groups and call shapes
+            head = self._head(stream.path)
+        stream.offset += len(chunk)
+        stream.size = size if stream.offset >= size else -2  # -2: more to read at the next look
+        self.bytes_read += len(chunk)
+        data = stream.rest + chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            stream.rest = data
+            return b""
+        stream.rest = data[cut + 1 :]
+        if started_inside:  # the first line was cut by the start offset
+            first = data.find(b"\n")
+            return head + (data[first + 1 : cut] if first < cut else b"")
+        return data[:cut]
+
+    @staticmethod
+    def _head(path: Path) -> bytes:
+        """The whole lines of a stream's first HEAD_BYTES, with a newline after them."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                head = os.pread(fd, HEAD_BYTES, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            return b""
+        return head[: head.rfind(b"\n") + 1]
+
+    def look(self) -> Iterator[tuple[Followed, bytes]]:
+        """Every stream's whole lines appended since the last look, oldest first per
+        stream (streams without any are left out), as one ``bytes`` of lines without the
+        last newline, one stream at a time: a caller that takes each in before the next
+        holds one stream's lines at most."""
+        now = self.clock()
+        if now - self._scanned >= RESCAN_S:
+            self._scanned = now
+            yield from self._scan()
+        for stream in list(self.streams.values()):
+            lines = self._read(stream)
+            if lines:
+                yield stream, lines

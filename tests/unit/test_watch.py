@@ -1,0 +1,204 @@
+"""`lorascope watch`'s parts on recorded runs and generated ones: the tail reads only what
+was appended, whole lines, across segments and late ranks; the live state matches what
+`analyze` reads from the same streams; the checks name stalled, waiting and slower ranks;
+1,024 ranks fit an 80x24 screen."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from lorascope.analysis import analyze
+from lorascope.analysis.live import LiveRank, LiveRun
+from lorascope.cli import cli, main
+from lorascope.rundir import tail as tail_module
+from lorascope.rundir.tail import Tail
+from lorascope.text.watch import render_watch
+from tests.helpers import FIXTURES
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
+    folder = run / "ranks" / f"rank-{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
+    out: dict[tuple[int, str], list[bytes]] = {}
+    for stream, data in tail.look():
+        out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
+    return out
+
+
+def test_tail_reads_only_appended_whole_lines_and_follows_segments_and_new_ranks(tmp_path: Path) -> None:
+    clock = Clock()
+    tail = Tail(tmp_path, clock=clock)
+    assert _lines(tail) == {}
+    first = _stream(tmp_path, 0)
+    first.write_bytes(b'{"a":1}\n{"b":2}\n{"c":')
+    clock.now += tail_module.RESCAN_S  # a new stream is found at the next listing
+    assert _lines(tail) == {(0, "h-1"): [b'{"a":1}', b'{"b":2}']}
+    assert _lines(tail) == {}  # nothing appended: nothing read
+    with open(first, "ab") as f:
+        f.write(b'3}\n{"d":4}\n')
+    assert _lines(tail) == {(0, "h-1"): [b'{"c":3}', b'{"d":4}']}
+    assert tail.bytes_read == first.stat().st_size  # every byte read once
+    with open(first, "ab") as f:
+        f.write(b'{"e":5}\n')
+    _stream(tmp_path, 0, "h-1.0001.jsonl").write_bytes(b'{"f":6}\n')
+    _stream(tmp_path, 3).write_bytes(b'{"g":7}\n')
+    assert _lines(tail) == {(0, "h-1"): [b'{"e":5}']}  # the folders are listed again only every RESCAN_S
+    clock.now += tail_module.RESCAN_S
+    with open(first, "ab") as f:
+        f.write(b'{"e2":5}\n')
+    got = _lines(tail)
+    assert got[(0, "h-1")] == [b'{"e2":5}', b'{"f":6}']  # the old segment finished, then the new one
+    assert got[(3, "h-1")] == [b'{"g":7}']
+
+
+def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tail_module, "START_TAIL_BYTES", 100)
+    monkeypatch.setattr(tail_module, "HEAD_BYTES", 20)
+    path = _stream(tmp_path, 0)
+    path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
+    tail = Tail(tmp_path)
+    (stream, data), *_ = list(tail.look())
+    lines = data.split(b"\n")
+    assert stream.partial and tail.bytes_read == 100
+    assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
+    assert lines[-1] == b'{"n":99}' and all(json.loads(line) for line in lines)  # the cut line left out
+    assert json.loads(lines[2])["n"] > 80
+
+
+def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
+    """A recorded run's streams taken in as a tail would see them: cut at random places."""
+    live = LiveRun()
+    rng = random.Random(seed)
+    for folder in sorted((run_dir / "ranks").iterdir()):
+        for path in sorted(folder.glob("*.jsonl")):
+            data = path.read_bytes()
+            cuts = sorted(rng.sample(range(1, len(data)), pieces - 1)) if pieces > 1 else []
+            stream = tail_module.Followed(int(folder.name.split("-")[1]), path.name.split(".")[0], 0, path)
+            rest = b""
+            for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+                chunk = rest + data[a:b]
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    live.take([(stream, chunk[:cut])])
+                    rest = chunk[cut + 1 :]
+                else:
+                    rest = chunk
+    return live
+
+
+def test_live_state_matches_the_analysis_whatever_the_pieces() -> None:
+    run_dir = FIXTURES / "diff" / "straggler"
+    summary = analyze(run_dir).summary
+    assert summary is not None
+    whole, pieces = _feed(run_dir, 1), _feed(run_dir, 40, seed=3)
+    for live in (whole, pieces):
+        ranks = live.ranks
+        assert sorted(ranks) == [0, 1] and live.ended() and live.world_size() == 2
+        for r in summary["ranks"]:
+            rank = ranks[r["rank"]]
+            assert rank.step == r["steps"] == 7
+            assert rank.mem_peak == r["peak_memory"]["rss_bytes"]
+            assert rank.ended == ("exit", "exit 0") and not rank.pending
+    assert [list(r.durs) for r in whole.ranks.values()] == [list(r.durs) for r in pieces.ranks.values()]
+    checks = whole.checks(now=max(r.last_t for r in whole.ranks.values()))
+    assert [(c.id, c.ranks) for c in checks] == [("slower", [1])]
+    assert not _feed(FIXTURES / "diff" / "r8", 7).checks(now=0.0)  # healthy: quiet
+
+
+def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(tmp_path: Path) -> None:
+    """fixtures/hung-ranks: rank 1 sleeps in its data loading at step 3; rank 0 waits in the
+    next collective. Cut the streams 6 s after rank 1's last step, as a watch would see them."""
+    source = FIXTURES / "hung-ranks"
+    last_step = max(
+        json.loads(line)["t"]
+        for line in next((source / "ranks" / "rank-1").glob("*.jsonl")).read_bytes().splitlines()
+        if b'"k":"step"' in line
+    )
+    now = last_step + 6.0
+    for folder in (source / "ranks").iterdir():
+        for path in folder.glob("*.jsonl"):
+            kept = []
+            for line in path.read_bytes().splitlines(keepends=True):
+                t = json.loads(line).get("t")
+                if isinstance(t, (int, float)) and t > now:
+                    break
+                kept.append(line)
+            target = tmp_path / "ranks" / folder.name / path.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(b"".join(kept))
+    live = _feed(tmp_path, 5)
+    checks = {c.id: c for c in live.checks(now)}
+    assert checks["not-stepping"].ranks == [1] and "in no collective" in checks["not-stepping"].text
+    assert checks["waiting"].ranks == [0]
+    rows, _, _ = live.view(now)
+    assert rows[0]["pending"] is not None and rows[0]["pending"]["for_s"] > 1
+    assert rows[1]["pending"] is None and rows[1]["state"] == "stalled 6s (watchdog)"  # its watchdog fired at 5 s
+    assert checks["stall-watchdog"].ranks == [0, 1]
+    assert not live.ended()
+
+
+def _synthetic(ranks: int, now: float) -> LiveRun:
+    live = LiveRun()
+    for n in range(ranks):
+        r = live.processes[(n, f"node{n // 8}-{n}")] = LiveRank(n, f"node{n // 8}-{n}", host=f"node{n // 8}")
+        r.started, r.world_size, r.step, r.last_step_t = now - 600, ranks, 500, now - 0.5
+        r.durs.extend([1.0] * 16)
+        r.work.extend([0.6 if n != 77 else 1.5] * 16)
+        r.mem_now, r.mem_peak = 12 << 30, (13 << 30) + n * 1000
+    live.processes[(512, "node64-512")].last_step_t = now - 30
+    live.processes[(512, "node64-512")].step = 471
+    live.processes[(513, "node64-513")].pending[(0, 9)] = (now - 29, "all_reduce")
+    live.processes[(513, "node64-513")].last_step_t = now - 30
+    live.processes[(900, "node112-900")].ended = ("exception", "Error: [b]x[/b]")
+    return live
+
+
+def test_1024_ranks_fit_an_80x24_screen_with_the_odd_ranks_named() -> None:
+    now = 1_000_000.0
+    live = _synthetic(1024, now)
+    rows, checks, median = live.view(now)
+    view = {"run_dir": Path("runs/big"), "now": now, "rows": rows, "checks": checks, "world_size": 1024,
+            "median_step": median, "bytes_read": 1 << 30, "interval": 1.0, "verdict": None}  # fmt: skip
+    console = Console(file=io.StringIO(), width=80, height=24, record=True, color_system=None)
+    console.print(render_watch(view, 80, 24))
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24 and all(len(line) <= 80 for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert "1024/1024 ranks" in text
+    table = {line.split()[0]: line for line in lines[3:] if line and line[0].isdigit()}
+    assert "no step 30s" in table["512"] and "all_reduce 29.0s" in next(v for k, v in table.items() if "513" in k)
+    assert "Error: [b]x[/b]" in table["900"]  # text from the run stays text
+    assert "slower" in table["77"]
+    assert "1,020 ranks" in text and "running" in text  # the rest grouped, counted (their ranges are too long)
+    assert {c.id for c in checks} >= {"ended-badly", "not-stepping", "waiting", "slower"}
+
+
+def test_cli_once_and_bad_input(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["watch", str(FIXTURES / "diff" / "straggler"), "--once"])
+    assert result.exit_code == 0, result.output
+    assert "verdict: warning: rank 1 is the straggler" in result.output
+    with pytest.raises(SystemExit) as exc:
+        main(["watch", str(tmp_path)])
+    assert exc.value.code == 3
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+    result = CliRunner().invoke(cli, ["watch", str(tmp_path), "--once"])
+    assert result.exit_code == 0 and "0 ranks" in result.output  # a job not started yet
