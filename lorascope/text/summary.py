@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lorascope.analysis.cost import cost_text
-from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
+from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers, reentrancy
 from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges, short_error
 
 
@@ -78,7 +78,7 @@ def sharding_text(sharding: dict[str, Any]) -> str:
         text = "no sharding recorded"
     ckpt = sharding["checkpointing"]
     if ckpt:
-        how = "reentrant" if True in ckpt.get("use_reentrant", []) else "non-reentrant"
+        how = reentrancy(ckpt.get("use_reentrant", []))
         wrappers = f", {ckpt['wrappers']} torch checkpoint_wrapper(s)" if ckpt.get("wrappers") else ""
         text += f"; activation checkpointing {how}{wrappers}"
     return text
