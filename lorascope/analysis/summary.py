@@ -7,7 +7,7 @@ from typing import Any
 
 from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
-from lorascope.rundir.ending import ending_of, still_moving, stopped_reading
+from lorascope.rundir.ending import ending_of, still_moving, stopped_reading, unrecorded_ending
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
 
@@ -68,6 +68,8 @@ def _ended(rank: RankData, run: RunData) -> dict[str, Any]:
     time: a rank killed without a word, or aborted with only faulthandler's file)."""
     end = ending_of(rank)
     out = {**end.as_dict(), "t": end.t if end.t is not None else rank.last_time}
+    if not end.known:
+        out["detail"] = unrecorded_ending(run)
     stopped = stopped_reading(rank, run)
     if stopped is not None:
         out["stopped"] = stopped

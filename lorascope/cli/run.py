@@ -125,7 +125,8 @@ def command(
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)
         raise UsageError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None
     rc = job.wait()
-    record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=rc, signals=job.forwarded)
+    ended = {"end": time.time(), "exit_status": rc, "signals": job.forwarded}
+    record_launch(out, launch_id, list(cmd), **ended, **({"leftovers": job.terminated} if job.terminated else {}))
     attached = attached_processes(out, launch_id)
     remove_empty_fatal_files(out, attached, socket.gethostname())
     if attached:
