@@ -7,6 +7,7 @@ prints live; here it runs on the dumps the stall watchdog left in the run direct
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,13 @@ EXPLANATION = (
     "A distributed job hangs when one rank stops taking part in the collectives the others "
     "wait in. Nothing is logged until the process-group watchdog (30 minutes by default) "
     "kills it with a message naming a sequence number and no rank or line."
+)
+
+DEATH_EXPLANATION = (
+    "A rank died (an exception, a signal, or SIGKILL from the OOM killer, which leaves no "
+    "record: its stream just stops). The others then wait for it in their next collective, "
+    "or fail once its connections close: the first rank to die is the cause, and the errors "
+    "of the others are consequences of it."
 )
 
 
@@ -72,6 +80,22 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
                 stream_source(run, rank, "stall record"),
             )
         )
+    dead = diagnosis["kind"] == "dead-rank"
+    first = diagnosis["first_diverged"] or {}
+    if dead and isinstance(first.get("died_at"), (int, float)):
+        rank = run.ranks[first["rank"]]
+        since = float(first["died_at"]) - float(rank.start["t"])
+        evidence.insert(
+            0,
+            Evidence(
+                f"rank {first['rank']} died",
+                f"after {first['step']} steps, at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(first['died_at']))} "
+                f"({since:.1f} s after its start)",
+                stream_source(
+                    run, rank, "its last record" if not ending_of(rank).known else "exception/signal/end record"
+                ),
+            ),
+        )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
     stopped = dumped and all(s["dumped"] in ("stopped", None) for s in diagnosis["ranks"])
     flight = [s["rank"] for s in diagnosis["ranks"] if _from_flight(s)]
@@ -96,7 +120,7 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
         ),
         ranks=diagnosis["odd_ranks"] or [s["rank"] for s in diagnosis["ranks"]],
         evidence=evidence,
-        explanation=EXPLANATION,
+        explanation=DEATH_EXPLANATION if dead else EXPLANATION,
         fix=diagnosis["fix"],
         details={"hang": diagnosis},
     )
