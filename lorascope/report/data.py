@@ -129,6 +129,9 @@ def _figures(
         text = f"{by_rank[0]:,.0f} MiB"
         if peak["median_others"]:
             text += f" vs {peak['median_others']:,.0f} MiB (median of others)"
+        rss = dict(zip(peak["ranks"], peak["rss"] or [], strict=False)).get(0)
+        if rss is not None:
+            text += f"; peak RSS {rss:,.0f} MiB"
         figures.append({"label": f"rank 0 {peak['metric']}", "value": text})
     return figures
 

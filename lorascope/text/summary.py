@@ -85,10 +85,21 @@ def sharding_text(sharding: dict[str, Any]) -> str:
 
 
 def _peak(r: dict[str, Any]) -> int | None:
-    """The rank's peak: the CUDA allocator's where it has one, else RSS's."""
+    """The rank's peak: the CUDA allocator's where it has one, else RSS's (:func:`peak_label`)."""
     peak = r["peak_memory"]
     value = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
     return None if value is None else int(value)
+
+
+def peak_label(ranks: list[dict[str, Any]]) -> str:
+    """What the table's peak column holds (10 characters at most): the CUDA allocator's
+    peak ("CUDA alloc"), the process's resident memory ("peak RSS"), or both, by rank."""
+    cuda = {r["peak_memory"]["cuda_max_allocated_bytes"] is not None for r in ranks}
+    return "CUDA alloc" if cuda == {True} else "peak RSS" if cuda <= {False} else "peak*"
+
+
+#: Under the table when ranks differ in what their peak is.
+PEAK_MIXED = "peak*: CUDA max allocated on the ranks that had CUDA, resident memory (RSS) on the others"
 
 
 def _ms(seconds: float | None) -> str:
@@ -192,7 +203,7 @@ def _condensed(ranks: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"  ranks {rank_ranges(r['rank'] for r in rest)} ({len(rest):,} ranks): as rank {members[0]['rank']} "
             f"but for their numbers; step(med) {_spread([r['step_time_median_s'] for r in rest], _ms)}, "
-            f"peak mem {_spread([_peak(r) for r in rest], _mib)}, "
+            f"{peak_label(ranks)} {_spread([_peak(r) for r in rest], _mib)}, "
             f"colls {_spread([r['collectives']['count'] for r in rest], count)}"
         )
     lines.append(
@@ -227,7 +238,7 @@ def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
         f"  {versions}" if versions else "",
         f"  sharding: {sharding_text(manifest['sharding'])}" if manifest.get("sharding") else "",
         f"  probes' cost: {cost_text(data['probe_cost'])}" if data.get("probe_cost") else "",
-        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
+        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {peak_label(data['ranks']):>10} "
         f"{'colls':>6}  last seq per group      ended",
     ]
     ranks = data["ranks"]
@@ -237,4 +248,6 @@ def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
     else:
         lines += _condensed(ranks)
         lines += _warning_lines(data["warnings"])
+    if peak_label(ranks) == "peak*":
+        lines.append(PEAK_MIXED)
     return "\n".join(line for line in lines if line)

@@ -14,8 +14,8 @@ from lorascope.analysis.summary import build_summary
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.ending import ended_badly_headline, stop_time, stopped_while_moving
 from lorascope.report.data import build_report_data
+from lorascope.rundir.ending import ended_badly_headline, stop_time, stopped_while_moving
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import record_launch
 from lorascope.text.findings import quiet
