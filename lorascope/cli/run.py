@@ -18,7 +18,7 @@ from lorascope.errors import LorascopeError, UsageError
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.kernels import parse_window
 from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import launching_cli, load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
 from lorascope.text.summary import render_text
@@ -138,15 +138,25 @@ def command(
         except Exception as exc:  # whatever happened to the run directory, the status is the job's
             reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
             click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
-    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None), err=True)
+    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None, rc), err=True)
     sys.stderr.flush()
     return rc
 
 
-def _attached_line(attached: list[dict[str, object]], out: Path, cmd: list[str], launch_id: str, injected: bool) -> str:
+def _attached_line(
+    attached: list[dict[str, object]], out: Path, cmd: list[str], launch_id: str, injected: bool, rc: int
+) -> str:
     if not attached:
-        why = why_none_attached(out, [cmd], launch_id) if injected else "the run directory could not be written"
+        why = why_none_attached(out, [cmd], launch_id, rc) if injected else "the run directory could not be written"
         return f"lorascope: no process attached the probes: {why}"
+    # A framework's tool that started the ranks itself (llamafactory-cli) attached as a
+    # lone process first: not counted, as the reader leaves it out (rundir.reader).
+    parents = {(a.get("host"), a.get("probed_parent")) for a in attached if a.get("probed_parent")}
+    attached = [
+        a
+        for a in attached
+        if not (a.get("rank_source") == "lone" and (a.get("host"), a.get("pid")) in parents and launching_cli(a))
+    ]
     ranks = sorted({int(str(a["rank"])) for a in attached})
     hosts = sorted({str(a["host"]) for a in attached})
     where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
