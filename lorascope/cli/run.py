@@ -1,6 +1,7 @@
 """`lorascope run [--out DIR] -- CMD...`: run a launch command with the probes injected
-into every rank; the exit status is the job's. It ends with one line saying how many
-processes attached the probes (or, when none did, the likely reason)."""
+into every rank; the exit status is the job's. It ends with where the verdict is (`lorascope
+analyze`; the per-rank table with --summary) and one line saying how many processes
+attached the probes (or, when none did, the likely reason)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,11 @@ def _child_env(
     help="On CUDA ranks, record the allocator's history (Python stacks) for the snapshots "
     "written at an OOM, a hang dump or a stall. LORASCOPE_MEMORY_HISTORY=N sets the entries kept.",
 )
-@click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
+@click.option(
+    "--summary/--no-summary",
+    default=False,
+    help="Print the per-rank summary table at the end (`lorascope analyze` prints it with the verdict).",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(
     out: Path | None,
@@ -138,6 +143,8 @@ def command(
         except Exception as exc:  # whatever happened to the run directory, the status is the job's
             reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
             click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
+    if attached and not summary:
+        click.echo(f"lorascope: the verdict and each rank's summary: lorascope analyze {out}", err=True)
     click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None, rc), err=True)
     sys.stderr.flush()
     return rc

@@ -228,16 +228,17 @@ def _warning_lines(warnings: list[str]) -> list[str]:
     return lines
 
 
-def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
+def render_text(data: dict[str, Any], all_ranks: bool = False, verbose: bool = False) -> str:
     """A short human-readable table, one line per rank (condensed past MAX_TABLE_RANKS
-    ranks unless ``all_ranks``)."""
+    ranks unless ``all_ranks``); ``verbose`` adds what the probes cost (the report's run
+    facts have it too)."""
     manifest = data["manifest"]
     versions = ", ".join(f"{k} {v}" for k, v in manifest["versions"].items() if v)
     lines = [
         f"run {data['run_dir']}: world size {manifest['world_size']}, hosts {', '.join(manifest['hosts'])}",
         f"  {versions}" if versions else "",
         f"  sharding: {sharding_text(manifest['sharding'])}" if manifest.get("sharding") else "",
-        f"  probes' cost: {cost_text(data['probe_cost'])}" if data.get("probe_cost") else "",
+        f"  probes' cost: {cost_text(data['probe_cost'])}" if verbose and data.get("probe_cost") else "",
         f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {peak_label(data['ranks']):>10} "
         f"{'colls':>6}  last seq per group      ended",
     ]
