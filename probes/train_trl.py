@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         args=config,
         train_dataset=dataset(512, args, args.seed),
         processing_class=tokenizer(args.vocab),
-        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+        peft_config=LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
     )
     trainer.train()
     if trainer.is_world_process_zero():

@@ -39,6 +39,10 @@ def _sharding(rank: RankData | None) -> dict[str, Any] | None:
     settings: dict[str, Any] = {}
     if fsdp:
         engine, settings = f"FSDP{fsdp.get('version', '')}", fsdp
+        trainer = rank.configs.get("trainer") or {}
+        half = "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else None
+        if half is not None:
+            settings = {**fsdp, "trainer_precision": half}
     elif deepspeed:
         zero = deepspeed.get("zero_optimization")
         engine, settings = "DeepSpeed", {"zero_stage": zero.get("stage", 0) if isinstance(zero, dict) else 0}

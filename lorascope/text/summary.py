@@ -41,9 +41,34 @@ def _mesh_text(mesh: dict[str, Any] | None) -> str:
 
 def _precision_text(mp: dict[str, Any] | None) -> str:
     if not mp:
-        return "full precision"
+        return "no MixedPrecisionPolicy"
     parts = [f"{mp[k]} {k.removesuffix('_dtype')}" for k in ("param_dtype", "reduce_dtype") if mp.get(k)]
     return "mixed precision " + " / ".join(parts)
+
+
+def _reshard_text(value: Any) -> str:
+    """FSDP2's ``reshard_after_forward``: None is torch's default (True, but False for the root)."""
+    return "default (reshards; the root keeps its parameters)" if value is None else str(value)
+
+
+def _unit_text(unit: dict[str, Any]) -> str:
+    """One kind of FSDP2 unit: "2 LlamaDecoderLayer: reshard after forward True, mixed
+    precision bfloat16 param, parameters float32"."""
+    name = f"{unit.get('count', 1)} {unit.get('module', '?')}" + (" (root)" if unit.get("root") else "")
+    dtypes = ", ".join(unit.get("param_dtypes") or []) or "none"
+    return (
+        f"{name}: reshard after forward {_reshard_text(unit.get('reshard_after_forward'))}, "
+        f"{_precision_text(unit.get('mixed_precision'))}, parameters {dtypes}"
+    )
+
+
+def _autocast_text(settings: dict[str, Any]) -> str:
+    """The Trainer's bf16/fp16 without a MixedPrecisionPolicy on any unit: autocast."""
+    half = settings.get("trainer_precision")
+    units = settings.get("by_unit") or []
+    if not half or any(u.get("mixed_precision") for u in units):
+        return ""
+    return f"; the Trainer's {half} is autocast: computed in {half}, the parameters stay as stored"
 
 
 def _listed(values: list[Any], show: Any) -> str:
@@ -54,10 +79,17 @@ def _listed(values: list[Any], show: Any) -> str:
 def sharding_text(sharding: dict[str, Any]) -> str:
     """One line: the sharding engine and its settings, and activation checkpointing."""
     engine, s = sharding["engine"], sharding["settings"]
-    if engine == "FSDP2":
+    if engine == "FSDP2" and s.get("by_unit"):
         text = (
             f"FSDP2 fully_shard, {s.get('units')} units, mesh {_listed(s.get('mesh', []), _mesh_text)}, "
-            f"reshard after forward {_listed(s.get('reshard_after_forward', []), str)}, "
+            f"CPU offload {_listed(s.get('offload', []), lambda o: 'no' if o is None else 'yes')}; "
+            + "; ".join(_unit_text(u) for u in s["by_unit"])
+            + _autocast_text(s)
+        )
+    elif engine == "FSDP2":  # recorded before units were told apart
+        text = (
+            f"FSDP2 fully_shard, {s.get('units')} units, mesh {_listed(s.get('mesh', []), _mesh_text)}, "
+            f"reshard after forward (per unit, in the order sharded) {_listed(s.get('reshard_after_forward', []), str)}, "
             f"{_listed(s.get('mixed_precision', []), _precision_text)}, "
             f"CPU offload {_listed(s.get('offload', []), lambda o: 'no' if o is None else 'yes')}"
         )
