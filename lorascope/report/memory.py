@@ -225,8 +225,8 @@ def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[floa
 #: What each memory figure's peak is called wherever the report shows one.
 METRIC_LABELS = {
     CUDA_ALLOCATED: "CUDA max allocated",
-    HEAP_IN_USE: "peak C heap in use (bytes malloc handed out, not RSS)",
-    RSS: "peak RSS (resident memory)",
+    HEAP_IN_USE: "peak C heap in use: bytes malloc handed out, not RSS",
+    RSS: "peak RSS, resident memory",
 }
 
 

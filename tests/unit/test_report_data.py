@@ -234,7 +234,7 @@ def test_memory_chart_opens_on_the_figure_the_verdict_used() -> None:
     memory = data["charts"]["memory"]
     assert memory["metric"] == "heap in use" and memory["metrics"] == ["heap in use", "RSS"]
     assert [s["rank"] for s in memory["others"]["RSS"]] == [0, 1] and memory["others"]["RSS"][0]["mib"]
-    assert data["charts"]["peak"]["metric"] == "peak C heap in use (bytes malloc handed out, not RSS)"
+    assert data["charts"]["peak"]["metric"] == "peak C heap in use: bytes malloc handed out, not RSS"
 
 
 def test_every_peak_memory_figure_says_what_it_is() -> None:
