@@ -46,10 +46,24 @@ STALL_EXPLANATION = (
 
 
 def liveness(run: RunData) -> dict[int, bool]:
-    """Once every launcher has ended, a rank without an end record died without a word."""
-    if launchers_ended(run):
+    """Once every launcher has ended, a rank without an end record died without a word
+    (unless `lorascope run` passed a stop on to the job: :func:`stopped_unrecorded`)."""
+    if launchers_ended(run) and not passed_on_stop(run):
         return {n: False for n, r in run.ranks.items() if not ending_of(r).known}
     return {}
+
+
+def passed_on_stop(run: RunData) -> bool:
+    """`lorascope run` passed a signal on to the job (the manifest's ``signals``)."""
+    return any(launch.get("signals") for launch in run.manifest["launches"])
+
+
+def stopped_unrecorded(run: RunData) -> bool:
+    """The job was stopped through `lorascope run` and no rank recorded how it ended: the
+    records cannot tell a hang from a stop (no rank's stack or time of stop), and a rank
+    with no end record is no rank that died by itself: no verdict (the summary's headline
+    says the job was stopped)."""
+    return passed_on_stop(run) and launchers_ended(run) and not any(ending_of(r).known for r in run.ranks.values())
 
 
 def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
@@ -260,7 +274,7 @@ def _hang(bundle: EvidenceBundle, run: RunData) -> list[Finding]:
     # is no evidence of a hang, during the run or after it.
     stalled = any(stalled_now(r) or not moving_at_dumps(r, run) for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
-    if not (stalled or waiting) or still_moving(run):
+    if not (stalled or waiting) or still_moving(run) or stopped_unrecorded(run):
         return []
     diagnosis = diagnose(run, liveness(run), bundle.flight_timeline)
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):

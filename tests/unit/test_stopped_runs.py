@@ -157,3 +157,9 @@ def test_a_rank_without_an_end_record_after_a_sigint_passed_on_says_the_job_was_
     missing = build_report_data(bundle, [])["missing"]
     line = next(m for m in missing if m.startswith("rank 0:"))
     assert "SIGINT passed on by `lorascope run`" in line and "still running" not in line
+    # nor is the stop read as a death: "rank 0 died first ... (SIGKILL or the OOM killer)"
+    waiting = [Call("all_reduce"), Call("all_reduce", end=False)]
+    both = write_run(tmp_path / "both", [RankSpec(ends=False, calls=waiting)] * 2, exit_status=130)
+    record_launch(both, "h-1", [], signals=["SIGINT"])
+    assert hung_ranks.detect(load_bundle(both)) == []
+    assert "SIGINT passed on by `lorascope run`" in quiet(build_summary(load_run(both)))
