@@ -8,7 +8,7 @@ Like ``train_lora.py`` it knows nothing of lorascope.
 
     torchrun --nproc_per_node 2 probes/train_trainer.py --steps 6              # ZeRO-3
     torchrun --nproc_per_node 2 probes/train_trainer.py --engine ddp           # plain DDP
-    accelerate launch --cpu --multi_gpu --num_processes 2 probes/train_trainer.py --engine ddp
+    accelerate launch --multi_gpu --num_processes 2 probes/train_trainer.py --engine ddp  # CPU too
     python probes/train_trainer.py --engine ddp                                # one process
 
 Engines: ``deepspeed`` (default) passes a ZeRO-3 config as ``TrainingArguments(deepspeed=

@@ -35,7 +35,7 @@ class Analysis:
         loaded artifacts and the findings, as plain data."""
         data = dict(self.summary) if self.summary is not None else {"ranks": []}
         data["warnings"] = self.bundle.warnings
-        data["artifacts"] = artifacts_data(self.bundle)
+        data["artifacts"] = artifacts_data(self.bundle, self.findings)
         data["findings"] = [f.to_dict() for f in self.findings]
         return data
 

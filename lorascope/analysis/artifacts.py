@@ -4,10 +4,12 @@ for a terminal)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from lorascope.detect.finding import Finding
 from lorascope.detect.hang.flight_align import flight_alignment
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.kineto.reader import KinetoTrace
@@ -33,8 +35,10 @@ def _trace_data(trace: KinetoTrace) -> dict[str, Any]:
     return data
 
 
-def artifacts_data(bundle: EvidenceBundle) -> dict[str, Any]:
-    """Everything loaded besides the run directory, as plain data (empty parts left out)."""
+def artifacts_data(bundle: EvidenceBundle, findings: Sequence[Finding] = ()) -> dict[str, Any]:
+    """Everything loaded besides the run directory, as plain data (empty parts left out).
+    ``findings``: the analysis's, so that the traces' comparison names no straggler the
+    detectors did not (:func:`_one_verdict`)."""
     out: dict[str, Any] = {}
     if bundle.snapshots:
         out["snapshots"] = {str(r): _plain(s) for r, s in sorted(bundle.snapshots.items())}
@@ -45,7 +49,7 @@ def artifacts_data(bundle: EvidenceBundle) -> dict[str, Any]:
     if bundle.traces:
         out["traces"] = {str(r): _trace_data(t) for r, t in sorted(bundle.traces.items())}
     if bundle.trace_comparison is not None:
-        out["trace_comparison"] = _plain(bundle.trace_comparison)
+        out["trace_comparison"] = _one_verdict(_plain(bundle.trace_comparison), bundle, findings)
     if bundle.flight_records:
         out["flight_records"] = {
             str(r): {**_plain(d), "entries": len(d.entries)} for r, d in sorted(bundle.flight_records.items())
@@ -60,3 +64,22 @@ def artifacts_data(bundle: EvidenceBundle) -> dict[str, Any]:
     if bundle.logs:
         out["logs"] = [_plain(log) for log in bundle.logs]
     return out
+
+
+def _one_verdict(cmp: dict[str, Any], bundle: EvidenceBundle, findings: Sequence[Finding]) -> dict[str, Any]:
+    """With a run directory, the straggler is the straggler detector's, read from every
+    step's records; the traces cover a window of a few steps. A rank the traces alone
+    single out is then told as what it is, not named a straggler (a healthy run read "no
+    problem found", then "straggler: rank 1 computes 2.33x ...")."""
+    if bundle.run is None or cmp["straggler"] is None:
+        return cmp
+    named = {r for f in findings if f.id == "straggler" for r in f.ranks}
+    if cmp["straggler"] in named:
+        return cmp
+    steps = min((t["steps"] for t in cmp["ranks"]), default=0)
+    return {
+        **cmp,
+        "straggler": None,
+        "reason": f"no straggler over the run's steps (the straggler detector reads every step's records); in "
+        f"the {steps} traced step(s) alone, {cmp['reason']}",
+    }

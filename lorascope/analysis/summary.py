@@ -7,7 +7,7 @@ from typing import Any
 
 from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
-from lorascope.rundir.ending import ending_of, still_moving, stopped_reading
+from lorascope.rundir.ending import ending_of, still_moving, stopped_reading, unrecorded_ending
 from lorascope.rundir.reader import RankData, RunData
 from lorascope.rundir.schema import FORMAT_VERSION
 
@@ -39,6 +39,10 @@ def _sharding(rank: RankData | None) -> dict[str, Any] | None:
     settings: dict[str, Any] = {}
     if fsdp:
         engine, settings = f"FSDP{fsdp.get('version', '')}", fsdp
+        trainer = rank.configs.get("trainer") or {}
+        half = "bf16" if trainer.get("bf16") else "fp16" if trainer.get("fp16") else None
+        if half is not None:
+            settings = {**fsdp, "trainer_precision": half}
     elif deepspeed:
         zero = deepspeed.get("zero_optimization")
         engine, settings = "DeepSpeed", {"zero_stage": zero.get("stage", 0) if isinstance(zero, dict) else 0}
@@ -68,6 +72,8 @@ def _ended(rank: RankData, run: RunData) -> dict[str, Any]:
     time: a rank killed without a word, or aborted with only faulthandler's file)."""
     end = ending_of(rank)
     out = {**end.as_dict(), "t": end.t if end.t is not None else rank.last_time}
+    if not end.known:
+        out["detail"] = unrecorded_ending(run)
     stopped = stopped_reading(rank, run)
     if stopped is not None:
         out["stopped"] = stopped

@@ -55,6 +55,12 @@ FINDINGS_EXIT = 4
     is_flag=True,
     help=f"Print every rank's row of the summary table (past {MAX_TABLE_RANKS} ranks it shows those that stand out).",
 )
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also print what the probes cost the job, and notes on what was not analysed (HTA on CPU traces).",
+)
 @cluster_option
 def command(
     path: Path,
@@ -64,6 +70,7 @@ def command(
     kind: str | None,
     hta: bool | None,
     all_ranks: bool,
+    verbose: bool,
     cluster: str | None,
 ) -> int:
     """Name what went wrong, and summarise it per rank.
@@ -79,11 +86,11 @@ def command(
     else:
         click.echo(render_findings(findings, data))
         if analysis.summary is not None:
-            click.echo(render_text(data, all_ranks=all_ranks))
+            click.echo(render_text(data, all_ranks=all_ranks, verbose=verbose))
         elif analysis.bundle.warnings:
             click.echo("\n".join(f"warning: {w}" for w in analysis.bundle.warnings))
         if data["artifacts"]:
-            click.echo(render_artifacts(data["artifacts"]))
+            click.echo(render_artifacts(data["artifacts"], verbose=verbose))
     if html_out is not None:
         write_report(analysis, html_out)
         click.echo(f"lorascope: report written to {html_out}", err=True)

@@ -1,6 +1,7 @@
 """`lorascope run [--out DIR] -- CMD...`: run a launch command with the probes injected
-into every rank; the exit status is the job's. It ends with one line saying how many
-processes attached the probes (or, when none did, the likely reason)."""
+into every rank; the exit status is the job's. It ends with where the verdict is (`lorascope
+analyze`; the per-rank table with --summary) and one line saying how many processes
+attached the probes (or, when none did, the likely reason)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.history_policy import MODES
 from lorascope.probes.kernels import parse_window
 from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.reader import launching_cli, load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
 from lorascope.text.summary import render_text
@@ -92,7 +93,11 @@ def _child_env(
     "LORASCOPE_MEMORY_HISTORY=MODE:N sets the entries kept.",
 )
 @click.option("--no-memory-history", is_flag=True, hidden=True, help="The same as --memory-history off.")
-@click.option("--summary/--no-summary", default=True, help="Print the per-rank summary at the end.")
+@click.option(
+    "--summary/--no-summary",
+    default=False,
+    help="Print the per-rank summary table at the end (`lorascope analyze` prints it with the verdict).",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(
     out: Path | None,
@@ -135,7 +140,8 @@ def command(
         record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=127)
         raise UsageError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None
     rc = job.wait()
-    record_launch(out, launch_id, list(cmd), end=time.time(), exit_status=rc, signals=job.forwarded)
+    ended = {"end": time.time(), "exit_status": rc, "signals": job.forwarded}
+    record_launch(out, launch_id, list(cmd), **ended, **({"leftovers": job.terminated} if job.terminated else {}))
     attached = attached_processes(out, launch_id)
     remove_empty_fatal_files(out, attached, socket.gethostname())
     if attached:
@@ -147,15 +153,27 @@ def command(
         except Exception as exc:  # whatever happened to the run directory, the status is the job's
             reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
             click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
-    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None), err=True)
+    if attached and not summary:
+        click.echo(f"lorascope: the verdict and each rank's summary: lorascope analyze {out}", err=True)
+    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None, rc), err=True)
     sys.stderr.flush()
     return rc
 
 
-def _attached_line(attached: list[dict[str, object]], out: Path, cmd: list[str], launch_id: str, injected: bool) -> str:
+def _attached_line(
+    attached: list[dict[str, object]], out: Path, cmd: list[str], launch_id: str, injected: bool, rc: int
+) -> str:
     if not attached:
-        why = why_none_attached(out, [cmd], launch_id) if injected else "the run directory could not be written"
+        why = why_none_attached(out, [cmd], launch_id, rc) if injected else "the run directory could not be written"
         return f"lorascope: no process attached the probes: {why}"
+    # A framework's tool that started the ranks itself (llamafactory-cli) attached as a
+    # lone process first: not counted, as the reader leaves it out (rundir.reader).
+    parents = {(a.get("host"), a.get("probed_parent")) for a in attached if a.get("probed_parent")}
+    attached = [
+        a
+        for a in attached
+        if not (a.get("rank_source") == "lone" and (a.get("host"), a.get("pid")) in parents and launching_cli(a))
+    ]
     ranks = sorted({int(str(a["rank"])) for a in attached})
     hosts = sorted({str(a["host"]) for a in attached})
     where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""

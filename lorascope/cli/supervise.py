@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import click
@@ -103,6 +104,9 @@ class Job:
         self.stops = 0
         #: The signals passed on, by name, in order (the manifest records them).
         self.forwarded: list[str] = []
+        #: The processes of the job that outlived its main process and were sent SIGTERM
+        #: (``{"t", "pids"}``; the manifest records it as the launch's ``leftovers``).
+        self.terminated: dict[str, object] | None = None
 
     def _groups(self) -> set[int]:
         """The process group of every live process of the job."""
@@ -162,6 +166,8 @@ class Job:
         if live:
             pids = ", ".join(str(p.pid) for p in live)
             click.echo(f"lorascope: {len(live)} processes of the job outlived it (pids {pids}): terminating", err=True)
+        if live:
+            self.terminated = {"t": time.time(), "pids": [p.pid for p in live]}
         for p in live:
             with contextlib.suppress(psutil.Error):
                 p.terminate()

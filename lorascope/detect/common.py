@@ -216,3 +216,17 @@ def pending_state(call: Collective, rank: RankData, run: RunData) -> str:
         return "still waiting in it"
     how = (ending.detail or f"{ending.status} {ending.code}").splitlines()[0][:80]
     return f"never returned: the rank ended inside it ({how})"
+
+
+def reentrancy(values: list[Any]) -> str:
+    """The activation checkpointing's kind as recorded in ``grad_setup`` (its
+    ``use_reentrant`` values: True, False, or "unknown" where the probe could not read it
+    through the framework's wrappers): "reentrant", "non-reentrant", both, or
+    "(use_reentrant unknown)" whenever some module's setting was not read (never a known
+    value in its place)."""
+    known = {v for v in values if isinstance(v, bool)}
+    if not values or any(not isinstance(v, bool) for v in values):
+        return "reentrant (some modules' use_reentrant unknown)" if True in known else "(use_reentrant unknown)"
+    if known == {True, False}:
+        return "reentrant and non-reentrant"
+    return "reentrant" if True in known else "non-reentrant"

@@ -7,6 +7,7 @@ prints live; here it runs on the dumps the stall watchdog left in the run direct
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +29,13 @@ EXPLANATION = (
     "kills it with a message naming a sequence number and no rank or line."
 )
 
+DEATH_EXPLANATION = (
+    "A rank died (an exception, a signal, or SIGKILL from the OOM killer, which leaves no "
+    "record: its stream just stops). The others then wait for it in their next collective, "
+    "or fail once its connections close: the first rank to die is the cause, and the errors "
+    "of the others are consequences of it."
+)
+
 
 STALL_EXPLANATION = (
     "One rank that stops for a while (a slow read, a stuck data loader, a filesystem pause) "
@@ -38,10 +46,24 @@ STALL_EXPLANATION = (
 
 
 def liveness(run: RunData) -> dict[int, bool]:
-    """Once every launcher has ended, a rank without an end record died without a word."""
-    if launchers_ended(run):
+    """Once every launcher has ended, a rank without an end record died without a word
+    (unless `lorascope run` passed a stop on to the job: :func:`stopped_unrecorded`)."""
+    if launchers_ended(run) and not passed_on_stop(run):
         return {n: False for n, r in run.ranks.items() if not ending_of(r).known}
     return {}
+
+
+def passed_on_stop(run: RunData) -> bool:
+    """`lorascope run` passed a signal on to the job (the manifest's ``signals``)."""
+    return any(launch.get("signals") for launch in run.manifest["launches"])
+
+
+def stopped_unrecorded(run: RunData) -> bool:
+    """The job was stopped through `lorascope run` and no rank recorded how it ended: the
+    records cannot tell a hang from a stop (no rank's stack or time of stop), and a rank
+    with no end record is no rank that died by itself: no verdict (the summary's headline
+    says the job was stopped)."""
+    return passed_on_stop(run) and launchers_ended(run) and not any(ending_of(r).known for r in run.ranks.values())
 
 
 def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
@@ -72,6 +94,22 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
                 stream_source(run, rank, "stall record"),
             )
         )
+    dead = diagnosis["kind"] == "dead-rank"
+    first = diagnosis["first_diverged"] or {}
+    if dead and isinstance(first.get("died_at"), (int, float)):
+        rank = run.ranks[first["rank"]]
+        since = float(first["died_at"]) - float(rank.start["t"])
+        evidence.insert(
+            0,
+            Evidence(
+                f"rank {first['rank']} died",
+                f"after {first['step']} steps, at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(first['died_at']))} "
+                f"({since:.1f} s after its start)",
+                stream_source(
+                    run, rank, "its last record" if not ending_of(rank).known else "exception/signal/end record"
+                ),
+            ),
+        )
     dumped = any(s["dumped"] for s in diagnosis["ranks"])
     stopped = dumped and all(s["dumped"] in ("stopped", None) for s in diagnosis["ranks"])
     flight = [s["rank"] for s in diagnosis["ranks"] if _from_flight(s)]
@@ -96,7 +134,7 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
         ),
         ranks=diagnosis["odd_ranks"] or [s["rank"] for s in diagnosis["ranks"]],
         evidence=evidence,
-        explanation=EXPLANATION,
+        explanation=DEATH_EXPLANATION if dead else EXPLANATION,
         fix=diagnosis["fix"],
         details={"hang": diagnosis},
     )
@@ -236,7 +274,7 @@ def _hang(bundle: EvidenceBundle, run: RunData) -> list[Finding]:
     # is no evidence of a hang, during the run or after it.
     stalled = any(stalled_now(r) or not moving_at_dumps(r, run) for r in run.ranks.values())
     waiting = any(c.pending for r in run.ranks.values() for c in r.collectives)
-    if not (stalled or waiting) or still_moving(run):
+    if not (stalled or waiting) or still_moving(run) or stopped_unrecorded(run):
         return []
     diagnosis = diagnose(run, liveness(run), bundle.flight_timeline)
     if diagnosis["kind"] in ("rank-conditional-hang", "unknown", *NOT_HUNG):

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect.common import mem_value, memory_kind, run_failed_here, stream_source
+from lorascope.detect.common import mem_value, memory_kind, reentrancy, run_failed_here, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.errors import LorascopeError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -247,10 +247,20 @@ def batch_shape(rank: RankData) -> tuple[int, int] | None:
 
 
 def _checkpointing(rank: RankData) -> str:
+    """The plan's checkpointing: reentrant or not saves the same activations, so a setting
+    the probe could not read plans as non-reentrant (:func:`_checkpointing_text` says so)."""
     settings = (rank.grad_setup or {}).get("checkpointing") or {}
     if not settings.get("enabled"):
         return "none"
-    return "reentrant" if True in (settings.get("use_reentrant") or []) else "non-reentrant"
+    return "reentrant" if reentrancy(settings.get("use_reentrant") or []) == "reentrant" else "non-reentrant"
+
+
+def _checkpointing_text(rank: RankData, setup: TrainingSetup) -> str:
+    """The checkpointing a plan assumed, as recorded: never a known kind for an unknown."""
+    settings = (rank.grad_setup or {}).get("checkpointing") or {}
+    if setup.checkpointing == "none" or not settings.get("enabled"):
+        return setup.checkpointing
+    return reentrancy(settings.get("use_reentrant") or [])
 
 
 def _loss(rank: RankData) -> str:
@@ -346,7 +356,7 @@ def _compare(run: RunData | None, rank: RankData, plan: Plan, first: _FirstStep)
             low,
             max(first.forward) - first.base,
             tol,
-            f"activations {fmt_bytes(act)} ({setup.checkpointing} checkpointing) + logits {fmt_bytes(loss.logits)}"
+            f"activations {fmt_bytes(act)} ({_checkpointing_text(rank, setup)} checkpointing) + logits {fmt_bytes(loss.logits)}"
             + (f" + loss saved {fmt_bytes(loss.saved)}" if inside else " (the loss ran after the forward)")
             + (f" + loss input alive in the call {fmt_bytes(transient)}" if transient else "")
             + (f" + DDP's copy of the outputs {fmt_bytes(clone)}" if clone else "")
@@ -482,7 +492,7 @@ def _explain(run: RunData, rank: RankData, check: RankCheck) -> _Explanation | N
             continue
         replanned = check_rank(rank, run, **{alt.option: alt.value})
         if replanned is not None and all((c := replanned.comparison(k)) is not None and c.agrees for k in keys):
-            text = alt.text.format(checkpointing=setup.checkpointing, attention=setup.attention)
+            text = alt.text.format(checkpointing=_checkpointing_text(rank, setup), attention=setup.attention)
             return _Explanation(alt, text, replanned)
     return None
 
@@ -525,7 +535,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             f"B={setup.micro_batch}, T={setup.seq}, V={check.plan.inputs.shape.vocab}, "
             f"{setup.precision}, {setup.fsdp.label if setup.fsdp else f'ZeRO-{setup.zero.stage}'} over "
             f"{setup.world}, checkpointing "
-            f"{setup.checkpointing}, {setup.attention} attention, loss {setup.loss}",
+            f"{_checkpointing_text(run.ranks[rank_no], setup)}, {setup.attention} attention, loss {setup.loss}",
             "config records (model, lora, deepspeed or fsdp), logits shape and dtype, grad_setup",
         )
     )

@@ -28,7 +28,7 @@ FEEDS: dict[str, tuple[str, str]] = {
     "flight": ("the flight recorder's dumps", "rank-conditional-hang, hung-ranks"),
     "kernels": ("the kernel trace window", "tiny-kernel-tail"),
     "allocator": ("allocator snapshots at an OOM or a stall", "allocator-fragmentation, oom"),
-    "configs": ("the model, LoRA and DeepSpeed configs", "plan-deviation"),
+    "configs": ("the model, LoRA, DeepSpeed and Trainer configs", "plan-deviation, sharding-not-applied"),
     "fatal": ("how a rank ended on a fatal signal", "collective-mismatch, failed-after-exit"),
     "nvml": ("device memory as NVML sees it", "rank0-asymmetry, logits-spike (severity)"),
     "fsdp": ("FSDP's settings", "plan-deviation"),

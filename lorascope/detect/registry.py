@@ -16,6 +16,7 @@ from lorascope.detect import (
     rank0_asymmetry,
     rank_conditional_hang,
     reentrant_dead_grads,
+    sharding_not_applied,
     straggler,
     tiny_kernel_tail,
     unobserved_ranks,
@@ -32,7 +33,7 @@ Detector = Callable[[EvidenceBundle], list[Finding]]
 #: disagree, a backward that fails), out of memory (its specific causes before the plain
 #: OOM record, which says what held the memory), then what costs time or memory without
 #: failing the run (a rank that keeps memory the others free, the logits, plan deviations,
-#: a straggler, a launch-bound step). docs/detectors.md, "Severity and order".
+#: a sharding asked for and not applied, a straggler, a launch-bound step). docs/detectors.md, "Severity and order".
 MODULES = [
     rank_conditional_hang,
     hung_ranks,
@@ -44,6 +45,7 @@ MODULES = [
     plan_deviation,
     oom,
     failed_after_exit,
+    sharding_not_applied,
     straggler,
     tiny_kernel_tail,
     unobserved_ranks,

@@ -4,8 +4,9 @@
 - FSDP2 (``fully_shard``): after each call, the settings of every unit so far: its mesh,
   ``reshard_after_forward``, mixed-precision policy and offload policy, each as the list
   of distinct values the units use (a root left unresharded next to resharded layers
-  shows as ``[true, false]``). The record is written again at each call; the reader
-  keeps the last.
+  shows as ``[true, false]``), and ``by_unit``: which module class has which setting and
+  the dtypes its parameters are stored in. The record is written again at each call; the
+  reader keeps the last.
 - FSDP1 (``FullyShardedDataParallel``): once the outermost instance is built (the
   auto-wrapped units inside it are built first): the effective sharding strategy (FSDP1
   turns FULL_SHARD into NO_SHARD on one rank), the mesh, mixed precision, CPU offload,
@@ -26,6 +27,9 @@ from types import ModuleType
 from typing import Any
 
 from lorascope.probes.session import Session
+
+#: Kinds of FSDP2 units told apart in the ``by_unit`` list (a model's layers are one).
+MAX_UNIT_KINDS = 16
 
 
 def _dtype(value: Any) -> str | None:
@@ -73,6 +77,9 @@ class FsdpProbe:
         self.on_model = on_model
         self._units = 0
         self._seen: dict[str, list[Any]] = {}
+        #: Each distinct (module class, root, settings, parameter dtypes) and its count.
+        self._by_unit: list[dict[str, Any]] = []
+        self._sharded: list[int] = []  # ids: the probe keeps no module alive
         self._building = threading.local()
         self.record_fully_shard = session.guarded("fsdp")(self._record_fully_shard)
         self.record_fsdp1 = session.guarded("fsdp")(self._record_fsdp1)
@@ -112,9 +119,33 @@ class FsdpProbe:
             seen = self._seen.setdefault(key, [])
             if value not in seen:
                 seen.append(value)
-        self.session.record(
-            "config", name="fsdp", value={"version": 2, "api": "fully_shard", "units": self._units, **self._seen}
-        )
+        self._add_unit(a.get("module"), unit)
+        value = {"version": 2, "api": "fully_shard", "units": self._units, **self._seen, "by_unit": self._by_unit}
+        self.session.record("config", name="fsdp", value=value)
+
+    def _add_unit(self, module: Any, unit: dict[str, Any]) -> None:
+        """Which unit has which setting: its module's class, whether it holds units sharded
+        before it (the root), its reshard and mixed-precision settings, and the dtypes its
+        parameters have (what they are stored in: a MixedPrecisionPolicy casts them for the
+        computation only). Alike units are counted together (at most MAX_UNIT_KINDS kinds)."""
+        if not hasattr(module, "modules"):
+            return  # fully_shard of a list of modules
+        inner = {id(m) for m in module.modules()}
+        root = any(i in inner for i in self._sharded)
+        self._sharded.append(id(module))
+        kind = {
+            "module": _unit_name(module),
+            "root": root,
+            "reshard_after_forward": unit["reshard_after_forward"],
+            "mixed_precision": unit["mixed_precision"],
+            "param_dtypes": sorted({_dtype(p.dtype) or "?" for p in module.parameters()}),
+        }
+        for known in self._by_unit:
+            if {k: v for k, v in known.items() if k != "count"} == kind:
+                known["count"] += 1
+                return
+        if len(self._by_unit) < MAX_UNIT_KINDS:
+            self._by_unit.append({**kind, "count": 1})
 
     # -- FSDP1 --------------------------------------------------------------------
     def install_fsdp1(self, module: ModuleType) -> None:
@@ -160,3 +191,12 @@ class FsdpProbe:
             "forward_prefetch": bool(getattr(fsdp, "forward_prefetch", False)),
         }
         self.session.record("config", name="fsdp", value=value)
+
+
+def _unit_name(module: Any) -> str:
+    """A unit's module class, as the job named it: fully_shard swaps the class for one named
+    ``FSDP<name>``; a checkpoint wrapper is named by the module it wraps."""
+    inner = getattr(module, "_checkpoint_wrapped_module", None)
+    if inner is not None:
+        return f"{_unit_name(inner)} (checkpointed)"
+    return type(module).__name__.removeprefix("FSDP")

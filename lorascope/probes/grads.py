@@ -35,8 +35,8 @@ def checkpointing_settings(model: Any) -> dict[str, Any]:
         if getattr(module, "gradient_checkpointing", False):
             enabled = True
             func = getattr(module, "_gradient_checkpointing_func", None)
-            if isinstance(func, functools.partial):
-                reentrant.add(func.keywords.get("use_reentrant"))
+            if func is not None:
+                reentrant.add(reentrant_of(func))
         impl = getattr(module, "checkpoint_impl", None)
         if impl is not None and hasattr(module, "_checkpoint_wrapped_module"):
             enabled = True
@@ -46,6 +46,47 @@ def checkpointing_settings(model: Any) -> dict[str, Any]:
     if wrappers:
         out["wrappers"] = wrappers
     return out
+
+
+#: How deep :func:`reentrant_of` looks through wrappers before it gives up.
+UNWRAP_DEPTH = 6
+#: What ``use_reentrant`` is recorded as when the wrappers do not tell.
+UNKNOWN = "unknown"
+
+
+def reentrant_of(func: Any, depth: int = 0) -> bool | str:
+    """The ``use_reentrant`` the checkpoint function ``func`` runs torch's checkpoint with,
+    read through the wrappers frameworks put around it: ``functools.partial`` (transformers'
+    own, nested ones), ``functools.wraps``' ``__wrapped__`` and the callables a closure holds
+    (LLaMA-Factory's ``custom_gradient_checkpointing_func`` around a partial). Torch's
+    ``checkpoint`` reached with no setting runs reentrant (its default up to 2.13, with a
+    warning). ``UNKNOWN`` when the wrappers do not tell, or disagree."""
+    if depth > UNWRAP_DEPTH:
+        return UNKNOWN
+    if isinstance(func, functools.partial):
+        if "use_reentrant" in func.keywords and func.keywords["use_reentrant"] is not None:
+            return bool(func.keywords["use_reentrant"])
+        return reentrant_of(func.func, depth + 1)
+    if getattr(func, "__module__", None) == "torch.utils.checkpoint" and getattr(func, "__name__", "") == "checkpoint":
+        return True
+    inner = getattr(func, "__wrapped__", None)
+    if inner is not None:
+        return reentrant_of(inner, depth + 1)
+    found = {
+        reentrant_of(cell.cell_contents, depth + 1)
+        for cell in getattr(func, "__closure__", None) or ()
+        if _filled(cell) and callable(cell.cell_contents) and not isinstance(cell.cell_contents, type)
+    }
+    found.discard(UNKNOWN)
+    return found.pop() if len(found) == 1 else UNKNOWN
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def input_require_grads_hooks(model: Any) -> int:

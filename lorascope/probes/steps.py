@@ -79,6 +79,7 @@ class StepProbe:
         self.record_config = session.guarded("configs")(self._record_config)
         self.adopt_model = session.guarded("configs")(self._adopt_model)
         self.ddp_built = session.guarded("configs")(self._ddp_built)
+        self.zero3_built = session.guarded("configs")(self._zero3_built)
 
     # -- records ------------------------------------------------------------------
     def _phase(self, name: str, edge: str) -> dict[str, Any] | None:
@@ -148,6 +149,29 @@ class StepProbe:
         self._configs_done.add(name)
         self.session.record("config", name=name, value=plain(value))
 
+    def _zero3_built(self, engine: Any) -> None:
+        """Under ZeRO-3, once the engine is built: the bytes of trainable and frozen weights,
+        and of those DeepSpeed left whole on every rank (not partitioned: no ``ds_id``, or
+        ``ds_persist`` below stage3_param_persistence_threshold). One pass over the
+        parameters' attributes, at the engine's construction; no tensor is read."""
+        if engine.zero_optimization_stage() != 3:
+            return
+        sums = {"frozen_bytes": 0, "frozen_whole_bytes": 0, "frozen_whole_count": 0, "trainable_bytes": 0}
+        sums["trainable_whole_bytes"] = 0
+        for param in engine.module.parameters():
+            numel = int(getattr(param, "ds_numel", 0) or param.numel())
+            size = numel * param.element_size()
+            whole = not hasattr(param, "ds_id") or bool(getattr(param, "ds_persist", False))
+            kind = "trainable" if param.requires_grad else "frozen"
+            sums[f"{kind}_bytes"] += size
+            if whole:
+                sums[f"{kind}_whole_bytes"] += size
+                if kind == "frozen":
+                    sums["frozen_whole_count"] += 1
+        config = getattr(getattr(engine, "_config", None), "zero_config", None)
+        threshold = getattr(config, "param_persistence_threshold", None)
+        self._record_config("zero3_params", {**sums, "persistence_threshold": threshold})
+
     def _record_model(self, model: Any) -> None:
         """Remember the job's model; record its LoRA and model configs."""
         if model is None:
@@ -214,6 +238,7 @@ class StepProbe:
             param_dict = getattr(getattr(engine, "_config", None), "_param_dict", None)
             probe.record_config("deepspeed", param_dict)
             probe.record_model(getattr(engine, "module", None))
+            probe.zero3_built(engine)
 
         @functools.wraps(orig_backward)
         def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ from lorascope.rundir.ending import (
     ending_of,
     no_steps_headline,
     stopped_while_moving,
+    unrecorded_ending,
 )
 from lorascope.rundir.reader import RunData, no_cycle_collection
 
@@ -41,9 +42,9 @@ def _missing(bundle: EvidenceBundle) -> list[str]:
     if run is not None:
         for rank in run.ranks.values():
             if not ending_of(rank).known:
+                why = unrecorded_ending(run).removeprefix("no end record: ")
                 lines.append(
-                    f"rank {rank.rank}: the stream ends without an end record (killed by SIGKILL or the "
-                    f"OOM killer, or still running); its last record is shown"
+                    f"rank {rank.rank}: the stream ends without an end record ({why}); its last record is shown"
                 )
             lines.extend(f"rank {rank.rank}: probe {e['probe']} switched off: {e['error']}" for e in rank.probe_errors)
     return lines
@@ -128,6 +129,9 @@ def _figures(
         text = f"{by_rank[0]:,.0f} MiB"
         if peak["median_others"]:
             text += f" vs {peak['median_others']:,.0f} MiB (median of others)"
+        rss = dict(zip(peak["ranks"], peak["rss"] or [], strict=False)).get(0)
+        if rss is not None:
+            text += f"; peak RSS {rss:,.0f} MiB"
         figures.append({"label": f"rank 0 {peak['metric']}", "value": text})
     return figures
 

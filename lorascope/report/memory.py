@@ -257,6 +257,14 @@ def _breakdown(findings: list[Finding], ranks: list[int]) -> dict[str, list[floa
     return None
 
 
+#: What each memory figure's peak is called wherever the report shows one.
+METRIC_LABELS = {
+    CUDA_ALLOCATED: "CUDA max allocated",
+    HEAP_IN_USE: "peak C heap in use: bytes malloc handed out, not RSS",
+    RSS: "peak RSS, resident memory",
+}
+
+
 def peaks(run: RunData, summaries: list[dict[str, Any]], findings: list[Finding]) -> dict[str, Any]:
     """Each rank's peak, from the analyze summary's ``peak_memory`` (``summaries``)."""
     metric = default_metric(run)
@@ -267,10 +275,12 @@ def peaks(run: RunData, summaries: list[dict[str, Any]], findings: list[Finding]
     logits = [mib(max((r["bytes"] for r in run.ranks[n].logits), default=None)) for n in ranks]
     others = [p for r, p in zip(ranks, peak, strict=True) if r != 0 and p is not None]
     return {
-        "metric": {CUDA_ALLOCATED: "CUDA max allocated", HEAP_IN_USE: "peak heap in use"}.get(metric, "peak RSS"),
+        "metric": METRIC_LABELS.get(metric, METRIC_LABELS[RSS]),
         "ranks": ranks,
         "peak": peak,
         "reserved": [mib(s["peak_memory"]["cuda_reserved_bytes"]) for s in summaries] if cuda else None,
+        # the resident memory too, where the metric is another (the terminal's table shows it)
+        "rss": [mib(s["peak_memory"]["rss_bytes"]) for s in summaries] if metric != RSS else None,
         "largest_logits": logits if any(v is not None for v in logits) else None,
         "median_others": statistics.median(others) if others else None,
         "breakdown": _breakdown(findings, ranks),

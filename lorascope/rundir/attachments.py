@@ -99,8 +99,11 @@ def _container_reason(command: list[str]) -> str | None:
     return None
 
 
-def why_none_attached(run_dir: Path, commands: list[list[str]], launch_id: str | None = None) -> str:
-    """One sentence: the likely reason no process attached the probes."""
+def why_none_attached(
+    run_dir: Path, commands: list[list[str]], launch_id: str | None = None, exit_status: int | None = None
+) -> str:
+    """One sentence: the likely reason no process attached the probes (``exit_status``:
+    the launch command's, when it ended)."""
     for command in commands:
         reason = _flag_reason(command) or _container_reason(command)
         if reason:
@@ -112,6 +115,12 @@ def why_none_attached(run_dir: Path, commands: list[list[str]], launch_id: str |
             "container entrypoint resets PYTHONPATH, or Python runs with -I/-E"
         )
     roles = Counter(str(p.get("role")) for p in seen)
+    if set(roles) == {"launcher"} and exit_status not in (None, 0):
+        launchers = ", ".join(sorted({_shown(p.get("program")) for p in seen}))
+        return (
+            f"the launcher ({launchers}) exited with status {exit_status} before it started any process of the "
+            "job: its own error is printed above (e.g. options it refuses)"
+        )
     lone = [p for p in seen if p.get("role") == "lone"]
     parts = [f"{n} {role}" for role, n in sorted(roles.items())]
     count = "1 Python process" if len(seen) == 1 else f"{len(seen)} Python processes"

@@ -6,6 +6,7 @@ SIGTERM), where each rank was when it was, read as a dump taken then."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import dataclass
@@ -87,7 +88,60 @@ def ending_of(rank: RankData) -> Ending:
     if rank.end is not None:
         why = rank.end.get("why")
         return Ending(rank.end["status"], rank.end["code"], why if isinstance(why, str) else None, float(rank.end["t"]))
-    return Ending("unknown", None, "no end record: killed (e.g. SIGKILL, OOM killer) or still running", None)
+    return Ending("unknown", None, NO_END_RECORD, None)
+
+
+#: A rank's ending when its stream has no word on it (``Ending.detail``), before the
+#: manifest is read (:func:`unrecorded_ending` says more once it is).
+NO_END_RECORD = "no end record: killed (e.g. SIGKILL, OOM killer) or still running"
+
+
+def unrecorded_ending(run: RunData) -> str:
+    """What a rank's missing end record means, as far as the manifest tells: the job still
+    running, stopped by a signal `lorascope run` passed on (the rank then ended before it
+    could say how: its launcher's SIGKILL after a grace period), or killed without a word."""
+    if not launchers_ended(run):
+        return NO_END_RECORD
+    passed = [s for launch in run.manifest["launches"] for s in launch.get("signals") or []]
+    if passed:
+        return (
+            f"no end record: the job was stopped from outside ({', '.join(dict.fromkeys(passed))} passed on by "
+            "`lorascope run`) and the rank ended before its probes wrote how (e.g. its launcher's SIGKILL "
+            "after the signal)"
+        )
+    return "no end record: killed without a word (SIGKILL: the OOM killer, or a launcher's)"
+
+
+def terminated_by_lorascope(rank: RankData, run: RunData) -> str | None:
+    """For a rank that ended by SIGTERM which `lorascope run` sent it, as a process its
+    launcher left behind when the launcher itself ended (the manifest's ``leftovers``): what
+    happened, as one clause; else None."""
+    end = ending_of(rank)
+    if end.status != "signal" or end.code != -signal.SIGTERM:
+        return None
+    for launch in run.manifest["launches"]:
+        left = launch.get("leftovers")
+        if isinstance(left, dict) and rank.pid in (left.get("pids") or []):
+            return f"sent by `lorascope run` to the processes {launcher_ending(launch)} left behind"
+    return None
+
+
+def launcher_ending(launch: dict[str, Any]) -> str:
+    """How a launch's command ended, as the subject of a clause: "the launcher (torchrun),
+    killed by SIGKILL (exit status 137),"."""
+    command = [str(c) for c in launch.get("command") or ["?"]]
+    name = command[0].rsplit("/", 1)[-1]
+    if name.startswith("python") and len(command) > 2 and command[1] == "-m":
+        name = command[2]
+    elif name.startswith("python") and len(command) > 1:
+        name = command[1].rsplit("/", 1)[-1]
+    name = "torchrun" if name == "torch.distributed.run" else name
+    status = launch.get("exit_status")
+    how = f"exit status {status}"
+    if isinstance(status, int) and 128 < status < 128 + signal.NSIG:
+        with contextlib.suppress(ValueError):
+            how = f"killed by {signal.Signals(status - 128).name} ({how})"
+    return f"the launcher ({name}), {how},"
 
 
 def stopped_by(how: str) -> str | None:
@@ -109,10 +163,12 @@ def ended_badly_headline(bad: list[tuple[int, float | None, str, dict[str, Any] 
     alike = [b[0] for b in ordered if b[2] == first]
     rest = [b[0] for b in ordered if b[2] != first]
     if _all_stopped(ordered):
-        kinds: dict[str, list[int]] = {}
+        kinds: dict[tuple[str, str | None], list[int]] = {}
         for b in ordered:
-            kinds.setdefault(b[2], []).append(b[0])
-        got = "; ".join(f"{ranks_named(ranks)} got {how} ({stopped_by(how)})" for how, ranks in kinds.items())
+            kinds.setdefault((b[2], (b[3] or {}).get("by")), []).append(b[0])
+        got = "; ".join(
+            f"{ranks_named(ranks)} got {how} ({by or stopped_by(how)})" for (how, by), ranks in kinds.items()
+        )
         idle = _idle(ordered)
         if not idle:
             return f"no problem found before the job was stopped from outside: {got}"
@@ -300,7 +356,14 @@ def stopped_reading(rank: RankData, run: RunData) -> dict[str, Any] | None:
     stop = stop_dump(rank, run)
     if stop is None:
         return None
-    return {"since_step_s": stop["since_progress"], "moving": moving_when_stopped(run).get(rank.rank, False)}
+    out: dict[str, Any] = {
+        "since_step_s": stop["since_progress"],
+        "moving": moving_when_stopped(run).get(rank.rank, False),
+    }
+    by = terminated_by_lorascope(rank, run)
+    if by is not None:
+        out["by"] = by
+    return out
 
 
 def moving_when_stopped(run: RunData) -> dict[int, bool]:

@@ -42,6 +42,12 @@ LAUNCHERS = frozenset(
     }
 )
 
+#: Frameworks' command-line tools that train in-process on one device and start torchrun
+#: or accelerate themselves for several (LLaMA-Factory's ``FORCE_TORCHRUN=1``): not a
+#: launcher by the rule, so such a tool attaches as a lone process when it imports torch,
+#: and the reader leaves it out, without a warning, once ranks name it as their launcher.
+LAUNCHING_CLIS = frozenset({"llamafactory-cli", "lmf", "axolotl", "trl", "tune", "swift"})
+
 #: Interpreter options that take a value as the next argument.
 _OPTS_WITH_VALUE = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
-from lorascope.rundir import columnar, limits, workers
+from lorascope.rundir import columnar, limits, ranks, workers
 from lorascope.rundir.align import trim, windows_needed
 from lorascope.rundir.attachments import why_none_attached
 from lorascope.rundir.cluster import Cluster
@@ -975,7 +975,10 @@ def _choose(
         ranks[rank] = loaded[-1]
     warnings.extend(_probe_errors(run_dir))
     if not ranks:
-        why = why_none_attached(run_dir, [launch["command"] for launch in manifest["launches"]])
+        failed = [s for launch in manifest["launches"] if (s := launch.get("exit_status"))]
+        why = why_none_attached(
+            run_dir, [launch["command"] for launch in manifest["launches"]], exit_status=failed[0] if failed else None
+        )
         raise NothingRecordedError(f"{run_dir}: no process attached the probes, nothing to analyse: {why}")
     expected = max(r.start["world_size"] for r in ranks.values())
     absent = sorted(set(range(expected)) - set(ranks))
@@ -1039,15 +1042,17 @@ def _fatal_text(path: Path, name: str) -> str | None:
 
 def _drop_launchers(processes: list[RankData], warnings: list[str]) -> list[RankData]:
     """A lone process (no rank variables) whose children attached as ranks was their
-    launcher, not a rank: its stream is left out."""
+    launcher, not a rank: its stream is left out (warned, unless it is a framework's
+    tool that does so on every multi-process run: ``ranks.LAUNCHING_CLIS``)."""
     parents = {(d.host, d.start.get("probed_parent")) for d in processes if d.start.get("probed_parent")}
     kept = []
     for data in processes:
         if data.start.get("rank_source") == "lone" and (data.host, data.pid) in parents:
-            warnings.append(
-                f"pid {data.pid} on {data.host} attached as a lone process but started probed ranks: "
-                "a launcher, left out of the analysis"
-            )
+            if not launching_cli(data.start):
+                warnings.append(
+                    f"pid {data.pid} on {data.host} attached as a lone process but started probed ranks: "
+                    "a launcher, left out of the analysis"
+                )
         else:
             kept.append(data)
     return kept
@@ -1070,3 +1075,10 @@ def _trust_torch_rank(data: RankData, warnings: list[str]) -> None:
     )
     data.rank = actual[0]
     data.start = {**data.start, "rank": actual[0], "world_size": actual[1], "probed_as": list(probed)}
+
+
+def launching_cli(start: dict[str, Any]) -> bool:
+    """Whether a process's ``start`` record names a framework's tool that starts its ranks
+    itself (``ranks.LAUNCHING_CLIS``)."""
+    argv = start.get("argv")  # sys.argv: the script (a console script's path) first
+    return isinstance(argv, list) and bool(argv) and str(argv[0]).rsplit("/", 1)[-1] in ranks.LAUNCHING_CLIS

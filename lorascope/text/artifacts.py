@@ -109,7 +109,7 @@ def _render_snapshots(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _render_traces(data: dict[str, Any]) -> list[str]:
+def _render_traces(data: dict[str, Any], verbose: bool = False) -> list[str]:
     lines: list[str] = []
     for rank, t in data.get("traces", {}).items():
         world = f", world size {t['world_size']}" if t["world_size"] else ""
@@ -146,7 +146,7 @@ def _render_traces(data: dict[str, Any]) -> list[str]:
                 f"{_ms(hta['non_compute_us'])}; {hta['short_kernels']} of {hta['launches_matched']} "
                 f"matched launches are short by HTA's rule (GPU time < launch time)"
             )
-        elif t["hta_note"]:
+        elif t["hta_note"] and verbose:
             lines.append(f"  HTA: {t['hta_note']}")
         lines.extend(f"  warning: {w}" for w in t["warnings"])
     cmp = data.get("trace_comparison")
@@ -257,6 +257,8 @@ def _render_logs(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_artifacts(data: dict[str, Any]) -> str:
-    lines = _render_snapshots(data) + _render_traces(data) + _render_flight(data) + _render_logs(data)
+def render_artifacts(data: dict[str, Any], verbose: bool = False) -> str:
+    """The loaded artifacts as text; ``verbose`` adds notes on what was not analysed (HTA
+    on a CPU-only trace)."""
+    lines = _render_snapshots(data) + _render_traces(data, verbose) + _render_flight(data) + _render_logs(data)
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lorascope.analysis.cost import cost_text
-from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
+from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers, reentrancy
 from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges, short_error
 
 
@@ -41,9 +41,34 @@ def _mesh_text(mesh: dict[str, Any] | None) -> str:
 
 def _precision_text(mp: dict[str, Any] | None) -> str:
     if not mp:
-        return "full precision"
+        return "no MixedPrecisionPolicy"
     parts = [f"{mp[k]} {k.removesuffix('_dtype')}" for k in ("param_dtype", "reduce_dtype") if mp.get(k)]
     return "mixed precision " + " / ".join(parts)
+
+
+def _reshard_text(value: Any) -> str:
+    """FSDP2's ``reshard_after_forward``: None is torch's default (True, but False for the root)."""
+    return "default (reshards; the root keeps its parameters)" if value is None else str(value)
+
+
+def _unit_text(unit: dict[str, Any]) -> str:
+    """One kind of FSDP2 unit: "2 LlamaDecoderLayer: reshard after forward True, mixed
+    precision bfloat16 param, parameters float32"."""
+    name = f"{unit.get('count', 1)} {unit.get('module', '?')}" + (" (root)" if unit.get("root") else "")
+    dtypes = ", ".join(unit.get("param_dtypes") or []) or "none"
+    return (
+        f"{name}: reshard after forward {_reshard_text(unit.get('reshard_after_forward'))}, "
+        f"{_precision_text(unit.get('mixed_precision'))}, parameters {dtypes}"
+    )
+
+
+def _autocast_text(settings: dict[str, Any]) -> str:
+    """The Trainer's bf16/fp16 without a MixedPrecisionPolicy on any unit: autocast."""
+    half = settings.get("trainer_precision")
+    units = settings.get("by_unit") or []
+    if not half or any(u.get("mixed_precision") for u in units):
+        return ""
+    return f"; the Trainer's {half} is autocast: computed in {half}, the parameters stay as stored"
 
 
 def _listed(values: list[Any], show: Any) -> str:
@@ -54,10 +79,17 @@ def _listed(values: list[Any], show: Any) -> str:
 def sharding_text(sharding: dict[str, Any]) -> str:
     """One line: the sharding engine and its settings, and activation checkpointing."""
     engine, s = sharding["engine"], sharding["settings"]
-    if engine == "FSDP2":
+    if engine == "FSDP2" and s.get("by_unit"):
         text = (
             f"FSDP2 fully_shard, {s.get('units')} units, mesh {_listed(s.get('mesh', []), _mesh_text)}, "
-            f"reshard after forward {_listed(s.get('reshard_after_forward', []), str)}, "
+            f"CPU offload {_listed(s.get('offload', []), lambda o: 'no' if o is None else 'yes')}; "
+            + "; ".join(_unit_text(u) for u in s["by_unit"])
+            + _autocast_text(s)
+        )
+    elif engine == "FSDP2":  # recorded before units were told apart
+        text = (
+            f"FSDP2 fully_shard, {s.get('units')} units, mesh {_listed(s.get('mesh', []), _mesh_text)}, "
+            f"reshard after forward (per unit, in the order sharded) {_listed(s.get('reshard_after_forward', []), str)}, "
             f"{_listed(s.get('mixed_precision', []), _precision_text)}, "
             f"CPU offload {_listed(s.get('offload', []), lambda o: 'no' if o is None else 'yes')}"
         )
@@ -78,17 +110,28 @@ def sharding_text(sharding: dict[str, Any]) -> str:
         text = "no sharding recorded"
     ckpt = sharding["checkpointing"]
     if ckpt:
-        how = "reentrant" if True in ckpt.get("use_reentrant", []) else "non-reentrant"
+        how = reentrancy(ckpt.get("use_reentrant", []))
         wrappers = f", {ckpt['wrappers']} torch checkpoint_wrapper(s)" if ckpt.get("wrappers") else ""
         text += f"; activation checkpointing {how}{wrappers}"
     return text
 
 
 def _peak(r: dict[str, Any]) -> int | None:
-    """The rank's peak: the CUDA allocator's where it has one, else RSS's."""
+    """The rank's peak: the CUDA allocator's where it has one, else RSS's (:func:`peak_label`)."""
     peak = r["peak_memory"]
     value = peak["cuda_max_allocated_bytes"] if peak["cuda_max_allocated_bytes"] is not None else peak["rss_bytes"]
     return None if value is None else int(value)
+
+
+def peak_label(ranks: list[dict[str, Any]]) -> str:
+    """What the table's peak column holds (10 characters at most): the CUDA allocator's
+    peak ("CUDA alloc"), the process's resident memory ("peak RSS"), or both, by rank."""
+    cuda = {r["peak_memory"]["cuda_max_allocated_bytes"] is not None for r in ranks}
+    return "CUDA alloc" if cuda == {True} else "peak RSS" if cuda <= {False} else "peak*"
+
+
+#: Under the table when ranks differ in what their peak is.
+PEAK_MIXED = "peak*: CUDA max allocated on the ranks that had CUDA, resident memory (RSS) on the others"
 
 
 def _ms(seconds: float | None) -> str:
@@ -192,7 +235,7 @@ def _condensed(ranks: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"  ranks {rank_ranges(r['rank'] for r in rest)} ({len(rest):,} ranks): as rank {members[0]['rank']} "
             f"but for their numbers; step(med) {_spread([r['step_time_median_s'] for r in rest], _ms)}, "
-            f"peak mem {_spread([_peak(r) for r in rest], _mib)}, "
+            f"{peak_label(ranks)} {_spread([_peak(r) for r in rest], _mib)}, "
             f"colls {_spread([r['collectives']['count'] for r in rest], count)}"
         )
     lines.append(
@@ -217,17 +260,18 @@ def _warning_lines(warnings: list[str]) -> list[str]:
     return lines
 
 
-def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
+def render_text(data: dict[str, Any], all_ranks: bool = False, verbose: bool = False) -> str:
     """A short human-readable table, one line per rank (condensed past MAX_TABLE_RANKS
-    ranks unless ``all_ranks``)."""
+    ranks unless ``all_ranks``); ``verbose`` adds what the probes cost (the report's run
+    facts have it too)."""
     manifest = data["manifest"]
     versions = ", ".join(f"{k} {v}" for k, v in manifest["versions"].items() if v)
     lines = [
         f"run {data['run_dir']}: world size {manifest['world_size']}, hosts {', '.join(manifest['hosts'])}",
         f"  {versions}" if versions else "",
         f"  sharding: {sharding_text(manifest['sharding'])}" if manifest.get("sharding") else "",
-        f"  probes' cost: {cost_text(data['probe_cost'])}" if data.get("probe_cost") else "",
-        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {'peak mem':>10} "
+        f"  probes' cost: {cost_text(data['probe_cost'])}" if verbose and data.get("probe_cost") else "",
+        f"{'rank':>4} {'pid':>8} {'steps':>5} {'step(med)':>10} {peak_label(data['ranks']):>10} "
         f"{'colls':>6}  last seq per group      ended",
     ]
     ranks = data["ranks"]
@@ -237,4 +281,6 @@ def render_text(data: dict[str, Any], all_ranks: bool = False) -> str:
     else:
         lines += _condensed(ranks)
         lines += _warning_lines(data["warnings"])
+    if peak_label(ranks) == "peak*":
+        lines.append(PEAK_MIXED)
     return "\n".join(line for line in lines if line)

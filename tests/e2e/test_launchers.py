@@ -182,29 +182,44 @@ def test_trainer_add_adapter_config_is_recorded(tmp_path: Path) -> None:
 
 
 # -- accelerate launch -----------------------------------------------------------------
+def documented_accelerate_launch() -> list[str]:
+    """The `accelerate launch` line of probes/train_trainer.py's docstring, as a command."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(Path(TRAINER).read_text())) or ""
+    [line] = [x.strip() for x in doc.splitlines() if x.strip().startswith("accelerate launch")]
+    words = line.split("#", 1)[0].split()
+    return [str(BIN / "accelerate"), *[TRAINER if w == "probes/train_trainer.py" else w for w in words[1:]]]
+
+
 @pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_accelerate_launch(tmp_path: Path, processes: int) -> None:
-    mode = ["--cpu"] if processes == 1 else ["--multi_gpu", "--main_process_port", str(free_port())]
-    cmd = [
-        str(BIN / "accelerate"),
-        "launch",
-        *mode,
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        TRAINER,
-        "--engine",
-        "ddp",
-        "--steps",
-        "3",
-        "--eval-steps",
-        "3",
-    ]
+    """Two processes: the launch probes/train_trainer.py documents (with accelerate 1.16,
+    `--cpu --multi_gpu` together is refused; the Trainer's use_cpu keeps it on CPU)."""
+    if processes == 2:
+        launch = documented_accelerate_launch()
+        cmd = [*launch[:2], "--main_process_port", str(free_port()), *launch[2:], "--steps", "3", "--eval-steps", "3"]
+    else:
+        cmd = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            TRAINER,
+            "--engine",
+            "ddp",
+            "--steps",
+            "3",
+            "--eval-steps",
+            "3",
+        ]
     fin = probed(tmp_path / "run", cmd)
     assert fin.proc.returncode == 0, failure(fin)
     plural, ranks = ("1 process", "rank 0") if processes == 1 else (f"{processes} processes", "ranks 0, 1")
@@ -215,3 +230,16 @@ def test_accelerate_launch(tmp_path: Path, processes: int) -> None:
         assert rank.start["rank_source"] == ("lone" if processes == 1 else "env")
         assert [s["step"] for s in rank.steps] == [1, 2, 3]
         assert [p["step"] for p in rank.phases if p["name"] == "eval" and p["edge"] == "begin"] == [3]
+
+
+def test_a_launcher_that_refuses_its_options_is_named(tmp_path: Path) -> None:
+    """accelerate 1.16 refuses `--cpu --multi_gpu` (the launch probes/train_trainer.py
+    documented before) and exits 1 before it starts any process: lorascope said only
+    "no process attached the probes"."""
+    cmd = [str(BIN / "accelerate"), "launch", "--cpu", "--multi_gpu", "--num_processes", "2", TRAINER]
+    fin = probed(tmp_path / "run", cmd, rerun_teardown_abort=False)
+    assert fin.proc.returncode == 1
+    assert last_line(fin).startswith(
+        "lorascope: no process attached the probes: the launcher (accelerate) exited with status 1 before it "
+        "started any process of the job"
+    ), fin.proc.stderr[-2000:]

@@ -20,7 +20,7 @@ import pytest
 from lorascope.analysis.summary import build_summary
 from lorascope.rundir.reader import RankData, load_run
 from lorascope.rundir.writer import record_launch
-from lorascope.text.summary import render_text
+from lorascope.text.summary import render_text, sharding_text
 from tests.helpers import free_port
 
 JOB = textwrap.dedent("""
@@ -161,6 +161,62 @@ def test_fsdp2_settings_record_each_unit(fsdp_rank: tuple[Path, RankData]) -> No
     assert last["reshard_after_forward"] == [None, False]
     assert last["mixed_precision"][0]["param_dtype"] == "bfloat16" and last["mixed_precision"][1] is None
     assert last["offload"] == [None]
+    assert last["by_unit"] == [
+        {
+            "module": "Linear (checkpointed)",
+            "root": False,
+            "reshard_after_forward": None,
+            "mixed_precision": last["mixed_precision"][0],
+            "param_dtypes": ["float32"],
+            "count": 1,
+        },
+        {
+            "module": "Sequential",
+            "root": True,
+            "reshard_after_forward": False,
+            "mixed_precision": None,
+            "param_dtypes": ["float32"],
+            "count": 1,
+        },
+    ]
+
+
+def test_the_fsdp2_summary_names_each_units_setting_and_the_parameters_precision() -> None:
+    """It read "reshard after forward None | False" (one value per unit, unnamed) and "full
+    precision" where the Trainer computed in bf16 (autocast: no MixedPrecisionPolicy)."""
+    by_unit = [
+        {
+            "module": "Linear (checkpointed)",
+            "root": False,
+            "reshard_after_forward": None,
+            "count": 1,
+            "param_dtypes": ["float32"],
+            "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": None},
+        },
+        {
+            "module": "Sequential",
+            "root": True,
+            "reshard_after_forward": False,
+            "count": 1,
+            "param_dtypes": ["float32"],
+            "mixed_precision": None,
+        },
+    ]
+    settings = {"version": 2, "units": 2, "mesh": [None], "offload": [None], "by_unit": by_unit}
+    text = sharding_text({"engine": "FSDP2", "settings": settings, "checkpointing": None})
+    assert "1 Linear (checkpointed): reshard after forward default (reshards; the root keeps its parameters), " in text
+    assert "mixed precision bfloat16 param, parameters float32" in text
+    assert "1 Sequential (root): reshard after forward False, no MixedPrecisionPolicy, parameters float32" in text
+    assert "full precision" not in text and "None | False" not in text
+    plain = [{**by_unit[1], "root": False}]
+    autocast = sharding_text(
+        {
+            "engine": "FSDP2",
+            "settings": {**settings, "by_unit": plain, "trainer_precision": "bf16"},
+            "checkpointing": None,
+        }
+    )
+    assert autocast.endswith("the Trainer's bf16 is autocast: computed in bf16, the parameters stay as stored")
 
 
 def test_ddp_reducer_is_said_unseen_and_the_summary_shows_it(fsdp_rank: tuple[Path, RankData]) -> None:

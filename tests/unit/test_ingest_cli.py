@@ -180,3 +180,16 @@ def test_summaries_and_json_for_each_kind(tmp_path: Path) -> None:
     }
     assert {f["id"] for f in data["findings"]} >= {"oom", "allocator-fragmentation", "collective-mismatch"}
     assert data["artifacts"]["snapshots"]["0"]["devices"][0]["ooms"][0]["index"] == 59
+
+
+def test_analyze_keeps_jargon_behind_verbose() -> None:
+    """A first run's `analyze` printed "probes' cost: ..." and "HTA: CPU-only trace: HTA
+    analyses GPU traces only"; they are there with -v (and the cost in the report's run facts)."""
+    run = str(FIX / "healthy")
+    plain = subprocess.run([sys.executable, "-m", "lorascope", "analyze", run], capture_output=True, text=True, env=ENV)
+    assert plain.returncode == 0, plain.stderr
+    assert "probes' cost" not in plain.stdout and "HTA:" not in plain.stdout
+    verbose = subprocess.run(
+        [sys.executable, "-m", "lorascope", "analyze", "-v", run], capture_output=True, text=True, env=ENV
+    )
+    assert "HTA: CPU-only trace" in verbose.stdout  # (the fixture predates cost records: test_probe_cost)

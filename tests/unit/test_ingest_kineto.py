@@ -241,3 +241,30 @@ def test_duration_sums_are_correctly_rounded_on_every_python() -> None:
     assert _top([{"name": "k", "dur": v} for v in values])[0].total_us == exact
     rows = [{"module": None, "durations_us": [1.0, 1.0, 1e16]}]
     assert _rank_stats({"rows": rows, "steps": 1}, 2.0)["tiny_time_share"] == 2.0 / exact
+
+
+def test_with_a_run_the_traces_name_no_straggler_the_detectors_did_not() -> None:
+    """A healthy run's two traced steps can single a rank out (read: "no problem found",
+    then "straggler: rank 1 computes 2.33x the others' median per step"); the straggler is
+    the detector's, read from every step: the traces' figure is told, not named so."""
+    import dataclasses
+
+    from lorascope.analysis import of_bundle
+    from lorascope.detect.finding import Finding
+
+    bundle = load_bundle(Path(__file__).resolve().parents[2] / "fixtures" / "healthy")
+    assert bundle.trace_comparison is not None
+    bundle.trace_comparison = dataclasses.replace(
+        bundle.trace_comparison,
+        straggler=1,
+        reason="rank 1 computes 2.33x the others' median per step and waits least in collectives (9.0 ms)",
+    )
+    analysis = of_bundle(bundle)
+    assert not [f for f in analysis.findings if f.id == "straggler"]
+    text = render_artifacts(analysis.to_data()["artifacts"])
+    assert "straggler:" not in text
+    assert "no straggler over the run's steps" in text and "2.33x" in text
+    named = Finding("straggler", "rank 1 is a straggler", "warning", "medium", "", [1], [], "", "")
+    cmp = artifacts_data(bundle, [named])["trace_comparison"]
+    assert cmp["straggler"] == 1
+    assert "straggler: rank 1 computes 2.33x" in render_artifacts({"trace_comparison": cmp})

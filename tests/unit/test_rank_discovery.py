@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.cli.run import _attached_line
 from lorascope.errors import NothingRecordedError
 from lorascope.probes.bootstrap import role
+from lorascope.rundir.attachments import attached_processes, why_none_attached
 from lorascope.rundir.ranks import Identity, discover, is_launcher, program
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.writer import Stream, record_launch, stream_prefix
@@ -96,6 +98,36 @@ def test_a_lone_process_that_started_probed_ranks_is_left_out(tmp_path: Path) ->
     assert {r: d.pid for r, d in run.ranks.items()} == {0: 11, 1: 12}
     assert any("pid 10 on h attached as a lone process but started probed ranks" in w for w in run.warnings)
     assert not any("processes wrote this rank" in w for w in run.warnings)
+
+
+def test_a_frameworks_cli_that_started_the_ranks_is_left_out_quietly(tmp_path: Path) -> None:
+    """`FORCE_TORCHRUN=1 llamafactory-cli train` imports torch (a lone process), then starts
+    torchrun: every run ended "3 processes attached the probes (ranks 0, 1)" and warned that
+    the llamafactory-cli parent was left out."""
+    record_launch(tmp_path, "h-1", ["llamafactory-cli", "train", "lora.yaml"])
+    _stream(tmp_path, 0, 10, world_size=1, rank_source="lone", argv=["/venv/bin/llamafactory-cli", "train", "x.yaml"])
+    _stream(tmp_path, 0, 11, rank_source="env", probed_parent=10)
+    _stream(tmp_path, 1, 12, rank_source="env", probed_parent=10)
+    run = load_run(tmp_path)
+    assert {r: d.pid for r, d in run.ranks.items()} == {0: 11, 1: 12}
+    assert run.warnings == []
+    attached = attached_processes(tmp_path)
+    assert len(attached) == 3
+    line = _attached_line(attached, tmp_path, ["llamafactory-cli"], "h-1", True, 0)
+    assert line == "lorascope: 2 processes attached the probes (ranks 0, 1)"
+
+
+def test_a_launcher_that_failed_before_any_rank_is_named_with_its_status(tmp_path: Path) -> None:
+    """`accelerate launch --cpu --multi_gpu ...` refuses its options and exits 1: lorascope
+    said only that no process attached (the launcher had loaded the bootstrap)."""
+    record_launch(tmp_path, "h-1", ["accelerate", "launch", "t.py"], end=1.0, exit_status=1)
+    (tmp_path / "bootstrap" / "h-1").mkdir(parents=True)
+    line = json.dumps({"role": "launcher", "program": "accelerate"}) + "\n"
+    (tmp_path / "bootstrap" / "h-1" / "processes.jsonl").write_text(line)
+    why = why_none_attached(tmp_path, [["accelerate", "launch", "t.py"]], "h-1", 1)
+    assert why.startswith("the launcher (accelerate) exited with status 1 before it started any process of the job")
+    with pytest.raises(NothingRecordedError, match=r"the launcher \(accelerate\) exited with status 1"):
+        load_run(tmp_path)
 
 
 def test_no_rank_stream_is_an_error_with_the_likely_reason(tmp_path: Path) -> None:

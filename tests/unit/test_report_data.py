@@ -6,11 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+from lorascope.analysis.summary import build_summary
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
 from lorascope.report.downsample import thin
 from lorascope.report.render import render
+from lorascope.text.summary import render_text
 from lorascope.units import MAX_TABLE_RANKS, rank_ranges
 from tests.helpers import FIXTURES, Call, RankSpec, write_run
 
@@ -232,7 +234,21 @@ def test_memory_chart_opens_on_the_figure_the_verdict_used() -> None:
     memory = data["charts"]["memory"]
     assert memory["metric"] == "heap in use" and memory["metrics"] == ["heap in use", "RSS"]
     assert [s["rank"] for s in memory["others"]["RSS"]] == [0, 1] and memory["others"]["RSS"][0]["mib"]
-    assert data["charts"]["peak"]["metric"] == "peak heap in use"
+    assert data["charts"]["peak"]["metric"] == "peak C heap in use: bytes malloc handed out, not RSS"
+
+
+def test_every_peak_memory_figure_says_what_it_is() -> None:
+    """The terminal's table showed "peak mem 502 MiB" (RSS) and the report's header "peak heap
+    in use 2,107 MiB" for one run, neither saying what it was."""
+    bundle = load_bundle(FIXTURES / "rank0-asymmetry")
+    summary = build_summary(bundle.run)
+    header = next(line for line in render_text(summary).splitlines() if line.lstrip().startswith("rank "))
+    assert "peak RSS" in header and "peak mem" not in header
+    data = build_report_data(bundle, [], summary)
+    [figure] = [f for f in data["figures"] if "rank 0" in f["label"]]
+    assert "heap in use" in figure["label"] and "not RSS" in figure["label"]
+    rss = summary["ranks"][0]["peak_memory"]["rss_bytes"] / 2**20
+    assert f"; peak RSS {rss:,.0f} MiB" in figure["value"]
 
 
 def test_ranks_that_ended_alike_are_shown_once(tmp_path: Path) -> None:

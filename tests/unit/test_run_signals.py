@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import LORASCOPE, default_signals
@@ -108,6 +109,23 @@ def test_ranks_outliving_their_launcher_are_cleared(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGUSR1
     assert f"1 processes of the job outlived it (pids {worker})" in err
+    assert not alive(worker)
+
+
+def test_a_sigkilled_launcher_is_recorded_with_the_sigterm_sent_to_its_orphans(tmp_path: Path) -> None:
+    """The launcher is SIGKILLed from outside; its worker, in a session of its own, outlives
+    it: `lorascope run` sends it SIGTERM and the manifest says so (``leftovers``), so that
+    `analyze` can tell who sent it (tests/unit/test_stopped_runs.py reads such a run)."""
+    proc, marker, worker = start(tmp_path, "record")
+    launcher = next(p for p in psutil.Process(proc.pid).children() if p.pid != worker)
+    launcher.kill()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert marker.with_suffix(".got").read_text() == "SIGTERM\n"
+    launch = launch_record(tmp_path)
+    assert launch["exit_status"] == 137 and launch["signals"] == []
+    assert launch["leftovers"]["pids"] == [worker]
+    assert launch["leftovers"]["t"] <= launch["end"]
     assert not alive(worker)
 
 

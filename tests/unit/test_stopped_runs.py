@@ -10,11 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lorascope.analysis.summary import build_summary
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
+from lorascope.report.data import build_report_data
 from lorascope.rundir.ending import ended_badly_headline, stop_time, stopped_while_moving
 from lorascope.rundir.reader import load_run
+from lorascope.rundir.writer import record_launch
 from lorascope.text.findings import quiet
 from tests.helpers import T0, Call, RankSpec, write_run
 
@@ -114,3 +117,49 @@ def test_a_job_stopped_in_a_save_or_before_its_first_step_is_not_read_as_hung(tm
     early = [RankSpec(steps=0, calls=[], ends=False, extra=_stopped(stop)) for _ in range(2)]
     run = load_run(write_run(tmp_path / "early", early))
     assert diagnose(run)["kind"] == "stopped"
+
+
+def _sigterm(at: float) -> list[dict[str, Any]]:
+    return [{"k": "signal", "t": at, "signum": 15, "name": "SIGTERM", "stacks": ""}]
+
+
+def test_the_sigterm_lorascope_run_sent_after_the_launcher_was_killed_says_so(tmp_path: Path) -> None:
+    """torchrun SIGKILLed from outside (exit status 137): `lorascope run` SIGTERMs the
+    ranks it left behind. Read before: "ranks 0, 1 got SIGTERM (kill, a launcher, or a
+    scheduler's time limit or preemption)"."""
+    stop = T0 + 4.0
+    run = write_run(
+        tmp_path / "run",
+        [RankSpec(ends=False, extra=_sigterm(stop)), RankSpec(ends=False, extra=_sigterm(stop))],
+        command=["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py"],
+        exit_status=137,
+    )
+    record_launch(run, "h-1", [], leftovers={"t": stop - 0.1, "pids": [100, 101]})
+    headline = quiet(build_summary(load_run(run)))
+    assert "scheduler" not in headline
+    assert (
+        "ranks 0, 1 got SIGTERM (sent by `lorascope run` to the processes the launcher (torchrun), killed by "
+        "SIGKILL (exit status 137), left behind)" in headline
+    )
+
+
+def test_a_rank_without_an_end_record_after_a_sigint_passed_on_says_the_job_was_stopped(tmp_path: Path) -> None:
+    """`lorascope run` got SIGINT and passed it on (the manifest's ``signals``); a rank then
+    ended without an end record. Read before: "no end record: killed (e.g. SIGKILL, OOM
+    killer) or still running", in `analyze` and the report's "What this report could not see"."""
+    run = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(extra=_stopped(T0 + 4.0))], exit_status=130)
+    record_launch(run, "h-1", [], signals=["SIGINT"])
+    bundle = load_bundle(run)
+    summary = build_summary(bundle.run)
+    detail = summary["ranks"][0]["ended"]["detail"]
+    assert "still running" not in detail and "OOM" not in detail
+    assert "stopped from outside (SIGINT passed on by `lorascope run`)" in detail
+    missing = build_report_data(bundle, [])["missing"]
+    line = next(m for m in missing if m.startswith("rank 0:"))
+    assert "SIGINT passed on by `lorascope run`" in line and "still running" not in line
+    # nor is the stop read as a death: "rank 0 died first ... (SIGKILL or the OOM killer)"
+    waiting = [Call("all_reduce"), Call("all_reduce", end=False)]
+    both = write_run(tmp_path / "both", [RankSpec(ends=False, calls=waiting)] * 2, exit_status=130)
+    record_launch(both, "h-1", [], signals=["SIGINT"])
+    assert hung_ranks.detect(load_bundle(both)) == []
+    assert "SIGINT passed on by `lorascope run`" in quiet(build_summary(load_run(both)))

@@ -74,7 +74,7 @@ def test_many_alike_ranks_are_one_line_and_those_that_stand_out_keep_their_rows(
     assert group.startswith(
         "  ranks 2-516, 518-599, 601-699, 702-799, 801-1023 (1,017 ranks): as rank 1 but for their numbers"
     )
-    assert "step(med) 100-202 ms" in group and "peak mem 400-406 MiB" in group
+    assert "step(med) 100-202 ms" in group and "peak RSS 400-406 MiB" in group
     # the pending call of the group is shown under its first rank's row, once per row shown
     assert text.count("pending: barrier") == 6 and "probe switched off: collectives" in text
     assert (

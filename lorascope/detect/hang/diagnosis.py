@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,10 +223,12 @@ def _rank_state(
             where += f" ({p['source']})"
     elif state in ("outside-collectives", "moving"):
         where = f"in its own code at {frame or '?'} (no collective in flight)"
+    died = {"died_at": _death_time(rank)} if state == "dead" else {}
     return {
         "rank": rank.rank,
         "pid": rank.pid,
         "host": rank.host,
+        **died,
         "state": state,
         "where": where,
         "step": rank.totals["steps"],
@@ -387,7 +390,8 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
     one = len(odd) == 1
     return {
         "rank-conditional-hang": f"rank-conditional collective{f' ({who})' if odd else ''}: {where}",
-        "dead-rank": f"{who} died first: {where.removeprefix('died: ')}; the others wait for it or failed after it",
+        "dead-rank": f"{who} died first{_when_died(first)}: {where.removeprefix('died: ')}; the others wait for it "
+        "or failed after it",
         "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
@@ -396,3 +400,15 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "finished": "not hung: every rank exited with code 0 (the job had finished when it was read)",
         "stopped": "not hung when it was stopped from outside: the ranks were making steps, or waiting for one that was",
     }[kind]
+
+
+def _when_died(first: dict[str, Any] | None) -> str:
+    """ ", after step 7, at 09:41:02 UTC" for a dead rank's state (its steps and
+    ``died_at``), else ""."""
+    if not first or not isinstance(first.get("died_at"), (int, float)):
+        return ""
+    at = time.strftime("%H:%M:%S UTC", time.gmtime(float(first["died_at"])))
+    step = first.get("step")
+    if not isinstance(step, int):
+        return f", at {at}"
+    return f", after step {step}, at {at}" if step else f", before its first step, at {at}"
