@@ -16,6 +16,7 @@ from lorascope import __version__
 from lorascope.cli import analyze, export, hang, plan, report, run
 from lorascope.errors import LorascopeError
 from lorascope.rundir import limits, workers
+from lorascope.text import echo
 from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
@@ -137,6 +138,6 @@ def _report(line: str) -> None:
     if _debug:
         traceback.print_exc()
     try:
-        click.echo(f"lorascope: {line}", err=True)
+        echo(f"lorascope: {line}", err=True)
     except Exception:  # stderr itself is gone: the exit code still says it
         pass

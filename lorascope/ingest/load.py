@@ -8,6 +8,7 @@ the folder) is read.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,9 @@ from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.ingest.snapshot.reader import read_snapshot
 from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import Progress, RankData, load_run
+from lorascope.rundir.reader import Progress, RankData, RunData, load_run
 from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.sources import MAX_FILE_BYTES, describe
+from lorascope.rundir.sources import describe, job_source
 
 
 def load_bundle(
@@ -141,19 +142,34 @@ def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:
 def _add_sources(bundle: EvidenceBundle) -> None:
     """The source line and enclosing conditions of every call site in the flight-recorder
     dumps and of the frames above it up to the job's own code, where the files are readable
-    here (the dumps carry only file:line)."""
+    here and under the job's roots (the dumps carry only file:line, and may name any file)."""
     sites = {f for dump in bundle.flight_records.values() for e in dump.entries for f in call_chain(e.frames)}
-    for site in sorted(s for s in sites if s):
+    roots = source_roots(bundle.run)
+    for site in sorted(s for s in sites if s)[:MAX_SOURCE_SITES]:
         path, _, rest = site.partition(":")
         line = rest.split(" ", 1)[0]
-        if line.isdigit() and _small_source(Path(path)):
-            bundle.sources[site] = describe(path, int(line))
+        if line.isdigit() and len(line) < 10:
+            lines = job_source(path, roots)
+            if lines is not None:
+                bundle.sources[site] = describe(path, int(line), lines)
 
 
-def _small_source(path: Path) -> bool:
-    """A regular file small enough to be source (linecache reads files whole; a dump's
-    frames may name anything)."""
-    try:
-        return path.is_file() and path.stat().st_size <= MAX_FILE_BYTES
-    except OSError:
-        return False
+#: Call sites whose source is read, at most (a dump may name any number of files).
+MAX_SOURCE_SITES = 4096
+
+
+def source_roots(run: RunData | None) -> tuple[str, ...]:
+    """Where the job's own source files are: the working directory each launch recorded
+    and the folder of each rank's script; for dumps given without a run directory, the
+    current directory (run lorascope from the job's checkout)."""
+    if run is None:
+        return (os.getcwd(),)
+    cwds = [c for launch in run.manifest["launches"] if isinstance(c := launch.get("cwd"), str) and os.path.isabs(c)]
+    roots = set(cwds)
+    for rank in run.ranks.values():
+        argv = rank.start.get("argv")
+        script = argv[0] if isinstance(argv, list) and argv and isinstance(argv[0], str) else ""
+        if script.endswith(".py"):
+            bases = [""] if os.path.isabs(script) else cwds
+            roots.update(os.path.dirname(os.path.join(base, script)) for base in bases)
+    return tuple(sorted(roots))

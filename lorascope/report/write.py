@@ -16,7 +16,11 @@ def write_report(analysis: Analysis, out: Path) -> int:
         from lorascope.report.render import render
     except ImportError as exc:
         raise UsageError(f"the HTML report needs jinja2 ({exc}): pip install 'lorascope[analysis]'") from None
-    page = render(build_report_data(analysis.bundle, analysis.findings, analysis.summary)).encode("utf-8")
+    # backslashreplace: a lone surrogate (a byte that was not UTF-8, in an argv, a host
+    # name, a path) is shown as \udcff, not a UnicodeEncodeError
+    page = render(build_report_data(analysis.bundle, analysis.findings, analysis.summary)).encode(
+        "utf-8", "backslashreplace"
+    )
     try:
         out.write_bytes(page)
     except OSError as exc:
