@@ -6,6 +6,7 @@ Errors are caught here and only here: each becomes one line on stderr and an exi
 
 from __future__ import annotations
 
+import io
 import sys
 import traceback
 from collections.abc import Sequence
@@ -114,6 +115,9 @@ def _failure(exc: BaseException) -> tuple[str, int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: every failure becomes one line on stderr and an exit code."""
     args = list(argv) if argv is not None else sys.argv[1:]
+    for stream in (sys.stdout, sys.stderr):  # a character the encoding lacks: written as an escape
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         rc = cli.main(args=args, prog_name="lorascope", standalone_mode=False)
     except LorascopeError as exc:

@@ -16,6 +16,7 @@ from lorascope.analysis import analyze, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
+from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import records_between
 from lorascope.text import echo
@@ -115,8 +116,15 @@ def _snapshot(path: Path, rank: int, out: Path, cluster: str | None) -> int:
     if snapshot is None:
         have = ", ".join(map(str, sorted(bundle.snapshots))) or "none"
         raise BadInputError(f"{path}: no allocator snapshot of rank {rank} (ranks with one: {have})")
+    inside = bundle.run.path if bundle.run is not None else None
     try:
-        out.write_bytes(Path(snapshot.path).read_bytes())
+        with open(out, "wb") as dst:
+            try:  # read again, checked as it is copied: the copy is the bytes checked
+                load_pickle(Path(snapshot.path), copy_to=dst, inside=inside)
+            except BadInputError:
+                dst.close()
+                out.unlink()
+                raise
     except OSError as exc:
         raise BadInputError(f"cannot write {out}: {exc.strerror}") from None
     echo(f"lorascope: rank {rank}'s allocator snapshot ({snapshot.path}) written to {out}", err=True)

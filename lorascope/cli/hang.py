@@ -96,7 +96,7 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
         others = [f for f in analysis.findings if f.id != "hung-ranks"]
         analysis.findings = [hang_finding(run, diagnosis), *others]
     try:
-        write_report(analysis, out)
+        write_report(analysis, out, fresh=out.parent == run_dir)
     except LorascopeError as exc:
         return f"no HTML report: {exc}"
     return f"report: {out}"

@@ -8,10 +8,14 @@ from pathlib import Path
 from lorascope.analysis import Analysis
 from lorascope.errors import BadInputError, UsageError
 from lorascope.report.data import build_report_data
+from lorascope.rundir.safe_open import replace_file
 
 
-def write_report(analysis: Analysis, out: Path) -> int:
-    """Render the report of ``analysis`` into ``out``; returns the page's size in bytes."""
+def write_report(analysis: Analysis, out: Path, fresh: bool = False) -> int:
+    """Render the report of ``analysis`` into ``out``; returns the page's size in bytes.
+    FRESH: ``out`` is a name lorascope chose in a folder others may write (the run
+    directory): the page goes into a new file renamed over it, so a symlink or a FIFO
+    planted there is replaced, never written through."""
     try:
         from lorascope.report.render import render
     except ImportError as exc:
@@ -22,7 +26,10 @@ def write_report(analysis: Analysis, out: Path) -> int:
         "utf-8", "backslashreplace"
     )
     try:
-        out.write_bytes(page)
+        if fresh:
+            replace_file(out, page)
+        else:
+            out.write_bytes(page)
     except OSError as exc:
         raise BadInputError(f"cannot write the report {out}: {exc.strerror}") from None
     return len(page)

@@ -20,11 +20,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import stat
+import tempfile
 import zlib
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -323,3 +325,18 @@ def _user(uid: int) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except (ImportError, KeyError):
         return f"uid {uid}"
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write DATA as PATH through a new file in its folder renamed over it: whatever was
+    at PATH (a symlink, a FIFO) is replaced, not written through or waited on."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

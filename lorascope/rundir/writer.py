@@ -22,7 +22,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -317,16 +316,7 @@ def _locked_manifest(run_dir: Path) -> Iterator[dict[str, Any]]:
         if not isinstance(manifest.get("launches"), list):
             manifest["launches"] = []
         yield manifest
-        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_FILE}.", suffix=".tmp", dir=run_dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n")
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):  # a full disk: leave no partial file behind
-                os.unlink(tmp)
-            raise
+        safe_open.replace_file(path, (json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n").encode())
     finally:
         os.close(lock)
 
