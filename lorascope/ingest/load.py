@@ -14,7 +14,7 @@ from typing import Any
 
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.files import add_hta, load_files, load_single, walk_files
+from lorascope.ingest.files import add_hta, load_file, load_files, load_single, walk_files
 from lorascope.ingest.flight.reader import FlightDump, call_chain, read_flight_dump
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
@@ -72,7 +72,7 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
         for name in rank.trace_files:
             if rank.rank not in bundle.traces and Path(name).is_file():
                 try:
-                    load_files(bundle, [Path(name)], "kineto")
+                    load_file(bundle, Path(name), "kineto", forced=True, inside=Path(name).parent)
                 except BadInputError as exc:
                     bundle.warnings.append(f"rank {rank.rank}: {exc}")
         timeline = rank_flight_timeline(rank, bundle.warnings)
@@ -93,7 +93,7 @@ def rank_flight_timeline(rank: RankData, warnings: list[str]) -> list[tuple[floa
         if not path.is_file():
             continue
         try:
-            out.append((float(record["t"]), read_flight_dump(path, rank.rank)))
+            out.append((float(record["t"]), read_flight_dump(path, rank.rank, inside=path.parent)))
         except BadInputError as exc:
             warnings.append(f"rank {rank.rank}: {exc}")
     return out
@@ -117,7 +117,7 @@ def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
     if chosen is None or rank.rank in bundle.snapshots:
         return
     try:
-        snapshot = read_snapshot(Path(chosen["path"]), rank.rank)
+        snapshot = read_snapshot(Path(chosen["path"]), rank.rank, inside=Path(chosen["path"]).parent)
     except BadInputError as exc:
         bundle.warnings.append(f"rank {rank.rank}: {exc}")
         return

@@ -142,11 +142,13 @@ def read_capped(path: Path | str, limit_name: str, what: str, inside: Path | str
     return _read(path, limit_name, what, keep_cut=False, inside=inside)[0]
 
 
-def read_capped_cut(path: Path | str, limit_name: str, what: str) -> tuple[bytearray, bool]:
+def read_capped_cut(
+    path: Path | str, limit_name: str, what: str, inside: Path | str | None = None
+) -> tuple[bytearray, bool]:
     """As :func:`read_capped`, but a gzip file that ends inside its compressed stream (a
     writer killed mid-file) gives what it holds, and True: for readers that can use the
     start of a file cut short."""
-    return _read(path, limit_name, what, keep_cut=True)
+    return _read(path, limit_name, what, keep_cut=True, inside=inside)
 
 
 def _read(
