@@ -219,6 +219,34 @@ def test_run_writes_through_no_planted_symlink(tmp_path: Path) -> None:
     assert list(outside.iterdir()) == []
 
 
+def test_the_launchers_own_files_are_written_through_no_planted_symlink(tmp_path: Path) -> None:
+    """The names `run` and the bootstrap write that a planter can predict: the manifest's
+    temporary file (.manifest.json.<pid>.tmp), processes.jsonl and the launch's bootstrap
+    folder (bootstrap/<host>-<pid>, with a sitecustomize.py in it)."""
+    from lorascope.cli import run as run_cli
+    from lorascope.probes import bootstrap as boot
+    from lorascope.rundir.ranks import discover
+    from lorascope.rundir.writer import record_launch
+
+    out = tmp_path / "run"
+    planted = out / "bootstrap" / "h-1"
+    planted.mkdir(parents=True)
+    victims = {name: tmp_path / f"victim-{name}" for name in ("tmp", "log", "site")}
+    for victim in victims.values():
+        victim.write_text("untouched\n")
+    (out / f".manifest.json.{os.getpid()}.tmp").symlink_to(victims["tmp"])
+    (planted / "processes.jsonl").symlink_to(victims["log"])
+    (planted / "sitecustomize.py").symlink_to(victims["site"])
+    record_launch(out, "h-1", ["job"])
+    assert victims["tmp"].read_text() == "untouched\n"
+    boot._note({"bootstrap_dir": str(planted)}, "lone", discover({}))
+    assert victims["log"].read_text() == "untouched\n"
+    folder, launch_id = run_cli._prepare(out, "h-1", {"run_dir": str(out)})
+    assert folder is not None and folder != planted and launch_id.startswith("h-1.")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert victims["site"].read_text() == "untouched\n"
+
+
 def test_hang_writes_its_page_through_no_planted_symlink(tmp_path: Path) -> None:
     run = copied_run(tmp_path)
     target = _secret_file(tmp_path, "untouched\n")
