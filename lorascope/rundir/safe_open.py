@@ -64,10 +64,6 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC
 
 
-def outside(path: Path | str) -> BadInputError:
-    return BadInputError(f"{path}: a symlink out of the run directory: not followed")
-
-
 def _beneath(root: Path | str, path: Path | str) -> tuple[str, list[str]]:
     """ROOT resolved, and PATH's resolved components below it; BadInputError when PATH
     resolves outside ROOT (a symlink leaving it, a loop)."""
@@ -78,11 +74,11 @@ def _beneath(root: Path | str, path: Path | str) -> tuple[str, list[str]]:
         raise BadInputError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     rel = os.path.relpath(real, real_root)
     if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
-        raise outside(path)
+        raise BadInputError(f"{path}: a symlink out of the run directory: not followed")
     return real_root, rel.split(os.sep)
 
 
-def _open_beneath(root: str, parts: list[str], flags: int, mode: int = 0o644) -> int:
+def _open_beneath(root: str, parts: list[str], flags: int) -> int:
     """Open ROOT/PARTS one component at a time, each with O_NOFOLLOW: a component that is
     a symlink (swapped in after PARTS were resolved) fails with ELOOP or ENOTDIR."""
     fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
@@ -91,7 +87,7 @@ def _open_beneath(root: str, parts: list[str], flags: int, mode: int = 0o644) ->
             below = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = below
-        return os.open(parts[-1], flags | _NOFOLLOW, mode, dir_fd=fd)
+        return os.open(parts[-1], flags | _NOFOLLOW, dir_fd=fd)
     finally:
         os.close(fd)
 
