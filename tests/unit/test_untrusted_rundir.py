@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import stat
 import subprocess
 import sys
@@ -110,16 +111,29 @@ def test_a_flight_dump_reads_no_source_outside_the_jobs_roots(tmp_path: Path, mo
     assert [site for site in analyze(dumps).bundle.sources if site.startswith(str(analyst))]
 
 
-def _spawn(code: str, cwd: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=cwd)
-    time.sleep(1.5)  # inside all_reduce by now
+#: The body of the jobs' all_reduce: say it is inside (the file $MARK), then wait.
+WAIT = 'open(__import__("os").environ["MARK"], "w").close(); __import__("time").sleep(120)'
+
+
+def _spawn(code: str, cwd: Path, mark: Path) -> subprocess.Popen[bytes]:
+    """A process running CODE, once it is inside its all_reduce."""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env={**os.environ, "MARK": str(mark)})
+    began = time.monotonic()
+    while not mark.exists() and time.monotonic() - began < 60:
+        time.sleep(0.1)
     return proc
 
 
-needs_pyspy = pytest.mark.skipif(
-    not (Path(sys.executable).parent / "py-spy").exists() and os.system("command -v py-spy >/dev/null") != 0,
-    reason="py-spy is not installed",
-)
+def _why_no_pyspy() -> str | None:
+    if shutil.which("py-spy") is None:
+        return "py-spy is not installed"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
+        return "ptrace is restricted (yama ptrace_scope) and this is not root"
+    return None
+
+
+needs_pyspy = pytest.mark.skipif(_why_no_pyspy() is not None, reason=str(_why_no_pyspy()))
 
 
 @needs_pyspy
@@ -133,14 +147,12 @@ def test_hang_pid_reads_no_fifo_device_or_file_outside_the_job(tmp_path: Path) -
     os.mkfifo(fifo)
     secret = tmp_path / "analyst" / "secret.py"
     secret.parent.mkdir()
-    secret.write_text(
-        f"import time\nrank = 0\ndef all_reduce():\n    time.sleep(120)\nif rank == 0:  # {SECRET}\n    all_reduce()\n"
-    )
-    body = "def all_reduce():\\n    import time; time.sleep(120)\\nall_reduce()\\n"
+    secret.write_text(f"rank = 0\ndef all_reduce():\n    {WAIT}\nif rank == 0:  # {SECRET}\n    all_reduce()\n")
+    body = f"def all_reduce():\n    {WAIT}\nall_reduce()\n"
     procs = [
-        _spawn(f"exec(compile('{body}', {str(fifo)!r}, 'exec'))", job),
-        _spawn(f"exec(compile('{body}', '/dev/zero', 'exec'))", job),
-        _spawn(f"p = {str(secret)!r}; exec(compile(open(p).read(), p, 'exec'))", job),
+        _spawn(f"exec(compile({body!r}, {str(fifo)!r}, 'exec'))", job, tmp_path / "in-0"),
+        _spawn(f"exec(compile({body!r}, '/dev/zero', 'exec'))", job, tmp_path / "in-1"),
+        _spawn(f"p = {str(secret)!r}; exec(compile(open(p).read(), p, 'exec'))", job, tmp_path / "in-2"),
     ]
     try:
         pids = [arg for p in procs for arg in ("--pid", str(p.pid))]
@@ -151,13 +163,14 @@ def test_hang_pid_reads_no_fifo_device_or_file_outside_the_job(tmp_path: Path) -
             p.wait()
     assert proc.returncode == 0, proc.stderr
     found = _strict(proc.stdout)
+    assert [r["collective"] for r in found["ranks"]] == ["all_reduce"] * 3
     assert [r["condition"] for r in found["ranks"]] == [None, None, None]
     assert "rank == 0" not in proc.stdout
 
 
 def test_export_snapshot_copies_the_bytes_it_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The snapshot swapped for a symlink to a secret after the analysis read it: the copy
-    is refused (not the secret); a FIFO does not block it."""
+    is refused (not the secret)."""
     from lorascope.cli import export as export_cli
     from lorascope.cli import main
 
