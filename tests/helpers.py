@@ -412,3 +412,47 @@ CHROMIUM_ARGS = [
 
 def chromium_path() -> str | None:
     return os.environ.get("LORASCOPE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+# --- run directories someone else may have written: copied fixtures, edited -----------------
+
+#: The checkout whose lorascope this test process imported (its subprocesses use the same).
+IMPORTED_ROOT = str(Path(__import__("lorascope").__file__).resolve().parents[1])
+
+
+def copied_run(tmp_path: Path, scenario: str = "healthy", name: str = "run") -> Path:
+    """A copy of fixtures/SCENARIO to edit."""
+    return Path(shutil.copytree(FIXTURES / scenario, tmp_path / name))
+
+
+def edit_records(run: Path, rank: int, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> Path:
+    """Rewrite rank RANK's first segment as EDIT returns its records (NaN and infinities
+    written as Python's json writes them, as the probes do)."""
+    stream = _stream(run / "ranks" / f"rank-{rank}")
+    records = [json.loads(line) for line in stream.read_text().splitlines()]
+    stream.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in edit(records)))
+    return stream
+
+
+def capped_cli(
+    *args: str, seconds: float = 60, cap: int = 4 << 30, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`lorascope ARGS` in a subprocess under an address-space cap of CAP bytes; fails the
+    test past SECONDS or on a traceback. Output decoded as UTF-8, bad bytes replaced."""
+    import resource
+
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    proc = subprocess.run(
+        [*LORASCOPE, *args],
+        capture_output=True,
+        encoding="utf-8",
+        errors="replace",
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": IMPORTED_ROOT, **(env or {})},
+        timeout=seconds,
+        preexec_fn=cap_memory,
+        cwd=cwd,
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    return proc

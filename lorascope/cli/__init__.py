@@ -6,6 +6,7 @@ Errors are caught here and only here: each becomes one line on stderr and an exi
 
 from __future__ import annotations
 
+import io
 import sys
 import traceback
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from lorascope import __version__
 from lorascope.cli import analyze, diff, export, hang, plan, report, run, watch
 from lorascope.errors import LorascopeError
 from lorascope.rundir import limits, workers
+from lorascope.text import echo
 from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
@@ -113,6 +115,9 @@ def _failure(exc: BaseException) -> tuple[str, int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: every failure becomes one line on stderr and an exit code."""
     args = list(argv) if argv is not None else sys.argv[1:]
+    for stream in (sys.stdout, sys.stderr):  # a character the encoding lacks: written as an escape
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         rc = cli.main(args=args, prog_name="lorascope", standalone_mode=False)
     except LorascopeError as exc:
@@ -137,6 +142,6 @@ def _report(line: str) -> None:
     if _debug:
         traceback.print_exc()
     try:
-        click.echo(f"lorascope: {line}", err=True)
+        echo(f"lorascope: {line}", err=True)
     except Exception:  # stderr itself is gone: the exit code still says it
         pass

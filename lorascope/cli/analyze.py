@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from lorascope.analysis import analyze
+from lorascope.analysis import analyze, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.detect.finding import SEVERITY_ORDER
 from lorascope.ingest.kinds import KINDS
 from lorascope.report.write import write_report
 from lorascope.rundir.cluster import connect
+from lorascope.text import echo
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings
 from lorascope.text.progress import terminal_progress
@@ -82,18 +82,18 @@ def command(
     findings = analysis.findings
     data = analysis.to_data()
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        echo(strict_json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
-        click.echo(render_findings(findings, data))
+        echo(render_findings(findings, data))
         if analysis.summary is not None:
-            click.echo(render_text(data, all_ranks=all_ranks, verbose=verbose))
+            echo(render_text(data, all_ranks=all_ranks, verbose=verbose))
         elif analysis.bundle.warnings:
-            click.echo("\n".join(f"warning: {w}" for w in analysis.bundle.warnings))
+            echo("\n".join(f"warning: {w}" for w in analysis.bundle.warnings))
         if data["artifacts"]:
-            click.echo(render_artifacts(data["artifacts"], verbose=verbose))
+            echo(render_artifacts(data["artifacts"], verbose=verbose))
     if html_out is not None:
         write_report(analysis, html_out)
-        click.echo(f"lorascope: report written to {html_out}", err=True)
+        echo(f"lorascope: report written to {html_out}", err=True)
     if fail_on is not None and any(SEVERITY_ORDER[f.severity] >= SEVERITY_ORDER[fail_on] for f in findings):
         return FINDINGS_EXIT
     return 0

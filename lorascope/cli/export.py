@@ -8,17 +8,18 @@ pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` open."""
 from __future__ import annotations
 
 import gzip
-import json
 from pathlib import Path
 
 import click
 
-from lorascope.analysis import analyze
+from lorascope.analysis import analyze, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
+from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import records_between
+from lorascope.text import echo
 from lorascope.text.progress import terminal_progress
 
 
@@ -95,15 +96,13 @@ def command(
             if steps is not None:  # the range's own steps, now that every step of it is read
                 window = step_window(run, *_steps(steps), spans)
     doc = timeline(analysis, window, max_events, spans)
-    data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+    data = strict_json.dumps(doc, separators=(",", ":"), default=str).encode()
     try:
         out.write_bytes(gzip.compress(data, 6) if out.name.endswith(".gz") else data)
     except OSError as exc:
         raise BadInputError(f"cannot write {out}: {exc.strerror}") from None
     note = doc["metadata"].get("truncated")
-    click.echo(
-        f"lorascope: {len(doc['traceEvents']):,} events written to {out}" + (f" ({note})" if note else ""), err=True
-    )
+    echo(f"lorascope: {len(doc['traceEvents']):,} events written to {out}" + (f" ({note})" if note else ""), err=True)
     return 0
 
 
@@ -117,9 +116,16 @@ def _snapshot(path: Path, rank: int, out: Path, cluster: str | None) -> int:
     if snapshot is None:
         have = ", ".join(map(str, sorted(bundle.snapshots))) or "none"
         raise BadInputError(f"{path}: no allocator snapshot of rank {rank} (ranks with one: {have})")
+    inside = bundle.run.path if bundle.run is not None else None
     try:
-        out.write_bytes(Path(snapshot.path).read_bytes())
+        with open(out, "wb") as dst:
+            try:  # read again, checked as it is copied: the copy is the bytes checked
+                load_pickle(Path(snapshot.path), copy_to=dst, inside=inside)
+            except BadInputError:
+                dst.close()
+                out.unlink()
+                raise
     except OSError as exc:
         raise BadInputError(f"cannot write {out}: {exc.strerror}") from None
-    click.echo(f"lorascope: rank {rank}'s allocator snapshot ({snapshot.path}) written to {out}", err=True)
+    echo(f"lorascope: rank {rank}'s allocator snapshot ({snapshot.path}) written to {out}", err=True)
     return 0

@@ -3,7 +3,6 @@ and why, in seconds."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import click
 
-from lorascope.analysis import of_run
+from lorascope.analysis import of_run, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
 from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose
@@ -24,6 +23,7 @@ from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
 from lorascope.rundir.reader import RunData
+from lorascope.text import echo
 from lorascope.units import rank_ranges, ranks_named
 
 
@@ -96,7 +96,7 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
         others = [f for f in analysis.findings if f.id != "hung-ranks"]
         analysis.findings = [hang_finding(run, diagnosis), *others]
     try:
-        write_report(analysis, out)
+        write_report(analysis, out, fresh=out.parent == run_dir)
     except LorascopeError as exc:
         return f"no HTML report: {exc}"
     return f"report: {out}"
@@ -149,8 +149,10 @@ def command(
         raise UsageError("give a run directory or --pid, not both")
     if pids:
         diagnosis = diagnose_pids(list(pids))
-        click.echo(
-            json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True) if as_json else _render(diagnosis, [])
+        echo(
+            strict_json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True)
+            if as_json
+            else _render(diagnosis, [])
         )
         return 0
     assert run_dir is not None
@@ -174,9 +176,9 @@ def command(
     if as_json:
         if out is not None:
             notes.append(_write_html(run, run_dir, diagnosis, out))
-        click.echo(json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
+        echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
     else:
-        click.echo(_render(diagnosis, notes))  # the verdict first: the page can take seconds
+        echo(_render(diagnosis, notes))  # the verdict first: the page can take seconds
         if out is not None:
-            click.echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
+            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
     return 0

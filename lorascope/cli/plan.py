@@ -4,13 +4,13 @@ change so that it fits."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import click
 
+from lorascope.analysis import strict_json
 from lorascope.errors import UsageError
 from lorascope.plan import PRESETS, PlanInputs, build_plan, preset_shape, render_text, shape_from_config
 from lorascope.plan.from_configs import ds_precision, lora_from_config, zero_from_ds_config
@@ -25,6 +25,7 @@ from lorascope.plan.training import (
     FsdpSetup,
     TrainingSetup,
 )
+from lorascope.text import echo
 from lorascope.units import parse_bytes
 
 _REGEX_CHARS = re.compile(r"[*()\[\]|^$\\+?{}]")
@@ -245,5 +246,5 @@ def command(
         loss=loss,
     )
     plan = build_plan(PlanInputs(shape, lora, setup, parse_bytes(gpu_mem), source)).to_dict()
-    click.echo(json.dumps(plan, indent=2) if as_json else render_text(plan))
+    echo(strict_json.dumps(plan, indent=2) if as_json else render_text(plan))
     return 0

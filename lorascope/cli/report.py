@@ -10,6 +10,7 @@ from lorascope.analysis import analyze
 from lorascope.cli.options import cluster_option
 from lorascope.report.write import write_report
 from lorascope.rundir.cluster import connect
+from lorascope.text import echo
 from lorascope.text.progress import terminal_progress
 
 
@@ -28,5 +29,5 @@ def command(path: Path, out: Path, cluster: str | None) -> int:
     with connect(cluster) as on, terminal_progress(True) as progress:
         analysis = analyze(path, progress=progress, cluster=on)
     size = write_report(analysis, out)
-    click.echo(f"lorascope: report written to {out} ({size / 1024:.0f} KiB)", err=True)
+    echo(f"lorascope: report written to {out} ({size / 1024:.0f} KiB)", err=True)
     return 0

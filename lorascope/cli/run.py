@@ -5,7 +5,9 @@ attached the probes (or, when none did, the likely reason)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import socket
 import sys
 import time
@@ -20,30 +22,70 @@ from lorascope.probes.allocator import ENV_SWITCH as ENV_MEMORY_HISTORY
 from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.history_policy import MODES
 from lorascope.probes.kernels import parse_window
+from lorascope.probes.memory import MAX_SAMPLE_INTERVAL
+from lorascope.rundir import safe_open
 from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
 from lorascope.rundir.reader import launching_cli, load_run
 from lorascope.rundir.schema import BOOTSTRAP_DIR
 from lorascope.rundir.writer import record_launch, record_ranks
+from lorascope.text import echo
 from lorascope.text.summary import render_text
 from lorascope.units import ranks_named
 
 
-def _prepare(out: Path, config: dict[str, object]) -> Path | None:
-    """Create the run directory and its bootstrap folder (the settings written into it,
-    so that they reach ranks whose launcher passes on nothing but PYTHON* variables);
-    returns the bootstrap path, or None (warned) when it cannot be written: the job then
-    runs without probes."""
+def _check_trusted(out: Path, trust: bool) -> None:
+    """Refuse (one line) a run directory, or its bootstrap folder, that someone else owns
+    or may write: what is planted there would run in every rank (docs/security.md)."""
+    if os.pathsep in str(out):
+        raise UsageError(
+            f"--out {str(out)!r}: the path holds {os.pathsep!r}, which cannot be put on PYTHONPATH "
+            "(the probes would not attach, and a part of it would be imported from): choose another"
+        )
+    if trust:
+        return
+    for folder in (out, out / BOOTSTRAP_DIR):
+        why = safe_open.untrusted_dir(folder)
+        if why is not None:
+            raise UsageError(
+                f"{folder}: {why}: refused, as code planted in it would run in every rank of the job; "
+                "use a folder of your own, or `lorascope run --trust-run-dir` if you trust who can write it"
+            )
+
+
+def _prepare(out: Path, launch_id: str, config: dict[str, object]) -> tuple[Path | None, str]:
+    """Create the run directory and a fresh private (0700) bootstrap folder in it (the
+    settings written into it, so that they reach ranks whose launcher passes on nothing
+    but PYTHON* variables); returns the bootstrap path, or None (warned) when it cannot be
+    written: the job then runs without probes; and the launch id (the folder's name: a
+    launch id already there gets a suffix)."""
     try:
-        bootstrap = Path(str(config["bootstrap_dir"]))
-        bootstrap.mkdir(parents=True, exist_ok=True)
-        (bootstrap / "sitecustomize.py").write_text(sitecustomize_source(config))
+        out.mkdir(mode=0o755, parents=True, exist_ok=True)
+        safe_open.make_dirs(out, out / BOOTSTRAP_DIR)
+        bootstrap, launch_id = _fresh_folder(out / BOOTSTRAP_DIR, launch_id)
+        config.update(bootstrap_dir=str(bootstrap), launch_id=launch_id)
+        fd = safe_open.create(bootstrap / "sitecustomize.py", exclusive=True, mode=0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(sitecustomize_source(config))
     except OSError as exc:
-        click.echo(
+        echo(
             f"lorascope: warning: cannot write the run directory {out} ({exc.strerror}); the job runs without probes",
             err=True,
         )
-        return None
-    return bootstrap
+        return None, launch_id
+    return bootstrap, launch_id
+
+
+def _fresh_folder(parent: Path, name: str) -> tuple[Path, str]:
+    """A folder made now, mode 0700, named NAME (or NAME.<random> if NAME is taken)."""
+    for attempt in range(16):
+        chosen = name if attempt == 0 else f"{name}.{secrets.token_hex(3)}"
+        try:
+            os.mkdir(parent / chosen, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(parent / chosen, 0o700)
+        return parent / chosen, chosen
+    raise FileExistsError(errno.EEXIST, "no fresh bootstrap folder could be made", str(parent))
 
 
 def _child_env(
@@ -98,6 +140,12 @@ def _child_env(
     default=False,
     help="Print the per-rank summary table at the end (`lorascope analyze` prints it with the verdict).",
 )
+@click.option(
+    "--trust-run-dir",
+    is_flag=True,
+    help="Use a run directory (or its bootstrap folder) that another user owns or others may write: "
+    "whoever can write it can run code in the job. Refused without this flag (docs/security.md).",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(
     out: Path | None,
@@ -106,11 +154,12 @@ def command(
     memory_history: str,
     no_memory_history: bool,
     summary: bool,
+    trust_run_dir: bool,
     cmd: tuple[str, ...],
 ) -> int:
     """Run CMD (torchrun, deepspeed, python ...) with the probes in every rank."""
-    if sample_interval < 0:
-        raise UsageError("--sample-interval must be >= 0")
+    if not 0 <= sample_interval <= MAX_SAMPLE_INTERVAL:  # False for a NaN too
+        raise UsageError(f"--sample-interval must be between 0 and {MAX_SAMPLE_INTERVAL:g} seconds")
     try:
         parse_window(trace_window)
     except ValueError as exc:
@@ -118,19 +167,17 @@ def command(
     if no_memory_history:
         memory_history = "off"
     out = (out or Path("lorascope-runs") / time.strftime("%Y%m%d-%H%M%S")).absolute()
-    launch_id = f"{socket.gethostname()}-{os.getpid()}"
+    _check_trusted(out, trust_run_dir)
     # One bootstrap folder per launch: the launchers of a multi-node job share the run dir.
-    config = {
+    config: dict[str, object] = {
         "run_dir": str(out),
-        "bootstrap_dir": str(out / BOOTSTRAP_DIR / launch_id),
-        "launch_id": launch_id,
         "sample_interval": sample_interval,
         "trace_window": trace_window,
         "memory_history": memory_history,
     }
-    bootstrap = _prepare(out, config)
+    bootstrap, launch_id = _prepare(out, f"{socket.gethostname()}-{os.getpid()}", config)
     record_launch(out, launch_id, list(cmd))
-    click.echo(f"lorascope: recording to {out}", err=True)
+    echo(f"lorascope: recording to {out}", err=True)
     try:
         env = (
             _child_env(out, bootstrap, launch_id, sample_interval, trace_window, memory_history) if bootstrap else None
@@ -149,13 +196,13 @@ def command(
             data = build_summary(load_run(out))
             record_ranks(out, {str(r["rank"]): {k: r[k] for k in ("pid", "host", "ended")} for r in data["ranks"]})
             if summary:
-                click.echo(render_text(data), err=True)
+                echo(render_text(data), err=True)
         except Exception as exc:  # whatever happened to the run directory, the status is the job's
             reason = str(exc) if isinstance(exc, LorascopeError) else f"{exc.__class__.__name__}: {exc}"
-            click.echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
+            echo(f"lorascope: the run directory could not be summarised: {reason[:300]}", err=True)
     if attached and not summary:
-        click.echo(f"lorascope: the verdict and each rank's summary: lorascope analyze {out}", err=True)
-    click.echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None, rc), err=True)
+        echo(f"lorascope: the verdict and each rank's summary: lorascope analyze {out}", err=True)
+    echo(_attached_line(attached, out, list(cmd), launch_id, bootstrap is not None, rc), err=True)
     sys.stderr.flush()
     return rc
 

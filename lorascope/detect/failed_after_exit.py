@@ -46,11 +46,17 @@ FIX_UNSEEN = (
 
 def _failed_launches(run: RunData) -> list[dict[str, Any]]:
     """Launches that ended with a failure status of their own (not a signal lorascope
-    forwarded to them: the user stopped those)."""
+    forwarded to them: the user stopped those) and started the ranks analysed: another job
+    run into the same directory says nothing of these ranks (a rank attached outside
+    `lorascope run` names no launch: then every launch counts)."""
+    ours = {rank.start.get("launch_id") for rank in run.ranks.values()}
     return [
         launch
         for launch in run.manifest["launches"]
-        if launch["end"] is not None and launch["exit_status"] not in (None, 0) and not launch.get("signals")
+        if launch["end"] is not None
+        and launch["exit_status"] not in (None, 0)
+        and not launch.get("signals")
+        and (None in ours or launch["id"] in ours)
     ]
 
 

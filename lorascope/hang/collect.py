@@ -122,7 +122,7 @@ def _written_since(files: Grown, since: float, kind: str) -> bool:
     compact, spaced = f'"k":"{kind}"'.encode(), f'"k": "{kind}"'.encode()
     for path in files.segments():
         try:
-            with open_regular(path) as f:
+            with open_regular(path, inside=path.parent) as f:
                 f.seek(files.ends.get(path, 0))
                 tail = f.read(MAX_TAIL_BYTES)
         except (OSError, BadInputError):

@@ -5,6 +5,7 @@ condition its call sits in (the job's source, read on this host, as the probes r
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import psutil
@@ -15,7 +16,7 @@ from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.rundir.ops import PAYLOAD_ARG
 from lorascope.rundir.ranks import LONE, discover
-from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, rank_condition_in
+from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, job_source, rank_condition_in
 
 
 def _rank_of(pid: int) -> str:
@@ -37,12 +38,31 @@ def _collective(stacks: str) -> str | None:
     return None
 
 
-def _condition(stacks: str) -> tuple[str, str] | None:
-    """The rank condition the main thread is in, read from the job's source on this host:
-    around its innermost own frame, else around the nearest caller of the job's own code
-    whose line has one (as the probes' ``via``). (the condition, the frame it encloses)."""
+def _roots(pid: int) -> tuple[str, ...]:
+    """Where the process's own source files are: its working directory, its PYTHONPATH
+    entries and its script's folder (a frame elsewhere is not read: it may name any file)."""
+    try:
+        proc = psutil.Process(pid)
+        cwd = proc.cwd()
+        env = proc.environ()
+        cmdline = proc.cmdline()
+    except (psutil.Error, OSError):
+        return ()
+    roots = [cwd, *env.get("PYTHONPATH", "").split(os.pathsep)]
+    script = next((a for a in cmdline[1:] if not a.startswith("-")), "")
+    if script.endswith(".py"):
+        roots.append(os.path.dirname(os.path.join(cwd, script)))
+    return tuple(r for r in roots if os.path.isabs(r))
+
+
+def _condition(stacks: str, roots: tuple[str, ...]) -> tuple[str, str] | None:
+    """The rank condition the main thread is in, read from the job's source on this host
+    (under ROOTS): around its innermost own frame, else around the nearest caller of the
+    job's own code whose line has one (as the probes' ``via``). (the condition, the frame
+    it encloses)."""
     for m in own_main_frames(stacks)[:MAX_VIA_FRAMES]:
-        cond = rank_condition_in(describe(m["file"], int(m["line"])))
+        lines = job_source(m["file"], roots)
+        cond = rank_condition_in(describe(m["file"], int(m["line"]), lines)) if lines is not None else None
         if cond is not None:
             return cond, f"{m['file']}:{m['line']} in {m['func']}"
     return None
@@ -56,7 +76,7 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         frame = main_thread_frame(stacks)
         op = _collective(stacks)
         where = f"in {op} at {frame or '?'}" if op else f"in its own code at {frame or '?'} (no collective)"
-        cond = _condition(stacks) if op else None
+        cond = _condition(stacks, _roots(pid)) if op else None
         states.append({"who": who, "pid": pid, "collective": op, "where": where, "stacks": stacks, "condition": cond})
     groups: dict[str, list[str]] = {}
     for s in states:

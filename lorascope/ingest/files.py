@@ -63,9 +63,10 @@ def _free_rank(taken: dict[int, object]) -> int:
     return rank
 
 
-def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = False) -> None:
+def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = False, inside: Path | None = None) -> None:
     """Load one file of KIND into the bundle. BadInputError when it is not that kind.
-    A log given with ``--kind log`` (forced) only has to be text, not to look like a log."""
+    A log given with ``--kind log`` (forced) only has to be text, not to look like a log.
+    INSIDE: a folder the file must not leave (a run directory's rank folder)."""
     if kind == "log":
         if forced and detect_kind(path) != "log":
             raise BadInputError(f"{path}: not text, so not a log ({describe_unknown(path)})")
@@ -79,7 +80,7 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
         bundle.warnings.extend(f"{path}: {w}" for w in log.warnings)
         return
     #: kind -> (reader(path, rank from the name), where the bundle keeps that kind by rank)
-    readers: dict[str, tuple[Callable[[Path, int | None], Any], dict[int, Any]]] = {
+    readers: dict[str, tuple[Callable[[Path, int | None, Path | None], Any], dict[int, Any]]] = {
         "snapshot": (read_snapshot, bundle.snapshots),
         "flight": (read_flight_dump, bundle.flight_records),
         "kineto": (read_trace, bundle.traces),
@@ -88,7 +89,7 @@ def load_file(bundle: EvidenceBundle, path: Path, kind: str, forced: bool = Fals
         raise BadInputError(f"{path}: cannot load a file as {kind!r}")
     reader, store = readers[kind]
     rank = rank_from_path(path)
-    artifact = reader(path, rank)
+    artifact = reader(path, rank, inside)
     rank = artifact.rank
     if rank is None:
         rank = _free_rank(store)

@@ -8,21 +8,22 @@ the folder) is read.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.files import add_hta, load_files, load_single, walk_files
+from lorascope.ingest.files import add_hta, load_file, load_files, load_single, walk_files
 from lorascope.ingest.flight.reader import FlightDump, call_chain, read_flight_dump
 from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.ingest.snapshot.reader import read_snapshot
 from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import Progress, RankData, load_run
+from lorascope.rundir.reader import Progress, RankData, RunData, load_run
 from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.sources import MAX_FILE_BYTES, describe
+from lorascope.rundir.sources import describe, job_source
 
 
 def load_bundle(
@@ -71,7 +72,7 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
         for name in rank.trace_files:
             if rank.rank not in bundle.traces and Path(name).is_file():
                 try:
-                    load_files(bundle, [Path(name)], "kineto")
+                    load_file(bundle, Path(name), "kineto", forced=True, inside=Path(name).parent)
                 except BadInputError as exc:
                     bundle.warnings.append(f"rank {rank.rank}: {exc}")
         timeline = rank_flight_timeline(rank, bundle.warnings)
@@ -92,7 +93,7 @@ def rank_flight_timeline(rank: RankData, warnings: list[str]) -> list[tuple[floa
         if not path.is_file():
             continue
         try:
-            out.append((float(record["t"]), read_flight_dump(path, rank.rank)))
+            out.append((float(record["t"]), read_flight_dump(path, rank.rank, inside=path.parent)))
         except BadInputError as exc:
             warnings.append(f"rank {rank.rank}: {exc}")
     return out
@@ -116,7 +117,7 @@ def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
     if chosen is None or rank.rank in bundle.snapshots:
         return
     try:
-        snapshot = read_snapshot(Path(chosen["path"]), rank.rank)
+        snapshot = read_snapshot(Path(chosen["path"]), rank.rank, inside=Path(chosen["path"]).parent)
     except BadInputError as exc:
         bundle.warnings.append(f"rank {rank.rank}: {exc}")
         return
@@ -147,19 +148,34 @@ def _cross_rank(bundle: EvidenceBundle, hta: bool | None) -> None:
 def _add_sources(bundle: EvidenceBundle) -> None:
     """The source line and enclosing conditions of every call site in the flight-recorder
     dumps and of the frames above it up to the job's own code, where the files are readable
-    here (the dumps carry only file:line)."""
+    here and under the job's roots (the dumps carry only file:line, and may name any file)."""
     sites = {f for dump in bundle.flight_records.values() for e in dump.entries for f in call_chain(e.frames)}
-    for site in sorted(s for s in sites if s):
+    roots = source_roots(bundle.run)
+    for site in sorted(s for s in sites if s)[:MAX_SOURCE_SITES]:
         path, _, rest = site.partition(":")
         line = rest.split(" ", 1)[0]
-        if line.isdigit() and _small_source(Path(path)):
-            bundle.sources[site] = describe(path, int(line))
+        if line.isdigit() and len(line) < 10:
+            lines = job_source(path, roots)
+            if lines is not None:
+                bundle.sources[site] = describe(path, int(line), lines)
 
 
-def _small_source(path: Path) -> bool:
-    """A regular file small enough to be source (linecache reads files whole; a dump's
-    frames may name anything)."""
-    try:
-        return path.is_file() and path.stat().st_size <= MAX_FILE_BYTES
-    except OSError:
-        return False
+#: Call sites whose source is read, at most (a dump may name any number of files).
+MAX_SOURCE_SITES = 4096
+
+
+def source_roots(run: RunData | None) -> tuple[str, ...]:
+    """Where the job's own source files are: the working directory each launch recorded
+    and the folder of each rank's script; for dumps given without a run directory, the
+    current directory (run lorascope from the job's checkout)."""
+    if run is None:
+        return (os.getcwd(),)
+    cwds = [c for launch in run.manifest["launches"] if isinstance(c := launch.get("cwd"), str) and os.path.isabs(c)]
+    roots = set(cwds)
+    for rank in run.ranks.values():
+        argv = rank.start.get("argv")
+        script = argv[0] if isinstance(argv, list) and argv and isinstance(argv[0], str) else ""
+        if script.endswith(".py"):
+            bases = [""] if os.path.isabs(script) else cwds
+            roots.update(os.path.dirname(os.path.join(base, script)) for base in bases)
+    return tuple(sorted(roots))

@@ -86,8 +86,8 @@ _UNSET = _Mark()
 class _Source:
     """Chunked reading of a binary file with the position kept by the caller."""
 
-    def __init__(self, f: BinaryIO | None, data: bytes | None = None) -> None:
-        self.f = f
+    def __init__(self, f: BinaryIO | _Copied | None, data: bytes | None = None) -> None:
+        self.f: BinaryIO | _Copied | None = f
         self.first = data
         self.eof = f is None
         #: Bytes in the whole input: no declared length and no memo index may exceed it.
@@ -141,13 +141,34 @@ class _Source:
         return buf[pos:nl], buf, nl + 1
 
 
-def load_pickle(path: Path) -> Any:
-    """Read a pickle file as plain data; BadInputError subclasses on anything else."""
+def load_pickle(path: Path, copy_to: BinaryIO | None = None, inside: Path | None = None) -> Any:
+    """Read a pickle file as plain data; BadInputError subclasses on anything else.
+    COPY_TO: a file that receives every byte as it is read, so that a copy holds exactly
+    the bytes checked (not the file again, which may have been swapped since). INSIDE: a
+    folder the file must not leave (``safe_open.open_regular``)."""
     try:
-        with open_regular(path) as f:
-            return _load(_Source(f), str(path))
+        with open_regular(path, inside) as f:
+            return _load(_Source(f if copy_to is None else _Copied(f, copy_to)), str(path))
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+class _Copied:
+    """A binary file whose reads are also written to another."""
+
+    def __init__(self, f: BinaryIO, copy_to: BinaryIO) -> None:
+        self.f, self.copy_to = f, copy_to
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        self.copy_to.write(data)
+        return data
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
 
 
 def loads_pickle(data: bytes, name: str = "<bytes>") -> Any:

@@ -4,6 +4,7 @@ gives; when no single change fits, the greedy combination that does."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,13 +114,25 @@ def _micro_batch(i: PlanInputs) -> Candidate | None:
         return None
     # The largest divisor of the micro-batch that fits clear of the edge (so gradient
     # accumulation keeps the global batch exactly), else 1.
-    divisors = [d for d in range(mb - 1, 0, -1) if mb % d == 0]
+    divisors = [d for d in _divisors(mb) if d < mb]
     best = next((d for d in divisors if verdict(compute_budget(_with(i, micro_batch=d)).total, i.gpu_mem) == FITS), 1)
     return (
         f"micro-batch {best}",
         f"--micro-batch {best} with gradient_accumulation_steps x{mb // best} to keep the global batch",
         _with(i, micro_batch=best),
     )
+
+
+#: Trial divisions, at most, when looking for a smaller micro-batch: a micro-batch read
+#: from a record may be any integer (10^12), and the loop is bounded by this, not by it.
+MAX_TRIAL_DIVISORS = 1 << 16
+
+
+def _divisors(n: int) -> list[int]:
+    """N's divisors, largest first: every one whose smaller cofactor is at most
+    MAX_TRIAL_DIVISORS (all of them for any real micro-batch)."""
+    small = [d for d in range(1, min(math.isqrt(n), MAX_TRIAL_DIVISORS) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 
 def _offload_optimizer(i: PlanInputs) -> Candidate | None:

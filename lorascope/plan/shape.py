@@ -4,13 +4,13 @@ them (PEFT matches LoRA targets against those names)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
+from lorascope.rundir.safe_open import loads_json, read_capped
 
 #: Model types whose transformers implementation this model follows term by term.
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -159,19 +159,14 @@ def shape_from_config(config: Mapping[str, Any], name: str | None = None) -> Mod
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    """Read a config.json (or a model directory holding one); BadInputError on any failure."""
+    """Read a config.json (or a model directory holding one); BadInputError on any failure
+    (a FIFO or a device is refused, a file over the record size limit too: a config is a
+    few KiB)."""
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"{path}: cannot read: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not path.exists():
+        raise BadInputError(f"{path}: no such file")
+    data = loads_json(read_capped(path, "record_bytes", "the config"), path, "the config")
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: expected a JSON object")
     return data

@@ -49,6 +49,7 @@ from typing import Any
 
 from lorascope.probes.history_policy import MODES, HistoryPolicy
 from lorascope.probes.session import Session
+from lorascope.rundir import safe_open
 
 ENV_SWITCH = "LORASCOPE_MEMORY_HISTORY"
 #: Alloc/free entries kept (a ring). ~0.5-1 KB of host memory each with Python stacks;
@@ -215,7 +216,7 @@ class AllocatorProbe:
             data = sys.modules["torch"].cuda.memory._snapshot()
             path = self._prefix.with_name(f"{self._prefix.name}.snapshot.{reason}.pickle")
             tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
+            with os.fdopen(safe_open.create(tmp), "wb") as f:
                 pickle.dump(data, f)  # as torch.cuda.memory._dump_snapshot writes it
             os.replace(tmp, path)
             traces = data.get("device_traces") or []

@@ -28,9 +28,10 @@ from lorascope.probes.fsdp import FsdpProbe
 from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import DEFAULT_WINDOW, KernelWindow, parse_window
 from lorascope.probes.logits import LogitsProbe
-from lorascope.probes.memory import MemoryProbe
+from lorascope.probes.memory import MAX_SAMPLE_INTERVAL, MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
+from lorascope.rundir import safe_open
 from lorascope.rundir.ranks import Identity, discover
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
@@ -72,12 +73,12 @@ def _env_float(name: str) -> float | None:
         return None
 
 
-def _sample_interval() -> float:
+def _sample_interval(given: float | None) -> float:
     try:
-        value = float(os.environ.get(ENV_SAMPLE_INTERVAL, DEFAULT_SAMPLE_INTERVAL))
-    except ValueError:
+        value = float(os.environ.get(ENV_SAMPLE_INTERVAL, DEFAULT_SAMPLE_INTERVAL) if given is None else given)
+    except (TypeError, ValueError):
         return DEFAULT_SAMPLE_INTERVAL
-    return value if value >= 0 else DEFAULT_SAMPLE_INTERVAL
+    return value if 0 <= value <= MAX_SAMPLE_INTERVAL else DEFAULT_SAMPLE_INTERVAL
 
 
 def _say_failed(run_dir: Path | None, why: str) -> None:
@@ -85,7 +86,8 @@ def _say_failed(run_dir: Path | None, why: str) -> None:
     print(line, file=sys.stderr)
     if run_dir is not None:
         try:
-            with open(run_dir / "probe-errors.log", "a") as f:
+            fd = safe_open.create(run_dir / "probe-errors.log", append=True)
+            with os.fdopen(fd, "a") as f:
                 f.write(line + "\n")
         except OSError:
             pass
@@ -114,7 +116,7 @@ def attach(
         identity = discover() if identity is None else identity
         _session = _start(
             run_dir,
-            _sample_interval() if sample_interval is None else sample_interval,
+            _sample_interval(sample_interval),
             _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None else trace_window),
             identity,
             os.environ.get("LORASCOPE_LAUNCH_ID") if launch_id is None else launch_id,

@@ -136,7 +136,7 @@ def _note(config: dict[str, Any], decided: str, identity: ranks.Identity) -> Non
             }
         )
         path = os.path.join(config["bootstrap_dir"], PROCESSES_LOG)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             os.write(fd, (line + "\n").encode())
         finally:

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import IO, Any
 
 from lorascope.probes.session import Session
+from lorascope.rundir import safe_open
 from lorascope.rundir.writer import fatal_path
 
 MAX_WARNINGS = 200
@@ -86,7 +87,7 @@ def install_fatal_handler(session: Session, prefix: Path) -> IO[str] | None:
     if faulthandler.is_enabled():
         return None
     path = fatal_path(prefix)
-    file = open(path, "w")  # kept open for the life of the process
+    file = os.fdopen(safe_open.create(path), "w")  # kept open for the life of the process
     faulthandler.enable(file=file, all_threads=True)
     session.record("fatal_handler", file=path.name)
     return file

@@ -54,6 +54,9 @@ STRIDED_PHASES = frozenset({"forward", "backward", "optimizer", "step"})
 #: a phase outside the loop (an eval, a save: ``heap_due``).
 HEAP_DENSE_STEPS = WARM_UP_STEPS
 HEAP_EVERY = 10
+#: The longest interval between background samples (seconds): a larger one (or a NaN,
+#: an infinity) is refused by `lorascope run` and taken as the default by `attach`.
+MAX_SAMPLE_INTERVAL = 3600.0
 #: The edges that end a step (a ``step`` record takes the optimizer's end reading).
 _STEP_ENDS = frozenset({"optimizer.end", "step"})
 #: A ``mem`` record of a reading of RSS (and the C heap), as ``Session.record`` writes it.

@@ -20,6 +20,7 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from lorascope.analysis import strict_json
 from lorascope.units import ranks_named
 
 ECHARTS_VERSION = "6.0.0"
@@ -37,7 +38,8 @@ def _environment() -> Environment:
         keep_trailing_newline=True,
     )
     env.filters["ranks_named"] = ranks_named
-    env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":"), "allow_nan": False}
+    env.policies["json.dumps_function"] = strict_json.dumps
+    env.policies["json.dumps_kwargs"] = {"sort_keys": True, "separators": (",", ":")}
     return env
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX, SchemaError, validate_record
 from lorascope.rundir.writer import fatal_path, stream_prefix
 
 #: What is read, at most: of a stream's first line (its start record), of processes.jsonl.
@@ -25,15 +25,16 @@ _CONTAINERS = frozenset({"docker", "podman", "nerdctl", "apptainer", "singularit
 
 
 def attached_processes(run_dir: Path, launch_id: str | None = None) -> list[dict[str, Any]]:
-    """The ``start`` record of every process that attached (of one launch, if given)."""
+    """The valid ``start`` record of every process that attached (of one launch, if given)."""
     out = []
     for first in sorted((run_dir / RANKS_DIR).glob(f"rank-*/*.0000{STREAM_SUFFIX}")):
         try:
-            with open_regular(first) as f:
+            with open_regular(first, inside=run_dir) as f:
                 rec = json.loads(f.readline(MAX_START_BYTES))
-        except (OSError, ValueError, RecursionError, BadInputError):
+            valid = isinstance(rec, dict) and rec.get("k") == "start" and validate_record(rec)
+        except (OSError, ValueError, RecursionError, BadInputError, SchemaError):
             continue
-        if isinstance(rec, dict) and rec.get("k") == "start":
+        if valid:
             if launch_id is None or rec.get("launch_id") in (None, launch_id):
                 out.append(rec)
     return out
@@ -68,7 +69,7 @@ def bootstrap_processes(run_dir: Path, launch_id: str | None = None) -> list[dic
     lines: list[str] = []
     for log in sorted((run_dir / BOOTSTRAP_DIR).glob(f"{launch_id or '*'}/{PROCESSES_LOG}")):
         try:
-            with open_regular(log) as f:
+            with open_regular(log, inside=run_dir) as f:
                 lines.extend(f.read(MAX_PROCESSES_BYTES).decode(errors="replace").splitlines())
         except (OSError, BadInputError):
             continue

@@ -181,7 +181,7 @@ def _blocks(path: Path, max_line: int) -> Iterator[tuple[list[bytes], bytes]]:
     """The file's newline-terminated lines, a block at a time, without their newlines;
     then (an empty list and) whatever follows the last newline, if anything."""
     try:
-        with open_regular(path) as f:
+        with open_regular(path, inside=path.parent) as f:  # in its rank folder, checked by _segments
             rest = b""
             while chunk := f.read(BLOCK_BYTES):
                 data = rest + chunk if rest else chunk

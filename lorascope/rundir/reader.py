@@ -38,7 +38,7 @@ from lorascope.rundir.reduce import (
     steps_per_rank,
     totals,
 )
-from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped
+from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped, read_head
 from lorascope.rundir.schema import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -193,7 +193,7 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         raise BadInputError(f"{run_dir} is not a lorascope run directory (no {MANIFEST_FILE})")
     if leaves(run_dir, path):
         raise BadInputError(f"{path}: a symlink out of the run directory: not followed")
-    data = read_capped(path, "record_bytes", "the manifest")
+    data = read_capped(path, "record_bytes", "the manifest", inside=run_dir)
     try:
         manifest = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -315,7 +315,7 @@ def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[t
     deep_lines: list[int] = []
     number = 0
     try:
-        with open_regular(path) as f:
+        with open_regular(path, inside=path.parent) as f:  # in its rank folder, checked by _segments
             while line := f.readline(max_line + 1):
                 number += 1
                 if len(line) > max_line and not line.endswith(b"\n"):
@@ -705,7 +705,7 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
     if leaves(run_dir, path):
         return [f"{path}: a symlink out of the run directory: not followed"]
     out: list[str] = []
-    with open_regular(path) as f:
+    with open_regular(path, inside=run_dir) as f:
         while len(out) < most and (raw := f.readline(1024)):
             line = raw.decode("utf-8", "replace").strip()
             if line:
@@ -1029,13 +1029,13 @@ MAX_FATAL_BYTES = 64 * 1024
 
 def _fatal_text(path: Path, name: str) -> str | None:
     """The text faulthandler left, if it wrote any (it is empty unless the rank died of a
-    fatal signal)."""
+    fatal signal): a regular file in the rank's folder (a symlink out of it, a FIFO or a
+    device is not read)."""
     if Path(name).name != name or not path.is_file():
         return None
     try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_FATAL_BYTES).decode("utf-8", "replace").strip()
-    except OSError:
+        text = read_head(path, MAX_FATAL_BYTES, inside=path.parent).decode("utf-8", "replace").strip()
+    except (OSError, BadInputError):
         return None
     return text or None
 

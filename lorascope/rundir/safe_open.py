@@ -1,5 +1,12 @@
-"""Opening input files that may be hostile or broken (analysis side).
+"""Opening files that may be hostile or broken: the analysis side's inputs, and what
+``lorascope run`` and the probes write into a run directory someone else may have prepared
+(docs/security.md).
 
+- Confined: a file read from or written into a run directory stays in it. A read given
+  ``inside`` resolves the path, refuses one that leaves the directory, then opens the
+  resolved path one component at a time relative to a directory descriptor with
+  ``O_NOFOLLOW``, so a symlink swapped in after the check is refused, not followed.
+  Writes (:func:`create`, :func:`make_dirs`) never follow a symlink either.
 - Only regular files are read: a FIFO, a device or a socket is refused with one line.
   The file is opened with ``O_NONBLOCK`` and checked with ``fstat`` on the open
   descriptor, so a FIFO never blocks and nothing can be swapped in between a check and
@@ -13,10 +20,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import stat
+import tempfile
 import zlib
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -48,10 +58,49 @@ def refuse(path: Path | str, what: str) -> BadInputError:
     return BadInputError(f"{path}: {what}, not a regular file: refused (only regular files are read)")
 
 
-def open_regular(path: Path | str) -> BinaryIO:
-    """Open PATH for binary reading if it is a regular file (after symlinks); else BadInputError."""
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC
+
+
+def _beneath(root: Path | str, path: Path | str) -> tuple[str, list[str]]:
+    """ROOT resolved, and PATH's resolved components below it; BadInputError when PATH
+    resolves outside ROOT (a symlink leaving it, a loop)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+        real_root = os.path.realpath(root, strict=True)
+        real = os.path.realpath(path, strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise BadInputError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    rel = os.path.relpath(real, real_root)
+    if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        raise BadInputError(f"{path}: a symlink out of the run directory: not followed")
+    return real_root, rel.split(os.sep)
+
+
+def _open_beneath(root: str, parts: list[str], flags: int) -> int:
+    """Open ROOT/PARTS one component at a time, each with O_NOFOLLOW: a component that is
+    a symlink (swapped in after PARTS were resolved) fails with ELOOP or ENOTDIR."""
+    fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            below = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        return os.open(parts[-1], flags | _NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: Path | str, inside: Path | str | None = None) -> BinaryIO:
+    """Open PATH for binary reading if it is a regular file (after symlinks); else
+    BadInputError. With INSIDE (a run directory), PATH must resolve inside it, and no
+    symlink is followed after that check (see the module doc)."""
+    try:
+        if inside is None:
+            fd = os.open(path, _READ)
+        else:
+            fd = _open_beneath(*_beneath(inside, path), _READ)
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
@@ -80,25 +129,29 @@ def is_gzip(head: bytes) -> bool:
     return head[:2] == GZIP_MAGIC
 
 
-def read_capped(path: Path | str, limit_name: str, what: str) -> bytearray:
+def read_capped(path: Path | str, limit_name: str, what: str, inside: Path | str | None = None) -> bytearray:
     """The whole content of PATH (gunzipped when gzip), or LimitError past the limit
     ``limit_name`` (a field of :class:`~lorascope.rundir.limits.Limits`) in force.
 
     Truncated or corrupt gzip is a BadInputError. At most the limit + 1 MiB is held (a
     bytearray, not copied into bytes: json.loads takes it as it is)."""
-    return _read(path, limit_name, what, keep_cut=False)[0]
+    return _read(path, limit_name, what, keep_cut=False, inside=inside)[0]
 
 
-def read_capped_cut(path: Path | str, limit_name: str, what: str) -> tuple[bytearray, bool]:
+def read_capped_cut(
+    path: Path | str, limit_name: str, what: str, inside: Path | str | None = None
+) -> tuple[bytearray, bool]:
     """As :func:`read_capped`, but a gzip file that ends inside its compressed stream (a
     writer killed mid-file) gives what it holds, and True: for readers that can use the
     start of a file cut short."""
-    return _read(path, limit_name, what, keep_cut=True)
+    return _read(path, limit_name, what, keep_cut=True, inside=inside)
 
 
-def _read(path: Path | str, limit_name: str, what: str, keep_cut: bool) -> tuple[bytearray, bool]:
+def _read(
+    path: Path | str, limit_name: str, what: str, keep_cut: bool, inside: Path | str | None = None
+) -> tuple[bytearray, bool]:
     limit = getattr(limits.current(), limit_name)
-    with open_regular(path) as f:
+    with open_regular(path, inside) as f:
         head = f.read(2)
         out = bytearray(head)
         if is_gzip(head):
@@ -187,3 +240,101 @@ def leaves(root: Path, path: Path) -> bool:
         return not path.resolve().is_relative_to(root.resolve())
     except (OSError, RuntimeError):  # a symlink loop
         return True
+
+
+def read_head(path: Path | str, most: int, inside: Path | str | None = None) -> bytes:
+    """At most MOST bytes from the start of the regular file PATH (no gunzipping)."""
+    with open_regular(path, inside) as f:
+        return f.read(most)
+
+
+def make_dirs(root: Path, path: Path, mode: int = 0o755) -> None:
+    """Create PATH and the folders between ROOT and it, none of which may be a symlink
+    or anything but a folder (OSError): a run directory's ``ranks/rank-0`` planted as a
+    symlink to elsewhere is refused, not written through."""
+    root.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(path, root)
+    if rel == os.curdir:
+        return
+    if rel.startswith(os.pardir) or os.path.isabs(rel):
+        raise OSError(errno.EXDEV, "not inside the run directory", str(path))
+    fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        for part in rel.split(os.sep):
+            try:
+                os.mkdir(part, mode, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                below = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise OSError(exc.errno, f"not a folder (a symlink?): {exc.strerror}", str(path)) from None
+            os.close(fd)
+            fd = below
+    finally:
+        os.close(fd)
+
+
+def create(path: Path | str, append: bool = False, exclusive: bool = False, mode: int = 0o644) -> int:
+    """A descriptor for writing PATH (created if missing; truncated unless APPEND),
+    never through a symlink (ELOOP), only into a regular file: a FIFO, a device or a
+    folder planted at PATH is an OSError."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | _NOFOLLOW | _CLOEXEC
+    flags |= os.O_APPEND if append else 0
+    flags |= os.O_EXCL if exclusive else 0
+    fd = os.open(path, flags, mode)
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise OSError(errno.EINVAL, f"{what}, not a regular file", str(path))
+        if not append and not exclusive:
+            os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def untrusted_dir(path: Path | str) -> str | None:
+    """Why a folder that exists is not to be trusted with code that runs in a job (owned
+    by another user, or writable by its group or by anyone: OpenSSH's StrictModes, git's
+    safe.directory); None for one of this user's own, or none at all."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder"
+    if st.st_uid != os.geteuid():
+        return f"owned by {_user(st.st_uid)}, not by you"
+    if st.st_mode & 0o022:
+        who = "anyone" if st.st_mode & 0o002 else "its group"
+        return f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write DATA as PATH through a new file in its folder renamed over it: whatever was
+    at PATH (a symlink, a FIFO) is replaced, not written through or waited on."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

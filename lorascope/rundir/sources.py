@@ -8,9 +8,14 @@ import ast
 import functools
 import io
 import linecache
+import os
 import re
 import tokenize
+from collections.abc import Sequence
 from typing import Any
+
+from lorascope.errors import BadInputError
+from lorascope.rundir.safe_open import read_head
 
 MAX_FILE_BYTES = 2_000_000
 #: A condition that tests the rank (``if rank == 0:``, ``is_main_process``, ...).
@@ -30,14 +35,38 @@ MAX_VIA_FRAMES = 40
 
 
 @functools.lru_cache(maxsize=64)
-def _tree(filename: str) -> ast.AST | None:
-    text = "".join(linecache.getlines(filename))
+def _tree(text: str) -> ast.AST | None:
     if not text or len(text) > MAX_FILE_BYTES:
         return None
     try:
-        return ast.parse(text, filename)
-    except (SyntaxError, ValueError):
+        return ast.parse(text)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def job_source(filename: str, roots: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The lines of a job's source file as the analysis side reads one a record or a stack
+    names (it may name anything: /dev/zero, a FIFO, the analyst's own files): a regular
+    ``.py`` file under one of ROOTS (the job's working directory, its import roots), not
+    reached through a symlink out of it, of at most MAX_FILE_BYTES; else None."""
+    if not filename.endswith(".py") or not os.path.isabs(filename):
+        return None
+    real = os.path.realpath(filename)
+    root = next((r for r in roots if os.path.isabs(r) and _under(real, os.path.realpath(r))), None)
+    if root is None:
+        return None
+    try:
+        data = read_head(filename, MAX_FILE_BYTES + 1, inside=root)
+    except (OSError, BadInputError):
+        return None
+    if len(data) > MAX_FILE_BYTES:
+        return None
+    return tuple(data.decode("utf-8", "replace").splitlines(keepends=True))
+
+
+def _under(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _spans(node: ast.AST, lineno: int) -> bool:
@@ -59,16 +88,24 @@ def code_only(text: str) -> str:
     return text
 
 
-def describe(filename: str, lineno: int) -> dict[str, Any]:
+def describe(filename: str, lineno: int, lines: Sequence[str] | None = None) -> dict[str, Any]:
     """``{"line": text or None, "conditions": [enclosing if/while lines, innermost first]}``;
-    a line in an ``else`` branch is given as ``else of: <the if line>``."""
-    line = linecache.getline(filename, lineno).strip() or None
+    a line in an ``else`` branch is given as ``else of: <the if line>``. LINES: the file's
+    (:func:`job_source`); by default the running process's own, through linecache (the
+    probes, in the job)."""
+    if lines is None:
+        lines = linecache.getlines(filename)
+
+    def at(n: int) -> str:
+        return lines[n - 1].strip() if 0 < n <= len(lines) else ""
+
+    line = at(lineno) or None
     found: list[tuple[int, str]] = []
-    tree = _tree(filename)
+    tree = _tree("".join(lines))
     if tree is not None:
         for node in ast.walk(tree):
             if isinstance(node, (ast.If, ast.While)) and node.lineno < lineno and _spans(node, lineno):
-                text = code_only(linecache.getline(filename, node.lineno).strip())
+                text = code_only(at(node.lineno))
                 in_else = any(_spans(child, lineno) for child in node.orelse)
                 found.append((node.lineno, f"{ELSE} {text}" if in_else else text))
     return {"line": line, "conditions": [text for _, text in sorted(found, reverse=True)]}

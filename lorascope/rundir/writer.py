@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from lorascope.errors import BadInputError
+from lorascope.rundir import safe_open
 from lorascope.rundir.schema import FATAL_SUFFIX, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
@@ -136,7 +138,7 @@ class Stream:
         #: follow (the collective probe's ``shape`` declarations, which the segments
         #: before may take with them when they are rotated away); it must not raise.
         self.segment_head: Callable[[], str] | None = None
-        prefix.parent.mkdir(parents=True, exist_ok=True)
+        safe_open.make_dirs(prefix.parents[2], prefix.parent)  # RUN_DIR/ranks/rank-N: no symlink followed
         self._fd = self._open(0)
         os.register_at_fork(after_in_child=self._forked)
 
@@ -148,7 +150,7 @@ class Stream:
         return self._prefix.with_name(f"{self._prefix.name}.{index:04d}{STREAM_SUFFIX}")
 
     def _open(self, index: int) -> int:
-        return os.open(self._path(index), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return safe_open.create(self._path(index), append=True)
 
     def _forked(self) -> None:
         """In a forked child: the parent's records and descriptor are the parent's."""
@@ -291,32 +293,42 @@ class Stream:
                 os.close(fd)
 
 
+#: The manifest, read at most (the launches of a run, a few KiB each).
+MAX_MANIFEST_BYTES = 16 << 20
+
+
 @contextlib.contextmanager
 def _locked_manifest(run_dir: Path) -> Iterator[dict[str, Any]]:
     """Read-modify-write manifest.json under an flock (several launchers share a run dir
-    in a multi-node launch); written to a temporary file and renamed, so it is never torn."""
+    in a multi-node launch); written to a fresh temporary file and renamed, so it is never
+    torn. Nothing is followed through a symlink or read past MAX_MANIFEST_BYTES; a FIFO or
+    a device in its place is an OSError, not a wait."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / MANIFEST_FILE
-    with open(run_dir / (MANIFEST_FILE + ".lock"), "a+") as lock:
+    lock = safe_open.create(run_dir / (MANIFEST_FILE + ".lock"), append=True)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            manifest = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, ValueError):
-            manifest = {}
+        manifest = _read_manifest(path)
         manifest.setdefault("format", FORMAT_NAME)
         version = manifest.setdefault("version", FORMAT_VERSION)
         if type(version) is int and version < FORMAT_VERSION:
             manifest["version"] = FORMAT_VERSION  # this launch's ranks write the newer format
-        manifest.setdefault("launches", [])
+        if not isinstance(manifest.get("launches"), list):
+            manifest["launches"] = []
         yield manifest
-        tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):  # a full disk: leave no partial file behind
-                tmp.unlink()
-            raise
+        safe_open.replace_file(path, (json.dumps(manifest, indent=2, sort_keys=True, default=repr) + "\n").encode())
+    finally:
+        os.close(lock)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest so far ({} when there is none or it is unreadable: it is rewritten)."""
+    try:
+        with safe_open.open_regular(path, inside=path.parent) as f:
+            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
+    except (OSError, ValueError, RecursionError, BadInputError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
 def ensure_manifest(run_dir: Path) -> None:
@@ -349,7 +361,7 @@ def record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: A
 
 def _record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: Any) -> None:
     with _locked_manifest(run_dir) as manifest:
-        entry = next((e for e in manifest["launches"] if e.get("id") == launch_id), None)
+        entry = next((e for e in manifest["launches"] if isinstance(e, dict) and e.get("id") == launch_id), None)
         if entry is None:
             entry = {
                 "id": launch_id,
@@ -370,7 +382,9 @@ def record_ranks(run_dir: Path, ranks: dict[str, Any]) -> bool:
     Never raises: warns in one line and returns False."""
     try:
         with _locked_manifest(run_dir) as manifest:
-            manifest.setdefault("ranks", {}).update(ranks)
+            if not isinstance(manifest.get("ranks"), dict):
+                manifest["ranks"] = {}
+            manifest["ranks"].update(ranks)
     except Exception as exc:
         _warn_unwritten(run_dir, "record the ranks", exc)
         return False

@@ -13,7 +13,15 @@ import pytest
 from lorascope.errors import BadInputError
 from lorascope.rundir import limits
 from lorascope.rundir.limits import LimitError
-from lorascope.rundir.safe_open import json_depth, leaves, maybe_too_deep, open_regular, read_capped, read_capped_cut
+from lorascope.rundir.safe_open import (
+    _open_beneath,
+    json_depth,
+    leaves,
+    maybe_too_deep,
+    open_regular,
+    read_capped,
+    read_capped_cut,
+)
 from lorascope.rundir.writer import record_launch, record_ranks
 
 MIB = 1 << 20
@@ -130,3 +138,24 @@ def test_read_capped_cut_keeps_what_a_cut_gzip_holds(tmp_path: Path) -> None:
     assert cut and 0 < len(held) < len(data) and data.startswith(bytes(held))
     path.write_bytes(whole)
     assert read_capped_cut(path, "json_bytes", "it") == (bytearray(data), False)
+
+
+def test_a_symlink_swapped_in_after_the_check_is_not_followed(tmp_path: Path) -> None:
+    """open_regular(inside=) resolves the path, then opens it component by component with
+    O_NOFOLLOW: a folder or file replaced by a symlink in between fails, not followed."""
+    root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (root / "ranks").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "f").write_text("secret")
+    (root / "ranks" / "f").write_text("ok")
+    parts = ["ranks", "f"]  # as resolved before the swap
+    os.close(_open_beneath(str(root), parts, os.O_RDONLY))
+    (root / "ranks" / "f").unlink()
+    (root / "ranks" / "f").symlink_to(elsewhere / "f")
+    with pytest.raises(OSError):
+        _open_beneath(str(root), parts, os.O_RDONLY)
+    (root / "ranks" / "f").unlink()
+    (root / "ranks").rmdir()
+    (root / "ranks").symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        _open_beneath(str(root), parts, os.O_RDONLY)

@@ -112,22 +112,22 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def load_flight_data(path: Path) -> Any:
+def load_flight_data(path: Path, inside: Path | None = None) -> Any:
     """The raw dump: pickle (safely) or JSON, gzipped or not (JSON read up to the JSON
-    size limit)."""
-    with open_regular(path) as f:
+    size limit). INSIDE: a folder it must not leave (``safe_open.open_regular``)."""
+    with open_regular(path, inside) as f:
         head = f.read(2)
     if head[:1] == b"\x80":
-        return load_pickle(path)
-    data = read_capped(path, "json_bytes", "the dump (decompressed)")
+        return load_pickle(path, inside=inside)
+    data = read_capped(path, "json_bytes", "the dump (decompressed)", inside)
     if data[:1] == b"\x80":
         raise BadInputError(f"{path}: a gzipped pickle; unzip it first")
     return loads_json(data, path, "the dump (neither a pickle nor JSON)")
 
 
-def read_flight_dump(path: Path, rank: int | None = None) -> FlightDump:
+def read_flight_dump(path: Path, rank: int | None = None, inside: Path | None = None) -> FlightDump:
     """Load one dump file. BadInputError when it is not a flight-recorder dump."""
-    return parse_flight_dump(load_flight_data(path), path, rank)
+    return parse_flight_dump(load_flight_data(path, inside), path, rank)
 
 
 def parse_flight_dump(data: Any, path: Path, rank: int | None = None) -> FlightDump:

@@ -136,12 +136,12 @@ class KinetoTrace:
         return self.raw.get("traceEvents") or []
 
 
-def load_trace_json(path: Path) -> tuple[Any, list[str]]:
+def load_trace_json(path: Path, inside: Path | None = None) -> tuple[Any, list[str]]:
     """The trace's JSON (gzipped or not), read up to the JSON size limit, and what was
     wrong with it; BadInputError when unreadable or over the limit. A trace cut short (a
     gzip stream or JSON text that breaks off) is read as far as it goes (``salvage``),
     with a warning."""
-    data, gzip_cut = read_capped_cut(path, "json_bytes", "the trace (decompressed)")
+    data, gzip_cut = read_capped_cut(path, "json_bytes", "the trace (decompressed)", inside)
     try:
         return loads_json(data, path, "the trace"), _gzip_warning(gzip_cut)
     except BadInputError:
@@ -162,8 +162,9 @@ def _gzip_warning(cut: bool) -> list[str]:
     return ["the gzip file ends inside its compressed stream (cut short): read what it holds"] if cut else []
 
 
-def read_trace(path: Path, rank: int | None = None) -> KinetoTrace:
-    data, warnings = load_trace_json(path)
+def read_trace(path: Path, rank: int | None = None, inside: Path | None = None) -> KinetoTrace:
+    """One trace file (INSIDE: a folder it must not leave, as ``safe_open.open_regular``)."""
+    data, warnings = load_trace_json(path, inside)
     trace = analyse_trace(data, path, rank)
     trace.warnings[:0] = warnings
     return trace

@@ -32,10 +32,11 @@ _ALLOCATED = "active_allocated"
 _AWAITING_FREE = ("active_awaiting_free", "active_pending_free")
 
 
-def read_snapshot(path: Path, rank: int | None = None) -> SnapshotAnalysis:
-    """Load and analyse one snapshot file. BadInputError when it is not one."""
+def read_snapshot(path: Path, rank: int | None = None, inside: Path | None = None) -> SnapshotAnalysis:
+    """Load and analyse one snapshot file. BadInputError when it is not one. INSIDE: a
+    folder it must not leave (``safe_open.open_regular``)."""
     with no_gc():
-        return analyse_snapshot(load_pickle(path), path, rank)
+        return analyse_snapshot(load_pickle(path, inside=inside), path, rank)
 
 
 def analyse_snapshot(data: Any, path: Path, rank: int | None = None) -> SnapshotAnalysis:
