@@ -3,16 +3,16 @@ artifacts of one kind)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from lorascope.analysis import analyze
+from lorascope.analysis import analyze, strict_json
 from lorascope.analysis.diff import build_diff
 from lorascope.cli.options import cluster_option
 from lorascope.report.write import write_diff_report
 from lorascope.rundir.cluster import connect
+from lorascope.text import echo
 from lorascope.text.diff import render_diff
 from lorascope.text.progress import terminal_progress
 
@@ -40,10 +40,10 @@ def command(a: Path, b: Path, as_json: bool, html_out: Path | None, cluster: str
         second = analyze(b, progress=progress, cluster=on)
     data = build_diff(first, second)
     if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        echo(strict_json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
-        click.echo(render_diff(data))
+        echo(render_diff(data))
     if html_out is not None:
         size = write_diff_report(data, html_out)
-        click.echo(f"lorascope: diff report written to {html_out} ({size / 1024:.0f} KiB)", err=True)
+        echo(f"lorascope: diff report written to {html_out} ({size / 1024:.0f} KiB)", err=True)
     return 0

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lorascope.analysis.live import Check
+from lorascope.text import terminal_safe
 from lorascope.units import fmt_bytes, rank_ranges
 
 _STYLE = {"error": "bold red", "warning": "yellow", "ok": ""}
@@ -104,7 +105,9 @@ def _table(rows: list[dict[str, Any]], room: int, width: int) -> Table:
             _span([r["mem_peak"] for r in members], _mem).rsplit("-", 1)[-1],
             " · ".join(p for p in (pending, state) if p),
         )
-        table.add_row(*(Text(c) for c in cells), style=_STYLE.get(level, "dim"))  # text from the run: never markup
+        table.add_row(
+            *(Text(terminal_safe(c)) for c in cells), style=_STYLE.get(level, "dim")
+        )  # text from the run: never markup
     return table
 
 
@@ -120,7 +123,7 @@ def render_watch(view: dict[str, Any], width: int = 80, height: int = 24) -> Ren
     median = view["median_step"]
     head = Text.assemble(
         ("lorascope watch ", "bold"),
-        str(view["run_dir"]),
+        terminal_safe(str(view["run_dir"])),
         f" · {time.strftime('%H:%M:%S', time.localtime(view['now']))}",
         overflow="ellipsis",
         no_wrap=True,
@@ -150,12 +153,25 @@ def render_watch(view: dict[str, Any], width: int = 80, height: int = 24) -> Ren
             f"rank {rank_ranges(c.ranks)}" if len(c.ranks) == 1 else f"ranks {rank_ranges(c.ranks)}" if c.ranks else ""
         )
         finding_lines.append(
-            Text(f"  {c.severity} {c.id} {who}: {c.text}", style=_STYLE[c.severity], overflow="ellipsis", no_wrap=True)
+            Text(
+                terminal_safe(f"  {c.severity} {c.id} {who}: {c.text}"),
+                style=_STYLE[c.severity],
+                overflow="ellipsis",
+                no_wrap=True,
+            )
         )
     if len(checks) > MAX_CHECKS:
         finding_lines.append(Text(f"  ... {len(checks) - MAX_CHECKS} more", style="dim"))
     parts.extend(finding_lines)
     if verdict:
-        parts.append(Text(f"verdict: {verdict['text']}", style=_STYLE.get(verdict["level"], "bold"), overflow="fold"))
-        parts.append(Text(f"the evidence: lorascope analyze {view['run_dir']}", style="dim", no_wrap=True))
+        parts.append(
+            Text(
+                terminal_safe(f"verdict: {verdict['text']}"),
+                style=_STYLE.get(verdict["level"], "bold"),
+                overflow="fold",
+            )
+        )
+        parts.append(
+            Text(terminal_safe(f"the evidence: lorascope analyze {view['run_dir']}"), style="dim", no_wrap=True)
+        )
     return Group(*parts)

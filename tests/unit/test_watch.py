@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import random
 from pathlib import Path
 
@@ -202,3 +203,14 @@ def test_cli_once_and_bad_input(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
     result = CliRunner().invoke(cli, ["watch", str(tmp_path), "--once"])
     assert result.exit_code == 0 and "0 ranks" in result.output  # a job not started yet
+
+
+def test_escape_sequences_from_the_run_are_shown_escaped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run directory's name (and any string from its records) may hold an escape
+    sequence that would clear the on-call engineer's screen: watch shows it escaped."""
+    monkeypatch.chdir(tmp_path)  # a short path: the screen's lines are cut at 80 columns
+    shutil.copytree(FIXTURES / "diff" / "straggler", "r\x1b[2Jc")
+    result = CliRunner().invoke(cli, ["watch", "r\x1b[2Jc", "--once"])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output, repr(result.output)
+    assert "r\\x1b[2Jc" in result.output
