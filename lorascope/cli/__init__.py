@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import click
 
 from lorascope import __version__
-from lorascope.cli import analyze, export, hang, plan, report, run
+from lorascope.cli import analyze, attach, export, hang, plan, report, run
 from lorascope.errors import LorascopeError
 from lorascope.rundir import limits, workers
 from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
-COMMANDS = [run, analyze, hang, report, export, plan]
+COMMANDS = [run, attach, analyze, hang, report, export, plan]
 
 #: Exit codes of failures that are not the project's own errors (those carry theirs).
 EXIT_INTERNAL = 1
