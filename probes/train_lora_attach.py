@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import train_lora  # noqa: E402
+import train_lora
 
 if __name__ == "__main__":
     train_lora.add_attach_faults()

@@ -226,6 +226,8 @@ def _start(
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
     _hook(session, "torch.distributed._functional_collectives", collectives.install_functional, "collectives-funcol")
     _hook(session, "torch.nn.parallel.distributed", collectives.install_ddp, "collectives-ddp")
+    if attached is not None:  # the references DeepSpeed took before the attach
+        _hook(session, "deepspeed.comm.comm", collectives.install_deepspeed_comm, "collectives-deepspeed")
     _hook(session, "torch", steps.install_torch, "steps-torch")
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")

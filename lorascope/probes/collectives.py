@@ -354,6 +354,24 @@ class CollectiveProbe:
             work.wait = self._wrap_work_wait(wait)  # type: ignore[union-attr]
         self._watch_init(c10d, dist)
 
+    def install_deepspeed_comm(self, comm: ModuleType) -> None:
+        """DeepSpeed's torch backend keeps ``all_gather_into_tensor`` and
+        ``reduce_scatter_tensor`` as attributes (``all_gather_function``,
+        ``reduce_scatter_function``: ZeRO-3's gathers and ZeRO's gradient reductions),
+        taken when it was built. A job probed from its start built it from the wrappers;
+        one attached later holds the originals: re-pointed here to the wrappers."""
+        backend = getattr(comm, "cdb", None)
+        c10d = self._c10d
+        if backend is None or c10d is None:
+            return
+        for attr in ("all_gather_function", "reduce_scatter_function"):
+            held = getattr(backend, attr, None)
+            name = getattr(held, "__name__", None)
+            wrapper = getattr(c10d, name, None) if isinstance(name, str) else None
+            if held is not None and not getattr(held, "__lorascope__", False):
+                if getattr(wrapper, "__wrapped__", None) is held:
+                    setattr(backend, attr, wrapper)
+
     def _watch_init(self, c10d: ModuleType, dist: ModuleType | None) -> None:
         """Learn the process-group timeout the job sets (the stall watchdog scales with it),
         and check the rank the probes took against torch.distributed's."""

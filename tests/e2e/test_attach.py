@@ -72,9 +72,7 @@ def wait_for(check, timeout: float = 240.0, what: str = "") -> None:  # type: ig
 
 
 def attach(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LORASCOPE, "attach", "--out", str(out), *args], capture_output=True, text=True, timeout=240
-    )
+    return subprocess.run([*LORASCOPE, "attach", "--out", str(out), *args], capture_output=True, text=True, timeout=240)
 
 
 def analyze(out: Path) -> dict:
