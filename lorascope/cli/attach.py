@@ -19,21 +19,20 @@ from lorascope.rundir.writer import record_attach
 
 
 def _attached_before(run_dir: Path) -> list[Process]:
-    """The processes an earlier ``lorascope attach`` into ``run_dir`` attached and that
-    still run (the same pid and start time)."""
+    """The processes an earlier ``lorascope attach`` into ``run_dir`` attached, not
+    detached since, that still run (the same pid and start time)."""
     try:
         manifest = json.loads((run_dir / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         raise BadInputError(f"{run_dir}: no readable {MANIFEST_FILE}: give the processes with --pid") from None
-    found: dict[int, Process] = {}
+    last: dict[tuple[int, object], str] = {}  # (pid, start ticks) -> its latest action that took
     for entry in manifest.get("attached") or []:
-        if not isinstance(entry, dict) or entry.get("action") != "attach":
+        if not isinstance(entry, dict) or entry.get("action") not in ("attach", "detach"):
             continue
         for p in entry.get("processes") or []:
-            pid = p.get("pid") if isinstance(p, dict) else None
-            if isinstance(pid, int) and p.get("ok") and p.get("start_ticks") == start_ticks(pid):
-                found[pid] = describe(pid)
-    return list(found.values())
+            if isinstance(p, dict) and isinstance(p.get("pid"), int) and p.get("ok"):
+                last[(p["pid"], p.get("start_ticks"))] = entry["action"]
+    return [describe(pid) for (pid, ticks), action in last.items() if action == "attach" and ticks == start_ticks(pid)]
 
 
 def _line(a: Attempt, action: str) -> str:

@@ -188,24 +188,26 @@ def _one(attempt: Attempt, options: Options) -> None:
         "trace_window": options.trace_window,
         "launch_id": options.launch_id,
     }
-    # one script per path, each saying in its result which path ran it
-    paths = {}
-    for how in ("remote_exec", "gdb-queue", "gdb-direct"):
-        paths[how] = base.with_name(f"{base.name}-{how}.py")
-        paths[how].write_text(script_source({**request, "how": how}))
+
+    def script(how: str) -> Path:
+        """The request's script for one path (its result says which path ran it)."""
+        path = base.with_name(f"{base.name}-{how}.py")
+        path.write_text(script_source({**request, "how": how}))
+        return path
+
     if proc.uid is not None and proc.uid != os.getuid():  # root attaching another user's job
         for path in (options.run_dir, options.run_dir / ATTACH_DIR):
             os.chown(path, proc.uid, -1)
     method = method_for(proc.python)
     if method == "remote_exec":
         attempt.how.append("remote_exec")
-        out = remote.inject(proc.pid, paths["remote_exec"])
+        out = remote.inject(proc.pid, script("remote_exec"))
         failed = out.why
     else:
         attempt.how.append("gdb-queue")
         got = gdb_inject.inject(
             proc.pid,
-            one_line(str(paths["gdb-queue"])),
+            one_line(str(script("gdb-queue"))),
             "queue",
             base.with_name(base.name + "-gdb-queue.gdb.py"),
             options.gdb,
@@ -230,7 +232,7 @@ def _one(attempt: Attempt, options: Options) -> None:
     attempt.how.append("gdb-direct")
     got = gdb_inject.inject(
         proc.pid,
-        one_line(str(paths["gdb-direct"])),
+        one_line(str(script("gdb-direct"))),
         "direct",
         base.with_name(base.name + "-gdb-direct.gdb.py"),
         options.gdb,

@@ -178,7 +178,7 @@ def parse(output: str) -> dict[str, object] | None:
 
 def inject(pid: int, code: str, mode: str, script_path: Path, gdb: str | None = None) -> GdbOutcome:
     """Run ``code`` in ``pid`` through gdb by ``mode`` ("queue" or "direct")."""
-    exe = gdb or shutil.which("gdb")
+    exe = shutil.which(gdb or "gdb")
     if exe is None:
         return GdbOutcome(False, "no-gdb", "", None, 0.0)
     script_path.write_text(script(code, mode))

@@ -127,6 +127,10 @@ def describe(pid: int) -> Process:
     proc = Process(pid, discover(env or {}), owner(pid), target_python(pid), start_ticks(pid))
     if not (PROC / str(pid)).exists():
         proc.why, proc.fix = "no such process", "check the pid (`ps -ef`)"
+    elif proc.python is None and _read(PROC / str(pid) / "maps") is None:
+        why, fix = ptrace_denied_fix()
+        proc.why = f"its memory map cannot be read (not dumpable, or {why[0].lower() + why[1:]})"
+        proc.fix = fix
     elif proc.python is None:
         proc.why = "not a Python process (no libpython mapped, and its executable is not named pythonX.Y)"
         proc.fix = "give the ranks' pids (the Python processes the launcher started), or the launcher's with --launcher"

@@ -269,7 +269,12 @@ def detach() -> bool:
     if session is None or not session.active or session.pid != os.getpid():
         return False
     session.record_cost()
-    session.record("end", status="detached", code=None)
+    session.record(
+        "end",
+        status="detached",
+        code=None,
+        why="the probes were detached (`lorascope attach --detach`); the process went on",
+    )
     session.disabled.add("collectives")
     if dumper is not None:
         dumper.remove_wakeup()

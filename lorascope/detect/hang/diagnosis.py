@@ -134,6 +134,8 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
         return None
     if stopped_at(rank) is not None:
         return None
+    if end.status == "detached":
+        return "exited (detached: not observed since `lorascope attach --detach`)"
     if end.status == "exception":
         return f"died: {short_error((end.detail or 'an exception').splitlines()[0], 160)}"
     if end.teardown:  # its job had finished: it exited, and died on the way out
