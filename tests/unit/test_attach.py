@@ -132,6 +132,13 @@ def test_a_request_attaches_once_and_writes_its_result(tmp_path: Path) -> None:
         for name in ("first", "first"):  # the same request twice (a queued call after the direct one)
             exec(make(name, "attach"), {"__name__": "__main__"})
         exec(make("second", "attach"), {"__name__": "__main__"})
+        import glob, time
+        deadline = time.time() + 30  # the attach dump is written by a thread of its own
+        while time.time() < deadline and not any(
+            '"reason": "attach"' in open(f).read() or '"reason":"attach"' in open(f).read()
+            for f in glob.glob(sys.argv[1] + "/run/ranks/rank-0/*.jsonl")
+        ):
+            time.sleep(0.05)
         exec(make("off", "detach"), {"__name__": "__main__"})
         print("alive", flush=True)
         """
