@@ -67,6 +67,13 @@ def _line(a: Attempt, action: str) -> str:
     help="Seconds a process is given to run the queued bootstrap before gdb runs it directly.",
 )
 @click.option("--sample-interval", type=float, default=None, help="Seconds between background memory samples.")
+@click.option(
+    "--trace-window",
+    default="off",
+    show_default=True,
+    help="Kernel trace of steps START+1..START+STEPS after the attach ('START:STEPS'), as `lorascope run "
+    "--trace-window`; off by default (starting the profiler holds a live job ~1 s).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print each process's outcome as JSON.")
 @click.option("--verbose", is_flag=True, help="Add gdb's findings to each line.")
 def command(
@@ -77,6 +84,7 @@ def command(
     any_user: bool,
     wait_s: float,
     sample_interval: float | None,
+    trace_window: str,
     as_json: bool,
     verbose: bool,
 ) -> int:
@@ -108,6 +116,7 @@ def command(
         any_user=any_user,
         wait_s=wait_s,
         sample_interval=sample_interval,
+        trace_window=trace_window,
         verbose=verbose,
         launch_id=f"attach-{int(time.time())}",
     )

@@ -83,6 +83,10 @@ EXPLAIN: dict[str, tuple[str, str]] = {
         "its main thread is inside the interpreter's GIL or the C allocator's code, where it must not be entered",
         "run `lorascope attach` again in a few seconds",
     ),
+    "main-thread-in-unknown-code": (
+        "its main thread is in native code gdb cannot name (outside libc and libpython), where it is not entered",
+        "run `lorascope attach` again in a few seconds",
+    ),
     "main-thread-holds-gil": (
         "its main thread holds the GIL in native code and did not run the queued call",
         "run `lorascope attach` again in a few seconds (the queued call runs when it returns to Python)",

@@ -11,12 +11,19 @@ either:
   thread blocked in native code (a collective that never returns) never gets there.
 - ``direct`` (when the queued call was not run): if the main thread is not holding the
   GIL and is not inside the interpreter's GIL or allocator code (its innermost frames,
-  by name), ``PyGILState_Ensure``, ``PyRun_SimpleString``, ``PyGILState_Release`` on it,
-  as a native callback into Python would; otherwise nothing is done and the reason is
-  printed.
+  by name, up to the first frame outside libc and libpython: those two libraries'
+  symbols are loaded, so GIL and allocator code is always named, and an innermost frame
+  that is not named is refused), ``PyGILState_Ensure``, ``PyRun_SimpleString``,
+  ``PyGILState_Release`` on it, as a native callback into Python would; otherwise
+  nothing is done and the reason is printed. A thread blocked in a collective waits in a
+  libc call (``recv``, ``poll``, a futex): it qualifies. The symbols are read whole
+  (DWARF included: ``--readnever`` leaves libpython's static functions, ``take_gil``
+  among them, unnamed, which this check cannot afford): on a Python built with debug
+  information that is most of the stop (~1 s here). ``queue`` reads the ELF symbols only.
 
-The process is stopped from gdb's attach to its detach: that time is printed
-(``stopped_ms``). Everything the gdb side prints for us is one ``LORASCOPE {json}`` line.
+The process is stopped from gdb's attach to its detach: ``stopped_ms`` is the time from
+just before the attach to the script's end (an upper bound: it includes gdb's reading of
+the symbols, with the process stopped), ``script_ms`` the script's own share. Everything the gdb side prints for us is one ``LORASCOPE {json}`` line.
 """
 
 from __future__ import annotations
@@ -70,7 +77,9 @@ began = time.monotonic()
 
 
 def say(**fields):
-    fields["stopped_ms"] = round((time.monotonic() - began) * 1e3, 3)
+    now = time.monotonic()
+    fields["stopped_ms"] = round((now - LORASCOPE_T0) * 1e3, 3)
+    fields["script_ms"] = round((now - began) * 1e3, 3)
     print("LORASCOPE " + json.dumps(fields), flush=True)
 
 
@@ -106,6 +115,8 @@ def main(args):
             frame = frame.older()
         except gdb.error:
             break
+    if not names:  # innermost code gdb cannot name (symbols of libc and libpython only): unknown
+        return say(ok=False, mode="direct", why="main-thread-in-unknown-code", detail=names)
     unsafe = [n for n in names if any(n == u or (u.endswith("_") and n.startswith(u)) for u in args["unsafe"])]
     if unsafe:
         return say(ok=False, mode="direct", why="main-thread-in-gil-or-allocator", detail=names[:8])
@@ -142,16 +153,21 @@ def script(code: str, mode: str) -> str:
     return f"ARGS = {json.dumps(args)}\n" + GDB_SCRIPT
 
 
-def command(gdb: str, pid: int, script_path: Path) -> list[str]:
+def command(gdb: str, pid: int, script_path: Path, mode: str = "direct") -> list[str]:
     """gdb in batch mode, attached to ``pid``, with only libc's and libpython's symbols
-    loaded (libtorch's would take seconds, with the process stopped)."""
+    loaded (libtorch's would take seconds, with the process stopped); for ``queue``, their
+    ELF symbols only (``--readnever``: the exported functions it calls are all it needs,
+    and their DWARF is most of the stop on a Python built with it)."""
     return [
         gdb,
         "-nx",
         "-nw",
         "-batch",
+        *(["--readnever"] if mode == "queue" else []),
         "-iex",
         "set auto-solib-add off",
+        "-iex",
+        "python import time; LORASCOPE_T0 = time.monotonic()",  # just before the attach
         "-p",
         str(pid),
         "-ex",
@@ -185,7 +201,7 @@ def inject(pid: int, code: str, mode: str, script_path: Path, gdb: str | None = 
     began = time.perf_counter()
     try:
         res = subprocess.run(
-            command(exe, pid, script_path),
+            command(exe, pid, script_path, mode),
             capture_output=True,
             text=True,
             timeout=GDB_TIMEOUT_S,
