@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,15 +22,18 @@ from types import SimpleNamespace
 import pytest
 
 from lorascope.hang.collect import tgkill
+from lorascope.hang.targets import verify
 from lorascope.inject import gdb as gdb_inject
 from lorascope.inject import remote
 from lorascope.inject.attach import explain, refusal
 from lorascope.inject.procs import Process, describe, method_for, python_version, ranks_of
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.live import one_line, script_source
+from lorascope.rundir.procfs import start_ticks
 from lorascope.rundir.ranks import Identity
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import DUMP_SIGNAL
+from lorascope.rundir.writer import record_attach
 from tests.helpers import LORASCOPE, REPO, Call, RankSpec, write_run
 
 needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
@@ -353,3 +357,21 @@ def test_gdb_refused_by_ptrace_and_no_gdb_are_named_with_the_fix(tmp_path: Path)
     assert "ptrace" in why and fix
     missing = gdb_inject.inject(os.getpid(), "pass", "queue", tmp_path / "s.py", str(tmp_path / "no-gdb"))
     assert not missing.ok and missing.why == "no-gdb" and "install gdb" in explain("no-gdb")[1]
+
+
+def test_hang_signals_an_attached_process_only_while_its_pid_names_it(tmp_path: Path) -> None:
+    """An attached process's environment predates the attach (no LORASCOPE_RUN_DIR): `hang`
+    trusts the pid only at the start time recorded, and signals the dump thread recorded."""
+    ticks = start_ticks(os.getpid())
+    start = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}
+    write_run(tmp_path / "run", [RankSpec()])
+    record_attach(
+        tmp_path / "run",
+        {"action": "attach", "processes": [{"pid": os.getpid(), "start_ticks": ticks, "ok": True, "dump_thread": 77}]},
+    )
+    mine = verify({**start, "attached": {"proc_start_ticks": ticks}}, tmp_path / "run")
+    assert mine.ours and mine.thread == 77
+    reused = verify({**start, "attached": {"proc_start_ticks": (ticks or 0) + 1}}, tmp_path / "run")
+    assert not reused.ours and "another process" in reused.why
+    plain = verify(start, tmp_path / "run")  # not attached, and no LORASCOPE_RUN_DIR: not ours
+    assert not plain.ours
