@@ -50,7 +50,7 @@ def request_dumps(targets: list[Target]) -> float:
             try:
                 if target.thread is not None:
                     tgkill(target.pid, target.thread, DUMP_SIGNAL)
-                else:
+                elif not target.attached:
                     os.kill(target.pid, DUMP_SIGNAL)
             except ProcessLookupError:
                 target.alive, target.why = False, "process gone"

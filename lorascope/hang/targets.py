@@ -44,6 +44,9 @@ class Target:
     why: str
     #: The thread to send the dump signal to (an attached process), else the process.
     thread: int | None = None
+    #: Attached by `lorascope attach`: signalled only through ``thread`` (without one it
+    #: has no dump thread, and the job's own handler may take the signal: read with py-spy).
+    attached: bool = False
 
 
 def _of_run(env: dict[str, str], run_dir: Path) -> bool:
@@ -73,7 +76,8 @@ def _attached(start: dict[str, Any], pid: int, rank: int, host: str, run_dir: Pa
             return Target(rank, pid, host, alive=True, ours=False, why="another user's process: not signalled")
     except psutil.Error:
         return Target(rank, pid, host, alive=False, ours=False, why="process gone")
-    return Target(rank, pid, host, alive=True, ours=True, why="verified", thread=dump_thread(run_dir, pid, ticks))
+    thread = dump_thread(run_dir, pid, ticks)
+    return Target(rank, pid, host, alive=True, ours=True, why="verified", thread=thread, attached=True)
 
 
 def dump_thread(run_dir: Path, pid: int, ticks: int) -> int | None:

@@ -29,6 +29,11 @@ from lorascope.probes.live import ATTACH_DIR, one_line, request_path, script_sou
 from lorascope.rundir.writer import ensure_manifest
 
 POLL_S = 0.05
+#: gdb's direct path, at most this many times, this far apart, while the main thread is
+#: at a place it must not be entered (taking the GIL, allocating: brief).
+DIRECT_TRIES = 3
+DIRECT_PAUSE_S = 0.5
+RETRIED = frozenset({"main-thread-in-gil-or-allocator", "main-thread-holds-gil", "main-thread-in-unknown-code"})
 #: Processes attached at once.
 PARALLEL = 8
 
@@ -223,6 +228,8 @@ def _one(attempt: Attempt, options: Options) -> None:
     if failed is None and _wait(result, options.wait_s):
         _take(attempt, result)
         return
+    if _script_failed(attempt, result):
+        return
     if failed is not None and (method == "gdb" or failed not in ("remote-debug-off", "remote-exec-failed")):
         attempt.why, attempt.fix = explain(failed)
         return
@@ -233,21 +240,24 @@ def _one(attempt: Attempt, options: Options) -> None:
             attempt.why = "queued, but its main thread has not run Python since (blocked in native code?)"
             attempt.fix = "install gdb to attach such a process now; or wait: the queued call runs when it returns"
         return
-    attempt.how.append("gdb-direct")
-    got = gdb_inject.inject(
-        proc.pid,
-        one_line(str(script("gdb-direct"))),
-        "direct",
-        base.with_name(base.name + "-gdb-direct.gdb.py"),
-        options.gdb,
-    )
-    attempt.stopped_ms += got.stopped_ms or 0.0
-    if options.verbose and got.detail:
-        attempt.notes.append(f"gdb: {got.detail}")
-    if got.why is not None:
-        if _wait(result, 0.2):  # the queued call ran meanwhile
-            _take(attempt, result)
-            return
+    for _ in range(DIRECT_TRIES):
+        attempt.how.append("gdb-direct")
+        got = gdb_inject.inject(
+            proc.pid,
+            one_line(str(script("gdb-direct"))),
+            "direct",
+            base.with_name(base.name + "-gdb-direct.gdb.py"),
+            options.gdb,
+        )
+        attempt.stopped_ms += got.stopped_ms or 0.0
+        if options.verbose and got.detail:
+            attempt.notes.append(f"gdb: {got.detail}")
+        if got.why is None or _wait(result, 0.2):  # run; or the queued call ran meanwhile
+            break
+        if got.why not in RETRIED:
+            break
+        time.sleep(DIRECT_PAUSE_S)
+    if got.why is not None and not result.exists():
         attempt.why, attempt.fix = explain(got.why)
         if failed is None:
             attempt.notes.append(
@@ -257,17 +267,21 @@ def _one(attempt: Attempt, options: Options) -> None:
     if _wait(result, options.wait_s):
         _take(attempt, result)
         return
-    failed_file = Path(str(result) + ".failed")
-    if failed_file.exists():
-        attempt.why, attempt.fix = (
-            f"the injected script failed: {failed_file.read_text()[:300]}",
-            "see probe-errors.log",
-        )
-    else:
+    if not _script_failed(attempt, result):
         attempt.why, attempt.fix = (
             "the process ran the script but wrote no result",
             "see probe-errors.log in the run directory",
         )
+
+
+def _script_failed(attempt: Attempt, result: Path) -> bool:
+    """Whether the script said it failed (``RESULT.failed``); the attempt says why."""
+    failed_file = Path(str(result) + ".failed")
+    if not failed_file.exists():
+        return False
+    attempt.why = f"the injected script failed: {failed_file.read_text()[:300]}"
+    attempt.fix = "see probe-errors.log in the run directory"
+    return True
 
 
 def _wait(path: Path, wait_s: float) -> bool:

@@ -370,7 +370,7 @@ def test_hang_signals_an_attached_process_only_while_its_pid_names_it(tmp_path: 
         {"action": "attach", "processes": [{"pid": os.getpid(), "start_ticks": ticks, "ok": True, "dump_thread": 77}]},
     )
     mine = verify({**start, "attached": {"proc_start_ticks": ticks}}, tmp_path / "run")
-    assert mine.ours and mine.thread == 77
+    assert mine.ours and mine.attached and mine.thread == 77
     reused = verify({**start, "attached": {"proc_start_ticks": (ticks or 0) + 1}}, tmp_path / "run")
     assert not reused.ours and "another process" in reused.why
     plain = verify(start, tmp_path / "run")  # not attached, and no LORASCOPE_RUN_DIR: not ours
