@@ -13,6 +13,7 @@ import click
 from lorascope.errors import BadInputError, UsageError
 from lorascope.inject.attach import Attempt, Options, manifest_entry, run_all
 from lorascope.inject.procs import Process, describe, ranks_of
+from lorascope.probes.kernels import parse_window
 from lorascope.rundir.procfs import start_ticks
 from lorascope.rundir.schema import MANIFEST_FILE
 from lorascope.rundir.writer import record_attach
@@ -94,6 +95,12 @@ def command(
     needs gdb and ptrace; from 3.14, sys.remote_exec (PEP 768)."""
     if pids and launcher is not None:
         raise UsageError("give --pid or --launcher, not both")
+    if sample_interval is not None and sample_interval < 0:
+        raise UsageError("--sample-interval must be >= 0")
+    try:
+        parse_window(trace_window)
+    except ValueError as exc:
+        raise UsageError(f"--trace-window: {exc}") from None
     if not pids and launcher is None and not detach:
         raise UsageError("give the ranks with --pid PID (once each) or their launcher with --launcher PID")
     if launcher is not None:

@@ -39,8 +39,9 @@ class Process:
 
     @property
     def label(self) -> str:
-        rank = f"rank {self.identity.rank}" if self.identity.source != "lone" else "a lone process"
-        return f"{rank} (pid {self.pid})"
+        if self.identity.source == "lone":
+            return f"pid {self.pid}"
+        return f"rank {self.identity.rank} (pid {self.pid})"
 
 
 def _read(path: Path) -> bytes | None:
