@@ -76,6 +76,12 @@ class Attempt:
         }
 
 
+#: What a run attached at ``t`` cannot know (the manifest says it with each attach).
+UNKNOWN_BEFORE = (
+    "nothing before t is recorded: steps (counted from the attach), memory peaks, collectives, "
+    "warnings and errors; a collective in flight at t is known from its rank's stack only"
+)
+
 #: Reason codes of the injection paths -> (what happened, what to do).
 EXPLAIN: dict[str, tuple[str, str]] = {
     "no-gdb": ("gdb is not installed (needed below Python 3.14)", "install gdb (apt-get install gdb; dnf install gdb)"),
@@ -322,4 +328,5 @@ def manifest_entry(attempts: list[Attempt], options: Options, began: float) -> d
         "host": socket.gethostname(),
         "by_pid": os.getpid(),
         "processes": [a.as_json() for a in attempts],
+        "unknown_before": UNKNOWN_BEFORE if options.action == "attach" else None,
     }
