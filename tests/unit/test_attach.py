@@ -260,7 +260,9 @@ def test_gdb_attaches_a_process_dumps_it_on_signal_and_detaches(tmp_path: Path) 
     with python_process(LOOP) as proc:
         res = attach(run_dir, "--pid", str(proc.pid), "--json")
         assert res.returncode == 0, res.stdout + res.stderr
-        [p] = json.loads(res.stdout)["processes"]
+        entry = json.loads(res.stdout)
+        assert "nothing before t is recorded" in entry["unknown_before"]
+        [p] = entry["processes"]
         assert p["ok"] and p["how"] == ["gdb-queue", "ran by gdb-queue"] and p["dump_thread"], p
         assert _wait_for(lambda: any(d["reason"] == "attach" for d in load_run(run_dir).ranks[0].dumps))
         tgkill(proc.pid, p["dump_thread"], DUMP_SIGNAL)  # as `lorascope hang` asks an attached rank
@@ -292,14 +294,15 @@ def test_another_users_process_is_refused_without_any_user() -> None:
     shared.chmod(0o755)
     try:
         nobody = ("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")
-        with python_process(LOOP, *nobody) as proc:
-            res = attach(shared / "run", "--pid", str(proc.pid))
+        with python_process(LOOP, *nobody) as proc, python_process(LOOP) as mine:
+            res = attach(shared / "run", "--pid", str(proc.pid), "--pid", str(mine.pid))
             assert res.returncode == 1
             assert "NOT attached: owned by nobody" in res.stdout and "--any-user" in res.stdout, res.stdout
-            assert not list((shared / "run").glob("attach/*.json"))  # nothing was run in it
-            allowed = attach(shared / "run", "--pid", str(proc.pid), "--any-user")
+            assert "attached 1 of 2 processes" in res.stdout  # the others are attached all the same
+            assert [p.name.split("-")[0] for p in (shared / "run").glob("attach/*.json")] == [str(mine.pid)]
+            allowed = attach(shared / "theirs", "--pid", str(proc.pid), "--any-user")
             assert allowed.returncode == 0, allowed.stdout + allowed.stderr
-            assert load_run(shared / "run").ranks[0].start["pid"] == proc.pid
+            assert load_run(shared / "theirs").ranks[0].start["pid"] == proc.pid
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
