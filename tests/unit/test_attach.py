@@ -5,8 +5,10 @@ signal and detached (the probes/ job itself is attached in tests/e2e/test_attach
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -378,3 +380,46 @@ def test_hang_signals_an_attached_process_only_while_its_pid_names_it(tmp_path: 
     assert not reused.ours and "another process" in reused.why
     plain = verify(start, tmp_path / "run")  # not attached, and no LORASCOPE_RUN_DIR: not ours
     assert not plain.ours
+
+
+def test_the_path_is_chosen_by_the_targets_python_and_falls_back_to_gdb(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3.14+: sys.remote_exec (its refusal: gdb's direct path); older: gdb's queued call.
+    The injections are stood in for: each writes the result the process would."""
+    from lorascope.inject import attach as orchestrate
+
+    calls: list[tuple[str, str]] = []
+    refuse = {"remote": False}
+
+    def ran(script: Path) -> None:
+        request = ast.literal_eval(re.search(r"run_request\((.*), began\)", script.read_text())[1])
+        Path(request["result"]).write_text(json.dumps({"ok": True, "how": request["how"], "pause_ms": 1.0}))
+
+    def fake_remote(pid: int, script: Path, exe: str | None = None) -> remote.RemoteOutcome:
+        calls.append(("remote_exec", script.name))
+        if refuse["remote"]:
+            return remote.RemoteOutcome(False, "remote-debug-off", "", 1.0)
+        ran(script)
+        return remote.RemoteOutcome(True, None, "", 1.0)
+
+    def fake_gdb(pid: int, code: str, mode: str, script_path: Path, gdb: str | None = None) -> gdb_inject.GdbOutcome:
+        calls.append((f"gdb-{mode}", code))
+        ran(Path(re.search(r"open\('([^']+)'", code)[1]))
+        return gdb_inject.GdbOutcome(True, None, "", 5.0, 10.0)
+
+    monkeypatch.setattr(orchestrate.remote, "inject", fake_remote)
+    monkeypatch.setattr(orchestrate.gdb_inject, "inject", fake_gdb)
+    monkeypatch.setattr(orchestrate.shutil, "which", lambda name: "/usr/bin/gdb")
+    options = orchestrate.Options(run_dir=tmp_path / "run", wait_s=0.5)
+    for python, refuse_remote, paths in (
+        ((3, 14), False, ["remote_exec"]),
+        ((3, 13), False, ["gdb-queue"]),
+        ((3, 14), True, ["remote_exec", "gdb-direct"]),
+    ):
+        calls.clear()
+        refuse["remote"] = refuse_remote
+        proc = Process(os.getpid(), Identity(0, 0, 1, "env"), uid=os.getuid(), python=python)
+        [attempt] = orchestrate.run_all([proc], options)
+        assert attempt.ok and [c[0] for c in calls] == paths, (python, calls, attempt)
+        assert attempt.how[-1] == f"ran by {paths[-1]}"
