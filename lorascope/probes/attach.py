@@ -45,6 +45,8 @@ _fatal_files: list[object] = []
 
 _session: Session | None = None
 _dumper: Dumper | None = None
+#: Where this process's probes write (its run directory), once attached.
+run_dir_of_session: Path | None = None
 
 
 def _versions() -> dict[str, str | None]:
@@ -107,7 +109,7 @@ def attach(
     from :func:`lorascope.rundir.ranks.discover`. ``attached``: the process was running
     before (``lorascope attach``, :mod:`lorascope.probes.live`): what the start record
     says of it."""
-    global _session, _dumper
+    global _session, _dumper, run_dir_of_session
     if _session is not None and _session.pid == os.getpid():
         return _session.active
     run_dir: Path | None = None
@@ -124,6 +126,7 @@ def attach(
             os.environ.get("LORASCOPE_LAUNCH_ID") if launch_id is None else launch_id,
             attached,
         )
+        run_dir_of_session = run_dir
         # Children that inherit this identity (DataLoader workers) are not ranks themselves.
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
         os.environ[ENV_ATTACHED_AS] = identity.key

@@ -118,8 +118,12 @@ def _attach(request: dict[str, Any]) -> dict[str, Any]:
     from lorascope.rundir.ranks import discover
 
     if probes._session is not None and probes._session.pid == os.getpid():
-        why = "already attached" if probes._session.active else "detached earlier: cannot attach again"
-        return {"ok": probes._session.active, "error": why}
+        if not probes._session.active:
+            return {"ok": False, "error": "detached earlier: the probes cannot be attached again in this process"}
+        where = probes.run_dir_of_session
+        if where is not None and where != Path(request["run_dir"]).absolute():
+            return {"ok": False, "error": f"already attached, recording into {where}"}
+        return {"ok": True, "error": "already attached"}
     identity = discover()
     attached = {
         "t": time.time(),

@@ -99,7 +99,7 @@ def test_attach_mid_run_then_a_planted_rank0_collective(tmp_path: Path) -> None:
         # the fault, planted after the attach: rank 0 alone all_reduces a few steps on
         (tmp_path / "trigger").write_text(str(last_step(log) + 6))
         wait_until(out, lambda r: pending_in_job(r.ranks[0], "rank_conditional_on_trigger"))
-        data = hang(out, "--no-html")
+        data = hang(out, "--no-html", "--wait", "20")  # dumps, not py-spy, even on a loaded machine
         summary = analyze(out)
     line = f"train_lora.py:{line_of('rank_conditional_on_trigger', 'dist.all_reduce(flag)')}"
     assert data["kind"] == "rank-conditional-hang" and data["odd_ranks"] == [0], data["verdict"]

@@ -129,8 +129,8 @@ def test_a_request_attaches_once_and_writes_its_result(tmp_path: Path) -> None:
         """
         import os, sys
         from lorascope.probes.live import one_line, script_source
-        def make(name, action):
-            request = {"action": action, "pid": os.getpid(), "run_dir": sys.argv[1] + "/run",
+        def make(name, action, run="/run"):
+            request = {"action": action, "pid": os.getpid(), "run_dir": sys.argv[1] + run,
                        "result": sys.argv[1] + "/" + name + ".json", "how": "test"}
             path = sys.argv[1] + "/" + name + ".py"
             open(path, "w").write(script_source(request))
@@ -138,6 +138,7 @@ def test_a_request_attaches_once_and_writes_its_result(tmp_path: Path) -> None:
         for name in ("first", "first"):  # the same request twice (a queued call after the direct one)
             exec(make(name, "attach"), {"__name__": "__main__"})
         exec(make("second", "attach"), {"__name__": "__main__"})
+        exec(make("elsewhere", "attach", "/other"), {"__name__": "__main__"})
         import glob, time
         deadline = time.time() + 30  # the attach dump is written by a thread of its own
         while time.time() < deadline and not any(
@@ -156,6 +157,8 @@ def test_a_request_attaches_once_and_writes_its_result(tmp_path: Path) -> None:
     assert first["pause_ms"] > 0
     second = json.loads((tmp_path / "second.json").read_text())
     assert second["ok"] and second["error"] == "already attached"
+    elsewhere = json.loads((tmp_path / "elsewhere.json").read_text())
+    assert not elsewhere["ok"] and elsewhere["error"] == f"already attached, recording into {tmp_path / 'run'}"
     assert json.loads((tmp_path / "off.json").read_text())["ok"]
     run = load_run(tmp_path / "run")
     rank = run.ranks[0]
