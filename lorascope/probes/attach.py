@@ -205,6 +205,7 @@ def _start(
         pg_timeout=lambda: collectives.pg_timeout,
         stall_override=_env_float(ENV_STALL_SECONDS),
         repeat_flight=flight,
+        progress_known=attached is None,
     )
 
     def on_step_end() -> None:

@@ -56,6 +56,7 @@ class Dumper:
         pg_timeout: Callable[[], float | None],
         stall_override: float | None,
         repeat_flight: Callable[[str], None] | None = None,
+        progress_known: bool = True,
     ) -> None:
         self.session = session
         self._pending = pending
@@ -66,7 +67,10 @@ class Dumper:
         self._pg_timeout = pg_timeout
         self._stall_override = stall_override
         self._lock = threading.Lock()
-        self.last_progress = time.time()
+        #: When the rank last finished a step; None in a process attached while it ran,
+        #: until its first step since (the attach is no progress: a hung rank dumped right
+        #: after it must not read as moving).
+        self.last_progress: float | None = time.time() if progress_known else None
         self._stall_fired = False
         self._stall_dumps = 0
         #: The wakeup pipe of a process attached while it ran (read end, write end).
@@ -85,7 +89,7 @@ class Dumper:
                 stacks=thread_stacks()[-100_000:],
                 pending=self._pending(),
                 mem=self._reading(),
-                since_progress=round(time.time() - self.last_progress, 3),
+                since_progress=None if self.last_progress is None else round(time.time() - self.last_progress, 3),
             )
             session.flush()
             (beside or self._flight)(f"{reason}-{int(time.time())}")
@@ -174,11 +178,10 @@ class Dumper:
             time.sleep(min(1.0, limit / 5))
             if self._stall_dumps >= MAX_STALL_DUMPS:
                 return
-            if not self._stall_fired and self.session.step > 0 and time.time() - self.last_progress > limit:
+            last = self.last_progress
+            if not self._stall_fired and self.session.step > 0 and last is not None and time.time() - last > limit:
                 self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone
-                self.session.record(
-                    "stall", seconds=round(time.time() - self.last_progress, 3), limit=limit, step=self.session.step
-                )
+                self.session.record("stall", seconds=round(time.time() - last, 3), limit=limit, step=self.session.step)
                 self.dump("stall", self._repeat_flight if self._stall_dumps else None)
                 self._stall_dumps += 1
 
