@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,11 +18,11 @@ import pytest
 
 from lorascope.rundir.reader import load_run
 from tests.e2e.test_hang import end_job, hang, pending_in_job, wait_until
-from tests.helpers import LORASCOPE, REPO, default_signals, free_port, job_env, torchrun
+from tests.helpers import LORASCOPE, REPO, default_signals, free_port, job_env, torchrun, why_no_ptrace
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed: attach below Python 3.14 needs it"),
+    pytest.mark.skipif(why_no_ptrace() is not None, reason=str(why_no_ptrace())),
 ]
 
 ATTACH_JOB = str(REPO / "probes" / "train_lora_attach.py")

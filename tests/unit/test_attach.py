@@ -36,9 +36,9 @@ from lorascope.rundir.ranks import Identity
 from lorascope.rundir.reader import load_run
 from lorascope.rundir.schema import DUMP_SIGNAL
 from lorascope.rundir.writer import record_attach
-from tests.helpers import LORASCOPE, REPO, Call, RankSpec, write_run
+from tests.helpers import LORASCOPE, REPO, Call, RankSpec, why_no_ptrace, write_run
 
-needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+needs_gdb = pytest.mark.skipif(why_no_ptrace() is not None, reason=str(why_no_ptrace()))
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user (setpriv)")
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
