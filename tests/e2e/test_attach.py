@@ -110,6 +110,7 @@ def test_attach_mid_run_then_a_planted_rank0_collective(tmp_path: Path) -> None:
     assert any("attached to a running job" in w for w in summary["warnings"])
 
 
+@pytest.mark.slow
 def test_attach_to_a_job_already_hung(tmp_path: Path) -> None:
     """Both ranks are blocked in native code (gloo) when attached: the queued call is never
     run, gdb's direct path is; the attach dump's stacks give the verdict."""
