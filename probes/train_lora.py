@@ -478,3 +478,49 @@ def lone_process_defaults() -> None:
 if __name__ == "__main__":
     lone_process_defaults()
     main()
+
+
+# -- Faults planted after `lorascope attach` (appended: the lines above must not move) --
+# ``rank-conditional-on-trigger``: the rank-conditional collective of
+# ``rank-conditional-hang``, made at the step written in the file $TRAIN_LORA_TRIGGER (every
+# rank reads it at each step's start), so that a test can plant it once lorascope is
+# attached to the running job. Added to --fault by ``add_attach_faults()``; the job for
+# it is ``probes/train_lora_attach.py``.
+
+TRIGGER_ENV = "TRAIN_LORA_TRIGGER"
+
+
+def trigger_step() -> int | None:
+    """The step the trigger file names, None while there is none."""
+    path = os.environ.get(TRIGGER_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def rank_conditional_on_trigger(d: Dist) -> None:
+    """The bug, planted after the attach: a collective only rank 0 runs."""
+    if d.rank == 0:
+        flag = torch.ones(1, dtype=torch.float32, device=d.device)
+        dist.all_reduce(flag)  # no other rank ever joins this one
+    else:
+        dist.barrier()
+
+
+def add_attach_faults() -> None:
+    global FAULTS
+    FAULTS = (*FAULTS, "rank-conditional-on-trigger")
+    plain_before_step = Faults.before_step
+
+    def before_step(self: Faults, step: int, model: torch.nn.Module) -> None:
+        if self.args.fault == "rank-conditional-on-trigger":
+            if step == trigger_step():
+                rank_conditional_on_trigger(self.d)
+            return
+        plain_before_step(self, step, model)
+
+    Faults.before_step = before_step  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ a conftest holds fixtures, which pytest finds by itself.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -456,3 +457,26 @@ def capped_cli(
     )
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
     return proc
+
+
+@functools.lru_cache(maxsize=1)
+def why_no_ptrace() -> str | None:
+    """Why gdb cannot attach to a process here (no gdb; ptrace not permitted: a container
+    without CAP_SYS_PTRACE, Yama), or None: the attach tests skip, saying so."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "gdb is not installed: `lorascope attach` below Python 3.14 needs it"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        res = subprocess.run(
+            [gdb, "-nx", "-batch", "--readnever", "-p", str(child.pid), "-ex", "info inferiors"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        child.kill()
+        child.wait()
+    if "ptrace:" in res.stdout + res.stderr or res.returncode != 0:
+        return f"gdb cannot attach to a process here: {(res.stdout + res.stderr).strip().splitlines()[-1:]}"
+    return None

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 import click
 
 from lorascope import __version__
-from lorascope.cli import analyze, diff, export, hang, plan, report, run, watch
+from lorascope.cli import analyze, attach, diff, export, hang, plan, report, run, watch
 from lorascope.errors import LorascopeError
 from lorascope.rundir import limits, workers
 from lorascope.text import echo
 from lorascope.units import parse_bytes
 
 #: Every subcommand, one module each; each module exposes ``command``.
-COMMANDS = [run, analyze, hang, report, export, plan, diff, watch]
+COMMANDS = [run, attach, analyze, hang, report, export, plan, diff, watch]
 
 #: Exit codes of failures that are not the project's own errors (those carry theirs).
 EXIT_INTERNAL = 1

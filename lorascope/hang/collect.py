@@ -4,9 +4,12 @@ or a job not started under `lorascope run`)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import glob
 import json
 import os
+import platform
 import shutil
 import subprocess
 import time
@@ -45,10 +48,33 @@ def request_dumps(targets: list[Target]) -> float:
         if target.ours and (target.host, target.pid) not in signalled:
             signalled.add((target.host, target.pid))
             try:
-                os.kill(target.pid, DUMP_SIGNAL)
+                if target.thread is not None:
+                    tgkill(target.pid, target.thread, DUMP_SIGNAL)
+                elif not target.attached:
+                    os.kill(target.pid, DUMP_SIGNAL)
             except ProcessLookupError:
                 target.alive, target.why = False, "process gone"
     return asked
+
+
+#: tgkill's system call number per machine (Linux).
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131, "ppc64le": 250}
+
+
+def tgkill(pid: int, thread: int, sig: int) -> None:
+    """Send ``sig`` to one thread of another process (an attached rank's dump thread:
+    no thread of the job is interrupted by it); raises ProcessLookupError when that
+    thread is gone, OSError when it cannot be sent."""
+    number = _SYS_TGKILL.get(platform.machine())
+    if number is None:
+        os.kill(pid, sig)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, thread, int(sig)) != 0:
+        err = ctypes.get_errno()
+        if err == errno.ESRCH:
+            raise ProcessLookupError(err, os.strerror(err))
+        raise OSError(err, os.strerror(err))
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,16 @@
 A pid written in the run directory may have been recycled by an unrelated process
 since: it is signalled only if the process now under that pid carries this run's
 ``LORASCOPE_RUN_DIR`` in its environment and started no later than the rank's
-``start`` record. Ranks on other hosts cannot be signalled from here.
+``start`` record, or, for a process `lorascope attach` attached (whose environment
+predates the attach), if it started at the very clock tick its ``start`` record gives
+(/proc/PID/stat) and is the calling user's. Such a process takes the dump signal in its
+dump thread alone (``thread``: the manifest's record of the attach). Ranks on other
+hosts cannot be signalled from here.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -16,10 +21,15 @@ from typing import Any
 
 import psutil
 
-from lorascope.rundir.schema import BOOTSTRAP_DIR
+from lorascope.errors import BadInputError
+from lorascope.rundir.procfs import start_ticks
+from lorascope.rundir.safe_open import open_regular
+from lorascope.rundir.schema import BOOTSTRAP_DIR, MANIFEST_FILE
 
 #: Clock slack between the process's start time (/proc, 10 ms ticks) and its first record.
 START_SLACK_S = 1.0
+#: The manifest, read at most (it lists every attach of the run).
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 @dataclass
@@ -32,6 +42,11 @@ class Target:
     alive: bool
     ours: bool
     why: str
+    #: The thread to send the dump signal to (an attached process), else the process.
+    thread: int | None = None
+    #: Attached by `lorascope attach`: signalled only through ``thread`` (without one it
+    #: has no dump thread, and the job's own handler may take the signal: read with py-spy).
+    attached: bool = False
 
 
 def _of_run(env: dict[str, str], run_dir: Path) -> bool:
@@ -48,6 +63,39 @@ def _of_run(env: dict[str, str], run_dir: Path) -> bool:
     )
 
 
+def _attached(start: dict[str, Any], pid: int, rank: int, host: str, run_dir: Path) -> Target:
+    """A process `lorascope attach` attached: the same start tick, the same owner."""
+    ticks = start["attached"].get("proc_start_ticks")
+    now = start_ticks(pid)
+    if now is None:
+        return Target(rank, pid, host, alive=False, ours=False, why="process gone")
+    if not isinstance(ticks, int) or ticks != now:
+        return Target(rank, pid, host, alive=False, ours=False, why="pid now belongs to another process: not signalled")
+    try:
+        if psutil.Process(pid).uids().real != os.getuid() and os.getuid() != 0:
+            return Target(rank, pid, host, alive=True, ours=False, why="another user's process: not signalled")
+    except psutil.Error:
+        return Target(rank, pid, host, alive=False, ours=False, why="process gone")
+    thread = dump_thread(run_dir, pid, ticks)
+    return Target(rank, pid, host, alive=True, ours=True, why="verified", thread=thread, attached=True)
+
+
+def dump_thread(run_dir: Path, pid: int, ticks: int) -> int | None:
+    """The dump thread of an attached process, from the manifest's ``attached`` entries."""
+    try:
+        with open_regular(run_dir / MANIFEST_FILE) as f:
+            manifest = json.loads(f.read(MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError, BadInputError):
+        return None
+    found = None
+    for entry in manifest.get("attached") or [] if isinstance(manifest, dict) else []:
+        for p in entry.get("processes") or [] if isinstance(entry, dict) else []:
+            if isinstance(p, dict) and p.get("pid") == pid and p.get("start_ticks") == ticks and p.get("ok"):
+                thread = p.get("dump_thread")
+                found = thread if isinstance(thread, int) and thread > 0 else found
+    return found
+
+
 def verify(start: dict[str, Any], run_dir: Path) -> Target:
     """Whether the process a stream's ``start`` record names (rank, pid, host, t) is alive
     and still that process."""
@@ -57,6 +105,8 @@ def verify(start: dict[str, Any], run_dir: Path) -> Target:
     assert isinstance(rank, int) and isinstance(pid, int)
     if host != socket.gethostname():
         return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: run `lorascope hang` there")
+    if isinstance(start.get("attached"), dict):
+        return _attached(start, pid, rank, host, run_dir)
     try:
         proc = psutil.Process(pid)
         created = proc.create_time()

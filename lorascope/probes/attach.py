@@ -45,6 +45,9 @@ _VERSIONED = ("torch", "deepspeed", "peft", "transformers")
 _fatal_files: list[object] = []
 
 _session: Session | None = None
+_dumper: Dumper | None = None
+#: Where this process's probes write (its run directory), once attached.
+run_dir_of_session: Path | None = None
 
 
 def _versions() -> dict[str, str | None]:
@@ -100,12 +103,15 @@ def attach(
     *,
     launch_id: str | None = None,
     identity: Identity | None = None,
+    attached: dict[str, Any] | None = None,
 ) -> bool:
     """Start the probes in this process once; later calls return whether they are on.
 
     Options left None come from ``LORASCOPE_*`` variables, then the defaults; the rank
-    from :func:`lorascope.rundir.ranks.discover`."""
-    global _session
+    from :func:`lorascope.rundir.ranks.discover`. ``attached``: the process was running
+    before (``lorascope attach``, :mod:`lorascope.probes.live`): what the start record
+    says of it."""
+    global _session, _dumper, run_dir_of_session
     if _session is not None and _session.pid == os.getpid():
         return _session.active
     run_dir: Path | None = None
@@ -114,13 +120,15 @@ def attach(
         run_dir = run_dir.absolute()
         ensure_manifest(run_dir)
         identity = discover() if identity is None else identity
-        _session = _start(
+        _session, _dumper = _start(
             run_dir,
             _sample_interval(sample_interval),
             _trace_window(os.environ.get(ENV_TRACE_WINDOW) if trace_window is None else trace_window),
             identity,
             os.environ.get("LORASCOPE_LAUNCH_ID") if launch_id is None else launch_id,
+            attached,
         )
+        run_dir_of_session = run_dir
         # Children that inherit this identity (DataLoader workers) are not ranks themselves.
         os.environ[ENV_ATTACHED_PID] = str(os.getpid())
         os.environ[ENV_ATTACHED_AS] = identity.key
@@ -145,7 +153,8 @@ def _start(
     trace_window: tuple[int, int] | None,
     identity: Identity,
     launch_id: str | None,
-) -> Session:
+    attached: dict[str, Any] | None = None,
+) -> tuple[Session, Dumper]:
     rank = identity.rank
     host = socket.gethostname()
     pid = os.getpid()
@@ -174,10 +183,11 @@ def _start(
         launch_id=launch_id,
         rank_source=identity.source,
         probed_parent=int(probed_parent) if probed_parent and probed_parent.isdigit() else None,
+        attached=attached,
     )
     session.flush()  # the stream's first record, on disk whatever happens next
     memory = MemoryProbe(session)
-    collectives = CollectiveProbe(session)
+    collectives = CollectiveProbe(session, torch_seq=attached is not None)
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
     allocator = AllocatorProbe(session, prefix, *parse_switch(os.environ.get(ENV_MEMORY_HISTORY)))
@@ -192,12 +202,13 @@ def _start(
 
     dumper = Dumper(
         session,
-        collectives.pending,
+        (lambda: collectives.pending() or collectives.on_stack()) if attached is not None else collectives.pending,
         session.guarded("dumps")(memory.reading),
         evidence,
         pg_timeout=lambda: collectives.pg_timeout,
         stall_override=_env_float(ENV_STALL_SECONDS),
         repeat_flight=flight,
+        progress_known=attached is None,
     )
 
     def on_step_end() -> None:
@@ -216,11 +227,14 @@ def _start(
 
     ExitProbe(session, on_end, on_crash=flight, on_exception=allocator.after_exception).install()
     _fatal_files.append(session.guarded("fatal")(install_fatal_handler)(session, prefix))
-    os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
+    if attached is None:  # an attached job's groups exist: it is theirs to have asked
+        os.environ.setdefault(ENV_FR_BUFFER, DEFAULT_FR_BUFFER)  # read when the process group starts
     # Each install is its own probe: one that fails to install leaves the others on.
     _hook(session, "torch.distributed.distributed_c10d", collectives.install, "collectives")
     _hook(session, "torch.distributed._functional_collectives", collectives.install_functional, "collectives-funcol")
     _hook(session, "torch.nn.parallel.distributed", collectives.install_ddp, "collectives-ddp")
+    if attached is not None:  # the references DeepSpeed took before the attach
+        _hook(session, "deepspeed.comm.comm", collectives.install_deepspeed_comm, "collectives-deepspeed")
     _hook(session, "torch", steps.install_torch, "steps-torch")
     _hook(session, "torch", logits.install, "logits")
     _hook(session, "torch", allocator.install, "allocator")
@@ -234,7 +248,13 @@ def _start(
     _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")
     _hook(session, "transformers.trainer", steps.install_trainer, "steps-trainer")
     memory.sample("attach")
-    if not dumper.install_signal():
+    if attached is not None:
+        why = dumper.install_wakeup()
+        if why is not None:
+            session.record(
+                "probe_error", probe="dumps", error=f"no on-demand dumps: {why} (the stall watchdog still runs)"
+            )
+    elif not dumper.install_signal():
         session.record(
             "probe_error",
             probe="dumps",
@@ -243,7 +263,31 @@ def _start(
     memory.start_sampler()
     dumper.start_watchdog()
     stream.start_writer()  # after install_signal: its thread inherits the blocked dump signal
-    return session
+    return session, dumper
+
+
+def detach() -> bool:
+    """Turn the probes of this process off (``lorascope attach --detach``): an ``end``
+    record with status "detached", the collective wrappers pass calls straight through,
+    every other probe returns at once, the probes' threads end, the dump signal is the
+    job's again. The wrappers stay in place (a job may hold references to them), so the
+    probes cannot be attached again in this process. False when they were not on."""
+    session, dumper = _session, _dumper
+    if session is None or not session.active or session.pid != os.getpid():
+        return False
+    session.record_cost()
+    session.record(
+        "end",
+        status="detached",
+        code=None,
+        why="the probes were detached (`lorascope attach --detach`); the process went on",
+    )
+    session.disabled.add("collectives")
+    if dumper is not None:
+        dumper.remove_wakeup()
+    session.ended = True
+    session.stream.close()
+    return True
 
 
 def _hook(session: Session, module: str, install: Any, probe: str) -> None:

@@ -276,8 +276,12 @@ class _Spec(NamedTuple):
 
 
 class CollectiveProbe:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, torch_seq: bool = False) -> None:
         self.session = session
+        #: Number calls by torch's own per-group sequence number (``lorascope attach``: the
+        #: ranks were attached at different calls, so a count from attach would differ
+        #: between them; torch's counts every collective since the group began).
+        self._torch_seq = torch_seq
         self._local = threading.local()
         self._seq: dict[int, int] = {}
         #: id(group) -> (gid, a weak reference to the group, or the group itself when it
@@ -349,6 +353,24 @@ class CollectiveProbe:
         if wait is not None and not getattr(wait, "__lorascope__", False):
             work.wait = self._wrap_work_wait(wait)  # type: ignore[union-attr]
         self._watch_init(c10d, dist)
+
+    def install_deepspeed_comm(self, comm: ModuleType) -> None:
+        """DeepSpeed's torch backend keeps ``all_gather_into_tensor`` and
+        ``reduce_scatter_tensor`` as attributes (``all_gather_function``,
+        ``reduce_scatter_function``: ZeRO-3's gathers and ZeRO's gradient reductions),
+        taken when it was built. A job probed from its start built it from the wrappers;
+        one attached later holds the originals: re-pointed here to the wrappers."""
+        backend = getattr(comm, "cdb", None)
+        c10d = self._c10d
+        if backend is None or c10d is None:
+            return
+        for attr in ("all_gather_function", "reduce_scatter_function"):
+            held = getattr(backend, attr, None)
+            name = getattr(held, "__name__", None)
+            wrapper = getattr(c10d, name, None) if isinstance(name, str) else None
+            if held is not None and not getattr(held, "__lorascope__", False):
+                if getattr(wrapper, "__wrapped__", None) is held:
+                    setattr(backend, attr, wrapper)
 
     def _watch_init(self, c10d: ModuleType, dist: ModuleType | None) -> None:
         """Learn the process-group timeout the job sets (the stall watchdog scales with it),
@@ -580,7 +602,7 @@ class CollectiveProbe:
             known = self._gids.get(id(group)) if group is not None else None
             gid = known[0] if known is not None else self._gid(group)
             seqs = self._seq
-            seq = seqs[gid] = seqs.get(gid, 0) + 1
+            seq = seqs[gid] = (self._group_seq(group) if self._torch_seq else None) or seqs.get(gid, 0) + 1
             nbytes: int | None = None
             dtype: Any = None
             first = None
@@ -621,6 +643,44 @@ class CollectiveProbe:
         except Exception as exc:
             self.session.fail("collectives", exc)
             return None
+
+    def _group_seq(self, group: Any) -> int | None:
+        """The number torch gives this call in its group (its count of the group's
+        collectives so far, plus one), or None where the backend keeps none."""
+        if group is None and self._c10d is not None:
+            group = self._c10d.GroupMember.WORLD
+        try:
+            return int(group._get_sequence_number_for_group()) + 1
+        except Exception:
+            return None
+
+    def on_stack(self) -> list[dict[str, Any]]:
+        """The collective the main thread is inside now that the wrappers never saw begin
+        (it began before ``lorascope attach``), read from its stack: op and call site, no
+        sequence number or group. Empty when none or when a recorded call is in flight."""
+        if self._in_flight:
+            return []
+        frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or -1)
+        op = None
+        while frame is not None:
+            code = frame.f_code
+            if op is None and code.co_name in PAYLOAD_ARG and code.co_filename.endswith("distributed_c10d.py"):
+                op = code.co_name
+            elif op is not None and not self._is_internal(code.co_filename):
+                site = self._describe(frame)
+                return [
+                    {
+                        "group": "?",
+                        "seq": "?",
+                        "op": op,
+                        "bytes": None,
+                        "site": site,
+                        "via": self._via(frame, site),
+                        "source": "begun before lorascope attached: read from its stack",
+                    }
+                ]
+            frame = frame.f_back
+        return []
 
     def _end(self, started: _Started | None, err: str | None) -> None:
         if started is None:
@@ -876,16 +936,18 @@ class CollectiveProbe:
             return site
         line = frame.f_lineno
         site = f"{code.co_filename}:{line} in {code.co_name}"
-        if self._keep(code):
-            self._sites[key] = site
         if site not in self._described:
             began = time.perf_counter_ns()
-            self._described.add(site)
             context = describe(code.co_filename, line)
+            # known before the site is cached or marked described: the dump thread of an
+            # attached process describes sites too, and a caller reads this at once
             self._conditioned[site] = rank_condition_in(context) is not None
+            self._described.add(site)
             self.session.record("site", site=site, **context)
             self.session.sites_ns += time.perf_counter_ns() - began
             self.session.sites += 1
+        if self._keep(code):
+            self._sites[key] = site
         return site
 
     def _via(self, frame: FrameType, site: str) -> str | None:

@@ -16,6 +16,7 @@ do not use it (it is raised only for sockets that asked for out-of-band data).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -55,6 +56,7 @@ class Dumper:
         pg_timeout: Callable[[], float | None],
         stall_override: float | None,
         repeat_flight: Callable[[str], None] | None = None,
+        progress_known: bool = True,
     ) -> None:
         self.session = session
         self._pending = pending
@@ -65,9 +67,16 @@ class Dumper:
         self._pg_timeout = pg_timeout
         self._stall_override = stall_override
         self._lock = threading.Lock()
-        self.last_progress = time.time()
+        #: When the rank last finished a step; None in a process attached while it ran,
+        #: until its first step since (the attach is no progress: a hung rank dumped right
+        #: after it must not read as moving).
+        self.last_progress: float | None = time.time() if progress_known else None
         self._stall_fired = False
         self._stall_dumps = 0
+        #: The wakeup pipe of a process attached while it ran (read end, write end).
+        self._wakeup: tuple[int, int] | None = None
+        #: The native id of the thread that takes DUMP_SIGNAL (``lorascope hang`` signals it).
+        self.thread_id: int | None = None
         self.dump = session.guarded("dumps")(self._dump)
 
     def _dump(self, reason: str, beside: Callable[[str], None] | None = None) -> None:
@@ -80,7 +89,7 @@ class Dumper:
                 stacks=thread_stacks()[-100_000:],
                 pending=self._pending(),
                 mem=self._reading(),
-                since_progress=round(time.time() - self.last_progress, 3),
+                since_progress=None if self.last_progress is None else round(time.time() - self.last_progress, 3),
             )
             session.flush()
             (beside or self._flight)(f"{reason}-{int(time.time())}")
@@ -95,6 +104,60 @@ class Dumper:
         signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
         threading.Thread(target=self._wait_for_signals, name="lorascope-dump", daemon=True).start()
         return True
+
+    def install_wakeup(self) -> str | None:
+        """On-demand dumps for a process attached while it runs (``lorascope attach``),
+        whose threads started without DUMP_SIGNAL blocked. A no-op Python handler makes
+        CPython's C handler write the signal's number to a wakeup pipe, from whichever
+        thread takes it, even while the main thread waits in native code; a dump thread
+        reads the pipe, and ``lorascope hang`` sends the signal to that thread alone
+        (``thread_id``), so no thread of the job is interrupted by it. Main thread only,
+        and never over the job's own use of DUMP_SIGNAL or of a wakeup fd (asyncio's).
+        Returns why it was not installed, or None."""
+        if threading.current_thread() is not threading.main_thread():
+            return "not started in the main thread"
+        if signal.getsignal(DUMP_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN):
+            return f"the job handles {DUMP_SIGNAL.name} itself"
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return "the job has a signal wakeup fd of its own"
+        signal.signal(DUMP_SIGNAL, _no_op)
+        self._wakeup = (read, write)
+        started = threading.Event()
+        threading.Thread(target=self._read_wakeups, args=(read, started), name="lorascope-dump", daemon=True).start()
+        started.wait(5.0)
+        return None
+
+    def _read_wakeups(self, read: int, started: threading.Event) -> None:
+        self.thread_id = threading.get_native_id()
+        started.set()
+        while self.session.active:
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            if not data:
+                return  # the write end closed: detached
+            if DUMP_SIGNAL in data:
+                self.dump("signal")
+
+    def remove_wakeup(self) -> None:
+        """Undo :meth:`install_wakeup` (main thread): the job's signal state as it was."""
+        if self._wakeup is None or threading.current_thread() is not threading.main_thread():
+            return
+        read, write = self._wakeup
+        self._wakeup = None
+        previous = signal.set_wakeup_fd(-1)
+        if previous != write:  # someone else's since: theirs stays
+            signal.set_wakeup_fd(previous)
+        if signal.getsignal(DUMP_SIGNAL) is _no_op:
+            signal.signal(DUMP_SIGNAL, signal.SIG_DFL)
+        os.close(write)  # the dump thread reads the end of the pipe and returns
 
     def _wait_for_signals(self) -> None:
         while self.session.active:
@@ -115,10 +178,14 @@ class Dumper:
             time.sleep(min(1.0, limit / 5))
             if self._stall_dumps >= MAX_STALL_DUMPS:
                 return
-            if not self._stall_fired and self.session.step > 0 and time.time() - self.last_progress > limit:
+            last = self.last_progress
+            if not self._stall_fired and self.session.step > 0 and last is not None and time.time() - last > limit:
                 self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone
-                self.session.record(
-                    "stall", seconds=round(time.time() - self.last_progress, 3), limit=limit, step=self.session.step
-                )
+                self.session.record("stall", seconds=round(time.time() - last, 3), limit=limit, step=self.session.step)
                 self.dump("stall", self._repeat_flight if self._stall_dumps else None)
                 self._stall_dumps += 1
+
+
+def _no_op(signum: int, frame: Any) -> None:
+    """The Python-level handler of DUMP_SIGNAL in an attached process: the work is done by
+    the dump thread that reads the wakeup pipe."""

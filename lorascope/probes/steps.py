@@ -80,6 +80,7 @@ class StepProbe:
         self.adopt_model = session.guarded("configs")(self._adopt_model)
         self.ddp_built = session.guarded("configs")(self._ddp_built)
         self.zero3_built = session.guarded("configs")(self._zero3_built)
+        self.adopt_engine = session.guarded("configs")(self._adopt_engine)
 
     # -- records ------------------------------------------------------------------
     def _phase(self, name: str, edge: str) -> dict[str, Any] | None:
@@ -234,14 +235,12 @@ class StepProbe:
         @functools.wraps(orig_init)
         def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
             orig_init(engine, *args, **kwargs)
-            probe.session.step_source = "deepspeed"
-            param_dict = getattr(getattr(engine, "_config", None), "_param_dict", None)
-            probe.record_config("deepspeed", param_dict)
-            probe.record_model(getattr(engine, "module", None))
-            probe.zero3_built(engine)
+            probe.adopt_engine(engine)
 
         @functools.wraps(orig_backward)
         def backward(engine: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            if probe.session.step_source != "deepspeed":  # built before `lorascope attach`
+                probe.adopt_engine(engine)
             probe.see_loss(loss)
             probe.grads.before_backward(engine.module)
             probe.phase("backward", "begin")
@@ -257,6 +256,8 @@ class StepProbe:
 
         @functools.wraps(orig_step)
         def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            if probe.session.step_source != "deepspeed":
+                probe.adopt_engine(engine)
             before = getattr(engine, "global_steps", None)
             probe.phase("optimizer", "begin")
             out = orig_step(engine, *args, **kwargs)
@@ -268,6 +269,15 @@ class StepProbe:
         engine_cls.__init__, engine_cls.forward = __init__, self._forward_phases(orig_forward)
         engine_cls.backward, engine_cls.step = backward, step
         engine_cls.save_checkpoint = save_checkpoint
+
+    def _adopt_engine(self, engine: Any) -> None:
+        """A DeepSpeed engine drives the steps: its config and model recorded (at its
+        construction, or at its first backward or step after ``lorascope attach``)."""
+        self.session.step_source = "deepspeed"
+        param_dict = getattr(getattr(engine, "_config", None), "_param_dict", None)
+        self.record_config("deepspeed", param_dict)
+        self.record_model(getattr(engine, "module", None))
+        self.zero3_built(engine)
 
     def _forward_phases(self, orig_forward: Callable[..., Any]) -> Callable[..., Any]:
         """A module's forward inside a forward (or, under no_grad, eval) phase."""

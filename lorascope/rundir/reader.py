@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -953,7 +954,34 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
         flat = [w for item in warnings for w in (results[item][1] if isinstance(item, int) else [item])]
         ranks = _choose(run_dir, manifest, [data for data, _ in results], flat)
         _align(ranks, jobs, results, parallel, progress, cluster)
+        _from_common_attach(ranks, flat)
     return RunData(path=run_dir, manifest=manifest, ranks=ranks, warnings=flat)
+
+
+def _from_common_attach(ranks: dict[int, RankData], warnings: list[str]) -> None:
+    """A run `lorascope attach` began in a running job: each rank's records begin at its
+    own attach, so in each group the calls before the latest rank's first are dropped
+    (one rank holding a call another was not yet watching is no divergence), and a
+    warning says what the run cannot know."""
+    attached = [r for r in ranks.values() if isinstance(r.start.get("attached"), dict)]
+    if not attached:
+        return
+    first: dict[str, int] = {}
+    for data in ranks.values():
+        seen: dict[str, int] = {}
+        for c in data.collectives:
+            seen[c.group] = min(seen.get(c.group, c.seq), c.seq)
+        for group, seq in seen.items():
+            first[group] = max(first.get(group, seq), seq)
+    for data in ranks.values():
+        data.collectives = [c for c in data.collectives if c.pending or c.seq >= first.get(c.group, 0)]
+    when = min(float(r.start["attached"].get("t") or r.start["t"]) for r in attached)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    warnings.append(
+        f"attached to a running job at {stamp} (`lorascope attach`, {len(attached)} of {len(ranks)} ranks): "
+        "nothing before is known (steps are counted from the attach, memory peaks, collectives, warnings "
+        "and errors before it are not recorded)"
+    )
 
 
 def _choose(

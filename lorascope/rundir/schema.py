@@ -127,7 +127,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 
 #: Ways a rank can end, as the ``end`` record's ``status`` says.
-END_STATUSES = ("exit", "exception", "signal")
+END_STATUSES = ("exit", "exception", "signal", "detached")
 
 LAUNCH_FIELDS: dict[str, tuple[type, ...]] = {
     "id": _STR,

@@ -377,6 +377,13 @@ def _record_launch(run_dir: Path, launch_id: str, command: list[str], **fields: 
         entry.update(fields)
 
 
+def record_attach(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Add one ``lorascope attach`` (when, which processes, how each went) to the
+    manifest's ``attached`` list (created with the manifest when no launch made one)."""
+    with _locked_manifest(run_dir) as manifest:
+        manifest.setdefault("attached", []).append(entry)
+
+
 def record_ranks(run_dir: Path, ranks: dict[str, Any]) -> bool:
     """Fold the per-rank table (pid, host, how it ended) into manifest.json at the end.
     Never raises: warns in one line and returns False."""

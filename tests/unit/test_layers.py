@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "text": 6,
     "report": 6,
     "hang": 6,
+    "inject": 6,
     "export": 6,
     "cli": 7,
     "__main__": 8,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import random
+import shutil
 from pathlib import Path
 
 import pytest

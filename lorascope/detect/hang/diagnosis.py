@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lorascope.detect.hang.conditions import call_condition, rank_condition
+from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
@@ -135,6 +135,8 @@ def _ended(rank: RankData, alive: bool | None, cutoff: float | None) -> str | No
         return None
     if stopped_at(rank) is not None:
         return None
+    if end.status == "detached":
+        return "exited (detached: not observed since `lorascope attach --detach`)"
     if end.status == "exception":
         return f"died: {short_error((end.detail or 'an exception').splitlines()[0], 160)}"
     if end.teardown:  # its job had finished: it exited, and died on the way out
@@ -216,9 +218,8 @@ def _rank_state(
         p = pending[0]
         site = p.get("site")
         cond = rank_condition(rank, site if isinstance(site, str) else None)
-        where = f"{p['op']} #{p['seq']} on {p['group']} at {p.get('site') or '?'}" + (
-            f", under `{cond}`" if cond else ""
-        )
+        called = f"{p['op']} #{p['seq']} on {p['group']}" if isinstance(p.get("seq"), int) else str(p["op"])
+        where = f"{called} at {p.get('site') or '?'}" + (f", under `{cond}`" if cond else "")
         if p.get("source"):
             where += f" ({p['source']})"
     elif state in ("outside-collectives", "moving"):
@@ -380,8 +381,25 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
     if waiting and by_state.get("moving"):
         return "straggler", by_state["moving"], None
     if waiting and len(waiting) == len(states):
-        return "collective-stuck", [], None
+        odd = _odd_from_stacks(run, states)
+        return ("rank-conditional-hang", odd, None) if odd else ("collective-stuck", [], None)
     return "unknown", [], None
+
+
+def _odd_from_stacks(run: RunData, states: list[dict[str, Any]]) -> list[int]:
+    """Ranks that all wait in collectives the records never saw begin (begun before
+    `lorascope attach`: read from their stacks, no sequence number to align), at
+    different ops or call sites: those whose call sits inside a rank condition."""
+    first = {s["rank"]: s["pending"][0] for s in states}
+    if all(isinstance(p.get("seq"), int) for p in first.values()):
+        return []
+    if len({(p.get("op"), p.get("site")) for p in first.values()}) < 2:
+        return []
+    site = {n: p.get("site") for n, p in first.items()}
+    return odd_by_condition(
+        {n: rank_condition(run.ranks[n], s if isinstance(s, str) else None) for n, s in site.items()},
+        include_else=False,
+    )
 
 
 def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
