@@ -105,7 +105,7 @@ def add_snapshot(run: Path, rank: int, source: Path, reason: str) -> Path:
 TRAIN = str(REPO / "probes" / "train_lora.py")
 LORASCOPE = [sys.executable, "-m", "lorascope"]
 #: The top-level keys of `lorascope hang --json`, of a run directory and of --pid alike.
-HANG_JSON_KEYS = {"id", "kind", "verdict", "fix", "odd_ranks", "first_diverged", "groups", "ranks", "notes"}
+HANG_JSON_KEYS = {"id", "kind", "verdict", "fix", "odd_ranks", "first_diverged", "groups", "ranks", "notes", "silent"}
 JOB_TIMEOUT = 300
 
 

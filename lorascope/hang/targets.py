@@ -3,7 +3,8 @@
 A pid written in the run directory may have been recycled by an unrelated process
 since: it is signalled only if the process now under that pid carries this run's
 ``LORASCOPE_RUN_DIR`` in its environment and started no later than the rank's
-``start`` record. Ranks on other hosts cannot be signalled from here.
+``start`` record. Ranks on other hosts cannot be signalled from here: they are reached
+through the dump request in the run directory (``lorascope.hang.request``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class Target:
     ours: bool
     why: str
 
+    @property
+    def local(self) -> bool:
+        """The process runs on this host (it can be signalled and its state read)."""
+        return self.host == socket.gethostname()
+
 
 def _of_run(env: dict[str, str], run_dir: Path) -> bool:
     """The process was started for this run: ``LORASCOPE_RUN_DIR`` names it, or, for ranks
@@ -56,7 +62,7 @@ def verify(start: dict[str, Any], run_dir: Path) -> Target:
         return Target(-1, -1, str(host), alive=False, ours=False, why="an unreadable start record: not signalled")
     assert isinstance(rank, int) and isinstance(pid, int)
     if host != socket.gethostname():
-        return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: run `lorascope hang` there")
+        return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: asked through the run directory")
     try:
         proc = psutil.Process(pid)
         created = proc.create_time()

@@ -32,6 +32,7 @@ from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
 from lorascope.rundir.ranks import Identity, discover
+from lorascope.rundir.schema import DUMP_REQUEST
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
@@ -195,6 +196,7 @@ def _start(
         pg_timeout=lambda: collectives.pg_timeout,
         stall_override=_env_float(ENV_STALL_SECONDS),
         repeat_flight=flight,
+        request_path=run_dir / DUMP_REQUEST,
     )
 
     def on_step_end() -> None:

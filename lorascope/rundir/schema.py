@@ -31,6 +31,9 @@ FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
 #: whose default action is to ignore it (see lorascope.probes.dumps).
 DUMP_SIGNAL = signal.SIGURG
+#: In the run directory: `lorascope hang`'s dump request (one JSON line, ``{"id": ..., "t": ...}``),
+#: which every rank's probe thread looks at once a second, on whatever host it runs.
+DUMP_REQUEST = "dump-request.json"
 #: The steps the probes take to settle: through them a CPU rank reads the C heap at every
 #: phase edge (``probes/memory.py``). A ``cost`` record is written at the last one's end, and the reader measures a step's cost from there (the
 #: first ``cost`` record at or past it that a later one follows), not from the first step.

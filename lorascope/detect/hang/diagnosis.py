@@ -67,6 +67,10 @@ FIXES = {
         "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
     ),
+    "stopped-process": (
+        "A rank's process is stopped (state T: SIGSTOP, Ctrl-Z, a debugger) and the others wait for it: "
+        "resume it (kill -CONT PID) or end the job, and find out who stopped it."
+    ),
     "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
     "moving": (
         "Nothing is stuck yet: every rank had finished a step shortly before its dump. If the "
@@ -191,6 +195,7 @@ def _rank_state(
     cutoff: float | None,
     ahead: Ahead | None,
     as_of: float | None,
+    stopped: str | None = None,
 ) -> dict[str, Any]:
     dumps = _dumps(rank, run, as_of)
     dump = dumps[-1] if dumps else None
@@ -204,6 +209,8 @@ def _rank_state(
         pending = [found] if found is not None else pending
     if ended is not None:
         state = "dead" if ended.startswith("died") else "exited"
+    elif stopped is not None:
+        state, ended = "stopped", stopped
     elif pending:
         state = "in-collective"
     elif moving:
@@ -278,17 +285,24 @@ def diagnose(
     alive: dict[int, bool] | None = None,
     flight: FlightTimeline | None = None,
     as_of: float | None = None,
+    stopped: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
     the kind, the first rank that diverged, the verdict line and the fix. ``flight``: the
     ranks' flight-recorder dumps, for the calls the probes cannot see. ``as_of``: the diagnosis of a stall the job came back from, as its dumps
-    at that moment show it (what followed, the job's ending included, left out)."""
+    at that moment show it (what followed, the job's ending included, left out).
+    ``stopped``: the ranks whose process `lorascope hang` found stopped (state T), in
+    words: they cannot answer, and the others wait for them."""
     alive = alive or {}
+    stopped = stopped or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
     dumped = [float(d["t"]) for r in run.ranks.values() for d in _dumps(r, run, as_of)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
     ahead = _flight_ahead(run, as_of, flight)
-    states = [_rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of) for n, r in run.ranks.items()]
+    states = [
+        _rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of, stopped.get(n))
+        for n, r in run.ranks.items()
+    ]
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
@@ -371,6 +385,8 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
         # follow from it.
         first = min(by_state["dead"], key=lambda n: _death_time(run.ranks[n]))
         return "dead-rank", [first], None
+    if by_state.get("stopped"):
+        return "stopped-process", by_state["stopped"], None
     waiting = by_state.get("in-collective", [])
     if waiting and by_state.get("outside-collectives"):
         return "stuck-outside", by_state["outside-collectives"], None
@@ -389,6 +405,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "rank-conditional-hang": f"rank-conditional collective{f' ({who})' if odd else ''}: {where}",
         "dead-rank": f"{who} died first: {where.removeprefix('died: ')}; the others wait for it or failed after it",
         "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
+        "stopped-process": f"{who} {'is' if one else 'are'} {where}; the others wait for {'it' if one else 'them'}",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",
