@@ -31,6 +31,7 @@ from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
+from lorascope.probes.zero_params import ZeroParamProbe
 from lorascope.rundir.ranks import Identity, discover
 from lorascope.rundir.schema import DUMP_REQUEST
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
@@ -229,6 +230,8 @@ def _start(
     _hook(session, "torch.distributed.fsdp._fully_shard._fully_shard", fsdp.install_fully_shard, "fsdp")
     _hook(session, "torch.distributed.fsdp.fully_sharded_data_parallel", fsdp.install_fsdp1, "fsdp1")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
+    zero = ZeroParamProbe(session, collectives)
+    _hook(session, "deepspeed.runtime.zero.partition_parameters", zero.install, "zero-params")
     _hook(session, "peft", steps.install_peft, "configs")
     _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")
     _hook(session, "transformers.trainer", steps.install_trainer, "steps-trainer")

@@ -106,6 +106,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "snapshot": {"file": _STR, "reason": _STR, "bytes": _INT},
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
+    #: An entry into (op "enter") or exit from ZeRO-3's parameter state from the job's
+    #: code (``what``: "GatheredParameters"), with ``site``/``via`` as a collective's.
+    "zero_param": {"what": _STR, "op": _STR, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
     #: What the probes cost the job so far (cumulative): time in probe code on the job's
     #: threads, its parts (collective calls, the flushes before synchronous ones, new call

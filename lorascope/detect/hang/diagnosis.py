@@ -13,6 +13,8 @@ from typing import Any
 from lorascope.detect.hang.conditions import call_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
+from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
+from lorascope.detect.hang.zero_state import calls_summary, explained_by
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
 from lorascope.rundir.ending import (
@@ -313,8 +315,13 @@ def diagnose(
         odd, div = [], None
     else:
         kind, odd, div = _classify(run, states)
+    rank_only = explained_by(run, div)
+    if rank_only is not None:
+        odd = rank_only.ranks
     first = next((s for s in states if s["rank"] in odd), None)
-    if div is not None and odd:  # where the odd rank went its own way, not where it is now
+    if rank_only is not None and div is not None and first is not None:
+        first = {**first, "where": rank_only.phrase(), "rank_only": rank_only.as_data()}
+    elif div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
         found = call_condition(run.ranks[odd[0]], call)
         under = ""
@@ -331,11 +338,16 @@ def diagnose(
             else first
         )
     verdict = _verdict(kind, odd, first)
+    if rank_only is not None and div is not None:
+        verdict = (
+            f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
+            f"disagree ({calls_summary(div)}): a rank-only call into ZeRO-3's parameter state"
+        )
     return {
         "id": verdict_id(kind),
         "kind": kind,
         "verdict": verdict,
-        "fix": FIXES[kind],
+        "fix": ZERO_FIX if rank_only is not None else FIXES[kind],
         "odd_ranks": odd,
         "first_diverged": first,
         "ranks": states,
