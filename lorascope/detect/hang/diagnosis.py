@@ -337,7 +337,7 @@ def diagnose(
             if call and first
             else first
         )
-    verdict = _verdict(kind, odd, first)
+    verdict = _verdict(kind, odd, first, _hosts_of(run, odd))
     if rank_only is not None and div is not None:
         verdict = (
             f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
@@ -409,8 +409,25 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
     return "unknown", [], None
 
 
-def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
-    who = ranks_named(odd) if odd else "no rank"
+#: Hosts named in a verdict, at most.
+MAX_HOSTS_NAMED = 3
+
+
+def _hosts_of(run: RunData, odd: list[int]) -> str:
+    """Where the odd ranks run, for a verdict on a job that spans hosts: `` on host b``
+    (`` on hosts a, b``, `` on 12 hosts``); nothing on one host."""
+    if len({r.host for r in run.ranks.values()}) < 2:
+        return ""
+    hosts = sorted({run.ranks[n].host for n in odd if n in run.ranks})
+    if not hosts:
+        return ""
+    if len(hosts) == 1:
+        return f" on host {hosts[0]}"
+    return f" on hosts {', '.join(hosts)}" if len(hosts) <= MAX_HOSTS_NAMED else f" on {len(hosts):,} hosts"
+
+
+def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None, hosts: str = "") -> str:
+    who = (ranks_named(odd) + hosts) if odd else "no rank"
     where = first["where"] if first else "?"
     one = len(odd) == 1
     return {
