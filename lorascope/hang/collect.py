@@ -7,7 +7,6 @@ process state."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ FLIGHT_GRACE_S = 2.0
 
 
 #: What is read of the end of a process's last stream segment to see whether it ended.
-END_TAIL_BYTES = 64 << 10
+END_TAIL_BYTES = 16 << 10
 
 
 #: A process of the run: (host, pid).
@@ -123,7 +122,15 @@ class Grown:
     ends: dict[Path, int]
 
     def segments(self) -> list[Path]:
-        return sorted(self.prefix.parent.glob(f"{glob.escape(self.prefix.name)}.*{STREAM_SUFFIX}"))
+        """The process's segment files now (a listing of its rank's folder: a glob compiles
+        its pattern at every call, ~1.6 ms, which 1,024 ranks polled 5 times a second
+        could not afford)."""
+        head, folder = f"{self.prefix.name}.", self.prefix.parent
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return []
+        return sorted(folder / n for n in names if n.startswith(head) and n.endswith(STREAM_SUFFIX))
 
 
 def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, Grown]:
