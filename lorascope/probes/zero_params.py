@@ -40,7 +40,7 @@ class ZeroParamProbe:
     def install(self, partition_parameters: ModuleType) -> None:
         """Wrap ``GatheredParameters.__enter__`` and ``__exit__`` (once)."""
         cls = partition_parameters.GatheredParameters
-        if getattr(cls, "__lorascope__", False):
+        if cls.__dict__.get("__lorascope__"):  # its own, not a base class's
             return
         cls.__lorascope__ = True
         probe = self
