@@ -54,17 +54,27 @@ def _target_notes(targets: list[Target]) -> list[str]:
     return notes
 
 
-def _over(run: RunData, targets: list[Target]) -> bool:
-    """Whether no process of the job is alive: every rank ended (its record says how) or
-    its process on this host is gone (a rank on another host without an ending may still
-    run: the job is not taken as over)."""
+def _gone(run: RunData, targets: list[Target]) -> tuple[bool, bool]:
+    """(whether no process of the job is alive: every rank ended, its record says how, or
+    its process on this host is gone; whether its records alone tell every ending). A
+    rank on another host without an ending may still run: the job is not over."""
     gone = {(t.host, t.pid) for t in targets if t.local and not t.alive}
-    return bool(run.ranks) and all(ending_of(r).known or (r.host, r.pid) in gone for r in run.ranks.values())
+    known = [ending_of(r).known for r in run.ranks.values()]
+    over = bool(run.ranks) and all(k or (r.host, r.pid) in gone for k, r in zip(known, run.ranks.values(), strict=True))
+    return over, all(known)
 
 
-def _as_analyzed(run: RunData, run_dir: Path, diagnosis: dict[str, Any]) -> dict[str, Any]:
-    """A job that is over, in `lorascope analyze`'s words: its top finding (or, with none,
-    its headline), not a live verdict ("the others wait for it") about processes gone."""
+def _as_over(run: RunData, run_dir: Path, diagnosis: dict[str, Any], recorded: bool) -> dict[str, Any]:
+    """A job that is over, not a live verdict ("the others wait for it") about processes
+    gone: when its records tell how every rank ended, in `lorascope analyze`'s words (its
+    top finding, or its headline); else (a rank gone without a word, which only this host's
+    /proc tells) the diagnosis, in the past."""
+    over = "the job is over (no process of it is alive)"
+    if not recorded:
+        verdict = str(diagnosis["verdict"]).replace(
+            "; the others wait for it or failed after it", "; the others failed after it"
+        )
+        return {**diagnosis, "kind": "over", "verdict": f"{over}: {verdict}"}
     analysis = of_run(run, run_dir)
     findings = analysis.findings
     if findings:
@@ -77,7 +87,7 @@ def _as_analyzed(run: RunData, run_dir: Path, diagnosis: dict[str, Any]) -> dict
         **diagnosis,
         "id": finding_id,
         "kind": "over",
-        "verdict": f"the job is over (no process of it is alive); its run directory, as `lorascope analyze` reads it: {said}",
+        "verdict": f"{over}; its run directory, as `lorascope analyze` reads it: {said}",
         "fix": fix,
         "odd_ranks": odd,
         "first_diverged": None,
@@ -191,8 +201,9 @@ def command(
     flight = {n: found for n, r in run.ranks.items() if (found := rank_flight_timeline(r, notes))}
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
-    if diagnosis["kind"] not in NOT_HUNG and _over(run, mine):  # not a live verdict on a job gone
-        diagnosis = _as_analyzed(run, run_dir, diagnosis)
+    over, recorded = _gone(run, mine)
+    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
+        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
     diagnosis["silent"] = quiet_ranks
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:

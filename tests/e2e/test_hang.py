@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorascope.detect.hang.divergence import first_divergence
 from lorascope.rundir.ending import progress_window
 from lorascope.rundir.reader import RankData, RunData, load_run
 from tests.helpers import HANG_JSON_KEYS, LORASCOPE, REPO, TRAIN, default_signals, free_port, job_env, torchrun
@@ -176,8 +177,12 @@ def test_killed_rank(tmp_path: Path) -> None:
             ),
         )
         data = hang(out, "--no-html")
-    assert data["kind"] == "dead-rank" and data["odd_ranks"] == [1]
-    assert "SIGKILL" in data["first_diverged"]["where"]
+    # both ranks ended (rank 0's collective failed as rank 1's socket closed): the job is
+    # over, said so, not "the others wait for it"; rank 1's death (no record: only /proc
+    # tells its process is gone) comes first
+    assert data["kind"] == "over" and data["odd_ranks"] == [1], data["verdict"]
+    assert data["verdict"].startswith("the job is over (no process of it is alive): rank 1 died first: ")
+    assert "SIGKILL" in data["first_diverged"]["where"] and "wait for it" not in data["verdict"]
     assert any("rank 1" in n and "process gone" in n for n in data["notes"])
 
 
@@ -219,7 +224,7 @@ def test_a_rank_only_gather_into_zero3_state_explains_the_desync(tmp_path: Path)
     line = next(i for i, text in enumerate(source, 1) if "GatheredParameters(adapters)" in text)
     site = f"{ZERO3_SAVE}:{line} in save_adapters"
     with hung_job(out, "--steps", "6", "--fault-step", "3", "--pg-timeout", "300", script=str(ZERO3_SAVE)):
-        wait_until(out, lambda r: all(any(c.pending for c in rank.collectives) for rank in r.ranks.values()))
+        wait_until(out, lambda r: first_divergence(r) is not None)  # both ranks wait at #284
         time.sleep(1)
         data = hang(out, "--no-html")
     assert data["kind"] == data["id"] == "rank-conditional-hang" and data["odd_ranks"] == [0]

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lorascope.rundir.reader import RunData, load_run
+from lorascope.rundir.reader import RankData, RunData, load_run
 from tests.helpers import LORASCOPE, REPO, default_signals, free_port, job_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -99,6 +99,13 @@ def _wait(out: Path, check: object, timeout: float = 300) -> RunData:
     raise AssertionError("the 16-rank job did not reach the planted hang")
 
 
+def _waits(rank: RankData) -> bool:
+    """The rank waits where the planting leaves it: rank 11 in its extra all_reduce, the
+    others in the barrier (not a call of a step still moving)."""
+    want = "all_reduce" if rank.rank == HANG_RANK else "barrier"
+    return any(c.pending and c.op == want and c.site and "tiny_ranks.py" in c.site for c in rank.collectives)
+
+
 def _hang_on(host: subprocess.Popen[bytes], out: Path, *extra: str) -> tuple[dict, float]:
     """`lorascope hang --json` run inside the host's namespaces; its output and wall time."""
     [init] = _children(host.pid)
@@ -134,7 +141,7 @@ def test_hang_on_one_host_reaches_every_rank_and_names_the_other_hosts_rank() ->
     try:
         args = ("--steps", "400", "--hang-rank", str(HANG_RANK), "--hang-step", "5")
         with two_hosts(out, *args) as hosts:
-            _wait(out, lambda r: all(any(c.pending for c in rank.collectives) for rank in r.ranks.values()))
+            _wait(out, lambda r: all(_waits(rank) for rank in r.ranks.values()))
             time.sleep(1)
             data, took = _hang_on(hosts[0], out)
             assert took < 5.0, f"the verdict took {took:.1f} s"
