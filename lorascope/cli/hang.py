@@ -186,7 +186,7 @@ def command(
     targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
     waited = expected(targets, run_dir)
     ends = stream_ends(run_dir, waited)
-    asked, notes = request_dumps(run_dir, targets)
+    asked, notes = request_dumps(run_dir, targets, waited)
     waited = [t for t in waited if t.alive]  # a local one gone since
     with connect(cluster) as on:
         run, silent = wait_for_dumps(

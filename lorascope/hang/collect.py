@@ -66,12 +66,13 @@ class Asked:
             return False
 
 
-def request_dumps(run_dir: Path, targets: list[Target]) -> tuple[Asked, list[str]]:
-    """Ask every rank for a dump: the request file in the run directory (every host),
-    then the dump signal to every verified process on this host (once each); returns the
-    request and a note when the file could not be written."""
+def request_dumps(run_dir: Path, targets: list[Target], waited: list[Target]) -> tuple[Asked, list[str]]:
+    """Ask every rank for a dump: the request file in the run directory (every host; not
+    written when no rank is waited for: a job over, a fixture read in place), then the
+    dump signal to every verified process on this host (once each); returns the request
+    and a note when the file could not be written."""
     since = time.time()
-    request, why = write_request(run_dir)
+    request, why = write_request(run_dir) if waited else (None, None)
     signalled: set[Process] = set()
     for target in targets:
         if target.ours and (target.host, target.pid) not in signalled:
