@@ -240,7 +240,7 @@ def _start(
         session.record(
             "probe_error",
             probe="dumps",
-            error="attached after threads started: no on-demand dumps (the stall watchdog still runs)",
+            error="attached after threads started: no dump signal (the request file of `lorascope hang` and the stall watchdog still work)",
         )
     memory.start_sampler()
     dumper.start_watchdog()
