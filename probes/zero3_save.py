@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_lora  # noqa: E402
+import train_lora
 
 
 def save_adapters(model: torch.nn.Module, d: train_lora.Dist, path: str | None) -> None:
