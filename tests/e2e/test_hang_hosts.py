@@ -151,9 +151,12 @@ def test_hang_on_one_host_reaches_every_rank_and_names_the_other_hosts_rank() ->
                 f"rank-conditional collective (rank {HANG_RANK} on host hostb): all_reduce #11 on default_pg at "
                 f"{JOB}:{line} in main, under `if rank == hang_rank:`"
             )
-            # every rank answered: hosta's by the signal, hostb's by the request in the run directory
+            # every rank answered: hostb's by the request in the run directory (no signal
+            # reaches them); hosta's by the signal, or by the request when their probe
+            # thread looked at it before the signal came (one dump either way)
             dumped = {s["rank"]: s["dumped"] for s in data["ranks"]}
-            assert dumped == {n: "signal" if n < PER_HOST else "request" for n in range(2 * PER_HOST)}
+            assert all(dumped[n] in ("signal", "request") for n in range(PER_HOST)), dumped
+            assert all(dumped[n] == "request" for n in range(PER_HOST, 2 * PER_HOST)), dumped
             assert data["silent"] == []
             # a rank of the other host stopped: named with its host, local rank and last record's age
             os.kill(_pid_of_rank(hosts[1], 13), signal.SIGSTOP)
