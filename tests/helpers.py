@@ -106,7 +106,7 @@ def add_snapshot(run: Path, rank: int, source: Path, reason: str) -> Path:
 TRAIN = str(REPO / "probes" / "train_lora.py")
 LORASCOPE = [sys.executable, "-m", "lorascope"]
 #: The top-level keys of `lorascope hang --json`, of a run directory and of --pid alike.
-HANG_JSON_KEYS = {"id", "kind", "verdict", "fix", "odd_ranks", "first_diverged", "groups", "ranks", "notes"}
+HANG_JSON_KEYS = {"id", "kind", "verdict", "fix", "odd_ranks", "first_diverged", "groups", "ranks", "notes", "silent"}
 JOB_TIMEOUT = 300
 
 
@@ -271,6 +271,8 @@ class RankSpec:
     fatal: str | None = None
     #: Records written after the steps, as given (``t`` added).
     extra: list[dict[str, Any]] = field(default_factory=list)
+    #: Records written after the steps and before the calls, as given (``t`` added).
+    before_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def write_run(
@@ -322,6 +324,8 @@ def write_run(
                     write("phase", name=name, edge="end", step=step)
             loss = spec.losses[step] if spec.losses else 2.0 - 0.1 * step
             write("step", step=step + 1, dur=0.5 + 0.01 * n, loss=loss, src="torch")
+        for rec in spec.before_calls:
+            write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
         for seq, call in enumerate(spec.calls, 1):
             write(
                 "coll",

@@ -17,7 +17,7 @@ from lorascope.analysis.summary import build_summary
 from lorascope.detect.finding import Finding
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.ingest.load import load_bundle
+from lorascope.ingest.load import bundle_of_run, load_bundle
 from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import Progress, RunData, no_cycle_collection
 
@@ -65,4 +65,4 @@ def analyze(
 def of_run(run: RunData, path: Path) -> Analysis:
     """An analysis of a run directory already loaded (`lorascope hang` reloads the live
     run while it waits for the ranks' dumps)."""
-    return of_bundle(EvidenceBundle(path=path, run=run, warnings=list(run.warnings)))
+    return of_bundle(bundle_of_run(run, path))

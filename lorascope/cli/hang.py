@@ -12,36 +12,30 @@ import click
 
 from lorascope.analysis import of_run, strict_json
 from lorascope.cli.options import cluster_option
-from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers
+from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
-from lorascope.hang.collect import read_silent_ranks, request_dumps, stream_ends, wait_for_dumps
+from lorascope.hang.collect import (
+    expected,
+    read_silent_ranks,
+    request_dumps,
+    silent_notes,
+    stream_ends,
+    wait_for_dumps,
+)
 from lorascope.hang.pids import diagnose_pids
+from lorascope.hang.procstate import STOPPED, describe_state
 from lorascope.hang.targets import Target, verify
 from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.attachments import attached_processes
 from lorascope.rundir.cluster import connect
+from lorascope.rundir.ending import ending_of
 from lorascope.rundir.reader import RunData
 from lorascope.text import echo
-from lorascope.units import rank_ranges, ranks_named
-
-
-def _alike(groups: list[dict[str, Any]]) -> list[tuple[str, list[Any], bool]]:
-    """The diagnosis's groups (ranks by where they are), those whose places read alike but
-    for their numbers (a peer's address and port in each rank's error) as one from
-    MIN_ALIKE_RANKS ranks on: (the first place, the ranks, whether merged)."""
-    merged: dict[str, list[dict[str, Any]]] = {}
-    for group in groups:
-        merged.setdefault(but_for_numbers(str(group["where"])), []).append(group)
-    out: list[tuple[str, list[Any], bool]] = []
-    for same in merged.values():
-        ranks = [r for g in same for r in g["ranks"]]
-        if len(same) > 1 and len(ranks) >= MIN_ALIKE_RANKS:
-            out.append((same[0]["where"], ranks, True))
-        else:
-            out += [(g["where"], g["ranks"], False) for g in same]
-    return out
+from lorascope.text.findings import quiet
+from lorascope.text.hang import Place, render_hang
+from lorascope.units import rank_ranges
 
 
 def _target_notes(targets: list[Target]) -> list[str]:
@@ -49,7 +43,7 @@ def _target_notes(targets: list[Target]) -> list[str]:
     ranks on (1,024 "process gone" lines would push the verdict off the screen)."""
     by_why: dict[str, list[Target]] = {}
     for t in targets:
-        if not t.ours:
+        if not t.ours and (t.local or not t.alive):  # another host's: asked through the run directory
             by_why.setdefault(t.why, []).append(t)
     notes = []
     for why, alike in by_why.items():
@@ -60,28 +54,60 @@ def _target_notes(targets: list[Target]) -> list[str]:
     return notes
 
 
-def _render(diagnosis: dict[str, Any], notes: list[str]) -> str:
-    lines = []
-    for where, ranks, merged in _alike(diagnosis["groups"]):
-        # rank numbers, or "rank N" / "pid N" labels in --pid mode
-        if all(isinstance(r, int) for r in ranks):
-            who = ranks_named(ranks)
-        else:
-            who = ", ".join(map(str, ranks))
-        if merged:
-            first = f"rank {ranks[0]}" if isinstance(ranks[0], int) else str(ranks[0])
-            where = f"{where} ({len(ranks):,} ranks alike but for their numbers; {first}'s shown)"
-        # "died: ...", "in its own code at ...", or the collective it waits in
-        verb = "" if where.startswith(("died", "exited")) else ("is " if len(ranks) == 1 else "are ")
-        if verb and not where.startswith("in "):
-            verb += "in "
-        if len(ranks) > 1:
-            where = where.replace("in its own code", "in their own code", 1)
-        lines.append(f"{who:<10} {verb}{where}")
-    lines.append(f"verdict: {diagnosis['verdict']}")
-    lines.append(f"fix: {diagnosis['fix']}")
-    lines.extend(f"note: {n}" for n in notes)
-    return "\n".join(lines)
+def _gone(run: RunData, targets: list[Target]) -> tuple[bool, bool]:
+    """(whether no process of the job is alive: every rank ended, its record says how, or
+    its process on this host is gone; whether its records alone tell every ending). A
+    rank on another host without an ending may still run: the job is not over."""
+    gone = {(t.host, t.pid) for t in targets if t.local and not t.alive}
+    known = [ending_of(r).known for r in run.ranks.values()]
+    over = bool(run.ranks) and all(k or (r.host, r.pid) in gone for k, r in zip(known, run.ranks.values(), strict=True))
+    return over, all(known)
+
+
+def _as_over(run: RunData, run_dir: Path, diagnosis: dict[str, Any], recorded: bool) -> dict[str, Any]:
+    """A job that is over, not a live verdict ("the others wait for it") about processes
+    gone: when its records tell how every rank ended, in `lorascope analyze`'s words (its
+    top finding, or its headline); else (a rank gone without a word, which only this host's
+    /proc tells) the diagnosis, in the past."""
+    over = "the job is over (no process of it is alive)"
+    if not recorded:
+        verdict = str(diagnosis["verdict"]).replace(
+            "; the others wait for it or failed after it", "; the others failed after it"
+        )
+        return {**diagnosis, "kind": "over", "verdict": f"{over}: {verdict}"}
+    analysis = of_run(run, run_dir)
+    findings = analysis.findings
+    if findings:
+        top = findings[0]
+        more = f" (and {len(findings) - 1} more: `lorascope analyze`)" if len(findings) > 1 else ""
+        said, fix, odd, finding_id = f"{top.id}: {top.title}{more}", top.fix, list(top.ranks), top.id
+    else:
+        said, fix, odd, finding_id = quiet(analysis.to_data()), OVER_FIX, [], "none"
+    return {
+        **diagnosis,
+        "id": finding_id,
+        "kind": "over",
+        "verdict": f"{over}; its run directory, as `lorascope analyze` reads it: {said}",
+        "fix": fix,
+        "odd_ranks": odd,
+        "first_diverged": None,
+    }
+
+
+#: The fix of a job that is over, with no finding.
+OVER_FIX = "Nothing is live to diagnose: `lorascope analyze RUN_DIR` and `lorascope report RUN_DIR` read what it left."
+
+
+def _places(run: RunData) -> dict[int, Place]:
+    """Each rank's host and local rank (its start record's), on a job that spans hosts
+    (on one, they add nothing)."""
+    if len({r.host for r in run.ranks.values()}) < 2:
+        return {}
+    out: dict[int, Place] = {}
+    for n, r in run.ranks.items():
+        local = r.start.get("local_rank")
+        out[n] = (r.host, local if isinstance(local, int) and not isinstance(local, bool) else None)
+    return out
 
 
 def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path) -> str:
@@ -92,7 +118,7 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     except ImportError as exc:
         return f"no HTML report: {exc} (pip install 'lorascope[analysis]')"
     analysis = of_run(run, run_dir)
-    if diagnosis["kind"] not in NOT_HUNG:  # else the page says what `analyze` says
+    if diagnosis["kind"] not in (*NOT_HUNG, "over"):  # else the page says what `analyze` says
         others = [f for f in analysis.findings if f.id != "hung-ranks"]
         analysis.findings = [hang_finding(run, diagnosis), *others]
     try:
@@ -117,7 +143,7 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     type=float,
     default=3.0,
     show_default=True,
-    help="Seconds to wait for the ranks' dumps before falling back to py-spy.",
+    help="Seconds to wait for the ranks' dumps (every host's, through the run directory) before falling back to py-spy.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis as JSON.")
 @click.option(
@@ -152,33 +178,41 @@ def command(
         echo(
             strict_json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True)
             if as_json
-            else _render(diagnosis, [])
+            else render_hang(diagnosis, [])
         )
         return 0
     assert run_dir is not None
-    # The processes to signal, from each stream's first record (the whole run is read once,
+    # The processes to ask, from each stream's first record (the whole run is read once,
     # after the dumps: on a large run a read takes minutes).
     targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
-    ends = stream_ends(run_dir, [t for t in targets if t.ours and t.alive])
-    asked = request_dumps(targets)
+    waited = expected(targets, run_dir)
+    ends = stream_ends(run_dir, waited)
+    asked, notes = request_dumps(run_dir, targets, waited)
+    waited = [t for t in waited if t.alive]  # a local one gone since
     with connect(cluster) as on:
         run, silent = wait_for_dumps(
-            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in targets if t.ours and t.alive}, asked, wait_s, on
+            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on
         )
     analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
     by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
     mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
-    notes = _target_notes(mine)
-    notes += read_silent_ranks(run, silent, wait_s)
+    notes += _target_notes(mine)
+    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
+    notes += silent_notes(quiet_ranks, wait_s)
     flight = {n: found for n, r in run.ranks.items() if (found := rank_flight_timeline(r, notes))}
-    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight)
+    stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
+    over, recorded = _gone(run, mine)
+    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
+        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
+    diagnosis["silent"] = quiet_ranks
     out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
     if as_json:
         if out is not None:
             notes.append(_write_html(run, run_dir, diagnosis, out))
         echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
     else:
-        echo(_render(diagnosis, notes))  # the verdict first: the page can take seconds
+        echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
         if out is not None:
             echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
     return 0

@@ -16,6 +16,7 @@ from lorascope.detect.common import pending_state, per_rank_evidence, short_site
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
+from lorascope.detect.hang.zero_state import explained_by
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
@@ -65,8 +66,8 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
     sizes (see :func:`size_mismatch`), and how the job ended after it."""
     run = bundle.run
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
-    if run is None or div is None or not size_mismatch(run, div):
-        return None
+    if run is None or div is None or not size_mismatch(run, div) or explained_by(run, div) is not None:
+        return None  # a rank-only entry into ZeRO-3's state before it: rank-conditional-hang names it
     calls = {n: c for n, c in sorted(div.calls.items()) if c is not None}
     first = next(iter(calls.values()))
     by_size: dict[str, list[int]] = {}

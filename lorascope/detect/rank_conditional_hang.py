@@ -15,6 +15,8 @@ from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
+from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
+from lorascope.detect.hang.zero_state import RankOnly, calls_summary, explained_by
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.ending import ending_of
@@ -152,11 +154,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
     if run is None or div is None:
         return from_flight_recorder(bundle)
-    if size_mismatch(run, div):
+    rank_only = explained_by(run, div)
+    if size_mismatch(run, div) and rank_only is None:
         return []  # collective-mismatch names it
     found = found_at(run, div)
     conditions = {n: f[0] if f else None for n, f in found.items()}
-    odd = odd_ranks(run, div)
+    odd = rank_only.ranks if rank_only is not None else odd_ranks(run, div)
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
@@ -172,6 +175,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             if via is not None and via[1] != call.site:
                 line = rank.sites.get(via[1], {}).get("line") or "?"
                 own.append((" called it from", f"{line}   inside `{via[0]}`", via[1]))
+    if rank_only is not None:
+        _rank_only_rows(run, rank_only, rows)
     evidence = per_rank_evidence(rows)
     crashed = [r for r in run.ranks.values() if r.exception]
     if crashed:
@@ -195,10 +200,23 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         if confidence == "high"
         else "sequences disagree but no rank condition was found at the call sites"
     )
+    if rank_only is not None:
+        headline = (
+            f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
+            f"disagree ({calls_summary(div)})"
+        )
+        confidence = "high" if rank_only.sure else "medium"
+        reason = (
+            f"every rank recorded its call at the divergence, and only {ranks_named(rank_only.ranks)} recorded "
+            "entering ZeRO-3's parameter state there before it"
+            if rank_only.sure
+            else f"{ranks_named(rank_only.ranks)} recorded the entry; the others' records do not cover the divergence"
+        )
     details: dict[str, Any] = {
         "group": div.group,
         "seq": div.seq,
         "odd_ranks": odd,
+        **({"rank_only": rank_only.as_data()} if rank_only is not None else {}),
         "calls": {
             str(n): None
             if c is None
@@ -215,8 +233,39 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             confidence_reason=reason,
             ranks=sorted(odd) or sorted(div.calls),
             evidence=evidence,
-            explanation=EXPLANATION,
-            fix=FIX,
+            explanation=EXPLANATION + (ZERO_EXPLANATION if rank_only is not None else ""),
+            fix=ZERO_FIX if rank_only is not None else FIX,
             details=details,
         )
     ]
+
+
+ZERO_EXPLANATION = (
+    " Here no rank condition encloses the diverging calls: before them, some ranks alone entered ZeRO-3's "
+    "parameter state (GatheredParameters gathers and re-partitions parameters on the ranks that enter it, "
+    "even when it issues no collective then), so their next all-gathers differ from the others'."
+)
+
+
+def _rank_only_rows(run: RunData, rank_only: RankOnly, rows: dict[int, list[tuple[str, Any, str]]]) -> None:
+    """The rank-only entry's evidence, on the ranks that made it: where, its source line
+    and the rank condition around it."""
+    for n in rank_only.ranks:
+        rank = run.ranks[n]
+        own = rows.setdefault(n, [])
+        own.append(
+            (
+                " rank-only call before it",
+                f"entered deepspeed.zero.{rank_only.what} after step {rank_only.step}",
+                stream_source(run, rank, "zero_param records"),
+            )
+        )
+        line = rank.sites.get(rank_only.site or "", {}).get("line")
+        if line:
+            cond = rank_only.condition
+            inside = f"   inside `{cond[0]}`" if cond and cond[1] == rank_only.site else ""
+            own.append((" its source", f"{line}{inside}", rank_only.site or "?"))
+        if rank_only.condition is not None and rank_only.condition[1] != rank_only.site:
+            frame = rank_only.condition[1]
+            line = rank.sites.get(frame, {}).get("line") or "?"
+            own.append((" called it from", f"{line}   inside `{rank_only.condition[0]}`", frame))

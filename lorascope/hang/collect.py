@@ -1,12 +1,14 @@
-"""Taking evidence from live ranks: the dump signal, a bounded wait for the dumps, and
-py-spy for ranks that do not answer (stuck in C code holding the GIL, dumps turned off,
-or a job not started under `lorascope run`)."""
+"""Taking evidence from live ranks: the dump request in the run directory (every rank, on
+every host), the dump signal (the ranks on this host, at once), a bounded wait for the
+dumps, and py-spy for local ranks that do not answer (stuck in C code holding the GIL,
+dumps turned off, or a job not started under `lorascope run`); the ranks that do not
+answer are named with their host, their last record's age and, on this host, their
+process state."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import glob
 import json
 import os
 import platform
@@ -19,12 +21,15 @@ from typing import Any
 
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
+from lorascope.hang.procstate import STOPPED, describe_state, process_state
+from lorascope.hang.request import write_request
 from lorascope.hang.targets import Target
 from lorascope.rundir.cluster import Cluster
 from lorascope.rundir.reader import RunData, load_run
 from lorascope.rundir.safe_open import open_regular
 from lorascope.rundir.schema import DUMP_SIGNAL, STREAM_SUFFIX
 from lorascope.rundir.writer import stream_prefix
+from lorascope.units import rank_ranges
 
 POLL_S = 0.2
 PY_SPY_TIMEOUT_S = 20.0
@@ -36,25 +41,84 @@ MAX_TAIL_BYTES = 64 << 20
 FLIGHT_GRACE_S = 2.0
 
 
+#: What is read of the end of a process's last stream segment to see whether it ended.
+END_TAIL_BYTES = 16 << 10
+
+
 #: A process of the run: (host, pid).
 Process = tuple[str, int]
 
 
-def request_dumps(targets: list[Target]) -> float:
-    """Signal every verified process (once each); returns the time the request was made."""
-    asked = time.time()
+@dataclass(frozen=True)
+class Asked:
+    """A dump request: when it was made (this host's clock), its id in the run directory
+    (None when it could not be written) and the processes signalled on this host."""
+
+    since: float
+    request: str | None
+    signalled: frozenset[Process]
+
+    def answered_by(self, dump: dict[str, Any], process: Process) -> bool:
+        """Whether a ``dump`` record of ``process`` answers this request: it carries its
+        id, or (a process signalled here, on this clock) it was taken since."""
+        if self.request is not None and dump.get("request") == self.request:
+            return True
+        try:
+            return process in self.signalled and float(dump["t"]) >= self.since
+        except (KeyError, TypeError, ValueError):
+            return False
+
+
+def request_dumps(run_dir: Path, targets: list[Target], waited: list[Target]) -> tuple[Asked, list[str]]:
+    """Ask every rank for a dump: the request file in the run directory (every host; not
+    written when no rank is waited for: a job over, a fixture read in place), then the
+    dump signal to every verified process on this host (once each); returns the request
+    and a note when the file could not be written."""
+    since = time.time()
+    request, why = write_request(run_dir) if waited else (None, None)
     signalled: set[Process] = set()
     for target in targets:
         if target.ours and (target.host, target.pid) not in signalled:
-            signalled.add((target.host, target.pid))
             try:
                 if target.thread is not None:
                     tgkill(target.pid, target.thread, DUMP_SIGNAL)
+                    signalled.add((target.host, target.pid))
                 elif not target.attached:
                     os.kill(target.pid, DUMP_SIGNAL)
+                    signalled.add((target.host, target.pid))
             except ProcessLookupError:
                 target.alive, target.why = False, "process gone"
-    return asked
+    return Asked(since, request, frozenset(signalled)), [why] if why else []
+
+
+def expected(targets: list[Target], run_dir: Path) -> list[Target]:
+    """The processes a dump is waited for: this host's verified live ones, and every
+    other host's whose stream has not ended (those are reached through the request file
+    only; whether they are alive cannot be told from here)."""
+    out = []
+    for t in targets:
+        if t.ours and t.alive:
+            out.append(t)
+        elif (
+            t.alive and t.rank >= 0 and not t.local and not _stream_ended(stream_prefix(run_dir, t.rank, t.host, t.pid))
+        ):
+            out.append(t)
+    return out
+
+
+def _stream_ended(prefix: Path) -> bool:
+    """Whether the last segment of a process's stream holds its ``end`` record."""
+    segments = Grown(prefix, {}).segments()
+    if not segments:
+        return False
+    try:
+        with open_regular(segments[-1]) as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - END_TAIL_BYTES))
+            tail = f.read(END_TAIL_BYTES)
+    except (OSError, BadInputError):
+        return False
+    return b'"k":"end"' in tail or b'"k": "end"' in tail
 
 
 #: tgkill's system call number per machine (Linux).
@@ -86,7 +150,15 @@ class Grown:
     ends: dict[Path, int]
 
     def segments(self) -> list[Path]:
-        return sorted(self.prefix.parent.glob(f"{glob.escape(self.prefix.name)}.*{STREAM_SUFFIX}"))
+        """The process's segment files now (a listing of its rank's folder: a glob compiles
+        its pattern at every call, ~1.6 ms, which 1,024 ranks polled 5 times a second
+        could not afford)."""
+        head, folder = f"{self.prefix.name}.", self.prefix.parent
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return []
+        return sorted(folder / n for n in names if n.startswith(head) and n.endswith(STREAM_SUFFIX))
 
 
 def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, Grown]:
@@ -101,25 +173,25 @@ def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, Grown]:
 
 
 def wait_for_dumps(
-    run_dir: Path, ends: dict[Process, Grown], since: float, wait_s: float, cluster: Cluster | None = None
+    run_dir: Path, ends: dict[Process, Grown], asked: Asked, wait_s: float, cluster: Cluster | None = None
 ) -> tuple[RunData, list[int]]:
-    """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump after
-    ``since``, or ``wait_s`` passes, then read the run once (on ``cluster``, if given);
-    returns it and the ranks whose process was asked and did not answer. The wait reads
-    only what the processes wrote since the signal: reading a large run again on every
-    poll took longer than the wait itself, and a rank read in the first instant, before
-    its dump was flushed, was then reported silent."""
+    """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump that
+    answers ``asked``, or ``wait_s`` passes, then read the run once (on ``cluster``, if
+    given); returns it and the ranks whose process was asked and did not answer. The wait
+    reads only what the processes wrote since the request: reading a large run again on
+    every poll took longer than the wait itself, and a rank read in the first instant,
+    before its dump was flushed, was then reported silent."""
     deadline = time.time() + wait_s
-    waiting = _until_written(dict(ends), since, "dump", deadline)
+    waiting = _until_written(dict(ends), asked, "dump", deadline)
     # Each dump is followed by the rank's flight-recorder dump (the collectives the probes
     # cannot see): a moment more for those, as long as the wait lasts.
     dumped = {key: files for key, files in ends.items() if key not in waiting}
-    _until_written(dumped, since, "flight_dump", min(deadline, time.time() + FLIGHT_GRACE_S))
+    _until_written(dumped, asked, "flight_dump", min(deadline, time.time() + FLIGHT_GRACE_S))
     run = load_run(run_dir, cluster=cluster)
     silent = [
         n
         for n, rank in run.ranks.items()
-        if (rank.host, rank.pid) in ends and not any(float(d["t"]) >= since for d in rank.dumps)
+        if (rank.host, rank.pid) in ends and not any(asked.answered_by(d, (rank.host, rank.pid)) for d in rank.dumps)
     ]
     return run, silent
 
@@ -131,20 +203,21 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _until_written(files: dict[Process, Grown], since: float, kind: str, until: float) -> dict[Process, Grown]:
-    """Poll until every process's files hold a record of ``kind`` after ``since``, or
+def _until_written(files: dict[Process, Grown], asked: Asked, kind: str, until: float) -> dict[Process, Grown]:
+    """Poll until every process's files hold a record of ``kind`` answering ``asked``, or
     ``until``; returns the processes still without one."""
     waiting = files
     while waiting and time.time() < until:
-        waiting = {key: grown for key, grown in waiting.items() if not _written_since(grown, since, kind)}
+        waiting = {key: grown for key, grown in waiting.items() if not _written_since(grown, asked, kind, key)}
         if waiting:
             time.sleep(POLL_S)
     return waiting
 
 
-def _written_since(files: Grown, since: float, kind: str) -> bool:
-    """Whether a record of ``kind`` after ``since`` is in what one process's files gained
-    past their ends (at most MAX_TAIL_BYTES of each), a segment begun since included."""
+def _written_since(files: Grown, asked: Asked, kind: str, process: Process) -> bool:
+    """Whether a record of ``kind`` answering ``asked`` (a ``flight_dump``: any) is in
+    what one process's files gained past their ends (at most MAX_TAIL_BYTES of each), a
+    segment begun since included."""
     compact, spaced = f'"k":"{kind}"'.encode(), f'"k": "{kind}"'.encode()
     for path in files.segments():
         try:
@@ -156,9 +229,10 @@ def _written_since(files: Grown, since: float, kind: str) -> bool:
         for line in tail.split(b"\n"):
             if compact in line or spaced in line:
                 try:
-                    if float(json.loads(line)["t"]) >= since:
+                    record = json.loads(line)
+                    if kind != "dump" or asked.answered_by(record, process):
                         return True
-                except (ValueError, KeyError, TypeError, RecursionError):
+                except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
                     continue
     return False
 
@@ -167,7 +241,8 @@ def py_spy_dump(pid: int) -> str:
     """Every thread's stack of ``pid``, read from outside (ptrace) with ``py-spy dump
     --json``, native frames included where py-spy can unwind them (a rank blocked inside
     NCCL shows where), written as the probes write a thread dump; raises BadInputError when
-    py-spy is missing or cannot read the process."""
+    py-spy is missing or cannot read the process (one line: py-spy's own message and the
+    process's state)."""
     exe = shutil.which("py-spy")
     if exe is None:
         raise BadInputError("py-spy is not installed (pip install py-spy): cannot read a silent rank's stacks")
@@ -175,8 +250,8 @@ def py_spy_dump(pid: int) -> str:
     if res.returncode != 0:  # no native unwinding for this process or platform
         res = _py_spy(exe, pid)
     if res.returncode != 0:
-        line = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise BadInputError(f"py-spy dump --pid {pid} failed: {line}")
+        state = describe_state(process_state(pid)) or f"process {process_state(pid)}"
+        raise BadInputError(f"py-spy could not read pid {pid}: {py_spy_message(res.stderr)} ({state})")
     try:
         threads = json.loads(res.stdout)
     except ValueError:
@@ -184,6 +259,17 @@ def py_spy_dump(pid: int) -> str:
     if not isinstance(threads, list):
         raise BadInputError(f"py-spy dump --pid {pid} --json: not a list of threads")
     return stacks_text([t for t in threads if isinstance(t, dict)])
+
+
+def py_spy_message(stderr: str) -> str:
+    """py-spy's own message from its stderr (``Error: Failed to get stack traces``), not
+    the last line of the Rust backtrace that may follow it (``9: main``)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("Error:"):
+            return line.removeprefix("Error:").strip()[:300]
+    plain = [line for line in lines if not line[:1].isdigit() and not line.startswith(("Stack backtrace", "at "))]
+    return (plain or ["no message"])[0][:300]
 
 
 def _py_spy(exe: str, pid: int, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -214,25 +300,95 @@ def stacks_text(threads: list[dict[str, Any]]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def read_silent_ranks(run: RunData, silent: list[int], wait_s: float) -> list[str]:
-    """Stacks of the ranks that did not answer the dump signal, read from outside with
-    py-spy and added to the run as ``dump`` records; returns a note per rank."""
-    notes = []
+def read_silent_ranks(
+    run: RunData, silent: list[int], asked: Asked, wait_s: float
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The ranks that did not answer: each with its host, local rank and last record's
+    age; on this host, its process's state and its stacks read from outside with py-spy
+    (added to the run as ``dump`` records), unless the state says py-spy cannot (stopped,
+    a zombie, gone). Returns an entry per rank and the process states of this host's."""
+    entries: list[dict[str, Any]] = []
+    states: dict[int, str] = {}
+    now = time.time()
     for n in silent:
-        try:
-            stacks = py_spy_dump(run.ranks[n].pid)
-        except BadInputError as exc:
-            notes.append(f"rank {n} did not answer the dump signal and {exc}")
+        rank = run.ranks[n]
+        local = (rank.host, rank.pid) in asked.signalled
+        entry: dict[str, Any] = {
+            "rank": n,
+            "host": rank.host,
+            "local_rank": rank.start.get("local_rank"),
+            "last_record_age_s": round(now - rank.last_time, 1) if rank.last_time else None,
+            "process": None,
+            "py_spy": None,
+        }
+        entries.append(entry)
+        if not local:
             continue
-        run.ranks[n].dumps.append(
+        state = states[n] = process_state(rank.pid)
+        entry["process"] = describe_state(state) or state
+        if state in STOPPED or state in ("zombie", "dead", "gone"):
+            continue
+        try:
+            stacks = py_spy_dump(rank.pid)
+        except BadInputError as exc:
+            entry["py_spy"] = str(exc)
+            continue
+        entry["py_spy"] = "stacks read"
+        rank.dumps.append(
             {
                 "k": "dump",
                 "t": time.time(),
                 "reason": "py-spy",
                 "step": 0,
                 "stacks": stacks,
-                "pending": pending_calls(run.ranks[n]),
+                "pending": pending_calls(rank),
             }
         )
-        notes.append(f"rank {n} did not answer the dump signal in {wait_s:g} s: stacks read with py-spy")
+    return entries, states
+
+
+def silent_notes(entries: list[dict[str, Any]], wait_s: float) -> list[str]:
+    """A line per rank that did not answer, or per alike kind (same state, same py-spy
+    outcome) from MIN_ALIKE_RANKS ranks on, bounded: 1,024 silent ranks are a few lines."""
+    kinds: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in entries:
+        kinds.setdefault((e["process"] is None, e["process"], e["py_spy"]), []).append(e)
+    notes = []
+    for (remote, process, spy), alike in kinds.items():
+        what = _silence(remote, process, spy)
+        if len(alike) < MIN_ALIKE:
+            for e in alike:
+                notes.append(f"rank {e['rank']} ({_place(e)}) did not answer in {wait_s:g} s: {_age(e)}{what}")
+        else:
+            hosts = sorted({str(e["host"]) for e in alike})
+            on = f"on {len(hosts):,} hosts" if len(hosts) > 3 else "on " + ", ".join(hosts)
+            ages = [e["last_record_age_s"] for e in alike if e["last_record_age_s"] is not None]
+            age = f"last records {min(ages):,.1f}-{max(ages):,.1f} s old" if ages else "no records"
+            notes.append(
+                f"ranks {rank_ranges(e['rank'] for e in alike)} ({len(alike):,} ranks {on}) "
+                f"did not answer in {wait_s:g} s: {age}{what}"
+            )
     return notes
+
+
+#: From this many ranks on, ranks that did not answer alike are one note.
+MIN_ALIKE = 3
+
+
+def _place(e: dict[str, Any]) -> str:
+    local = e.get("local_rank")
+    return f"host {e['host']}" + (f", local rank {local}" if isinstance(local, int) else "")
+
+
+def _age(e: dict[str, Any]) -> str:
+    age = e["last_record_age_s"]
+    return "no records" if age is None else f"last record {age:,.1f} s old"
+
+
+def _silence(remote: bool, process: str | None, spy: str | None) -> str:
+    if remote:
+        return " (another host: its probe thread never wrote a dump; the process may be gone, or stuck holding the GIL)"
+    out = f"; its process is {process}"
+    if spy == "stacks read":
+        return out + "; stacks read with py-spy"
+    return out + (f"; {spy}" if spy else "")

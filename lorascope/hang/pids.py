@@ -14,6 +14,7 @@ from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_thread_frames, own_main_frames, verdict_id
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
+from lorascope.hang.procstate import STOPPED, describe_state, process_state
 from lorascope.rundir.ops import PAYLOAD_ARG
 from lorascope.rundir.ranks import LONE, discover
 from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, job_source, rank_condition_in
@@ -24,7 +25,7 @@ def _rank_of(pid: int) -> str:
         env = psutil.Process(pid).environ()
     except psutil.NoSuchProcess:
         raise BadInputError(f"pid {pid}: no such process") from None
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, psutil.ZombieProcess):
         return f"pid {pid}"
     identity = discover(env)
     return f"rank {identity.rank}" if identity.source != LONE else f"pid {pid}"
@@ -68,22 +69,45 @@ def _condition(stacks: str, roots: tuple[str, ...]) -> tuple[str, str] | None:
     return None
 
 
-def diagnose_pids(pids: list[int]) -> dict[str, Any]:
-    states: list[dict[str, Any]] = []
-    for pid in pids:
-        who = _rank_of(pid)
+def _state_of(pid: int) -> dict[str, Any]:
+    """One process as py-spy sees it; a process py-spy cannot read (stopped, a zombie,
+    py-spy's own failure) is one plain line, the others are still diagnosed."""
+    who = _rank_of(pid)
+    state = process_state(pid)
+    entry: dict[str, Any] = {"who": who, "pid": pid, "collective": None, "stacks": None, "condition": None}
+    entry["process"] = state
+    if state in STOPPED or state in ("zombie", "dead", "gone"):
+        return {**entry, "where": describe_state(state) or state}
+    try:
         stacks = py_spy_dump(pid)
-        frame = main_thread_frame(stacks)
-        op = _collective(stacks)
-        where = f"in {op} at {frame or '?'}" if op else f"in its own code at {frame or '?'} (no collective)"
-        cond = _condition(stacks, _roots(pid)) if op else None
-        states.append({"who": who, "pid": pid, "collective": op, "where": where, "stacks": stacks, "condition": cond})
+    except BadInputError as exc:
+        return {**entry, "where": f"unread: {exc}"}
+    frame = main_thread_frame(stacks)
+    op = _collective(stacks)
+    where = f"in {op} at {frame or '?'}" if op else f"in its own code at {frame or '?'} (no collective)"
+    cond = _condition(stacks, _roots(pid)) if op else None
+    return {**entry, "collective": op, "where": where, "stacks": stacks, "condition": cond}
+
+
+def diagnose_pids(pids: list[int]) -> dict[str, Any]:
+    states = [_state_of(pid) for pid in pids]
     groups: dict[str, list[str]] = {}
     for s in states:
         groups.setdefault(s["where"], []).append(s["who"])
-    inside = [s for s in states if s["collective"]]
-    outside = [s for s in states if not s["collective"]]
-    if inside and outside:
+    halted = [s for s in states if s["process"] in STOPPED]
+    read = [s for s in states if s["stacks"] is not None]
+    if not read and not halted:
+        raise BadInputError("py-spy could read none of the processes: " + "; ".join(s["where"] for s in states))
+    inside = [s for s in read if s["collective"]]
+    outside = [s for s in read if not s["collective"]]
+    if halted:
+        kind, odd = "stopped-process", [s["who"] for s in halted]
+        one = len(odd) == 1
+        verdict = (
+            f"{', '.join(odd)} {'is' if one else 'are'} {halted[0]['where']}; "
+            f"the others wait for {'it' if one else 'them'}"
+        )
+    elif inside and outside:
         kind, odd = "stuck-outside", [s["who"] for s in outside]
         verb = "is" if len(odd) == 1 else "are"
         verdict = f"{', '.join(odd)} {verb} stuck outside any collective ({outside[0]['where']}); the others wait"
@@ -117,4 +141,5 @@ def diagnose_pids(pids: list[int]) -> dict[str, Any]:
         "first_diverged": None,  # no records of the calls made: only where each process is now
         "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
         "ranks": states,
+        "silent": [],  # no dump is asked of a process outside a run: py-spy reads each
     }

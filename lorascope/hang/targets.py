@@ -7,7 +7,8 @@ since: it is signalled only if the process now under that pid carries this run's
 predates the attach), if it started at the very clock tick its ``start`` record gives
 (/proc/PID/stat) and is the calling user's. Such a process takes the dump signal in its
 dump thread alone (``thread``: the manifest's record of the attach). Ranks on other
-hosts cannot be signalled from here.
+hosts cannot be signalled from here: they are reached through the dump request in the
+run directory (``lorascope.hang.request``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class Target:
     #: Attached by `lorascope attach`: signalled only through ``thread`` (without one it
     #: has no dump thread, and the job's own handler may take the signal: read with py-spy).
     attached: bool = False
+
+    @property
+    def local(self) -> bool:
+        """The process runs on this host (it can be signalled and its state read)."""
+        return self.host == socket.gethostname()
 
 
 def _of_run(env: dict[str, str], run_dir: Path) -> bool:
@@ -104,7 +110,7 @@ def verify(start: dict[str, Any], run_dir: Path) -> Target:
         return Target(-1, -1, str(host), alive=False, ours=False, why="an unreadable start record: not signalled")
     assert isinstance(rank, int) and isinstance(pid, int)
     if host != socket.gethostname():
-        return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: run `lorascope hang` there")
+        return Target(rank, pid, host, alive=True, ours=False, why=f"on host {host}: asked through the run directory")
     if isinstance(start.get("attached"), dict):
         return _attached(start, pid, rank, host, run_dir)
     try:

@@ -63,7 +63,21 @@ def load_bundle(
 
 def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, cluster: Cluster | None) -> None:
     """The run directory, and the traces and dumps its ranks wrote next to their streams."""
-    run = load_run(path, progress, cluster)
+    add_run(bundle, load_run(path, progress, cluster), progress)
+
+
+def bundle_of_run(run: RunData, path: Path) -> EvidenceBundle:
+    """The bundle `load_bundle` makes of a run directory, from the run already read (as
+    `lorascope hang` has it): its ranks' traces, flight-recorder dumps and snapshots, and
+    the cross-rank views."""
+    bundle = EvidenceBundle(path=path)
+    add_run(bundle, run, None)
+    _cross_rank(bundle, False)
+    return bundle
+
+
+def add_run(bundle: EvidenceBundle, run: RunData, progress: Progress | None) -> None:
+    """A run already read, and the traces and dumps its ranks wrote next to their streams."""
     bundle.run = run
     bundle.warnings.extend(run.warnings)
     for done, rank in enumerate(run.ranks.values(), 1):

@@ -22,7 +22,7 @@ When a snapshot is written (``snapshot`` records; files ``HOST-PID.snapshot.REAS
   uncaught exception whose chain holds an OOM dumps instead (the history still holds the
   ``oom`` entry the readers replay to). Once per process: a job that catches OOMs and
   retries (batch-size finders) writes one file, not one per try.
-- ``signal-T`` / ``stall-T``: with the on-demand dump (``lorascope hang``) and the stall
+- ``signal-T`` / ``request-T`` / ``stall-T``: with the on-demand dump (``lorascope hang``) and the stall
   watchdog, at most ``MAX_REQUESTED`` per process.
 
 When history is recorded: ``LORASCOPE_MEMORY_HISTORY`` (``lorascope run --memory-history``)

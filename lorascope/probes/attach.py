@@ -31,8 +31,10 @@ from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MAX_SAMPLE_INTERVAL, MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
+from lorascope.probes.zero_params import ZeroParamProbe
 from lorascope.rundir import safe_open
 from lorascope.rundir.ranks import Identity, discover
+from lorascope.rundir.schema import DUMP_REQUEST
 from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
@@ -209,6 +211,7 @@ def _start(
         stall_override=_env_float(ENV_STALL_SECONDS),
         repeat_flight=flight,
         progress_known=attached is None,
+        request_path=run_dir / DUMP_REQUEST,
     )
 
     def on_step_end() -> None:
@@ -244,6 +247,8 @@ def _start(
     _hook(session, "torch.distributed.fsdp._fully_shard._fully_shard", fsdp.install_fully_shard, "fsdp")
     _hook(session, "torch.distributed.fsdp.fully_sharded_data_parallel", fsdp.install_fsdp1, "fsdp1")
     _hook(session, "deepspeed.runtime.engine", steps.install_deepspeed, "steps-deepspeed")
+    zero = ZeroParamProbe(session, collectives)
+    _hook(session, "deepspeed.runtime.zero.partition_parameters", zero.install, "zero-params")
     _hook(session, "peft", steps.install_peft, "configs")
     _hook(session, "transformers.integrations.peft", steps.install_adapters, "configs-adapters")
     _hook(session, "transformers.trainer", steps.install_trainer, "steps-trainer")
@@ -258,7 +263,7 @@ def _start(
         session.record(
             "probe_error",
             probe="dumps",
-            error="attached after threads started: no on-demand dumps (the stall watchdog still runs)",
+            error="attached after threads started: no dump signal (the request file of `lorascope hang` and the stall watchdog still work)",
         )
     memory.start_sampler()
     dumper.start_watchdog()

@@ -851,7 +851,7 @@ class CollectiveProbe:
         if entry is not None and entry[1] is ref:
             self._gids.pop(key, None)
 
-    def _site(self) -> tuple[str | None, str | None]:
+    def _site(self, depth: int = 3) -> tuple[str | None, str | None]:
         """The call site (the first frame outside torch, DeepSpeed and lorascope) and, when
         its line sits in no rank condition, ``via``: the nearest caller in the job's own
         code whose line does (a save helper, a library's or the job's own, called under
@@ -865,7 +865,7 @@ class CollectiveProbe:
         again, the frame that many up is read straight (``sys._getframe`` makes no frame
         object of the frames it passes) and taken as the site when it and the frame
         below it are the same instructions as the walk's; else the walk is taken."""
-        first = sys._getframe(3)  # from the wrapper up (our own frames are skipped)
+        first = sys._getframe(depth)  # from the wrapper up (our own frames are skipped)
         second = first.f_back
         key: _HopKey | None = None
         if second is not None:
@@ -873,7 +873,7 @@ class CollectiveProbe:
             hop = self._hops.get(key)
             if hop is not None:
                 try:
-                    under: FrameType | None = sys._getframe(3 + hop.depth - 1)
+                    under: FrameType | None = sys._getframe(depth + hop.depth - 1)
                 except ValueError:  # a shallower stack than the walk's
                     under = None
                 found = under.f_back if under is not None else None
@@ -905,6 +905,12 @@ class CollectiveProbe:
             frame = frame.f_back
             depth += 1
         return None, None
+
+    def call_site(self) -> tuple[str | None, str | None]:
+        """The site and ``via`` (as :meth:`_site`) of the job's call into another probe's
+        wrapper, called straight from that probe's method, itself called straight from the
+        wrapper (the same depth as a collective's)."""
+        return self._site(4)
 
     def _remember_hop(
         self, key: _HopKey, first: FrameType, second: FrameType, below: FrameType, site: FrameType, depth: int

@@ -1,5 +1,12 @@
 """Evidence for a hung job, taken without stopping it: on demand (``lorascope hang``
-sends DUMP_SIGNAL) and by a stall watchdog (no step finished for ``stall_seconds``).
+writes a request file into the run directory and sends DUMP_SIGNAL to the ranks on its
+own host) and by a stall watchdog (no step finished for ``stall_seconds``).
+
+The request file (``DUMP_REQUEST``) reaches every rank that shares the run directory,
+on any host and in any PID namespace: the watchdog thread opens it once a second (an
+open, not only a stat: on NFS an open revalidates the file's attributes, which a stat may
+serve from a cache for seconds) and answers a new request with a dump that carries its
+id. Nothing of it runs on the job's threads.
 
 A rank stuck in a collective sits in C code with the GIL released, where a Python
 signal handler would never run. So the signal is blocked in the main thread at attach
@@ -16,11 +23,15 @@ do not use it (it is raised only for sockets that asked for out-of-band data).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lorascope.probes.exits import thread_stacks
@@ -29,8 +40,19 @@ from lorascope.rundir.schema import DUMP_SIGNAL
 
 #: The stall watchdog fires after this share of the process-group timeout ...
 STALL_SHARE_OF_PG_TIMEOUT = 1 / 3
-#: ... within these bounds (seconds).
+#: ... within these bounds (seconds) ...
 STALL_MIN, STALL_MAX = 5.0, 300.0
+#: ... or sooner: after STALL_STEPS times the median step, and no sooner than STALL_FLOOR.
+STALL_STEPS, STALL_FLOOR = 10.0, 60.0
+#: The step times the median is taken over (the latest).
+STEP_TIMES_KEPT = 64
+#: How often the watchdog thread looks for a dump request (seconds).
+REQUEST_EVERY_S = 1.0
+#: What is read of a request file, at most.
+MAX_REQUEST_BYTES = 4096
+#: A DUMP_SIGNAL this soon after a request was answered is that request's (`lorascope
+#: hang` writes the file, then signals the ranks on its host): no second dump.
+SIGNAL_AFTER_REQUEST_S = 2.0
 TORCH_DEFAULT_PG_TIMEOUT = 30 * 60.0
 #: Stall dumps a process writes at most (the watchdog fires again after a step: a job
 #: with evaluations longer than the limit would write one each). After the first, a stall
@@ -39,11 +61,38 @@ TORCH_DEFAULT_PG_TIMEOUT = 30 * 60.0
 MAX_STALL_DUMPS = 20
 
 
-def stall_seconds(pg_timeout: float | None, override: float | None) -> float:
+def stall_seconds(pg_timeout: float | None, override: float | None, median_step: float | None = None) -> float:
+    """How long without a step before the watchdog dumps: ``override`` if set, else
+    max(STALL_FLOOR, STALL_STEPS x the median step), but never later than a third of the
+    process-group timeout (5 s to 5 minutes): the dump must come before the timeout ends
+    the job."""
     if override is not None:
         return override
     timeout = pg_timeout or TORCH_DEFAULT_PG_TIMEOUT
-    return min(max(timeout * STALL_SHARE_OF_PG_TIMEOUT, STALL_MIN), STALL_MAX)
+    by_timeout = min(max(timeout * STALL_SHARE_OF_PG_TIMEOUT, STALL_MIN), STALL_MAX)
+    by_steps = max(STALL_FLOOR, STALL_STEPS * median_step) if median_step else STALL_MAX
+    return min(by_timeout, by_steps)
+
+
+def read_request(path: Path) -> tuple[tuple[int, int, int], str] | None:
+    """The dump request in ``path``: (what identifies this version of the file: inode,
+    mtime, size; the request's id), or None when there is none. One open and one fstat
+    (and a read of MAX_REQUEST_BYTES when it changed: the caller compares the key)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, MAX_REQUEST_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        found = json.loads(data)
+        request = str(found["id"])[:200]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        request = f"{st.st_ino}-{st.st_mtime_ns}"
+    return (st.st_ino, st.st_mtime_ns, st.st_size), request
 
 
 class Dumper:
@@ -57,6 +106,7 @@ class Dumper:
         stall_override: float | None,
         repeat_flight: Callable[[str], None] | None = None,
         progress_known: bool = True,
+        request_path: Path | None = None,
     ) -> None:
         self.session = session
         self._pending = pending
@@ -77,11 +127,45 @@ class Dumper:
         self._wakeup: tuple[int, int] | None = None
         #: The native id of the thread that takes DUMP_SIGNAL (``lorascope hang`` signals it).
         self.thread_id: int | None = None
+        #: The latest step times (appended on the job's thread at a step's end; read here).
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self._request_path = request_path
+        #: The request file as it was when last looked at (one there before attach is old).
+        self._request_seen = self._look(request_path)
+        self._answered_at = 0.0
         self.dump = session.guarded("dumps")(self._dump)
+        self.answer_request = session.guarded("dumps")(self._answer_request)
 
-    def _dump(self, reason: str, beside: Callable[[str], None] | None = None) -> None:
+    @staticmethod
+    def _look(path: Path | None) -> tuple[int, int, int] | None:
+        found = read_request(path) if path is not None else None
+        return found[0] if found else None
+
+    def _fresh_request(self) -> str | None:
+        """The id of a request made since the last one looked at, if any (marked seen)."""
+        if self._request_path is None:
+            return None
+        found = read_request(self._request_path)
+        if found is None or found[0] == self._request_seen:
+            return None
+        self._request_seen = found[0]
+        return found[1]
+
+    def _answer_request(self) -> None:
+        """A dump for a new request in the run directory (the watchdog thread, once a second)."""
+        with self._lock:
+            request = self._fresh_request()
+        if request is not None:
+            self.dump("request", request=request)
+
+    def _dump(self, reason: str, beside: Callable[[str], None] | None = None, request: str | None = None) -> None:
         with self._lock:  # one dump at a time (a signal during the watchdog's)
             session = self.session
+            if reason == "signal":  # `lorascope hang` wrote a request before signalling
+                request = self._fresh_request()
+                if request is None and time.time() - self._answered_at < SIGNAL_AFTER_REQUEST_S:
+                    return  # the request this signal came with is answered already
+            fields: dict[str, Any] = {"request": request} if request is not None else {}
             session.record(
                 "dump",
                 reason=reason,
@@ -90,7 +174,10 @@ class Dumper:
                 pending=self._pending(),
                 mem=self._reading(),
                 since_progress=None if self.last_progress is None else round(time.time() - self.last_progress, 3),
+                **fields,
             )
+            if request is not None:
+                self._answered_at = time.time()
             session.flush()
             (beside or self._flight)(f"{reason}-{int(time.time())}")
             session.flush()  # its record too: `lorascope hang` reads the run right after
@@ -166,18 +253,27 @@ class Dumper:
 
     # -- stall watchdog -----------------------------------------------------------
     def progress(self) -> None:
-        self.last_progress = time.time()
+        now = time.time()
+        if self.last_progress is not None:  # an attached process's first step has no length known
+            self._step_times.append(now - self.last_progress)
+        self.last_progress = now
         self._stall_fired = False  # a step after a stall: the next stall is dumped too
+
+    def median_step(self) -> float | None:
+        """The median of the latest step times (the first step's, with the job's start-up, left out)."""
+        times = list(self._step_times)[1:] if len(self._step_times) < STEP_TIMES_KEPT else list(self._step_times)
+        return statistics.median(times) if times else None
 
     def start_watchdog(self) -> None:
         threading.Thread(target=self._watch, name="lorascope-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         while self.session.active:
-            limit = stall_seconds(self._pg_timeout(), self._stall_override)
-            time.sleep(min(1.0, limit / 5))
+            limit = stall_seconds(self._pg_timeout(), self._stall_override, self.median_step())
+            time.sleep(min(REQUEST_EVERY_S, limit / 5))
+            self.answer_request()
             if self._stall_dumps >= MAX_STALL_DUMPS:
-                return
+                continue  # requests are still answered
             last = self.last_progress
             if not self._stall_fired and self.session.step > 0 and last is not None and time.time() - last > limit:
                 self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone

@@ -121,6 +121,8 @@ class RankData:
     #: On-demand and stall dumps (stacks, pending collectives), oldest first.
     dumps: list[dict[str, Any]] = field(default_factory=list)
     stall: dict[str, Any] | None = None
+    #: Entries into and exits from ZeRO-3's parameter state (``zero_param`` records), oldest first.
+    zero_params: list[dict[str, Any]] = field(default_factory=list)
     #: torch.distributed's rank and world size, once the process group started.
     dist_init: dict[str, Any] | None = None
     grad_setup: dict[str, Any] | None = None
@@ -574,6 +576,7 @@ _LISTED = {
     "coll_unseen": "unseen_collectives",
     "dump": "dumps",
     "logits": "logits",
+    "zero_param": "zero_params",
 }
 _LATEST = {
     "exception": "exception",

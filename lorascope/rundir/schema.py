@@ -31,6 +31,9 @@ FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
 #: whose default action is to ignore it (see lorascope.probes.dumps).
 DUMP_SIGNAL = signal.SIGURG
+#: In the run directory: `lorascope hang`'s dump request (one JSON line, ``{"id": ..., "t": ...}``),
+#: which every rank's probe thread looks at once a second, on whatever host it runs.
+DUMP_REQUEST = "dump-request.json"
 #: The steps the probes take to settle: through them a CPU rank reads the C heap at every
 #: phase edge (``probes/memory.py``). A ``cost`` record is written at the last one's end, and the reader measures a step's cost from there (the
 #: first ``cost`` record at or past it that a later one follows), not from the first step.
@@ -104,6 +107,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "snapshot": {"file": _STR, "reason": _STR, "bytes": _INT},
     "dump": {"reason": _STR, "step": _INT, "stacks": _STR, "pending": (list,)},
     "stall": {"seconds": _NUM, "limit": _NUM, "step": _INT},
+    #: An entry into (op "enter") or exit from ZeRO-3's parameter state from the job's
+    #: code (``what``: "GatheredParameters"), with ``site``/``via`` as a collective's.
+    "zero_param": {"what": _STR, "op": _STR, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
     #: What the probes cost the job so far (cumulative): time in probe code on the job's
     #: threads, its parts (collective calls, the flushes before synchronous ones, new call

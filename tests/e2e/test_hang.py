@@ -15,18 +15,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorascope.detect.hang.divergence import first_divergence
 from lorascope.rundir.ending import progress_window
 from lorascope.rundir.reader import RankData, RunData, load_run
-from tests.helpers import HANG_JSON_KEYS, LORASCOPE, default_signals, free_port, job_env, torchrun
+from tests.helpers import HANG_JSON_KEYS, LORASCOPE, REPO, TRAIN, default_signals, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
 
 @contextmanager
-def hung_job(out: Path, *args: str, monitor: bool = True) -> Iterator[subprocess.Popen[str]]:
+def hung_job(out: Path, *args: str, monitor: bool = True, script: str = TRAIN) -> Iterator[subprocess.Popen[str]]:
     """A probed 2-rank job with a planted hang; ended (its whole process group) on exit."""
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
-    cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra)]
+    cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra, script=script)]
     proc = subprocess.Popen(
         cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals
     )
@@ -176,8 +177,12 @@ def test_killed_rank(tmp_path: Path) -> None:
             ),
         )
         data = hang(out, "--no-html")
-    assert data["kind"] == "dead-rank" and data["odd_ranks"] == [1]
-    assert "SIGKILL" in data["first_diverged"]["where"]
+    # both ranks ended (rank 0's collective failed as rank 1's socket closed): the job is
+    # over, said so, not "the others wait for it"; rank 1's death (no record: only /proc
+    # tells its process is gone) comes first
+    assert data["kind"] == "over" and data["odd_ranks"] == [1], data["verdict"]
+    assert data["verdict"].startswith("the job is over (no process of it is alive): rank 1 died first: ")
+    assert "SIGKILL" in data["first_diverged"]["where"] and "wait for it" not in data["verdict"]
     assert any("rank 1" in n and "process gone" in n for n in data["notes"])
 
 
@@ -201,3 +206,36 @@ def test_stall_watchdog_dumps_before_the_timeout_and_analyze_agrees(tmp_path: Pa
     assert top["id"] == "hung-ranks" and top["ranks"] == [1]
     assert top["details"]["hang"]["kind"] == "stuck-outside"
     assert "in fetch" in top["title"]
+
+
+#: The planting of probes/zero3_save.py: rank 0 alone enters GatheredParameters to save.
+ZERO3_SAVE = REPO / "probes" / "zero3_save.py"
+
+
+def test_a_rank_only_gather_into_zero3_state_explains_the_desync(tmp_path: Path) -> None:
+    """Rank 0 alone enters GatheredParameters at a save, inside `if d.rank == 0:`; its
+    adapters are persistent, so it issues no collective there, but its next forward
+    all-gathers them and the ranks' collectives disagree (rank 1 is already in backward's
+    reduce-scatter). No rank condition encloses the diverging calls: the verdict said
+    "rank-conditional collective: ?"; now it names the rank-only entry, its line and its
+    condition, in `hang` and in `analyze` (high confidence: both ranks' records show it)."""
+    out = tmp_path / "run"
+    source = ZERO3_SAVE.read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "GatheredParameters(adapters)" in text)
+    site = f"{ZERO3_SAVE}:{line} in save_adapters"
+    with hung_job(out, "--steps", "6", "--fault-step", "3", "--pg-timeout", "300", script=str(ZERO3_SAVE)):
+        wait_until(out, lambda r: first_divergence(r) is not None)  # both ranks wait at #284
+        time.sleep(1)
+        data = hang(out, "--no-html")
+    assert data["kind"] == data["id"] == "rank-conditional-hang" and data["odd_ranks"] == [0]
+    rank_only = data["first_diverged"]["rank_only"]
+    assert (rank_only["site"], rank_only["ranks"], rank_only["others"]) == (site, [0], [1])
+    assert rank_only["condition"] == ["if d.rank == 0:", site] and rank_only["sure"]
+    assert data["verdict"].startswith(f"rank 0 alone entered deepspeed.zero.GatheredParameters at {site}")
+    assert "under `if d.rank == 0:`" in data["verdict"] and "GatheredParameters" in data["fix"]
+    res = subprocess.run([*LORASCOPE, "analyze", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    top = json.loads(res.stdout)["findings"][0]
+    assert (top["id"], top["ranks"], top["confidence"]) == ("rank-conditional-hang", [0], "high")
+    assert top["title"].startswith(f"rank 0 alone entered deepspeed.zero.GatheredParameters at {site}")
+    assert top["details"]["rank_only"]["condition"] == ["if d.rank == 0:", site]

@@ -179,4 +179,6 @@ def test_lorascope_hang_reads_the_dumps_too(tmp_path: Path) -> None:
     assert (
         f"rank 0     is in broadcast #14 on default_pg at {SITE} (flight recorder: rank 1 never enqueued it)" in lines
     )
-    assert any(line.startswith("verdict: rank 1 is stuck outside any collective") for line in lines), lines
+    [verdict] = [line for line in lines if line.startswith("verdict: ")]
+    assert verdict.startswith("verdict: the job is over (no process of it is alive)")  # as analyze says it:
+    assert "hung-ranks: rank 1 is stuck outside any collective" in verdict, lines

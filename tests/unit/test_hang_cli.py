@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lorascope.cli.hang import _render, _target_notes
+from lorascope.cli.hang import _target_notes
 from lorascope.detect import rank_conditional_hang
 from lorascope.detect.hang.diagnosis import _verdict, fatal_main_frame
 from lorascope.hang.targets import Target
 from lorascope.ingest.load import load_bundle
+from lorascope.text.hang import render_hang
 from tests.helpers import Call, RankSpec, write_run
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -61,17 +62,17 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
         for n in range(1, 1024)
     ]
     diagnosis = {"groups": groups, "verdict": "rank 0 died; the others wait for it", "fix": "see rank 0"}
-    lines = _render(diagnosis, ["a note"]).splitlines()
+    lines = render_hang(diagnosis, ["a note"]).splitlines()
     assert lines == [
         "rank 0     died: RuntimeError: rank 0's own failure in train.py:88",
-        "ranks 1-1023 died: RuntimeError: Connection closed by peer [10.0.0.1]:29501"
-        " (1,023 ranks alike but for their numbers; rank 1's shown)",
+        "1,023 ranks died: RuntimeError: Connection closed by peer [10.0.0.1]:29501"
+        " (alike but for their numbers; rank 1's shown)",
         "verdict: rank 0 died; the others wait for it",
         "fix: see rank 0",
         "note: a note",
     ]
     # two ranks alike keep a line each, as they always did
-    two = _render({**diagnosis, "groups": groups[1:3]}, []).splitlines()
+    two = render_hang({**diagnosis, "groups": groups[1:3]}, []).splitlines()
     assert two[:2] == [
         "rank 1     died: RuntimeError: Connection closed by peer [10.0.0.1]:29501",
         "rank 2     died: RuntimeError: Connection closed by peer [10.0.0.2]:29502",
@@ -79,18 +80,17 @@ def test_a_thousand_ranks_alike_but_for_their_numbers_are_one_line() -> None:
 
 
 def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
-    """1,024 "process gone" lines would push the verdict off the screen."""
+    """1,024 "process gone" lines would push the verdict off the screen; another host's
+    ranks are asked through the run directory (named only if they do not answer)."""
 
     gone = [Target(n, 100 + n, "a", alive=False, ours=False, why="process gone") for n in range(1024)]
     elsewhere = [
-        Target(n, 9000 + n, "b", alive=True, ours=False, why="on host b: run `lorascope hang` there")
+        Target(n, 9000 + n, "b", alive=True, ours=False, why="on host b: asked through the run directory")
         for n in (1024, 1025)
     ]
     mine = [Target(1026, 77, "a", alive=True, ours=True, why="verified")]
     assert _target_notes([*gone, *elsewhere, *mine]) == [
         "ranks 0-1023 (1,024 ranks): process gone",
-        "rank 1024 (pid 10024): on host b: run `lorascope hang` there",
-        "rank 1025 (pid 10025): on host b: run `lorascope hang` there",
     ]
 
 
@@ -163,11 +163,11 @@ def test_each_ranks_place_reads_as_a_sentence() -> None:
         {"where": "in its own code at t.py:368 in fetch (no collective in flight)", "ranks": [1]},
         {"where": "died: killed by SIGTERM", "ranks": [2]},
     ]
-    lines = _render({"groups": groups, "verdict": "v", "fix": "f"}, []).splitlines()
-    assert lines[:3] == [
-        "ranks 0, 3 are in reduce_scatter_tensor #386 on default_pg at t.py:314 in step",
+    lines = render_hang({"groups": groups, "verdict": "v", "fix": "f"}, []).splitlines()
+    assert lines[:3] == [  # the odd ones first, the largest group last
         "rank 1     is in its own code at t.py:368 in fetch (no collective in flight)",
         "rank 2     died: killed by SIGTERM",
+        "ranks 0, 3 are in reduce_scatter_tensor #386 on default_pg at t.py:314 in step",
     ]
     place = {"where": "in its own code at t.py:368 in fetch"}
     assert _verdict("stuck-outside", [1], place).startswith("rank 1 is stuck outside any collective, in its own")
@@ -192,3 +192,26 @@ def test_a_job_that_finished_while_hang_waited_is_not_hung_in_the_verdict_or_the
     assert "verdict: not hung: every rank exited with code 0 (the job had finished when it was read)" in res.stdout
     page = out.read_text()  # what `analyze` says of the run (the helper's rank 0 holds 50 MiB more: a warning)
     assert 'class="verdict level-warning"' in page and "no rank shows why" not in page
+
+
+def test_a_job_whose_processes_are_all_gone_is_over_in_analyzes_words(tmp_path: Path) -> None:
+    """FSDP1 on CPU failed identically on both ranks at start-up: `hang` said "rank 0 died
+    first ...; the others wait for it" while `analyze` said "ranks 0, 1 all ended badly".
+    With no process left, `hang` says the job is over and gives analyze's account."""
+    error = ("ValueError", "Cannot flatten integer dtype tensors")
+    run = write_run(tmp_path / "run", [RankSpec(steps=0, exception=error), RankSpec(steps=0, exception=error)])
+    res = _hang(run, "--no-html")
+    assert res.returncode == 0, res.stderr
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "lorascope", "analyze", str(run)], capture_output=True, text=True, timeout=120
+    )
+    headline = analyzed.stdout.splitlines()[0]
+    assert (
+        headline
+        == "no detector named a cause, but ranks 0, 1 all ended badly: ValueError: Cannot flatten integer dtype tensors"
+    )
+    verdict = next(line for line in res.stdout.splitlines() if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: the job is over (no process of it is alive)") and verdict.endswith(headline)
+    assert "died first" not in res.stdout and "wait for it" not in res.stdout
+    data = json.loads(_hang(run, "--no-html", "--json").stdout)
+    assert data["kind"] == "over" and data["first_diverged"] is None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from lorascope.detect.hang.diagnosis import main_thread_frame
-from lorascope.hang.collect import py_spy_dump, stacks_text
+from lorascope.hang.collect import py_spy_dump, py_spy_message, stacks_text
+from lorascope.rundir.writer import Stream, record_launch, stream_prefix
 from tests.helpers import HANG_JSON_KEYS
 
 #: A process whose main thread waits inside a function named like a collective.
@@ -139,3 +142,87 @@ def test_hang_pid_mode_names_the_rank_condition_a_call_sits_in(tmp_path: Path) -
     )
     assert data["ranks"][0]["condition"] == ["if rank == 0:", f"{script}:8 in <module>"]
     assert data["ranks"][1]["condition"] is None
+
+
+#: What py-spy printed for a stopped rank (RUST_BACKTRACE set): its message first, the
+#: Rust backtrace after it; the last line is not the message.
+PY_SPY_STDERR = """Error: Failed to get stack traces
+
+Stack backtrace:
+   0: anyhow::error::<impl anyhow::Error>::msg
+   8: std::rt::lang_start::{{closure}}
+   9: main
+"""
+
+
+def test_py_spys_failure_is_its_own_message() -> None:
+    assert py_spy_message(PY_SPY_STDERR) == "Failed to get stack traces"
+    assert py_spy_message("") == "no message"
+
+
+def test_hang_pid_mode_reports_the_live_rank_and_says_the_other_is_stopped(tmp_path: Path) -> None:
+    """`hang --pid R0 --pid R1` with R1 stopped (SIGSTOP): it gave up on py-spy's failure
+    ("py-spy dump --pid N failed:    9: main"); now rank 0 is diagnosed and rank 1 named
+    stopped, from /proc."""
+    script = tmp_path / "ranked.py"
+    script.write_text(RANKED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    started = [
+        subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "WORLD_SIZE": "2"}) for r in (0, 1)
+    ]
+    try:
+        time.sleep(1.5)
+        os.kill(started[1].pid, signal.SIGSTOP)
+        res = subprocess.run(
+            [sys.executable, "-m", "lorascope", "hang", *sum((["--pid", str(p.pid)] for p in started), [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert any(line.startswith("rank 0") and f"in all_reduce at {script}:4" in line for line in lines), res.stdout
+    assert any(line.startswith("rank 1") and "stopped (state T" in line for line in lines), res.stdout
+    verdict = next(line for line in lines if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: rank 1 is stopped (state T") and "the others wait for it" in verdict
+
+
+def test_a_stopped_local_rank_of_a_run_is_named_with_its_state(tmp_path: Path) -> None:
+    """`hang RUN_DIR` with one rank's process stopped: it cannot answer the dump request or
+    the signal; it is named with its host, its last record's age and its state (T), and
+    py-spy is not tried on it (py-spy fails on a stopped process)."""
+    run = tmp_path / "run"
+    env = {**os.environ, "LORASCOPE_RUN_DIR": str(run)}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    try:
+        time.sleep(0.5)
+        now = time.time()
+        record_launch(run, "h-1", ["torchrun", "train.py"], start=now - 10, end=None, exit_status=None)
+        stream = Stream(stream_prefix(run, 0, socket.gethostname(), proc.pid))
+        for kind, fields in (
+            ("start", {"rank": 0, "world_size": 1, "local_rank": 0, "pid": proc.pid, "host": socket.gethostname()}),
+            ("step", {"step": 1, "dur": 0.5, "loss": 1.0, "src": "torch"}),
+        ):
+            stream.write({"k": kind, "t": now + 1, **fields, "argv": ["train.py"], "versions": {}, "device": "cpu"})
+        stream.close()
+        os.kill(proc.pid, signal.SIGSTOP)
+        res = subprocess.run(
+            [sys.executable, "-m", "lorascope", "hang", str(run), "--wait", "1", "--json", "--no-html"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    [silent] = data["silent"]
+    assert silent["rank"] == 0 and silent["host"] == socket.gethostname() and silent["local_rank"] == 0
+    assert silent["process"].startswith("stopped (state T") and silent["py_spy"] is None
+    assert data["kind"] == "stopped-process" and data["odd_ranks"] == [0]
+    assert any(n.startswith("rank 0 (host ") and "stopped (state T" in n for n in data["notes"])

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from lorascope.hang.collect import stream_ends, wait_for_dumps
+from lorascope.hang.collect import Asked, stream_ends, wait_for_dumps
 from lorascope.hang.targets import Target
 from lorascope.rundir.attachments import attached_processes
 from tests.helpers import RankSpec, write_run
@@ -21,9 +21,16 @@ def processes(run_dir: Path) -> list[Target]:
     return [Target(s["rank"], s["pid"], s["host"], alive=True, ours=True, why="") for s in attached_processes(run_dir)]
 
 
-def dump_line(t: float) -> str:
-    rec = {"reason": "request", "step": 4, "stacks": "Thread MainThread:\n", "pending": [], "k": "dump", "t": t}
+def dump_line(t: float, request: str | None = None) -> str:
+    rec = {"reason": "signal", "step": 4, "stacks": "Thread MainThread:\n", "pending": [], "k": "dump", "t": t}
+    if request is not None:
+        rec = {**rec, "reason": "request", "request": request}
     return json.dumps(rec, separators=(",", ":")) + "\n"
+
+
+def signalled(run_dir: Path, since: float) -> Asked:
+    """A request that signalled every process (all on this host, on this clock)."""
+    return Asked(since, "req-1", frozenset((t.host, t.pid) for t in processes(run_dir)))
 
 
 def append(path: Path, text: str) -> None:
@@ -44,7 +51,7 @@ def test_a_dump_written_after_the_signal_is_waited_for(tmp_path: Path) -> None:
     )
     later.start()
     started = time.time()
-    run, silent = wait_for_dumps(run_dir, ends, since, wait_s=20)
+    run, silent = wait_for_dumps(run_dir, ends, signalled(run_dir, since), wait_s=20)
     later.join()
     assert silent == []
     assert time.time() - started < 10  # it returned once both answered, not at the deadline
@@ -57,6 +64,22 @@ def test_a_rank_that_does_not_answer_is_silent_after_the_wait(tmp_path: Path) ->
     since = time.time()
     append(sorted((run_dir / "ranks" / "rank-0").glob("*.jsonl"))[0], dump_line(since + 0.01))
     started = time.time()
-    _, silent = wait_for_dumps(run_dir, ends, since, wait_s=1.0)
+    _, silent = wait_for_dumps(run_dir, ends, signalled(run_dir, since), wait_s=1.0)
     assert silent == [1]
     assert time.time() - started >= 1.0
+
+
+def test_another_hosts_rank_answers_by_the_requests_id_whatever_its_clock(tmp_path: Path) -> None:
+    """A rank on another host cannot be signalled: its probe thread answers the request
+    file with a dump that carries the request's id, and its clock may be off by minutes;
+    a dump without the id (the stall watchdog's, on that clock) does not answer."""
+    run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
+    streams = {n: sorted((run_dir / "ranks" / f"rank-{n}").glob("*.jsonl"))[0] for n in (0, 1)}
+    ends = stream_ends(run_dir, processes(run_dir))
+    since = time.time()
+    asked = Asked(since, "req-7", frozenset())  # nothing signalled: every rank is elsewhere
+    append(streams[0], dump_line(since - 300, request="req-7"))  # its clock 5 minutes behind
+    append(streams[1], dump_line(since + 0.2))  # a dump, but not this request's
+    run, silent = wait_for_dumps(run_dir, ends, asked, wait_s=1.0)
+    assert silent == [1]
+    assert run.ranks[0].dumps[-1]["request"] == "req-7"

@@ -14,6 +14,8 @@ from typing import Any
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
+from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
+from lorascope.detect.hang.zero_state import calls_summary, explained_by
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
 from lorascope.rundir.ending import (
@@ -67,6 +69,10 @@ FIXES = {
         "Every rank waits in the same collective: the transport is stuck (network, "
         "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
+    ),
+    "stopped-process": (
+        "A rank's process is stopped (state T: SIGSTOP, Ctrl-Z, a debugger) and the others wait for it: "
+        "resume it (kill -CONT PID) or end the job, and find out who stopped it."
     ),
     "unknown": "No rank shows a reason; take py-spy dumps of every rank and compare.",
     "moving": (
@@ -194,6 +200,7 @@ def _rank_state(
     cutoff: float | None,
     ahead: Ahead | None,
     as_of: float | None,
+    stopped: str | None = None,
 ) -> dict[str, Any]:
     dumps = _dumps(rank, run, as_of)
     dump = dumps[-1] if dumps else None
@@ -207,6 +214,8 @@ def _rank_state(
         pending = [found] if found is not None else pending
     if ended is not None:
         state = "dead" if ended.startswith("died") else "exited"
+    elif stopped is not None:
+        state, ended = "stopped", stopped
     elif pending:
         state = "in-collective"
     elif moving:
@@ -282,17 +291,24 @@ def diagnose(
     alive: dict[int, bool] | None = None,
     flight: FlightTimeline | None = None,
     as_of: float | None = None,
+    stopped: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The diagnosis of a hang: per-rank states, the groups of ranks by where they are,
     the kind, the first rank that diverged, the verdict line and the fix. ``flight``: the
     ranks' flight-recorder dumps, for the calls the probes cannot see. ``as_of``: the diagnosis of a stall the job came back from, as its dumps
-    at that moment show it (what followed, the job's ending included, left out)."""
+    at that moment show it (what followed, the job's ending included, left out).
+    ``stopped``: the ranks whose process `lorascope hang` found stopped (state T), in
+    words: they cannot answer, and the others wait for them."""
     alive = alive or {}
+    stopped = stopped or {}
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
     dumped = [float(d["t"]) for r in run.ranks.values() for d in _dumps(r, run, as_of)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
     ahead = _flight_ahead(run, as_of, flight)
-    states = [_rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of) for n, r in run.ranks.items()]
+    states = [
+        _rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of, stopped.get(n))
+        for n, r in run.ranks.items()
+    ]
     groups: dict[str, list[int]] = {}
     for s in states:
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
@@ -303,8 +319,13 @@ def diagnose(
         odd, div = [], None
     else:
         kind, odd, div = _classify(run, states)
+    rank_only = explained_by(run, div)
+    if rank_only is not None:
+        odd = rank_only.ranks
     first = next((s for s in states if s["rank"] in odd), None)
-    if div is not None and odd:  # where the odd rank went its own way, not where it is now
+    if rank_only is not None and div is not None and first is not None:
+        first = {**first, "where": rank_only.phrase(), "rank_only": rank_only.as_data()}
+    elif div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
         found = call_condition(run.ranks[odd[0]], call)
         under = ""
@@ -320,12 +341,17 @@ def diagnose(
             if call and first
             else first
         )
-    verdict = _verdict(kind, odd, first)
+    verdict = _verdict(kind, odd, first, _hosts_of(run, odd))
+    if rank_only is not None and div is not None:
+        verdict = (
+            f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
+            f"disagree ({calls_summary(div)}): a rank-only call into ZeRO-3's parameter state"
+        )
     return {
         "id": verdict_id(kind),
         "kind": kind,
         "verdict": verdict,
-        "fix": FIXES[kind],
+        "fix": ZERO_FIX if rank_only is not None else FIXES[kind],
         "odd_ranks": odd,
         "first_diverged": first,
         "ranks": states,
@@ -375,6 +401,8 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
         # follow from it.
         first = min(by_state["dead"], key=lambda n: _death_time(run.ranks[n]))
         return "dead-rank", [first], None
+    if by_state.get("stopped"):
+        return "stopped-process", by_state["stopped"], None
     waiting = by_state.get("in-collective", [])
     if waiting and by_state.get("outside-collectives"):
         return "stuck-outside", by_state["outside-collectives"], None
@@ -402,8 +430,25 @@ def _odd_from_stacks(run: RunData, states: list[dict[str, Any]]) -> list[int]:
     )
 
 
-def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
-    who = ranks_named(odd) if odd else "no rank"
+#: Hosts named in a verdict, at most.
+MAX_HOSTS_NAMED = 3
+
+
+def _hosts_of(run: RunData, odd: list[int]) -> str:
+    """Where the odd ranks run, for a verdict on a job that spans hosts: `` on host b``
+    (`` on hosts a, b``, `` on 12 hosts``); nothing on one host."""
+    if len({r.host for r in run.ranks.values()}) < 2:
+        return ""
+    hosts = sorted({run.ranks[n].host for n in odd if n in run.ranks})
+    if not hosts:
+        return ""
+    if len(hosts) == 1:
+        return f" on host {hosts[0]}"
+    return f" on hosts {', '.join(hosts)}" if len(hosts) <= MAX_HOSTS_NAMED else f" on {len(hosts):,} hosts"
+
+
+def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None, hosts: str = "") -> str:
+    who = (ranks_named(odd) + hosts) if odd else "no rank"
     where = first["where"] if first else "?"
     one = len(odd) == 1
     return {
@@ -411,6 +456,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None) -> str:
         "dead-rank": f"{who} died first{_when_died(first)}: {where.removeprefix('died: ')}; the others wait for it "
         "or failed after it",
         "stuck-outside": f"{who} {'is' if one else 'are'} stuck outside any collective, {where}; the others wait",
+        "stopped-process": f"{who} {'is' if one else 'are'} {where}; the others wait for {'it' if one else 'them'}",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
         "unknown": "no rank shows why the job is stuck",

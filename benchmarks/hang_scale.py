@@ -1,0 +1,237 @@
+"""`lorascope hang` on a 1,024-rank job spread over 128 hosts: the time to the verdict and
+whether the output fits one screen (not a test).
+
+Writes a run directory as the probes write it (the real writer; 1,024 ranks on hosts
+node000-node127, 8 each, none of them this host): every rank's start, group, call sites,
+steps and collectives, all of them waiting in the same all_gather except one rank stuck
+in its data loader. Then runs `lorascope hang` while a responder thread stands in for
+the ranks' probe threads: each rank answers the dump request in the run directory at a
+random moment within the probes' one-second look (a ``dump`` record with the request's
+id and its stacks, then its flight-recorder dump, a pickle of plain data as torch writes
+it, and the ``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
+here), how long after the last answer it came, and whether the text output fits 24
+lines; then again with two ranks that never answer (``--wait 1``: the wait bounds it),
+and checks that ``--json`` keeps every rank.
+
+    python benchmarks/hang_scale.py                  # 1,024 ranks
+    python benchmarks/hang_scale.py --ranks 4096 --hosts 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lorascope.rundir.reader import load_run
+from lorascope.rundir.schema import DUMP_REQUEST
+from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+
+SCREEN_LINES = 24
+TRAIN = "/job/train.py"
+FORWARD = f"{TRAIN}:88 in forward"
+STEP_CALLS = (("all_gather_into_tensor", 32768, FORWARD), ("reduce_scatter_tensor", 65536, f"{TRAIN}:120 in step"))
+
+
+def _stacks(stuck: bool) -> str:
+    """A thread dump as the probes write it: the main thread in the data loader (the odd
+    rank), or inside the collective's wait."""
+    inner = (
+        f'  File "{TRAIN}", line 61, in fetch\n  File "/usr/lib/python3.11/queue.py", line 180, in get\n'
+        if stuck
+        else f'  File "{TRAIN}", line 88, in forward\n'
+        '  File "/env/lib/python3.11/site-packages/deepspeed/comm/torch.py", line 380, in all_gather_into_tensor\n'
+    )
+    return f'Thread MainThread:\n  File "{TRAIN}", line 140, in <module>\n  File "{TRAIN}", line 130, in train\n{inner}'
+
+
+class Job:
+    """The run directory's ranks: where each is, and what it answers with."""
+
+    def __init__(self, out: Path, ranks: int, hosts: int, steps: int, odd: int) -> None:
+        self.out, self.ranks, self.odd = out, ranks, odd
+        self.per_host = max(1, ranks // hosts)
+        self.last_seq = steps * len(STEP_CALLS)
+        self.prefixes: dict[int, Path] = {}
+        now = time.time()
+        record_launch(out, "node000-4242", ["torchrun", TRAIN], start=now - 600, end=None, exit_status=None)
+        for n in range(ranks):
+            host = f"node{n // self.per_host:03d}"
+            prefix = self.prefixes[n] = stream_prefix(out, n, host, 10_000 + n)
+            stream = Stream(prefix)
+            t = now - 300 + n * 1e-4
+
+            def write(kind: str, stream: Stream = stream, **fields: Any) -> None:
+                nonlocal t
+                t += 0.01
+                stream.write({"k": kind, "t": t, **fields})
+
+            write(
+                "start", rank=n, world_size=ranks, local_rank=n % self.per_host, pid=10_000 + n, host=host,
+                argv=[TRAIN], versions={"torch": "2.13.0"}, device="cpu",
+            )  # fmt: skip
+            write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
+            for _, _, site in STEP_CALLS:
+                write("site", site=site, line="x = step(batch)", conditions=[])
+            seq = 0
+            for step in range(1, steps + 1):
+                for op, nbytes, site in STEP_CALLS:
+                    seq += 1
+                    last = step == steps and op == STEP_CALLS[0][0]
+                    if n == odd and last:
+                        break  # the odd rank never gets to its last step's gather
+                    write("coll", seq=seq, gid=0, op=op, bytes=nbytes, dtype="float32", site=site, step=step,
+                          **{"async": False})  # fmt: skip
+                    if not last:
+                        write("coll_end", seq=seq, gid=0, err=None)
+                else:
+                    write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
+                    continue
+                break
+            stream.close()
+        self.pending_seq = self.last_seq - 1  # the last step's gather
+
+    def answer(self, n: int, request: str) -> None:
+        """What rank N's probe thread writes for a request: its dump, its flight-recorder dump."""
+        prefix = self.prefixes[n]
+        odd = n == self.odd
+        pending = [] if odd else [
+            {"group": "default_pg", "seq": self.pending_seq, "op": STEP_CALLS[0][0], "bytes": STEP_CALLS[0][1],
+             "site": FORWARD, "since": 30.0}
+        ]  # fmt: skip
+        done = self.pending_seq - 1
+        entries = [
+            {"record_id": s, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": s,
+             "p2p_seq_id": 0, "profiling_name": f"gloo:{'all_gather' if s % 2 else 'reduce_scatter'}",
+             "input_sizes": [[8192]], "output_sizes": [[8192 * self.ranks]], "input_dtypes": ["Float"],
+             "output_dtypes": ["Float"], "state": "scheduled", "retired": s <= done, "is_p2p": False,
+             "frames": [{"name": "forward", "filename": TRAIN, "line": 88}]}
+            for s in range(max(1, self.pending_seq - 19), self.pending_seq + (0 if odd else 1))
+        ]  # fmt: skip
+        flight = {
+            "version": "2.10",
+            "pg_config": {"0": {"name": "default_pg", "desc": "default_pg", "ranks": f"[0..{self.ranks - 1}]"}},
+            "pg_status": {"0": {"last_enqueued_collective": entries[-1]["collective_seq_id"],
+                                "last_started_collective": -1, "last_completed_collective": done}},
+            "entries": entries,
+        }  # fmt: skip
+        reason = f"request-{int(time.time())}"
+        path = prefix.with_name(f"{prefix.name}.flight.{reason}.pickle")
+        path.write_bytes(pickle.dumps(flight, protocol=2))
+        t = time.time()
+        dump = {
+            "reason": "request", "request": request, "step": 40, "stacks": _stacks(odd), "pending": pending,
+            "mem": None, "since_progress": 30.0, "k": "dump", "t": t,
+        }  # fmt: skip
+        flight_rec = {"file": path.name, "reason": reason, "bytes": path.stat().st_size, "k": "flight_dump", "t": t}
+        with open(prefix.with_name(f"{prefix.name}.0000.jsonl"), "a") as f:
+            f.write(json.dumps(dump) + "\n" + json.dumps(flight_rec) + "\n")
+
+
+def responder(job: Job, silent: set[int], stop: threading.Event, answered: list[float]) -> None:
+    """The ranks' probe threads: each answers a new request within its one-second look."""
+    path = job.out / DUMP_REQUEST
+    seen = path.stat().st_ino if path.exists() else None
+    while not stop.is_set():
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            time.sleep(0.01)
+            continue
+        if st.st_ino == seen:
+            time.sleep(0.01)
+            continue
+        seen = st.st_ino
+        request = json.loads(path.read_text())["id"]
+        began = time.time()
+        order = sorted((random.random(), n) for n in range(job.ranks) if n not in silent)
+        for delay, n in order:
+            time.sleep(max(0.0, began + delay - time.time()))
+            job.answer(n, request)
+        answered.append(time.time())
+
+
+def run_hang(job: Job, silent: set[int], *extra: str) -> tuple[float, float | None, str]:
+    """`lorascope hang` with the responder standing in for the ranks: (its wall time, the
+    time from the last rank's answer to its end, its output). Its CPU time (with its
+    reading workers') is printed: on a shared machine the wall time is the load's."""
+    stop, answered = threading.Event(), []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    thread = threading.Thread(target=responder, args=(job, silent, stop, answered), daemon=True)
+    thread.start()
+    began = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "lorascope", "hang", str(job.out), "--no-html", *extra],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    took = time.time() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(f"  (lorascope hang {' '.join(extra)}: {cpu:.2f} CPU-s in its process and workers)")
+    stop.set()
+    thread.join()
+    if res.returncode != 0:
+        raise SystemExit(f"lorascope hang failed: {res.stderr.strip()[-2000:]}")
+    return took, (time.time() - answered[0] if answered else None), res.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--hosts", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
+    args = parser.parse_args()
+    random.seed(0)
+    out = Path(tempfile.mkdtemp(prefix="lorascope-hang-scale-")) / "run"
+    try:
+        began = time.time()
+        odd = args.ranks // 2 + 5
+        job = Job(out, args.ranks, args.hosts, args.steps, odd)
+        print(
+            f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
+        )
+        took, after, text = run_hang(job, set())
+        lines = text.rstrip("\n").splitlines()
+        print(f"hang, every rank answering within 1 s: verdict in {took:.2f} s (goal < 2 s)")
+        print(f"  ... of which after the last rank's answer: {after:.2f} s" if after is not None else "  no answer")
+        fits = len(lines) <= SCREEN_LINES
+        print(f"  output: {len(lines)} lines ({'fits' if fits else 'does NOT fit'} a {SCREEN_LINES}-line screen)")
+        print("  " + "\n  ".join(lines))
+        silent = {odd + 100, odd + 101}
+        took2, _, text2 = run_hang(job, silent, "--wait", "1")
+        lines2 = text2.rstrip("\n").splitlines()
+        print(f"hang, 2 ranks never answering (--wait 1): verdict in {took2:.2f} s, {len(lines2)} lines")
+        print("  " + "\n  ".join(lines2))
+        _, _, as_json = run_hang(job, set(), "--json")
+        kept = len(json.loads(as_json)["ranks"])
+        print(f"hang --json: {kept:,} ranks kept (of {args.ranks:,})")
+        began, cpu = time.time(), time.process_time()
+        load_run(out)
+        print(
+            f"of which reading the run once (load_run, in this process): {time.time() - began:.2f} s wall, "
+            f"{time.process_time() - cpu:.2f} s CPU; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
+        if not fits or len(lines2) > SCREEN_LINES or kept != args.ranks:
+            raise SystemExit(1)
+    finally:
+        if args.keep:
+            print(f"run directory kept: {out}")
+        else:
+            shutil.rmtree(out.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
