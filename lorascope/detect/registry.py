@@ -9,6 +9,7 @@ from lorascope.detect import (
     collective_mismatch,
     failed_after_exit,
     hung_ranks,
+    job_slowdown,
     logits_spike,
     oom,
     plan_deviation,
@@ -16,6 +17,7 @@ from lorascope.detect import (
     rank0_asymmetry,
     rank_conditional_hang,
     reentrant_dead_grads,
+    slow_steps,
     straggler,
     tiny_kernel_tail,
     unobserved_ranks,
@@ -32,7 +34,8 @@ Detector = Callable[[EvidenceBundle], list[Finding]]
 #: disagree, a backward that fails), out of memory (its specific causes before the plain
 #: OOM record, which says what held the memory), then what costs time or memory without
 #: failing the run (a rank that keeps memory the others free, the logits, plan deviations,
-#: a straggler, a launch-bound step). docs/detectors.md, "Severity and order".
+#: a straggler, a rank or group that set the pace for a stretch, the whole job slowing,
+#: a launch-bound step). docs/detectors.md, "Severity and order".
 MODULES = [
     rank_conditional_hang,
     hung_ranks,
@@ -45,6 +48,8 @@ MODULES = [
     oom,
     failed_after_exit,
     straggler,
+    slow_steps,
+    job_slowdown,
     tiny_kernel_tail,
     unobserved_ranks,
     probes_off,
