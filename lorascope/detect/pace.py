@@ -358,3 +358,28 @@ def saving_text(w: dict[str, float]) -> str:
         f"{w['saved_per_step_s']:.3f} s a step over {int(w['steps'])} steps "
         f"({w['step_s']:.3f} -> {w['predicted_step_s']:.3f} s), {w['share_of_run']:.0%} of the run's time"
     )
+
+
+#: Ranks listed at most in :func:`summary`'s blame (those who made the others wait longest).
+BLAME_LISTED = 16
+
+
+def summary(run: RunData) -> dict[str, Any] | None:
+    """The pace data ``analyze --json`` and the report carry: the pace-setter strip, the
+    blame per collective (the ranks the others waited for longest, the clock offsets)."""
+    t = table(run)
+    if t is None:
+        return None
+    b = blame(run)
+    top = sorted(b.caused_s, key=lambda r: (-b.caused_s[r], r))[:BLAME_LISTED]
+    return {
+        "steps": [t.steps[0], t.steps[-1]],
+        "strip": strip(t),
+        "blame": {
+            "calls": b.calls,
+            "ranks": [{"rank": r, "late": b.late[r], "others_waited_s": round(b.caused_s[r], 4)} for r in top],
+            "offsets_s": {h: round(v, 6) for h, v in sorted(b.offsets.items())},
+            "reference_host": b.reference,
+            "offsets": offsets_text(b),
+        },
+    }

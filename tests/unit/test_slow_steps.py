@@ -12,7 +12,7 @@ import pytest
 from lorascope.detect import job_slowdown, pace, slow_steps, straggler
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.reader import Collective, RankData, RunData, recount
 
 PHASES = ("forward", "backward", "optimizer")
 #: Per part: data loading, forward, backward, optimizer (seconds of the rank's own work).
@@ -34,7 +34,21 @@ def run_of(
     rng = random.Random(seed)
     extra, hosts, skew = extra or {}, hosts or {}, skew or {}
     data = {
-        r: RankData(rank=r, start={"rank": r, "pid": 100 + r, "host": hosts.get(r, "h0")}, files=[])
+        r: RankData(
+            rank=r,
+            start={
+                "rank": r,
+                "world_size": ranks,
+                "local_rank": r,
+                "pid": 100 + r,
+                "host": hosts.get(r, "h0"),
+                "device": "cpu",
+                "versions": {},
+                "argv": ["job.py"],
+                "t": 99.0,
+            },
+            files=[],
+        )
         for r in range(ranks)
     }
     begin = 100.0
@@ -68,17 +82,38 @@ def run_of(
                             end + off,
                         )
                     )
-                    rank.coll_wait[step] = end - t
-                    rank.coll_wait_outside_backward[step] = end - t
                     t = end
                 rank.phases.append({"k": "phase", "name": name, "edge": "end", "step": step - 1, "t": t + off})
             rank.steps.append(
-                {"k": "step", "step": step, "dur": end + 0.001 - begin, "t": end + 0.001 + off, "src": "deepspeed"}
+                {
+                    "k": "step",
+                    "step": step,
+                    "dur": end + 0.001 - begin,
+                    "t": end + 0.001 + off,
+                    "src": "deepspeed",
+                    "loss": 1.0,
+                }
             )
         begin = end + 0.001
     for rank in data.values():
         rank.groups[1] = {"gid": 1, "name": "default_pg", "ranks": list(range(ranks))}
-    run = RunData(path=Path("/run"), manifest={}, ranks=data, warnings=[])
+        recount(rank)
+    launch = {
+        "command": ["job.py"],
+        "cwd": "/",
+        "start": 99.0,
+        "end": begin + 1,
+        "exit_status": 0,
+        "host": "h0",
+        "id": "l",
+        "pid": 1,
+    }
+    run = RunData(
+        path=Path("/run"),
+        manifest={"format": "lorascope-run", "launches": [launch], "ranks": {}},
+        ranks=data,
+        warnings=[],
+    )
     return EvidenceBundle(path=run.path, run=run)
 
 
@@ -158,3 +193,22 @@ def test_the_strip_names_the_pace_setter_per_step() -> None:
     s = pace.strip(t)
     assert [r for r, first in zip(s["setter"], s["first"], strict=True) if first >= 20] == [1] * 21
     assert all(e > 0.2 for e, first in zip(s["excess_s"], s["first"], strict=True) if first >= 20)
+
+
+def test_the_report_and_json_carry_the_strip_the_saving_and_the_change_point() -> None:
+    from lorascope.analysis import of_bundle
+    from lorascope.report.data import build_report_data
+    from lorascope.report.render import render
+
+    bundle = run_of(40, 3, {(1, "data"): from_step(20, 40, 0.25)})
+    analysis = of_bundle(bundle)
+    data = analysis.to_data()
+    assert data["pace"]["strip"]["setter"][-1] == 1 and data["pace"]["blame"]["ranks"][0]["rank"] == 1
+    assert data["pace"]["blame"]["offsets"] == "one host: no clock offset to take out"
+    report = build_report_data(bundle, analysis.findings)
+    [mark] = report["charts"]["pace"]["marks"]
+    assert mark["ranks"] == [1] and mark["first_step"] == 20 and mark["part"] == "data"
+    assert "of the run's time" in mark["saving"]
+    assert report["findings"][0]["chart"] == "chart-pace"
+    html = render(report)
+    assert 'id="chart-pace"' in html and "evening it out would save" in html
