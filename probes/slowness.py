@@ -9,7 +9,8 @@ Every flag of ``train_lora.py`` applies; these add the slowness:
   --slow-ms MS       CPU work (a busy loop, not a sleep) added per step
   --slow-from S      the first step it is added to (1: the whole run)
   --slow-where W     data: while fetching the batch (data preparation); forward: in a
-                     forward pre-hook of the model (compute inside the forward phase)
+                     forward pre-hook of the model (compute inside the forward phase;
+                     a pre-hook of DeepSpeed's engine would run before the phase begins)
   --pin              pin rank r to core r % cores (what a CPU hog "on its core" needs)
 
     torchrun --nproc_per_node 3 probes/slowness.py --steps 40 --slow-rank 1 --slow-ms 250 --slow-from 20
@@ -63,7 +64,8 @@ def train(args: argparse.Namespace, d: base.Dist) -> float:
             if state["step"] >= args.slow_from and module.training:
                 busy(args.slow_ms)
 
-        trainer.model.register_forward_pre_hook(pre_hook)
+        # on the model itself, not DeepSpeed's engine: its pre-hooks run before the forward phase begins
+        getattr(trainer.model, "module", trainer.model).register_forward_pre_hook(pre_hook)
     data = base.batches(args, d)
     loss_value = float("nan")
     for step in range(1, args.steps + 1):

@@ -45,13 +45,14 @@ def _rose(values: list[float], at: int) -> float:
 
 
 def _parts(t: PaceTable, at: int) -> list[tuple[str, float, float]]:
-    """Per part, the median over ranks of its median before and after, largest rise first."""
+    """Per part, the median over ranks (a sample past
+    :data:`~lorascope.detect.pace.PART_SAMPLE`) of its median before and after, largest
+    rise first."""
     rows = []
-    for name in t.part_names:
-        if not all(name in t.parts[r] for r in t.ranks):
-            continue
-        before = statistics.median(statistics.median(t.parts[r][name][:at]) for r in t.ranks)
-        after = statistics.median(statistics.median(t.parts[r][name][at:]) for r in t.ranks)
+    ranks = t.sample()
+    for name in t.part_names(ranks):
+        before = statistics.median(statistics.median(t.parts_of(r)[name][:at]) for r in ranks)
+        after = statistics.median(statistics.median(t.parts_of(r)[name][at:]) for r in ranks)
         rows.append((name, before, after))
     return sorted(rows, key=lambda p: p[1] - p[2])
 

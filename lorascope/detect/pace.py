@@ -44,6 +44,8 @@ PART_LABELS = {
     DATA: "data loading (from the previous step's end to the forward: fetching the batch, host-side work before it)",
     HOST: "host-side work outside the phases",
 }
+#: Ranks at most whose parts make the others' baseline (:meth:`PaceTable.sample`).
+PART_SAMPLE = 64
 #: Strip columns at most in the report and ``--json`` (the steps merged above that).
 STRIP_COLUMNS = 1024
 #: A call's waits are counted only up to this many seconds (a hang is hung-ranks' business).
@@ -83,6 +85,14 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
 
 
 def step_work(run: RunData) -> StepWork:
+    """Every rank's :func:`_work`, computed once a run (``run.derived["step_work"]``)."""
+    if "step_work" not in run.derived:
+        run.derived["step_work"] = _step_work(run)
+    found: StepWork = run.derived["step_work"]
+    return found
+
+
+def _step_work(run: RunData) -> StepWork:
     work, how = {}, {}
     for n, rank in run.ranks.items():
         work[n], how[n] = _work(rank)
@@ -97,18 +107,38 @@ class PaceTable:
     steps: list[int]
     cycle: dict[int, list[float]]
     work: dict[int, list[float]]
-    parts: dict[int, dict[str, list[float]]]
     hosts: dict[int, str]
+    #: The run the parts are read from, each rank's when first asked (:meth:`parts_of`).
+    run: RunData | None = field(default=None, repr=False)
     #: Per step index, the median over ranks of the work and of the cycle.
     median_work: list[float] = field(default_factory=list)
     median_cycle: list[float] = field(default_factory=list)
 
-    @property
-    def part_names(self) -> list[str]:
-        names: set[str] = set()
-        for by_part in self.parts.values():
-            names.update(by_part)
-        return sorted(names, key=lambda n: (n != DATA, n == HOST, n))
+    _parts: dict[int, dict[str, list[float]]] = field(default_factory=dict, repr=False)
+
+    def parts_of(self, rank: int) -> dict[str, list[float]]:
+        """The rank's parts per step (the module docstring), computed when first asked."""
+        if rank not in self._parts:
+            self._parts[rank] = _parts(self.run.ranks[rank], self.steps) if self.run is not None else {}
+        return self._parts[rank]
+
+    def sample(self, unit: Iterable[int] = ()) -> list[int]:
+        """The ranks outside ``unit`` whose parts stand for the others': all of them up to
+        :data:`PART_SAMPLE`, else that many evenly spaced (the parts of 1,024 ranks took
+        seconds; a median over 64 of them is as good a baseline)."""
+        out = set(unit)
+        rest = [r for r in self.ranks if r not in out]
+        if len(rest) <= PART_SAMPLE:
+            return rest
+        return [rest[i * len(rest) // PART_SAMPLE] for i in range(PART_SAMPLE)]
+
+    def part_names(self, ranks: Iterable[int]) -> list[str]:
+        """The parts every one of ``ranks`` has, data loading first, host-side work last."""
+        names: set[str] | None = None
+        for r in ranks:
+            have = set(self.parts_of(r))
+            names = have if names is None else names & have
+        return sorted(names or (), key=lambda n: (n != DATA, n == HOST, n))
 
     def others_median(self, unit: Iterable[int], values: dict[int, list[float]], i: int) -> float:
         """The median over the ranks outside ``unit`` of ``values`` at step index ``i``."""
@@ -201,8 +231,8 @@ def _table(run: RunData) -> PaceTable | None:
         steps=common,
         cycle=cycle,
         work={r: [sw.work[r][s] for s in common] for r in ranks},
-        parts={r: _parts(run.ranks[r], common) for r in ranks},
         hosts={r: run.ranks[r].host for r in ranks},
+        run=run,
     )
     t.median_work = [statistics.median(t.work[r][i] for r in ranks) for i in range(len(common))]
     t.median_cycle = [statistics.median(t.cycle[r][i] for r in ranks) for i in range(len(common))]

@@ -113,18 +113,18 @@ def _when(t: PaceTable, e: Episode) -> str:
 
 
 def _parts(t: PaceTable, e: Episode) -> list[dict[str, Any]]:
-    """Per part, the unit's median in the episode, the others' median there, and its own
-    median outside the episode (None when too few steps lie outside): largest excess first."""
+    """Per part, the unit's median in the episode, the others' median there (a sample of
+    them past :data:`~lorascope.detect.pace.PART_SAMPLE`), and its own median outside the
+    episode (None when too few steps lie outside): largest excess first."""
     inside = range(e.first, e.last + 1)
     outside = [i for i in range(len(t.steps)) if i < e.first or i > e.last]
     rows = []
-    for name in t.part_names:
-        if not all(name in t.parts[r] for r in t.ranks):
-            continue
-        mine = [statistics.fmean(t.parts[r][name][i] for r in e.ranks) for i in inside]
-        theirs = [t.others_median(e.ranks, {r: t.parts[r][name] for r in t.ranks}, i) for i in inside]
+    others = t.sample(e.ranks)
+    for name in t.part_names([*e.ranks, *others]):
+        mine = [statistics.fmean(t.parts_of(r)[name][i] for r in e.ranks) for i in inside]
+        theirs = [statistics.median(t.parts_of(r)[name][i] for r in others) for i in inside]
         before = (
-            statistics.median(statistics.fmean(t.parts[r][name][i] for r in e.ranks) for i in outside)
+            statistics.median(statistics.fmean(t.parts_of(r)[name][i] for r in e.ranks) for i in outside)
             if len(outside) >= MIN_HOT
             else None
         )
