@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's lorascope
 from healthy_runs import REPO, Config, analyze, run_one  # the same runner
 
+from lorascope.analysis import analyze as load
+from lorascope.detect import pace
+
 JOB = REPO / "probes" / "slowness.py"
 
 
@@ -83,13 +86,20 @@ def named(data: dict[str, Any], rank: int) -> dict[str, Any] | None:
     return None
 
 
-def measured_step_s(out: Path, first: int, last: int) -> float:
-    """The median rank's step time, averaged over steps first..last of a run."""
-    from lorascope.analysis import analyze as load
-    from lorascope.detect import pace
-
+def table(out: Path) -> pace.PaceTable:
     t = pace.table(load(out).bundle.run)  # type: ignore[arg-type]
     assert t is not None
+    return t
+
+
+def work_ratio(t: pace.PaceTable, rank: int, idx: list[int]) -> float:
+    """The rank's median work over the others' median, over the steps ``idx``."""
+    return statistics.median(t.work[rank][i] / t.others_median([rank], t.work, i) for i in idx)
+
+
+def measured_step_s(out: Path, first: int, last: int) -> float:
+    """The median rank's step time, averaged over steps first..last of a run."""
+    t = table(out)
     values = [c for s, c in zip(t.steps, t.median_cycle, strict=True) if first <= s <= last]
     return statistics.fmean(values)
 
@@ -118,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         f = named(analyze(slow), p.rank)
         start = int(p.args[p.args.index("--slow-from") + 1]) if "--slow-from" in p.args else 1
         if f is None:
-            print(f"| {p.name} | **not named** | | | | | |", flush=True)
-            continue
-        d, w = f["details"], f["details"]["what_if"]
+            # the what-if of the planted rank over the planted steps, which no finding reported
+            t = table(slow)
+            idx = [i for i, s in enumerate(t.steps) if s >= max(start, 2)]
+            d = {
+                "first_step": t.steps[idx[0]],
+                "last_step": t.steps[-1],
+                "part": f"ratio {work_ratio(t, p.rank, idx):.2f}x",
+            }
+            w = pace.what_if_summary(t, [p.rank], idx)
+            f = {"id": "**not named**", "severity": "-", "ranks": [p.rank], "details": d}
+        else:
+            d, w = f["details"], f["details"]["what_if"]
         first, last = d.get("first_step", 2), d.get("last_step", 10**9)
         actual = measured_step_s(fixed, first, last)
         err = (w["predicted_step_s"] - actual) / actual

@@ -7,11 +7,14 @@ and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's work ag
 median of the other ranks' work. A step is **hot** for a rank when its work is at least
 :data:`MIN_RATIO` times the others' median and the excess is at least
 :data:`NOISE_FACTOR` times the others' step-to-step noise (the median of their MADs): the
-straggler's thresholds, step by step. An **episode** is a run of at least
-:data:`MIN_HOT` hot steps, at most :data:`MAX_GAP` cold steps apart, hot in at least
-:data:`MIN_HOT_SHARE` of it (:func:`lorascope.detect.shifts.episodes`). Ranks whose
-episodes overlap by half or more are one group (a node's ranks, or any set: named as the
-host when they are all of one host's ranks).
+straggler's thresholds, step by step, and the rank set that step's pace (the most work:
+two ranks that take turns are noise, as the straggler's persistence says). An
+**episode** is a run of at least :data:`MIN_HOT` hot steps, at most :data:`MAX_GAP` cold
+steps apart, hot in at least :data:`MIN_HOT_SHARE` of it
+(:func:`lorascope.detect.shifts.episodes`). On more than one host each host's ranks
+(up to half the ranks) are a **group** too: hot when the slowest of them is against the
+other hosts' ranks' median and one of them set the pace; a rank's episode inside its
+host's is the host's.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -31,7 +34,16 @@ from typing import Any
 from lorascope.detect import shifts
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.pace import PART_LABELS, PaceTable, blame, offsets_text, saving_text, table, what_if_summary
+from lorascope.detect.pace import (
+    PART_LABELS,
+    PaceTable,
+    blame,
+    host_groups,
+    offsets_text,
+    saving_text,
+    table,
+    what_if_summary,
+)
 from lorascope.detect.straggler import MIN_RATIO, NOISE_FACTOR, _others_medians
 from lorascope.detect.straggler import from_run as straggler_of
 from lorascope.ingest.evidence import EvidenceBundle
@@ -44,7 +56,7 @@ MAX_GAP = 2
 MIN_HOT_SHARE = 0.75
 #: A saving of at least this share of the run's time is a warning; below, a note.
 WARN_SHARE = 0.10
-#: Ranks' episodes overlapping by at least this share of the shorter are one group.
+#: A rank's episode overlapping its host's by this share of the shorter is the host's.
 GROUP_OVERLAP = 0.5
 
 EXPLANATION = (
@@ -67,32 +79,39 @@ class Episode:
     hot: int
 
 
-def _hot(t: PaceTable) -> tuple[dict[int, list[bool]], dict[int, list[float]], float]:
-    """Per rank, which steps are hot, and the others' median work per step; the noise."""
+def _hot(t: PaceTable) -> tuple[dict[int, list[bool]], float]:
+    """Per rank, which steps are hot (see the module docstring); the median noise."""
     others = _others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(len(t.steps))))
     mads = {r: shifts.mad(t.work[r]) for r in t.ranks}
     noise_of = _others_medians({r: {0: mads[r]} for r in t.ranks}, t.ranks, [0])
+    setters = [t.setter(i) for i in range(len(t.steps))]
     hot = {}
     for r in t.ranks:
         floor = NOISE_FACTOR * noise_of[r][0]
-        hot[r] = [w >= MIN_RATIO * o and w - o >= floor for w, o in zip(t.work[r], others[r], strict=True)]
-    return hot, others, statistics.median(mads.values())
+        hot[r] = [
+            w >= MIN_RATIO * o and w - o >= floor and who == r
+            for w, o, who in zip(t.work[r], others[r], setters, strict=True)
+        ]
+    return hot, statistics.median(mads.values())
 
 
-def _groups(found: list[Episode]) -> list[Episode]:
-    """Episodes of different ranks overlapping by :data:`GROUP_OVERLAP` merged."""
-    merged: list[Episode] = []
-    for e in sorted(found, key=lambda e: (e.first, e.ranks)):
-        for m in merged:
-            overlap = min(m.last, e.last) - max(m.first, e.first) + 1
-            shorter = min(m.last - m.first, e.last - e.first) + 1
-            if overlap >= GROUP_OVERLAP * shorter and not set(e.ranks) & set(m.ranks):
-                m.ranks = sorted(m.ranks + e.ranks)
-                m.first, m.last, m.hot = min(m.first, e.first), max(m.last, e.last), max(m.hot, e.hot)
-                break
-        else:
-            merged.append(Episode(list(e.ranks), e.first, e.last, e.hot))
-    return merged
+def _host_hot(t: PaceTable, ranks: list[int]) -> list[bool]:
+    """Which steps are hot for a host's ranks together: the slowest of them against the
+    median of the other hosts' ranks, the pace set by one of them."""
+    out, members = [], set(ranks)
+    rest = [r for r in t.ranks if r not in members]
+    floor = NOISE_FACTOR * statistics.median(shifts.mad(t.work[r]) for r in rest)
+    for i in range(len(t.steps)):
+        theirs = max(t.work[r][i] for r in ranks)
+        o = statistics.median(t.work[r][i] for r in rest)
+        out.append(theirs >= MIN_RATIO * o and theirs - o >= floor and t.setter(i) in members)
+    return out
+
+
+def _overlap(a: Episode, b: Episode) -> bool:
+    """Whether two episodes share at least :data:`GROUP_OVERLAP` of the shorter one's steps."""
+    shared = min(a.last, b.last) - max(a.first, b.first) + 1
+    return shared >= GROUP_OVERLAP * (min(a.last - a.first, b.last - b.first) + 1)
 
 
 def _label(t: PaceTable, ranks: list[int]) -> str:
@@ -238,21 +257,26 @@ def from_run(run: RunData) -> list[Finding]:
     t = table(run)
     if t is None or len(t.steps) < MIN_HOT:
         return []
-    hot, _, noise = _hot(t)
+    hot, noise = _hot(t)
     named = straggler_of(run)
     skip = set(named.ranks) if named is not None else set()
+    hosts = [ranks for ranks in host_groups(t).values() if len(ranks) > 1]
     found = [
-        Episode([r], a, b, sum(hot[r][a : b + 1]))
-        for r in t.ranks
-        if r not in skip
-        for a, b in shifts.episodes(hot[r], MIN_HOT, MAX_GAP, MIN_HOT_SHARE)
+        Episode(ranks, a, b, sum(h[a : b + 1]))
+        for ranks in hosts
+        if len(ranks) <= len(t.ranks) // 2
+        for h in [_host_hot(t, ranks)]
+        for a, b in shifts.episodes(h, MIN_HOT, MAX_GAP, MIN_HOT_SHARE)
     ]
-    if len(found) > len(t.ranks) // 2 + 1:
-        # most ranks "slow" at once is the job slowing, not a rank: job-slowdown's business
-        found = [
-            e for e in found if sum(1 for o in found if o.first <= e.last and e.first <= o.last) <= len(t.ranks) // 2
-        ]
-    return [_finding(run, t, e, noise) for e in _groups(found)]
+    for r in t.ranks:
+        if r in skip:
+            continue
+        for a, b in shifts.episodes(hot[r], MIN_HOT, MAX_GAP, MIN_HOT_SHARE):
+            e = Episode([r], a, b, sum(hot[r][a : b + 1]))
+            # a rank's episode inside its host's is the host's
+            if not any(r in g.ranks and _overlap(e, g) for g in found):
+                found.append(e)
+    return [_finding(run, t, e, noise) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
