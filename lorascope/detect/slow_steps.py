@@ -21,8 +21,8 @@ else "in steps 12-18"), where (the part of the step whose excess over the others
 largest: data loading, host-side work, a phase), who waited (blame per collective), and
 the what-if: seconds a step and the share of the run that the unit doing the median
 rank's work would have saved. **Severity** warning when that saving is at least
-:data:`WARN_SHARE` of the run's time, else info. A rank ``straggler`` already names is
-left to it (its finding carries the what-if too).
+:data:`WARN_SHARE` of the run's time, else info; under :data:`NOTE_SHARE`, nothing. A
+rank ``straggler`` already names is left to it (its finding carries the what-if too).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ MAX_GAP = 2
 MIN_HOT_SHARE = 0.75
 #: A saving of at least this share of the run's time is a warning; below, a note.
 WARN_SHARE = 0.10
+#: Below this share, nothing: the healthy sweep's 3-rank DDP runs on the loaded 2-core
+#: machine showed episodes worth 3-4% of the run (a rank's forward +20-25 ms for a few
+#: steps), noise worth no note.
+NOTE_SHARE = 0.05
 #: A rank's episode overlapping its host's by this share of the shorter is the host's.
 GROUP_OVERLAP = 0.5
 
@@ -276,7 +280,8 @@ def from_run(run: RunData) -> list[Finding]:
             # a rank's episode inside its host's is the host's
             if not any(r in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
-    return [_finding(run, t, e, noise) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
+    findings = [_finding(run, t, e, noise) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
+    return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 
 
 def detect(bundle: EvidenceBundle) -> list[Finding]:
