@@ -14,6 +14,7 @@ from typing import Any
 
 from lorascope.analysis.artifacts import artifacts_data
 from lorascope.analysis.summary import build_summary
+from lorascope.detect import pace
 from lorascope.detect.finding import Finding
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
@@ -32,11 +33,13 @@ class Analysis:
 
     def to_data(self) -> dict[str, Any]:
         """What `lorascope analyze --json` prints: the summary, the reading warnings, the
-        loaded artifacts and the findings, as plain data."""
+        loaded artifacts, the findings and the pace (who set each step's pace, the blame per
+        collective: :func:`lorascope.detect.pace.summary`), as plain data."""
         data = dict(self.summary) if self.summary is not None else {"ranks": []}
         data["warnings"] = self.bundle.warnings
         data["artifacts"] = artifacts_data(self.bundle, self.findings)
         data["findings"] = [f.to_dict() for f in self.findings]
+        data["pace"] = pace.summary(self.bundle.run) if self.bundle.run is not None else None
         return data
 
 

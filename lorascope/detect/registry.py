@@ -9,6 +9,7 @@ from lorascope.detect import (
     collective_mismatch,
     failed_after_exit,
     hung_ranks,
+    job_slowdown,
     logits_spike,
     oom,
     plan_deviation,
@@ -17,6 +18,7 @@ from lorascope.detect import (
     rank_conditional_hang,
     reentrant_dead_grads,
     sharding_not_applied,
+    slow_steps,
     straggler,
     tiny_kernel_tail,
     unobserved_ranks,
@@ -33,7 +35,8 @@ Detector = Callable[[EvidenceBundle], list[Finding]]
 #: disagree, a backward that fails), out of memory (its specific causes before the plain
 #: OOM record, which says what held the memory), then what costs time or memory without
 #: failing the run (a rank that keeps memory the others free, the logits, plan deviations,
-#: a sharding asked for and not applied, a straggler, a launch-bound step). docs/detectors.md, "Severity and order".
+#: a sharding asked for and not applied, a straggler, a rank or group that set the pace for a
+#: stretch, the whole job slowing, a launch-bound step). docs/detectors.md, "Severity and order".
 MODULES = [
     rank_conditional_hang,
     hung_ranks,
@@ -47,6 +50,8 @@ MODULES = [
     failed_after_exit,
     sharding_not_applied,
     straggler,
+    slow_steps,
+    job_slowdown,
     tiny_kernel_tail,
     unobserved_ranks,
     probes_off,

@@ -23,15 +23,13 @@ table: docs/detectors.md.
 from __future__ import annotations
 
 import bisect
-import math
 import statistics
-from dataclasses import dataclass
 
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.pace import saving_text, step_work, table, what_if_summary
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData, RunData
-from lorascope.rundir.reduce import backward_spans
+from lorascope.rundir.reader import RunData
 
 ID = "straggler"
 MIN_STEPS = 5
@@ -49,45 +47,6 @@ FIX = (
     "look for what this rank does more (rank-0 logging, eval, checkpoint writing, a slower GPU or a "
     "throttled one, a different data shard with longer sequences, another process on its cores) and even it out"
 )
-
-
-@dataclass
-class StepWork:
-    """Per rank, its own work per completed step (seconds), steps 2.. in order."""
-
-    work: dict[int, dict[int, float]]
-    #: How the waiting was taken out: "collectives" or "backward phase (DDP)".
-    wait_from: dict[int, str]
-
-
-def _work(rank: RankData) -> tuple[dict[int, float], str]:
-    """Step number -> the rank's own work in that step: its wall time minus the time in
-    recorded synchronous collectives. Outside DeepSpeed (or in a step without recorded
-    collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
-    inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
-    reduce-scatters and backward all-gathers) are then not taken out a second time. The
-    collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.reduce`)."""
-    backward = {step: math.fsum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
-    waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
-    work, by_backward = {}, 0
-    for s in rank.steps:
-        if s["step"] <= 1:
-            continue
-        if s.get("src") == "deepspeed" and s["step"] in waited:
-            wait = waited[s["step"]]
-        else:
-            wait = outside_backward.get(s["step"], 0.0) + backward.get(s["step"], 0.0)
-            by_backward += 1
-        work[s["step"]] = max(0.0, s["dur"] - wait)
-    how = "recorded collectives"
-    return work, how + (" and the backward phase (DDP)" if by_backward > len(work) / 2 else "")
-
-
-def step_work(run: RunData) -> StepWork:
-    work, how = {}, {}
-    for n, rank in run.ranks.items():
-        work[n], how[n] = _work(rank)
-    return StepWork(work, how)
 
 
 def _mad(values: list[float]) -> float:
@@ -151,6 +110,9 @@ def from_run(run: RunData) -> Finding | None:
         apart=frozenset({cand}),
         show="ranges",
     )
+    saving = _saving(run, cand)
+    if saving is not None:
+        evidence.append(Evidence("what if", saving_text(saving), "per-step work replayed (lorascope/detect/pace.py)"))
     evidence.append(
         Evidence(
             "persistence",
@@ -180,8 +142,17 @@ def from_run(run: RunData) -> Finding | None:
             "excess_s": excess,
             "noise_s": noise,
             "steps": len(common),
+            "what_if": saving,
         },
     )
+
+
+def _saving(run: RunData, rank: int) -> dict[str, float] | None:
+    """What the rank doing the median rank's work would save, over every common step."""
+    t = table(run)
+    if t is None:
+        return None
+    return what_if_summary(t, [rank], range(len(t.steps)))
 
 
 def from_traces(bundle: EvidenceBundle) -> Finding | None:

@@ -16,7 +16,7 @@ from lorascope.analysis.summary import build_summary
 from lorascope.detect import kernel_attribution
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.report import collectives, kernels, memory, spread, steps
+from lorascope.report import collectives, kernels, memory, pace, spread, steps
 from lorascope.report.facts import run_facts, utc
 from lorascope.report.findings import finding_data
 from lorascope.report.memory import end_mark
@@ -199,6 +199,7 @@ def _report_data(
                 "collectives": align,
                 "op_times": collectives.op_times(run),
                 "steps": step_data,
+                "pace": pace.chart(run, findings),
             }
         )
     data["verdict"] = _verdict(found, data["facts"])

@@ -22,6 +22,8 @@ CHART_FOR: dict[str, str] = {
     "hung-ranks": "chart-collectives",
     "plan-deviation": "chart-memory",
     "straggler": "chart-step-time",
+    "slow-steps": "chart-pace",
+    "job-slowdown": "chart-step-time",
 }
 CHART_TITLES: dict[str, str] = {
     "chart-memory": "memory over time",
@@ -34,6 +36,7 @@ CHART_TITLES: dict[str, str] = {
     "chart-memory-heatmap": "memory by rank and step",
     "chart-step-heatmap": "step time by rank and step",
     "chart-collective-wait": "time in collectives per step",
+    "chart-pace": "who set each step's pace",
 }
 #: Keys of ``details`` the charts consume (rendered there, not repeated as text).
 CHART_KEYS = frozenset({"kernels", "memory_breakdown", "chart"})

@@ -480,6 +480,61 @@
     }), stats.filter(function (s) { return s.median != null; }).length);
   }
 
+  // Who set each step's pace (report/pace.py): a bar per column of steps, in the setter's colour, as
+  // high as its work beyond the median rank's (a noisy step's setter is a low bar).
+  function paceStrip(p) {
+    var s = p.strip, ranks = [];
+    s.setter.forEach(function (r) { if (ranks.indexOf(r) < 0) { ranks.push(r); } });
+    ranks.sort(function (a, b) { return a - b; });
+    var label = function (i) { return s.first[i] === s.last[i] ? String(s.first[i]) : s.first[i] + "–" + s.last[i]; };
+    var series = ranks.map(function (r) {
+      return { type: "bar", name: "rank " + r, stack: "pace", barCategoryGap: 0, color: rankColor(r, r),
+               data: s.setter.map(function (w, i) { return w === r ? s.excess_s[i] : null; }) };
+    });
+    draw("chart-pace", base({
+      grid: { left: 72, right: 28, top: 34, bottom: 44 },
+      toolbox: { show: false },
+      tooltip: { trigger: "axis", formatter: function (ps) {
+        var i = ps[0].dataIndex;
+        return esc("step " + label(i) + ": rank " + s.setter[i] + " set the pace, " +
+                   (s.excess_s[i] * 1000).toFixed(1) + " ms over the median rank's work");
+      } },
+      xAxis: { type: "category", data: s.first.map(function (x, i) { return label(i); }), name: "step", nameLocation: "middle", nameGap: 26 },
+      yAxis: { type: "value", name: "s over median", nameLocation: "middle", nameGap: 44, splitNumber: 2 },
+      series: series
+    }), s.setter.length);
+    var el = document.getElementById("chart-pace");
+    if (el) { el.setAttribute("data-setters", s.setter.join(",")); }
+  }
+  // Where each named change begins, on the step-time heatmap: a marker at (first step, rank).
+  function paceMarks(id, hm, marks) {
+    var chart = charts[id];
+    if (!chart) { return; }
+    var col = function (step) {
+      for (var c = 0; c < hm.columns.length; c++) { if (hm.columns[c][0] <= step && step <= hm.columns[c][1]) { return c; } }
+      return step < hm.columns[0][0] ? 0 : hm.columns.length - 1;
+    };
+    var row = function (rank) {
+      for (var r = 0; r < hm.rows.length; r++) { if (hm.rows[r][0] <= rank && rank <= hm.rows[r][1]) { return r; } }
+      return -1;
+    };
+    var points = [];
+    marks.forEach(function (m) {
+      m.ranks.forEach(function (r) {
+        var y = row(r);
+        if (y >= 0) { points.push({ value: [col(m.first_step), y], name: m.label + " from step " + m.first_step + (m.part ? " (" + m.part + ")" : "") }); }
+      });
+    });
+    chart.setOption({ series: [{ type: "custom", id: "cells" }, {
+      type: "scatter", id: "pace-change", name: "change", symbol: "triangle", symbolRotate: -90, symbolSize: 14,
+      color: "#000", z: 20, data: points,
+      label: { show: true, position: "right", fontSize: 10, color: "#000", backgroundColor: "rgba(255,255,255,0.85)",
+               formatter: function (q) { return q.name; } }
+    }] });
+    var el = document.getElementById(id);
+    if (el) { el.setAttribute("data-pace-marks", String(points.length)); }
+  }
+
   var timings = {};
   function safely(name, fn) {
     var started = Date.now();
@@ -538,6 +593,12 @@
         var fmt = function (v) { return v.toFixed(4); };
         if (bandsMode && sp.loss) { bandsChart("chart-loss", sp.loss, "loss", fmt); } else { perRankLines("chart-loss", data.steps.loss, "loss", "loss", fmt); }
       }]);
+    }
+  }
+  if (data.pace) {
+    queue.push(["chart-pace", function () { paceStrip(data.pace); }]);
+    if (sp && sp.step_time && sp.step_time.heatmap && data.pace.marks.length) {
+      queue.push(["chart-step-heatmap", function () { paceMarks("chart-step-heatmap", sp.step_time.heatmap, data.pace.marks); }]);
     }
   }
   queue.forEach(function (job) { safely(job[0], job[1]); });

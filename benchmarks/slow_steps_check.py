@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""The what-if checked (a script, not a test): each planting (``probes/slowness.py``) runs
+under ``lorascope run``, is analysed, and the finding that names the slow rank (or group)
+predicts the step time had it done the median rank's work; then the same job runs
+without the planting and its step time over the same steps is measured. Prints, per
+planting, what was named (id, ranks, since when, where), the predicted and the measured
+step time and the error of the prediction. A shared machine's load changes between the
+two runs: where the planting begins after step 3, both runs' steps before it are compared
+too and the measurement is scaled by their ratio (the "load" figure: the planted run's
+steps before the planting over the run without's), an error under the same load.
+
+    python benchmarks/slow_steps_check.py                 # ~8 min on 2 cores
+    python benchmarks/slow_steps_check.py --only data     # a subset (by name)
+    python benchmarks/slow_steps_check.py --analyze-only  # the kept runs, current detectors
+
+The plantings were written after the rules were fixed (untuned): extra compute in the
+forward on one rank of 4 from step 8 of 30; CPU hogs (3 busy loops) pinned to one rank's core (2 ranks,
+each pinned to its own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
+case ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from
+step 15 of 30 on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's lorascope
+from healthy_runs import REPO, Config, analyze, run_one  # the same runner
+
+from lorascope.analysis import analyze as load
+from lorascope.detect import pace
+
+JOB = REPO / "probes" / "slowness.py"
+
+
+@dataclass(frozen=True)
+class Planting:
+    name: str
+    nproc: int
+    steps: int
+    #: The job's flags with the planting; without it, ``--slow-rank -1`` replaces the rank.
+    args: tuple[str, ...]
+    rank: int
+    #: CPU hogs pinned to this core while the planted run runs (None: none).
+    hog_core: int | None = None
+    hogs: int = 1
+
+
+PLANTINGS = [
+    Planting("compute-4ranks", 4, 30, ("--slow-where", "forward", "--slow-ms", "300", "--slow-from", "8"), rank=1),
+    Planting("hog-pinned", 2, 24, ("--pin", "--slow-ms", "0"), rank=1, hog_core=1, hogs=3),
+    Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), rank=1),
+    Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), rank=2),
+]
+
+HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    sum(range(10_000))\n"
+
+
+def run(p: Planting, out: Path, planted: bool) -> int:
+    args = (*p.args, "--slow-rank", str(p.rank if planted else -1))
+    cfg = Config(p.name, args, nproc=p.nproc, job=JOB)
+    hogs = []
+    if planted and p.hog_core is not None:
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(p.hog_core)]) for _ in range(p.hogs)]
+    try:
+        rc, _ = run_one(cfg, out, p.steps, hog=False, timeout=600)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    return rc
+
+
+def named(data: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    for f in data.get("findings", []):
+        if rank in f["ranks"] and f["id"] in ("slow-steps", "straggler") and f["details"].get("what_if"):
+            return dict(f)
+    return None
+
+
+def table(out: Path) -> pace.PaceTable:
+    t = pace.table(load(out).bundle.run)  # type: ignore[arg-type]
+    assert t is not None
+    return t
+
+
+def work_ratio(t: pace.PaceTable, rank: int, idx: list[int]) -> float:
+    """The rank's median work over the others' median, over the steps ``idx``."""
+    return statistics.median(t.work[rank][i] / t.others_median([rank], t.work, i) for i in idx)
+
+
+def measured_step_s(out: Path, first: int, last: int) -> float:
+    """The median rank's step time, averaged over steps first..last of a run."""
+    t = table(out)
+    values = [c for s, c in zip(t.steps, t.median_cycle, strict=True) if first <= s <= last]
+    return statistics.fmean(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/lorascope-slow-steps"))
+    ap.add_argument("--only", default="", help="run the plantings whose name contains this")
+    ap.add_argument("--analyze-only", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    print(
+        "| planting | named | since / where | predicted step (s) | measured without (s) | error | speed-up predicted / measured |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for p in PLANTINGS:
+        if args.only not in p.name:
+            continue
+        slow, fixed = args.out / p.name / "planted", args.out / p.name / "without"
+        if not args.analyze_only:
+            for d, planted in ((slow, True), (fixed, False)):
+                subprocess.run(["rm", "-rf", str(d)], check=True)
+                rc = run(p, d, planted)
+                if rc:
+                    print(f"| {p.name} | job failed rc={rc} ({'planted' if planted else 'without'}) | | | | | |")
+        f = named(analyze(slow), p.rank)
+        start = int(p.args[p.args.index("--slow-from") + 1]) if "--slow-from" in p.args else 1
+        if f is None:
+            # the what-if of the planted rank over the planted steps, which no finding reported
+            t = table(slow)
+            idx = [i for i, s in enumerate(t.steps) if s >= max(start, 2)]
+            d = {
+                "first_step": t.steps[idx[0]],
+                "last_step": t.steps[-1],
+                "part": f"ratio {work_ratio(t, p.rank, idx):.2f}x",
+            }
+            w = pace.what_if_summary(t, [p.rank], idx)
+            f = {"id": "**not named**", "severity": "-", "ranks": [p.rank], "details": d}
+        else:
+            d, w = f["details"], f["details"]["what_if"]
+        first, last = d.get("first_step", 2), d.get("last_step", 10**9)
+        actual = measured_step_s(fixed, first, last)
+        err = (w["predicted_step_s"] - actual) / actual
+        where = f"steps {first}-{last if last < 10**9 else 'end'}, {d.get('part', 'whole run')}"
+        drift = ""
+        if start > 3:
+            # the machine's load between the two runs: their steps before the planting compared
+            ratio = measured_step_s(slow, 2, start - 1) / measured_step_s(fixed, 2, start - 1)
+            adjusted = actual * ratio
+            drift = f"; load {ratio - 1:+.0%} (before step {start}): {adjusted:.3f}, {(w['predicted_step_s'] - adjusted) / adjusted:+.1%}"
+        print(
+            f"| {p.name} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | {where} | "
+            f"{w['step_s']:.3f} -> {w['predicted_step_s']:.3f} | {actual:.3f} | {err:+.1%}{drift} | "
+            f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
