@@ -181,7 +181,7 @@ def test_killed_rank(tmp_path: Path) -> None:
     # over, said so, not "the others wait for it"; rank 1's death (no record: only /proc
     # tells its process is gone) comes first
     assert data["kind"] == "over" and data["odd_ranks"] == [1], data["verdict"]
-    assert data["verdict"].startswith("the job is over (no process of it is alive): rank 1 died first: ")
+    assert data["verdict"].startswith("the job is over (no process of it is alive): rank 1 died first, after step ")
     assert "SIGKILL" in data["first_diverged"]["where"] and "wait for it" not in data["verdict"]
     assert any("rank 1" in n and "process gone" in n for n in data["notes"])
 
