@@ -13,7 +13,7 @@ import click
 from lorascope.analysis import of_run, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS
-from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose
+from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose, flight_since
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import (
@@ -199,7 +199,11 @@ def command(
     notes += _target_notes(mine)
     quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
     notes += silent_notes(quiet_ranks, wait_s)
-    flight = {n: found for n, r in run.ranks.items() if (found := rank_flight_timeline(r, notes))}
+    flight = {
+        n: found
+        for n, r in run.ranks.items()
+        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since))
+    }
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)

@@ -8,6 +8,7 @@ the folder) is read.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,16 @@ def add_run(bundle: EvidenceBundle, run: RunData, progress: Progress | None) -> 
         _load_rank_snapshot(bundle, rank)
 
 
-def rank_flight_timeline(rank: RankData, warnings: list[str]) -> list[tuple[float, FlightDump]]:
-    """Every flight-recorder dump the rank wrote next to its stream, with the time of its
-    record, oldest first; one that does not read is a warning."""
+def rank_flight_timeline(
+    rank: RankData, warnings: list[str], since: float = -math.inf
+) -> list[tuple[float, FlightDump]]:
+    """Every flight-recorder dump the rank wrote next to its stream (those recorded at
+    ``since`` or later), with the time of its record, oldest first; one that does not
+    read is a warning."""
     out = []
     for record in rank.flight_dumps:
+        if float(record["t"]) < since:
+            continue
         path = Path(record["path"])
         if not path.is_file():
             continue

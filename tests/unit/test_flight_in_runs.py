@@ -22,7 +22,7 @@ from typing import Any
 
 from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
-from lorascope.detect.hang.diagnosis import diagnose
+from lorascope.detect.hang.diagnosis import diagnose, flight_since
 from lorascope.ingest.load import load_bundle, rank_flight_timeline
 from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.reader import RunData, load_run
@@ -69,12 +69,20 @@ IN_SAVE = _stacks((480, "<module>", "main()"), (440, "train", "save(model)"), (3
 
 
 def _ddp_run(
-    root: Path, stacks: tuple[str, str], stop: float, *, flight: bool = True, flight_at: float | None = None
+    root: Path,
+    stacks: tuple[str, str],
+    stop: float,
+    *,
+    flight: bool = True,
+    flight_at: float | None = None,
+    earlier: int = 0,
 ) -> Path:
     """Two DDP ranks with no recorded collective (the Reducer's are not seen), both
     stopped by SIGTERM at ``stop``, each with the stacks its signal wrote and, with
     ``flight``, the recorded flight-recorder dump next to its stream, written at
-    ``flight_at`` (default: with the stop)."""
+    ``flight_at`` (default: with the stop); ``earlier``: as many flight-recorder dumps
+    recorded before, 30 s before the stop on (a stall watchdog's), each a file that is
+    not a pickle."""
     ranks = []
     for n in (0, 1):
         name = f"h-{100 + n}.flight.signal.pickle"
@@ -87,12 +95,24 @@ def _ddp_run(
             extra.insert(
                 0 if at < stop else 1, {"k": "flight_dump", "t": at, "file": name, "reason": "signal", "bytes": 1}
             )
+        extra[:0] = [
+            {
+                "k": "flight_dump",
+                "t": stop - 30 + i,
+                "file": f"h-{100 + n}.flight.stall-{i}.pickle",
+                "reason": "stall",
+                "bytes": 12,
+            }
+            for i in range(earlier)
+        ]
         ranks.append(RankSpec(calls=[], ends=False, extra=extra))
     run_dir = write_run(root, ranks, command=["torchrun", "train.py"], exit_status=1)
     for n in (0, 1):
         prefix = stream_prefix(run_dir, n, "h", 100 + n)
         data = _relocated(load_pickle(FR / f"rank-{n}.pickle"))
         (prefix.parent / f"h-{100 + n}.flight.signal.pickle").write_bytes(pickle.dumps(data))
+        for i in range(earlier):
+            (prefix.parent / f"h-{100 + n}.flight.stall-{i}.pickle").write_bytes(b"not a pickle")
     return run_dir
 
 
@@ -182,3 +202,34 @@ def test_lorascope_hang_reads_the_dumps_too(tmp_path: Path) -> None:
     [verdict] = [line for line in lines if line.startswith("verdict: ")]
     assert verdict.startswith("verdict: the job is over (no process of it is alive)")  # as analyze says it:
     assert "hung-ranks: rank 1 is stuck outside any collective" in verdict, lines
+
+
+def test_hang_reads_only_the_flight_dumps_its_diagnosis_can_go_by(tmp_path: Path) -> None:
+    """Each stall (up to 20 a process) and each earlier `lorascope hang` leaves a
+    flight-recorder dump per rank, a safe unpickling each: `hang` reads only those written
+    with each rank's latest dump (the only ones its diagnosis goes by), to the same
+    verdict. The earlier ones here do not read: reading them would warn."""
+    run_dir = _ddp_run(tmp_path / "run", (IN_FORWARD, IN_FETCH), STOP, earlier=3)
+    every: list[str] = []
+    run = load_run(run_dir)
+    full = {n: rank_flight_timeline(r, every) for n, r in run.ranks.items()}
+    assert len(every) == 6 and all("stall-" in w for w in every)
+    run = load_run(run_dir)
+    read: list[str] = []
+    chosen = {
+        n: rank_flight_timeline(r, read, since)
+        for n, r in run.ranks.items()
+        if (since := flight_since(r, run)) is not None
+    }
+    assert read == [] and {n: len(t) for n, t in chosen.items()} == {0: 1, 1: 1}
+    diagnosis = diagnose(run, flight=chosen)
+    assert diagnosis == diagnose(load_run(run_dir), flight=full)
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("stuck-outside", [1])
+
+    cmd = [sys.executable, "-m", "lorascope", "hang", str(run_dir), "--wait", "0", "--no-html"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"rank 0     is in broadcast #14 on default_pg at {SITE} (flight recorder: rank 1 never enqueued it)" in (
+        res.stdout.splitlines()
+    )
+    assert "stall-" not in res.stdout, res.stdout

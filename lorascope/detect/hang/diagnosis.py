@@ -270,6 +270,17 @@ def flight_at(timeline: list[tuple[float, FlightDump]], dump: dict[str, Any]) ->
     return next((d for t, d in timeline if at - FLIGHT_EARLY_S <= t <= until), None)
 
 
+def flight_since(rank: RankData, run: RunData) -> float | None:
+    """The earliest record time of a flight-recorder dump the diagnosis of a live hang
+    may go by for this rank (:func:`flight_at`'s window around its latest dump), or None
+    when it goes by none: `lorascope hang` reads only those (each dump a safe unpickling;
+    the stall watchdog writes up to 20 a process, and every earlier `hang` one more)."""
+    dumps = _dumps(rank, run, None)
+    if not dumps or dumps[-1]["reason"] == RECORDS_THEN:
+        return None
+    return float(dumps[-1]["t"]) - FLIGHT_EARLY_S
+
+
 def _flight_ahead(run: RunData, as_of: float | None, flight: FlightTimeline | None) -> dict[int, Ahead]:
     """:func:`ahead_of_peers` over the flight-recorder dumps the ranks wrote with the dumps
     the diagnosis reads (an earlier one, from a dump taken while the job moved, would tell
