@@ -210,6 +210,18 @@ def _one(attempt: Attempt, options: Options) -> None:
         path.write_text(script_source({**request, "how": how}))
         return path
 
+    def gdb(mode: str) -> gdb_inject.GdbOutcome:
+        """One injection through gdb (``queue`` or ``direct``), its pause and notes counted."""
+        how = f"gdb-{mode}"
+        attempt.how.append(how)
+        got = gdb_inject.inject(
+            proc.pid, one_line(str(script(how))), mode, base.with_name(f"{base.name}-{how}.gdb.py"), options.gdb
+        )
+        attempt.stopped_ms += got.stopped_ms or 0.0
+        if options.verbose and got.detail:
+            attempt.notes.append(f"gdb: {got.detail}")
+        return got
+
     if proc.uid is not None and proc.uid != os.getuid():  # root attaching another user's job
         for path in (options.run_dir, options.run_dir / ATTACH_DIR):
             os.chown(path, proc.uid, -1)
@@ -219,18 +231,7 @@ def _one(attempt: Attempt, options: Options) -> None:
         out = remote.inject(proc.pid, script("remote_exec"))
         failed = out.why
     else:
-        attempt.how.append("gdb-queue")
-        got = gdb_inject.inject(
-            proc.pid,
-            one_line(str(script("gdb-queue"))),
-            "queue",
-            base.with_name(base.name + "-gdb-queue.gdb.py"),
-            options.gdb,
-        )
-        attempt.stopped_ms += got.stopped_ms or 0.0
-        failed = got.why
-        if options.verbose and got.detail:
-            attempt.notes.append(f"gdb: {got.detail}")
+        failed = gdb("queue").why
     if failed is None and _wait(result, options.wait_s):
         _take(attempt, result)
         return
@@ -247,17 +248,7 @@ def _one(attempt: Attempt, options: Options) -> None:
             attempt.fix = "install gdb to attach such a process now; or wait: the queued call runs when it returns"
         return
     for _ in range(DIRECT_TRIES):
-        attempt.how.append("gdb-direct")
-        got = gdb_inject.inject(
-            proc.pid,
-            one_line(str(script("gdb-direct"))),
-            "direct",
-            base.with_name(base.name + "-gdb-direct.gdb.py"),
-            options.gdb,
-        )
-        attempt.stopped_ms += got.stopped_ms or 0.0
-        if options.verbose and got.detail:
-            attempt.notes.append(f"gdb: {got.detail}")
+        got = gdb("direct")
         if got.why is None or _wait(result, 0.2):  # run; or the queued call ran meanwhile
             break
         if got.why not in RETRIED:
