@@ -388,7 +388,7 @@ def oom_cap_mib(rank: Any) -> int | None:
 
 def peak_rss(run_dir: Path) -> int:
     """Rank 0's largest RSS sample in a run directory."""
-    from lorascope.rundir.reader import load_run
+    from lorascope.rundir.loading.reader import load_run
 
     return max((m["rss"] or 0) for m in load_run(run_dir).ranks[0].mem)
 
@@ -397,7 +397,7 @@ def in_job_cost(run_dir: Path) -> float | None:
     """What the probes cost the run, as it measured itself: the share of a step its ranks
     spent in probe code (`analyze`'s "probes' cost"; None without cost records)."""
     from lorascope.analysis.summary import build_summary
-    from lorascope.rundir.reader import load_run
+    from lorascope.rundir.loading.reader import load_run
 
     cost = build_summary(load_run(run_dir))["probe_cost"]
     return None if cost is None else cost["share_of_step"]
@@ -622,7 +622,7 @@ class GpuCheck:
     def _hang_during_stall(self, out: Path, job: subprocess.Popen[str]) -> tuple[bool, str]:
         """Wait for both ranks' stall records, then ask `lorascope hang` (the dump signal)."""
         from lorascope.errors import LorascopeError
-        from lorascope.rundir.reader import load_run
+        from lorascope.rundir.loading.reader import load_run
 
         deadline = time.time() + 90
         while time.time() < deadline and job.poll() is None:
@@ -690,7 +690,7 @@ class GpuCheck:
         ok = proc.returncode == 0
         detail = f"exit {proc.returncode} {tail(proc) if not ok else ''}".strip()
         if ok:
-            from lorascope.rundir.reader import load_run
+            from lorascope.rundir.loading.reader import load_run
 
             rank = load_run(out).ranks[0]
             srcs = {s["src"] for s in rank.steps}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 

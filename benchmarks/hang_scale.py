@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import DUMP_REQUEST
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.schema import DUMP_REQUEST
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.reader import load_run
 
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"

@@ -48,7 +48,7 @@ TIMED = [
     ("lorascope.probes.collectives", "CollectiveProbe", "_begin", "collective start", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_site", "call site", "collective start"),
     ("lorascope.probes.collectives", "CollectiveProbe", "_via", "rank condition up the stack", "call site"),
-    ("lorascope.rundir.writer", "Stream", "flush", "flush", "collective start"),
+    ("lorascope.rundir.format.writer", "Stream", "flush", "flush", "collective start"),
     ("lorascope.probes.collectives", "CollectiveProbe", "_end_when_done", "async: track its work", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_poll", "async: poll completed works", ""),
     ("lorascope.probes.collectives", "CollectiveProbe", "_end", "collective end", ""),
@@ -60,7 +60,7 @@ TIMED = [
         "C heap reading (mallinfo2)",
         "memory reading (an edge's, the sampler's)",
     ),
-    ("lorascope.rundir.writer", "", "_encode", "format a record (not a call's)", "flush"),
+    ("lorascope.rundir.format.writer", "", "_encode", "format a record (not a call's)", "flush"),
     ("lorascope.probes.collectives", "_Call", "encode", "format a call's record", "flush"),
 ]
 

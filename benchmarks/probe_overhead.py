@@ -63,7 +63,7 @@ import psutil
 
 from lorascope.analysis.cost import rank_cost
 from lorascope.analysis.summary import build_summary
-from lorascope.rundir.reader import RunData, load_run
+from lorascope.rundir.loading.reader import RunData, load_run
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "probes" / "train_lora.py"

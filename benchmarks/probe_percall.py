@@ -40,7 +40,7 @@ CHILD = textwrap.dedent("""
     import torch.distributed.distributed_c10d as c10d
     from lorascope.probes.collectives import CollectiveProbe
     from lorascope.probes.session import Session
-    from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+    from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
     calls, reps, depth, port, queued = (int(a) for a in sys.argv[1:6])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

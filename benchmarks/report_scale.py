@@ -37,7 +37,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.report.data import build_report_data
 from lorascope.report.render import render
 from lorascope.report.spread import PerStep
-from lorascope.rundir.reader import Collective, RankData, RunData, recount
+from lorascope.rundir.loading.reader import Collective, RankData, RunData, recount
 
 T0 = 1_800_000_000.0
 MIB = 2**20

@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rundir_scale import DROPPED, _line, _records, _template
 
-from lorascope.rundir import columnar, limits, reader
-from lorascope.rundir.reduce import steps_per_rank
+from lorascope.rundir.format import limits
+from lorascope.rundir.loading import columnar, reader
+from lorascope.rundir.loading.reduce import steps_per_rank
 
 #: name -> (step number of the j-th of n steps, step records only, steps as a multiple of N).
 SHAPES: dict[str, tuple[Callable[[int, int], int], bool, int]] = {

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import pytest
 
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream, fatal_path, record_launch, stream_prefix
+from lorascope.rundir.format.writer import Stream, fatal_path, record_launch, stream_prefix
+from lorascope.rundir.loading.ending import ending_of
+from lorascope.rundir.loading.reader import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")

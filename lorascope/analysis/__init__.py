@@ -19,8 +19,8 @@ from lorascope.detect.finding import Finding
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import bundle_of_run, load_bundle
-from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import Progress, RunData, no_cycle_collection
+from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.reader import Progress, RunData, no_cycle_collection
 
 
 @dataclass

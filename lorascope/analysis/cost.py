@@ -21,7 +21,7 @@ import math
 import statistics
 from typing import Any
 
-from lorascope.rundir.reader import RankData
+from lorascope.rundir.loading.reader import RankData
 
 
 def _number(value: Any) -> bool:

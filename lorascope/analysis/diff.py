@@ -28,7 +28,7 @@ from lorascope.analysis.artifacts import artifacts_data
 from lorascope.detect.finding import CONFIDENCE_ORDER, SEVERITY_ORDER, Finding
 from lorascope.detect.plan_deviation import batch_shape, plan_for_rank
 from lorascope.errors import UsageError
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import rank_ranges
 
 #: A peak "moved" when it changed by more than this share and this many bytes (a plan
@@ -286,7 +286,7 @@ def _steps(a: RunData, b: RunData, shared: dict[str, Any]) -> dict[str, Any]:
 
 def _whole_steps(rank: RankData, steps: range) -> set[int]:
     """The steps of ``steps`` whose every call the reader kept on this rank: a long run's
-    calls are kept from its start and its end (:mod:`lorascope.rundir.reduce`); a step in
+    calls are kept from its start and its end (:mod:`lorascope.rundir.loading.reduce`); a step in
     the gap, or cut by it, is not whole. A call made in step S counted S - 1 steps."""
     by_group: dict[str, list[tuple[int, int]]] = {}
     for c in rank.collectives:

@@ -1,5 +1,5 @@
 """A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
-lines its stream appends (:class:`lorascope.rundir.tail.Tail`), and the checks that can
+lines its stream appends (:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can
 run on a partial run.
 
 Lines are taken in a block at a time (what one stream appended), without decoding
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorascope.detect.straggler import MIN_RATIO, MIN_STEPS
-from lorascope.rundir.tail import Followed
+from lorascope.rundir.loading.tail import Followed
 from lorascope.units import short_error
 
 #: Steps kept per rank for its step time and work.

@@ -7,9 +7,9 @@ from typing import Any
 
 from lorascope.analysis.cost import rank_cost, run_cost
 from lorascope.detect.hang.diagnosis import pending_calls
-from lorascope.rundir.ending import ending_of, still_moving, stopped_reading, unrecorded_ending
-from lorascope.rundir.reader import RankData, RunData
-from lorascope.rundir.schema import FORMAT_VERSION
+from lorascope.rundir.format.schema import FORMAT_VERSION
+from lorascope.rundir.loading.ending import ending_of, still_moving, stopped_reading, unrecorded_ending
+from lorascope.rundir.loading.reader import RankData, RunData
 
 
 def _peak_memory(rank: RankData) -> dict[str, int | None]:

@@ -16,7 +16,8 @@ import click
 from lorascope import __version__
 from lorascope.cli import analyze, attach, diff, export, hang, plan, report, run, watch
 from lorascope.errors import LorascopeError
-from lorascope.rundir import limits, workers
+from lorascope.rundir.format import limits
+from lorascope.rundir.loading import workers
 from lorascope.text import echo
 from lorascope.units import parse_bytes
 

@@ -11,7 +11,7 @@ from lorascope.cli.options import cluster_option
 from lorascope.detect.finding import SEVERITY_ORDER
 from lorascope.ingest.kinds import KINDS
 from lorascope.report.write import write_report
-from lorascope.rundir.cluster import connect
+from lorascope.rundir.loading.cluster import connect
 from lorascope.text import echo
 from lorascope.text.artifacts import render_artifacts
 from lorascope.text.findings import render_findings

@@ -14,9 +14,9 @@ from lorascope.errors import BadInputError, UsageError
 from lorascope.inject.attach import Attempt, Options, manifest_entry, run_all
 from lorascope.inject.procs import Process, describe, ranks_of
 from lorascope.probes.kernels import parse_window
-from lorascope.rundir.procfs import start_ticks
-from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.writer import record_attach
+from lorascope.rundir.format.procfs import start_ticks
+from lorascope.rundir.format.schema import MANIFEST_FILE
+from lorascope.rundir.format.writer import record_attach
 
 
 def _attached_before(run_dir: Path) -> list[Process]:

@@ -11,7 +11,7 @@ from lorascope.analysis import analyze, strict_json
 from lorascope.analysis.diff import build_diff
 from lorascope.cli.options import cluster_option
 from lorascope.report.write import write_diff_report
-from lorascope.rundir.cluster import connect
+from lorascope.rundir.loading.cluster import connect
 from lorascope.text import echo
 from lorascope.text.diff import render_diff
 from lorascope.text.progress import terminal_progress

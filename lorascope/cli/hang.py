@@ -28,10 +28,10 @@ from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.procstate import STOPPED, describe_state
 from lorascope.hang.targets import Target, verify
 from lorascope.ingest.load import rank_flight_timeline
-from lorascope.rundir.attachments import attached_processes
-from lorascope.rundir.cluster import connect
-from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.attachments import attached_processes
+from lorascope.rundir.loading.cluster import connect
+from lorascope.rundir.loading.ending import ending_of
+from lorascope.rundir.loading.reader import RunData
 from lorascope.text import echo
 from lorascope.text.findings import quiet
 from lorascope.text.hang import Place, render_hang

@@ -9,7 +9,7 @@ import click
 from lorascope.analysis import analyze
 from lorascope.cli.options import cluster_option
 from lorascope.report.write import write_report
-from lorascope.rundir.cluster import connect
+from lorascope.rundir.loading.cluster import connect
 from lorascope.text import echo
 from lorascope.text.progress import terminal_progress
 

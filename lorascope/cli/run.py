@@ -23,11 +23,11 @@ from lorascope.probes.bootstrap import sitecustomize_source
 from lorascope.probes.history_policy import MODES
 from lorascope.probes.kernels import parse_window
 from lorascope.probes.memory import MAX_SAMPLE_INTERVAL
-from lorascope.rundir import safe_open
-from lorascope.rundir.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
-from lorascope.rundir.reader import launching_cli, load_run
-from lorascope.rundir.schema import BOOTSTRAP_DIR
-from lorascope.rundir.writer import record_launch, record_ranks
+from lorascope.rundir.format import safe_open
+from lorascope.rundir.format.schema import BOOTSTRAP_DIR
+from lorascope.rundir.format.writer import record_launch, record_ranks
+from lorascope.rundir.loading.attachments import attached_processes, remove_empty_fatal_files, why_none_attached
+from lorascope.rundir.loading.reader import launching_cli, load_run
 from lorascope.text import echo
 from lorascope.text.summary import render_text
 from lorascope.units import ranks_named

@@ -13,8 +13,8 @@ import click
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRun
 from lorascope.errors import BadInputError
-from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.tail import Tail
+from lorascope.rundir.format.schema import MANIFEST_FILE
+from lorascope.rundir.loading.tail import Tail
 from lorascope.text.findings import quiet
 from lorascope.units import ranks_named
 

@@ -19,7 +19,7 @@ from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.detect.hang.zero_state import explained_by
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.ending import ending_of
+from lorascope.rundir.loading.ending import ending_of
 from lorascope.units import fmt_bytes, rank_ranges, short_error
 
 ID = "collective-mismatch"

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from lorascope.detect.finding import Evidence
-from lorascope.rundir.ending import ending_of, launchers_ended
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.ending import ending_of, launchers_ended
+from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import rank_ranges
 
 #: The memory figures a rank can be measured by (``memory_kind``).

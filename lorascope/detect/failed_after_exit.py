@@ -16,9 +16,9 @@ from typing import Any
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.ending import Ending, ending_of
-from lorascope.rundir.reader import RankData, RunData
-from lorascope.rundir.writer import fatal_path
+from lorascope.rundir.format.writer import fatal_path
+from lorascope.rundir.loading.ending import Ending, ending_of
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import ranks_named
 
 ID = "failed-after-exit"

@@ -17,9 +17,9 @@ from lorascope.detect.hang.diagnosis import FIXES, NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.ending import ending_of, launchers_ended, moving_at_dumps, stalled_now, still_moving
-from lorascope.rundir.reader import RunData
-from lorascope.rundir.stalls import recovered_stalls
+from lorascope.rundir.loading.ending import ending_of, launchers_ended, moving_at_dumps, stalled_now, still_moving
+from lorascope.rundir.loading.reader import RunData
+from lorascope.rundir.loading.stalls import recovered_stalls
 from lorascope.units import rank_ranges, ranks_named
 
 ID = "hung-ranks"

@@ -23,7 +23,7 @@ from lorascope.detect.pace import PART_LABELS, PaceTable, table
 from lorascope.detect.slow_steps import MIN_HOT
 from lorascope.detect.straggler import NOISE_FACTOR
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 
 ID = "job-slowdown"
 MIN_RATIO = 1.3

@@ -21,7 +21,7 @@ from lorascope.detect.common import (
 )
 from lorascope.detect.finding import Evidence, Finding, Severity
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import fmt_bytes
 
 ID = "logits-spike"

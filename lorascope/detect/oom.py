@@ -17,7 +17,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.logs.reader import OomReport, parse_oom
 from lorascope.ingest.snapshot.points import SIZE_SLACK
 from lorascope.ingest.snapshot.types import MemoryPoint, OomEvent, SiteGroup, SnapshotAnalysis
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import fmt_bytes
 
 ID = "oom"

@@ -13,7 +13,7 @@ Per rank and step (the steps every rank completed, the first left out as warm-up
   (``forward``, ``backward``, ``optimizer``, ``eval`` ...: its spans' time) and ``host``
   (the rest: host-side work outside the phases). The synchronous collectives are taken
   out of the part they ran in where the step's calls are all held (every call of short
-  runs; :mod:`lorascope.rundir.reduce` keeps the first and the newest of long ones), else
+  runs; :mod:`lorascope.rundir.loading.reduce` keeps the first and the newest of long ones), else
   the backward's from the backward (the reader's sums over every call) and the rest from
   ``host``.
 
@@ -35,8 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorascope.rundir.reader import Collective, RankData, RunData
-from lorascope.rundir.reduce import backward_spans
+from lorascope.rundir.loading.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.reduce import backward_spans
 
 #: The part before the first phase of a step, and the rest outside the phases.
 DATA, HOST = "data", "host"
@@ -67,7 +67,7 @@ def _work(rank: RankData) -> tuple[dict[int, float], str]:
     collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
     inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
     reduce-scatters and backward all-gathers) are then not taken out a second time. The
-    collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.reduce`)."""
+    collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.loading.reduce`)."""
     backward = {step: math.fsum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
     waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
     work, by_backward = {}, 0

@@ -46,7 +46,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.plan import Plan, plan_from_configs
 from lorascope.plan.activations import loss_forward
 from lorascope.plan.training import TrainingSetup
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import fmt_bytes
 
 ID = "plan-deviation"

@@ -11,7 +11,7 @@ from typing import Any
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData
+from lorascope.rundir.loading.reader import RankData
 from lorascope.units import ranks_named
 
 ID = "probes-off"

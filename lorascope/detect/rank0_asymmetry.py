@@ -23,7 +23,7 @@ from lorascope.detect.common import (
 )
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData
+from lorascope.rundir.loading.reader import RankData
 from lorascope.units import fmt_bytes, ranks_named
 
 ID = "rank0-asymmetry"

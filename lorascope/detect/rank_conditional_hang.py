@@ -19,8 +19,8 @@ from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import RankOnly, calls_summary, explained_by
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
-from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.ending import ending_of
+from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import fmt_bytes, ranks_named, short_error
 
 ID = "rank-conditional-hang"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 from lorascope.units import ranks_named
 
 ID = "reentrant-dead-grads"

@@ -25,7 +25,7 @@ from lorascope.detect import (
 )
 from lorascope.detect.finding import CONFIDENCE_ORDER, SEVERITY_ORDER, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import Progress
+from lorascope.rundir.loading.reader import Progress
 
 Detector = Callable[[EvidenceBundle], list[Finding]]
 

@@ -18,7 +18,7 @@ from typing import Any
 from lorascope.detect.common import stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import fmt_bytes
 
 ID = "sharding-not-applied"

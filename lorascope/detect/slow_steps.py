@@ -47,7 +47,7 @@ from lorascope.detect.pace import (
 from lorascope.detect.straggler import MIN_RATIO, NOISE_FACTOR, _others_medians
 from lorascope.detect.straggler import from_run as straggler_of
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 from lorascope.units import rank_ranges
 
 ID = "slow-steps"

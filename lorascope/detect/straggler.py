@@ -29,7 +29,7 @@ from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import saving_text, step_work, table, what_if_summary
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 
 ID = "straggler"
 MIN_STEPS = 5

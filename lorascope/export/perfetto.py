@@ -22,8 +22,8 @@ from lorascope.analysis import Analysis
 from lorascope.detect.common import CUDA_ALLOCATED, RSS, mem_value
 from lorascope.detect.finding import Finding
 from lorascope.ingest.kineto.reader import KinetoTrace
-from lorascope.rundir.reader import Collective, RankData, RunData
-from lorascope.rundir.span import SpanRecords
+from lorascope.rundir.loading.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.span import SpanRecords
 
 #: Events written at most, by default (a 1,000-step, 64-rank ZeRO-3 run holds ~3 M calls).
 MAX_EVENTS = 2_000_000
@@ -244,7 +244,7 @@ def timeline(
     spans: dict[int, SpanRecords] | None = None,
 ) -> dict[str, Any]:
     """The trace-event document (see the module docstring). ``spans``: each rank's records
-    in the window read again (:func:`lorascope.rundir.reader.records_between`), for a run
+    in the window read again (:func:`lorascope.rundir.loading.reader.records_between`), for a run
     whose loaded records were reduced."""
     window = window or Window()
     run = analysis.bundle.run

@@ -24,11 +24,11 @@ from lorascope.errors import BadInputError
 from lorascope.hang.procstate import STOPPED, describe_state, process_state
 from lorascope.hang.request import write_request
 from lorascope.hang.targets import Target
-from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import RunData, load_run
-from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import DUMP_SIGNAL, STREAM_SUFFIX
-from lorascope.rundir.writer import stream_prefix
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.format.schema import DUMP_SIGNAL, STREAM_SUFFIX
+from lorascope.rundir.format.writer import stream_prefix
+from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.reader import RunData, load_run
 from lorascope.units import rank_ranges
 
 POLL_S = 0.2

@@ -15,9 +15,9 @@ from lorascope.detect.hang.diagnosis import FIXES, main_thread_frame, main_threa
 from lorascope.errors import BadInputError
 from lorascope.hang.collect import py_spy_dump
 from lorascope.hang.procstate import STOPPED, describe_state, process_state
-from lorascope.rundir.ops import PAYLOAD_ARG
-from lorascope.rundir.ranks import LONE, discover
-from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, job_source, rank_condition_in
+from lorascope.rundir.format.ops import PAYLOAD_ARG
+from lorascope.rundir.format.ranks import LONE, discover
+from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, job_source, rank_condition_in
 
 
 def _rank_of(pid: int) -> str:

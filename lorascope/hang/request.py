@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from lorascope.rundir.schema import DUMP_REQUEST
+from lorascope.rundir.format.schema import DUMP_REQUEST
 
 
 def write_request(run_dir: Path) -> tuple[str | None, str | None]:

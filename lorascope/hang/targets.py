@@ -23,9 +23,9 @@ from typing import Any
 import psutil
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.procfs import start_ticks
-from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import BOOTSTRAP_DIR, MANIFEST_FILE
+from lorascope.rundir.format.procfs import start_ticks
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.format.schema import BOOTSTRAP_DIR, MANIFEST_FILE
 
 #: Clock slack between the process's start time (/proc, 10 ms ticks) and its first record.
 START_SLACK_S = 1.0

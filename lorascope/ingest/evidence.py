@@ -18,7 +18,7 @@ from lorascope.ingest.kineto.reader import KinetoTrace
 from lorascope.ingest.logs.reader import LogAnalysis
 from lorascope.ingest.snapshot.compare import SnapshotComparison
 from lorascope.ingest.snapshot.types import SnapshotAnalysis
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 
 
 @dataclass

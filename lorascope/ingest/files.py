@@ -23,8 +23,8 @@ from lorascope.ingest.kineto.reader import KinetoTrace, read_trace
 from lorascope.ingest.logs.reader import read_log
 from lorascope.ingest.path_rank import rank_from_path
 from lorascope.ingest.snapshot.reader import read_snapshot
-from lorascope.rundir.reader import Progress
-from lorascope.rundir.safe_open import leaves
+from lorascope.rundir.format.safe_open import leaves
+from lorascope.rundir.loading.reader import Progress
 
 #: Files looked at in one folder (a mis-aimed PATH, like a home directory, stays cheap).
 MAX_FILES = 2000

@@ -16,8 +16,8 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import MANIFEST_FILE
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.format.schema import MANIFEST_FILE
 
 KINDS = ("rundir", "snapshot", "kineto", "flight", "log")
 HEAD = 256 * 1024

@@ -21,10 +21,10 @@ from lorascope.ingest.kinds import KINDS
 from lorascope.ingest.kineto.compare import compare_traces
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.ingest.snapshot.reader import read_snapshot
-from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.reader import Progress, RankData, RunData, load_run
-from lorascope.rundir.schema import MANIFEST_FILE
-from lorascope.rundir.sources import describe, job_source
+from lorascope.rundir.format.schema import MANIFEST_FILE
+from lorascope.rundir.format.sources import describe, job_source
+from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.reader import Progress, RankData, RunData, load_run
 
 
 def load_bundle(

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.safe_open import open_regular
+from lorascope.rundir.format.safe_open import open_regular
 
 #: Bytes read per chunk; the reader refills when fewer than _LOW_WATER remain.
 _CHUNK = 8 << 20

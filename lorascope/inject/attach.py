@@ -26,7 +26,7 @@ from lorascope.inject import gdb as gdb_inject
 from lorascope.inject import remote
 from lorascope.inject.procs import Process, method_for, ptrace_denied_fix
 from lorascope.probes.live import ATTACH_DIR, one_line, request_path, script_source
-from lorascope.rundir.writer import ensure_manifest
+from lorascope.rundir.format.writer import ensure_manifest
 
 POLL_S = 0.05
 #: gdb's direct path, at most this many times, this far apart, while the main thread is

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorascope.rundir.procfs import start_ticks
-from lorascope.rundir.ranks import LAUNCHERS, SOURCES, Identity, discover, program
+from lorascope.rundir.format.procfs import start_ticks
+from lorascope.rundir.format.ranks import LAUNCHERS, SOURCES, Identity, discover, program
 
 PROC = Path("/proc")
 #: The oldest Python the probes run on (pyproject's requires-python).

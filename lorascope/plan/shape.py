@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.safe_open import loads_json, read_capped
+from lorascope.rundir.format.safe_open import loads_json, read_capped
 
 #: Model types whose transformers implementation this model follows term by term.
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2")

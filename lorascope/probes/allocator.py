@@ -49,7 +49,7 @@ from typing import Any
 
 from lorascope.probes.history_policy import MODES, HistoryPolicy
 from lorascope.probes.session import Session
-from lorascope.rundir import safe_open
+from lorascope.rundir.format import safe_open
 
 ENV_SWITCH = "LORASCOPE_MEMORY_HISTORY"
 #: Alloc/free entries kept (a ring). ~0.5-1 KB of host memory each with Python stacks;

@@ -32,10 +32,10 @@ from lorascope.probes.memory import MAX_SAMPLE_INTERVAL, MemoryProbe
 from lorascope.probes.session import Session
 from lorascope.probes.steps import StepProbe
 from lorascope.probes.zero_params import ZeroParamProbe
-from lorascope.rundir import safe_open
-from lorascope.rundir.ranks import Identity, discover
-from lorascope.rundir.schema import DUMP_REQUEST
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format import safe_open
+from lorascope.rundir.format.ranks import Identity, discover
+from lorascope.rundir.format.schema import DUMP_REQUEST
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
 ENV_RUN_DIR = "LORASCOPE_RUN_DIR"
 ENV_SAMPLE_INTERVAL = "LORASCOPE_SAMPLE_INTERVAL"
@@ -110,7 +110,7 @@ def attach(
     """Start the probes in this process once; later calls return whether they are on.
 
     Options left None come from ``LORASCOPE_*`` variables, then the defaults; the rank
-    from :func:`lorascope.rundir.ranks.discover`. ``attached``: the process was running
+    from :func:`lorascope.rundir.format.ranks.discover`. ``attached``: the process was running
     before (``lorascope attach``, :mod:`lorascope.probes.live`): what the start record
     says of it."""
     global _session, _dumper, run_dir_of_session

@@ -7,11 +7,11 @@ variables), ranks, and whatever those start. The run's settings (run directory, 
 options) are written into the generated file itself, so a rank that receives only
 ``PYTHONPATH`` is probed all the same. The rule, in order:
 
-1. a known launcher (:data:`lorascope.rundir.ranks.LAUNCHERS`) is no rank, whatever
+1. a known launcher (:data:`lorascope.rundir.format.ranks.LAUNCHERS`) is no rank, whatever
    its environment says (``srun torchrun ...`` hands SLURM_PROCID to torchrun);
 2. a process that inherited the identity of a probed process (``LORASCOPE_ATTACHED_*``
    equal to its own: a DataLoader worker, a compile worker) is no rank;
-3. a process with rank variables (:mod:`lorascope.rundir.ranks`) attaches now;
+3. a process with rank variables (:mod:`lorascope.rundir.format.ranks`) attaches now;
 4. any other process is a lone process, rank 0 of 1: it attaches when it first looks
    for ``torch``, before torch runs. A Python helper that never imports torch (a shell
    wrapper, a data-prep step without torch) stays unprobed, and a job started as
@@ -32,8 +32,8 @@ import sys
 import time
 from typing import Any
 
-from lorascope.rundir import ranks
-from lorascope.rundir.schema import PROCESSES_LOG
+from lorascope.rundir.format import ranks
+from lorascope.rundir.format.schema import PROCESSES_LOG
 
 ENV_ATTACHED_PID = "LORASCOPE_ATTACHED_PID"
 ENV_ATTACHED_AS = "LORASCOPE_ATTACHED_AS"

@@ -50,9 +50,9 @@ from types import CodeType, FrameType, ModuleType
 from typing import Any, NamedTuple
 
 from lorascope.probes.session import Session
-from lorascope.rundir.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
-from lorascope.rundir.sources import MAX_VIA_FRAMES, describe, rank_condition_in
-from lorascope.rundir.writer import json_str
+from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
+from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, rank_condition_in
+from lorascope.rundir.format.writer import json_str
 
 MAX_PENDING_EVENTS = 4096
 

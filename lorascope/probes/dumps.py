@@ -36,7 +36,7 @@ from typing import Any
 
 from lorascope.probes.exits import thread_stacks
 from lorascope.probes.session import Session
-from lorascope.rundir.schema import DUMP_SIGNAL
+from lorascope.rundir.format.schema import DUMP_SIGNAL
 
 #: The stall watchdog fires after this share of the process-group timeout ...
 STALL_SHARE_OF_PG_TIMEOUT = 1 / 3

@@ -20,8 +20,8 @@ from types import FrameType
 from typing import IO, Any
 
 from lorascope.probes.session import Session
-from lorascope.rundir import safe_open
-from lorascope.rundir.writer import fatal_path
+from lorascope.rundir.format import safe_open
+from lorascope.rundir.format.writer import fatal_path
 
 MAX_WARNINGS = 200
 _TERMINATING = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")

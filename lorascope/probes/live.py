@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorascope.rundir.procfs import start_ticks
+from lorascope.rundir.format.procfs import start_ticks
 
 #: Under the run directory: the requests, scripts and results of ``lorascope attach``.
 ATTACH_DIR = "attach"
@@ -115,7 +115,7 @@ def run_request(request: dict[str, Any], began: float) -> None:
 
 def _attach(request: dict[str, Any]) -> dict[str, Any]:
     from lorascope.probes import attach as probes
-    from lorascope.rundir.ranks import discover
+    from lorascope.rundir.format.ranks import discover
 
     if probes._session is not None and probes._session.pid == os.getpid():
         if not probes._session.active:

@@ -23,8 +23,8 @@ from typing import Any
 import psutil
 
 from lorascope.probes.session import Session
-from lorascope.rundir.schema import WARM_UP_STEPS
-from lorascope.rundir.writer import Line, json_str
+from lorascope.rundir.format.schema import WARM_UP_STEPS
+from lorascope.rundir.format.writer import Line, json_str
 
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every

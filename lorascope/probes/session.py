@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lorascope.rundir.writer import LazyRecord, Stream
+from lorascope.rundir.format.writer import LazyRecord, Stream
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -25,8 +25,8 @@ from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import MemoryProbe
 from lorascope.probes.session import COST_EVERY, Session, plain
-from lorascope.rundir.schema import WARM_UP_STEPS
-from lorascope.rundir.writer import Line, json_str
+from lorascope.rundir.format.schema import WARM_UP_STEPS
+from lorascope.rundir.format.writer import Line, json_str
 
 #: A ``phase`` record, as ``Session.record`` writes it (formatted by the writer: ``Line``).
 _PHASE = '{"name":%s,"edge":%s,"step":%d,"k":"phase","t":%r}\n'

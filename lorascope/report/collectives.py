@@ -18,7 +18,7 @@ from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.finding import Finding
 from lorascope.detect.hang.divergence import RUN_ALL, first_split
 from lorascope.detect.hang.divergence import by_group as groups_of
-from lorascope.rundir.reader import Collective, RunData
+from lorascope.rundir.loading.reader import Collective, RunData
 from lorascope.units import rank_ranges, ranks_named
 
 #: Sequence numbers shown in the alignment chart, and in the table under it.

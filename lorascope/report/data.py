@@ -23,7 +23,7 @@ from lorascope.report.memory import end_mark
 from lorascope.report.scrub import scrub
 from lorascope.report.spread import PerStep
 from lorascope.report.timebase import run_origin
-from lorascope.rundir.ending import (
+from lorascope.rundir.loading.ending import (
     RUNNING,
     ended_badly_headline,
     ending_of,
@@ -31,7 +31,7 @@ from lorascope.rundir.ending import (
     stopped_while_moving,
     unrecorded_ending,
 )
-from lorascope.rundir.reader import RunData, no_cycle_collection
+from lorascope.rundir.loading.reader import RunData, no_cycle_collection
 
 
 def _missing(bundle: EvidenceBundle) -> list[str]:
@@ -155,7 +155,7 @@ def build_report_data(
     :func:`build_summary`, when the caller has it already; ``per_step``: the per-step series
     the step, loss, collective-wait and memory charts draw, when the caller has them
     already (e.g. from compact per-rank summaries), else read from the run. Built with the
-    cyclic garbage collector off (:func:`~lorascope.rundir.reader.no_cycle_collection`:
+    cyclic garbage collector off (:func:`~lorascope.rundir.loading.reader.no_cycle_collection`:
     1,024 ranks x 300 steps, 5.0 -> 2.9 s)."""
     with no_cycle_collection():
         return _report_data(bundle, findings, summary, per_step)

@@ -19,7 +19,7 @@ from typing import Any
 from lorascope.analysis.cost import cost_text
 from lorascope.detect.common import but_for_numbers
 from lorascope.report.scrub import scrub
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import MAX_TABLE_RANKS, rank_ranges
 
 MAX_WARNINGS_PER_RANK = 20

@@ -14,7 +14,7 @@ from pathlib import Path
 from lorascope.analysis import analyze
 from lorascope.errors import LorascopeError
 from lorascope.report.write import write_report
-from lorascope.rundir.schema import MANIFEST_FILE
+from lorascope.rundir.format.schema import MANIFEST_FILE
 
 
 def scenarios(fixtures: Path) -> list[Path]:

@@ -15,8 +15,8 @@ from lorascope.detect.finding import Finding
 from lorascope.ingest.frames import CATEGORIES
 from lorascope.report.downsample import thin
 from lorascope.report.timebase import MIB, mib, secs
-from lorascope.rundir.ending import ending_of
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.ending import ending_of
+from lorascope.rundir.loading.reader import RankData, RunData
 
 #: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
 TIMELINE_BUDGET = 32_000

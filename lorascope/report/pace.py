@@ -9,7 +9,7 @@ from typing import Any
 
 from lorascope.detect import pace
 from lorascope.detect.finding import Finding
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 
 #: The findings whose what-if and first step the page shows.
 SHOWN = ("slow-steps", "straggler")

@@ -14,7 +14,7 @@ from lorascope.report import collectives, memory
 from lorascope.report.downsample import thin
 from lorascope.report.memory import per_rank_points
 from lorascope.report.spread import PerStep
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 
 STEP_BUDGET = 16_000
 MAX_LISTED_LOSSES = 50

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.reader import RunData
 
 MIB = 2**20
 

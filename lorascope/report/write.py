@@ -10,7 +10,7 @@ from lorascope.analysis import Analysis
 from lorascope.errors import BadInputError, UsageError
 from lorascope.report.data import build_report_data
 from lorascope.report.diff import diff_page_data
-from lorascope.rundir.safe_open import replace_file
+from lorascope.rundir.format.safe_open import replace_file
 
 
 def write_report(analysis: Analysis, out: Path, fresh: bool = False) -> int:

@@ -1,5 +1,8 @@
 """The run directory: lorascope's one data model between the probes and the analysis.
 
-Format v2 is documented in docs/run-format.md. ``schema`` and ``writer`` are imported
-inside training jobs and stay standard-library only; ``reader`` is the analysis side.
+Documented in docs/run-format.md. Two halves, split by who imports them:
+:mod:`lorascope.rundir.format` (names, records, the writer: standard library only, what
+the probes import inside a training job) and :mod:`lorascope.rundir.loading` (the reader,
+its reduction and alignment: the analysis side, which imports the format, never the
+reverse).
 """

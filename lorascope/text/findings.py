@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from lorascope.detect.finding import Finding
-from lorascope.rundir.ending import RUNNING, ended_badly_headline, no_steps_headline
+from lorascope.rundir.loading.ending import RUNNING, ended_badly_headline, no_steps_headline
 from lorascope.units import ranks_named
 
 

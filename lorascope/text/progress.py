@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from lorascope.rundir.reader import Progress
+from lorascope.rundir.loading.reader import Progress
 
 #: Seconds a step runs before its bar appears.
 DELAY_S = 2.0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.e2e.test_hang import end_job, hang, pending_in_job, wait_until
 from tests.helpers import LORASCOPE, REPO, default_signals, free_port, job_env, torchrun, why_no_ptrace
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.schema import SHAPE_FIELDS
+from lorascope.rundir.format.schema import SHAPE_FIELDS
 from tests.helpers import LORASCOPE, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, TRAIN, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e

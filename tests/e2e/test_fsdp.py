@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import RankData, RunData, load_run
+from lorascope.rundir.loading.reader import RankData, RunData, load_run
 from tests.helpers import LORASCOPE, REPO, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e

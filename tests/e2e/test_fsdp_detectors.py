@@ -15,7 +15,7 @@ import pytest
 from lorascope.detect import plan_deviation, tiny_kernel_tail
 from lorascope.detect.kernel_attribution import table_from_traces, tiny_threshold_us
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from lorascope.units import fmt_bytes
 from tests.helpers import LORASCOPE, TRAIN, Finished, free_port, probed, torchrun
 

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from lorascope.detect.hang.divergence import first_divergence
-from lorascope.rundir.ending import progress_window
-from lorascope.rundir.reader import RankData, RunData, load_run
+from lorascope.rundir.loading.ending import progress_window
+from lorascope.rundir.loading.reader import RankData, RunData, load_run
 from tests.helpers import HANG_JSON_KEYS, LORASCOPE, REPO, TRAIN, default_signals, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e

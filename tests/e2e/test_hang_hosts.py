@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lorascope.rundir.reader import RankData, RunData, load_run
+from lorascope.rundir.loading.reader import RankData, RunData, load_run
 from tests.helpers import LORASCOPE, REPO, default_signals, free_port, job_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, REPO, TRAIN, Finished, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import pytest
 
 from lorascope.detect import plan_deviation
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData, load_run
+from lorascope.rundir.loading.reader import RankData, load_run
 from lorascope.units import fmt_bytes
 from tests.helpers import LORASCOPE, Finished, free_port, probed, torchrun
 

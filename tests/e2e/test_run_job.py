@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import (
     LORASCOPE,
     TRAIN,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import REPO, Finished, free_port, probed, torchrun
 
 pytest.importorskip("trl", reason="TRL is in the test extra (pip install -e '.[test]')")

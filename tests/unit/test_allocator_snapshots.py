@@ -24,8 +24,8 @@ from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.probes import allocator as allocator_mod
 from lorascope.probes.allocator import MAX_REQUESTED, AllocatorProbe, is_oom, parse_switch
 from lorascope.probes.session import Session
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot
 
 

@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     import torch.distributed.distributed_c10d as c10d
     from lorascope.probes.collectives import CollectiveProbe
     from lorascope.probes.session import Session
-    from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+    from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
     run = Path(sys.argv[1])
     ensure_manifest(run)
@@ -72,7 +72,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_host_async_calls_end_at_their_wait_or_the_next_flush(tmp_path: Path) -> None:
-    from lorascope.rundir.reader import load_run
+    from lorascope.rundir.loading.reader import load_run
     from tests.helpers import free_port
 
     run = tmp_path / "run"
@@ -108,7 +108,7 @@ FAILING = textwrap.dedent("""
     import torch.distributed.distributed_c10d as c10d
     from lorascope.probes.collectives import CollectiveProbe
     from lorascope.probes.session import Session
-    from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+    from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
     run, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -148,7 +148,7 @@ def test_a_failed_async_call_ends_with_its_error_read_without_deprecated_apis(tm
     for it (its wait() raises) or a flush finds it completed (the error read from the
     work's future); and the job's output carries no torch deprecation warning (the
     probes once read the error with ``Work.exception()``, which prints one)."""
-    from lorascope.rundir.reader import load_run
+    from lorascope.rundir.loading.reader import load_run
     from tests.helpers import free_port
 
     run, port = tmp_path / "run", str(free_port())

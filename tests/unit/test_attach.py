@@ -31,11 +31,11 @@ from lorascope.inject.attach import explain, refusal
 from lorascope.inject.procs import Process, describe, method_for, python_version, ranks_of
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.live import one_line, script_source
-from lorascope.rundir.procfs import start_ticks
-from lorascope.rundir.ranks import Identity
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import DUMP_SIGNAL
-from lorascope.rundir.writer import record_attach
+from lorascope.rundir.format.procfs import start_ticks
+from lorascope.rundir.format.ranks import Identity
+from lorascope.rundir.format.schema import DUMP_SIGNAL
+from lorascope.rundir.format.writer import record_attach
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, REPO, Call, RankSpec, why_no_ptrace, write_run
 
 needs_gdb = pytest.mark.skipif(why_no_ptrace() is not None, reason=str(why_no_ptrace()))

@@ -15,8 +15,8 @@ import pytest
 from lorascope.probes import collectives
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.session import Session
-from lorascope.rundir.sources import rank_condition_in
-from lorascope.rundir.writer import Stream
+from lorascope.rundir.format.sources import rank_condition_in
+from lorascope.rundir.format.writer import Stream
 
 JOB = textwrap.dedent("""
     def begin(probe):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.errors import ClusterError
-from lorascope.rundir.cluster import check_workers, manifest_digest, reader_code, worker_state
+from lorascope.rundir.loading.cluster import check_workers, manifest_digest, reader_code, worker_state
 from tests.helpers import FIXTURES, LORASCOPE, Call, RankSpec, write_run
 
 distributed = pytest.importorskip("distributed", reason="the cluster extra (Dask's distributed) is not installed")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.session import Session
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.loading.reader import load_run
 
 
 class Event:

@@ -29,7 +29,7 @@ from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
 from lorascope.detect.straggler import _others_medians
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import Collective, RankData
+from lorascope.rundir.loading.reader import Collective, RankData
 from lorascope.text.artifacts import _render_flight
 
 # Few distinct values, so that ties (a rank's own value held by others too) are common.

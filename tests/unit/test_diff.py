@@ -196,7 +196,7 @@ def test_collectives_of_a_run_past_the_readers_bounds_are_counted_on_whole_steps
     """With a run's middle calls dropped (bounds far below the fixture's ~350 calls a rank),
     the per-step figures of the ops called alike every step are the same as with every call
     kept: they are taken over the steps kept whole."""
-    from lorascope.rundir import reduce
+    from lorascope.rundir.loading import reduce
 
     whole = _diff("r8", "r64")["collectives"]
     monkeypatch.setattr(reduce, "HEAD_CALLS", 60)

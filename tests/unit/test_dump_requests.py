@@ -12,8 +12,8 @@ from typing import Any
 from lorascope.hang.request import write_request
 from lorascope.probes.dumps import Dumper, stall_seconds
 from lorascope.probes.session import Session
-from lorascope.rundir.schema import DUMP_REQUEST
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.schema import DUMP_REQUEST
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
 
 def _dumps(run: Path) -> list[dict[str, Any]]:

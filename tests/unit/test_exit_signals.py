@@ -18,7 +18,7 @@ import pytest
 from lorascope.probes import exits
 from lorascope.probes.exits import ExitProbe
 from lorascope.probes.session import Session
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
 
 def _records(run: Path) -> list[dict[str, Any]]:

@@ -130,7 +130,7 @@ def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path,
     from click.testing import CliRunner
 
     from lorascope.cli import cli
-    from lorascope.rundir import reduce
+    from lorascope.rundir.loading import reduce
 
     whole = analyze(FIXTURES / "healthy").bundle.run
     assert whole is not None
@@ -175,8 +175,8 @@ def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path,
 
 
 def test_a_span_keeps_what_overlaps_it_up_to_its_bound() -> None:
-    from lorascope.rundir.reader import Collective
-    from lorascope.rundir.span import SLACK_S, SpanLog
+    from lorascope.rundir.loading.reader import Collective
+    from lorascope.rundir.loading.span import SLACK_S, SpanLog
 
     def call(seq: int, start: float, end: float | None) -> Collective:
         return Collective(seq, "g", "all_reduce", 4, "float32", False, None, 0, start, end)

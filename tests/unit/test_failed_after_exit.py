@@ -1,5 +1,5 @@
 """failed-after-exit: a job that failed after its ranks had finished (lorascope/detect/
-failed_after_exit.py), how such a rank's ending reads (lorascope/rundir/ending.py), and
+failed_after_exit.py), how such a rank's ending reads (lorascope/rundir/loading/ending.py), and
 `lorascope run` removing the empty faulthandler files of its finished processes."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from lorascope.detect import failed_after_exit
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.attachments import remove_empty_fatal_files
-from lorascope.rundir.ending import ended_badly_headline, ending_of
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.attachments import remove_empty_fatal_files
+from lorascope.rundir.loading.ending import ended_badly_headline, ending_of
+from lorascope.rundir.loading.reader import load_run
 from lorascope.text.findings import quiet
 from tests.helpers import LORASCOPE, RankSpec, finished_then_aborted, write_run
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from lorascope.errors import BadInputError
 from lorascope.probes import collectives
 from lorascope.probes.collectives import _Call, _Shapes
-from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import SHAPE_FIELDS, validate_record
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.schema import SHAPE_FIELDS, validate_record
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.fastlines import Call, End, Shapes, parse_call, parse_end
+from lorascope.rundir.loading.reader import load_run
 
 
 def _line(call: _Call, ended: bool) -> bytes:

@@ -25,8 +25,8 @@ from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose, flight_since
 from lorascope.ingest.load import load_bundle, rank_flight_timeline
 from lorascope.ingest.safe_pickle import load_pickle
-from lorascope.rundir.reader import RunData, load_run
-from lorascope.rundir.writer import stream_prefix
+from lorascope.rundir.format.writer import stream_prefix
+from lorascope.rundir.loading.reader import RunData, load_run
 from tests.helpers import T0, RankSpec, write_run
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "flight-recorder" / "ddp-stall-stopped"

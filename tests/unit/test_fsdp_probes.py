@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from lorascope.analysis.summary import build_summary
-from lorascope.rundir.reader import RankData, load_run
-from lorascope.rundir.writer import record_launch
+from lorascope.rundir.format.writer import record_launch
+from lorascope.rundir.loading.reader import RankData, load_run
 from lorascope.text.summary import render_text, sharding_text
 from tests.helpers import free_port
 

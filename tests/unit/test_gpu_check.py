@@ -15,7 +15,7 @@ import torch
 
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS, RankSpec, add_snapshot, real_trace, write_run
 
 REPO = Path(__file__).resolve().parents[2]

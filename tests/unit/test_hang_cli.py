@@ -99,7 +99,7 @@ def test_ranks_not_signalled_for_one_reason_are_one_note() -> None:
 ABORTED_IN_GATHER = """Fatal Python error: Aborted
 
 Thread 0x00007fabce01c6c0 (most recent call first):
-  File "/env/lib/python3.11/site-packages/lorascope/rundir/writer.py", line 241 in _run
+  File "/env/lib/python3.11/site-packages/lorascope/rundir/format/writer.py", line 241 in _run
   File "/usr/lib/python3.11/threading.py", line 982 in run
   File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
 

@@ -19,7 +19,7 @@ import pytest
 
 from lorascope.detect.hang.diagnosis import main_thread_frame
 from lorascope.hang.collect import py_spy_dump, py_spy_message, stacks_text
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from tests.helpers import HANG_JSON_KEYS
 
 #: A process whose main thread waits inside a function named like a collective.

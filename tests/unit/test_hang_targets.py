@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 
 LISTENER = """
 import pathlib, signal, sys, time

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lorascope.hang.collect import Asked, stream_ends, wait_for_dumps
 from lorascope.hang.targets import Target
-from lorascope.rundir.attachments import attached_processes
+from lorascope.rundir.loading.attachments import attached_processes
 from tests.helpers import RankSpec, write_run
 
 

@@ -18,8 +18,8 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.probes import memory
 from lorascope.probes.session import Session
 from lorascope.report import memory as report_memory
-from lorascope.rundir.reader import RankData, RunData
-from lorascope.rundir.writer import Stream
+from lorascope.rundir.format.writer import Stream
+from lorascope.rundir.loading.reader import RankData, RunData
 from tests.helpers import step_probe, stream_records
 
 MiB = 2**20

@@ -5,6 +5,7 @@ analysis side. Read from the source with ast, so a violation fails here before r
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,46 @@ def test_the_check_bites() -> None:
     """A module of a low layer importing a higher one is caught (the rule is not vacuous)."""
     assert _imports(PACKAGE / "cli" / "analyze.py") & {"analysis", "report", "text"}
     assert LAYERS["rundir"] < LAYERS["detect"] < LAYERS["analysis"] < LAYERS["cli"]
+
+
+def _modules_imported(path: Path) -> set[str]:
+    """Every module a file imports, by its full dotted name (top-level imports and the
+    ones inside functions alike)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+FORMAT_SIDE = sorted((PACKAGE / "rundir" / "format").glob("*.py"))
+PROBE_MODULES = sorted((PACKAGE / "probes").glob("*.py"))
+
+
+@pytest.mark.parametrize("module", FORMAT_SIDE + PROBE_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_probe_side_reads_only_the_format(module: Path) -> None:
+    """The run format (what the probes import) is standard library only and never imports
+    the loading half; the probes import the format, never the loading half."""
+    imported = _modules_imported(module)
+    loading = sorted(m for m in imported if m.startswith("lorascope.rundir.loading"))
+    assert loading == [], f"{module.relative_to(PACKAGE)} imports {loading}"
+    if module.parent.name == "format":
+        outside = sorted(
+            m
+            for m in imported
+            if m.split(".")[0] not in sys.stdlib_module_names
+            and m.split(".")[0] != "__future__"
+            and not m.startswith(("lorascope.rundir.format", "lorascope.errors", "lorascope.units"))
+            and m != "lorascope"
+        )
+        assert outside == [], f"{module.relative_to(PACKAGE)} imports {outside} (the format is standard library only)"
+
+
+def test_the_format_check_bites() -> None:
+    assert any(
+        m.startswith("lorascope.rundir.loading")
+        for m in _modules_imported(PACKAGE / "rundir" / "loading" / "reader.py")
+    )
+    assert FORMAT_SIDE and PROBE_MODULES

@@ -1,6 +1,6 @@
 """A run read while it runs (`analyze` or `report` mid-job) and `lorascope hang` on a job
 that moves: calls in flight at that instant, or a rank between collectives, are not a hang
-(lorascope/rundir/ending.py: still_moving, moving_at; the hang diagnosis's "moving")."""
+(lorascope/rundir/loading/ending.py: still_moving, moving_at; the hang diagnosis's "moving")."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from lorascope.analysis.summary import build_summary
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir import ending
-from lorascope.rundir.ending import still_moving
-from lorascope.rundir.reader import RunData, load_run
+from lorascope.rundir.loading import ending
+from lorascope.rundir.loading.ending import still_moving
+from lorascope.rundir.loading.reader import RunData, load_run
 from lorascope.text.findings import quiet
 from tests.helpers import Call, RankSpec, write_run
 

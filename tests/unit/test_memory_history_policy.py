@@ -17,8 +17,8 @@ from lorascope.probes import allocator as allocator_mod
 from lorascope.probes.allocator import AllocatorProbe, parse_switch
 from lorascope.probes.history_policy import FIRST_STEPS, HistoryPolicy, replay
 from lorascope.probes.session import Session
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS
 
 GIB = 2**30

@@ -26,7 +26,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.plan.activations import loss_forward
 from lorascope.plan.shape import shape_from_config
 from lorascope.plan.training import TrainingSetup
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 
 MIB = 2**20
 B, T, V = 8, 256, 512

@@ -18,9 +18,9 @@ from lorascope.analysis.summary import build_summary
 from lorascope.probes import memory
 from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.session import Session
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import WARM_UP_STEPS
-from lorascope.rundir.writer import Stream, record_launch
+from lorascope.rundir.format.schema import WARM_UP_STEPS
+from lorascope.rundir.format.writer import Stream, record_launch
+from lorascope.rundir.loading.reader import load_run
 from lorascope.text.summary import render_text
 from tests.helpers import RankSpec, free_port, step_probe, stream_records, write_run
 

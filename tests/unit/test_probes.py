@@ -16,8 +16,8 @@ import pytest
 from lorascope.detect import probes_off
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.probes.bootstrap import sitecustomize_source
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import record_launch
+from lorascope.rundir.format.writer import record_launch
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import free_port
 
 JOB = textwrap.dedent("""
@@ -290,7 +290,7 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
     read without the heap (RSS_ONLY_EDGES)."""
     from lorascope.probes import memory
     from lorascope.probes.session import Session
-    from lorascope.rundir.writer import Stream
+    from lorascope.rundir.format.writer import Stream
     from tests.helpers import step_probe, stream_records
 
     stream = Stream(tmp_path / "r" / "s")

@@ -9,7 +9,7 @@ from typing import Any
 
 from lorascope.detect import probes_off
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 
 
 def rank(n: int, *errors: tuple[str, str, float]) -> RankData:

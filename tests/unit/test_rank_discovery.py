@@ -14,10 +14,10 @@ import pytest
 from lorascope.cli.run import _attached_line
 from lorascope.errors import NothingRecordedError
 from lorascope.probes.bootstrap import role
-from lorascope.rundir.attachments import attached_processes, why_none_attached
-from lorascope.rundir.ranks import Identity, discover, is_launcher, program
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.ranks import Identity, discover, is_launcher, program
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.attachments import attached_processes, why_none_attached
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE
 
 

@@ -17,10 +17,10 @@ from lorascope.ingest.load import load_bundle
 from lorascope.probes import dumps
 from lorascope.probes.dumps import Dumper
 from lorascope.probes.session import Session
-from lorascope.rundir.ending import still_moving
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.stalls import recovered_stalls
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.loading.ending import still_moving
+from lorascope.rundir.loading.reader import load_run
+from lorascope.rundir.loading.stalls import recovered_stalls
 from tests.helpers import T0, Call, RankSpec, write_run
 
 FETCH = (

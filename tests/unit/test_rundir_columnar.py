@@ -1,4 +1,4 @@
-"""The columnar reader (lorascope.rundir.columnar) against the line-by-line one: every
+"""The columnar reader (lorascope.rundir.loading.columnar) against the line-by-line one: every
 stream it accepts must come out as the same RankData, field for field, with the same
 warnings; the streams it declines are read line by line."""
 
@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lorascope.errors import BadInputError
-from lorascope.rundir import columnar, reader, reduce, schema
-from lorascope.rundir.fastlines import FLAT_LAYOUTS
-from lorascope.rundir.reader import RankData
+from lorascope.rundir.format import schema
+from lorascope.rundir.loading import columnar, reader, reduce
+from lorascope.rundir.loading.fastlines import FLAT_LAYOUTS
+from lorascope.rundir.loading.reader import RankData
 
 REPO = Path(__file__).resolve().parents[2]
 STREAMS = sorted((REPO / "fixtures").glob("*/ranks/rank-*/*.jsonl"))

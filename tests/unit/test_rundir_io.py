@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from lorascope.errors import BadInputError, FormatVersionError
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.schema import FORMAT_VERSION
-from lorascope.rundir.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.schema import FORMAT_VERSION
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.reader import load_run
 
 START = {
     "k": "start",
@@ -161,7 +161,7 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from lorascope.rundir.writer import Stream, stream_prefix\n"
+        "from lorascope.rundir.format.writer import Stream, stream_prefix\n"
         f"s = Stream(stream_prefix(Path({str(tmp_path)!r}), 0, 'h', 42))\n"
         f"s.write({START!r})\n"
         "print('ready', flush=True)\n"
@@ -418,7 +418,7 @@ def test_phase_edges_and_memory_readings_format_as_the_json_encoder_does(
     reading with more than RSS and the heap (a CUDA rank's) is a dict as before."""
     from lorascope.probes import memory
     from lorascope.probes.session import Session
-    from lorascope.rundir.writer import _encode
+    from lorascope.rundir.format.writer import _encode
     from tests.helpers import step_probe
 
     stream = Stream(tmp_path / "r" / "s")

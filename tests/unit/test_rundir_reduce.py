@@ -1,4 +1,4 @@
-"""The per-rank reduction (lorascope/rundir/reduce.py, align.py): with bounds far below a
+"""The per-rank reduction (lorascope/rundir/loading/reduce.py, align.py): with bounds far below a
 recorded run's size, the analysis and the report say what they say when everything is
 kept; a divergence in the middle of a run is found by the digests and read again; the
 worker pool reads what the serial path reads."""
@@ -25,8 +25,8 @@ from lorascope.analysis import analyze
 from lorascope.detect.common import peak_memory
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.report.data import build_report_data
-from lorascope.rundir import align, reader, reduce, workers
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading import align, reader, reduce, workers
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES
 
 RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
@@ -231,7 +231,7 @@ def test_a_collective_pickles_as_its_fields() -> None:
     import dataclasses
     import pickle
 
-    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.loading.reader import Collective
 
     calls = [
         Collective(7, "default_pg", "all_reduce", 64, "float32", True, "/j/t.py:3 in f", 2, 1.5, 2.5, "E", 0.3, "v"),
@@ -354,7 +354,7 @@ def test_a_windows_digest_is_its_calls_in_any_order() -> None:
     """The digest of a window is its calls' (seq, op, bytes[, dtype]), however they were
     read (a call two windows late counts too); a change of op or size changes both
     aspects, of the dtype only the second; nothing else of a call counts."""
-    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.loading.reader import Collective
 
     def digests(calls: list[tuple[int, str, int | None, str | None]], start: float = 1.0) -> dict[int, Any]:
         log = reduce.CollectiveLog()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorascope.rundir.schema import (
+from lorascope.rundir.format.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
     LAUNCH_FIELDS,
@@ -17,7 +17,7 @@ from lorascope.rundir.schema import (
     validate_manifest,
     validate_record,
 )
-from lorascope.rundir.writer import record_launch, record_ranks
+from lorascope.rundir.format.writer import record_launch, record_ranks
 
 START = {
     "k": "start",

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lorascope.errors import BadInputError
-from lorascope.rundir import limits
-from lorascope.rundir.limits import LimitError
-from lorascope.rundir.safe_open import (
+from lorascope.rundir.format import limits
+from lorascope.rundir.format.limits import LimitError
+from lorascope.rundir.format.safe_open import (
     _open_beneath,
     json_depth,
     leaves,
@@ -22,7 +22,7 @@ from lorascope.rundir.safe_open import (
     read_capped,
     read_capped_cut,
 )
-from lorascope.rundir.writer import record_launch, record_ranks
+from lorascope.rundir.format.writer import record_launch, record_ranks
 
 MIB = 1 << 20
 

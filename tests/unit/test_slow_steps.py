@@ -12,7 +12,7 @@ import pytest
 from lorascope.detect import job_slowdown, pace, slow_steps, straggler
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import Collective, RankData, RunData, recount
+from lorascope.rundir.loading.reader import Collective, RankData, RunData, recount
 
 PHASES = ("forward", "backward", "optimizer")
 #: Per part: data loading, forward, backward, optimizer (seconds of the rank's own work).

@@ -15,9 +15,9 @@ from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
 from lorascope.report.data import build_report_data
-from lorascope.rundir.ending import ended_badly_headline, stop_time, stopped_while_moving
-from lorascope.rundir.reader import load_run
-from lorascope.rundir.writer import record_launch
+from lorascope.rundir.format.writer import record_launch
+from lorascope.rundir.loading.ending import ended_badly_headline, stop_time, stopped_while_moving
+from lorascope.rundir.loading.reader import load_run
 from lorascope.text.findings import quiet
 from tests.helpers import T0, Call, RankSpec, write_run
 

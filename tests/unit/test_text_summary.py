@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lorascope.analysis.summary import build_summary
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from lorascope.text.findings import quiet, render_findings
 from lorascope.text.summary import MAX_TABLE_RANKS, render_text
 

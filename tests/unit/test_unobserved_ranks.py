@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorascope.detect import unobserved_ranks
 from lorascope.ingest.evidence import EvidenceBundle
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, RankSpec, write_run
 
 

@@ -242,8 +242,8 @@ def test_the_launchers_own_files_are_written_through_no_planted_symlink(tmp_path
     folder (bootstrap/<host>-<pid>, with a sitecustomize.py in it)."""
     from lorascope.cli import run as run_cli
     from lorascope.probes import bootstrap as boot
-    from lorascope.rundir.ranks import discover
-    from lorascope.rundir.writer import record_launch
+    from lorascope.rundir.format.ranks import discover
+    from lorascope.rundir.format.writer import record_launch
 
     out = tmp_path / "run"
     planted = out / "bootstrap" / "h-1"

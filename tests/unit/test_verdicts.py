@@ -15,7 +15,7 @@ from lorascope.detect import collective_mismatch, logits_spike, rank0_asymmetry,
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import Collective, RankData, RunData, recount
+from lorascope.rundir.loading.reader import Collective, RankData, RunData, recount
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 

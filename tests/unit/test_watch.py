@@ -18,8 +18,8 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
-from lorascope.rundir import tail as tail_module
-from lorascope.rundir.tail import Tail
+from lorascope.rundir.loading import tail as tail_module
+from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
 from tests.helpers import FIXTURES
 

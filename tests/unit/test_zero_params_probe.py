@@ -13,7 +13,7 @@ from typing import Any
 from lorascope.probes.collectives import CollectiveProbe
 from lorascope.probes.session import Session
 from lorascope.probes.zero_params import ZeroParamProbe
-from lorascope.rundir.writer import Stream, ensure_manifest, stream_prefix
+from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 
 
 class Gathered:

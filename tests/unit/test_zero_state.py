@@ -10,7 +10,7 @@ from pathlib import Path
 from lorascope.detect import collective_mismatch, rank_conditional_hang
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.ingest.load import load_bundle
-from lorascope.rundir.reader import load_run
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import Call, RankSpec, write_run
 
 SAVE = "/job/train.py:33 in save"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.rundir.reader import Collective, RankData
-from lorascope.rundir.sources import ELSE, rank_condition_in
+from lorascope.rundir.format.sources import ELSE, rank_condition_in
+from lorascope.rundir.loading.reader import Collective, RankData
 
 
 def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import calls_summary, explained_by
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
-from lorascope.rundir.ending import (
+from lorascope.rundir.loading.ending import (
     call_entry,
     dumps_of,
     ending_of,
@@ -27,7 +27,7 @@ from lorascope.rundir.ending import (
     stepped_after,
     stopped_at,
 )
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import rank_ranges, ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".

@@ -17,7 +17,7 @@ from operator import attrgetter
 from typing import Generic, TypeVar
 
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition
-from lorascope.rundir.reader import Collective, RunData
+from lorascope.rundir.loading.reader import Collective, RunData
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from typing import Any
 from lorascope.detect.common import short_site
 from lorascope.detect.hang.conditions import rank_condition
 from lorascope.detect.hang.divergence import Divergence, conditions_at
-from lorascope.rundir.reader import RankData, RunData
+from lorascope.rundir.loading.reader import RankData, RunData
 from lorascope.units import ranks_named
 
 #: The probe whose failure leaves a rank's entries unrecorded.

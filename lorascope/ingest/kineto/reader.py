@@ -30,7 +30,7 @@ from typing import Any
 from lorascope.errors import BadInputError
 from lorascope.ingest.kineto.hta import HtaFigures
 from lorascope.ingest.kineto.salvage import salvage
-from lorascope.rundir.safe_open import loads_json, read_capped_cut
+from lorascope.rundir.format.safe_open import loads_json, read_capped_cut
 
 #: Duration buckets' upper edges (microseconds) for the distribution.
 BUCKETS_US = (1, 2, 5, 10, 20, 50, 100, 1000, 10_000)

@@ -21,8 +21,8 @@ from typing import IO
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.logs import patterns as P
-from lorascope.rundir import limits
-from lorascope.rundir.safe_open import open_regular
+from lorascope.rundir.format import limits
+from lorascope.rundir.format.safe_open import open_regular
 
 MAX_LINE = 64 * 1024
 #: Records kept per kind (all are counted).

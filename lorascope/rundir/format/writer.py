@@ -29,8 +29,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lorascope.errors import BadInputError
-from lorascope.rundir import safe_open
-from lorascope.rundir.schema import FATAL_SUFFIX, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.format import safe_open
+from lorascope.rundir.format.schema import (
+    FATAL_SUFFIX,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    RANKS_DIR,
+    STREAM_SUFFIX,
+)
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEP_SEGMENTS = 4

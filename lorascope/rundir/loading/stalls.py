@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorascope.rundir.ending import in_long_phase, progress_window, stepped_after
-from lorascope.rundir.reader import RunData
+from lorascope.rundir.loading.ending import in_long_phase, progress_window, stepped_after
+from lorascope.rundir.loading.reader import RunData
 
 #: Stall dumps of different ranks this close in time are one stall (each rank's watchdog
 #: fires on its own clock, within a second of the others').
@@ -27,7 +27,7 @@ def recovered_stalls(run: RunData) -> list[Stall]:
     """The stalls every dumped rank came back from (made a step after), oldest first,
     leaving out those during which a rank was inside an evaluation or a save (a long one
     is no stall: the others wait for it, as they should), and those no longer than a
-    moving job may go without a step (:func:`~lorascope.rundir.ending.progress_window`:
+    moving job may go without a step (:func:`~lorascope.rundir.loading.ending.progress_window`:
     the watchdog set short with LORASCOPE_STALL_SECONDS fires in a slow step)."""
     fired = sorted((float(d["t"]), n, d) for n, r in run.ranks.items() for d in r.dumps if d.get("reason") == "stall")
     stalls: list[Stall] = []

@@ -1,7 +1,7 @@
 """One rank's records of a time span, read again from its stream (analysis side).
 
 A loaded run keeps each process group's first and newest calls only, and the step-keyed
-records of every ``stride``-th step of a long run (:mod:`lorascope.rundir.reduce`): what a
+records of every ``stride``-th step of a long run (:mod:`lorascope.rundir.loading.reduce`): what a
 detector needs, not what a timeline of steps 500 to 510 shows. An export of a span reads
 each rank's stream again and keeps everything that overlaps the span, at most so many
 records of each kind, the first ones (the rest counted), and stops reading once the
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.loading.reader import Collective
 
 #: How far past a span's end a stream is read: a record may be written after a later one
 #: (the probes hold an async call up to 30 ms and flush every 40 ms), and a call's time on

@@ -1,15 +1,15 @@
 """A process's collective records reduced as columns, with polars (analysis side).
 
 Read line by line, a collective record costs ~20-35 us of Python (the regular expression of
-:mod:`lorascope.rundir.fastlines`, a Collective, the bounded log of
-:mod:`lorascope.rundir.reduce`), and they are eight records in ten. Here a stream is read
+:mod:`lorascope.rundir.loading.fastlines`, a Collective, the bounded log of
+:mod:`lorascope.rundir.loading.reduce`), and they are eight records in ten. Here a stream is read
 in blocks: polars picks out the lines in the probes' own layouts (the same regular
 expressions), splits them into columns and reduces them a block at a time; every other
 line goes back to the reader (:class:`Sink`), in order: a collective record not in the
 probes' layout (an error message with escapes) joins the block's columns at its place,
 a ``coll_dev`` (a CUDA call's device time) is matched to its call as the line reader
 matches it, among the calls kept when the record was read. The result is what
-:class:`~lorascope.rundir.reduce.CollectiveLog` computes, field for field (the tests read
+:class:`~lorascope.rundir.loading.reduce.CollectiveLog` computes, field for field (the tests read
 streams both ways and compare). Where that cannot be assured, :class:`Unsuitable` is
 raised and the reader reads the stream again line by line:
 
@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lorascope.rundir import limits
-from lorascope.rundir.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Layout, Shapes, flat_line
-from lorascope.rundir.reduce import (
+from lorascope.rundir.format import limits
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.loading.fastlines import CALL_LINE, END_LINE, FLAT_LAYOUTS, SHAPED_LINE, Layout, Shapes, flat_line
+from lorascope.rundir.loading.reduce import (
     HEAD_CALLS,
     MAX_REORDER,
     MIX_A,
@@ -56,12 +57,11 @@ from lorascope.rundir.reduce import (
     SyncTimes,
     name_code,
 )
-from lorascope.rundir.safe_open import open_regular
 
 if TYPE_CHECKING:
     import polars as pl
 
-    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.loading.reader import Collective
 
 #: Streams smaller than this are read line by line (importing polars costs ~0.3 s) ...
 MIN_BYTES = 8 << 20
@@ -101,7 +101,7 @@ class Sink(Protocol):
 
     def sure_to_drop(self, kind: str) -> Rule | None:
         """Which records of ``kind`` decimation is sure to drop unless they hold a peak
-        (:meth:`~lorascope.rundir.reduce.StepKeeper.sure_to_drop`); None: none."""
+        (:meth:`~lorascope.rundir.loading.reduce.StepKeeper.sure_to_drop`); None: none."""
 
     def dropped(self, path: Path, number: int, kind: str, count: int, last: float) -> None:
         """``count`` records of ``kind`` that were not made (``sure_to_drop``); ``last``, a
@@ -382,7 +382,7 @@ class _Flat:
 #: The kinds of FLAT_LAYOUTS held as columns across blocks (:class:`_Pending`); the
 #: ``step`` records are applied at once (a later ``loss`` record may change one).
 _DEFERRED = ("mem", "phase")
-#: The types of FLAT_LAYOUTS' values that :func:`~lorascope.rundir.reduce._peaks` looks at.
+#: The types of FLAT_LAYOUTS' values that :func:`~lorascope.rundir.loading.reduce._peaks` looks at.
 _NUMERIC = frozenset({"int", "opt_int", "float", "opt_float"})
 #: Lines held as columns before they are applied, at most (~60 bytes each).
 PENDING_LINES = 1 << 16
@@ -484,7 +484,7 @@ def _made(kind: str, frames: list[tuple[Layout, pl.DataFrame]]) -> tuple[list[in
 
 
 def _dropped_steps(step: pl.Expr, rule: Rule) -> pl.Expr:
-    """:func:`~lorascope.rundir.reduce.sure_dropped` as an expression (null where the step is)."""
+    """:func:`~lorascope.rundir.loading.reduce.sure_dropped` as an expression (null where the step is)."""
     low, high, stride = rule
     gone = (step < high) & (step % stride != 0)
     return gone if low is None else gone & (step > low)
@@ -653,7 +653,7 @@ def _ends(frame: pl.DataFrame, base: int) -> pl.DataFrame:
 
 
 def _mix(z: pl.Expr) -> pl.Expr:
-    """:func:`~lorascope.rundir.reduce.mix` of a UInt64 column (polars' integer
+    """:func:`~lorascope.rundir.loading.reduce.mix` of a UInt64 column (polars' integer
     arithmetic wraps; a test holds it to that)."""
     import polars as pl
 
@@ -664,7 +664,7 @@ def _mix(z: pl.Expr) -> pl.Expr:
 
 def _window_sums(rows: pl.DataFrame) -> pl.DataFrame:
     """Per window index (``w``) of the calls ``rows``, the sums modulo 2^64 of their
-    :func:`~lorascope.rundir.reduce.call_hashes` (the two columns of a digest). Each
+    :func:`~lorascope.rundir.loading.reduce.call_hashes` (the two columns of a digest). Each
     hash's steps are columns of their own: an expression nesting :func:`_mix` in
     :func:`_mix` repeats its inner one (4 ms, not 0.1 ms, a 28,000-call block)."""
     import polars as pl
@@ -688,7 +688,7 @@ def _window_sums(rows: pl.DataFrame) -> pl.DataFrame:
 
 
 class _FrameSyncTimes(SyncTimes):
-    """:class:`~lorascope.rundir.reduce.SyncTimes` whose calls come a block at a time, as a
+    """:class:`~lorascope.rundir.loading.reduce.SyncTimes` whose calls come a block at a time, as a
     frame (step + 1, start ``t``, seconds ``took``); those of calls ended in a later block
     than their start come one by one (:meth:`add`)."""
 
@@ -714,7 +714,7 @@ class _FrameSyncTimes(SyncTimes):
 
 
 class ColumnarLog:
-    """What :class:`~lorascope.rundir.reduce.CollectiveLog` keeps and counts, fed a block
+    """What :class:`~lorascope.rundir.loading.reduce.CollectiveLog` keeps and counts, fed a block
     of calls and ends at a time (see the module's docstring for when it declines)."""
 
     def __init__(
@@ -1049,7 +1049,7 @@ class ColumnarLog:
 
     def outside_backward(self, spans: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
         """As :meth:`CollectiveLog.outside_backward`
-        (:func:`~lorascope.rundir.reduce.sync_outside_backward`), as columns: a call's
+        (:func:`~lorascope.rundir.loading.reduce.sync_outside_backward`), as columns: a call's
         seconds count unless a backward span of its step holds its start (the sums are
         exact in any order: ``_exact``)."""
         import polars as pl

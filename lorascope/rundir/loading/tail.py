@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorascope.rundir.safe_open import leaves
-from lorascope.rundir.schema import RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.format.safe_open import leaves
+from lorascope.rundir.format.schema import RANKS_DIR, STREAM_SUFFIX
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from lorascope.errors import BadInputError
-from lorascope.rundir import limits
-from lorascope.rundir.limits import LimitError
+from lorascope.rundir.format import limits
+from lorascope.rundir.format.limits import LimitError
 
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
@@ -131,7 +131,7 @@ def is_gzip(head: bytes) -> bool:
 
 def read_capped(path: Path | str, limit_name: str, what: str, inside: Path | str | None = None) -> bytearray:
     """The whole content of PATH (gunzipped when gzip), or LimitError past the limit
-    ``limit_name`` (a field of :class:`~lorascope.rundir.limits.Limits`) in force.
+    ``limit_name`` (a field of :class:`~lorascope.rundir.format.limits.Limits`) in force.
 
     Truncated or corrupt gzip is a BadInputError. At most the limit + 1 MiB is held (a
     bytearray, not copied into bytes: json.loads takes it as it is)."""

@@ -20,13 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
-from lorascope.rundir import columnar, limits, ranks, workers
-from lorascope.rundir.align import trim, windows_needed
-from lorascope.rundir.attachments import why_none_attached
-from lorascope.rundir.cluster import Cluster
-from lorascope.rundir.fastlines import Call, End, Shapes, parse_call, parse_end
-from lorascope.rundir.limits import MAX_RECORD_DEPTH, LimitError
-from lorascope.rundir.reduce import (
+from lorascope.rundir.format import limits, ranks
+from lorascope.rundir.format.limits import MAX_RECORD_DEPTH, LimitError
+from lorascope.rundir.format.safe_open import leaves, maybe_too_deep, open_regular, read_capped, read_head
+from lorascope.rundir.format.schema import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    RANKS_DIR,
+    SHAPE_FIELDS,
+    STREAM_SUFFIX,
+    WARM_UP_STEPS,
+    SchemaError,
+    validate_manifest,
+    validate_record,
+)
+from lorascope.rundir.loading import columnar, workers
+from lorascope.rundir.loading.align import trim, windows_needed
+from lorascope.rundir.loading.attachments import why_none_attached
+from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.fastlines import Call, End, Shapes, parse_call, parse_end
+from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CallSink,
     CollectiveLog,
@@ -39,19 +52,7 @@ from lorascope.rundir.reduce import (
     steps_per_rank,
     totals,
 )
-from lorascope.rundir.safe_open import leaves, maybe_too_deep, open_regular, read_capped, read_head
-from lorascope.rundir.schema import (
-    FORMAT_VERSION,
-    MANIFEST_FILE,
-    RANKS_DIR,
-    SHAPE_FIELDS,
-    STREAM_SUFFIX,
-    WARM_UP_STEPS,
-    SchemaError,
-    validate_manifest,
-    validate_record,
-)
-from lorascope.rundir.span import SpanLog, SpanRecords
+from lorascope.rundir.loading.span import SpanLog, SpanRecords
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -60,7 +61,7 @@ Progress = Callable[[str, int, int], None]
 @dataclass(slots=True)
 class Collective:
     """One collective or p2p call on one rank, its start joined with its end (if any).
-    Slotted, its strings shared: a rank keeps thousands (:mod:`lorascope.rundir.reduce`)."""
+    Slotted, its strings shared: a rank keeps thousands (:mod:`lorascope.rundir.loading.reduce`)."""
 
     seq: int
     group: str
@@ -143,7 +144,7 @@ class RankData:
     #: The latest start or stop of allocator history under ``--memory-history auto``.
     history: dict[str, Any] | None = None
     last_time: float = 0.0
-    #: The reduction (:mod:`lorascope.rundir.reduce`): ``collectives`` holds the first and
+    #: The reduction (:mod:`lorascope.rundir.loading.reduce`): ``collectives`` holds the first and
     #: the newest calls of each group, the pending ones and the windows where ranks differ;
     #: ``mem``, ``phases``, ``steps`` and ``logits`` every ``stride``-th step between the
     #: first and the last ones (stride 1: all), ``warnings`` the first ones. What was
@@ -311,7 +312,7 @@ def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[t
     warning, not an error; so are records over the record size limit or nested deeper
     than MAX_RECORD_DEPTH (skipped, one warning per file). A collective record in the
     probes' own layouts comes as a :class:`Call` or :class:`End`, validated
-    (:mod:`lorascope.rundir.fastlines`; ``shapes``: the stream's declared call shapes so
+    (:mod:`lorascope.rundir.loading.fastlines`; ``shapes``: the stream's declared call shapes so
     far); any other record as its parsed JSON."""
     max_line = limits.current().record_bytes
     long_lines: list[int] = []
@@ -343,7 +344,7 @@ def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[t
 class _Stream:
     """One process's records applied in the order they were written: every record but the
     collective ones in the probes' layout (those go to the collective log as they are
-    read, or column-wise: :mod:`lorascope.rundir.columnar`)."""
+    read, or column-wise: :mod:`lorascope.rundir.loading.columnar`)."""
 
     def __init__(self, rank: int, warnings: list[str], log: CallSink | None, budget: int) -> None:
         self.rank = rank
@@ -508,7 +509,7 @@ def _load_process(
     budget: int,
     windows: dict[str, list[tuple[int, int]]] | None = None,
 ) -> RankData:
-    """One process's stream, reduced while it is read (see :mod:`lorascope.rundir.reduce`):
+    """One process's stream, reduced while it is read (see :mod:`lorascope.rundir.loading.reduce`):
     step-keyed records within ``budget`` steps; ``windows``: group -> sequence ranges of
     collectives to keep in full besides the bounded ones."""
     indices = [i for i, _ in segs]
@@ -591,7 +592,7 @@ _LATEST = {
 }
 
 
-#: Step-keyed kinds (a :class:`~lorascope.rundir.reduce.StepKeeper` sees each as it is read).
+#: Step-keyed kinds (a :class:`~lorascope.rundir.loading.reduce.StepKeeper` sees each as it is read).
 _STEP_KEYED = frozenset({"mem", "step", "phase", "logits"})
 #: Records that need the collective log: a call, its end, its time on the device.
 _COLLECTIVE_KINDS = frozenset({"coll", "coll_done", "coll_end", "coll_dev"})
@@ -747,7 +748,7 @@ _SPAN_KINDS = {"step": "steps", "phase": "phases", "mem": "mem"}
 
 def read_span(job: _SpanJob, configured: limits.Limits) -> tuple[SpanRecords | str, list[str]]:
     """Read one process's stream again for what overlaps a span (a pure function of its
-    files, run in a worker; :mod:`lorascope.rundir.span`): its records, or the one-line
+    files, run in a worker; :mod:`lorascope.rundir.loading.span`): its records, or the one-line
     reason it is bad input, and the reading warnings."""
     limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
     warnings: list[str] = []
@@ -801,7 +802,7 @@ def records_between(
 ) -> dict[int, SpanRecords]:
     """Per rank, everything it recorded that overlaps [start, end] (None: open), read again
     from the stream of the process analysed: at most ``most`` records of each kind, the
-    first ones (see :mod:`lorascope.rundir.span`)."""
+    first ones (see :mod:`lorascope.rundir.loading.span`)."""
     jobs: list[_SpanJob] = [(n, data.files, start, end, most) for n, data in run.ranks.items()]
     total = 0
     for data in run.ranks.values():
@@ -916,9 +917,9 @@ def _stream_bytes(jobs: list[_Job]) -> int:
 def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
     """Load and validate a run directory. Raises BadInputError with a one-line reason.
     ``progress`` is told after each rank. Each process's stream is reduced while it is
-    read (:mod:`lorascope.rundir.reduce`), by worker processes when there is enough to
-    read, or by the workers of ``cluster`` (:mod:`lorascope.rundir.cluster`); the ranks
-    are then aligned (:mod:`lorascope.rundir.align`)."""
+    read (:mod:`lorascope.rundir.loading.reduce`), by worker processes when there is enough to
+    read, or by the workers of ``cluster`` (:mod:`lorascope.rundir.loading.cluster`); the ranks
+    are then aligned (:mod:`lorascope.rundir.loading.align`)."""
     run_dir = Path(path) if cluster is None else Path(path).absolute()
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")

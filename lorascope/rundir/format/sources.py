@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.safe_open import read_head
+from lorascope.rundir.format.safe_open import read_head
 
 MAX_FILE_BYTES = 2_000_000
 #: A condition that tests the rank (``if rank == 0:``, ``is_main_process``, ...).

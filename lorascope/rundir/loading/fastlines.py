@@ -42,7 +42,7 @@ _CALL = re.compile(_CALL_BODY + rb"\n")
 _SHAPED = re.compile(_SHAPED_BODY + rb"\n")
 _END = re.compile(_END_BODY + rb"\n")
 #: The same layouts as patterns of a whole line without its newline, for polars'
-#: regular expressions (:mod:`lorascope.rundir.columnar`).
+#: regular expressions (:mod:`lorascope.rundir.loading.columnar`).
 CALL_LINE = "^" + _CALL_BODY.decode() + "$"
 SHAPED_LINE = "^" + _SHAPED_BODY.decode() + "$"
 END_LINE = "^" + _END_BODY.decode() + "$"

@@ -2,14 +2,14 @@
 
 A long job writes ~100 collective records and ~15 others per rank and step: 1,024 ranks x
 10,000 steps is ~150 GB of records, far more than one machine holds. The reader
-(:mod:`lorascope.rundir.reader`) therefore keeps, per rank, only what the detectors and the
+(:mod:`lorascope.rundir.loading.reader`) therefore keeps, per rank, only what the detectors and the
 report use, and counts the rest while it streams past:
 
 * **collectives**, per process group: the first :data:`HEAD_CALLS` and the last
   :data:`TAIL_CALLS` calls, every call still pending, and a :class:`GroupTally` (count,
   last sequence number, last completed one, the ops seen, and one digest per
   :data:`WINDOW` sequence numbers). Ranks are then aligned by comparing digests
-  (:mod:`lorascope.rundir.align`): only the windows where they differ, and the one where the
+  (:mod:`lorascope.rundir.loading.align`): only the windows where they differ, and the one where the
   shortest rank stops, are read again in full;
 * what is summed over every call: each step's time in synchronous collectives (the
   straggler's waiting; kept for the kept steps below), and each op's total time and calls
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
-    from lorascope.rundir.reader import Collective
+    from lorascope.rundir.loading.reader import Collective
 
 #: Calls kept per process group: the first ones, and the newest ones.
 HEAD_CALLS = 512
@@ -102,7 +102,7 @@ def name_code(name: str | None) -> int:
 def call_hashes(seq: int, op: str, size: int | None, dtype: str | None) -> tuple[int, int]:
     """A call's two hashes: of (seq, op, bytes), and of that with the dtype. A window's
     digest is their sum modulo 2^64 over its calls: the same whatever order they were read
-    in, so it can be summed a block of columns at a time (:mod:`lorascope.rundir.columnar`
+    in, so it can be summed a block of columns at a time (:mod:`lorascope.rundir.loading.columnar`
     computes the same as polars expressions, which wrap modulo 2^64 too)."""
     op_size = mix(mix((seq & MASK) ^ name_code(op)) ^ (NO_BYTES if size is None else size & MASK))
     return op_size, mix(op_size ^ name_code(dtype))
@@ -254,7 +254,7 @@ class SyncTimes:
 
 class CallSink(Protocol):
     """What a stream's reader feeds the calls it reads to: :class:`CollectiveLog`, or a
-    span's :class:`lorascope.rundir.span.SpanLog`."""
+    span's :class:`lorascope.rundir.loading.span.SpanLog`."""
 
     def add(self, coll: Collective) -> None: ...
 

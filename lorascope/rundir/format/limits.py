@@ -43,7 +43,7 @@ FLAGS = {
 }
 
 #: Nesting depth of a run-directory record, at most (no flag; the schema's own maxima,
-#: world size and 64-bit integers, are in :mod:`lorascope.rundir.schema`).
+#: world size and 64-bit integers, are in :mod:`lorascope.rundir.format.schema`).
 MAX_RECORD_DEPTH = 64
 
 _current = Limits()

@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import BOOTSTRAP_DIR, PROCESSES_LOG, RANKS_DIR, STREAM_SUFFIX, SchemaError, validate_record
-from lorascope.rundir.writer import fatal_path, stream_prefix
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.format.schema import (
+    BOOTSTRAP_DIR,
+    PROCESSES_LOG,
+    RANKS_DIR,
+    STREAM_SUFFIX,
+    SchemaError,
+    validate_record,
+)
+from lorascope.rundir.format.writer import fatal_path, stream_prefix
 
 #: What is read, at most: of a stream's first line (its start record), of processes.jsonl.
 MAX_START_BYTES = 1 << 20

@@ -2,7 +2,7 @@
 
 One machine reads ~30 MB of streams per CPU-second (docs/architecture.md): 1,024 ranks x
 10,000 steps (~150 GB) is minutes on 16 cores. The reading of one process's stream is a
-pure function of its files (:func:`lorascope.rundir.reader.read_process`), so Dask's
+pure function of its files (:func:`lorascope.rundir.loading.reader.read_process`), so Dask's
 workers run it as it is; this module is only the connection and the checks that make
 its results the same as a local read: every worker runs this lorascope version and sees
 the run directory at the same path (a shared filesystem). The alignment of the ranks,
@@ -24,8 +24,8 @@ from typing import Any
 
 from lorascope import __version__
 from lorascope.errors import BadInputError, ClusterError, UsageError
-from lorascope.rundir.safe_open import open_regular
-from lorascope.rundir.schema import MANIFEST_FILE
+from lorascope.rundir.format.safe_open import open_regular
+from lorascope.rundir.format.schema import MANIFEST_FILE
 
 #: Bytes of the manifest digested (a manifest is a few KB; past this the rest is not compared).
 MAX_MANIFEST_BYTES = 16 << 20
@@ -37,8 +37,9 @@ def reader_code() -> str:
     what must agree between this process and a worker for a worker's read to be the one
     this process would make (a version number alone does not change with a checkout)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = Path(__file__).parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return f"{__version__} ({digest.hexdigest()[:12]})"
 
 
@@ -57,7 +58,7 @@ def worker_state(run_dir: str, import_polars: bool) -> tuple[str, str | None, bo
     """Run on each worker: its :func:`reader_code`, its :func:`manifest_digest` of
     ``run_dir``, and whether polars imports (imported now, when asked: the columnar
     reader then reads streams from 1 MB on, as a local worker pool's does)."""
-    from lorascope.rundir import columnar
+    from lorascope.rundir.loading import columnar
 
     return reader_code(), manifest_digest(run_dir), columnar.available() if import_polars else False
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lorascope.rundir.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import ranks_named, strip_source_locations
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.

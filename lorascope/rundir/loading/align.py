@@ -1,7 +1,7 @@
 """Ranks' reduced collective records made comparable (analysis side).
 
 Each rank kept the first and the newest calls of every group and one digest per window of
-sequence numbers (:mod:`lorascope.rundir.reduce`). Where ranks first differ is found by
+sequence numbers (:mod:`lorascope.rundir.loading.reduce`). Where ranks first differ is found by
 comparing the digests of the windows every compared rank completed; that window, and the
 one where the shortest rank stops (from there on some ranks never made the calls others
 did), must be held in full by every rank: :func:`windows_needed` says which ranks must read
@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Mapping
 from typing import Any
 
-from lorascope.rundir.reduce import WINDOW, WINDOW_PAD, GroupTally
+from lorascope.rundir.loading.reduce import WINDOW, WINDOW_PAD, GroupTally
 
 #: group -> sequence ranges (inclusive).
 Windows = dict[str, list[tuple[int, int]]]
