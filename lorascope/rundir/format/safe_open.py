@@ -275,11 +275,14 @@ def make_dirs(root: Path, path: Path, mode: int = 0o755) -> None:
         os.close(fd)
 
 
-def create(path: Path | str, append: bool = False, exclusive: bool = False, mode: int = 0o644) -> int:
-    """A descriptor for writing PATH (created if missing; truncated unless APPEND),
-    never through a symlink (ELOOP), only into a regular file: a FIFO, a device or a
-    folder planted at PATH is an OSError."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | _NOFOLLOW | _CLOEXEC
+def create(
+    path: Path | str, append: bool = False, exclusive: bool = False, mode: int = 0o644, readable: bool = False
+) -> int:
+    """A descriptor for writing PATH (created if missing; truncated unless APPEND; also
+    for reading if READABLE: a shared mapping needs both), never through a symlink
+    (ELOOP), only into a regular file: a FIFO, a device or a folder planted at PATH is an
+    OSError."""
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | _NOFOLLOW | _CLOEXEC
     flags |= os.O_APPEND if append else 0
     flags |= os.O_EXCL if exclusive else 0
     fd = os.open(path, flags, mode)

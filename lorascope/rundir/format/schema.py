@@ -1,14 +1,15 @@
-"""Format v2 of the run directory: names, record kinds and their required fields.
+"""Format v3 of the run directory: names, record kinds and their required fields.
 
-Every per-rank stream is JSON Lines; every record is an object with ``k`` (its kind) and
-``t`` (wall-clock seconds since the epoch). The fields each kind must carry are listed in
-:data:`RECORD_FIELDS`; extra fields are allowed (readers ignore what they do not know),
-unknown kinds are skipped with a warning. A change that breaks this bumps FORMAT_VERSION.
+Every per-rank process writes a JSON Lines stream and a binary call file. Every stream
+record is an object with ``k`` (its kind) and ``t`` (wall-clock seconds since the epoch).
+The fields each kind must carry are listed in :data:`RECORD_FIELDS`; extra fields are
+allowed (readers ignore what they do not know), unknown kinds are skipped with a warning.
+A change that breaks this bumps FORMAT_VERSION.
 
-v2 (over v1): a collective call's op, bytes, dtype, async and site (its *shape*, the same
-at every step) may be declared once in a ``shape`` record and named by its ``sh`` id in
-``coll`` / ``coll_done`` records instead of repeated in each (about half a stream's bytes).
-A reader of v2 reads v1 streams too: a call record carries either the fields or ``sh``.
+v3 (over v2): collective calls are no longer stream records but fixed-width records of
+the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
+naming its ``shape`` record (op, bytes, dtype, async, site, via) by id; a call's error is
+a ``coll_err`` record. A reader of v3 refuses v2 and v1 run directories.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 from typing import Any
 
 FORMAT_NAME = "lorascope-run"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 MANIFEST_FILE = "manifest.json"
 RANKS_DIR = "ranks"
@@ -26,6 +27,8 @@ BOOTSTRAP_DIR = "bootstrap"
 #: what it decided to be (rank, lone, launcher, child).
 PROCESSES_LOG = "processes.jsonl"
 STREAM_SUFFIX = ".jsonl"
+#: A rank process's call file, beside its stream: ``HOST-PID.calls`` (layout.py).
+CALLS_SUFFIX = ".calls"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
@@ -53,14 +56,7 @@ SHAPE_FIELDS: dict[str, tuple[type, ...]] = {
     "dtype": _OPT_STR,
     "async": (bool,),
     "site": _OPT_STR,
-}
-_CALL_FIELDS: dict[str, tuple[type, ...]] = {"seq": _INT, "gid": _INT, "step": _INT}
-_COLL_FIELDS: dict[str, tuple[type, ...]] = {**_CALL_FIELDS, **SHAPE_FIELDS}
-_DONE_FIELDS: dict[str, tuple[type, ...]] = {"end": _NUM, "err": _OPT_STR}
-#: A ``coll`` / ``coll_done`` record that names its shape (``sh``) instead of carrying it.
-SHAPED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "coll": {**_CALL_FIELDS, "sh": _INT},
-    "coll_done": {**_CALL_FIELDS, "sh": _INT, **_DONE_FIELDS},
+    "via": _OPT_STR,
 }
 
 #: kind -> {field: accepted types}. ``bool`` is rejected where an int is required.
@@ -83,14 +79,15 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "phase": {"name": _STR, "edge": _STR, "step": _INT},
     "step": {"step": _INT, "dur": _NUM, "loss": _OPT_NUM, "src": _STR},
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
-    "coll": _COLL_FIELDS,
-    #: A call that had ended when it was written: a ``coll`` and its ``coll_end`` in one.
-    "coll_done": {**_COLL_FIELDS, **_DONE_FIELDS},
-    #: v2: a call shape, declared before the first call record that names it by ``id``
+    #: A call shape, declared before the first call record that names it by ``id``
     #: (again at the head of each later segment: a segment may be rotated away).
     "shape": {"id": _INT, **SHAPE_FIELDS},
+    #: The call file this process writes its calls to, and how (``mmap``, or ``pwrite
+    #: (why)`` where a shared mapping could not be had); its head and ring sizes.
+    "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
+    #: The call at ``index`` of the call file failed: what it raised.
+    "coll_err": {"index": _INT, "err": _STR},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
-    "coll_end": {"seq": _INT, "gid": _INT, "err": _OPT_STR},
     "coll_unseen": {"path": _STR, "why": _STR},
     "fatal_handler": {"file": _STR},
     "coll_dev": {"seq": _INT, "gid": _INT, "ms": _NUM},
@@ -196,8 +193,6 @@ def validate_record(rec: Any) -> bool:
     fields = RECORD_FIELDS.get(kind)
     if fields is None:
         return False
-    if "sh" in rec and kind in SHAPED_FIELDS:
-        fields = SHAPED_FIELDS[kind]
     _check_fields(rec, fields, f"a {kind!r} record")
     if kind == "start" and not (1 <= rec["world_size"] <= MAX_WORLD_SIZE and 0 <= rec["rank"] < MAX_WORLD_SIZE):
         raise SchemaError(

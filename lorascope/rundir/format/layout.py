@@ -1,0 +1,84 @@
+"""The binary layout of a rank's call file: the one place it is spelled.
+
+A rank process's collective calls are fixed-width records in ``HOST-PID.calls``, beside its
+JSON Lines stream, written in place by the thread that made the call (a shared ``mmap``, or
+``pwrite`` where one cannot be had): there the instant it is written, so it survives
+SIGKILL, ``abort()``, a segfault and the OOM killer. A call's end is written into its own
+record when it comes. What a call shares with the same call at every step (op, bytes,
+dtype, async, site, via: its *shape*) is a ``shape`` record of the stream, named here by
+its id; a call's error is a ``coll_err`` record naming the call's index.
+
+The file is a header and then slots: the first ``head`` records stay where they were
+written; every later one goes round a ring of ``ring`` slots, overwriting the oldest, so a
+call file never grows past its header plus ``head + ring`` slots. A record carries a stamp
+(its index plus one, modulo 2**32) that says which index a slot holds: a slot whose
+stamp is not the one expected was never written, or is being overwritten.
+
+The writer (:mod:`lorascope.rundir.format.callfile`), the reader and docs/run-format.md all
+read the tables below; the reader builds its numpy dtype from :data:`CALL_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+#: The first bytes of a call file.
+MAGIC = b"LSCALLS\0"
+#: The call file's own version (the run directory's is FORMAT_VERSION in schema.py).
+CALLS_VERSION = 1
+
+#: (field, struct code, meaning), little-endian, in order.
+HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("magic", "8s", "MAGIC"),
+    ("version", "I", "CALLS_VERSION"),
+    ("record_size", "I", "bytes per call record (CALL.size)"),
+    ("head", "Q", "slots kept from the start: records 0 .. head-1 are never overwritten"),
+    ("ring", "Q", "slots after them, reused in turn by records head, head+1, ..."),
+    ("count", "Q", "records begun so far (written after each record; a hint, stamps decide)"),
+    ("created", "d", "epoch seconds the file was made"),
+    ("reserved", "24s", "zero"),
+)
+#: One call, as its thread wrote it.
+CALL_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("t", "d", "epoch seconds the call began"),
+    ("end", "d", "epoch seconds it ended; 0.0 while it has not"),
+    ("seq", "q", "the call's number in its group (as a coll record's seq)"),
+    ("step", "i", "steps this rank had completed when the call began"),
+    ("gid", "i", "its group, as the stream's group record with this gid"),
+    ("shape", "i", "the id of the stream's shape record that describes it"),
+    ("stamp", "I", "(index + 1) mod 2**32: which record the slot holds"),
+)
+
+HEADER = struct.Struct("<" + "".join(code for _, code, _ in HEADER_FIELDS))
+CALL = struct.Struct("<" + "".join(code for _, code, _ in CALL_FIELDS))
+
+
+def offset_of(fields: tuple[tuple[str, str, str], ...], name: str) -> int:
+    """Byte offset of a field in a record laid out by ``fields``."""
+    at = 0
+    for field, code, _ in fields:
+        if field == name:
+            return at
+        at += struct.calcsize("<" + code)
+    raise KeyError(name)
+
+
+#: Where the header's ``count`` is, and a call's ``end``.
+COUNT_OFFSET = offset_of(HEADER_FIELDS, "count")
+END_OFFSET = offset_of(CALL_FIELDS, "end")
+STAMP_MASK = 0xFFFFFFFF
+
+#: Slots kept from the start, and in the ring, by default: ~20 steps of a ZeRO-3 job's
+#: calls whole, and the newest 262,144 calls (10 MiB at 40 bytes a call; a 1,024-rank job
+#: holds at most 10 GiB of call files however long it runs).
+DEFAULT_HEAD = 1 << 14
+DEFAULT_RING = 1 << 18
+
+
+def slot_of(index: int, head: int, ring: int) -> int:
+    """The slot record ``index`` is written to."""
+    return index if index < head else head + (index - head) % ring
+
+
+def file_size(head: int, ring: int) -> int:
+    return HEADER.size + (head + ring) * CALL.size
