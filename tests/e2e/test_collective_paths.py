@@ -1,7 +1,7 @@
 """Collective paths through libraries, on a real 2-rank gloo job (probes/collective_paths.py)
 under `lorascope run`: an async collective is in flight until its work completes, a
 library's collective made under the user's rank condition is named at the user's line,
-and a rank killed at random points loses at most its last 100 ms of records."""
+and a rank killed at random points loses none of its calls."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, HEADER_FIELDS, MAGIC
 from lorascope.rundir.format.schema import SHAPE_FIELDS
 from tests.helpers import LORASCOPE, free_port, job_env, torchrun
 
@@ -81,7 +82,8 @@ def test_cpp_abort_is_how_the_rank_ended_and_a_mismatch_is_not_a_hang(tmp_path: 
     assert all(f["id"] != "rank-conditional-hang" for f in data["findings"])
 
 
-#: What a SIGKILL may lose: the records of the last this many seconds (docs/run-format.md).
+#: What a SIGKILL may lose of the stream's queued records (steps): the records of the
+#: last this many seconds (docs/run-format.md). Calls lose nothing.
 LOSS_BOUND = 0.1
 
 
@@ -91,9 +93,10 @@ def _truth(path: Path) -> tuple[int, list[tuple[str, float]]]:
     return pid, events[1:]
 
 
-def _on_disk(run: Path, rank: int) -> list[dict]:
-    """The rank's records as the kill left them (a torn last line skipped), a call's
-    shape's fields in it (format v2: a call names its shape, declared before it)."""
+def _on_disk(run: Path, rank: int) -> tuple[list[dict], dict[int, dict]]:
+    """The rank's stream records as the kill left them (a torn last line skipped), and its
+    calls from the call file by sequence number, each with its shape's fields (the
+    layout read straight from layout.py: what is on disk, not what a reader makes of it)."""
     [stream] = (run / "ranks" / f"rank-{rank}").glob("*.0000.jsonl")
     lines = stream.read_bytes().split(b"\n")
     records = []
@@ -106,15 +109,25 @@ def _on_disk(run: Path, rank: int) -> list[dict]:
             continue
         if rec["k"] == "shape":
             shapes[rec["id"]] = {k: rec[k] for k in SHAPE_FIELDS}
-        elif "sh" in rec:
-            assert rec["sh"] in shapes, f"{stream}:{i + 1}: names shape {rec['sh']}, not declared before"
-            rec.update(shapes[rec["sh"]])
         records.append(rec)
-    return records
+    [calls_file] = (run / "ranks" / f"rank-{rank}").glob("*.calls")
+    data = calls_file.read_bytes()
+    head = dict(zip((f for f, _, _ in HEADER_FIELDS), HEADER.unpack_from(data), strict=True))
+    assert head["magic"] == MAGIC and head["record_size"] == CALL.size
+    calls: dict[int, dict] = {}
+    for index in range(head["count"]):
+        rec = dict(
+            zip((f for f, _, _ in CALL_FIELDS), CALL.unpack_from(data, HEADER.size + index * CALL.size), strict=True)
+        )
+        assert rec["stamp"] == index + 1, f"{calls_file}: record {index} torn or unwritten"
+        assert rec["shape"] in shapes, f"{calls_file}: record {index} names shape {rec['shape']}, not on disk"
+        calls[rec["seq"]] = {**rec, **shapes[rec["shape"]]}
+    return records, calls
 
 
-def _kill_at(out: Path, truth: Path, after: float, *job: str) -> float:
-    """Run the job probed, SIGKILL rank 1 ``after`` seconds into its steady state; the kill time."""
+def _kill_at(out: Path, truth: Path, after: float, signum: int, *job: str) -> float:
+    """Run the job probed, send rank 1 ``signum`` ``after`` seconds into its steady state;
+    the time it was sent."""
     cmd = torchrun(
         free_port(),
         "--steps",
@@ -143,7 +156,7 @@ def _kill_at(out: Path, truth: Path, after: float, *job: str) -> float:
         time.sleep(after)
         pid, _ = _truth(rank1)
         killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signum)
         launch.wait(timeout=120)
     finally:
         if launch.poll() is None:
@@ -151,47 +164,44 @@ def _kill_at(out: Path, truth: Path, after: float, *job: str) -> float:
     return killed_at
 
 
-def test_sigkill_loses_at_most_the_last_100_ms_of_records(tmp_path: Path) -> None:
-    """Records are queued and written by a thread every 40 ms: a SIGKILL at a random point
-    (three of them) must leave on disk every record of the killed rank older than 100 ms
-    before the kill. What the job itself saw (written unbuffered) says which records
-    must be there: each call it made (a ``coll`` or ``coll_done`` with its sequence
-    number), each call's end once it had returned (``coll_done`` or ``coll_end``), each
-    step (a ``step`` record)."""
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGABRT], ids=["SIGKILL", "SIGABRT"])
+def test_a_killed_rank_loses_no_call(tmp_path: Path, signum: int) -> None:
+    """Calls are written in place before they start, their ends when they end: a rank
+    killed (SIGKILL; SIGABRT, as ``abort()`` raises it) at random points, in a call or
+    between, has on disk every call it made, with its site, and every end it saw. What the
+    job itself saw (written unbuffered) says which: each call it made, each call's end
+    once it had returned; the steps (stream records, written every 40 ms) lose at most
+    their last 100 ms."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    for kill in range(3):
+    for kill in range(2):
         out, truth = tmp_path / f"run{kill}", tmp_path / f"truth{kill}"
         after = rng.uniform(0.0, 1.5)
-        # Kills 0 and 1: every call async, so only the writer thread writes (a synchronous
-        # call flushes the queue itself); kill 2: the job as it is.
-        killed_at = _kill_at(out, truth, after, *(["--async-reduce"] if kill < 2 else []))
-        cutoff = killed_at - LOSS_BOUND
-        where = f"kill {kill} ({after:.3f} s into the steps; seed {seed})"
+        # kill 0: every call async (in flight while the job computes); kill 1: the job as it is
+        killed_at = _kill_at(out, truth, after, signum, *(["--async-reduce"] if kill == 0 else []))
+        where = f"{signal.Signals(signum).name} {kill} ({after:.3f} s into the steps; seed {seed})"
         _, events = _truth(Path(f"{truth}.rank1"))
-        records = _on_disk(out, 1)
-        started = {r["seq"]: r for r in records if r["k"] in ("coll", "coll_done")}
-        ended = {r["seq"] for r in records if r["k"] == "coll_done" or r["k"] == "coll_end"}
+        records, calls = _on_disk(out, 1)
         steps = {r["step"] for r in records if r["k"] == "step"}
         assert not any(r["k"] == "end" for r in records), f"{where}: the rank was not killed"
-        seq, step, checked = 0, 0, 0
-        for what, t in events:
+        seq, step = 0, 0
+        last_call = max(i for i, (what, _) in enumerate(events) if what == "call")
+        for i, (what, t) in enumerate(events):
             if what == "call":
                 seq += 1
-                if t < cutoff:
-                    assert seq in started, f"{where}: call {seq}, made {killed_at - t:.3f} s before the kill, is lost"
-                    checked += 1
+                if i == last_call and seq not in calls:
+                    continue  # killed after the job said so, before the call began
+                assert seq in calls, f"{where}: call {seq}, made {killed_at - t:.3f} s before the kill, is lost"
+                assert calls[seq]["site"] and "collective_paths.py" in calls[seq]["site"], f"{where}: call {seq}"
             elif what in ("returned", "waited"):  # an async call ends inside the job's wait()
-                if t < cutoff:
-                    assert seq in ended, f"{where}: the end of call {seq} ({killed_at - t:.3f} s before) is lost"
+                assert calls[seq]["end"] > 0, f"{where}: the end of call {seq} ({killed_at - t:.3f} s before) is lost"
             elif what == "step":
                 step += 1
-                if t < cutoff:
+                if t < killed_at - LOSS_BOUND:
                     assert step in steps, f"{where}: step {step}, {killed_at - t:.3f} s before the kill, is lost"
-        assert checked >= 100, f"{where}: only {checked} calls before the cutoff"
-        ops = [started[s]["op"] for s in sorted(started)][:3]
-        if kill < 2:
-            assert all(r["async"] for r in started.values()), f"{where}: a synchronous call flushed the queue"
+        assert seq >= 100, f"{where}: only {seq} calls"
+        ops = [calls[s]["op"] for s in sorted(calls)][:3]
         assert ops == ["all_gather_into_tensor", "all_reduce", "all_reduce"], f"{where}: calls not matched: {ops}"
-        assert any(r["k"] == "coll_done" for r in records), "ended calls are written as one record"
+        if kill == 0:
+            assert all(c["async"] for c in calls.values()), f"{where}: the calls are async"

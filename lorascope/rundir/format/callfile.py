@@ -8,17 +8,24 @@ mapping cannot be had (a filesystem that refuses it), the same bytes go to the s
 offsets with ``os.pwrite``: a system call per record, as durable; :attr:`CallFile.how`
 says which, and the probes record it in the run.
 
-Thread-safe without a lock: indexes come from ``itertools.count`` (atomic under the GIL),
-and each record is written whole by the one thread that owns its index.
+The file grows by :data:`CHUNK_SLOTS` slots at a time, up to its header plus ``head +
+ring`` slots, each chunk's blocks reserved (``posix_fallocate``) before it is mapped: a
+store into a mapped page the filesystem has no room for would kill the job with SIGBUS,
+where a failed reservation only turns the probe off.
+
+Thread-safe: indexes come from ``itertools.count`` (atomic under the GIL), each record is
+written whole by the one thread that owns its index, and growing takes a lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +46,8 @@ from lorascope.rundir.format.layout import (
 from lorascope.rundir.format.schema import CALLS_SUFFIX
 
 _END = struct.Struct("<d")
+#: Slots the file grows by (192 KiB): a call in 4,096 pays for the growth (~0.1 ms).
+CHUNK_SLOTS = 4096
 
 
 def calls_path(prefix: Path) -> Path:
@@ -67,30 +76,29 @@ class CallFile:
         self._map: mmap.mmap | None = None
         self._fd: int | None = None
         self._closed = False
+        self._grow_lock = threading.Lock()
+        #: The file's size (bytes reserved and mapped); slots past it are not yet there.
+        self._size = 0
         #: "mmap", or "pwrite (why)" where a shared mapping could not be had.
         self.how = "mmap"
         fd = safe_open.create(path, readable=True)
         try:
-            size = file_size(self.head, self.ring)
-            os.ftruncate(fd, size)  # sparse: the slots take disk as they are written
-            header = HEADER.pack(MAGIC, CALLS_VERSION, CALL.size, self.head, self.ring, 0, time.time(), b"")
-            os.pwrite(fd, header, 0)
+            self._size = min(file_size(self.head, self.ring), file_size(CHUNK_SLOTS, 0))
+            _reserve(fd, 0, self._size)
+            os.pwrite(fd, HEADER.pack(MAGIC, CALLS_VERSION, CALL.size, self.head, self.ring, 0, time.time(), b""), 0)
             try:
-                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._map = mmap.mmap(fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as exc:
                 self.how = f"pwrite ({getattr(exc, 'strerror', None) or exc})"
         except BaseException:
             os.close(fd)
             raise
-        if self._map is not None:
-            os.close(fd)
-        else:
-            self._fd = fd
+        self._fd = fd
         os.register_at_fork(after_in_child=self._forked)
 
     @property
     def alive(self) -> bool:
-        return self._map is not None or self._fd is not None
+        return self._fd is not None
 
     def _forked(self) -> None:
         self._map, self._fd = None, None
@@ -99,10 +107,11 @@ class CallFile:
         """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
         index = next(self._next)
         head = self.head
-        slot = index if index < head else head + (index - head) % self.ring
+        at = HEADER.size + (index if index < head else head + (index - head) % self.ring) * CALL.size
         try:
+            if at + CALL.size > self._size:
+                self._grow(at + CALL.size)
             buf = self._map
-            at = HEADER.size + slot * CALL.size
             if buf is not None:
                 CALL.pack_into(buf, at, t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK)
                 if index >= self.count:
@@ -119,6 +128,18 @@ class CallFile:
         except Exception as exc:
             self._fail(exc)
             return -1
+
+    def _grow(self, needed: int) -> None:
+        """Reserve and map the next chunk (or chunks) so that ``needed`` bytes are there."""
+        with self._grow_lock:
+            if needed <= self._size or self._fd is None:
+                return
+            full = file_size(self.head, self.ring)
+            size = min(full, self._size + max(CHUNK_SLOTS * CALL.size, needed - self._size))
+            _reserve(self._fd, self._size, size - self._size)
+            if self._map is not None:
+                self._map.resize(size)
+            self._size = size
 
     def end(self, index: int, t: float) -> None:
         """Write the end of call ``index`` into its record, unless the ring has gone round
@@ -158,3 +179,15 @@ class CallFile:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _reserve(fd: int, offset: int, length: int) -> None:
+    """Give ``length`` bytes from ``offset`` their blocks now (and the file that size):
+    ENOSPC here, not SIGBUS at a store into the mapping. Where the filesystem cannot
+    reserve (EOPNOTSUPP, EINVAL), the file is only extended."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, offset + length)
