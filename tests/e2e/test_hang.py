@@ -239,3 +239,28 @@ def test_a_rank_only_gather_into_zero3_state_explains_the_desync(tmp_path: Path)
     assert (top["id"], top["ranks"], top["confidence"]) == ("rank-conditional-hang", [0], "high")
     assert top["title"].startswith(f"rank 0 alone entered deepspeed.zero.GatheredParameters at {site}")
     assert top["details"]["rank_only"]["condition"] == ["if d.rank == 0:", site]
+
+
+def test_the_rank_only_gather_named_after_the_job_died(tmp_path: Path) -> None:
+    """The same planting left to run its course: the ranks' collectives disagree, the
+    job dies (gloo's timeout or its abort on the size mismatch), and `analyze` names the
+    rank-only GatheredParameters from both ranks' records. The call each rank died in is
+    in its records whatever killed it: it was written before the call began."""
+    out = tmp_path / "run"
+    source = ZERO3_SAVE.read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "GatheredParameters(adapters)" in text)
+    site = f"{ZERO3_SAVE}:{line} in save_adapters"
+    cmd = torchrun(free_port(), "--steps", "6", "--fault-step", "3", "--pg-timeout", "10", script=str(ZERO3_SAVE))
+    subprocess.run(
+        [*LORASCOPE, "run", "--out", str(out), "--", *cmd], capture_output=True, text=True, timeout=300, env=job_env()
+    )
+    run = load_run(out)
+    assert len(run.ranks) == 2 and all(r.end is None or r.end["status"] != "exit" for r in run.ranks.values())
+    for rank in run.ranks.values():  # the call each rank was in when it died is there, unfinished
+        last = max(rank.collectives, key=lambda c: c.start)
+        assert last.end is None or last.err is not None, f"rank {rank.rank}: its last call ended cleanly"
+    res = subprocess.run([*LORASCOPE, "analyze", str(out), "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    top = json.loads(res.stdout)["findings"][0]
+    assert (top["id"], top["ranks"]) == ("rank-conditional-hang", [0])
+    assert top["title"].startswith(f"rank 0 alone entered deepspeed.zero.GatheredParameters at {site}")
