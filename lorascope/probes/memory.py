@@ -52,6 +52,11 @@ STRIDED_PHASES = frozenset({"forward", "backward", "optimizer", "step"})
 #: growth between two read steps is in none of the named phases (``divergence_point``).
 #: The end of the step before a read one is read too, and every edge of the step after
 #: a phase outside the loop (an eval, a save: ``heap_due``).
+#:
+#: The same steps bound what is written: on the steps between (RSS, and on CUDA the
+#: allocator's counters, still read at every edge), a reading is written only when it
+#: passes the highest of its counters so far (a new peak): ~60 bytes a step where every
+#: edge's was ~600 on the CPU test job. The sampler thread's readings are all written.
 HEAP_DENSE_STEPS = WARM_UP_STEPS
 HEAP_EVERY = 10
 #: The longest interval between background samples (seconds): a larger one (or a NaN,
@@ -158,6 +163,8 @@ class MemoryProbe:
         #: The step whose edges are read because a phase outside the loop ran just before
         #: it (``heap_due``).
         self._after_phase: int | None = None
+        #: The highest of each counter read so far (``_new_peak``).
+        self._peaks: dict[str, int] = {}
         #: Told of every CUDA reading at a phase edge (the allocator probe's history policy).
         self.on_cuda: Callable[[str, dict[str, int]], None] | None = None
         self.sample = session.guarded("memory")(self._sample)
@@ -221,11 +228,14 @@ class MemoryProbe:
         return fields
 
     def heap_due(self, src: str) -> bool:
-        """Whether a training-thread reading at edge ``src`` reads the C heap (above). A
-        ``step`` record's step number is the step it ends plus one; an edge's, the steps
-        done before it (an eval run after 25 steps carries 25, as the next step's edges do)."""
-        if src in RSS_ONLY_EDGES:
-            return False
+        """Whether a training-thread reading at edge ``src`` reads the C heap (above)."""
+        return src not in RSS_ONLY_EDGES and self._dense(src)
+
+    def _dense(self, src: str) -> bool:
+        """Whether edge ``src`` is on a step read in full (the heap, but at RSS_ONLY_EDGES,
+        and every reading written). A ``step`` record's step number is the step it ends
+        plus one; an edge's, the steps done before it (an eval run after 25 steps carries
+        25, as the next step's edges do)."""
         if src.partition(".")[0] not in STRIDED_PHASES:
             # and the step after it: what the loop's code keeps of an eval or a save
             # (rank 0's gathered outputs) shows between this phase's end and that step
@@ -241,8 +251,13 @@ class MemoryProbe:
     def _sample(self, src: str, from_main_thread: bool = True, reading: dict[str, Any] | None = None) -> dict[str, Any]:
         """A ``mem`` record of a new reading, or of ``reading`` (one taken a moment ago,
         with none of the job's code run since: each costs a mallinfo2 walk); returns it."""
+        dense = not from_main_thread or self._dense(src)
         if reading is None:
-            reading = self.reading(from_main_thread, heap=not from_main_thread or self.heap_due(src))
+            reading = self.reading(from_main_thread, heap=dense and src not in RSS_ONLY_EDGES)
+        if from_main_thread and self.on_cuda is not None and "cuda" in reading:
+            self.on_cuda(src, reading["cuda"])
+        if not self._new_peak(reading) and not dense:
+            return reading  # a step read in part, below every peak so far: not written
         session = self.session
         heap, size = reading.get("heap"), len(reading)
         if size == 1 or (size == 2 and heap is not None):  # a CPU rank's: formatted by template
@@ -253,9 +268,22 @@ class MemoryProbe:
             session.record_entry(line)
         else:
             session.record("mem", src=src, step=session.step, **reading)
-            if from_main_thread and self.on_cuda is not None and "cuda" in reading:
-                self.on_cuda(src, reading["cuda"])
         return reading
+
+    def _new_peak(self, reading: dict[str, Any]) -> bool:
+        """Whether a reading passes the highest RSS, heap or CUDA allocated / reserved
+        bytes read so far (the highest kept up to date)."""
+        peaks, new = self._peaks, False
+        cuda = reading.get("cuda") or {}
+        for key, value in (
+            ("rss", reading.get("rss")),
+            ("heap", reading.get("heap")),
+            ("alloc", cuda.get("alloc")),
+            ("reserved", cuda.get("reserved")),
+        ):
+            if value is not None and value > peaks.get(key, -1):
+                peaks[key], new = value, True
+        return new
 
     def start_sampler(self) -> None:
         """A daemon thread sampling every ``session.sample_interval`` seconds (0: none)."""

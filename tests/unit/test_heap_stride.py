@@ -116,8 +116,38 @@ def test_the_heap_is_read_at_every_edge_of_the_first_steps_then_every_tenth_step
     # a phase outside the loop is always read, and so is the step after it (34: the eval
     # ran after 34 steps)
     assert not {src for _, src in unread} & {"eval.begin", "eval.end"}
-    assert all("rss" in m for m in mem)  # RSS at every edge
-    assert len(read) < 0.5 * len(mem)
+    assert all("rss" in m for m in mem)  # RSS with every reading
+    # the steps between the ones read are not written at all: RSS (read at every edge)
+    # passes no peak there, flat in this loop
+    between = {
+        it for it in range(45) if not (it < memory.HEAP_DENSE_STEPS or it % memory.HEAP_EVERY in (0, 9) or it == 34)
+    }
+    assert between and not {it for it, _ in read | unread} & between
+
+
+def test_between_the_steps_read_a_new_peak_is_written(tmp_path: Path) -> None:
+    """RSS read at every edge: on a step between the ones read in full, the reading that
+    passes every one before it is written (a peak is never lost), the others are not."""
+    stream = Stream(tmp_path / "rank0" / "s")
+    session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
+    mem = memory.MemoryProbe(session)
+    rss = {"now": BASE}
+    mem.reading = lambda from_main_thread=True, heap=True: {"rss": rss["now"]}  # type: ignore[method-assign]
+    probe = step_probe(session, mem, tmp_path / "k")
+    for step in range(40):
+        rss["now"] = BASE + (KEPT if step == 25 else 0)  # one step's forward holds more
+        probe.phase("forward", "begin")
+        probe.phase("forward", "end")
+        probe._optimizer_begin()
+        probe._optimizer_end()
+    stream.close()
+    # by iteration (a step record carries the number of the step it ends, plus one)
+    written = [
+        (m["step"] - (m["src"] == "step"), m["src"]) for m in stream_records(tmp_path / "rank0") if m["k"] == "mem"
+    ]
+    off_steps = {step for step, _ in written if 20 < step < 29}
+    assert off_steps == {25} and (25, "forward.begin") in written
+    assert [m for m in written if m[0] == 25] == [(25, "forward.begin")]  # the rest of step 25 is no higher
 
 
 def test_a_gap_held_from_a_step_not_read_is_found_whole_and_placed_between_steps_read(tmp_path: Path) -> None:
