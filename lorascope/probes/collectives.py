@@ -50,6 +50,7 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any, NamedTuple
 
+from lorascope.probes.callsteps import CallSteps
 from lorascope.probes.session import Session
 from lorascope.rundir.format.callfile import CallFile, calls_path
 from lorascope.rundir.format.layout import DEFAULT_HEAD, DEFAULT_RING
@@ -119,11 +120,13 @@ class _Shapes:
     written (on disk) before the first call that names it, and again at the head of every
     later segment (``Stream.segment_head``: the earlier segments may be rotated away)."""
 
-    __slots__ = ("ids", "lines", "_lock", "_stream")
+    __slots__ = ("ids", "lines", "ops", "_lock", "_stream")
 
     def __init__(self, stream: Stream) -> None:
         self.ids: dict[_ShapeKey, int] = {}
         self.lines: list[str] = []
+        #: Each shape's op, by id.
+        self.ops: list[str] = []
         self._lock = threading.Lock()
         self._stream = stream
 
@@ -140,6 +143,7 @@ class _Shapes:
                 return -1
             self.lines.append(f'{{"k":"shape","t":{time.time():.6f},"id":{n}{_fields(key)}}}\n')
             self._stream.write_line(self.lines[-1])
+            self.ops.append(key[0])
             self.ids[key] = n
             return n
 
@@ -276,10 +280,13 @@ class CollectiveProbe:
         #: id(work) -> (its call, the work) of a host async call not yet seen completed
         #: (the work is held, so that no id is reused while it is here).
         self._open: dict[int, tuple[_Started, Any]] = {}
-        session.stream.before_flush = self._poll
         self._shapes = _Shapes(session.stream)
         session.stream.segment_head = self._shapes.head
         self.calls = _call_file(session, prefix)
+        self._call_steps = CallSteps(
+            self.calls, self._shapes.ops.__getitem__, lambda fields: session.record("calls_step", **fields)
+        )
+        session.stream.before_flush = self._poll
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
         self.unseen = session.guarded("collectives")(self._record_unseen)
@@ -674,7 +681,14 @@ class CollectiveProbe:
     def _poll(self) -> None:
         """End the host async calls whose work has completed (called before every flush of
         the stream, from whichever thread flushes, and before pending calls are read).
-        A call is ended by the one thread that takes it out of ``_open``."""
+        A call is ended by the one thread that takes it out of ``_open``. On the stream's
+        writer thread, the calls the ring will overwrite are folded into step sums."""
+        steps = self._call_steps
+        if steps.due() and threading.current_thread() is self.session.stream.writer_thread:
+            try:
+                steps.look(self.session.step)
+            except Exception as exc:
+                self.session.fail("collectives", exc)
         if not self._open:
             return
         try:

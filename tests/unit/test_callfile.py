@@ -148,3 +148,36 @@ def test_a_forked_child_writes_nothing(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert _header(path)["count"] == 1 and _slot(path, 1)["stamp"] == 0
+
+
+def test_calls_the_ring_overwrites_are_summed_per_step_first(tmp_path: Path) -> None:
+    """The probes' writer thread folds every call past the head into its step's sums once
+    half the ring is used, each step's record once the step is over; a call not ended
+    when folded is counted as such. Read back, the sums are exactly the calls' own."""
+    from lorascope.probes.callsteps import CallSteps
+
+    calls = CallFile(tmp_path / "r.calls", head=8, ring=64)
+    written: list[dict[str, Any]] = []
+    steps = CallSteps(calls, ["all_reduce", "all_gather"].__getitem__, written.append)
+    made: list[tuple[int, int, int, int, float | None]] = []  # step, gid, shape, bytes, ms
+    for step in range(12):
+        for i in range(10):
+            shape, nbytes = i % 2, 100 * (i + 1)
+            index = calls.begin(1000.0 + step + i / 100, i, nbytes, step, 3, shape)
+            ms = None if (step, i) == (5, 9) else 2.0 + i
+            if ms is not None:
+                calls.end(index, 1000.0 + step + i / 100 + ms / 1e3)
+            made.append((step, 3, shape, nbytes, ms))
+            if steps.due():
+                steps.look(step)
+    assert calls.count == 120 and steps.folded > 64  # past the ring: the first laps were folded in time
+    by_step = {rec["step"]: rec["groups"] for rec in written}
+    assert sorted(by_step) == list(range(min(by_step), max(by_step) + 1))
+    for step, groups in by_step.items():
+        for gid, op, n, nbytes, ms, longest, open_ in groups:
+            mine = [m for m in made[8:] if m[0] == step and m[2] == ["all_reduce", "all_gather"].index(op)]
+            assert (gid, n, nbytes) == (3, len(mine), sum(m[3] for m in mine))
+            ended = [m[4] for m in mine if m[4] is not None]
+            assert ms == pytest.approx(sum(ended), abs=1e-2) and longest == pytest.approx(max(ended), abs=1e-3)
+            assert open_ == len(mine) - len(ended)
+    assert [g[6] for g in by_step[5] if g[1] == "all_gather"] == [1]  # (5, 9): never ended

@@ -27,8 +27,9 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from lorascope.rundir.format import safe_open
 from lorascope.rundir.format.layout import (
@@ -158,6 +159,25 @@ class CallFile:
                 os.pwrite(self._fd, _END.pack(t), at)
         except Exception as exc:
             self._fail(exc)
+
+    def read(self, first: int, last: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+        """The records of calls ``first`` .. ``last - 1`` still in the file (index, fields
+        in CALL_FIELDS' order), read back from the mapping; a slot that holds another
+        call by now is skipped. For the probes' own thread (``probes/callsteps.py``)."""
+        buf, head, ring = self._map, self.head, self.ring
+        if buf is None:
+            return
+        index = first
+        while index < last:
+            slot = index if index < head else head + (index - head) % ring
+            run = min(last - index, (head if index < head else head + ring) - slot)
+            at = HEADER.size + slot * CALL.size
+            if at + run * CALL.size > self._size:
+                return
+            for offset, rec in enumerate(CALL.iter_unpack(buf[at : at + run * CALL.size])):
+                if rec[-1] == (index + offset + 1) & STAMP_MASK:
+                    yield index + offset, rec
+            index += run
 
     def _fail(self, exc: BaseException) -> None:
         fd = self._fd

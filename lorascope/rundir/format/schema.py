@@ -84,6 +84,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     #: The call file this process writes its calls to, and how (``mmap``, or ``pwrite
     #: (why)`` where a shared mapping could not be had); its head and ring sizes.
     "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
+    #: A step's calls the call file's ring overwrites, summed per group and op:
+    #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
+    "calls_step": {"step": _INT, "groups": (list,)},
     #: The call at ``index`` of the call file failed: what it raised.
     "coll_err": {"index": _INT, "err": _STR},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},

@@ -153,6 +153,11 @@ class Stream:
     def alive(self) -> bool:
         return self._fd is not None
 
+    @property
+    def writer_thread(self) -> threading.Thread | None:
+        """The thread that flushes every FLUSH_INTERVAL (``start_writer``), once started."""
+        return self._writer
+
     def _path(self, index: int) -> Path:
         return self._prefix.with_name(f"{self._prefix.name}.{index:04d}{STREAM_SUFFIX}")
 
