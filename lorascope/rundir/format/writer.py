@@ -40,7 +40,9 @@ from lorascope.rundir.format.schema import (
 )
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
-DEFAULT_KEEP_SEGMENTS = 4
+#: With the segments' 64 MiB, a stream holds at most 25 x 64 MiB (1.6 GiB): ~1.7 million
+#: steps of the CPU test job's ~950 bytes a step (docs/run-format.md, "Bounded growth").
+DEFAULT_KEEP_SEGMENTS = 24
 #: Seconds between the writer thread's flushes: a SIGKILL loses the records of about this
 #: long (plus the flush itself), well inside the 100 ms the format promises.
 FLUSH_INTERVAL = 0.04
