@@ -7,6 +7,10 @@ ended when folded. A step's sums are one ``calls_step`` record, queued once the 
 over: what the straggler and pace detectors, the collective totals and the report read
 of a step whose calls are gone.
 
+The calls of the steps in ``keep`` (an eval or a save, a failed call, a stall, a slow
+step: the windows the detectors read closely) are also copied whole into a second call
+file, ``HOST-PID.kept-calls`` (the same layout; its own ring), made when first needed.
+
 Folding starts when half the ring is used (a run whose calls all stay in the file writes
 no sums) and then keeps up from the first call after the head: a call is folded once
 it is :data:`LAG` calls old (a quarter of a smaller ring) and its step is over, so it has ended (or never
@@ -31,8 +35,19 @@ MOST_PER_LOOK = 1 << 15
 class CallSteps:
     """Folds a call file's calls into ``calls_step`` records, on the probes' own thread."""
 
-    def __init__(self, calls: CallFile, op_of: Callable[[int], str], write: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        calls: CallFile,
+        op_of: Callable[[int], str],
+        write: Callable[[dict[str, Any]], None],
+        keep: set[int],
+        kept_file: Callable[[], CallFile],
+    ) -> None:
         self._calls = calls
+        self._keep = keep
+        self._kept_file = kept_file
+        self._kept: CallFile | None = None
+        self._busy = False
         self._op_of = op_of
         self._write = write
         self._lag = min(LAG, max(1, calls.ring // 4))
@@ -49,6 +64,15 @@ class CallSteps:
     def look(self, step_now: int) -> None:
         """Fold the calls old enough (see the module), writing each step's record as the
         next step's first call is folded."""
+        if self._busy:  # re-entered: making the kept file writes a record, which flushes
+            return
+        self._busy = True
+        try:
+            self._look(step_now)
+        finally:
+            self._busy = False
+
+    def _look(self, step_now: int) -> None:
         calls = self._calls
         last = min(calls.count - self._lag, self.folded + MOST_PER_LOOK)
         if last <= self.folded:
@@ -61,6 +85,11 @@ class CallSteps:
             if step != self._step:
                 self._flush()
                 self._step = step
+            if step in self._keep:
+                kept = self._kept = self._kept or self._kept_file()
+                copy = kept.begin(t, rec[2], nbytes, step, gid, shape)
+                if end > 0:
+                    kept.end(copy, end)
             sums = self._sums.get((gid, shape_op := self._op_of(shape)))
             if sums is None:
                 sums = self._sums[(gid, shape_op)] = [0, 0, 0.0, 0.0, 0]
@@ -77,6 +106,7 @@ class CallSteps:
     def _flush(self) -> None:
         if self._step is None or not self._sums:
             return
+        self._keep.discard(self._step)
         groups = [
             [gid, op, int(n), int(nbytes), round(ms, 3), round(longest, 3), int(open_)]
             for (gid, op), (n, nbytes, ms, longest, open_) in sorted(self._sums.items())

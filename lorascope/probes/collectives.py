@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 from lorascope.probes.callsteps import CallSteps
 from lorascope.probes.session import Session
-from lorascope.rundir.format.callfile import CallFile, calls_path
+from lorascope.rundir.format.callfile import CallFile, calls_path, kept_calls_path
 from lorascope.rundir.format.layout import DEFAULT_HEAD, DEFAULT_RING
 from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
 from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, rank_condition_in
@@ -151,14 +151,17 @@ class _Shapes:
         return "".join(self.lines)
 
 
-def _call_file(session: Session, prefix: Path) -> CallFile:
+def _call_file(session: Session, prefix: Path, kept: bool = False) -> CallFile:
     """The rank process's call file (its slots from ``LORASCOPE_CALL_SLOTS=HEAD,RING`` if
-    set), and a ``calls_file`` record that says where and how it is written. A failed
-    write turns the collective probe off, as any failing probe."""
+    set), or with ``kept`` its file of the calls kept whole past the ring (a ring of as
+    many, no head), and a ``calls_file`` record that says where and how it is written. A
+    failed write turns the collective probe off, as any failing probe."""
     head, ring = DEFAULT_HEAD, DEFAULT_RING
     with contextlib.suppress(ValueError):
         head, ring = (int(n) for n in os.environ.get(ENV_CALL_SLOTS, "").split(","))
-    path = calls_path(prefix)
+    if kept:
+        head = 0
+    path = kept_calls_path(prefix) if kept else calls_path(prefix)
     calls = CallFile(path, head, ring, on_error=lambda exc: session.fail("collectives", exc))
     session.stream.write(
         {"k": "calls_file", "file": path.name, "how": calls.how, "head": calls.head, "ring": calls.ring}
@@ -284,7 +287,11 @@ class CollectiveProbe:
         session.stream.segment_head = self._shapes.head
         self.calls = _call_file(session, prefix)
         self._call_steps = CallSteps(
-            self.calls, self._shapes.ops.__getitem__, lambda fields: session.record("calls_step", **fields)
+            self.calls,
+            self._shapes.ops.__getitem__,
+            lambda fields: session.record("calls_step", **fields),
+            session.keep_steps,
+            lambda: _call_file(session, prefix, kept=True),
         )
         session.stream.before_flush = self._poll
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
@@ -640,6 +647,7 @@ class CollectiveProbe:
         call, events, _ = started
         if err is not None and call.index >= 0:  # before the end: a reader that sees it ended sees why
             self.session.stream.write({"k": "coll_err", "index": call.index, "err": err})
+            self.session.keep_steps.add(self.session.step)
         self.calls.end(call.index, time.time())
         self._in_flight.pop((call.gid, call.seq), None)
         if events is not None:

@@ -278,6 +278,7 @@ class Dumper:
             if not self._stall_fired and self.session.step > 0 and last is not None and time.time() - last > limit:
                 self._stall_fired = True  # once a stall: the evidence is taken, the job is left alone
                 self.session.record("stall", seconds=round(time.time() - last, 3), limit=limit, step=self.session.step)
+                self.session.keep_steps.add(self.session.step)
                 self.dump("stall", self._repeat_flight if self._stall_dumps else None)
                 self._stall_dumps += 1
 

@@ -67,6 +67,9 @@ class Session:
         self.heap_ns = 0
         self.heap_reads = 0
         self.trace_ns = 0
+        #: Steps whose calls are kept in full when the call file's ring overwrites them
+        #: (``probes/callsteps.py``): an eval or a save, a failed call, a stall, a slow step.
+        self.keep_steps: set[int] = set()
         self.record_cost = self.guarded("cost")(self._record_cost)
 
     @property

@@ -10,6 +10,7 @@ it is copied without blocking and read at the next step end, once its event is d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
@@ -23,13 +24,18 @@ from typing import Any
 from lorascope.probes.grads import GradProbe
 from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.logits import LogitsProbe
-from lorascope.probes.memory import MemoryProbe
+from lorascope.probes.memory import STRIDED_PHASES, MemoryProbe
 from lorascope.probes.session import COST_EVERY, Session, plain
 from lorascope.rundir.format.schema import WARM_UP_STEPS
 from lorascope.rundir.format.writer import Line, json_str
 
 #: A ``phase`` record, as ``Session.record`` writes it (formatted by the writer: ``Line``).
 _PHASE = '{"name":%s,"edge":%s,"step":%d,"k":"phase","t":%r}\n'
+#: A step over SLOW_STEP times the median of the SLOW_WINDOW steps before it (once there
+#: are SLOW_AFTER) is slow: its calls are kept in full past the call file's ring.
+SLOW_STEP = 1.5
+SLOW_WINDOW = 64
+SLOW_AFTER = 8
 
 
 def ddp_settings(wrapper: Any) -> dict[str, Any]:
@@ -67,6 +73,8 @@ class StepProbe:
         self.model: Any = None
         self._on_step_end = on_step_end
         self._step_start: float | None = None
+        #: The latest steps' durations: a step over SLOW_STEP times their median is slow.
+        self._durations: collections.deque[float] = collections.deque(maxlen=SLOW_WINDOW)
         self._loss: Any = None
         self._pending_losses: list[tuple[int, Any, Any]] = []
         self._configs_done: set[str] = set()
@@ -89,6 +97,8 @@ class StepProbe:
             self._step_start = time.time()
         session = self.session
         session.record_entry(Line(_PHASE, (json_str(name), json_str(edge), session.step, time.time())))
+        if name not in STRIDED_PHASES:  # an eval, a save: its calls kept in full
+            session.keep_steps.add(session.step)
         return self.memory.sample(f"{name}.{edge}")
 
     def _see_loss(self, loss: Any) -> None:
@@ -118,6 +128,10 @@ class StepProbe:
         session = self.session
         session.step += 1
         dur = now - self._step_start if self._step_start is not None else 0.0
+        durations = self._durations
+        if len(durations) >= SLOW_AFTER and dur > SLOW_STEP * sorted(durations)[len(durations) // 2]:
+            session.keep_steps.add(session.step - 1)  # its calls kept in full
+        durations.append(dur)
         loss = self._loss
         self._loss = None
         value = loss if isinstance(loss, float) and math.isfinite(loss) else None

@@ -158,7 +158,8 @@ def test_calls_the_ring_overwrites_are_summed_per_step_first(tmp_path: Path) -> 
 
     calls = CallFile(tmp_path / "r.calls", head=8, ring=64)
     written: list[dict[str, Any]] = []
-    steps = CallSteps(calls, ["all_reduce", "all_gather"].__getitem__, written.append)
+    kept = CallFile(tmp_path / "r.kept-calls", head=0, ring=64)
+    steps = CallSteps(calls, ["all_reduce", "all_gather"].__getitem__, written.append, {5}, lambda: kept)
     made: list[tuple[int, int, int, int, float | None]] = []  # step, gid, shape, bytes, ms
     for step in range(12):
         for i in range(10):
@@ -181,3 +182,8 @@ def test_calls_the_ring_overwrites_are_summed_per_step_first(tmp_path: Path) -> 
             assert ms == pytest.approx(sum(ended), abs=1e-2) and longest == pytest.approx(max(ended), abs=1e-3)
             assert open_ == len(mine) - len(ended)
     assert [g[6] for g in by_step[5] if g[1] == "all_gather"] == [1]  # (5, 9): never ended
+    copies = [_slot(tmp_path / "r.kept-calls", s) for s in range(10)]  # step 5 kept whole
+    assert [(c["step"], c["seq"], c["shape"], c["bytes"]) for c in copies] == [
+        (5, i, i % 2, 100 * (i + 1)) for i in range(10)
+    ]
+    assert [c["end"] > 0 for c in copies] == [True] * 9 + [False]

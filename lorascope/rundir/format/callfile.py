@@ -44,7 +44,7 @@ from lorascope.rundir.format.layout import (
     STAMP_MASK,
     file_size,
 )
-from lorascope.rundir.format.schema import CALLS_SUFFIX
+from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX
 
 _END = struct.Struct("<d")
 #: Slots the file grows by (192 KiB): a call in 4,096 pays for the growth (~0.1 ms).
@@ -54,6 +54,11 @@ CHUNK_SLOTS = 4096
 def calls_path(prefix: Path) -> Path:
     """A rank process's call file, beside its segments: ``HOST-PID.calls``."""
     return prefix.with_name(prefix.name + CALLS_SUFFIX)
+
+
+def kept_calls_path(prefix: Path) -> Path:
+    """Its calls kept whole past the ring (``probes/callsteps.py``): ``HOST-PID.kept-calls``."""
+    return prefix.with_name(prefix.name + KEPT_CALLS_SUFFIX)
 
 
 class CallFile:

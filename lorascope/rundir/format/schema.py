@@ -29,6 +29,9 @@ PROCESSES_LOG = "processes.jsonl"
 STREAM_SUFFIX = ".jsonl"
 #: A rank process's call file, beside its stream: ``HOST-PID.calls`` (layout.py).
 CALLS_SUFFIX = ".calls"
+#: Its calls of the steps kept whole past the call file's ring (an eval or a save, a
+#: failed call, a stall, a slow step), in the same layout: ``HOST-PID.kept-calls``.
+KEPT_CALLS_SUFFIX = ".kept-calls"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
