@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lorascope.rundir.format.writer import LazyRecord, Stream
+from lorascope.rundir.format.writer import Line, Stream
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -84,20 +84,18 @@ class Session:
             fields["t"] = time.time()
             self.stream.append(fields)
             if self.ended:  # after the end record (a call ending at interpreter teardown)
-                self.stream.flush(final=True)
+                self.stream.flush()
 
-    def record_entry(self, entry: LazyRecord) -> None:
-        """Queue a record that the writer formats (see CollectiveProbe)."""
+    def record_entry(self, entry: Line) -> None:
+        """Queue a record the writer formats from its template (a phase edge, a reading)."""
         if self.stream.alive:
             self.stream.append(entry)
             if self.ended:  # the writer may be gone: written now
-                self.stream.flush(final=True)
+                self.stream.flush()
 
-    def flush(self, final: bool = True) -> None:
-        """What is recorded so far onto disk, now: everything when ``final`` (an
-        exception, a signal, a dump, the end); before a blocking call, all but the async
-        calls started in the last few ms that may still end and become one record."""
-        self.stream.flush(final)
+    def flush(self) -> None:
+        """What is queued so far onto disk, now (an exception, a signal, a dump, the end)."""
+        self.stream.flush()
 
     def _record_cost(self) -> None:
         """A ``cost`` record (at the end of the first step and of step ``WARM_UP_STEPS``,

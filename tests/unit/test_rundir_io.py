@@ -329,7 +329,7 @@ def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path)
     stream.flush()
     kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
     assert kinds == ["start", "group", "phase"] and HOLD_ASYNC < 0.06
-    stream.flush(final=True)
+    stream.flush()
     young.end = young.t + 1
     stream.append(young)
     stream.flush()
@@ -366,7 +366,7 @@ def test_a_call_that_ends_before_the_writer_comes_to_it_is_queued_once(tmp_path:
     assert len(stream._queue) == 1
     stream.flush()
     written_open = started(3, False)
-    stream.flush(final=True)
+    stream.flush()
     probe._end(written_open, None)
     assert len(stream._queue) == 1  # its end
     stream.flush()

@@ -114,8 +114,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "zero_param": {"what": _STR, "op": _STR, "step": _INT},
     "probe_error": {"probe": _STR, "error": _STR},
     #: What the probes cost the job so far (cumulative): time in probe code on the job's
-    #: threads, its parts (collective calls, the flushes before synchronous ones, new call
-    #: sites described, the C heap readings, the kernel trace window), the CPU time of the
+    #: threads, its parts (collective calls, new call sites described, the C heap readings, the kernel trace window), the CPU time of the
     #: probes' own threads.
     "cost": {
         "step": _INT,

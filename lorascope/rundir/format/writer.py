@@ -1,11 +1,12 @@
 """Writing the run directory (probe and launcher side; standard library only).
 
-Streams are append-only JSON Lines on an ``O_APPEND`` descriptor. The probes' hot path
-only *appends* a record to a bounded in-memory queue (a deque append: no formatting, no
-JSON, no system call on the calling thread); a writer thread formats what is queued and
-writes it with one ``os.write`` every ``FLUSH_INTERVAL`` seconds, so a SIGKILL loses at
-most the records of the last interval or so. ``flush()`` writes the queue at once (before
-a blocking collective, at an exception, a signal, a dump and the end), and ``write()``
+Streams are append-only JSON Lines on an ``O_APPEND`` descriptor (collective calls go to
+the call file instead: ``callfile.py``). The probes' hot path only *appends* a record to a
+bounded in-memory queue (a deque append: no formatting, no JSON, no system call on the
+calling thread); a writer thread formats what is queued and writes it with one
+``os.write`` every ``FLUSH_INTERVAL`` seconds, so a SIGKILL loses at most the records of
+the last interval or so. ``flush()`` writes the queue at once (at an exception, a signal,
+a dump and the end), and ``write()``
 flushes the queue and then its record (rare records that must be on disk when the call
 returns). A full queue drops new records and counts them; the count is written as a
 ``dropped`` record. A stream is bounded on disk too: past ``segment_bytes`` it moves to a
@@ -26,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.format import safe_open
@@ -49,15 +50,6 @@ FLUSH_INTERVAL = 0.04
 #: Records queued at most between two flushes (~3 MB of small objects at worst); beyond
 #: it new records are dropped and counted (``dropped``). The probe job queues ~800 a second.
 DEFAULT_QUEUE_RECORDS = 32768
-
-
-class LazyRecord(Protocol):
-    """A queued record formatted by the writer, not by the thread that made it."""
-
-    def encode(self, final: bool) -> str | None:
-        """One or more JSON lines, each ending in a newline, "" for nothing, or None to
-        stay queued for the next flush (never when ``final``: the process may be ending)."""
-        ...
 
 
 #: One encoder for every record (json.dumps with arguments builds a new one at each call).
@@ -86,7 +78,7 @@ class Line:
     def __init__(self, template: str, values: tuple[Any, ...]) -> None:
         self.template, self.values = template, values
 
-    def encode(self, final: bool) -> str:
+    def encode(self) -> str:
         return self.template % self.values
 
 
@@ -130,7 +122,7 @@ class Stream:
         self._index = 0
         self._size = 0
         self._fd: int | None = None
-        self._queue: collections.deque[dict[str, Any] | LazyRecord] = collections.deque()
+        self._queue: collections.deque[dict[str, Any] | Line] = collections.deque()
         self._capacity = max(1, queue_records)
         #: Records dropped because the queue was full, in all; and how many of them the
         #: stream has said so in a ``dropped`` record.
@@ -172,8 +164,8 @@ class Stream:
         self._queue.clear()
 
     # -- the hot path ---------------------------------------------------------------
-    def append(self, entry: dict[str, Any] | LazyRecord) -> None:
-        """Queue a record for the writer: a dict with ``k`` and ``t``, or a LazyRecord.
+    def append(self, entry: dict[str, Any] | Line) -> None:
+        """Queue a record for the writer: a dict with ``k`` and ``t``, or a Line.
         Costs a length check and a deque append; a full queue drops it and counts."""
         if len(self._queue) < self._capacity:
             self._queue.append(entry)
@@ -188,7 +180,7 @@ class Stream:
             return
         record.setdefault("t", time.time())
         self.append(record)
-        self.flush(final=True)
+        self.flush()
 
     def write_line(self, line: str) -> None:
         """Write one preformatted record line (``\\n``-terminated) now, after everything
@@ -196,12 +188,11 @@ class Stream:
         if self._fd is None:
             return
         self.append(Line("%s", (line,)))
-        self.flush(final=True)
+        self.flush()
 
-    def flush(self, final: bool = False) -> None:
+    def flush(self) -> None:
         """Format and write what is queued, in order, with one ``os.write`` per segment
-        touched. A LazyRecord may ask to stay queued (a call that may end soon and then
-        be one record), unless ``final`` (an exception, a signal, a dump, the end)."""
+        touched."""
         try:
             if self.before_flush is not None:
                 self.before_flush()
@@ -209,15 +200,10 @@ class Stream:
                 if self._fd is None:
                     self._queue.clear()
                     return
-                queue, lines, held = self._queue, [], []
+                queue, lines = self._queue, []
                 while queue:
                     entry = queue.popleft()
-                    line = _encode(entry) if isinstance(entry, dict) else entry.encode(final)
-                    if line is None:
-                        held.append(entry)
-                    else:
-                        lines.append(line)
-                queue.extendleft(reversed(held))
+                    lines.append(_encode(entry) if isinstance(entry, dict) else entry.encode())
                 if self.dropped != self._dropped_told:
                     self._dropped_told = self.dropped
                     lines.append(_encode({"k": "dropped", "t": time.time(), "records": self.dropped}))
@@ -306,7 +292,7 @@ class Stream:
 
     def close(self) -> None:
         """Write what is queued, stop the writer and close."""
-        self.flush(final=True)
+        self.flush()
         self._stop.set()
         with self._lock:
             fd, self._fd = self._fd, None
