@@ -6,11 +6,11 @@ pair of runs swings by tens of percent on a small shared machine. This one isola
 probe's own work per call: the collective probe wraps a stand-in for
 ``torch.distributed.all_reduce`` that does nothing and returns a real, completed gloo work
 (1-rank process group), called from below ``--depth`` frames the probe counts as library
-frames (as DeepSpeed's are in the job), so that the call-site walk, the record, the queue,
-what puts a synchronous call's record on disk before it starts (with ``--queued`` records
-waiting for the writer, as in the job) and, for an async call, the tracking of its work
-and the end in its ``wait()`` are all in the figure, and the collective itself and the
-writer's work are not. It prints, for synchronous and async calls, the bare and the
+frames (as DeepSpeed's are in the job), so that the call-site walk, the record (written
+into the call file; in a checkout before it, queued and flushed before a synchronous call,
+with ``--queued`` records waiting for the writer, as in the job) and, for an async call,
+the tracking of its work and the end in its ``wait()`` are all in the figure, and the
+collective itself and the writer's work are not. It prints, for synchronous and async calls, the bare and the
 probed microseconds per call (the minimum over ``--reps`` repetitions of ``--calls`` calls)
 and their difference: resolves ~1 us where the job-level runs resolve ~5 points.
 
@@ -54,8 +54,12 @@ CHILD = textwrap.dedent("""
 
     run = Path(tempfile.mkdtemp(prefix="lorascope-percall-"))
     ensure_manifest(run)
-    session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 1, 0.0)
-    probe = CollectiveProbe(session)
+    prefix = stream_prefix(run, 0, "h", 1)
+    session = Session(Stream(prefix), 0, 0, 1, 0.0)
+    try:
+        probe = CollectiveProbe(session, prefix)
+    except TypeError:  # a checkout before the call file (--src)
+        probe = CollectiveProbe(session)
     probe.install(c10d)  # Work.wait, wrapped at class level: the async call ends in done.wait()
     probed = probe._wrap("all_reduce", all_reduce)
 

@@ -554,8 +554,8 @@ class CollectiveProbe:
 
     # -- one call -----------------------------------------------------------------
     def _begin(self, spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Started | None:
-        """A call begins: its record queued, and on disk before the call when the rank may
-        block or die in it (below). The hot path of every call: written for few Python
+        """A call begins: its record in the call file before the call starts (the rank may
+        block or die in it). The hot path of every call: written for few Python
         operations (each costs ~0.3-0.5 us on the job's thread, ~10x a warm loop's)."""
         try:
             op, group_pos, async_pos, payload_pos, payload_kw, always_async, functional = spec
