@@ -47,6 +47,7 @@ from lorascope.rundir.format.layout import (
 from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX
 
 _END = struct.Struct("<d")
+_COUNT = struct.Struct("<Q")
 #: Slots the file grows by (192 KiB): a call in 4,096 pays for the growth (~0.1 ms).
 CHUNK_SLOTS = 4096
 
@@ -122,14 +123,14 @@ class CallFile:
                 CALL.pack_into(buf, at, t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK)
                 if index >= self.count:
                     self.count = index + 1
-                    buf[COUNT_OFFSET : COUNT_OFFSET + 8] = self.count.to_bytes(8, "little")
+                    _COUNT.pack_into(buf, COUNT_OFFSET, index + 1)
                 return index
             if self._fd is None:
                 return -1
             os.pwrite(self._fd, CALL.pack(t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK), at)
             if index >= self.count:
                 self.count = index + 1
-                os.pwrite(self._fd, self.count.to_bytes(8, "little"), COUNT_OFFSET)
+                os.pwrite(self._fd, _COUNT.pack(index + 1), COUNT_OFFSET)
             return index
         except Exception as exc:
             self._fail(exc)
