@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorascope.rundir.format.callfile import CallFile, calls_path
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
@@ -82,8 +83,15 @@ class Job:
                 argv=[TRAIN], versions={"torch": "2.13.0"}, device="cpu",
             )  # fmt: skip
             write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
-            for _, _, site in STEP_CALLS:
+            calls = CallFile(calls_path(prefix))
+            write("calls_file", file=calls.path.name, how=calls.how, head=calls.head, ring=calls.ring)
+            shapes: dict[tuple[str, str], int] = {}
+            for op, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
+                if (op, site) not in shapes:
+                    shapes[(op, site)] = len(shapes)
+                    write("shape", id=len(shapes) - 1, op=op, dtype="float32", site=site, via=None,
+                          **{"async": False})  # fmt: skip
             seq = 0
             for step in range(1, steps + 1):
                 for op, nbytes, site in STEP_CALLS:
@@ -91,15 +99,16 @@ class Job:
                     last = step == steps and op == STEP_CALLS[0][0]
                     if n == odd and last:
                         break  # the odd rank never gets to its last step's gather
-                    write("coll", seq=seq, gid=0, op=op, bytes=nbytes, dtype="float32", site=site, step=step,
-                          **{"async": False})  # fmt: skip
+                    t += 0.01
+                    index = calls.begin(t, seq, nbytes, step - 1, 0, shapes[(op, site)])
                     if not last:
-                        write("coll_end", seq=seq, gid=0, err=None)
+                        calls.end(index, t + 0.005)
                 else:
                     write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
                     continue
                 break
             stream.close()
+            calls.close()
         self.pending_seq = self.last_seq - 1  # the last step's gather
 
     def answer(self, n: int, request: str) -> None:
