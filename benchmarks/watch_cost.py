@@ -1,9 +1,9 @@
 """What `lorascope watch` costs the on-call machine (not a test): its CPU, as a share of
 one core, and its peak memory, on a synthetic run directory that grows while it runs.
 
-A writer process appends to every rank's stream what a rank of the probes/ job writes
-in a step (the lines between two step records of a real recorded run, fixtures/diff/r8's
-rank 0, with their times made now: ~75 lines, ~8 KB, nine in ten collective records),
+A writer process writes for every rank what a rank of the probes/ job writes in a step
+(the stream lines between two step records of a real recorded run, fixtures/diff/r8's
+rank 0, and that step's calls into the rank's call file, with their times made now),
 every ``--step-s`` seconds on every rank; one rank stops stepping after a third of the
 time (a stall, so the checks have something to say). `lorascope watch` runs under a
 pseudo-terminal of 80x24, refreshing every second, for ``--seconds`` after a warm-up;
@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import pty
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -28,34 +29,47 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
+
+from lorascope.rundir.format.callfile import CallFile, calls_path
+from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, HEADER
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "fixtures" / "diff" / "r8" / "ranks" / "rank-0"
 _T = re.compile(rb'"t":[0-9.]+')
 
 
-def _template() -> tuple[list[bytes], list[bytes]]:
-    """The template stream's head (up to its first step record) and one step's lines (those
-    after its second step record up to its third)."""
+def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]]]:
+    """The template stream's head (up to its first step record), one step's lines (those
+    after its second step record up to its third) and that step's calls (its call file's
+    records of the step, in order)."""
     lines = next(TEMPLATE.glob("*.0000.jsonl")).read_bytes().splitlines(keepends=True)
     steps = [i for i, line in enumerate(lines) if b'"k":"step"' in line]
-    return lines[: steps[0] + 1], lines[steps[1] + 1 : steps[2] + 1]
+    step_no = json.loads(lines[steps[1]])["step"]
+    data = next(TEMPLATE.glob("*.calls")).read_bytes()
+    count = int.from_bytes(data[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
+    records = [CALL.unpack_from(data, HEADER.size + i * CALL.size) for i in range(count)]
+    return lines[: steps[0] + 1], lines[steps[1] + 1 : steps[2] + 1], [r for r in records if r[4] == step_no]
 
 
 def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: int) -> None:
-    """The growing run: every rank's head, then a step every ``step_s`` seconds."""
-    head, step = _template()
-    paths = []
+    """The growing run: every rank's head, then a step every ``step_s`` seconds: the step's
+    stream lines appended, its calls written into the rank's call file as the probes do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, ranks + 256)), hard))
+    head, step, calls = _template()
+    paths, files = [], []
     for r in range(ranks):
         folder = run_dir / "ranks" / f"rank-{r}"
         folder.mkdir(parents=True)
         path = folder / f"node{r // 8}-{10000 + r}.0000.jsonl"
+        files.append(CallFile(calls_path(path.with_name(path.name.split(".")[0]))))
         start = b"".join(head).replace(b'"rank":0,"world_size":2', f'"rank":{r},"world_size":{ranks}'.encode())
         path.write_bytes(_T.sub(f'"t":{time.time():.6f}'.encode(), start))
         paths.append(path)
-    began, n = time.time(), 0
+    began, n, seq = time.time(), 0, 0
     while time.time() - began < seconds:
         n += 1
         now = time.time()
@@ -64,8 +78,13 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
         for r, path in enumerate(paths):
             if r == stalled and now - began > seconds / 3:
                 continue
+            file = files[r]
+            for k, (t0, end, _, nbytes, _, gid, shape, _) in enumerate(calls):
+                index = file.begin(now + (t0 - calls[0][0]), seq + k + 1, nbytes, n - 1, gid, shape)
+                file.end(index, now + (end - calls[0][0]))
             with open(path, "ab") as f:
                 f.write(block)
+        seq += len(calls)
         time.sleep(max(0.0, step_s - (time.time() - now)))
 
 
@@ -86,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="watch-cost-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
-        (run_dir / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+        (run_dir / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 3, "launches": []}))
         total = args.warm_up + args.seconds + 5
         writer = mp.Process(target=_write, args=(run_dir, args.ranks, args.step_s, total, args.ranks // 2 + 3))
         writer.start()
@@ -126,10 +145,11 @@ def main() -> None:
         watch.send_signal(signal.SIGINT)
         code = watch.wait(timeout=30)
         writer.join()
-        streams = sum(p.stat().st_size for p in (run_dir / "ranks").rglob("*.jsonl"))
+        streams = sum(p.stat().st_size for p in (run_dir / "ranks").rglob("*") if p.is_file())
     used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     share = used / (t1 - t0) * 100
-    per_step = len(b"".join(_template()[1]))
+    _, lines, calls = _template()
+    per_step = len(b"".join(lines)) + len(calls) * CALL.size
     print(f"ranks {args.ranks}, a step every {args.step_s} s a rank ({per_step:,} bytes), window {t1 - t0:.0f} s")
     print(
         f"run directory at the end: {streams / 2**20:.0f} MiB ({per_step * args.ranks / args.step_s / 2**20:.1f} MiB/s)"
