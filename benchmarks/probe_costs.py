@@ -61,7 +61,10 @@ TIMED = [
         "memory reading (an edge's, the sampler's)",
     ),
     ("lorascope.rundir.format.writer", "", "_encode", "format a record (not a call's)", "flush"),
-    ("lorascope.probes.collectives", "_Call", "encode", "format a call's record", "flush"),
+    ("lorascope.probes.collectives", "_Call", "encode", "format a call's record (v2)", "flush"),
+    ("lorascope.rundir.format.callfile", "CallFile", "begin", "write a call's record", "collective start"),
+    ("lorascope.rundir.format.callfile", "CallFile", "end", "write a call's end", "collective end"),
+    ("lorascope.probes.callsteps", "CallSteps", "look", "fold calls into step sums", ""),
 ]
 
 HARNESS = textwrap.dedent("""
