@@ -1,9 +1,10 @@
 """A rank's stream reduced to a bounded summary while it is read (analysis side).
 
-A long job writes ~100 collective records and ~15 others per rank and step: 1,024 ranks x
-10,000 steps is ~150 GB of records, far more than one machine holds. The reader
-(:mod:`lorascope.rundir.loading.reader`) therefore keeps, per rank, only what the detectors and the
-report use, and counts the rest while it streams past:
+A long job makes ~100-150 collective calls and writes ~15 other records per rank and step:
+1,024 ranks x 10,000 steps is ~10^9 calls, far more than one machine holds as objects. The
+reader (:mod:`lorascope.rundir.loading.reader`) therefore keeps, per rank, only what the
+detectors and the report use, and counts the rest as it reads (the calls as numpy columns:
+:mod:`lorascope.rundir.loading.callreduce`):
 
 * **collectives**, per process group: the first :data:`HEAD_CALLS` and the last
   :data:`TAIL_CALLS` calls, every call still pending, and a :class:`GroupTally` (count,
@@ -34,7 +35,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
@@ -102,8 +103,8 @@ def name_code(name: str | None) -> int:
 def call_hashes(seq: int, op: str, size: int | None, dtype: str | None) -> tuple[int, int]:
     """A call's two hashes: of (seq, op, bytes), and of that with the dtype. A window's
     digest is their sum modulo 2^64 over its calls: the same whatever order they were read
-    in, so it can be summed a block of columns at a time (:mod:`lorascope.rundir.loading.columnar`
-    computes the same as polars expressions, which wrap modulo 2^64 too)."""
+    in, so it can be summed over columns at once (:mod:`lorascope.rundir.loading.callreduce`
+    computes the same over uint64 columns, which wrap modulo 2^64 too)."""
     op_size = mix(mix((seq & MASK) ^ name_code(op)) ^ (NO_BYTES if size is None else size & MASK))
     return op_size, mix(op_size ^ name_code(dtype))
 
@@ -171,11 +172,12 @@ class Digests(Mapping[int, tuple[int, int]]):
         return f"Digests({dict(self._pairs())!r})"
 
     def __reduce__(self) -> tuple[Callable[..., Digests], tuple[array[int], array[int], array[int]]]:
-        return _digests, self.columns()
+        return digests_of, self.columns()
 
 
-def _digests(index: array[int], op_size: array[int], full: array[int]) -> Digests:
-    """A pickled :class:`Digests` made again."""
+def digests_of(index: array[int], op_size: array[int], full: array[int]) -> Digests:
+    """Digests of window indexes (sorted, distinct) and their two sums (a pickled
+    :class:`Digests` made again; the numpy reduction's columns)."""
     out = Digests()
     out._index, out._op_size, out._full = index, op_size, full
     return out
@@ -198,6 +200,9 @@ class GroupTally:
     #: The last call kept from the start; the first of the newest calls kept (None: all kept).
     head_last: int = 0
     tail_first: int | None = None
+    #: Sequence ranges (inclusive) whose calls the rank's call file did not keep (its ring
+    #: went round over them, or a slot was torn): known to no one, compared with nothing.
+    missing: list[tuple[int, int]] = field(default_factory=list)
 
     def add_to_digest(self, window: int, op_size: int, full: int) -> None:
         """Calls' :func:`call_hashes` (or their sums) added to a window's digest."""
@@ -205,6 +210,8 @@ class GroupTally:
 
     def holds(self, lo: int, hi: int) -> bool:
         """Whether every call of this rank with a sequence number in lo..hi is kept."""
+        if any(a <= hi and lo <= b for a, b in self.missing):
+            return False
         if self.first_seq is None or self.tail_first is None:
             return True
         lo, hi = max(lo, self.first_seq), min(hi, self.last_seq)
@@ -218,14 +225,12 @@ class SyncTimes:
     the steps decimation is sure to drop (``sure_to_drop``: the stream's
     :meth:`StepKeeper.sure_to_drop`; None: none is) are forgotten with their sums, as
     decimation would drop what they add up to (~1.2 KB a step of the probes/ job, else held
-    to the end); then again at twice what was kept plus :data:`SYNC_PRUNE`. Both collective
-    logs hold one; the columnar log's calls come a block at a time, as frames
-    (:meth:`forget_more`)."""
+    to the end); then again at twice what was kept plus :data:`SYNC_PRUNE`."""
 
     def __init__(self, sure_to_drop: Callable[[str], Rule | None] | None) -> None:
         self.sums: dict[int, float] = {}
         self.calls: dict[int, list[tuple[float, float]]] = {}
-        #: Calls held, here and in :meth:`forget_more`'s keeping.
+        #: Calls held.
         self.held = 0
         self._sure_to_drop = sure_to_drop
         self._next = SYNC_PRUNE
@@ -243,28 +248,15 @@ class SyncTimes:
             if rule is not None:
                 self.calls = {k: v for k, v in self.calls.items() if not sure_dropped(rule, k)}
                 self.sums = {k: v for k, v in self.sums.items() if not sure_dropped(rule, k)}
-                self.held = sum(map(len, self.calls.values())) + self.forget_more(rule)
+                self.held = sum(map(len, self.calls.values()))
             self._next = 2 * self.held + SYNC_PRUNE
-
-    def forget_more(self, rule: Rule) -> int:
-        """Forget the calls held elsewhere than :attr:`calls` of the steps ``rule`` drops;
-        how many are left there (none here)."""
-        return 0
-
-
-class CallSink(Protocol):
-    """What a stream's reader feeds the calls it reads to: :class:`CollectiveLog`, or a
-    span's :class:`lorascope.rundir.loading.span.SpanLog`."""
-
-    def add(self, coll: Collective) -> None: ...
-
-    def ended(self, coll: Collective) -> None: ...
-
-    def find(self, group: str, seq: int) -> Collective | None: ...
 
 
 class CollectiveLog:
-    """The bounded collective records of one rank, fed call by call as they are read."""
+    """The bounded collective records of one rank, fed call by call: the reduction of a
+    RankData built in memory (:func:`lorascope.rundir.loading.reader.recount`; a test's, a
+    synthetic run's). The reader computes the same over a call file's columns
+    (:mod:`lorascope.rundir.loading.callreduce`)."""
 
     def __init__(
         self,
@@ -321,22 +313,6 @@ class CollectiveLog:
         self._n += 1
         if order[0][2].end is not None or len(order) > MAX_REORDER:
             self._release(False)
-
-    def ended(self, coll: Collective) -> None:
-        """A call added before its end completed (its end record was read)."""
-        tally = self.tallies[coll.group]
-        if coll.seq > tally.last_done:
-            tally.last_done = coll.seq
-        if self._order and self._order[0][2].end is not None:
-            self._release(False)
-
-    def find(self, group: str, seq: int) -> Collective | None:
-        """The newest kept call of ``group`` with ``seq``."""
-        for pool in (self.tail.get(group, ()), self.head.get(group, ())):
-            for coll in reversed(pool):
-                if coll.seq == seq:
-                    return coll
-        return None
 
     def _asked(self, coll: Collective) -> bool:
         return any(lo <= coll.seq <= hi for lo, hi in self.windows.get(coll.group, ()))
