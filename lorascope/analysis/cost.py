@@ -60,7 +60,6 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
         "job_ms_per_step": round(job_ms, 3),
         "calls_ms_per_step": round(calls_ms, 3),
         "calls_per_step": round(per_step("calls"), 2),
-        "flush_ms_per_step": round(per_step("flush_ms"), 3),
         "heap_ms_per_step": round(per_step("heap_ms"), 3),
         "heap_reads_per_step": round(per_step("heap_reads"), 2),
         "trace_window_ms": round(trace_ms, 1),
@@ -76,7 +75,6 @@ _MEDIANS = (
     "job_ms_per_step",
     "calls_ms_per_step",
     "calls_per_step",
-    "flush_ms_per_step",
     "heap_ms_per_step",
     "heap_reads_per_step",
     "trace_window_ms",
@@ -127,8 +125,7 @@ def cost_text(cost: dict[str, Any]) -> str:
     trace = f"; once: {', '.join(once)}" if once else ""
     return (
         f"{cost['job_ms_per_step']:.2f} ms a step in probe code on the job's threads{of_step}: "
-        f"collective calls {cost['calls_ms_per_step']:.2f} ms ({_count(cost['calls_per_step'])} a step; "
-        f"the flushes before synchronous ones {cost['flush_ms_per_step']:.2f} ms of it), "
+        f"collective calls {cost['calls_ms_per_step']:.2f} ms ({_count(cost['calls_per_step'])} a step), "
         f"C heap readings {cost['heap_ms_per_step']:.2f} ms ({_count(cost['heap_reads_per_step'])} a step), "
         f"phase edges and step ends {max(rest, 0.0):.2f} ms{trace}; "
         f"{cost['threads_cpu_ms_per_step']:.2f} ms CPU a step on the probes' own threads{spread}"

@@ -189,7 +189,7 @@ def _start(
     )
     session.flush()  # the stream's first record, on disk whatever happens next
     memory = MemoryProbe(session)
-    collectives = CollectiveProbe(session, torch_seq=attached is not None)
+    collectives = CollectiveProbe(session, prefix, torch_seq=attached is not None)
     kernels = KernelWindow(session, trace_window, prefix)
     logits = LogitsProbe(session, memory)
     allocator = AllocatorProbe(session, prefix, *parse_switch(os.environ.get(ENV_MEMORY_HISTORY)))

@@ -2,15 +2,14 @@
 user code), with a per-rank, per-process-group sequence number, op, bytes, dtype, group
 and the first call-site frame outside torch / deepspeed / lorascope.
 
-The hot path keeps a call's raw fields in a ``_Call`` queued on the stream (no
-formatting, no system call); the stream's writer formats it: a call that has ended by
-then is one ``coll_done`` record, one still in flight a ``coll`` record (so a hang, a
-kill or a crash leaves it pending) and later a ``coll_end``; either names the call's
-shape (op, bytes, dtype, async, site), declared once in a ``shape`` record (format v2).
-Before a synchronous call the queue is flushed from the calling thread, so the call a
-rank blocks in (or dies in: gloo aborts the process on a size mismatch) is on disk before
-it starts; so is an async call made under a rank condition (at its call site or up the
-stack: ``via``).
+The hot path writes a call's record into the rank's call file before the call starts
+(:mod:`lorascope.rundir.format.callfile`: one ``struct.pack_into`` into a shared mapping,
+no queue, no system call), and its end into the same record when it ends: the call a rank
+blocks in, or dies in (gloo aborts the process on a size mismatch), is in the run
+directory whatever happens next. The record names the call's shape (op, bytes, dtype,
+async, site, via), a ``shape`` record written to the stream, on disk, the first time the
+shape is seen (with the ``group`` and ``site`` records it needs); a call's error is a
+``coll_err`` record, written at once.
 
 Calls nested inside another recorded call (``all_gather_object`` uses ``all_gather``)
 are not counted twice. On CUDA the device time of a synchronous call comes from two
@@ -38,6 +37,7 @@ autograd backward of functional collectives, DDP's C++ Reducer) is said in the r
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import os
@@ -46,20 +46,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any, NamedTuple
 
 from lorascope.probes.session import Session
+from lorascope.rundir.format.callfile import CallFile, calls_path
+from lorascope.rundir.format.layout import DEFAULT_HEAD, DEFAULT_RING
 from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
 from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, rank_condition_in
-from lorascope.rundir.format.writer import json_str
+from lorascope.rundir.format.writer import Stream, json_str
 
 MAX_PENDING_EVENTS = 4096
 
-#: An async call still in flight at a (non-final) flush stays queued while younger than
-#: this (seconds), so that most end in time to be written as one ``coll_done``; the
-#: writer's 40 ms interval plus this stays well under the 100 ms a SIGKILL may lose.
-HOLD_ASYNC = 0.03
 #: Code objects the call-site caches keep alive, at most (a process has a few thousand;
 #: beyond this, sites are worked out again at every call instead of growing the caches).
 MAX_KEPT_CODES = 1 << 16
@@ -67,20 +66,14 @@ MAX_KEPT_CODES = 1 << 16
 #: before the site for its result to be kept as one (a shorter walk costs no more).
 MAX_HOPS = 4096
 HOP_MIN = 4
-#: Distinct call shapes (op, size, dtype, async, site) a stream declares, at most; a call of
-#: a shape beyond them carries its fields in its own record (as in format v1).
-MAX_SHAPES = 4096
-# Formatted by hand: json.dumps of a record costs ~20 us. What a call shares with the same
-# call at every step (its shape) is declared once in a ``shape`` record and named by its id
-# (``_Shapes``); a record then formats only its times, numbers and the rest (~2 us where the
-# whole record took ~5 at each call, and ~half the bytes).
-_COLL = '{"k":"coll","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s}\n'
-_COLL_DONE = '{"k":"coll_done","t":%.6f,"seq":%d,"gid":%d%s,"step":%d%s,"end":%.6f,"err":%s}\n'
-_COLL_END = '{"k":"coll_end","t":%.6f,"seq":%d,"gid":%d,"err":%s}\n'
-_SHAPE = '{"k":"shape","t":%.6f,"id":%d%s}\n'
-#: (op, bytes, dtype, async, site); the dtype as the call holds it (torch's dtype object, or
-#: its name), named when the shape is declared.
-_ShapeKey = tuple[str, int | None, Any, bool, str | None]
+#: Distinct call shapes (op, dtype, async, site, via) a stream declares, at most;
+#: the calls of shapes beyond them are not recorded (a ``probe_error`` says so once).
+MAX_SHAPES = 1 << 16
+#: (op, dtype, async, site, via); the dtype as the call holds it (torch's dtype object,
+#: or its name), named when the shape is declared.
+_ShapeKey = tuple[str, Any, bool, str | None, str | None]
+#: Slots of the call file: ``LORASCOPE_CALL_SLOTS=HEAD,RING`` (tests and benchmarks).
+ENV_CALL_SLOTS = "LORASCOPE_CALL_SLOTS"
 
 
 def _json(text: str | None) -> str:
@@ -113,43 +106,60 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _json_int(value: int | None) -> str:
-    return "null" if value is None else str(int(value))
-
-
 def _fields(key: _ShapeKey) -> str:
-    """A shape's fields as record text: ``,"op":...,"site":...``."""
-    op, nbytes, dtype, is_async, site = key
+    """A shape's fields as record text: ``,"op":...,"via":...``."""
+    op, dtype, is_async, site, via = key
     flag = "true" if is_async else "false"
     name = None if dtype is None else _dtype_name(dtype)
-    return f',"op":{_json(op)},"bytes":{_json_int(nbytes)},"dtype":{_json(name)},"async":{flag},"site":{_json(site)}'
+    return f',"op":{_json(op)},"dtype":{_json(name)},"async":{flag},"site":{_json(site)},"via":{_json(via)}'
 
 
 class _Shapes:
-    """The call shapes one stream has declared: each one's id (as record text) and its
-    ``shape`` record, written before the first call that names it and again at the head of
-    every later segment (``Stream.segment_head``: the earlier segments may be rotated
-    away). Used only on the thread that flushes, under the stream's lock."""
+    """The call shapes one stream has declared: each one's id and its ``shape`` record,
+    written (on disk) before the first call that names it, and again at the head of every
+    later segment (``Stream.segment_head``: the earlier segments may be rotated away)."""
 
-    __slots__ = ("ids", "lines")
+    __slots__ = ("ids", "lines", "_lock", "_stream")
 
-    def __init__(self) -> None:
-        self.ids: dict[_ShapeKey, str] = {}
+    def __init__(self, stream: Stream) -> None:
+        self.ids: dict[_ShapeKey, int] = {}
         self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self._stream = stream
 
-    def declare(self, key: _ShapeKey, t: float) -> tuple[str, str]:
-        """For a shape not in ``ids`` (the writer looks there first): the text a call
-        record carries for it (``,"sh":N``, or past MAX_SHAPES the fields themselves) and
-        the ``shape`` record to write before it ("" if none)."""
-        if len(self.lines) >= MAX_SHAPES:
-            return _fields(key), ""
-        n = len(self.lines)
-        self.lines.append(_SHAPE % (t, n, _fields(key)))
-        self.ids[key] = text = f',"sh":{n}'
-        return text, self.lines[-1]
+    def declare(self, key: _ShapeKey) -> int:
+        """The id of a shape not in ``ids`` (the caller looks there first), its record
+        written now, after everything queued before it (the ``group`` and ``site``
+        records it names); -1 past MAX_SHAPES."""
+        with self._lock:
+            known = self.ids.get(key)
+            if known is not None:  # another thread declared it first
+                return known
+            n = len(self.lines)
+            if n >= MAX_SHAPES:
+                return -1
+            self.lines.append(f'{{"k":"shape","t":{time.time():.6f},"id":{n}{_fields(key)}}}\n')
+            self._stream.write_line(self.lines[-1])
+            self.ids[key] = n
+            return n
 
     def head(self) -> str:
         return "".join(self.lines)
+
+
+def _call_file(session: Session, prefix: Path) -> CallFile:
+    """The rank process's call file (its slots from ``LORASCOPE_CALL_SLOTS=HEAD,RING`` if
+    set), and a ``calls_file`` record that says where and how it is written. A failed
+    write turns the collective probe off, as any failing probe."""
+    head, ring = DEFAULT_HEAD, DEFAULT_RING
+    with contextlib.suppress(ValueError):
+        head, ring = (int(n) for n in os.environ.get(ENV_CALL_SLOTS, "").split(","))
+    path = calls_path(prefix)
+    calls = CallFile(path, head, ring, on_error=lambda exc: session.fail("collectives", exc))
+    session.stream.write(
+        {"k": "calls_file", "file": path.name, "how": calls.how, "head": calls.head, "ring": calls.ring}
+    )
+    return calls
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -164,79 +174,18 @@ def _tensors(value: Any) -> list[Any]:
 
 
 class _Call:
-    """One call's raw fields, queued on the stream at its start and, when its start was
-    written as an open ``coll``, again at its end (the writer formats it; ``encode`` runs
-    on whichever thread flushes, under the stream's lock), and the stream's declared
-    shapes. ``dtype`` is the payload's dtype object (named by the writer).
+    """A call in flight: its index in the call file (-1 if unrecorded) and what a dump
+    says of it."""
 
-    Most calls end before the writer comes to them and are one ``coll_done``: their end
-    is not queued at all (half the queue's entries, a call on the job's thread). Which
-    one it is follows from two orders: ``encode`` claims a call (``state`` 1) before it
-    reads its end, and the ending thread sets the end before it reads ``state``: a call
-    it reads unclaimed will be written whole, one it reads claimed has its end queued
-    (at worst an entry that writes nothing). Sequentially consistent under the GIL."""
+    __slots__ = ("index", "t", "seq", "gid", "nbytes", "key")
 
-    __slots__ = (
-        "t", "seq", "gid", "op", "nbytes", "dtype", "is_async", "site", "step", "via", "shapes", "end", "err", "state"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        t: float,
-        seq: int,
-        gid: int,
-        op: str,
-        nbytes: int | None,
-        dtype: Any,
-        is_async: bool,
-        site: str | None,
-        step: int,
-        via: str | None,
-        shapes: _Shapes,
-    ) -> None:
-        self.t, self.seq, self.gid, self.op = t, seq, gid, op
-        self.nbytes, self.dtype, self.is_async = nbytes, dtype, is_async
-        self.site, self.step, self.via, self.shapes = site, step, via, shapes
-        self.end: float | None = None
-        self.err: str | None = None
-        #: 0 queued, 1 written as an open ``coll``, 2 written whole (``coll_done``).
-        self.state = 0
-
-    def encode(self, final: bool) -> str | None:
-        """The first time: ``coll_done`` if the call has ended by now, else ``coll`` (an
-        async call younger than HOLD_ASYNC stays queued instead, unless ``final``); the
-        second time (queued at its end): ``coll_end`` after an open ``coll``, else nothing.
-        The end is set before the call is queued again, so the second time sees it."""
-        if self.state == 0:
-            self.state = 1  # claimed before the end is read (see the class)
-            end = self.end
-            if end is None and self.is_async and not final and time.time() - self.t < HOLD_ASYNC:
-                self.state = 0
-                return None
-            if end is not None:
-                self.state = 2
-            key = (self.op, self.nbytes, self.dtype, self.is_async, self.site)
-            shape, declared = self.shapes.ids.get(key), ""
-            if shape is None:
-                shape, declared = self.shapes.declare(key, self.t)
-            via = "" if self.via is None else ',"via":' + _json(self.via)
-            if end is None:
-                return declared + _COLL % (self.t, self.seq, self.gid, shape, self.step, via)
-            return declared + _COLL_DONE % (self.t, self.seq, self.gid, shape, self.step, via, end, _json(self.err))
-        if self.state == 1 and self.end is not None:
-            self.state = 2
-            return _COLL_END % (self.end, self.seq, self.gid, _json(self.err))
-        return ""
+    def __init__(self, index: int, t: float, seq: int, gid: int, nbytes: int | None, key: _ShapeKey) -> None:
+        self.index, self.t, self.seq, self.gid, self.nbytes, self.key = index, t, seq, gid, nbytes, key
 
     def pending(self, group: str) -> dict[str, Any]:
-        return {
-            "group": group,
-            "seq": self.seq,
-            "op": self.op,
-            "bytes": self.nbytes,
-            "site": self.site,
-            "since": self.t,
-        }
+        op, _, _, site, _ = self.key
+        nbytes = self.nbytes
+        return {"group": group, "seq": self.seq, "op": op, "bytes": nbytes, "site": site, "since": self.t}
 
 
 #: A call's first two frames above the wrapper: (id(code), f_lasti) of each.
@@ -276,7 +225,7 @@ class _Spec(NamedTuple):
 
 
 class CollectiveProbe:
-    def __init__(self, session: Session, torch_seq: bool = False) -> None:
+    def __init__(self, session: Session, prefix: Path, torch_seq: bool = False) -> None:
         self.session = session
         #: Number calls by torch's own per-group sequence number (``lorascope attach``: the
         #: ranks were attached at different calls, so a count from attach would differ
@@ -328,8 +277,9 @@ class CollectiveProbe:
         #: (the work is held, so that no id is reused while it is here).
         self._open: dict[int, tuple[_Started, Any]] = {}
         session.stream.before_flush = self._poll
-        self._shapes = _Shapes()
+        self._shapes = _Shapes(session.stream)
         session.stream.segment_head = self._shapes.head
+        self.calls = _call_file(session, prefix)
         self.resolve_device_times = session.guarded("collectives")(self._resolve_device_times)
         self.check_rank = session.guarded("rank-check")(self._check_rank)
         self.unseen = session.guarded("collectives")(self._record_unseen)
@@ -620,21 +570,16 @@ class CollectiveProbe:
             elif op in ("barrier", "monitored_barrier"):
                 nbytes = 0
             site, via = self._site()
-            call = _Call(time.time(), seq, gid, op, nbytes, dtype, is_async, site, self.session.step, via, self._shapes)
+            key = (op, dtype, is_async, site, via)
+            shape = self._shapes.ids.get(key)
+            if shape is None:
+                shape = self._shapes.declare(key)
+            t = time.time()
+            # in the call file before the call starts: the rank may block in it, or die
+            size = -1 if nbytes is None else nbytes
+            index = self.calls.begin(t, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
+            call = _Call(index, t, seq, gid, nbytes, key)
             self._in_flight[(gid, seq)] = call
-            session = self.session
-            session.record_entry(call)
-            # The rank may block (or die: gloo aborts the process on a size mismatch) in this
-            # call: on disk before it starts. A functional collective is waited for right
-            # away, so it counts as one; so does an async c10d call made under a rank
-            # condition (the rank-conditional call a peer's mismatch aborts this rank in,
-            # milliseconds later: a ZeRO-3 gather under ``if rank == 0:``). Any other async
-            # call's record waits for the writer (most end in time to be one record): a
-            # synchronous call's flush may leave the youngest async calls queued.
-            if not is_async or functional or via is not None or self._conditioned.get(site or ""):
-                flushed = time.perf_counter_ns()
-                session.flush(final=is_async)
-                session.flush_ns += time.perf_counter_ns() - flushed
             # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)
             if first is not None and getattr(first, "is_cuda", False):
                 events = None if is_async else self._cuda_events(first)
@@ -686,11 +631,10 @@ class CollectiveProbe:
         if started is None:
             return
         call, events, _ = started
-        call.err = err
-        call.end = time.time()  # after err: a writer that sees the end sees the error too
+        if err is not None and call.index >= 0:  # before the end: a reader that sees it ended sees why
+            self.session.stream.write({"k": "coll_err", "index": call.index, "err": err})
+        self.calls.end(call.index, time.time())
         self._in_flight.pop((call.gid, call.seq), None)
-        if call.state:  # claimed: written (or being written) open, its end a record of its own
-            self.session.record_entry(call)
         if events is not None:
             try:
                 start, end, stream, began = events
@@ -754,6 +698,7 @@ class CollectiveProbe:
         returns (or raises: its error). Any other work passes straight through."""
         probe = self
         session, opened, in_flight, clock = self.session, self._open, self._in_flight, time.perf_counter_ns
+        calls = self.calls
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -767,10 +712,8 @@ class CollectiveProbe:
                 entry = opened.pop(id(work), None)
                 if entry is not None:  # _end of a host call (no events), inline
                     call = entry[0].call
-                    call.end = time.time()
+                    calls.end(call.index, time.time())
                     in_flight.pop((call.gid, call.seq), None)
-                    if call.state:
-                        session.record_entry(call)
                 session.calls_ns += clock() - began
             return out
 
@@ -841,7 +784,8 @@ class CollectiveProbe:
         if group is not None and c10d is not None and group is c10d.GroupMember.WORLD:
             name = "default_pg"
         self._group_names[gid] = name
-        self.session.record("group", gid=gid, name=name, ranks=ranks, backend=backend)
+        # on disk at once: the call file's records name the group by gid
+        self.session.stream.write({"k": "group", "gid": gid, "name": name, "ranks": ranks, "backend": backend})
         return gid
 
     def _forget_group(self, key: int, ref: weakref.ref[Any]) -> None:

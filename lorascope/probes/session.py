@@ -53,8 +53,8 @@ class Session:
         #: What the probes cost the job's own threads, wall ns: ``cost_ns`` in probe code
         #: outside the collective wrappers (phase edges, step ends, the loss) and
         #: ``calls_ns`` in the collective calls (kept apart, so a call adds to one counter;
-        #: the cost record sums the two), how many calls, and of their time the flushes
-        #: before synchronous ones and the first call at each site, which reads its source
+        #: the cost record sums the two), how many calls, and of their time the first
+        #: call at each site, which reads its source
         #: (a one-off, how many); of ``cost_ns``, the C heap readings' (how many) and the
         #: kernel trace window's (starting, stopping, exporting the trace: a few steps'
         #: one-off cost). Added to without a lock: two job threads adding at once lose a
@@ -62,7 +62,6 @@ class Session:
         self.cost_ns = 0
         self.calls_ns = 0
         self.calls = 0
-        self.flush_ns = 0
         self.sites_ns = 0
         self.sites = 0
         self.heap_ns = 0
@@ -116,7 +115,6 @@ class Session:
             job_ms=round((self.cost_ns + self.calls_ns) / 1e6, 3),
             calls_ms=round(self.calls_ns / 1e6, 3),
             calls=self.calls,
-            flush_ms=round(self.flush_ns / 1e6, 3),
             sites_ms=round(self.sites_ns / 1e6, 3),
             sites=self.sites,
             heap_ms=round(self.heap_ns / 1e6, 3),

@@ -138,7 +138,7 @@ def test_in_job_cost_of_a_run(tmp_path: Path) -> None:
     recorded fixtures) without cost records."""
     assert gpu_check.in_job_cost(FIXTURES / "healthy") is None
     costs = [
-        {"k": "cost", "step": s, "job_ms": 10.0 * s, "calls_ms": 0.0, "calls": 0, "flush_ms": 0.0, "sites_ms": 0.0,
+        {"k": "cost", "step": s, "job_ms": 10.0 * s, "calls_ms": 0.0, "calls": 0, "sites_ms": 0.0,
          "sites": 0, "heap_ms": 0.0, "heap_reads": 0, "trace_ms": 0.0, "threads_cpu_ms": {}}
         for s in (1, 4)
     ]  # fmt: skip

@@ -86,7 +86,7 @@ def test_a_failing_probe_still_counts_and_switches_off(tmp_path: Path) -> None:
 def _cost(
     step: int, job: float, heap: float, trace: float, writer: float, reads: int, sites: float = 0.0
 ) -> dict[str, Any]:
-    """Collective calls: 50 a step, 1.5 ms, 0.4 ms of it flushing, once warmed up; and
+    """Collective calls: 50 a step, 1.5 ms, once warmed up; and
     ``sites`` ms reading the source of new call sites (three)."""
     return {
         "k": "cost",
@@ -94,7 +94,6 @@ def _cost(
         "job_ms": job,
         "calls_ms": 100.0 + 1.5 * step + sites,
         "calls": 50 * step,
-        "flush_ms": 20.0 + 0.4 * step,
         "sites_ms": sites,
         "sites": 3 if sites else 0,
         "heap_ms": heap,
@@ -126,7 +125,7 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
     assert cost0["steps"] == 100 and cost0["job_ms_per_step"] == 3.0 and cost0["heap_ms_per_step"] == 1.0
     assert cost0["heap_reads_per_step"] == 4.0 and cost0["trace_window_ms"] == 250.0
     # the new sites' 60 ms (after the first record: a barrier at the end) are no step's
-    assert (cost0["calls_ms_per_step"], cost0["calls_per_step"], cost0["flush_ms_per_step"]) == (1.5, 50, 0.4)
+    assert (cost0["calls_ms_per_step"], cost0["calls_per_step"]) == (1.5, 50)
     assert (cost0["new_sites"], cost0["new_sites_ms"]) == (3, 60.0)
     assert cost0["threads_cpu_ms_per_step"] == 1.0 and cost0["share_of_step"] == pytest.approx(0.006)
     summary = build_summary(run)
@@ -138,7 +137,7 @@ def test_a_step_costs_the_difference_between_the_first_record_and_the_latest(tmp
     text = render_text(summary, verbose=True)
     assert (
         "probes' cost: 4.00 ms a step in probe code on the job's threads (0.8% of the median step): "
-        "collective calls 1.50 ms (50 a step; the flushes before synchronous ones 0.40 ms of it), "
+        "collective calls 1.50 ms (50 a step), "
         "C heap readings 1.00 ms (4 a step), phase edges and step ends 1.50 ms; "
         "once: the kernel trace window 250 ms, reading the source of 3 new call sites 60 ms; "
         "1.00 ms CPU a step on the probes' own threads; "
@@ -237,4 +236,3 @@ def test_collective_calls_and_their_first_call_at_each_site_are_counted(tmp_path
     [last] = load_run(out).ranks[0].costs  # the end's (no step ended)
     assert last["calls"] == 5 and last["sites"] == 3  # the loop's line, the async call's, the raising one's
     assert 0 < last["sites_ms"] < last["calls_ms"] <= last["job_ms"]
-    assert last["flush_ms"] > 0  # before each synchronous call

@@ -95,7 +95,7 @@ class CallFile:
     def _forked(self) -> None:
         self._map, self._fd = None, None
 
-    def begin(self, t: float, seq: int, step: int, gid: int, shape: int) -> int:
+    def begin(self, t: float, seq: int, nbytes: int, step: int, gid: int, shape: int) -> int:
         """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
         index = next(self._next)
         head = self.head
@@ -104,14 +104,14 @@ class CallFile:
             buf = self._map
             at = HEADER.size + slot * CALL.size
             if buf is not None:
-                CALL.pack_into(buf, at, t, 0.0, seq, step, gid, shape, (index + 1) & STAMP_MASK)
+                CALL.pack_into(buf, at, t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK)
                 if index >= self.count:
                     self.count = index + 1
                     buf[COUNT_OFFSET : COUNT_OFFSET + 8] = self.count.to_bytes(8, "little")
                 return index
             if self._fd is None:
                 return -1
-            os.pwrite(self._fd, CALL.pack(t, 0.0, seq, step, gid, shape, (index + 1) & STAMP_MASK), at)
+            os.pwrite(self._fd, CALL.pack(t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK), at)
             if index >= self.count:
                 self.count = index + 1
                 os.pwrite(self._fd, self.count.to_bytes(8, "little"), COUNT_OFFSET)

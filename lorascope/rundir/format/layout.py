@@ -5,7 +5,7 @@ JSON Lines stream, written in place by the thread that made the call (a shared `
 ``pwrite`` where one cannot be had): there the instant it is written, so it survives
 SIGKILL, ``abort()``, a segfault and the OOM killer. A call's end is written into its own
 record when it comes. What a call shares with the same call at every step (op, bytes,
-dtype, async, site, via: its *shape*) is a ``shape`` record of the stream, named here by
+dtype, async, site, via: its *shape*; not its size, which varies with a batch) is a ``shape`` record of the stream, named here by
 its id; a call's error is a ``coll_err`` record naming the call's index.
 
 The file is a header and then slots: the first ``head`` records stay where they were
@@ -42,7 +42,8 @@ HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
 CALL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("t", "d", "epoch seconds the call began"),
     ("end", "d", "epoch seconds it ended; 0.0 while it has not"),
-    ("seq", "q", "the call's number in its group (as a coll record's seq)"),
+    ("seq", "q", "the call's number in its group"),
+    ("bytes", "q", "the rank's payload in bytes; -1 where unknown"),
     ("step", "i", "steps this rank had completed when the call began"),
     ("gid", "i", "its group, as the stream's group record with this gid"),
     ("shape", "i", "the id of the stream's shape record that describes it"),
@@ -69,8 +70,8 @@ END_OFFSET = offset_of(CALL_FIELDS, "end")
 STAMP_MASK = 0xFFFFFFFF
 
 #: Slots kept from the start, and in the ring, by default: ~20 steps of a ZeRO-3 job's
-#: calls whole, and the newest 262,144 calls (10 MiB at 40 bytes a call; a 1,024-rank job
-#: holds at most 10 GiB of call files however long it runs).
+#: calls whole, and the newest 262,144 calls (13 MiB at 48 bytes a call; a 1,024-rank job
+#: holds at most 13 GiB of call files however long it runs).
 DEFAULT_HEAD = 1 << 14
 DEFAULT_RING = 1 << 18
 

@@ -8,7 +8,7 @@ A change that breaks this bumps FORMAT_VERSION.
 
 v3 (over v2): collective calls are no longer stream records but fixed-width records of
 the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
-naming its ``shape`` record (op, bytes, dtype, async, site, via) by id; a call's error is
+naming its ``shape`` record (op, dtype, async, site, via) by id; a call's error is
 a ``coll_err`` record. A reader of v3 refuses v2 and v1 run directories.
 """
 
@@ -52,7 +52,6 @@ _OPT_STR = (str, type(None))
 #: A call's shape: what a call shares with the same call at every step.
 SHAPE_FIELDS: dict[str, tuple[type, ...]] = {
     "op": _STR,
-    "bytes": _OPT_INT,
     "dtype": _OPT_STR,
     "async": (bool,),
     "site": _OPT_STR,
@@ -117,7 +116,6 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "job_ms": _NUM,
         "calls_ms": _NUM,
         "calls": _INT,
-        "flush_ms": _NUM,
         "sites_ms": _NUM,
         "sites": _INT,
         "heap_ms": _NUM,

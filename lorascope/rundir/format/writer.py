@@ -183,6 +183,14 @@ class Stream:
         self.append(record)
         self.flush(final=True)
 
+    def write_line(self, line: str) -> None:
+        """Write one preformatted record line (``\\n``-terminated) now, after everything
+        queued: on disk when this returns."""
+        if self._fd is None:
+            return
+        self.append(Line("%s", (line,)))
+        self.flush(final=True)
+
     def flush(self, final: bool = False) -> None:
         """Format and write what is queued, in order, with one ``os.write`` per segment
         touched. A LazyRecord may ask to stay queued (a call that may end soon and then
