@@ -274,6 +274,8 @@ class RankSpec:
     extra: list[dict[str, Any]] = field(default_factory=list)
     #: Records written after the steps and before the calls, as given (``t`` added).
     before_calls: list[dict[str, Any]] = field(default_factory=list)
+    #: The call file's head and ring slots.
+    call_slots: tuple[int, int] = (1 << 10, 1 << 12)
 
 
 class Calls:
@@ -291,8 +293,8 @@ class Calls:
         )
 
     def shape(self, t: float, **fields: Any) -> int:
-        """The id of a call shape (op, bytes, dtype, async, site, via), declared at ``t`` if new."""
-        shape = {"op": "all_reduce", "bytes": None, "dtype": None, "async": False, "site": None, "via": None, **fields}
+        """The id of a call shape (op, dtype, async, site, via), declared at ``t`` if new."""
+        shape = {"op": "all_reduce", "dtype": None, "async": False, "site": None, "via": None, **fields}
         key = tuple(shape.values())
         sid = self.shapes.get(key)
         if sid is None:
@@ -307,12 +309,15 @@ class Calls:
         *,
         gid: int = 0,
         step: int = 0,
+        nbytes: int | None = None,
         end: float | None = None,
         err: str | None = None,
         **shape: Any,
     ) -> int:
-        """One call begun at ``t`` (ended at ``end``; None: pending); its index."""
-        index = self.file.begin(t, seq, step, gid, self.shape(t, **shape))
+        """One call begun at ``t`` (ended at ``end``; None: pending) of ``nbytes`` (None:
+        unknown); its index."""
+        size = -1 if nbytes is None else nbytes
+        index = self.file.begin(t, seq, size, step, gid, self.shape(t, **shape))
         if end is not None:
             self.file.end(index, end)
         if err is not None:
@@ -374,7 +379,7 @@ def write_run(
             write("step", step=step + 1, dur=0.5 + 0.01 * n, loss=loss, src="torch")
         for rec in spec.before_calls:
             write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
-        calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t)
+        calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t, *spec.call_slots)
         for seq, call in enumerate(spec.calls, 1):
             t += 0.1
             began = t
@@ -387,7 +392,7 @@ def write_run(
                 end=t if call.end else None,
                 err=call.err if call.end else None,
                 op=call.op,
-                bytes=call.bytes,
+                nbytes=call.bytes,
                 dtype=call.dtype,
                 site=call.site,
             )

@@ -43,10 +43,10 @@ from lorascope.rundir.loading.reduce import (
 if TYPE_CHECKING:
     from lorascope.rundir.loading.reader import Collective
 
-#: A call shape's fields, as a ``shape`` record declares them: op, bytes, dtype, async, site, via.
-Shape = tuple[str, int | None, str | None, bool, str | None, str | None]
+#: A call shape's fields, as a ``shape`` record declares them: op, dtype, async, site, via.
+Shape = tuple[str, str | None, bool, str | None, str | None]
 #: What a call naming a shape no ``shape`` record declared reads as.
-UNKNOWN_SHAPE: Shape = ("unknown", None, None, False, None, None)
+UNKNOWN_SHAPE: Shape = ("unknown", None, False, None, None)
 #: Sequence numbers past every real one: the upper end of a group's missing range that no
 #: kept call closes.
 OPEN_END = (1 << 62) - 1
@@ -135,11 +135,10 @@ class _Columns:
             known = shapes.get(sid)
             if known is None:
                 unshaped += int(np.count_nonzero(recs["shape"] == sid))
-            op, size, dtype, is_async, site, via = UNKNOWN_SHAPE if known is None else known
+            op, dtype, is_async, site, via = UNKNOWN_SHAPE if known is None else known
             table.append(
                 (
                     intern(op),
-                    size,
                     None if dtype is None else intern(dtype),
                     bool(is_async),
                     None if site is None else intern(site),
@@ -172,6 +171,7 @@ class _Columns:
         recs, table, names = self.calls.records, self.table, self.names
         rows = zip(
             self.seq[kept].tolist(),
+            recs["bytes"][kept].tolist(),
             self.group[kept].tolist(),
             self.shape_pos[kept].tolist(),
             recs["step"][kept].tolist(),
@@ -181,10 +181,24 @@ class _Columns:
             strict=True,
         )
         out = []
-        for s, g, sh, st, start, stop, i in rows:
-            op, size, dtype, is_async, site, via = table[sh]
+        for s, size, g, sh, st, start, stop, i in rows:
+            op, dtype, is_async, site, via = table[sh]
             out.append(
-                make(s, names[g], op, size, dtype, is_async, site, st, start, stop or None, errors.get(i), None, via)
+                make(
+                    s,
+                    names[g],
+                    op,
+                    None if size < 0 else size,
+                    dtype,
+                    is_async,
+                    site,
+                    st,
+                    start,
+                    stop or None,
+                    errors.get(i),
+                    None,
+                    via,
+                )
             )
         return out
 
@@ -239,11 +253,12 @@ def reduce_calls(
     out.last_time = float(max(t.max(), end.max()))
     op_of_shape = np.array([ops.index(s[0]) for s in table], dtype=np.int64)
     op_code = np.array([name_code(s[0]) for s in table], dtype=np.uint64)
-    size_code = np.array([NO_BYTES if s[1] is None else s[1] & MASK for s in table], dtype=np.uint64)
-    dtype_code = np.array([name_code(s[2]) for s in table], dtype=np.uint64)
-    async_of_shape = np.array([s[3] for s in table], dtype=bool)
+    dtype_code = np.array([name_code(s[1]) for s in table], dtype=np.uint64)
+    async_of_shape = np.array([s[2] for s in table], dtype=bool)
+    size = recs["bytes"]
+    size_code = np.where(size < 0, np.uint64(NO_BYTES), size.astype(np.uint64))
     # digests: per (group, window) the sums modulo 2^64 of the calls' two hashes
-    op_size = _mix(_mix(seq.astype(np.uint64) ^ op_code[shape_pos]) ^ size_code[shape_pos])
+    op_size = _mix(_mix(seq.astype(np.uint64) ^ op_code[shape_pos]) ^ size_code)
     full = _mix(op_size ^ dtype_code[shape_pos])
     window = (seq - 1) // WINDOW
     by_window = np.lexsort((window, group))

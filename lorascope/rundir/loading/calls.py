@@ -133,6 +133,8 @@ def kept(table: np.ndarray, head: int, ring: int, count: int, who: str, warnings
     ring_index = hint + delta
     ring_ok = (ring_stamps != 0) & (ring_index >= head) & ((ring_index - head) % ring == ring_slots)
     last = max(int(head_index[head_ok][-1]) if head_ok.any() else -1, int(ring_index[ring_ok].max(initial=-1)))
+    if last < count - 1 <= last + ring:  # begun (the count is written after a record), not whole
+        last = count - 1
     # a ring slot whose index is a lap or more behind the newest was being overwritten:
     # the newer call took its index, and its record was not whole when the process stopped
     ring_ok &= ring_index > last - ring

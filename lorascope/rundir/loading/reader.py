@@ -449,8 +449,7 @@ class _Stream:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
         shape again at the head of each segment, the same; other fields under a known id
         are a corrupt stream."""
-        via = rec["via"]
-        shape: Shape = (rec["op"], rec["bytes"], rec["dtype"], rec["async"], rec["site"], via)
+        shape: Shape = (rec["op"], rec["dtype"], rec["async"], rec["site"], rec["via"])
         known = self.shapes.setdefault(rec["id"], shape)
         if known != shape:
             raise BadInputError(f"{path}:{number}: shape {rec['id']} is declared again with other fields")
