@@ -29,7 +29,6 @@ import numpy as np
 from lorascope.rundir.loading.calls import CallRecords
 from lorascope.rundir.loading.reduce import (
     HEAD_CALLS,
-    MASK,
     MIX_A,
     MIX_B,
     NO_BYTES,
