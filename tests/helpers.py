@@ -248,7 +248,8 @@ T0 = 1_800_000_000.0
 
 @dataclass
 class Call:
-    """One collective on one rank: ``end=False`` leaves it pending (no coll_end)."""
+    """One collective on one rank: ``end=False`` leaves it pending (its record's end never
+    written); ``ended_at`` ends it then (after the rank's other records), with ``err``."""
 
     op: str
     bytes: int = 4
@@ -256,6 +257,7 @@ class Call:
     site: str = "train.py:10 in main"
     end: bool = True
     err: str | None = None
+    ended_at: float | None = None
 
 
 @dataclass
@@ -276,6 +278,8 @@ class RankSpec:
     before_calls: list[dict[str, Any]] = field(default_factory=list)
     #: The call file's head and ring slots.
     call_slots: tuple[int, int] = (1 << 10, 1 << 12)
+    #: The sequence number of the first call (a rank attached after the others' first calls).
+    first_seq: int = 1
 
 
 class Calls:
@@ -380,17 +384,18 @@ def write_run(
         for rec in spec.before_calls:
             write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
         calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t, *spec.call_slots)
-        for seq, call in enumerate(spec.calls, 1):
+        for seq, call in enumerate(spec.calls, spec.first_seq):
             t += 0.1
             began = t
             if call.end:
                 t += 0.1
+            ended = t if call.end else call.ended_at
             calls.call(
                 began,
                 seq,
                 step=spec.steps,
-                end=t if call.end else None,
-                err=call.err if call.end else None,
+                end=ended,
+                err=call.err if ended is not None else None,
                 op=call.op,
                 nbytes=call.bytes,
                 dtype=call.dtype,

@@ -200,7 +200,7 @@ def test_cli_once_and_bad_input(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["watch", str(tmp_path)])
     assert exc.value.code == 3
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 3, "launches": []}))
     result = CliRunner().invoke(cli, ["watch", str(tmp_path), "--once"])
     assert result.exit_code == 0 and "0 ranks" in result.output  # a job not started yet
 

@@ -128,6 +128,8 @@ class RankData:
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
+    #: The call file its collective calls were read from (None: none was).
+    calls_file: str | None = None
     #: Kineto traces the rank wrote, as absolute paths.
     trace_files: list[str] = field(default_factory=list)
     #: Flight-recorder dumps the rank wrote: their ``flight_dump`` records (``t``: when,
@@ -473,6 +475,8 @@ class _Stream:
         if leaves(first.parent, path):
             self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
             return empty()
+        if self.data is not None:
+            self.data.calls_file = str(path)
         return read_calls(path, f"rank {self.rank}", self.warnings)
 
     def reduced(self, first: Path, windows: dict[str, list[tuple[int, int]]] | None) -> ReducedCalls:
