@@ -18,6 +18,7 @@ collectives (unknown, not zero).
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from collections.abc import Callable, Mapping
@@ -86,15 +87,14 @@ class ReducedCalls:
         keys, starts, took = self.sync_calls
         inside = np.zeros(len(keys), dtype=bool)
         if spans:
-            # exact as the per-call test: for each span of a step, the calls of the step in it
-            span_keys = np.fromiter(spans, dtype=np.int64, count=len(spans))
-            of_step = np.isin(keys, span_keys)
-            for key in np.unique(keys[of_step]).tolist():
-                at = np.flatnonzero(keys == key)
-                hit = np.zeros(len(at), dtype=bool)
-                for b, e in spans[key]:
-                    hit |= (starts[at] >= b) & (starts[at] <= e)
-                inside[at] = hit
+            # exact as the per-call test: the j-th span of each step, for every j at once
+            known = np.array(sorted(spans), dtype=np.int64)
+            at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+            of_step = known[at] == keys
+            for j in range(max(map(len, spans.values()))):
+                edges = [spans[k][j] if j < len(spans[k]) else (math.inf, -math.inf) for k in known.tolist()]
+                begin, end = np.array(edges, dtype=np.float64).T
+                inside |= of_step & (starts >= begin[at]) & (starts <= end[at])
         out: dict[int, float] = {}
         outside = ~inside
         if outside.any():
