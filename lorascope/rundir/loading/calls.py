@@ -170,11 +170,12 @@ def kept(table: np.ndarray, head: int, ring: int, count: int, who: str, warnings
     return out
 
 
-def read_since(path: Path, since: int, pending: list[int]) -> tuple[int, CallRecords] | None:
+def read_since(path: Path, since: int, pending: list[int], most: int | None = None) -> tuple[int, CallRecords] | None:
     """For a follower (`lorascope watch`): the records of indexes ``since`` up to the
-    header's count, and those of the ``pending`` indexes again (their ends may have been
-    written since), read with ``pread``; returns (the count, the records), or None when the
-    file is not (yet) a call file. Indexes a ring went round over are skipped."""
+    header's count (the newest ``most`` of them at most), and those of the ``pending``
+    indexes again (their ends may have been written since), read with ``pread``; returns
+    (the count, the records), or None when the file is not (yet) a call file. Indexes a
+    ring went round over are skipped."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -185,6 +186,8 @@ def read_since(path: Path, since: int, pending: list[int]) -> tuple[int, CallRec
         except BadInputError:
             return None
         first = max(since, count - ring, 0) if count > head else since
+        if most is not None:
+            first = max(first, count - most)
         wanted = sorted({*(i for i in pending if i < first), *range(first, count)})
         table = _pread_slots(fd, wanted, head, ring)
     except OSError:
