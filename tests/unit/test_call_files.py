@@ -230,3 +230,14 @@ def test_a_gap_in_one_ranks_ring_is_no_divergence(tmp_path: Path) -> None:
     whole = run("all_reduce", "whole", (64, 64))
     assert run("all_reduce", "same") == whole
     assert set(run("barrier", "differ")) > set(whole)
+
+
+@pytest.mark.parametrize("table", ["HEADER_FIELDS", "CALL_FIELDS"])
+def test_the_docs_tables_are_the_layout_tables(table: str) -> None:
+    """docs/run-format.md spells the call file's layout as layout.py does, row for row."""
+    from lorascope.rundir.format import layout
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "run-format.md").read_text()
+    block = text.split(f"<!-- layout: {table} -->\n", 1)[1].split("<!-- end layout -->", 1)[0]
+    rows = [line.strip("| ").split(" | ") for line in block.strip().splitlines()[2:]]
+    assert [(f.strip("`"), c.strip("`"), m) for f, c, m in rows] == list(getattr(layout, table))
