@@ -34,9 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tests.helpers
+
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
+from tests.helpers import Calls
 
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"
@@ -84,6 +87,7 @@ class Job:
             write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
             for _, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
+            calls = Calls(stream, prefix, t)
             seq = 0
             for step in range(1, steps + 1):
                 for op, nbytes, site in STEP_CALLS:
@@ -91,14 +95,18 @@ class Job:
                     last = step == steps and op == STEP_CALLS[0][0]
                     if n == odd and last:
                         break  # the odd rank never gets to its last step's gather
-                    write("coll", seq=seq, gid=0, op=op, bytes=nbytes, dtype="float32", site=site, step=step,
-                          **{"async": False})  # fmt: skip
+                    t += 0.01
+                    began = t
                     if not last:
-                        write("coll_end", seq=seq, gid=0, err=None)
+                        t += 0.01
+                    calls.call(
+                        began, seq, step=step, nbytes=nbytes, end=None if last else t, op=op, dtype="float32", site=site
+                    )
                 else:
                     write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
                     continue
                 break
+            calls.close()
             stream.close()
         self.pending_seq = self.last_seq - 1  # the last step's gather
 
