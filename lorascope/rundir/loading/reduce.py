@@ -52,10 +52,6 @@ WINDOW = 256
 WINDOW_PAD = 64
 #: Completed calls waiting behind an older pending one before they are summed anyway.
 MAX_REORDER = 1 << 18
-#: Synchronous calls a collective log holds before it first forgets those of steps
-#: decimation is sure to drop (:class:`SyncTimes`); after each time, twice what it kept and
-#: this many more.
-SYNC_PRUNE = 1 << 16
 #: Step-keyed records: rank-steps kept over the whole run, and at least per rank.
 STEP_BUDGET = 1 << 17
 MIN_STEPS_KEPT = 64
@@ -68,7 +64,7 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-#: What :meth:`StepKeeper.sure_to_drop` says: (low, high, stride).
+#: What :meth:`StepKeeper._bounds` says: (low, high, stride).
 Rule = tuple[int | None, int, int]
 
 
@@ -221,35 +217,15 @@ class GroupTally:
 class SyncTimes:
     """A rank's completed synchronous calls, (start, seconds) by step (+1), held for the
     time outside backward (:func:`sync_outside_backward`), and each step's sum of them
-    (``sums``: the rank's ``coll_wait``). Once :data:`SYNC_PRUNE` calls are held, those of
-    the steps decimation is sure to drop (``sure_to_drop``: the stream's
-    :meth:`StepKeeper.sure_to_drop`; None: none is) are forgotten with their sums, as
-    decimation would drop what they add up to (~1.2 KB a step of the probes/ job, else held
-    to the end); then again at twice what was kept plus :data:`SYNC_PRUNE`."""
+    (``sums``: the rank's ``coll_wait``)."""
 
-    def __init__(self, sure_to_drop: Callable[[str], Rule | None] | None) -> None:
+    def __init__(self) -> None:
         self.sums: dict[int, float] = {}
         self.calls: dict[int, list[tuple[float, float]]] = {}
-        #: Calls held.
-        self.held = 0
-        self._sure_to_drop = sure_to_drop
-        self._next = SYNC_PRUNE
 
     def add(self, step: int, start: float, took: float) -> None:
         self.sums[step] = self.sums.get(step, 0.0) + took
         self.calls.setdefault(step, []).append((start, took))
-        self.grew(1)
-
-    def grew(self, n: int) -> None:
-        """``n`` more calls are held; past the threshold, forget what is sure to go."""
-        self.held += n
-        if self.held >= self._next and self._sure_to_drop is not None:
-            rule = self._sure_to_drop("coll_wait")
-            if rule is not None:
-                self.calls = {k: v for k, v in self.calls.items() if not sure_dropped(rule, k)}
-                self.sums = {k: v for k, v in self.sums.items() if not sure_dropped(rule, k)}
-                self.held = sum(map(len, self.calls.values()))
-            self._next = 2 * self.held + SYNC_PRUNE
 
 
 class CollectiveLog:
@@ -258,21 +234,14 @@ class CollectiveLog:
     synthetic run's). The reader computes the same over a call file's columns
     (:mod:`lorascope.rundir.loading.callreduce`)."""
 
-    def __init__(
-        self,
-        windows: dict[str, list[tuple[int, int]]] | None = None,
-        sure_to_drop: Callable[[str], Rule | None] | None = None,
-    ) -> None:
-        """``sure_to_drop``: the stream's :meth:`StepKeeper.sure_to_drop`, so that the
-        synchronous calls of steps decimation drops are forgotten as the stream is read
-        (None: every one is kept)."""
+    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None = None) -> None:
         self.tallies: dict[str, GroupTally] = {}
         self.head: dict[str, list[Collective]] = {}
         self.tail: dict[str, deque[Collective]] = {}
         #: Calls asked for by sequence number (a window read again), per group.
         self.windows = windows or {}
         self.extra: list[Collective] = []
-        self.sync = SyncTimes(sure_to_drop)
+        self.sync = SyncTimes()
         self.op_totals: dict[str, tuple[float, int]] = {}
         self._order: list[tuple[float, int, Collective]] = []
         self._n = 0
@@ -548,18 +517,11 @@ class StepKeeper:
             self.prune(data)
             self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
 
-    def sure_to_drop(self, data: Any, kind: str) -> Rule | None:
-        """(low, high, stride): the records of ``kind`` whose step is a whole number s with
-        ``low < s < high`` (no lower bound if low is None) and ``s % stride != 0`` are
-        sure to be dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a
-        peak (``mem``, ``logits``); so are the per-step sums of the collectives with such a
-        key (``coll_wait``); None if none is yet, or ``kind`` is no longer dropped from (a
-        NaN was seen)."""
-        return None if self._nan.get(kind) else self._bounds(data)
-
     def _bounds(self, data: Any) -> Rule | None:
-        """:meth:`sure_to_drop`'s (low, high, stride) from the step records so far, peaks
-        and NaNs aside (None: no step is yet sure to be dropped)."""
+        """(low, high, stride): the records whose step is a whole number s with ``low < s <
+        high`` (no lower bound if low is None) and ``s % stride != 0`` are sure to be
+        dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a peak, from
+        the step records so far (None: no step is yet sure to be dropped)."""
         for rec in data.steps[self._taken :]:
             self._number(rec["step"])
         self._taken = len(data.steps)
