@@ -1,7 +1,11 @@
 """Reading and validating a run directory (analysis side).
 
-A torn last line (a rank killed mid-write) is skipped with a warning; anything else that
-breaks the format is a BadInputError naming the file and line.
+Each rank process's JSON Lines stream is read and validated record by record; its
+collective calls come from its call file, read and reduced as numpy columns
+(:mod:`lorascope.rundir.loading.calls`, :mod:`lorascope.rundir.loading.callreduce`). A torn
+last line (a rank killed mid-write) is skipped with a warning, and a call file's torn or
+missing slots with one; anything else that breaks the format is a BadInputError naming the
+file and line. Run directories of formats before v3 are refused in one line.
 """
 
 from __future__ import annotations
@@ -264,10 +268,9 @@ def _file_warnings(path: Path, long_lines: list[int], deep_lines: list[int], war
 
 
 def decode_line(path: Path, number: int, line: bytes, warnings: list[str], deep_lines: list[int]) -> Any:
-    """One line that is not a collective record in the probes' layout, as its parsed JSON;
-    None for a blank line, one nested deeper than MAX_RECORD_DEPTH (its number goes to
-    ``deep_lines``) or a torn last line (warned). A broken line that ends in a newline is
-    a corrupt stream: BadInputError."""
+    """One line of a stream, as its parsed JSON; None for a blank line, one nested deeper
+    than MAX_RECORD_DEPTH (its number goes to ``deep_lines``) or a torn last line
+    (warned). A broken line that ends in a newline is a corrupt stream: BadInputError."""
     if not line.strip():
         return None
     if maybe_too_deep(line, MAX_RECORD_DEPTH):
