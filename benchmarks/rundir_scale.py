@@ -36,6 +36,7 @@ in its stream) and deleted after it is measured (unless --keep); check `df` firs
 from __future__ import annotations
 
 import argparse
+import heapq
 import itertools
 import json
 import os
@@ -56,7 +57,7 @@ import psutil
 from lorascope.probes.logits import MAX_CALLS
 from lorascope.rundir.format.layout import CALL, CALLS_VERSION, DEFAULT_HEAD, DEFAULT_RING, HEADER, MAGIC, STAMP_MASK
 from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION
-from lorascope.rundir.loading.calls import CALL_DTYPE
+from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "fixtures" / "rank-conditional-hang"
@@ -73,13 +74,31 @@ _SHAPE_KEYS = ("op", "dtype", "async", "site", "via")
 
 
 def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dict[str, Any]]]:
-    """The template rank's records in the order written, its ``coll`` records (the
-    recording predates format v3) standing for the calls, and each call's ``coll_end`` by
-    (gid, seq)."""
+    """The template rank's stream records and its calls, in time order: each call as a
+    ``coll`` dict (t, seq, gid, step, bytes and its shape's fields), and each ended call's
+    end as a dict by (gid, seq) (t: the end, err)."""
     [path] = (TEMPLATE / "ranks" / f"rank-{rank}").glob("*.jsonl")
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    ends = {(r["gid"], r["seq"]): r for r in recs if r["k"] == "coll_end"}
-    return [r for r in recs if r["k"] != "coll_end"], ends
+    [calls_path] = path.parent.glob("*" + CALLS_SUFFIX)
+    calls = read_calls(calls_path, f"rank {rank}", [])
+    shapes = {r["id"]: r for r in recs if r["k"] == "shape"}
+    errors = {r["index"]: r["err"] for r in recs if r["k"] == "coll_err"}
+    stream = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err")]
+    made, ends = [], {}
+    rows = calls.records
+    for i, index in enumerate(calls.index.tolist()):
+        shape = shapes[int(rows["shape"][i])]
+        nbytes = int(rows["bytes"][i])
+        call = {
+            "k": "coll", "t": float(rows["t"][i]), "seq": int(rows["seq"][i]), "gid": int(rows["gid"][i]),
+            "step": int(rows["step"][i]), "bytes": None if nbytes < 0 else nbytes,
+            **{key: shape[key] for key in _SHAPE_KEYS},
+        }  # fmt: skip
+        made.append(call)
+        if rows["end"][i]:
+            ends[(call["gid"], call["seq"])] = {"t": float(rows["end"][i]), "err": errors.get(index)}
+    merged = list(heapq.merge(stream, made, key=lambda r: r["t"]))  # each one's own order kept
+    return merged, ends
 
 
 class _CallColumns:

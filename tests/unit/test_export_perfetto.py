@@ -130,12 +130,13 @@ def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path,
     from click.testing import CliRunner
 
     from lorascope.cli import cli
-    from lorascope.rundir.loading import reduce
+    from lorascope.rundir.loading import callreduce, reduce
 
     whole = analyze(FIXTURES / "healthy").bundle.run
     assert whole is not None
-    monkeypatch.setattr(reduce, "HEAD_CALLS", 40)
-    monkeypatch.setattr(reduce, "TAIL_CALLS", 60)
+    for module in (reduce, callreduce):
+        monkeypatch.setattr(module, "HEAD_CALLS", 40)
+        monkeypatch.setattr(module, "TAIL_CALLS", 60)
     monkeypatch.setattr(reduce, "STEP_BUDGET", 4)
     monkeypatch.setattr(reduce, "MIN_STEPS_KEPT", 2)
     run = analyze(FIXTURES / "healthy").bundle.run

@@ -91,7 +91,9 @@ def read_calls(path: Path, who: str, warnings: list[str]) -> CallRecords:
     """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings);
     a file that cannot be read, or whose header is bad, is warned and reads as no calls.
     Only the slots written so far are read (the header's count, and COUNT_SLACK more): a
-    call file is made at its full size, sparse."""
+    call file is made at its full size, sparse, and may be cut after its last slot written
+    (a writer that closes it may give the rest back); shorter than its count says, it is
+    read as far as it goes, with a warning."""
     try:
         with open_regular(path, inside=path.parent) as f:
             size = os.fstat(f.fileno()).st_size
@@ -108,9 +110,10 @@ def read_calls(path: Path, who: str, warnings: list[str]) -> CallRecords:
         warnings.append(f"{who}: its call file {path} is unreadable ({why}); its calls are not read")
         return empty()
     slots = (size - HEADER.size) // CALL.size
-    if slots < head + ring:
+    if slots < min(head + ring, count):  # a file may end after its last slot written, not before
         warnings.append(
-            f"{path}: the call file is cut short ({max(slots, 0):,} of {head + ring:,} slots); read as far as it goes"
+            f"{path}: the call file is cut short ({max(slots, 0):,} of the {min(head + ring, count):,} slots "
+            "its header says were written); read as far as it goes"
         )
     table = np.frombuffer(raw, CALL_DTYPE, count=len(raw) // CALL.size)
     return kept(table, head, ring, count, who, warnings)
