@@ -34,10 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorascope.rundir.format.callfile import CallFile, calls_path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tests.helpers
+
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
+from tests.helpers import Calls
 
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"
@@ -83,15 +85,9 @@ class Job:
                 argv=[TRAIN], versions={"torch": "2.13.0"}, device="cpu",
             )  # fmt: skip
             write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
-            calls = CallFile(calls_path(prefix))
-            write("calls_file", file=calls.path.name, how=calls.how, head=calls.head, ring=calls.ring)
-            shapes: dict[tuple[str, str], int] = {}
-            for op, _, site in STEP_CALLS:
+            for _, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
-                if (op, site) not in shapes:
-                    shapes[(op, site)] = len(shapes)
-                    write("shape", id=len(shapes) - 1, op=op, dtype="float32", site=site, via=None,
-                          **{"async": False})  # fmt: skip
+            calls = Calls(stream, prefix, t)
             seq = 0
             for step in range(1, steps + 1):
                 for op, nbytes, site in STEP_CALLS:
@@ -100,15 +96,18 @@ class Job:
                     if n == odd and last:
                         break  # the odd rank never gets to its last step's gather
                     t += 0.01
-                    index = calls.begin(t, seq, nbytes, step - 1, 0, shapes[(op, site)])
+                    began = t
                     if not last:
-                        calls.end(index, t + 0.005)
+                        t += 0.01
+                    calls.call(
+                        began, seq, step=step, nbytes=nbytes, end=None if last else t, op=op, dtype="float32", site=site
+                    )
                 else:
                     write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
                     continue
                 break
-            stream.close()
             calls.close()
+            stream.close()
         self.pending_seq = self.last_seq - 1  # the last step's gather
 
     def answer(self, n: int, request: str) -> None:

@@ -29,13 +29,14 @@ its workers' CPU is not counted, they are not this machine's); ``--local-cluster
 one here with N single-threaded worker processes and counts their CPU (what the Dask
 path costs against the local pool on the same cores).
 
-Each run directory is deleted after it is measured (unless --keep); check `df` first:
-a rank-step is ~9 KB (format v2), so 64 x 10,000 writes ~6 GB.
+Each run directory is written in format v3 (the calls in each rank's call file, the rest
+in its stream) and deleted after it is measured (unless --keep); check `df` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import itertools
 import json
 import os
@@ -50,9 +51,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from lorascope.probes.logits import MAX_CALLS
+from lorascope.rundir.format.layout import CALL, CALLS_VERSION, DEFAULT_HEAD, DEFAULT_RING, HEADER, MAGIC, STAMP_MASK
+from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION
+from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "fixtures" / "rank-conditional-hang"
@@ -64,45 +69,84 @@ GOAL_STEPS = 10_000
 DROPPED = {"trace_window", "flight_dump", "snapshot", "fatal_handler"}
 
 
-#: The probes' own layout of collective records (lorascope.probes.collectives), in order:
-#: a call names its shape (format v2), declared in a ``shape`` record.
-_CALL_KEYS = ("k", "t", "seq", "gid", "sh", "step", "via", "end", "err")
-_SHAPE_KEYS = ("op", "bytes", "dtype", "async", "site")
-_END_KEYS = ("k", "t", "seq", "gid", "err")
+#: A call's shape (format v3's ``shape`` record): what a call shares with the same call at every step.
+_SHAPE_KEYS = ("op", "dtype", "async", "site", "via")
 
 
-def _records(rank: int) -> list[dict[str, Any]]:
-    """The template rank's records as today's probes write them: the recording predates
-    ``coll_done``, so an async call with its ``coll_end`` becomes one ``coll_done`` (the
-    writer formats an async call once it has ended); it predates format v2, so each call
-    names its shape, declared in a ``shape`` record (here all of them after the ``start``
-    record, the probes declare each before its first call); and collective records take
-    the probes' key order."""
+def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dict[str, Any]]]:
+    """The template rank's stream records and its calls, in time order: each call as a
+    ``coll`` dict (t, seq, gid, step, bytes and its shape's fields), and each ended call's
+    end as a dict by (gid, seq) (t: the end, err)."""
     [path] = (TEMPLATE / "ranks" / f"rank-{rank}").glob("*.jsonl")
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    ends = {(r["gid"], r["seq"]): r for r in recs if r["k"] == "coll_end"}
-    merged = set()
-    out = []
-    for r in recs:
-        if r["k"] == "coll" and r["async"] and (r["gid"], r["seq"]) in ends:
-            end = ends[(r["gid"], r["seq"])]
-            merged.add((r["gid"], r["seq"]))
-            r = {**r, "k": "coll_done", "end": end["t"], "err": end["err"]}
-        out.append(r)
-    out = [r for r in out if not (r["k"] == "coll_end" and (r["gid"], r["seq"]) in merged)]
-    shapes: dict[tuple[Any, ...], int] = {}
-    for i, r in enumerate(out):
-        if r["k"] in ("coll", "coll_done"):
-            r = {**r, "sh": shapes.setdefault(tuple(r[key] for key in _SHAPE_KEYS), len(shapes))}
-        keys = _END_KEYS if r["k"] == "coll_end" else _CALL_KEYS if r["k"] in ("coll", "coll_done") else None
-        if keys is not None:
-            out[i] = {key: r[key] for key in keys if key in r}
-    start = next(i for i, r in enumerate(out) if r["k"] == "start")
-    declared = [
-        {"k": "shape", "t": out[start]["t"], "id": n, **dict(zip(_SHAPE_KEYS, shape, strict=True))}
-        for shape, n in shapes.items()
-    ]
-    return [*out[: start + 1], *declared, *out[start + 1 :]]
+    [calls_path] = path.parent.glob("*" + CALLS_SUFFIX)
+    calls = read_calls(calls_path, f"rank {rank}", [])
+    shapes = {r["id"]: r for r in recs if r["k"] == "shape"}
+    errors = {r["index"]: r["err"] for r in recs if r["k"] == "coll_err"}
+    stream = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err")]
+    made, ends = [], {}
+    rows = calls.records
+    for i, index in enumerate(calls.index.tolist()):
+        shape = shapes[int(rows["shape"][i])]
+        nbytes = int(rows["bytes"][i])
+        call = {
+            "k": "coll", "t": float(rows["t"][i]), "seq": int(rows["seq"][i]), "gid": int(rows["gid"][i]),
+            "step": int(rows["step"][i]), "bytes": None if nbytes < 0 else nbytes,
+            **{key: shape[key] for key in _SHAPE_KEYS},
+        }  # fmt: skip
+        made.append(call)
+        if rows["end"][i]:
+            ends[(call["gid"], call["seq"])] = {"t": float(rows["end"][i]), "err": errors.get(index)}
+    merged = list(heapq.merge(stream, made, key=lambda r: r["t"]))  # each one's own order kept
+    return merged, ends
+
+
+class _CallColumns:
+    """A rank's calls as the call file's columns, appended a step at a time."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.shapes: dict[tuple[Any, ...], int] = {}
+        self.errors: list[tuple[int, float, str]] = []
+        self.n = 0
+
+    def shape(self, rec: dict[str, Any]) -> int:
+        key = tuple(rec.get(k) if k != "via" or isinstance(rec.get(k), str) else None for k in _SHAPE_KEYS)
+        return self.shapes.setdefault(key, len(self.shapes))
+
+    def add(
+        self,
+        t: np.ndarray,
+        end: np.ndarray,
+        seq: np.ndarray,
+        nbytes: np.ndarray,
+        step: np.ndarray,
+        gid: np.ndarray,
+        shape: np.ndarray,
+    ) -> None:
+        rows = np.zeros(len(t), CALL_DTYPE)
+        rows["t"], rows["end"], rows["seq"], rows["bytes"] = t, end, seq, nbytes
+        rows["step"], rows["gid"], rows["shape"] = step, gid, shape
+        rows["stamp"] = (np.arange(self.n, self.n + len(t)) + 1) & STAMP_MASK
+        self.parts.append(rows)
+        self.n += len(t)
+
+    def write(self, path: Path, created: float) -> int:
+        """The call file as the probes leave it (the first DEFAULT_HEAD calls, the newest
+        DEFAULT_RING in the ring's slots); its bytes written (the file is sparse)."""
+        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, CALL_DTYPE)
+        head, ring, n = DEFAULT_HEAD, DEFAULT_RING, len(rows)
+        with open(path, "wb") as f:
+            f.write(HEADER.pack(MAGIC, CALLS_VERSION, CALL.size, head, ring, n, created, b""))
+            f.write(rows[:head].tobytes())
+            if n > head:
+                newest = np.arange(max(head, n - ring), n)
+                slots = head + (newest - head) % ring
+                order = np.argsort(slots)
+                f.seek(HEADER.size + int(slots[order[0]]) * CALL.size)
+                f.write(rows[newest[order]].tobytes())  # the slots of the newest are one run, wrapped
+            f.truncate(HEADER.size + (head + ring) * CALL.size)
+        return HEADER.size + min(n, head + ring) * CALL.size
 
 
 def _line(rec: dict[str, Any]) -> str:
@@ -122,9 +166,9 @@ def _template(rec: dict[str, Any]) -> str:
 
 
 def write_rank(args: tuple[Path, int, int, int, int]) -> int:
-    """Write rank ``rank``'s stream; returns its bytes."""
+    """Write rank ``rank``'s stream and call file; returns their bytes."""
     out, rank, world, steps, straggler = args
-    recs = _records(0 if rank == 0 else 1)
+    recs, ends = _records(0 if rank == 0 else 1)
     first, second = [i for i, r in enumerate(recs) if r["k"] == "step"][:2]
     prologue, block, ending = recs[: first + 1], recs[first + 1 : second + 1], recs[second + 1 :]
     t1, t2 = recs[first]["t"], recs[second]["t"]
@@ -132,30 +176,62 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     period = SLOWER * span
     per_step: dict[int, int] = {}
     for r in block:
-        if r["k"] in ("coll", "coll_done"):
+        if r["k"] == "coll":
             per_step[r["gid"]] = per_step.get(r["gid"], 0) + 1
     pid = 100_000 + rank
     plant = max(2, steps // 3)
-    # where each steady-step record falls in its step, for this rank
-    is_async = {r["id"]: r["async"] for r in recs if r["k"] == "shape"}
-    waited = next(r["t"] - t1 for r in block if r["k"] == "coll" and not is_async[r["sh"]])
-    offsets = []
-    for r in block:
-        off = r["t"] - t1
+    # where each steady-step record, and each call's end, falls in its step, for this rank
+    waited = next(r["t"] - t1 for r in block if r["k"] == "coll" and not r["async"])
+
+    def offset(off: float, is_call: bool) -> float:
         if rank == straggler:
-            off *= SLOWER
-        elif off > waited or (off == waited and r["k"] != "coll"):
-            off += period - span
-        offsets.append(off)
-    templates = [_template(r) for r in block]
-    steady = list(zip(block, templates, offsets, strict=True))
+            return off * SLOWER
+        if off > waited or (off == waited and not is_call):
+            return off + period - span
+        return off
+
+    calls = _CallColumns()
+    block_calls = [r for r in block if r["k"] == "coll"]
+    c_start = np.array([offset(r["t"] - t1, True) for r in block_calls])
+    c_end = np.array(
+        [
+            offset(ends[(r["gid"], r["seq"])]["t"] - t1, False) if (r["gid"], r["seq"]) in ends else -1.0
+            for r in block_calls
+        ]
+    )
+    c_seq = np.array([r["seq"] for r in block_calls], dtype=np.int64)
+    c_inc = np.array([per_step[r["gid"]] for r in block_calls], dtype=np.int64)
+    c_bytes = np.array([-1 if r["bytes"] is None else r["bytes"] for r in block_calls], dtype=np.int64)
+    c_step = np.array([r["step"] for r in block_calls], dtype=np.int64)
+    c_gid = np.array([r["gid"] for r in block_calls], dtype=np.int64)
+    c_shape = np.array([calls.shape(r) for r in block_calls], dtype=np.int64)
+    stream = [r for r in block if r["k"] != "coll"]
+    offsets = [offset(r["t"] - t1, False) for r in stream]
+    templates = [_template(r) for r in stream]
+    steady = list(zip(stream, templates, offsets, strict=True))
     # the probes look at the first MAX_CALLS calls' logits only, one call a step: the
     # recording's steady step holds the last of them, its repetitions none
     later = [(r, tmpl, off) for r, tmpl, off in steady if r["k"] != "logits"]
     assert all(r["step"] + 1 >= MAX_CALLS for r, _, _ in steady if r["k"] == "logits")
-    path = out / "ranks" / f"rank-{rank}" / f"bench-{pid}.0000.jsonl"
+    prefix = out / "ranks" / f"rank-{rank}" / f"bench-{pid}"
+    path = prefix.with_name(prefix.name + ".0000.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     written = 0
+
+    def call(r: dict[str, Any], shift: float, steps_on: int, seqs_on: int) -> None:
+        end = ends.get((r["gid"], r["seq"]))
+        calls.add(
+            np.array([r["t"] + shift]),
+            np.array([0.0 if end is None else end["t"] + shift]),
+            np.array([r["seq"] + seqs_on * per_step.get(r["gid"], 0)]),
+            np.array([-1 if r["bytes"] is None else r["bytes"]]),
+            np.array([r["step"] + steps_on]),
+            np.array([r["gid"]]),
+            np.array([calls.shape(r)]),
+        )
+        if end is not None and end.get("err") is not None:
+            calls.errors.append((calls.n - 1, end["t"] + shift, end["err"]))
+
     with open(path, "w") as f:
 
         def emit(rec: dict[str, Any]) -> None:
@@ -167,10 +243,25 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
         for r in prologue:
             if r["k"] in DROPPED:
                 continue
+            if r["k"] == "coll":
+                call(r, 0.0, 0, 0)
+                continue
             r = dict(r)
             if r["k"] == "start":
                 r.update(rank=rank, world_size=world, local_rank=rank % 8, pid=pid)
-            elif r["k"] == "group":
+                emit(r)
+                emit(
+                    {
+                        "k": "calls_file",
+                        "t": r["t"],
+                        "file": prefix.name + CALLS_SUFFIX,
+                        "how": "mmap",
+                        "head": DEFAULT_HEAD,
+                        "ring": DEFAULT_RING,
+                    }
+                )
+                continue
+            if r["k"] == "group":
                 r["ranks"] = list(range(world))
             elif r["k"] == "dist_init":
                 r.update(rank=rank, world_size=world)
@@ -185,7 +276,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                         t=base + off,
                         end=base + off + r.get("end", 0) - r["t"],
                         step=r.get("step", 0) + j,
-                        seq=r.get("seq", 0) + j * per_step.get(r.get("gid", -1), 0),
+                        seq=r.get("seq", 0),
                         rss=r.get("rss", 0) + extra,
                         heap=r.get("heap", 0) + extra,
                     )
@@ -193,26 +284,39 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             text = "".join(chunk).replace('"dur":' + repr(recs[second]["dur"]), '"dur":' + repr(period))
             written += len(text)
             f.write(text)
+            calls.add(
+                base + c_start,
+                np.where(c_end < 0, 0.0, base + c_end),
+                c_seq + j * c_inc,
+                c_bytes,
+                c_step + j,
+                c_gid,
+                c_shape,
+            )
         shift = (steps - 2) * period + (period - span)
         for r in ending:
             if r["k"] in DROPPED:
                 continue
+            if r["k"] == "coll":
+                call(r, shift, steps - 2, steps - 2)
+                continue
             r = dict(r)
             r["t"] += shift
-            if "end" in r:
-                r["end"] += shift
             if isinstance(r.get("step"), int):
                 r["step"] += steps - 2
-            if isinstance(r.get("seq"), int):
-                r["seq"] += (steps - 2) * per_step.get(r["gid"], 0)
             if rank == 0 and r["k"] == "mem":
                 r.update({k: r[k] + EXTRA for k in ("rss", "heap") if isinstance(r.get(k), int)})
             emit(r)
-    return written
+        t0 = recs[0]["t"]
+        for key, n in calls.shapes.items():
+            emit({"k": "shape", "t": t0, "id": n, **dict(zip(_SHAPE_KEYS, key, strict=True))})
+        for index, t, err in calls.errors:
+            emit({"k": "coll_err", "t": t, "index": index, "err": err})
+    return written + calls.write(prefix.with_name(prefix.name + CALLS_SUFFIX), t0)
 
 
 def write_run(out: Path, ranks: int, steps: int) -> int:
-    manifest = json.loads((TEMPLATE / "manifest.json").read_text())
+    manifest = {**json.loads((TEMPLATE / "manifest.json").read_text()), "version": FORMAT_VERSION}
     out.mkdir(parents=True)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     jobs = [(out, r, ranks, steps, ranks // 2 + 1) for r in range(ranks)]
@@ -327,7 +431,9 @@ def main() -> int:
             shutil.rmtree(out, ignore_errors=True)
             write_run(out, ranks, args.steps)
         wrote = time.perf_counter() - start
-        size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl"))
+        size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl")) + sum(
+            min(p.stat().st_size, p.stat().st_blocks * 512) for p in (out / "ranks").rglob("*.calls")
+        )
         lorascope = [sys.executable, "-m", "lorascope", *(["--workers", str(args.workers)] if args.workers else [])]
         a_wall, a_here, a_dask, a_peak, text = measure(
             [*lorascope, "analyze", "--json", str(out), *extra], args.src, workers
@@ -349,7 +455,7 @@ def main() -> int:
         html.unlink(missing_ok=True)
         mb = size / 1e6
         print(
-            f"{ranks} ranks x {args.steps} steps: {mb:,.0f} MB of streams (written in {wrote:.0f} s)\n"
+            f"{ranks} ranks x {args.steps} steps: {mb:,.0f} MB of streams and call files (written in {wrote:.0f} s)\n"
             f"  analyze: {a_wall:.1f} s wall, {a_cpu:.1f} s CPU {split(a_here, a_dask) if local else ''}"
             f"peak {peak(a_peak)}; "
             f"{mb / a_wall:.1f} MB/s, {mb / a_cpu:.1f} MB per CPU-second\n"

@@ -3,7 +3,8 @@ twice as long must take about twice as long to read, whatever order its step num
 come in (issue 13: "time grows with bytes read, not worse").
 
 One rank stream in the real format (the steady step of fixtures/rank-conditional-hang
-repeated, as `rundir_scale.py` writes it), its step numbers mapped:
+repeated, as `rundir_scale.py` writes it, without its calls: they are in the call file,
+read as columns whatever their steps), its step numbers mapped:
 
 * ``rising``: 1, 2, 3, ... (a run);
 * ``falling``: N, N-1, ..., 1 (hostile, or a writer gone wrong; a sorted list's inserts
@@ -13,8 +14,8 @@ repeated, as `rundir_scale.py` writes it), its step numbers mapped:
 * ``falling, step records only``: 100 x N step records and nothing else, falling (what a
   hostile stream packs into the 512 MiB limit: ~5 million steps).
 
-Each is read by `read_process` at a 1,024-rank budget (128 steps), column-wise (polars)
-and line by line, at N and 2N steps; prints seconds and the ratio (~2 is linear).
+Each is read by `read_process` at a 1,024-rank budget (128 steps), at N and 2N steps;
+prints seconds and the ratio (~2 is linear).
 
     python benchmarks/stream_shapes.py [--steps 2000]
 """
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rundir_scale import DROPPED, _line, _records, _template
 
 from lorascope.rundir.format import limits
-from lorascope.rundir.loading import columnar, reader
+from lorascope.rundir.loading import reader
 from lorascope.rundir.loading.reduce import steps_per_rank
 
 #: name -> (step number of the j-th of n steps, step records only, steps as a multiple of N).
@@ -50,16 +51,12 @@ SHAPES: dict[str, tuple[Callable[[int, int], int], bool, int]] = {
 def write(path: Path, steps: int, step_of: Callable[[int, int], int], only_steps: bool) -> int:
     """Rank 1's stream of the template, ``steps`` steady steps numbered by ``step_of``
     (``only_steps``: of each step, its step record only)."""
-    recs = _records(1)
+    recs = [r for r in _records(1)[0] if r["k"] != "coll"]
     first, second = [i for i, r in enumerate(recs) if r["k"] == "step"][:2]
     prologue, block = recs[: first + 1], recs[first + 1 : second + 1]
     if only_steps:
         block = block[-1:]
     t1, period = recs[first]["t"], recs[second]["t"] - recs[first]["t"]
-    per_step: dict[int, int] = {}
-    for r in block:
-        if r["k"] in ("coll", "coll_done"):
-            per_step[r["gid"]] = per_step.get(r["gid"], 0) + 1
     templates = [_template(r) for r in block]
     closes = recs[second]["step"]  # the step record ends the block; the rest: the step before
     with open(path, "w") as f:
@@ -75,7 +72,7 @@ def write(path: Path, steps: int, step_of: Callable[[int, int], int], only_steps
                         t=base + r["t"] - t1,
                         end=base + r.get("end", 0) - t1,
                         step=step + r.get("step", closes) - closes,
-                        seq=r.get("seq", 0) + j * per_step.get(r.get("gid", -1), 0),
+                        seq=r.get("seq", 0),
                         rss=r.get("rss", 0),
                         heap=r.get("heap", 0),
                     )
@@ -83,33 +80,16 @@ def write(path: Path, steps: int, step_of: Callable[[int, int], int], only_steps
     return path.stat().st_size
 
 
-def read_seconds(path: Path, columns: bool) -> float:
-    """Best of two readings of the stream, column-wise or line by line (SystemExit if the
-    columnar reader declined it: the figure would be the line reader's)."""
-    real, read = columnar.available, columnar.read
-
-    def declined(*args: Any) -> Any:
-        try:
-            return read(*args)
-        except columnar.Unsuitable as exc:
-            raise SystemExit(f"{path.name}: the columnar reader declined it ({exc})") from None
-
-    if columns:
-        columnar.available()  # polars imported, as a worker's initializer does
-        columnar.read = declined
-    else:
-        columnar.available = lambda: False  # type: ignore[assignment]
-    try:
-        best = float("inf")
-        for _ in range(2):
-            start = time.process_time()
-            data, _warnings = reader.read_process((1, [(0, path)], steps_per_rank(1024), None), limits.current())
-            best = min(best, time.process_time() - start)
-            if isinstance(data, str):
-                raise SystemExit(f"{path}: {data}")
-        return best
-    finally:
-        columnar.available, columnar.read = real, read  # type: ignore[assignment]
+def read_seconds(path: Path) -> float:
+    """Best of two readings of the stream (CPU seconds)."""
+    best = float("inf")
+    for _ in range(2):
+        start = time.process_time()
+        data, _warnings = reader.read_process((1, [(0, path)], steps_per_rank(1024), None), limits.current())
+        best = min(best, time.process_time() - start)
+        if isinstance(data, str):
+            raise SystemExit(f"{path}: {data}")
+    return best
 
 
 def main() -> int:
@@ -121,19 +101,17 @@ def main() -> int:
         for name, (step_of, only_steps, times_n) in SHAPES.items():
             n = times_n * args.steps
             sizes: list[Any] = []
-            times: dict[bool, list[float]] = {True: [], False: []}
+            times: list[float] = []
             for steps in (n, 2 * n):
                 path = Path(tmp) / f"shape-{steps}.0000.jsonl"
                 sizes.append(write(path, steps, step_of, only_steps) / 1e6)
-                for columns in (True, False):
-                    times[columns].append(read_seconds(path, columns))
+                times.append(read_seconds(path))
                 path.unlink()
-            for columns, (short, long) in times.items():
-                how = "columns" if columns else "lines  "
-                print(
-                    f"{name:26s} {how} {n:,} steps ({sizes[0]:.0f} MB) {short:6.2f} s, "
-                    f"{2 * n:,} ({sizes[1]:.0f} MB) {long:6.2f} s: x{long / short:.2f}"
-                )
+            short, long = times
+            print(
+                f"{name:26s} {n:,} steps ({sizes[0]:.0f} MB) {short:6.2f} s, "
+                f"{2 * n:,} ({sizes[1]:.0f} MB) {long:6.2f} s: x{long / short:.2f}"
+            )
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import pytest
 
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.rundir.format.callfile import CallFile, calls_path
 from lorascope.rundir.format.writer import Stream, fatal_path, record_launch, stream_prefix
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import load_run
@@ -247,7 +248,8 @@ T0 = 1_800_000_000.0
 
 @dataclass
 class Call:
-    """One collective on one rank: ``end=False`` leaves it pending (no coll_end)."""
+    """One collective on one rank: ``end=False`` leaves it pending (its record's end never
+    written); ``ended_at`` ends it then (after the rank's other records), with ``err``."""
 
     op: str
     bytes: int = 4
@@ -255,6 +257,7 @@ class Call:
     site: str = "train.py:10 in main"
     end: bool = True
     err: str | None = None
+    ended_at: float | None = None
 
 
 @dataclass
@@ -273,6 +276,60 @@ class RankSpec:
     extra: list[dict[str, Any]] = field(default_factory=list)
     #: Records written after the steps and before the calls, as given (``t`` added).
     before_calls: list[dict[str, Any]] = field(default_factory=list)
+    #: The call file's head and ring slots.
+    call_slots: tuple[int, int] = (1 << 10, 1 << 12)
+    #: The sequence number of the first call (a rank attached after the others' first calls).
+    first_seq: int = 1
+
+
+class Calls:
+    """A rank process's calls written as the probes write them (format v3): each into its
+    call file (:class:`CallFile`, beside the stream at ``prefix``), its shape a ``shape``
+    record of ``stream`` the first time it is seen, its error a ``coll_err`` record. The
+    call file's ``calls_file`` record is written when this is made."""
+
+    def __init__(self, stream: Stream, prefix: Path, t: float, head: int = 1 << 10, ring: int = 1 << 12) -> None:
+        self.stream = stream
+        self.file = CallFile(calls_path(prefix), head=head, ring=ring)
+        self.shapes: dict[tuple[Any, ...], int] = {}
+        stream.write(
+            {"k": "calls_file", "t": t, "file": self.file.path.name, "how": self.file.how, "head": head, "ring": ring}
+        )
+
+    def shape(self, t: float, **fields: Any) -> int:
+        """The id of a call shape (op, dtype, async, site, via), declared at ``t`` if new."""
+        shape = {"op": "all_reduce", "dtype": None, "async": False, "site": None, "via": None, **fields}
+        key = tuple(shape.values())
+        sid = self.shapes.get(key)
+        if sid is None:
+            sid = self.shapes[key] = len(self.shapes)
+            self.stream.write({"k": "shape", "t": t, "id": sid, **shape})
+        return sid
+
+    def call(
+        self,
+        t: float,
+        seq: int,
+        *,
+        gid: int = 0,
+        step: int = 0,
+        nbytes: int | None = None,
+        end: float | None = None,
+        err: str | None = None,
+        **shape: Any,
+    ) -> int:
+        """One call begun at ``t`` (ended at ``end``; None: pending) of ``nbytes`` (None:
+        unknown); its index."""
+        size = -1 if nbytes is None else nbytes
+        index = self.file.begin(t, seq, size, step, gid, self.shape(t, **shape))
+        if end is not None:
+            self.file.end(index, end)
+        if err is not None:
+            self.stream.write({"k": "coll_err", "t": end if end is not None else t, "index": index, "err": err})
+        return index
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def write_run(
@@ -326,20 +383,25 @@ def write_run(
             write("step", step=step + 1, dur=0.5 + 0.01 * n, loss=loss, src="torch")
         for rec in spec.before_calls:
             write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
-        for seq, call in enumerate(spec.calls, 1):
-            write(
-                "coll",
-                seq=seq,
-                gid=0,
+        calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t, *spec.call_slots)
+        for seq, call in enumerate(spec.calls, spec.first_seq):
+            t += 0.1
+            began = t
+            if call.end:
+                t += 0.1
+            ended = t if call.end else call.ended_at
+            calls.call(
+                began,
+                seq,
+                step=spec.steps,
+                end=ended,
+                err=call.err if ended is not None else None,
                 op=call.op,
-                bytes=call.bytes,
+                nbytes=call.bytes,
                 dtype=call.dtype,
                 site=call.site,
-                step=spec.steps,
-                **{"async": False},
             )
-            if call.end:
-                write("coll_end", seq=seq, gid=0, err=call.err)
+        calls.close()
         for message in spec.warnings:
             write("warning", category="UserWarning", message=message, filename="train.py", lineno=3)
         for rec in spec.extra:

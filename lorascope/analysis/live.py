@@ -1,18 +1,16 @@
 """A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
-lines its stream appends (:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can
-run on a partial run.
+lines its stream appends and the calls its call file gains
+(:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can run on a partial run.
 
 Lines are taken in a block at a time (what one stream appended), without decoding
-most of them: the probes write ~75-100 lines a rank and step, nine in ten of them
-collective records, and watch runs for hours beside the job. One regular expression,
-anchored where a line begins (``{"``), picks out ``coll`` lines (a synchronous call,
-written before it starts, or an async one still in flight) and ``coll_end`` lines (their
-time, sequence number, group, shape or op), ``step`` lines (number, duration, time) and
-the first key of the rare kinds, which are decoded whole (``start``, ``dist_init``,
-``group``, ``shape``, ``stall``, ``dump``, ``exception``, ``signal``, ``end``,
-``probe_error``, and format v1's collective records); ``coll_done`` lines (calls that had
-ended when written) fail past their first bytes. Every ``mem`` reading's figure is taken
-by one ``findall`` over the block, the last phase edge by ``rfind``.
+most of them: watch runs for hours beside the job. One regular expression, anchored where
+a line begins (``{"``), picks out ``step`` lines (number, duration, time) and the first
+key of the rare kinds, which are decoded whole (``start``, ``dist_init``, ``group``,
+``shape``, ``stall``, ``dump``, ``exception``, ``signal``, ``end``, ``probe_error``). Every
+``mem`` reading's figure is taken by one ``findall`` over the block, the last phase edge
+by ``rfind``. Calls come as the call file's columns (new ones, and those pending at the
+last look read again): the pending ones are kept, and the seconds of the synchronous ones
+that ended are summed per step (a rank's work in a step is its step time less them).
 Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
 :data:`MAX_PENDING`), the group and shape names.
 
@@ -46,8 +44,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lorascope.detect.straggler import MIN_RATIO, MIN_STEPS
-from lorascope.rundir.loading.tail import Followed
+from lorascope.rundir.loading.tail import Looked
 from lorascope.units import short_error
 
 #: Steps kept per rank for its step time and work.
@@ -64,19 +64,15 @@ FIRST_STEP_MIN_S = 120.0
 MISSING_AFTER_S = 30.0
 
 #: The lines watch reads, matched where they begin (``{"``) in the probes' layouts: a
-#: ``coll`` or ``coll_end`` (time, sequence number, group, shape or op), a ``step`` (number,
-#: duration), a ``mem`` reading (RSS), or the first key of a rare kind, decoded whole
-#: (``start`` and ``dist_init`` begin with rank, ``group`` gid, ``shape`` its kind, ``stall``
-#: seconds, ``dump`` reason, ``exception`` type, ``signal`` signum, ``end`` status,
-#: ``fatal_handler`` file, ``probe_error`` probe; format v1's collective records, whose
-#: ``k`` comes last, seq). ``coll_done`` lines do not match past
-#: their first bytes, nor do nested objects (a match must begin a line).
+#: ``step`` (number, duration), a ``mem`` reading (RSS), or the first key of a rare kind,
+#: decoded whole (``start`` and ``dist_init`` begin with rank, ``group`` gid, ``shape`` its
+#: kind, ``stall`` seconds, ``dump`` reason, ``exception`` type, ``signal`` signum, ``end``
+#: status, ``fatal_handler`` file, ``probe_error`` probe). Nested objects do not match (a
+#: match must begin a line).
 _LINE = re.compile(
     rb'\{"(?:'
-    rb'k":"coll(?P<end>_end)?","t":(?P<ct>[0-9.]+),"seq":(?P<seq>[0-9]+),"gid":(?P<gid>[0-9]+)'
-    rb'(?:,"sh":(?P<sh>[0-9]+)|,"op":"(?P<op>[^"]*)")?'
-    rb'|step":(?P<step>[0-9]+),"dur":(?P<dur>[0-9.eE+-]+)'
-    rb'|(?P<rare>rank|gid|k":"shape|seconds|reason|type|signum|status|file|probe|seq)"'
+    rb'step":(?P<step>[0-9]+),"dur":(?P<dur>[0-9.eE+-]+)'
+    rb'|(?P<rare>rank|gid|k":"shape|seconds|reason|type|signum|status|file|probe)"'
     rb")"
 )
 #: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
@@ -102,9 +98,11 @@ class LiveRank:
     step: int = 0
     last_step_t: float | None = None
     durs: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
-    work: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
-    #: Seconds in synchronous collectives during the current step.
-    waited: float = 0.0
+    #: The last steps past the first: (number, duration).
+    timed: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
+    #: Seconds in synchronous collectives per step (the steps completed when they began),
+    #: of the steps from the oldest one in ``timed`` on.
+    waited: dict[int, float] = field(default_factory=dict)
     mem_now: int | None = None
     mem_peak: int | None = None
     #: "cuda" once a reading carries the CUDA allocator's figures, else "rss".
@@ -114,12 +112,19 @@ class LiveRank:
     phase: str | None = None
     last_t: float = 0.0
     groups: dict[int, str] = field(default_factory=dict)
-    shapes: dict[int, str] = field(default_factory=dict)
+    #: Shape id -> (op, async).
+    shapes: dict[int, tuple[str, bool]] = field(default_factory=dict)
     #: How it ended: (status, detail) from its exception / signal / end / fatal record.
     ended: tuple[str, str] | None = None
     stall: dict[str, Any] | None = None
     dumps: int = 0
     probe_errors: int = 0
+
+    @property
+    def work(self) -> list[float]:
+        """Its own work in each of its last steps (past the first): the step's time less its
+        time in synchronous collectives (as the ``straggler`` detector measures it)."""
+        return [max(0.0, dur - self.waited.get(step - 1, 0.0)) for step, dur in self.timed]
 
     def take(self, data: bytes) -> None:
         """Lines the stream appended (without the last newline)."""
@@ -128,10 +133,8 @@ class LiveRank:
             start, pos = m.start(), m.end()
             if start and data[start - 1] != 10:  # inside a line: a nested object
                 continue
-            end_, ct, seq, gid, sh, op, step, dur, _ = m.groups()
-            if seq is not None:
-                self._call(end_ is not None, float(ct), (int(gid), int(seq)), sh, op)
-            elif step is not None:
+            step, dur, _ = m.groups()
+            if step is not None:
                 self._step(data, pos, int(step), float(dur))
             else:
                 end = data.find(b"\n", pos)
@@ -145,16 +148,28 @@ class LiveRank:
             if phase is not None:
                 self.phase = phase.group(1).decode() if phase.group(2) == b"begin" else None
 
-    def _call(self, ended: bool, t: float, key: tuple[int, int], sh: bytes | None, op: bytes | None) -> None:
-        if t > self.last_t:
-            self.last_t = t
-        if not ended:
-            if len(self.pending) < MAX_PENDING:
-                self.pending[key] = (t, op.decode() if op is not None else self.shapes.get(int(sh or -1), "?"))
-        else:
-            call = self.pending.pop(key, None)
-            if call is not None:
-                self.waited += max(0.0, t - call[0])
+    def take_calls(self, records: np.ndarray) -> None:
+        """Call records the call file gained, or held pending at the last look, read again."""
+        if not len(records):
+            return
+        t, end, seq, gid, step = records["t"], records["end"], records["seq"], records["gid"], records["step"]
+        self.last_t = max(self.last_t, float(t.max()), float(end.max()))
+        ended = end != 0.0
+        for key in list(self.pending):  # pending before: ended now?
+            if np.any(ended & (gid == key[0]) & (seq == key[1])):
+                del self.pending[key]
+        for i in np.flatnonzero(~ended)[: max(0, MAX_PENDING - len(self.pending))].tolist():
+            op, _ = self.shapes.get(int(records["shape"][i]), ("?", False))
+            self.pending[(int(gid[i]), int(seq[i]))] = (float(t[i]), op)
+        sync = np.array([not self.shapes.get(sh, ("?", False))[1] for sh in records["shape"].tolist()], dtype=bool)
+        done = ended & sync
+        if done.any():
+            steps, inverse = np.unique(step[done], return_inverse=True)
+            sums = np.bincount(inverse, weights=(end - t)[done])
+            oldest = self.timed[0][0] - 1 if len(self.timed) == self.timed.maxlen else None
+            for s, took in zip(steps.tolist(), sums.tolist(), strict=True):
+                if oldest is None or s >= oldest:
+                    self.waited[s] = self.waited.get(s, 0.0) + took
 
     def _mem(self, data: bytes) -> None:
         """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
@@ -181,9 +196,11 @@ class LiveRank:
         self.step = step
         self.last_step_t = t
         self.durs.append(dur)
-        if self.step > 1:
-            self.work.append(max(0.0, dur - self.waited))
-        self.waited = 0.0
+        if step > 1:
+            self.timed.append((step, dur))
+            oldest = self.timed[0][0] - 1
+            if len(self.waited) > 2 * KEEP_STEPS:
+                self.waited = {s: w for s, w in self.waited.items() if s >= oldest}
 
     def _rare(self, line: bytes) -> None:
         try:
@@ -196,10 +213,7 @@ class LiveRank:
             self._decoded(rec["k"], rec)
 
     def _decoded(self, kind: str, rec: dict[str, Any]) -> None:
-        if kind in ("coll", "coll_end") and isinstance(rec.get("seq"), int) and isinstance(rec.get("gid"), int):
-            op = rec.get("op")
-            self._call(kind == "coll_end", float(rec["t"]), (rec["gid"], rec["seq"]), None, str(op).encode())
-        elif kind == "start":
+        if kind == "start":
             self.host, self.pid, self.started = rec.get("host"), rec.get("pid"), rec.get("t")
             self.world_size = rec.get("world_size")
         elif kind == "dist_init" and isinstance(rec.get("world_size"), int):
@@ -207,7 +221,7 @@ class LiveRank:
         elif kind == "group" and isinstance(rec.get("gid"), int):
             self.groups[rec["gid"]] = str(rec.get("name"))
         elif kind == "shape" and isinstance(rec.get("id"), int):
-            self.shapes[rec["id"]] = str(rec.get("op"))
+            self.shapes[rec["id"]] = (str(rec.get("op")), rec.get("async") is True)
         elif kind == "stall":
             self.stall = rec
         elif kind == "dump":
@@ -256,13 +270,16 @@ class LiveRun:
     def __init__(self) -> None:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
-    def take(self, looked: Iterable[tuple[Followed, bytes]]) -> None:
-        for stream, lines in looked:
+    def take(self, looked: Iterable[Looked]) -> None:
+        for stream, lines, calls in looked:
             key = (stream.rank, stream.process)
             rank = self.processes.get(key)
             if rank is None:
                 rank = self.processes[key] = LiveRank(stream.rank, stream.process, partial=stream.partial)
-            rank.take(lines)
+            if lines:
+                rank.take(lines)
+            if calls is not None:
+                rank.take_calls(calls.records)
 
     @property
     def ranks(self) -> dict[int, LiveRank]:

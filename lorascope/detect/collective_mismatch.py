@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import pending_state, per_rank_evidence, short_site, stream_source
+from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
@@ -87,7 +87,7 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
                         if c.pending
                         else ""
                     ),
-                    stream_source(run, run.ranks[n], "coll records"),
+                    calls_source(run, run.ranks[n]),
                 )
             ]
             for n, c in calls.items()

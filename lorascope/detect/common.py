@@ -79,6 +79,12 @@ def stream_source(run: RunData, rank: RankData, what: str) -> str:
     return f"{', '.join(files) or f'ranks/rank-{rank.rank}'} ({what})"
 
 
+def calls_source(run: RunData, rank: RankData) -> str:
+    """A pointer to a rank's call file (its collective calls), relative to the run directory."""
+    where = os.path.relpath(rank.calls_file, run.path) if rank.calls_file else f"ranks/rank-{rank.rank}"
+    return f"{where} (call records)"
+
+
 def ended_with_oom(rank: RankData) -> bool:
     text = (rank.exception or {}).get("message", "")
     return "out of memory" in text.lower()

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from lorascope.detect.common import per_rank_evidence, stream_source
+from lorascope.detect.common import calls_source, per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.hang.diagnosis import FIXES, NOT_HUNG, diagnose
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment, flight_conditions, last_activity
@@ -76,9 +76,9 @@ def hang_finding(run: RunData, diagnosis: dict[str, Any]) -> Finding:
                     s["where"] or s["state"],
                     f"flight-recorder dump of rank {s['rank']}"
                     if _from_flight(s)
-                    else stream_source(
-                        run, run.ranks[s["rank"]], f"dump: {s['dumped']}" if s["dumped"] else "coll records"
-                    ),
+                    else stream_source(run, run.ranks[s["rank"]], f"dump: {s['dumped']}")
+                    if s["dumped"]
+                    else calls_source(run, run.ranks[s["rank"]]),
                 )
             ]
             for s in diagnosis["ranks"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorascope.detect.common import pending_state, per_rank_evidence, short_site, stream_source
+from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
@@ -163,9 +163,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
-        own = rows[n] = [
-            (f" at {div.group} #{div.seq}", _describe(call, rank, run), stream_source(run, rank, "coll records"))
-        ]
+        own = rows[n] = [(f" at {div.group} #{div.seq}", _describe(call, rank, run), calls_source(run, rank))]
         if call is not None and call.site:
             context = rank.sites.get(call.site, {})
             if context.get("line"):

@@ -224,7 +224,7 @@ def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
             )
             if calls_in
             else f"no synchronous collective of these steps is held by every rank; {offsets_text(b)}",
-            "coll and coll_end records",
+            "call records",
         ),
     ]
     hot_share = e.hot / (e.last - e.first + 1)

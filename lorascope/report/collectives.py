@@ -3,7 +3,7 @@
 The first sequence number where a group's members disagree (a different op, size or
 dtype, or a member that never made the call while others did; found by
 :mod:`lorascope.detect.hang.divergence`) is where a rank-conditional collective shows;
-pending calls (a ``coll`` with no ``coll_end``) are where the ranks wait.
+pending calls (a call whose record has no end) are where the ranks wait.
 """
 
 from __future__ import annotations

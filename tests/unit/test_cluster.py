@@ -126,21 +126,21 @@ def test_workers_that_cannot_read_the_run_are_named(tmp_path: Path) -> None:
     """What each worker reported (worker_state, run here as a worker runs it)."""
     run = FIXTURES / "healthy"
     here = manifest_digest(str(run))
-    good = worker_state(str(run), import_polars=False)
-    assert good == (reader_code(), here, False) and here is not None
+    good = worker_state(str(run))
+    assert good == (reader_code(), here) and here is not None
     check_workers({"tcp://a:1": good, "tcp://b:1": good}, run, "tcp://s:1", here)
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     (copy / "manifest.json").write_text(
         (run / "manifest.json").read_text().replace('"exit_status": 0', '"exit_status": 1')
     )
-    stale = worker_state(str(copy), import_polars=False)
+    stale = worker_state(str(copy))
     assert stale[1] not in (None, here)
     cases = {
         "has no workers": {},
-        "tcp://b:1 does not see": {"tcp://a:1": good, "tcp://b:1": worker_state(str(tmp_path), import_polars=False)},
+        "tcp://b:1 does not see": {"tcp://a:1": good, "tcp://b:1": worker_state(str(tmp_path))},
         "tcp://b:1 sees another": {"tcp://a:1": good, "tcp://b:1": stale},
-        "tcp://a:1 runs lorascope 0.0.9 (0123456789ab)": {"tcp://a:1": ("0.0.9 (0123456789ab)", here, False)},
+        "tcp://a:1 runs lorascope 0.0.9 (0123456789ab)": {"tcp://a:1": ("0.0.9 (0123456789ab)", here)},
         "tcp://a:1 cannot run lorascope (ModuleNotFoundError": {"tcp://a:1": ModuleNotFoundError("lorascope")},
     }
     for said, states in cases.items():

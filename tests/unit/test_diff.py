@@ -196,11 +196,12 @@ def test_collectives_of_a_run_past_the_readers_bounds_are_counted_on_whole_steps
     """With a run's middle calls dropped (bounds far below the fixture's ~350 calls a rank),
     the per-step figures of the ops called alike every step are the same as with every call
     kept: they are taken over the steps kept whole."""
-    from lorascope.rundir.loading import reduce
+    from lorascope.rundir.loading import callreduce, reduce
 
     whole = _diff("r8", "r64")["collectives"]
-    monkeypatch.setattr(reduce, "HEAD_CALLS", 60)
-    monkeypatch.setattr(reduce, "TAIL_CALLS", 120)
+    for module in (reduce, callreduce):
+        monkeypatch.setattr(module, "HEAD_CALLS", 60)
+        monkeypatch.setattr(module, "TAIL_CALLS", 120)
     data = build_diff(analyze(PAIRS / "r8"), analyze(PAIRS / "r64"))["collectives"]
     assert data["decimated"] and 0 < data["rank_steps"]["a"] < 12
     steady = {"all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor"}  # the same calls every step

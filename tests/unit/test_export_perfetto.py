@@ -130,12 +130,13 @@ def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path,
     from click.testing import CliRunner
 
     from lorascope.cli import cli
-    from lorascope.rundir.loading import reduce
+    from lorascope.rundir.loading import callreduce, reduce
 
     whole = analyze(FIXTURES / "healthy").bundle.run
     assert whole is not None
-    monkeypatch.setattr(reduce, "HEAD_CALLS", 40)
-    monkeypatch.setattr(reduce, "TAIL_CALLS", 60)
+    for module in (reduce, callreduce):
+        monkeypatch.setattr(module, "HEAD_CALLS", 40)
+        monkeypatch.setattr(module, "TAIL_CALLS", 60)
     monkeypatch.setattr(reduce, "STEP_BUDGET", 4)
     monkeypatch.setattr(reduce, "MIN_STEPS_KEPT", 2)
     run = analyze(FIXTURES / "healthy").bundle.run
@@ -174,26 +175,22 @@ def test_a_reduced_run_exports_every_call_and_step_of_the_window(tmp_path: Path,
         assert got == inside and len(inside) > 40  # more than the reduced run kept from the middle
 
 
-def test_a_span_keeps_what_overlaps_it_up_to_its_bound() -> None:
+def test_a_span_keeps_what_overlaps_it_up_to_its_bound(tmp_path: Path) -> None:
+    from lorascope.rundir.format.callfile import CallFile
+    from lorascope.rundir.loading.callreduce import calls_between
+    from lorascope.rundir.loading.calls import read_calls
     from lorascope.rundir.loading.reader import Collective
-    from lorascope.rundir.loading.span import SLACK_S, SpanLog
 
-    def call(seq: int, start: float, end: float | None) -> Collective:
-        return Collective(seq, "g", "all_reduce", 4, "float32", False, None, 0, start, end)
-
-    log = SpanLog(10.0, 20.0, most=2)
-    before, through, late_end = call(1, 1.0, 2.0), call(2, 5.0, None), call(3, 8.0, None)
-    for c in (before, through, late_end):
-        log.add(c)
-    late_end.end = 12.0
-    log.ended(late_end)  # started before the span, ended inside it: kept
-    assert not log.past(20.0 + 2 * SLACK_S)  # call 2 is still in flight: it may end in the span
-    inside, after = call(4, 15.0, 16.0), call(5, 21.0, 22.0)
-    log.add(inside)
-    log.add(after)
-    extra = call(6, 19.0, 19.5)
-    log.add(extra)  # a third call over the bound of two: counted, not kept
-    assert [c.seq for c in log.finish()] == [2, 3, 4] and log.left_out == 1  # 2: in flight to the end
-    done = SpanLog(10.0, 20.0, most=10)
-    done.add(call(1, 11.0, 12.0))
-    assert not done.past(20.0 + SLACK_S / 2) and done.past(20.0 + 2 * SLACK_S)
+    f = CallFile(tmp_path / "h-1.calls", head=16, ring=16)
+    calls = [(1.0, 2.0), (5.0, None), (8.0, 12.0), (15.0, 16.0), (21.0, 22.0), (19.0, 19.5)]
+    for seq, (start, end) in enumerate(calls, 1):
+        index = f.begin(start, seq, 4, 0, 0, 0)
+        if end is not None:
+            f.end(index, end)
+    f.close()
+    shapes = {0: ("all_reduce", "float32", False, None, None)}
+    kept, left_out = calls_between(read_calls(f.path, "rank 0", []), shapes, str, {}, (10.0, 20.0), 2, Collective)
+    # 1 ended before, 5 began after; 3 began before and ended inside, 4 and 6 inside (6 over
+    # the bound of two: counted, not kept); 2 in flight through the span, kept past the bound
+    assert [c.seq for c in kept] == [2, 3, 4] and left_out == 1
+    assert kept[0].pending and kept[1].end == 12.0

@@ -183,7 +183,7 @@ def test_pickle_huge_declared_lengths(tmp_path: Path, opcode: bytes) -> None:
 def _run_dir(tmp_path: Path, lines: list[bytes] | None = None, records: list[dict] | None = None) -> Path:
     run = tmp_path / "run"
     (run / "ranks" / "rank-0").mkdir(parents=True)
-    manifest = {"format": "lorascope-run", "version": 1, "launches": []}
+    manifest = {"format": "lorascope-run", "version": 3, "launches": []}
     (run / "manifest.json").write_text(json.dumps(manifest))
     body = [json.dumps(r).encode() for r in [START, *(records or [])]] + (lines or [])
     (run / "ranks" / "rank-0" / "h-42.0000.jsonl").write_bytes(b"".join(line + b"\n" for line in body))

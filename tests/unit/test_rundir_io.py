@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.format.schema import FORMAT_VERSION
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
+from tests.helpers import Calls
 
 START = {
     "k": "start",
@@ -33,11 +35,25 @@ START = {
 WRITER_TIMEOUT_S = 60
 
 
-def make_run(tmp_path: Path, records: list[dict], segment_bytes: int = 1 << 20, keep: int = 4) -> Path:
+def make_run(
+    tmp_path: Path,
+    records: list[dict],
+    segment_bytes: int = 1 << 20,
+    keep: int = 4,
+    calls: list[dict[str, Any]] | None = None,
+) -> Path:
+    """A one-rank run: ``records`` in its stream, ``calls`` (keyword arguments of
+    :meth:`tests.helpers.Calls.call`) in its call file."""
     record_launch(tmp_path, "h-1", ["job"])
-    stream = Stream(stream_prefix(tmp_path, 0, "h", 42), segment_bytes=segment_bytes, keep_segments=keep)
+    prefix = stream_prefix(tmp_path, 0, "h", 42)
+    stream = Stream(prefix, segment_bytes=segment_bytes, keep_segments=keep)
     for rec in [dict(START), *records]:
         stream.write(rec)
+    if calls is not None:
+        writer = Calls(stream, prefix, 1.0)
+        for call in calls:
+            writer.call(**call)
+        writer.close()
     stream.close()
     return tmp_path
 
@@ -47,35 +63,25 @@ def stream_file(run: Path) -> Path:
 
 
 def test_round_trip(tmp_path: Path) -> None:
+    t = time.time()
     run = load_run(
         make_run(
             tmp_path,
             [
                 {"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"},
-                {
-                    "k": "coll",
-                    "seq": 1,
-                    "gid": 0,
-                    "op": "all_reduce",
-                    "bytes": 8,
-                    "dtype": "float32",
-                    "async": False,
-                    "site": "train.py:3 in main",
-                    "step": 0,
-                },
-                {"k": "coll_end", "seq": 1, "gid": 0, "err": None},
-                {
-                    "k": "coll",
-                    "seq": 2,
-                    "gid": 0,
-                    "op": "barrier",
-                    "bytes": 0,
-                    "dtype": None,
-                    "async": False,
-                    "site": None,
-                    "step": 1,
-                },
                 {"k": "step", "step": 1, "dur": 0.5, "loss": 2.0, "src": "torch"},
+            ],
+            calls=[
+                {
+                    "t": t,
+                    "seq": 1,
+                    "nbytes": 8,
+                    "end": t + 0.1,
+                    "op": "all_reduce",
+                    "dtype": "float32",
+                    "site": "train.py:3 in main",
+                },
+                {"t": t + 0.2, "seq": 2, "step": 1, "nbytes": 0, "op": "barrier"},
             ],
         )
     )
@@ -150,9 +156,11 @@ def test_a_launch_raises_an_older_manifests_version(tmp_path: Path) -> None:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     manifest["version"] = 1
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    load_run(run_dir)
+    with pytest.raises(FormatVersionError, match="format v1; this lorascope reads v3"):
+        load_run(run_dir)
     record_launch(run_dir, "h-2", ["job"])
-    assert json.loads((run_dir / "manifest.json").read_text())["version"] == FORMAT_VERSION == 2
+    assert json.loads((run_dir / "manifest.json").read_text())["version"] == FORMAT_VERSION == 3
+    load_run(run_dir)
 
 
 def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
@@ -188,23 +196,21 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     assert run.ranks[0].end is None
 
 
-COLL = {"op": "all_gather_into_tensor", "bytes": 32, "dtype": "float32", "async": True, "site": None, "step": 0}
+COLL = {"op": "all_gather_into_tensor", "nbytes": 32, "dtype": "float32", "async": True, "site": None, "step": 0}
 
 
-def test_old_and_new_collective_records_read_alike(tmp_path: Path) -> None:
-    """The two-record form (``coll`` + ``coll_end``, every committed fixture) and the one
-    record the probes now write for a call that had ended (``coll_done``) give the same
-    Collective; a ``coll`` never ended is pending in both."""
+def test_a_calls_end_and_error_come_from_its_record_and_its_coll_err(tmp_path: Path) -> None:
+    """A call's end is written into its own record; its error is a ``coll_err`` record
+    naming its index; a call never ended is pending."""
     run = load_run(
         make_run(
             tmp_path,
-            [
-                {"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"},
-                {"k": "coll", "t": 10.0, "seq": 1, "gid": 0, **COLL},
-                {"k": "coll_end", "t": 10.5, "seq": 1, "gid": 0, "err": None},
-                {"k": "coll_done", "t": 11.0, "seq": 2, "gid": 0, **COLL, "end": 11.5, "err": None},
-                {"k": "coll_done", "t": 12.0, "seq": 3, "gid": 0, **COLL, "end": 12.25, "err": "RuntimeError('x')"},
-                {"k": "coll", "t": 13.0, "seq": 4, "gid": 0, **COLL},
+            [{"k": "group", "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"}],
+            calls=[
+                {"t": 10.0, "seq": 1, "end": 10.5, **COLL},
+                {"t": 11.0, "seq": 2, "end": 11.5, **COLL},
+                {"t": 12.0, "seq": 3, "end": 12.25, "err": "RuntimeError('x')", **COLL},
+                {"t": 13.0, "seq": 4, **COLL},
             ],
         )
     )
@@ -313,96 +319,40 @@ def test_cli_bad_input_is_one_line(tmp_path: Path, setup, message: str) -> None:
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_an_async_call_in_flight_waits_a_little_to_be_one_record(tmp_path: Path) -> None:
-    """A young async call stays queued at a flush (it may end and be one ``coll_done``),
-    later records are written meanwhile; a final flush (exception, signal, end) writes
-    it as a pending ``coll``, and its end follows as a ``coll_end``."""
-    from lorascope.probes.collectives import HOLD_ASYNC, _Call, _Shapes
-
-    record_launch(tmp_path, "h-1", ["job"])
-    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
-    stream.write(dict(START, t=0.5))
-    stream.append({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
-    young = _Call(time.time() + 60, 1, 0, "all_gather_into_tensor", 32, "float32", True, None, 0, None, _Shapes())
-    stream.append(young)
-    stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "begin", "step": 0})
-    stream.flush()
-    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
-    assert kinds == ["start", "group", "phase"] and HOLD_ASYNC < 0.06
-    stream.flush()
-    young.end = young.t + 1
-    stream.append(young)
-    stream.flush()
-    kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
-    assert kinds == ["start", "group", "phase", "shape", "coll", "coll_end"]
-    assert not load_run(tmp_path).ranks[0].collectives[0].pending
-
-
-def test_a_call_that_ends_before_the_writer_comes_to_it_is_queued_once(tmp_path: Path) -> None:
-    """A call's end is queued only when its start was written open (a ``coll``); one that
-    ended first (most), a young async one held at a flush included, is one ``coll_done``
-    from its one queued entry."""
-    from lorascope.probes.collectives import CollectiveProbe, _Call, _Started
-    from lorascope.probes.session import Session
-
-    record_launch(tmp_path, "h-1", ["job"])
-    stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
-    stream.write(dict(START, t=0.5))
-    probe = CollectiveProbe(Session(stream, 0, 0, 1, 0.0))
-    stream.write({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
-
-    def started(seq: int, is_async: bool) -> _Started:  # (an async call "starts" in a minute: young at any flush)
-        t = time.time() + (60 if is_async else 0)
-        call = _Call(t, seq, 0, "all_reduce", 8, "float32", is_async, None, 0, None, probe._shapes)
-        stream.append(call)
-        return _Started(call, None, False)
-
-    ended_first = started(1, False)
-    probe._end(ended_first, None)
-    assert len(stream._queue) == 1
-    held = started(2, True)
-    stream.flush()  # writes call 1, holds the young async call 2
-    probe._end(held, None)
-    assert len(stream._queue) == 1
-    stream.flush()
-    written_open = started(3, False)
-    stream.flush()
-    probe._end(written_open, None)
-    assert len(stream._queue) == 1  # its end
-    stream.flush()
-    records = [json.loads(line) for line in stream_file(tmp_path).read_text().splitlines()]
-    assert [(r["k"], r.get("seq")) for r in records if r["k"].startswith("coll")] == [
-        ("coll_done", 1), ("coll_done", 2), ("coll", 3), ("coll_end", 3)
-    ]  # fmt: skip
-    assert [c.pending for c in load_run(tmp_path).ranks[0].collectives] == [False, False, False]
-
-
 def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) -> None:
-    """Format v2: a call names its shape, declared once in the stream; each new segment
-    begins with every shape declared so far, so the newest segments still read whole when
-    the ones between (where a shape was first declared) are rotated away."""
-    from lorascope.probes.collectives import _Call, _Shapes
+    """A call names its shape, declared once in the stream; each new segment begins with
+    every shape declared so far, so the newest segments still read whole when the ones
+    between (where a shape was first declared) are rotated away."""
+    from lorascope.probes.collectives import _Shapes
+    from lorascope.rundir.format.callfile import CallFile, calls_path
 
     record_launch(tmp_path, "h-1", ["job"])
-    stream = Stream(stream_prefix(tmp_path, 0, "h", 42), segment_bytes=4000, keep_segments=2)
-    shapes = _Shapes()
+    prefix = stream_prefix(tmp_path, 0, "h", 42)
+    stream = Stream(prefix, segment_bytes=4000, keep_segments=2)
+    shapes = _Shapes(stream)
     stream.segment_head = shapes.head
     stream.write(dict(START, t=1.0))
     stream.write({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
+    calls = CallFile(calls_path(prefix))
+    stream.write(
+        {"k": "calls_file", "t": 1.0, "file": calls.path.name, "how": calls.how, "head": calls.head, "ring": calls.ring}
+    )
     ops = ["all_reduce", "all_gather_into_tensor", "broadcast"]
     for seq in range(1, 301):
         op = ops[0] if seq < 200 else ops[seq % 3]  # two shapes declared only after segment 1
-        call = _Call(2.0 + seq, seq, 0, op, 64, "float32", False, f"/j/t.py:{ops.index(op)} in f", seq, None, shapes)
-        call.end = call.t + 0.5
-        stream.append(call)
-        if seq % 10 == 0:
-            stream.flush()
+        key = (op, None, False, f"/j/t.py:{ops.index(op)} in f", None)
+        sid = shapes.ids.get(key)
+        if sid is None:
+            sid = shapes.declare(key)
+        calls.end(calls.begin(2.0 + seq, seq, 64, seq, 0, sid), 2.5 + seq)
+        stream.write({"k": "step", "t": 2.6 + seq, "step": seq, "dur": 1.0, "loss": None, "src": "torch"})
+    calls.close()
     stream.close()
     files = sorted((tmp_path / "ranks" / "rank-0").glob("*.jsonl"))
     assert [int(p.name.split(".")[1]) for p in files][0] == 0 and len(files) == 3  # 0 and the newest two
     newest = [json.loads(line) for line in files[-1].read_text().splitlines()]
     assert [r["k"] for r in newest[:4]] == ["segment", "shape", "shape", "shape"]
-    assert {r["id"] for r in newest[1:4]} == {0, 1, 2} and all("op" not in r for r in newest[4:])
+    assert {r["id"] for r in newest[1:4]} == {0, 1, 2}
     run = load_run(tmp_path)
     assert any("rotated away" in w for w in run.warnings)
     kept = run.ranks[0].collectives

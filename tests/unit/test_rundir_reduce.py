@@ -25,7 +25,9 @@ from lorascope.analysis import analyze
 from lorascope.detect.common import peak_memory
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.report.data import build_report_data
-from lorascope.rundir.loading import align, reader, reduce, workers
+from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, offset_of, slot_of
+from lorascope.rundir.loading import align, callreduce, reader, reduce, workers
+from lorascope.rundir.loading.calls import read_calls
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES
 
@@ -34,9 +36,10 @@ RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
 
 def tight(monkeypatch: pytest.MonkeyPatch, steps: int = 10_000, least: int = 64) -> None:
     """Bounds a recorded fixture exceeds: 8 first calls, 64 newest, windows of 16."""
-    monkeypatch.setattr(reduce, "HEAD_CALLS", 8)
-    monkeypatch.setattr(reduce, "TAIL_CALLS", 64)
-    monkeypatch.setattr(reduce, "WINDOW", 16)
+    for module in (reduce, callreduce):
+        monkeypatch.setattr(module, "HEAD_CALLS", 8)
+        monkeypatch.setattr(module, "TAIL_CALLS", 64)
+        monkeypatch.setattr(module, "WINDOW", 16)
     monkeypatch.setattr(align, "WINDOW", 16)
     monkeypatch.setattr(reduce, "STEP_BUDGET", steps)
     monkeypatch.setattr(reduce, "MIN_STEPS_KEPT", least)
@@ -68,17 +71,28 @@ def test_tight_bounds_change_no_output(name: str, monkeypatch: pytest.MonkeyPatc
 
 
 def _plant_mismatch(dst: Path, seq: int) -> None:
-    """Rank 1's call ``seq`` of the default group becomes a broadcast (its size kept)."""
+    """Rank 1's call ``seq`` of the default group becomes a broadcast (its size kept): a
+    new shape, its call record names it."""
     shutil.copytree(FIXTURES / "healthy", dst)
     [stream] = (dst / "ranks" / "rank-1").glob("*.jsonl")
-    lines = stream.read_text().splitlines(keepends=True)
-    gid = next(r["gid"] for r in map(json.loads, lines) if r["k"] == "group" and r["name"] == "default_pg")
-    for i, line in enumerate(lines):
-        rec: dict[str, Any] = json.loads(line)
-        if rec["k"] == "coll" and rec["gid"] == gid and rec["seq"] == seq:
-            rec["op"] = "broadcast"
-            lines[i] = json.dumps(rec, separators=(",", ":")) + "\n"
-    stream.write_text("".join(lines))
+    [path] = (dst / "ranks" / "rank-1").glob("*.calls")
+    records = [json.loads(line) for line in stream.read_text().splitlines()]
+    gid = next(r["gid"] for r in records if r["k"] == "group" and r["name"] == "default_pg")
+    shapes = {r["id"]: r for r in records if r["k"] == "shape"}
+    calls = read_calls(path, "rank 1", [])
+    [at] = [
+        i
+        for i, (g, s) in enumerate(zip(calls.records["gid"], calls.records["seq"], strict=True))
+        if (g, s) == (gid, seq)
+    ]
+    new = max(shapes) + 1
+    shape = {**shapes[int(calls.records["shape"][at])], "id": new, "op": "broadcast"}
+    with stream.open("a") as f:
+        f.write(json.dumps(shape, separators=(",", ":")) + "\n")
+    slot = slot_of(int(calls.index[at]), calls.head, calls.ring)
+    with path.open("r+b") as f:
+        f.seek(HEADER.size + slot * CALL.size + offset_of(CALL_FIELDS, "shape"))
+        f.write(new.to_bytes(4, "little"))
 
 
 def test_a_divergence_mid_run_is_found_by_its_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,7 +310,7 @@ def test_dropping_step_keyed_records_on_the_way_changes_nothing(records: list[di
     path = Path("stream.jsonl")
     streams = []
     for prune in (False, True):
-        stream = reader._Stream(0, [], reduce.CollectiveLog(), budget)
+        stream = reader._Stream(0, [], budget)
         stream.record(path, 1, dict(start))
         stream.keeper._next = 1 << 62  # no pruning but what the test asks for
         for n, rec in enumerate(records, 2):
@@ -309,7 +323,7 @@ def test_dropping_step_keyed_records_on_the_way_changes_nothing(records: list[di
     assert len(pruned.data.mem) <= len(whole.data.mem)
     assert whole.keeper.spans.spans == reduce.backward_spans(whole.data.phases)
     full_mem = list(whole.data.mem)
-    a, b = (s.finish(s.log, path, budget) for s in streams)  # type: ignore[arg-type]
+    a, b = (s.finish(path, budget, None) for s in streams)
     for name in ("mem", "phases", "steps", "logits", "stride", "totals", "coll_wait_outside_backward"):
         assert json.dumps(getattr(a, name), default=str) == json.dumps(getattr(b, name), default=str), name
     assert a.totals["mem"] == len(full_mem)  # every mem record counted, made or not
@@ -325,7 +339,7 @@ def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.Monkey
         "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start", "t": 0.5,
     }  # fmt: skip
     path = Path("stream.jsonl")
-    stream = reader._Stream(0, [], reduce.CollectiveLog(), 16)
+    stream = reader._Stream(0, [], 16)
     stream.record(path, 1, start)
     held, n = 0, 1
     for step in range(1, 3001):
@@ -342,7 +356,7 @@ def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.Monkey
             assert stream.data is not None
             held = max(held, len(stream.data.mem) + len(stream.data.phases))
     assert held < 600, held
-    data = stream.finish(stream.log, path, 16)  # type: ignore[arg-type]
+    data = stream.finish(path, 16, None)
     stride, kept = reduce.kept_steps(range(2, 3002), 16)
     assert data.totals["mem"] == 9000 and data.stride == stride == 512
     assert [s["step"] for s in data.steps] == sorted(kept)

@@ -1,4 +1,4 @@
-"""Format v1 validation: what passes, and every way a record or manifest is refused."""
+"""Format validation: what passes, and every way a record or manifest is refused."""
 
 from __future__ import annotations
 
@@ -31,17 +31,15 @@ START = {
     "versions": {},
     "device": "cpu",
 }
-COLL = {
-    "k": "coll",
+SHAPE = {
+    "k": "shape",
     "t": 2.0,
-    "seq": 1,
-    "gid": 0,
+    "id": 0,
     "op": "all_reduce",
-    "bytes": 4,
     "dtype": "float32",
     "async": False,
     "site": None,
-    "step": 0,
+    "via": None,
 }
 LAUNCH = {
     "id": "h-1",
@@ -54,14 +52,15 @@ LAUNCH = {
     "exit_status": None,
 }
 
-
-COLL_DONE = {**COLL, "k": "coll_done", "end": 2.5, "err": None}
+COLL_ERR = {"k": "coll_err", "t": 2.5, "index": 7, "err": "RuntimeError('x')"}
+CALLS_FILE = {"k": "calls_file", "t": 1.0, "file": "h-1.calls", "how": "mmap", "head": 16, "ring": 64}
 
 
 def test_valid_records_pass() -> None:
     assert validate_record(START)
-    assert validate_record(COLL)
-    assert validate_record(COLL_DONE)
+    assert validate_record(SHAPE)
+    assert validate_record(COLL_ERR)
+    assert validate_record(CALLS_FILE)
     assert validate_record({"k": "dropped", "t": 3, "records": 12})
     assert validate_record({"k": "end", "t": 3, "status": "exit", "code": 0})
 
@@ -77,17 +76,18 @@ def test_unknown_kind_is_not_an_error() -> None:
         ({"t": 1.0}, "lacks its kind"),
         ({"k": "mem", "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
         ({"k": "mem", "t": True, "step": 0, "rss": 1, "src": "x"}, "lacks its time"),
-        ({**COLL, "seq": "1"}, "'seq' is str"),
-        ({**COLL, "bytes": 4.5}, "'bytes' is float"),
-        ({**COLL, "async": 0}, "'async' is int"),
+        ({**SHAPE, "id": "1"}, "'id' is str"),
+        ({**SHAPE, "dtype": 4.5}, "'dtype' is float"),
+        ({**SHAPE, "async": 0}, "'async' is int"),
         ({**START, "rank": True}, "'rank' is a bool"),
-        ({k: v for k, v in COLL.items() if k != "op"}, "lacks the field 'op'"),
-        ({k: v for k, v in COLL_DONE.items() if k != "end"}, "'coll_done' record lacks the field 'end'"),
-        ({k: v for k, v in COLL_DONE.items() if k != "err"}, "'coll_done' record lacks the field 'err'"),
-        ({k: v for k, v in COLL_DONE.items() if k != "seq"}, "'coll_done' record lacks the field 'seq'"),
-        ({**COLL_DONE, "end": None}, "'end' is NoneType"),
-        ({**COLL_DONE, "end": True}, "'end' is a bool"),
-        ({**COLL_DONE, "err": 3}, "'err' is int"),
+        ({k: v for k, v in SHAPE.items() if k != "op"}, "lacks the field 'op'"),
+        ({k: v for k, v in SHAPE.items() if k != "via"}, "'shape' record lacks the field 'via'"),
+        ({k: v for k, v in COLL_ERR.items() if k != "index"}, "'coll_err' record lacks the field 'index'"),
+        ({k: v for k, v in COLL_ERR.items() if k != "err"}, "'coll_err' record lacks the field 'err'"),
+        ({**COLL_ERR, "index": None}, "'index' is NoneType"),
+        ({**COLL_ERR, "index": True}, "'index' is a bool"),
+        ({**COLL_ERR, "err": 3}, "'err' is int"),
+        ({**CALLS_FILE, "ring": "64"}, "'ring' is str"),
         ({"k": "dropped", "t": 1.0, "records": "7"}, "'records' is str"),
         ({"k": "dropped", "t": 1.0}, "lacks the field 'records'"),
         ({"k": "end", "t": 1.0, "status": "vanished", "code": None}, "status 'vanished'"),

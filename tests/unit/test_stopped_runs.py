@@ -41,13 +41,9 @@ def _stopped(
 
 def test_a_hang_stopped_by_hand_is_named_as_it_was_when_stopped(tmp_path: Path) -> None:
     stop = T0 + 40.0  # ~37 s after the last step
-    waiting = [{"k": "coll_end", "t": stop - 0.01, "seq": 2, "gid": 0, "err": "KeyboardInterrupt()"}]
+    waiting = Call("reduce_scatter_tensor", end=False, ended_at=stop - 0.01, err="KeyboardInterrupt()")
     ranks = [
-        RankSpec(
-            calls=[Call("all_reduce"), Call("reduce_scatter_tensor", end=False)],
-            ends=False,
-            extra=waiting + _stopped(stop + 0.2),
-        ),  # fmt: skip
+        RankSpec(calls=[Call("all_reduce"), waiting], ends=False, extra=_stopped(stop + 0.2)),
         RankSpec(calls=[Call("all_reduce")], ends=False, extra=_stopped(stop, FETCH)),
     ]
     run_dir = write_run(tmp_path / "run", ranks, exit_status=130)

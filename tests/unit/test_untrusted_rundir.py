@@ -447,7 +447,7 @@ def test_a_report_of_many_ranks_that_wrote_only_a_start_record(tmp_path: Path) -
         start = {"k": "start", "t": 1.0, "rank": rank, "world_size": 20, "local_rank": 0, "pid": 100 + rank}
         start |= {"host": "h", "argv": [], "versions": {}, "device": "cpu"}
         (folder / f"h-{100 + rank}.0000.jsonl").write_text(json.dumps(start) + "\n")
-    (run / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+    (run / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 3, "launches": []}))
     for args in (("report", str(run), "-o", str(tmp_path / "r.html")), ("analyze", str(run), "--no-hta")):
         proc = capped_cli(*args)
         assert proc.returncode == 0, proc.stderr

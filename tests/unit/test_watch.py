@@ -11,6 +11,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
@@ -18,7 +19,10 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
+from lorascope.rundir.format.callfile import CallFile
+from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.loading import tail as tail_module
+from lorascope.rundir.loading.calls import CallRecords, read_calls
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
 from tests.helpers import FIXTURES
@@ -40,8 +44,9 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data in tail.look():
-        out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
+    for stream, data, _ in tail.look():
+        if data:
+            out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
 
 
@@ -71,13 +76,37 @@ def test_tail_reads_only_appended_whole_lines_and_follows_segments_and_new_ranks
     assert got[(3, "h-1")] == [b'{"g":7}']
 
 
+def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(tmp_path: Path) -> None:
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    calls = CallFile(tmp_path / "ranks" / "rank-0" / "h-1.calls", head=4, ring=8)
+    for seq in (1, 2, 3):
+        index = calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
+        if seq != 2:
+            calls.end(index, 10.5 + seq)
+    tail = Tail(tmp_path)
+
+    def looked() -> list[int]:
+        return [i for _, _, got in tail.look() if got is not None for i in got.index.tolist()]
+
+    assert looked() == [0, 1, 2]
+    assert looked() == [1]  # nothing new: the pending call read again, nothing else
+    read = tail.bytes_read
+    calls.end(1, 12.9)
+    for seq in range(4, 30):
+        calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
+    got = [g for _, _, g in tail.look() if g is not None][0]
+    assert got.index.tolist() == [1, *range(21, 29)]  # 3..20 went round the ring before this look
+    assert got.records["end"][0] == 12.9
+    assert tail.bytes_read - read == 9 * CALL.size
+
+
 def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tail_module, "START_TAIL_BYTES", 100)
     monkeypatch.setattr(tail_module, "HEAD_BYTES", 20)
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data), *_ = list(tail.look())
+    (stream, data, _), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -86,23 +115,28 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
-    """A recorded run's streams taken in as a tail would see them: cut at random places."""
+    """A recorded run's streams and call files taken in as a tail would see them: each
+    stream cut at random places, and with each piece the calls begun up to its last record."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
         for path in sorted(folder.glob("*.jsonl")):
             data = path.read_bytes()
             cuts = sorted(rng.sample(range(1, len(data)), pieces - 1)) if pieces > 1 else []
-            stream = tail_module.Followed(int(folder.name.split("-")[1]), path.name.split(".")[0], 0, path)
-            rest = b""
+            process = path.name.split(".")[0]
+            stream = tail_module.Followed(int(folder.name.split("-")[1]), process, 0, path)
+            calls = read_calls(folder / (process + ".calls"), "rank", [])
+            begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
+            rest, given = b"", 0
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
-                if cut >= 0:
-                    live.take([(stream, chunk[:cut])])
-                    rest = chunk[cut + 1 :]
-                else:
-                    rest = chunk
+                lines, rest = (chunk[:cut], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
+                last = json.loads(lines.rsplit(b"\n", 1)[-1])["t"] if lines else -1.0
+                upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
+                piece = CallRecords(calls.records[given:upto], calls.index[given:upto], calls.head, calls.ring)
+                given = max(given, upto)
+                live.take([(stream, lines, piece)])
     return live
 
 
@@ -146,6 +180,17 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
             target = tmp_path / "ranks" / folder.name / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(b"".join(kept))
+            process = path.name.split(".")[0]
+            calls = read_calls(folder / (process + ".calls"), "rank", [])
+            cut = CallFile(target.parent / (process + ".calls"), calls.head, calls.ring)
+            rows = calls.records
+            columns = (rows[name].tolist() for name in ("t", "end", "seq", "bytes", "step", "gid", "shape"))
+            for t, end, seq, nbytes, step, gid, shape in zip(*columns, strict=True):
+                if t <= now:  # as the call file was at ``now``: a call that ended later, pending
+                    index = cut.begin(t, seq, nbytes, step, gid, shape)
+                    if end <= now:
+                        cut.end(index, end)
+            cut.close()
     live = _feed(tmp_path, 5)
     checks = {c.id: c for c in live.checks(now)}
     assert checks["not-stepping"].ranks == [1] and "in no collective" in checks["not-stepping"].text
@@ -163,7 +208,7 @@ def _synthetic(ranks: int, now: float) -> LiveRun:
         r = live.processes[(n, f"node{n // 8}-{n}")] = LiveRank(n, f"node{n // 8}-{n}", host=f"node{n // 8}")
         r.started, r.world_size, r.step, r.last_step_t = now - 600, ranks, 500, now - 0.5
         r.durs.extend([1.0] * 16)
-        r.work.extend([0.6 if n != 77 else 1.5] * 16)
+        r.timed.extend((step, 0.6 if n != 77 else 1.5) for step in range(485, 501))
         r.mem_now, r.mem_peak = 12 << 30, (13 << 30) + n * 1000
     live.processes[(512, "node64-512")].last_step_t = now - 30
     live.processes[(512, "node64-512")].step = 471
@@ -200,7 +245,7 @@ def test_cli_once_and_bad_input(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["watch", str(tmp_path)])
     assert exc.value.code == 3
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 2, "launches": []}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lorascope-run", "version": 3, "launches": []}))
     result = CliRunner().invoke(cli, ["watch", str(tmp_path), "--once"])
     assert result.exit_code == 0 and "0 ranks" in result.output  # a job not started yet
 

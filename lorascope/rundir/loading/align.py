@@ -39,10 +39,24 @@ def _first_differing(tallies: Mapping[int, GroupTally], aspect: int) -> int | No
         if tally is ref:
             continue
         index, *digests = tally.digests.columns()
-        found = _first_mismatch((index, digests[aspect]), (ref_index, ref_digests[aspect]), tally.last_seq // WINDOW)
+        mine, theirs = (index, digests[aspect]), (ref_index, ref_digests[aspect])
+        missing = [*tally.missing, *ref.missing]
+        if missing:  # windows some calls of which a call file did not keep: compared by neither
+            mine, theirs = _known(mine, missing), _known(theirs, missing)
+        found = _first_mismatch(mine, theirs, tally.last_seq // WINDOW)
         if found is not None and (first is None or found < first):
             first = found
     return first
+
+
+def _known(windows: tuple[array[int], array[int]], missing: list[tuple[int, int]]) -> tuple[array[int], array[int]]:
+    """(index, digest) arrays without the windows that hold a sequence number of ``missing``."""
+    keep = [
+        i
+        for i, w in enumerate(windows[0])
+        if not any(lo <= (w + 1) * WINDOW and w * WINDOW + 1 <= hi for lo, hi in missing)
+    ]
+    return array("q", (windows[0][i] for i in keep)), array("Q", (windows[1][i] for i in keep))
 
 
 def _first_mismatch(a: tuple[array[int], array[int]], b: tuple[array[int], array[int]], limit: int) -> int | None:
@@ -101,8 +115,8 @@ def windows_needed(ranks: Mapping[int, Any]) -> tuple[Windows, dict[int, Windows
 
 def trim(ranks: Mapping[int, Any], needed: Windows) -> None:
     """Drop, in every group some rank holds only in part, the calls between the first ones
-    and the newest ones every rank holds, outside the needed windows (pending calls
-    stay)."""
+    and the newest ones every rank holds, outside the needed windows, and every rank's calls
+    whose sequence numbers some rank's call file did not keep (pending calls stay)."""
     by_group: dict[str, list[GroupTally]] = {}
     for data in ranks.values():
         for group, tally in data.tallies.items():
@@ -114,8 +128,17 @@ def trim(ranks: Mapping[int, Any], needed: Windows) -> None:
         tail = max(t.tail_first if t.tail_first is not None else t.last_seq + 1 for t in tallies)
         cut[group] = (head, tail, windows)
 
+    unknown: dict[str, list[tuple[int, int]]] = {}
+    for group, tallies in by_group.items():
+        for t in tallies:
+            unknown.setdefault(group, []).extend(t.missing)
+
     def kept(c: Any) -> bool:
-        if c.group not in cut or c.pending:
+        if c.pending:
+            return True
+        if any(lo <= c.seq <= hi for lo, hi in unknown.get(c.group, ())):
+            return False
+        if c.group not in cut:
             return True
         head, tail, windows = cut[c.group]
         return c.seq <= head or c.seq >= tail or any(lo <= c.seq <= hi for lo, hi in windows)

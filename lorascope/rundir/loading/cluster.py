@@ -54,13 +54,9 @@ def manifest_digest(run_dir: str) -> str | None:
         return None
 
 
-def worker_state(run_dir: str, import_polars: bool) -> tuple[str, str | None, bool]:
-    """Run on each worker: its :func:`reader_code`, its :func:`manifest_digest` of
-    ``run_dir``, and whether polars imports (imported now, when asked: the columnar
-    reader then reads streams from 1 MB on, as a local worker pool's does)."""
-    from lorascope.rundir.loading import columnar
-
-    return reader_code(), manifest_digest(run_dir), columnar.available() if import_polars else False
+def worker_state(run_dir: str) -> tuple[str, str | None]:
+    """Run on each worker: its :func:`reader_code` and its :func:`manifest_digest` of ``run_dir``."""
+    return reader_code(), manifest_digest(run_dir)
 
 
 class Cluster:
@@ -71,11 +67,11 @@ class Cluster:
         self.address = address
         self._executor = client.get_executor(pure=False)
 
-    def prepare(self, run_dir: Path, import_polars: bool) -> None:
+    def prepare(self, run_dir: Path) -> None:
         """Check that every worker can read ``run_dir`` with this lorascope (ClusterError
-        naming the first that cannot), and import polars on them when streams are long."""
+        naming the first that cannot)."""
         try:
-            states = self._client.run(worker_state, str(run_dir), import_polars, on_error="return")
+            states = self._client.run(worker_state, str(run_dir), on_error="return")
         except Exception as exc:
             raise ClusterError(f"the Dask cluster at {self.address} did not answer: {_reason(exc)}") from None
         check_workers(states, run_dir, self.address, manifest_digest(str(run_dir)))
@@ -103,7 +99,7 @@ def check_workers(states: dict[str, Any], run_dir: Path, address: str, manifest:
                 f"Dask worker {worker} cannot run lorascope ({_reason(state)}): "
                 f"install lorascope {reader_code()} on every worker"
             )
-        code, seen, _ = state
+        code, seen = state
         if code != reader_code():
             raise ClusterError(
                 f"Dask worker {worker} runs lorascope {code}, this is {reader_code()}: the workers need the same lorascope"

@@ -1,7 +1,11 @@
 """Reading and validating a run directory (analysis side).
 
-A torn last line (a rank killed mid-write) is skipped with a warning; anything else that
-breaks the format is a BadInputError naming the file and line.
+Each rank process's JSON Lines stream is read and validated record by record; its
+collective calls come from its call file, read and reduced as numpy columns
+(:mod:`lorascope.rundir.loading.calls`, :mod:`lorascope.rundir.loading.callreduce`). A torn
+last line (a rank killed mid-write) is skipped with a warning, and a call file's torn or
+missing slots with one; anything else that breaks the format is a BadInputError naming the
+file and line. Run directories of formats before v3 are refused in one line.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import sys
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -24,27 +28,26 @@ from lorascope.rundir.format import limits, ranks
 from lorascope.rundir.format.limits import MAX_RECORD_DEPTH, LimitError
 from lorascope.rundir.format.safe_open import leaves, maybe_too_deep, open_regular, read_capped, read_head
 from lorascope.rundir.format.schema import (
+    CALLS_SUFFIX,
     FORMAT_VERSION,
     MANIFEST_FILE,
     RANKS_DIR,
-    SHAPE_FIELDS,
     STREAM_SUFFIX,
     WARM_UP_STEPS,
     SchemaError,
     validate_manifest,
     validate_record,
 )
-from lorascope.rundir.loading import columnar, workers
+from lorascope.rundir.loading import workers
 from lorascope.rundir.loading.align import trim, windows_needed
 from lorascope.rundir.loading.attachments import why_none_attached
+from lorascope.rundir.loading.callreduce import ReducedCalls, Shape, calls_between, reduce_calls
+from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
-from lorascope.rundir.loading.fastlines import Call, End, Shapes, parse_call, parse_end
 from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
-    CallSink,
     CollectiveLog,
     GroupTally,
-    Rule,
     StepKeeper,
     backward_spans,
     decimate,
@@ -52,7 +55,7 @@ from lorascope.rundir.loading.reduce import (
     steps_per_rank,
     totals,
 )
-from lorascope.rundir.loading.span import SpanLog, SpanRecords
+from lorascope.rundir.loading.span import SpanRecords
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -129,6 +132,8 @@ class RankData:
     grad_setup: dict[str, Any] | None = None
     grads: dict[str, Any] | None = None
     logits: list[dict[str, Any]] = field(default_factory=list)
+    #: The call file its collective calls were read from (None: none was).
+    calls_file: str | None = None
     #: Kineto traces the rank wrote, as absolute paths.
     trace_files: list[str] = field(default_factory=list)
     #: Flight-recorder dumps the rank wrote: their ``flight_dump`` records (``t``: when,
@@ -209,6 +214,11 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         raise FormatVersionError(
             f"{path}: run directory format v{version} is newer than this lorascope reads (v{FORMAT_VERSION}); upgrade lorascope"
         )
+    if isinstance(version, int) and not isinstance(version, bool) and version < FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{run_dir}: a run directory of format v{version}; this lorascope reads v{FORMAT_VERSION} "
+            "(re-record it, or use lorascope < 0.3)"
+        )
     try:
         validate_manifest(manifest)
     except SchemaError as exc:
@@ -258,10 +268,9 @@ def _file_warnings(path: Path, long_lines: list[int], deep_lines: list[int], war
 
 
 def decode_line(path: Path, number: int, line: bytes, warnings: list[str], deep_lines: list[int]) -> Any:
-    """One line that is not a collective record in the probes' layout, as its parsed JSON;
-    None for a blank line, one nested deeper than MAX_RECORD_DEPTH (its number goes to
-    ``deep_lines``) or a torn last line (warned). A broken line that ends in a newline is
-    a corrupt stream: BadInputError."""
+    """One line of a stream, as its parsed JSON; None for a blank line, one nested deeper
+    than MAX_RECORD_DEPTH (its number goes to ``deep_lines``) or a torn last line
+    (warned). A broken line that ends in a newline is a corrupt stream: BadInputError."""
     if not line.strip():
         return None
     if maybe_too_deep(line, MAX_RECORD_DEPTH):
@@ -307,32 +316,53 @@ def decode_lines(
     return out
 
 
-def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, record) pairs, reading line by line; a torn final line is a
-    warning, not an error; so are records over the record size limit or nested deeper
-    than MAX_RECORD_DEPTH (skipped, one warning per file). A collective record in the
-    probes' own layouts comes as a :class:`Call` or :class:`End`, validated
-    (:mod:`lorascope.rundir.loading.fastlines`; ``shapes``: the stream's declared call shapes so
-    far); any other record as its parsed JSON."""
+#: Bytes of a stream read at a time (cut at the last newline), its lines decoded together.
+BLOCK_BYTES = 1 << 20
+
+
+def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, record) pairs, a block of lines decoded at a time
+    (:func:`decode_lines`); a torn final line is a warning, not an error; so are records
+    over the record size limit or nested deeper than MAX_RECORD_DEPTH (skipped, one
+    warning per file)."""
     max_line = limits.current().record_bytes
     long_lines: list[int] = []
     deep_lines: list[int] = []
     number = 0
     try:
         with open_regular(path, inside=path.parent) as f:  # in its rank folder, checked by _segments
-            while line := f.readline(max_line + 1):
-                number += 1
-                if len(line) > max_line and not line.endswith(b"\n"):
-                    long_lines.append(number)
-                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
-                        pass
+            rest = b""
+            while True:
+                block = f.read(BLOCK_BYTES)
+                data = rest + block
+                if not block:
+                    break
+                cut = data.rfind(b"\n")
+                if cut < 0:
+                    if len(data) > max_line:  # one line longer than a record may be: skipped
+                        number += 1
+                        long_lines.append(number)
+                        while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                            pass
+                        rest = b""
+                    else:
+                        rest = data
                     continue
-                if line[6:10] == b"coll":
-                    fast = parse_end(line) if line[10:14] == b"_end" else parse_call(line, shapes)
-                    if fast is not None:
-                        yield number, fast
-                        continue
-                rec = decode_line(path, number, line, warnings, deep_lines)
+                rest = data[cut + 1 :]
+                numbers, lines = [], []
+                for line in data[:cut].split(b"\n"):
+                    number += 1
+                    if len(line) >= max_line:
+                        long_lines.append(number)
+                    elif line.strip():
+                        numbers.append(number)
+                        lines.append(line)
+                for n, rec in zip(numbers, decode_lines(path, numbers, lines, warnings, deep_lines), strict=True):
+                    if rec is not None:
+                        yield n, rec
+            if rest:
+                number += 1
+                rec = decode_line(path, number, rest, warnings, deep_lines)
                 if rec is not None:
                     yield number, rec
     except OSError as exc:
@@ -342,19 +372,22 @@ def _iter_records(path: Path, warnings: list[str], shapes: Shapes) -> Iterator[t
 
 
 class _Stream:
-    """One process's records applied in the order they were written: every record but the
-    collective ones in the probes' layout (those go to the collective log as they are
-    read, or column-wise: :mod:`lorascope.rundir.loading.columnar`)."""
+    """One process's stream records applied in the order they were written, and what its
+    calls need from them (shapes, groups, errors, device times, where its call file is)."""
 
-    def __init__(self, rank: int, warnings: list[str], log: CallSink | None, budget: int) -> None:
+    def __init__(self, rank: int, warnings: list[str], budget: int) -> None:
         self.rank = rank
         self.warnings = warnings
-        self.log = log
         self.keeper = StepKeeper(budget)
         self.data: RankData | None = None
-        self.pending: dict[tuple[int, int], Collective] = {}
-        #: The call shapes declared so far (format v2's ``shape`` records).
-        self.shapes: Shapes = {}
+        #: The call shapes declared (``shape`` records), by id.
+        self.shapes: dict[int, Shape] = {}
+        #: The stream's ``coll_err`` records: call index -> its error.
+        self.errors: dict[int, str] = {}
+        #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
+        self.device: list[tuple[int, int, float]] = []
+        #: The latest ``calls_file`` record's file, in the stream's folder.
+        self.calls_file: Path | None = None
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
@@ -372,14 +405,8 @@ class _Stream:
         except SchemaError as exc:
             raise BadInputError(f"{path}:{number}: {exc}") from None
 
-    def call(self, path: Path, number: int, rec: Call | End) -> None:
-        """A collective record in the probes' layout, read line by line."""
-        data = self._started(path, number)
-        assert self.log is not None
-        _collective(data, rec, self.pending, self.log)
-
     def record(self, path: Path, number: int, rec: Any) -> None:
-        """Any other record: validated, then applied."""
+        """A record: validated, then applied."""
         known = self._validated(path, number, rec)
         if not known:
             where, n = self._unknown.get(rec["k"], (f"{path}:{number}", 0))
@@ -389,12 +416,19 @@ class _Stream:
         if self.data is None and kind == "start":
             self.data = RankData(rank=self.rank, start=rec, files=[])
         data = self._started(path, number)
-        data.last_time = max(data.last_time, float(rec["t"]))  # a call's end: _collective
+        data.last_time = max(data.last_time, float(rec["t"]))
         if kind == "shape":
             self._declare(path, number, rec)
-        elif kind in _COLLECTIVE_KINDS:
-            assert self.log is not None
-            _apply_collective(data, kind, self.shaped(path, number, rec), self.pending, self.log)
+        elif kind == "coll_err":
+            self.errors[rec["index"]] = rec["err"]
+        elif kind == "coll_dev":
+            self.device.append((rec["gid"], rec["seq"], float(rec["ms"])))
+        elif kind == "calls_file":
+            name = str(rec["file"])
+            if Path(name).name != name:
+                self.warnings.append(f"{path}:{number}: a call file {name[:80]!r} outside the rank's folder: not read")
+            else:
+                self.calls_file = path.parent / name
         else:
             _apply(data, kind, rec)
             if kind in _STEP_KEYED:
@@ -416,69 +450,65 @@ class _Stream:
             else:
                 data.flight_dumps.append({**rec, "path": str(side)})
 
-    def extend(self, path: Path, number: int, kind: str, recs: list[dict[str, Any]], last: float) -> None:
-        """Records of a kind kept as a list, valid by their layout (the columnar reader's
-        FLAT_LAYOUTS), in stream order: as ``record`` applies them one by one."""
-        data = self._started(path, number)
-        data.last_time = max(data.last_time, last)
-        getattr(data, _LISTED[kind]).extend(recs)
-        self.keeper.seen(data, kind, recs)
-
-    def sure_to_drop(self, kind: str) -> Rule | None:
-        return None if self.data is None else self.keeper.sure_to_drop(self.data, kind)
-
-    def dropped(self, path: Path, number: int, kind: str, count: int, last: float) -> None:
-        data = self._started(path, number)
-        data.last_time = max(data.last_time, last)
-        if kind == "mem":
-            self.keeper.mem += count
-
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
         shape again at the head of each segment, the same; other fields under a known id
         are a corrupt stream."""
-        shape = (rec["op"], rec["bytes"], rec["dtype"], rec["async"], rec["site"])
+        shape: Shape = (rec["op"], rec["dtype"], rec["async"], rec["site"], rec["via"])
         known = self.shapes.setdefault(rec["id"], shape)
         if known != shape:
             raise BadInputError(f"{path}:{number}: shape {rec['id']} is declared again with other fields")
 
-    def shaped(self, path: Path, number: int, rec: dict[str, Any]) -> dict[str, Any]:
-        """A validated call record with its shape's fields (format v2: ``sh`` names a shape
-        declared before it); any other record as it is."""
-        if "sh" not in rec or rec["k"] not in ("coll", "coll_done"):
-            return rec
-        shape = self.shapes.get(rec["sh"])
-        if shape is None:
-            raise BadInputError(
-                f"{path}:{number}: a {rec['k']!r} record names shape {rec['sh']}, which no 'shape' record before it declares"
-            )
-        return {**rec, **dict(zip(SHAPE_FIELDS, shape, strict=True))}
+    def read(self, segs: list[tuple[int, Path]]) -> None:
+        """Every record of the segments, in order."""
+        for _, path in segs:
+            for number, rec in _iter_records(path, self.warnings):
+                self.record(path, number, rec)
+            if self.data is not None:
+                self.data.files.append(str(path))
 
-    def decode(self, path: Path, number: int, line: bytes, deep_lines: list[int]) -> Any:
-        return decode_line(path, number, line, self.warnings, deep_lines)
-
-    def decode_many(self, path: Path, numbers: list[int], lines: list[bytes], deep_lines: list[int]) -> list[Any]:
-        return decode_lines(path, numbers, lines, self.warnings, deep_lines)
-
-    def check(self, path: Path, number: int, rec: Any) -> None:
-        self._validated(path, number, rec)
-        self._started(path, number)
-
-    def group_name(self, gid: int) -> Any:
-        assert self.data is not None
-        return _group_name(self.data, gid)
-
-    def device_group(self, gid: int) -> Any:
-        assert self.data is not None
-        return _device_group(self.data, gid)
-
-    def file_done(self, path: Path, deep_lines: list[int]) -> None:
-        _file_warnings(path, [], deep_lines, self.warnings)
+    def calls(self, first: Path) -> CallRecords:
+        """The process's call records (none if it has no call file), warned as read."""
+        path = self.calls_file
+        if path is None:  # no calls_file record: the file where the probes put it, if any
+            beside = _beside(first)
+            path = beside if beside.exists() else None
+        if path is None:
+            return empty()
+        if leaves(first.parent, path):
+            self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            return empty()
         if self.data is not None:
-            self.data.files.append(str(path))
+            self.data.calls_file = str(path)
+        return read_calls(path, f"rank {self.rank}", self.warnings)
 
-    def finish(self, log: CollectiveLog | columnar.ColumnarLog, first: Path, budget: int) -> RankData:
-        """The RankData, its collectives and what was counted taken from ``log``."""
+    def reduced(self, first: Path, windows: dict[str, list[tuple[int, int]]] | None) -> ReducedCalls:
+        """The call file read and reduced, the device times and errors put on its calls kept."""
+        data = self._started(first, 1)
+        reduced = reduce_calls(
+            self.calls(first), self.shapes, lambda gid: _group_name(data, gid), self.errors, windows, Collective
+        )
+        if reduced.unshaped:
+            self.warnings.append(
+                f"rank {self.rank}: {reduced.unshaped:,} call(s) name a shape no 'shape' record declares "
+                "(the stream lost its end?): read as op 'unknown'"
+            )
+        self.put_device_times(reduced.collectives)
+        return reduced
+
+    def put_device_times(self, collectives: list[Collective]) -> None:
+        """The stream's ``coll_dev`` records onto the calls they name, among ``collectives``."""
+        if not self.device or self.data is None:
+            return
+        kept = {(c.group, c.seq): c for c in collectives}
+        for gid, seq, ms in self.device:
+            name = _device_group(self.data, gid)
+            found = kept.get((name, seq)) if isinstance(name, str) else None
+            if found is not None:
+                found.device_ms = ms
+
+    def finish(self, first: Path, budget: int, windows: dict[str, list[tuple[int, int]]] | None) -> RankData:
+        """The RankData, its calls read from the call file and reduced."""
         for kind, (where, n) in self._unknown.items():
             self.warnings.append(f"{where}: skipped {n} record(s) of unknown kind {kind[:80]!r}")
         if self._dropped is not None:
@@ -488,13 +518,11 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
-        if isinstance(log, CollectiveLog):
-            data.collectives = log.finish()
-        else:
-            data.collectives = log.finish(Collective)
-            data.last_time = max(data.last_time, log.last_time)
-        data.tallies, data.coll_wait, data.op_totals = log.tallies, log.sync.sums, log.op_totals
-        data.coll_wait_outside_backward = log.outside_backward(self.keeper.spans.spans)
+        calls = self.reduced(first, windows)
+        data.collectives = calls.collectives
+        data.last_time = max(data.last_time, calls.last_time)
+        data.tallies, data.coll_wait, data.op_totals = calls.tallies, calls.sync, calls.op_totals
+        data.coll_wait_outside_backward = calls.outside_backward(self.keeper.spans.spans)
         data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
         data.stride = decimate(data, budget)
@@ -509,9 +537,10 @@ def _load_process(
     budget: int,
     windows: dict[str, list[tuple[int, int]]] | None = None,
 ) -> RankData:
-    """One process's stream, reduced while it is read (see :mod:`lorascope.rundir.loading.reduce`):
-    step-keyed records within ``budget`` steps; ``windows``: group -> sequence ranges of
-    collectives to keep in full besides the bounded ones."""
+    """One process's stream and call file, reduced while they are read (see
+    :mod:`lorascope.rundir.loading.reduce`): step-keyed records within ``budget`` steps;
+    ``windows``: group -> sequence ranges of collectives to keep in full besides the
+    bounded ones."""
     indices = [i for i, _ in segs]
     gaps = [(a + 1, b - 1) for a, b in zip([-1, *indices], indices, strict=False) if b > a + 1]
     if gaps:
@@ -525,33 +554,9 @@ def _load_process(
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
         raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
-    if columnar.suits(total):
-        tried: list[str] = []
-        stream = _Stream(rank, tried, None, budget)
-        try:
-            found = columnar.read(segs, stream, windows)
-        except columnar.Unsuitable:
-            pass  # read again, line by line
-        except BadInputError:
-            raise
-        except Exception as exc:  # a fault of the columnar reader must not cost the user the run
-            warnings.append(
-                f"rank {rank}: reading column-wise failed ({type(exc).__name__}: {str(exc)[:200]}); read line by line"
-            )
-        else:
-            warnings.extend(tried)
-            stream.warnings = warnings
-            return stream.finish(found, segs[0][1], budget)
-    stream = _Stream(rank, warnings, None, budget)
-    stream.log = log = CollectiveLog(windows, stream.sure_to_drop)
-    for _, path in segs:
-        for number, rec in _iter_records(path, warnings, stream.shapes):
-            if type(rec) is Call or type(rec) is End:
-                stream.call(path, number, rec)
-            else:
-                stream.record(path, number, rec)
-        stream.file_done(path, [])
-    return stream.finish(log, segs[0][1], budget)
+    stream = _Stream(rank, warnings, budget)
+    stream.read(segs)
+    return stream.finish(segs[0][1], budget, windows)
 
 
 def recount(data: RankData) -> RankData:
@@ -594,12 +599,10 @@ _LATEST = {
 
 #: Step-keyed kinds (a :class:`~lorascope.rundir.loading.reduce.StepKeeper` sees each as it is read).
 _STEP_KEYED = frozenset({"mem", "step", "phase", "logits"})
-#: Records that need the collective log: a call, its end, its time on the device.
-_COLLECTIVE_KINDS = frozenset({"coll", "coll_done", "coll_end", "coll_dev"})
 
 
 def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
-    """A validated record of any kind but the collective ones."""
+    """A validated record of a kind RankData keeps."""
     if kind in _LISTED:
         getattr(data, _LISTED[kind]).append(rec)
     elif kind in _LATEST:
@@ -624,37 +627,6 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
                 break
 
 
-def _apply_collective(
-    data: RankData, kind: str, rec: dict[str, Any], pending: dict[tuple[int, int], Collective], log: CallSink
-) -> None:
-    """A validated collective record that is not in the probes' own layout (read as JSON)."""
-    if kind == "coll" or kind == "coll_done":
-        done = kind == "coll_done"
-        call = Call(
-            kind,
-            float(rec["t"]),
-            rec["seq"],
-            rec["gid"],
-            rec["op"],
-            rec["bytes"],
-            rec["dtype"],
-            rec["async"],
-            rec["site"],
-            rec["step"],
-            rec["via"] if isinstance(rec.get("via"), str) else None,
-            float(rec["end"]) if done else None,
-            rec["err"] if done else None,
-        )
-        _collective(data, call, pending, log)
-    elif kind == "coll_end":
-        _collective(data, End(float(rec["t"]), rec["seq"], rec["gid"], rec["err"]), pending, log)
-    else:  # coll_dev
-        name = _device_group(data, rec["gid"])
-        found = log.find(name, rec["seq"]) if isinstance(name, str) else None
-        if found is not None:
-            found.device_ms = float(rec["ms"])
-
-
 def _group_name(data: RankData, gid: int) -> Any:
     """The name a call of group ``gid`` is kept under: its ``group`` record's name, else the id."""
     return data.groups[gid].get("name", str(gid)) if gid in data.groups else str(gid)
@@ -664,42 +636,6 @@ def _device_group(data: RankData, gid: int) -> Any:
     """The name a ``coll_dev`` record of group ``gid`` looks its call up under (a string,
     else there is none)."""
     return data.groups.get(gid, {}).get("name")
-
-
-def _collective(data: RankData, rec: Call | End, pending: dict[tuple[int, int], Collective], log: CallSink) -> None:
-    """A call's start (``coll``), its end (``coll_end``), or both at once (``coll_done``)."""
-    if type(rec) is End:
-        data.last_time = max(data.last_time, rec.t)
-        ended = pending.pop((rec.gid, rec.seq), None)
-        if ended is not None:
-            ended.end, ended.err = rec.t, rec.err
-            log.ended(ended)
-        return
-    assert type(rec) is Call
-    gid, intern = rec.gid, sys.intern
-    group = _group_name(data, gid)
-    # positional, in Collective's field order (the hottest line of a long run's reading)
-    coll = Collective(
-        rec.seq,
-        group,
-        intern(rec.op),
-        rec.bytes,
-        None if rec.dtype is None else intern(rec.dtype),
-        rec.is_async,
-        None if rec.site is None else intern(rec.site),
-        rec.step,
-        rec.t,
-        rec.end,
-        rec.err,
-        None,
-        None if rec.via is None else intern(rec.via),
-    )
-    if rec.end is None:
-        data.last_time = max(data.last_time, rec.t)
-        pending[(gid, rec.seq)] = coll
-    else:  # the call had ended when it was written
-        data.last_time = max(data.last_time, rec.t, rec.end)
-    log.add(coll)
 
 
 def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
@@ -747,48 +683,56 @@ _SPAN_KINDS = {"step": "steps", "phase": "phases", "mem": "mem"}
 
 
 def read_span(job: _SpanJob, configured: limits.Limits) -> tuple[SpanRecords | str, list[str]]:
-    """Read one process's stream again for what overlaps a span (a pure function of its
-    files, run in a worker; :mod:`lorascope.rundir.loading.span`): its records, or the one-line
-    reason it is bad input, and the reading warnings."""
+    """Read one process's stream and call file again for what overlaps a span (a pure
+    function of its files, run in a worker; :mod:`lorascope.rundir.loading.span`): its
+    records, or the one-line reason it is bad input, and the reading warnings."""
     limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
     warnings: list[str] = []
     rank, files, start, end, most = job
     try:
         with no_cycle_collection():
-            return _read_span(rank, [Path(f) for f in files], SpanLog(start, end, most), warnings), warnings
+            return _read_span(rank, [Path(f) for f in files], (start, end), most, warnings), warnings
     except BadInputError as exc:
         return str(exc), warnings
 
 
-def _read_span(rank: int, paths: list[Path], log: SpanLog, warnings: list[str]) -> SpanRecords:
-    """The stream read line by line, its records applied as a whole read does, but the
-    calls fed to ``log`` and only the step-keyed records that overlap its span kept."""
-    stream = _Stream(rank, warnings, log, 1 << 62)  # a budget nothing is dropped for
+def _read_span(
+    rank: int, paths: list[Path], span: tuple[float | None, float | None], most: int, warnings: list[str]
+) -> SpanRecords:
+    """The stream read, its records applied as a whole read does, but only the step-keyed
+    records that overlap ``span`` kept (the first ``most`` of each kind), and the calls
+    that overlap it (:func:`~lorascope.rundir.loading.callreduce.calls_between`)."""
+    stream = _Stream(rank, warnings, 1 << 62)  # a budget nothing is dropped for
+    lo = -math.inf if span[0] is None else span[0]
+    hi = math.inf if span[1] is None else span[1]
     out = SpanRecords()
-    records = ((path, number, rec) for path in paths for number, rec in _iter_records(path, warnings, stream.shapes))
-    with contextlib.closing(records):
-        for path, number, rec in records:
-            if type(rec) is Call or type(rec) is End:
-                if type(rec) is Call and log.past(rec.t):
-                    break
-                stream.call(path, number, rec)
-                continue
+    for path in paths:
+        for number, rec in _iter_records(path, warnings):
             kind = rec.get("k") if isinstance(rec, dict) else None
             listed = _SPAN_KINDS.get(kind) if isinstance(kind, str) else None
             if listed is not None and stream.data is not None and _Stream._validated(path, number, rec):
                 t = float(rec["t"])
-                if not log.holds(t - float(rec["dur"]) if listed == "steps" else t, t):
+                if not (t - float(rec["dur"]) if listed == "steps" else t) <= hi or not t >= lo:
                     continue
-                if len(getattr(stream.data, listed)) >= log.most:
+                if len(getattr(stream.data, listed)) >= most:
                     out.left_out += 1
                     continue
             stream.record(path, number, rec)
     data = stream.data
     if data is None:
         raise BadInputError(f"{paths[0]}: empty rank stream")
-    out.collectives = log.finish()
+    out.collectives, left_out = calls_between(
+        stream.calls(paths[0]),
+        stream.shapes,
+        lambda gid: _group_name(data, gid),
+        stream.errors,
+        (lo, hi),
+        most,
+        Collective,
+    )
+    stream.put_device_times(out.collectives)
     out.steps, out.phases, out.mem = data.steps, data.phases, data.mem
-    out.left_out += log.left_out
+    out.left_out += left_out
     return out
 
 
@@ -846,9 +790,7 @@ def _read_all(
     ``parallel``; in job order."""
     out = []
     members: dict[tuple[Any, ...], list[Any]] = {}
-    # Workers that will read a stream column-wise import polars once, at their start.
-    initializer = columnar.available if parallel and _big(jobs) else None
-    with contextlib.closing(_run_jobs(read_process, jobs, parallel, cluster, initializer)) as results:
+    with contextlib.closing(_run_jobs(read_process, jobs, parallel, cluster)) as results:
         for done, (data, warnings) in enumerate(results, 1):
             if progress is not None:
                 progress(what, done, len(jobs))
@@ -864,7 +806,6 @@ def _run_jobs(
     jobs: list[Any],
     parallel: bool,
     cluster: Cluster | None,
-    initializer: Callable[[], Any] | None = None,
 ) -> Generator[Any, None, None]:
     """``fn(job, limits)`` of every job, in job order: on the cluster if given, else over a
     pool of worker processes when ``parallel``, else here."""
@@ -878,7 +819,7 @@ def _run_jobs(
         for job in jobs:
             yield fn(job, configured)
         return
-    pool = ProcessPoolExecutor(max_workers=workers.for_jobs(len(jobs)), initializer=initializer)
+    pool = ProcessPoolExecutor(max_workers=workers.for_jobs(len(jobs)))
     try:
         # each future let go of once its result is taken in: a result held by its
         # future too would keep its own group member lists (_share_members)
@@ -900,18 +841,24 @@ def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) ->
                 group["ranks"] = members.setdefault(tuple(listed), listed)
 
 
-def _big(jobs: list[_Job]) -> bool:
-    """Whether some stream is long enough to be read column-wise in a worker."""
-    return any(_stream_bytes([job]) >= columnar.MIN_BYTES_LOADED for job in jobs)
-
-
 def _stream_bytes(jobs: list[_Job]) -> int:
+    """The bytes the jobs read: their streams, and of their call files what is written
+    (a call file is made sparse, at its full size)."""
     total = 0
     for _, segs, _, _ in jobs:
         for _, path in segs:
             with contextlib.suppress(OSError):
                 total += path.stat().st_size
+        calls = _beside(segs[0][1])
+        with contextlib.suppress(OSError):
+            stat = calls.stat()
+            total += min(stat.st_size, stat.st_blocks * 512)
     return total
+
+
+def _beside(first: Path) -> Path:
+    """The call file the probes write beside a process's stream (``HOST-PID.calls``)."""
+    return first.with_name(first.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] + CALLS_SUFFIX)
 
 
 def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
@@ -952,7 +899,7 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
             jobs.append((rank, segs, budget, None))
     parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
     if cluster is not None and jobs:
-        cluster.prepare(run_dir, _big(jobs))
+        cluster.prepare(run_dir)
     with no_cycle_collection():
         results = _read_all(jobs, parallel, progress, "reading rank streams", cluster)
         flat = [w for item in warnings for w in (results[item][1] if isinstance(item, int) else [item])]

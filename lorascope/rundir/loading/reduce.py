@@ -1,9 +1,10 @@
 """A rank's stream reduced to a bounded summary while it is read (analysis side).
 
-A long job writes ~100 collective records and ~15 others per rank and step: 1,024 ranks x
-10,000 steps is ~150 GB of records, far more than one machine holds. The reader
-(:mod:`lorascope.rundir.loading.reader`) therefore keeps, per rank, only what the detectors and the
-report use, and counts the rest while it streams past:
+A long job makes ~100-150 collective calls and writes ~15 other records per rank and step:
+1,024 ranks x 10,000 steps is ~10^9 calls, far more than one machine holds as objects. The
+reader (:mod:`lorascope.rundir.loading.reader`) therefore keeps, per rank, only what the
+detectors and the report use, and counts the rest as it reads (the calls as numpy columns:
+:mod:`lorascope.rundir.loading.callreduce`):
 
 * **collectives**, per process group: the first :data:`HEAD_CALLS` and the last
   :data:`TAIL_CALLS` calls, every call still pending, and a :class:`GroupTally` (count,
@@ -34,7 +35,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
@@ -51,10 +52,6 @@ WINDOW = 256
 WINDOW_PAD = 64
 #: Completed calls waiting behind an older pending one before they are summed anyway.
 MAX_REORDER = 1 << 18
-#: Synchronous calls a collective log holds before it first forgets those of steps
-#: decimation is sure to drop (:class:`SyncTimes`); after each time, twice what it kept and
-#: this many more.
-SYNC_PRUNE = 1 << 16
 #: Step-keyed records: rank-steps kept over the whole run, and at least per rank.
 STEP_BUDGET = 1 << 17
 MIN_STEPS_KEPT = 64
@@ -67,7 +64,7 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-#: What :meth:`StepKeeper.sure_to_drop` says: (low, high, stride).
+#: What :meth:`StepKeeper._bounds` says: (low, high, stride).
 Rule = tuple[int | None, int, int]
 
 
@@ -102,8 +99,8 @@ def name_code(name: str | None) -> int:
 def call_hashes(seq: int, op: str, size: int | None, dtype: str | None) -> tuple[int, int]:
     """A call's two hashes: of (seq, op, bytes), and of that with the dtype. A window's
     digest is their sum modulo 2^64 over its calls: the same whatever order they were read
-    in, so it can be summed a block of columns at a time (:mod:`lorascope.rundir.loading.columnar`
-    computes the same as polars expressions, which wrap modulo 2^64 too)."""
+    in, so it can be summed over columns at once (:mod:`lorascope.rundir.loading.callreduce`
+    computes the same over uint64 columns, which wrap modulo 2^64 too)."""
     op_size = mix(mix((seq & MASK) ^ name_code(op)) ^ (NO_BYTES if size is None else size & MASK))
     return op_size, mix(op_size ^ name_code(dtype))
 
@@ -171,11 +168,12 @@ class Digests(Mapping[int, tuple[int, int]]):
         return f"Digests({dict(self._pairs())!r})"
 
     def __reduce__(self) -> tuple[Callable[..., Digests], tuple[array[int], array[int], array[int]]]:
-        return _digests, self.columns()
+        return digests_of, self.columns()
 
 
-def _digests(index: array[int], op_size: array[int], full: array[int]) -> Digests:
-    """A pickled :class:`Digests` made again."""
+def digests_of(index: array[int], op_size: array[int], full: array[int]) -> Digests:
+    """Digests of window indexes (sorted, distinct) and their two sums (a pickled
+    :class:`Digests` made again; the numpy reduction's columns)."""
     out = Digests()
     out._index, out._op_size, out._full = index, op_size, full
     return out
@@ -198,6 +196,9 @@ class GroupTally:
     #: The last call kept from the start; the first of the newest calls kept (None: all kept).
     head_last: int = 0
     tail_first: int | None = None
+    #: Sequence ranges (inclusive) whose calls the rank's call file did not keep (its ring
+    #: went round over them, or a slot was torn): known to no one, compared with nothing.
+    missing: list[tuple[int, int]] = field(default_factory=list)
 
     def add_to_digest(self, window: int, op_size: int, full: int) -> None:
         """Calls' :func:`call_hashes` (or their sums) added to a window's digest."""
@@ -205,6 +206,8 @@ class GroupTally:
 
     def holds(self, lo: int, hi: int) -> bool:
         """Whether every call of this rank with a sequence number in lo..hi is kept."""
+        if any(a <= hi and lo <= b for a, b in self.missing):
+            return False
         if self.first_seq is None or self.tail_first is None:
             return True
         lo, hi = max(lo, self.first_seq), min(hi, self.last_seq)
@@ -214,73 +217,31 @@ class GroupTally:
 class SyncTimes:
     """A rank's completed synchronous calls, (start, seconds) by step (+1), held for the
     time outside backward (:func:`sync_outside_backward`), and each step's sum of them
-    (``sums``: the rank's ``coll_wait``). Once :data:`SYNC_PRUNE` calls are held, those of
-    the steps decimation is sure to drop (``sure_to_drop``: the stream's
-    :meth:`StepKeeper.sure_to_drop`; None: none is) are forgotten with their sums, as
-    decimation would drop what they add up to (~1.2 KB a step of the probes/ job, else held
-    to the end); then again at twice what was kept plus :data:`SYNC_PRUNE`. Both collective
-    logs hold one; the columnar log's calls come a block at a time, as frames
-    (:meth:`forget_more`)."""
+    (``sums``: the rank's ``coll_wait``)."""
 
-    def __init__(self, sure_to_drop: Callable[[str], Rule | None] | None) -> None:
+    def __init__(self) -> None:
         self.sums: dict[int, float] = {}
         self.calls: dict[int, list[tuple[float, float]]] = {}
-        #: Calls held, here and in :meth:`forget_more`'s keeping.
-        self.held = 0
-        self._sure_to_drop = sure_to_drop
-        self._next = SYNC_PRUNE
 
     def add(self, step: int, start: float, took: float) -> None:
         self.sums[step] = self.sums.get(step, 0.0) + took
         self.calls.setdefault(step, []).append((start, took))
-        self.grew(1)
-
-    def grew(self, n: int) -> None:
-        """``n`` more calls are held; past the threshold, forget what is sure to go."""
-        self.held += n
-        if self.held >= self._next and self._sure_to_drop is not None:
-            rule = self._sure_to_drop("coll_wait")
-            if rule is not None:
-                self.calls = {k: v for k, v in self.calls.items() if not sure_dropped(rule, k)}
-                self.sums = {k: v for k, v in self.sums.items() if not sure_dropped(rule, k)}
-                self.held = sum(map(len, self.calls.values())) + self.forget_more(rule)
-            self._next = 2 * self.held + SYNC_PRUNE
-
-    def forget_more(self, rule: Rule) -> int:
-        """Forget the calls held elsewhere than :attr:`calls` of the steps ``rule`` drops;
-        how many are left there (none here)."""
-        return 0
-
-
-class CallSink(Protocol):
-    """What a stream's reader feeds the calls it reads to: :class:`CollectiveLog`, or a
-    span's :class:`lorascope.rundir.loading.span.SpanLog`."""
-
-    def add(self, coll: Collective) -> None: ...
-
-    def ended(self, coll: Collective) -> None: ...
-
-    def find(self, group: str, seq: int) -> Collective | None: ...
 
 
 class CollectiveLog:
-    """The bounded collective records of one rank, fed call by call as they are read."""
+    """The bounded collective records of one rank, fed call by call: the reduction of a
+    RankData built in memory (:func:`lorascope.rundir.loading.reader.recount`; a test's, a
+    synthetic run's). The reader computes the same over a call file's columns
+    (:mod:`lorascope.rundir.loading.callreduce`)."""
 
-    def __init__(
-        self,
-        windows: dict[str, list[tuple[int, int]]] | None = None,
-        sure_to_drop: Callable[[str], Rule | None] | None = None,
-    ) -> None:
-        """``sure_to_drop``: the stream's :meth:`StepKeeper.sure_to_drop`, so that the
-        synchronous calls of steps decimation drops are forgotten as the stream is read
-        (None: every one is kept)."""
+    def __init__(self, windows: dict[str, list[tuple[int, int]]] | None = None) -> None:
         self.tallies: dict[str, GroupTally] = {}
         self.head: dict[str, list[Collective]] = {}
         self.tail: dict[str, deque[Collective]] = {}
         #: Calls asked for by sequence number (a window read again), per group.
         self.windows = windows or {}
         self.extra: list[Collective] = []
-        self.sync = SyncTimes(sure_to_drop)
+        self.sync = SyncTimes()
         self.op_totals: dict[str, tuple[float, int]] = {}
         self._order: list[tuple[float, int, Collective]] = []
         self._n = 0
@@ -321,22 +282,6 @@ class CollectiveLog:
         self._n += 1
         if order[0][2].end is not None or len(order) > MAX_REORDER:
             self._release(False)
-
-    def ended(self, coll: Collective) -> None:
-        """A call added before its end completed (its end record was read)."""
-        tally = self.tallies[coll.group]
-        if coll.seq > tally.last_done:
-            tally.last_done = coll.seq
-        if self._order and self._order[0][2].end is not None:
-            self._release(False)
-
-    def find(self, group: str, seq: int) -> Collective | None:
-        """The newest kept call of ``group`` with ``seq``."""
-        for pool in (self.tail.get(group, ()), self.head.get(group, ())):
-            for coll in reversed(pool):
-                if coll.seq == seq:
-                    return coll
-        return None
 
     def _asked(self, coll: Collective) -> bool:
         return any(lo <= coll.seq <= hi for lo, hi in self.windows.get(coll.group, ()))
@@ -572,18 +517,11 @@ class StepKeeper:
             self.prune(data)
             self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
 
-    def sure_to_drop(self, data: Any, kind: str) -> Rule | None:
-        """(low, high, stride): the records of ``kind`` whose step is a whole number s with
-        ``low < s < high`` (no lower bound if low is None) and ``s % stride != 0`` are
-        sure to be dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a
-        peak (``mem``, ``logits``); so are the per-step sums of the collectives with such a
-        key (``coll_wait``); None if none is yet, or ``kind`` is no longer dropped from (a
-        NaN was seen)."""
-        return None if self._nan.get(kind) else self._bounds(data)
-
     def _bounds(self, data: Any) -> Rule | None:
-        """:meth:`sure_to_drop`'s (low, high, stride) from the step records so far, peaks
-        and NaNs aside (None: no step is yet sure to be dropped)."""
+        """(low, high, stride): the records whose step is a whole number s with ``low < s <
+        high`` (no lower bound if low is None) and ``s % stride != 0`` are sure to be
+        dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a peak, from
+        the step records so far (None: no step is yet sure to be dropped)."""
         for rec in data.steps[self._taken :]:
             self._number(rec["step"])
         self._taken = len(data.steps)

@@ -1,5 +1,5 @@
 """Following a run directory while the job writes it: what each rank process appended
-since the last look, as whole lines (`lorascope watch`).
+since the last look, as whole lines, and the calls its call file gained (`lorascope watch`).
 
 Each stream file is read from the offset where the last look stopped, up to its last
 complete line (a line the writer has half written waits for the next look). A look
@@ -14,6 +14,12 @@ A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch``
 late in a long run) is read from its last :data:`START_TAIL_BYTES` bytes, from the first
 line boundary there, after the whole lines of its first :data:`HEAD_BYTES`:
 ``Followed.partial`` says so.
+
+A process's call file (beside its stream) is followed by index: a look reads its header's
+count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
+and the calls still pending at the last look again, whose ends may have been written
+since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
+long the run.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.format.safe_open import leaves
-from lorascope.rundir.format.schema import RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STREAM_SUFFIX
+from lorascope.rundir.loading.calls import CallRecords, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -36,6 +44,19 @@ START_TAIL_BYTES = 256 << 10
 HEAD_BYTES = 64 << 10
 #: At most this much of one file is read in one look; the rest at the next.
 MAX_READ_BYTES = 4 << 20
+#: Calls read of a call file at its first look (the newest), and pending calls read again
+#: at each look, at most (the oldest: the one a hang sits in).
+START_CALLS = 4096
+MAX_PENDING_CALLS = 256
+
+
+@dataclass
+class FollowedCalls:
+    """A rank process's call file: the count read up to, and the calls pending then."""
+
+    path: Path
+    count: int = -1
+    pending: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +74,13 @@ class Followed:
     partial: bool = False
     #: The segment's size at the last look (a look reads only a file that grew).
     size: int = field(default=-1, repr=False)
+    #: Its call file, beside the stream (read once it is there).
+    calls: FollowedCalls | None = None
+
+
+#: What a look yields of one process: its stream's new whole lines (without the last
+#: newline; may be empty) and its call file's new and re-read records (None: none).
+Looked = tuple[Followed, bytes, CallRecords | None]
 
 
 def _rank_of(name: str) -> int | None:
@@ -84,10 +112,10 @@ class Tail:
         #: Bytes read so far, all looks (for the benchmark and the footer).
         self.bytes_read = 0
 
-    def _scan(self) -> list[tuple[Followed, bytes]]:
+    def _scan(self) -> list[Looked]:
         """Take in new streams and newer segments; returns the last lines of the segments
         a newer one replaced (finished from their offset)."""
-        finished: list[tuple[Followed, bytes]] = []
+        finished: list[Looked] = []
         try:
             rank_dirs = list(os.scandir(self.run_dir / RANKS_DIR))
         except OSError:
@@ -112,11 +140,12 @@ class Tail:
                 if leaves(self.run_dir, Path(path)):
                     continue
                 if known is None:
-                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path))
+                    calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
+                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls)
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines))
+                    finished.append((known, lines, None))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -172,16 +201,34 @@ class Tail:
             return b""
         return head[: head.rfind(b"\n") + 1]
 
-    def look(self) -> Iterator[tuple[Followed, bytes]]:
+    def _read_calls(self, stream: Followed) -> CallRecords | None:
+        """The call file's records begun since the last look and its pending calls again."""
+        followed = stream.calls
+        if followed is None:
+            return None
+        first = followed.count < 0
+        got = read_since(followed.path, max(followed.count, 0), followed.pending, START_CALLS if first else None)
+        if got is None:
+            return None
+        count, calls = got
+        if count == followed.count and not followed.pending:
+            return None
+        followed.count = count
+        self.bytes_read += len(calls) * CALL.size
+        followed.pending = calls.index[calls.records["end"] == 0.0].tolist()[:MAX_PENDING_CALLS]
+        return calls if len(calls) else None
+
+    def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream (streams without any are left out), as one ``bytes`` of lines without the
-        last newline, one stream at a time: a caller that takes each in before the next
-        holds one stream's lines at most."""
+        stream, as one ``bytes`` of lines without the last newline, and the records its
+        call file gained, one process at a time (those with neither are left out): a
+        caller that takes each in before the next holds one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             yield from self._scan()
         for stream in list(self.streams.values()):
             lines = self._read(stream)
-            if lines:
-                yield stream, lines
+            calls = self._read_calls(stream)
+            if lines or calls is not None:
+                yield stream, lines, calls

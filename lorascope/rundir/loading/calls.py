@@ -1,0 +1,216 @@
+"""Reading a rank's call file (analysis side): its records as numpy columns.
+
+The layout is :mod:`lorascope.rundir.format.layout`'s tables; the numpy dtypes here are
+built from them, never spelled again. A call file is read whole (~40 bytes a call): the
+header is checked (magic, version, record size; a bad one is a one-line warning and the
+rank's calls are not read), then the first ``head`` slots and the ring's slots are taken in
+index order, each kept only if its stamp names the index the slot should hold by then. A
+slot whose stamp does not was never written, or was being overwritten when the process
+died (torn): it is dropped. A file cut short is read as far as it goes, with a warning.
+
+What is not kept is known by index (:attr:`CallRecords.missing`): the calls a ring went
+round over (``rank R: calls N..M not kept (the ring holds the newest K)``) and the slots
+dropped. The reduction (:mod:`lorascope.rundir.loading.callreduce`) turns those into
+sequence ranges per group that alignment compares no rank over.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lorascope.errors import BadInputError
+from lorascope.rundir.format.layout import CALL, CALL_FIELDS, CALLS_VERSION, HEADER, HEADER_FIELDS, MAGIC, STAMP_MASK
+from lorascope.rundir.format.safe_open import open_regular
+
+
+def _numpy_code(code: str) -> str:
+    """A struct code (little-endian) as numpy spells it: ``8s`` -> ``S8``, ``q`` -> ``<q``."""
+    return "S" + code[:-1] if code.endswith("s") else "<" + code
+
+
+def dtype_of(fields: tuple[tuple[str, str, str], ...]) -> np.dtype[np.void]:
+    """The packed numpy dtype of a record laid out by ``fields`` (layout.py's tables)."""
+    return np.dtype([(name, _numpy_code(code)) for name, code, _ in fields])
+
+
+#: A call file's header and one call, as numpy reads them.
+HEADER_DTYPE = dtype_of(HEADER_FIELDS)
+CALL_DTYPE = dtype_of(CALL_FIELDS)
+assert HEADER_DTYPE.itemsize == HEADER.size and CALL_DTYPE.itemsize == CALL.size
+
+
+@dataclass
+class CallRecords:
+    """The calls kept of one call file, in index order: ``records`` (CALL_DTYPE) and their
+    indexes; ``last``: the highest index begun (-1: none); ``missing``: inclusive index
+    ranges below it not kept; ``lost``: the range the ring went round over (None: none)."""
+
+    records: np.ndarray
+    index: np.ndarray
+    head: int
+    ring: int
+    last: int = -1
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    lost: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def empty(head: int = 0, ring: int = 0) -> CallRecords:
+    return CallRecords(np.zeros(0, CALL_DTYPE), np.zeros(0, np.int64), head, ring)
+
+
+def read_header(raw: bytes, where: str) -> tuple[int, int, int]:
+    """(head, ring, count) of a call file's first bytes; BadInputError (one line) when they
+    are not a call file this lorascope reads."""
+    if len(raw) < HEADER.size:
+        raise BadInputError(f"{where}: a call file cut before the end of its header ({len(raw)} bytes)")
+    magic, version, size, head, ring, count, *_ = HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise BadInputError(f"{where}: not a call file (its first bytes are {magic[:8]!r})")
+    if version != CALLS_VERSION:
+        raise BadInputError(f"{where}: call file version {version}; this lorascope reads version {CALLS_VERSION}")
+    if size != CALL.size:
+        raise BadInputError(f"{where}: call records of {size} bytes; version {CALLS_VERSION} has {CALL.size}")
+    if ring < 1 or head + ring >= 1 << 40:
+        raise BadInputError(f"{where}: a call file header with head {head} and ring {ring}")
+    return head, ring, count
+
+
+#: Slots read past the header's count: records begun while the count was behind them
+#: (threads writing at once when the process stopped).
+COUNT_SLACK = 1024
+
+
+def read_calls(path: Path, who: str, warnings: list[str]) -> CallRecords:
+    """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings);
+    a file that cannot be read, or whose header is bad, is warned and reads as no calls.
+    Only the slots written so far are read (the header's count, and COUNT_SLACK more): a
+    call file is made at its full size, sparse, and may be cut after its last slot written
+    (a writer that closes it may give the rest back); shorter than its count says, it is
+    read as far as it goes, with a warning."""
+    try:
+        with open_regular(path, inside=path.parent) as f:
+            size = os.fstat(f.fileno()).st_size
+            header = f.read(HEADER.size)
+            try:
+                head, ring, count = read_header(header, str(path))
+            except BadInputError as exc:
+                warnings.append(f"{exc}; {who}'s calls are not read")
+                return empty()
+            want = min(head + ring, count + COUNT_SLACK)
+            raw = f.read(want * CALL.size)
+    except (OSError, BadInputError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        warnings.append(f"{who}: its call file {path} is unreadable ({why}); its calls are not read")
+        return empty()
+    slots = (size - HEADER.size) // CALL.size
+    if slots < min(head + ring, count):  # a file may end after its last slot written, not before
+        warnings.append(
+            f"{path}: the call file is cut short ({max(slots, 0):,} of the {min(head + ring, count):,} slots "
+            "its header says were written); read as far as it goes"
+        )
+    table = np.frombuffer(raw, CALL_DTYPE, count=len(raw) // CALL.size)
+    return kept(table, head, ring, count, who, warnings)
+
+
+def kept(table: np.ndarray, head: int, ring: int, count: int, who: str, warnings: list[str]) -> CallRecords:
+    """The records of a call file's slots ``table`` whose stamps say they hold the index
+    expected, in index order, and what is missing (warned)."""
+    stamps = table["stamp"].astype(np.int64)
+    n_head = min(head, len(table))
+    head_index = np.arange(n_head, dtype=np.int64)
+    head_ok = stamps[:n_head] == (head_index + 1) & STAMP_MASK
+    # The ring: each stamp read as the index nearest the header's count (a hint) whose low
+    # 32 bits + 1 it holds; a slot holds that index only if the index falls in that slot.
+    ring_slots = np.arange(n_head, len(table), dtype=np.int64) - head
+    ring_stamps = stamps[n_head:]
+    hint = max(count - 1, head)
+    delta = ((ring_stamps - 1 - hint) & STAMP_MASK).astype(np.int64)
+    delta[delta >= 1 << 31] -= 1 << 32
+    ring_index = hint + delta
+    ring_ok = (ring_stamps != 0) & (ring_index >= head) & ((ring_index - head) % ring == ring_slots)
+    last = max(int(head_index[head_ok][-1]) if head_ok.any() else -1, int(ring_index[ring_ok].max(initial=-1)))
+    if last < count - 1 <= last + ring:  # begun (the count is written after a record), not whole
+        last = count - 1
+    # a ring slot whose index is a lap or more behind the newest was being overwritten:
+    # the newer call took its index, and its record was not whole when the process stopped
+    ring_ok &= ring_index > last - ring
+    index = np.concatenate((head_index[head_ok], ring_index[ring_ok]))
+    records = np.concatenate((table[:n_head][head_ok], table[n_head:][ring_ok]))
+    order = np.argsort(index, kind="stable")
+    index, records = index[order], records[order]
+    out = CallRecords(records, index, head, ring, last)
+    if last < 0:
+        return out
+    if last - ring >= head:
+        out.lost = (head, last - ring)
+        warnings.append(f"{who}: calls {head:,}..{last - ring:,} not kept (the ring holds the newest {ring:,})")
+    # the indexes up to the newest that should be here, and are not
+    expected = np.zeros(min(head, last + 1), dtype=bool)
+    expected[: min(n_head, len(expected))] = head_ok[: len(expected)]
+    holes = [np.flatnonzero(~expected)]
+    ring_lo = max(head, last - ring + 1)
+    if last >= ring_lo:
+        present = np.zeros(last + 1 - ring_lo, dtype=bool)
+        present[index[index >= ring_lo] - ring_lo] = True
+        holes.append(np.flatnonzero(~present) + ring_lo)
+    at = np.concatenate(holes)
+    if len(at):
+        runs = np.split(at, np.flatnonzero(np.diff(at) != 1) + 1)
+        out.missing = [(int(r[0]), int(r[-1])) for r in runs]
+        warnings.append(
+            f"{who}: {len(at):,} call record(s) torn or never written (the process stopped while writing "
+            f"them?), the first at index {int(at[0]):,}: not read"
+        )
+    if out.lost is not None:
+        out.missing = sorted([*out.missing, out.lost])
+    return out
+
+
+def read_since(path: Path, since: int, pending: list[int], most: int | None = None) -> tuple[int, CallRecords] | None:
+    """For a follower (`lorascope watch`): the records of indexes ``since`` up to the
+    header's count (the newest ``most`` of them at most), and those of the ``pending``
+    indexes again (their ends may have been written since), read with ``pread``; returns
+    (the count, the records), or None when the file is not (yet) a call file. Indexes a
+    ring went round over are skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            head, ring, count = read_header(os.pread(fd, HEADER.size, 0), str(path))
+        except BadInputError:
+            return None
+        first = max(since, count - ring, 0) if count > head else since
+        if most is not None:
+            first = max(first, count - most)
+        wanted = sorted({*(i for i in pending if i < first), *range(first, count)})
+        table = _pread_slots(fd, wanted, head, ring)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    index = np.asarray(wanted, dtype=np.int64)
+    ok = table["stamp"].astype(np.int64) == (index + 1) & STAMP_MASK
+    return count, CallRecords(table[ok], index[ok], head, ring, count - 1)
+
+
+def _pread_slots(fd: int, wanted: list[int], head: int, ring: int) -> np.ndarray:
+    """The slots of indexes ``wanted``, read a run of adjacent slots at a time."""
+    index = np.asarray(wanted, dtype=np.int64)
+    slots = np.where(index < head, index, head + (index - head) % ring)
+    out = np.zeros(len(index), CALL_DTYPE)
+    for run in np.split(np.arange(len(index)), np.flatnonzero(np.diff(slots) != 1) + 1):
+        if not len(run):
+            continue
+        raw = os.pread(fd, len(run) * CALL.size, HEADER.size + int(slots[run[0]]) * CALL.size)
+        got = len(raw) // CALL.size
+        out[run[0] : run[0] + got] = np.frombuffer(raw, CALL_DTYPE, count=got)
+    return out
