@@ -62,7 +62,7 @@ def _probe(tmp_path: Path) -> tuple[CollectiveProbe, list[dict[str, Any]]]:
     session = Session(Stream(tmp_path / "ranks" / "rank-0" / "h-1"), 0, 0, 1, 0.0)
     records: list[dict[str, Any]] = []
     session.record = lambda kind, **fields: records.append({"k": kind, **fields})  # type: ignore[method-assign]
-    return CollectiveProbe(session), records
+    return CollectiveProbe(session, tmp_path / "ranks" / "rank-0" / "h-1"), records
 
 
 @pytest.mark.parametrize("cap", [collectives.MAX_KEPT_CODES, 0])

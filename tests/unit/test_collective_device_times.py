@@ -33,11 +33,10 @@ def test_only_finished_pairs_resolve_in_call_order(tmp_path: Path) -> None:
     session = Session(Stream(stream_prefix(run, 0, "h", 1)), rank=0, local_rank=0, world_size=1, sample_interval=0)
     session.record("start", rank=0, world_size=1, local_rank=0, pid=1, host="h", argv=[], versions={}, device="cuda:0")
     session.record("group", gid=0, name="default_pg", ranks=[0], backend="nccl")
-    for seq in (1, 2, 3):
-        for kind in ("coll", "coll_end"):
-            fields = {"bytes": 4, "dtype": "float32", "async": False, "site": None, "step": 0, "op": "all_reduce"}
-            session.record(kind, seq=seq, gid=0, **(fields if kind == "coll" else {"err": None}))
-    probe = CollectiveProbe(session)
+    probe = CollectiveProbe(session, stream_prefix(run, 0, "h", 1))
+    shape = probe._shapes.declare(("all_reduce", "float32", False, None, None))
+    for seq in (1, 2, 3):  # three calls, each ended, in the call file as the probe writes them
+        probe.calls.end(probe.calls.begin(float(seq), seq, 4, 0, 0, shape), seq + 0.5)
     pairs = [
         (Event(0.0, True), Event(1.5, True)),
         (Event(2.0, True), Event(2.25, False)),

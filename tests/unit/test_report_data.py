@@ -41,8 +41,8 @@ def test_healthy_fixture_data() -> None:
     assert data["verdict"]["level"] == "ok"
     assert [s["rank"] for s in charts["memory"]["series"]] == [0, 1]
     assert all(s["end"]["label"] == "exit 0" and not s["end"]["bad"] for s in charts["memory"]["series"])
-    # recorded before the heap probe existed: RSS is all there is
-    assert charts["memory"]["metric"] == "RSS" and charts["memory"]["metrics"] == ["RSS"]
+    # a CPU run: the C heap in use first (what the job holds), RSS beside it
+    assert charts["memory"]["metric"] == "heap in use" and charts["memory"]["metrics"] == ["heap in use", "RSS"]
     assert charts["memory"]["steps"]
     assert charts["collectives"]["available"] and charts["collectives"]["first"] is None
     assert charts["collectives"]["pending"] == []
@@ -50,7 +50,7 @@ def test_healthy_fixture_data() -> None:
     assert [s["step"] for s in charts["steps"]["time"]] == [[1, 2, 3, 4, 5, 6]] * 2
     facts = data["facts"]
     assert facts["world_size"] == 2 and [c["name"] for c in facts["configs"]][:3] == ["deepspeed", "lora", "model"]
-    assert "torchrun" in facts["launches"][0]["command"]
+    assert "torch.distributed.run" in facts["launches"][0]["command"]  # fixtures/record_runs.py's launch
     kernels = charts["kernels"]  # from the run's Kineto traces (one traced step per rank)
     assert kernels["available"] and kernels["unit"] == "op" and [r["rank"] for r in kernels["ranks"]] == [0, 1]
     assert all(r["count"] > 1000 and 0 < r["lora_count"] < 1 and 0 < r["tiny_count"] < 1 for r in kernels["ranks"])
@@ -323,7 +323,8 @@ def test_the_heatmaps_have_a_column_per_step(tmp_path: Path) -> None:
     assert memory["columns"] == [[s, s] for s in range(1, 21)] == spread["step_time"]["heatmap"]["columns"]
     assert "20 column(s) of 1 step each" in render(data) and "21 column(s)" not in render(data)
     healthy = build_report_data(load_bundle(HEALTHY), [])["charts"]["spread"]
-    assert len(healthy["memory"]["RSS"]["heatmap"]["columns"]) == len(healthy["step_time"]["heatmap"]["columns"]) == 6
+    columns = healthy["memory"]["heap in use"]["heatmap"]["columns"]
+    assert len(columns) == len(healthy["step_time"]["heatmap"]["columns"]) == 6
     died = RankSpec(steps=3, extra=[{"k": "mem", "src": "sampler", "step": 3, "rss": 900 << 20}], ends=False)
     data = build_report_data(load_bundle(write_run(tmp_path / "died", [RankSpec(steps=3), died])), [])
     heat = data["charts"]["spread"]["memory"]["RSS"]["heatmap"]

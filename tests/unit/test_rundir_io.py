@@ -14,7 +14,7 @@ import pytest
 
 from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.format.schema import FORMAT_VERSION
-from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.writer import Line, Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import Calls
 
@@ -224,13 +224,14 @@ def test_a_calls_end_and_error_come_from_its_record_and_its_coll_err(tmp_path: P
     assert run.warnings == []
 
 
-class Ended:
-    """A queued record formatted by the writer (the collectives' ``_Call`` contract)."""
+class Ended(Line):
+    """A queued record formatted by the writer (a ``Line``), counting its formatting."""
 
     def __init__(self) -> None:
+        super().__init__("", ())
         self.encoded = 0
 
-    def encode(self, final: bool) -> str | None:
+    def encode(self) -> str:
         self.encoded += 1
         return (
             json.dumps({"k": "step", "t": 1.0, "step": self.encoded, "dur": 0.1, "loss": None, "src": "torch"}) + "\n"

@@ -72,11 +72,18 @@ def test_logits_spike_severity_follows_consequence() -> None:
 
 
 def test_a_logits_estimate_above_the_measured_step_is_not_a_share_over_100_percent() -> None:
-    """On the fixture the estimate (3 fp32 copies, 187.5 MiB) is more than the step's heap was
-    read to grow by (142.2 MiB, at phase edges): said as such, never "132% of the step's
-    memory"; a step measured larger (a reading past the estimate) gets its share."""
+    """Where the estimate (3 fp32 copies, 187.5 MiB) is more than the step's heap was read
+    to grow by (the fixture's readings capped at 142 MiB over their lowest: phase edges
+    can miss the peak), it is said as such, never "132% of the step's memory"; a step
+    measured larger (a reading past the estimate) gets its share."""
     bundle = load_bundle(FIX / "logits-spike")
-    [note] = logits_spike.detect(bundle)
+    smaller = copy.deepcopy(bundle)
+    for rank in smaller.run.ranks.values():
+        low = min(m["heap"] for m in rank.mem if m.get("heap"))
+        for m in rank.mem:
+            if m.get("heap"):
+                m["heap"] = min(m["heap"], low + 142 * 2**20)
+    [note] = logits_spike.detect(smaller)
     text = " ".join([note.title, note.confidence_reason, *(e.value for e in note.evidence)])
     assert "more than" in note.title and "187.5 MiB estimated" in note.title
     assert all(int(percent) <= 100 for percent in re.findall(r"(\d+)%", text))

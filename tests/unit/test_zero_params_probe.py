@@ -49,7 +49,7 @@ def test_entries_are_recorded_with_site_and_condition(tmp_path: Path) -> None:
     run = tmp_path / "run"
     ensure_manifest(run)
     session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 2, 0.0)
-    probe = ZeroParamProbe(session, CollectiveProbe(session))
+    probe = ZeroParamProbe(session, CollectiveProbe(session, stream_prefix(run, 0, "h", 1)))
     probe.install(types.SimpleNamespace(GatheredParameters=Gathered))
     rank = 0
     persistent = types.SimpleNamespace(ds_persist=True)
@@ -72,7 +72,7 @@ def test_a_failing_probe_switches_off_and_the_job_goes_on(tmp_path: Path) -> Non
     run = tmp_path / "run"
     ensure_manifest(run)
     session = Session(Stream(stream_prefix(run, 0, "h", 1)), 0, 0, 2, 0.0)
-    probe = ZeroParamProbe(session, CollectiveProbe(session))
+    probe = ZeroParamProbe(session, CollectiveProbe(session, stream_prefix(run, 0, "h", 1)))
     probe.install(types.SimpleNamespace(GatheredParameters=Broken))
     with Broken([]) as ctx:
         pass
