@@ -253,7 +253,8 @@ def test_steps_past_the_ring_are_counted_from_their_sums_and_kept_calls_join_the
     from lorascope.rundir.format.writer import stream_prefix
 
     sums = {"k": "calls_step", "step": 4, "groups": [[0, "all_reduce", 16, 64, 1600.0, 100.0, 0]]}
-    spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums])
+    named = {"k": "calls_file", "file": "h-100.kept-calls", "how": "mmap", "head": 0, "ring": 64}  # the later one
+    spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums, named])
     run_dir = write_run(tmp_path / "run", [spec, RankSpec(calls=[Call("all_reduce")] * 20)])
     kept = CallFile(kept_calls_path(stream_prefix(run_dir, 0, "h", 100)), head=0, ring=64)
     for seq in (7, 8):

@@ -394,8 +394,10 @@ class _Stream:
         self.errors: dict[int, str] = {}
         #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
         self.device: list[tuple[int, int, float]] = []
-        #: The latest ``calls_file`` record's file, in the stream's folder.
+        #: The latest ``calls_file`` record's file, in the stream's folder, and its kept-calls
+        #: file's (a ``calls_file`` record names it too, when the probes make it).
         self.calls_file: Path | None = None
+        self.kept_file: Path | None = None
         #: The ``calls_step`` records: step -> its groups' sums of the calls the ring overwrote.
         self.sums: StepSums = {}
         self._unknown: dict[str, tuple[str, int]] = {}
@@ -439,6 +441,8 @@ class _Stream:
             name = str(rec["file"])
             if Path(name).name != name:
                 self.warnings.append(f"{path}:{number}: a call file {name[:80]!r} outside the rank's folder: not read")
+            elif name.endswith(KEPT_CALLS_SUFFIX):
+                self.kept_file = path.parent / name
             else:
                 self.calls_file = path.parent / name
         else:
@@ -499,7 +503,7 @@ class _Stream:
             else ""
         )
         calls = read_calls(path, f"rank {self.rank}", self.warnings, summed)
-        kept = _beside(first, KEPT_CALLS_SUFFIX)
+        kept = self.kept_file or _beside(first, KEPT_CALLS_SUFFIX)
         if not kept.exists() or leaves(first.parent, kept):
             return calls
         return with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
@@ -516,6 +520,12 @@ class _Stream:
             Collective,
             self.sums,
         )
+        lost = sorted(key - 1 for key in reduced.unknown_steps)
+        if lost and self.sums:
+            self.warnings.append(
+                f"rank {self.rank}: calls of steps {lost[0]:,}..{lost[-1]:,} were overwritten by the ring before "
+                "the probes summed them: not counted, their time in collectives unknown"
+            )
         if reduced.unshaped:
             self.warnings.append(
                 f"rank {self.rank}: {reduced.unshaped:,} call(s) name a shape no 'shape' record declares "
