@@ -210,6 +210,8 @@ def run_once(variant: str, port: int, args: argparse.Namespace, work: Path, inde
         run.cpu_step_s = (cpu_at[args.steps] - cpu_at[args.warmup]) / (args.steps - args.warmup)
     if variant != "bare" and not list((work / f"{variant}-{index:02d}" / "ranks").glob("rank-*/*.jsonl")):
         print(f"  warning: the {variant} run {index} wrote no rank stream (probes not attached?)")
+    elif variant == "baseline":
+        pass  # its run directory is its checkout's format (maybe one this reader refuses): wall and CPU only
     elif variant != "bare":
         loaded = load_run(work / f"{variant}-{index:02d}")
         cost = build_summary(loaded)["probe_cost"]  # None from a --baseline checkout that writes no cost records

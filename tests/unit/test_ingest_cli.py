@@ -19,7 +19,7 @@ FIX = ROOT / "fixtures"
 SNAPSHOT = FIX / "snapshots" / "lora-oom" / "rank-0.pickle"
 FLIGHT = FIX / "flight-recorder" / "rank0-extra-allreduce" / "rank-0.pickle"
 FLIGHT_JSON = FIX / "flight-recorder" / "rank0-extra-allreduce" / "rank-0.json"
-TRACE = FIX / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz"
+TRACE = next((FIX / "healthy" / "ranks" / "rank-0").glob("*.trace.json.gz"))
 LOG = FIX / "snapshots" / "lora-oom" / "job.log"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 

@@ -27,7 +27,7 @@ FIX = ROOT / "fixtures"
         (FIX / "flight-recorder" / "healthy" / "rank-0.pickle", "flight"),
         (FIX / "flight-recorder" / "rank0-extra-allreduce" / "rank-1.json", "flight"),
         (FIX / "healthy", "rundir"),
-        (FIX / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz", "kineto"),
+        (next((FIX / "healthy" / "ranks" / "rank-0").glob("*.trace.json.gz")), "kineto"),
         (FIX / "healthy" / "manifest.json", None),
         (FIX, None),
     ],
@@ -68,7 +68,7 @@ def test_mixed_folder_of_one_job(tmp_path: Path) -> None:
     shutil.copy(FIX / "snapshots" / "lora-oom" / "job.log", tmp_path / "job.log")
     traces = tmp_path / "traces"
     traces.mkdir()
-    shutil.copy(FIX / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz", traces / "anything.json.gz")
+    shutil.copy(next((FIX / "healthy" / "ranks" / "rank-0").glob("*.trace.json.gz")), traces / "anything.json.gz")
     (tmp_path / "README").write_text("notes about the job\n")
     (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     bundle = load_bundle(tmp_path, hta=False)
@@ -107,7 +107,7 @@ def test_unknown_rank_gets_the_next_free_one(tmp_path: Path) -> None:
     for name in ("a.pickle", "b.pickle"):
         shutil.copy(FIX / "snapshots" / "fragmented" / "rank-0.pickle", tmp_path / name)
     with gzip.open(tmp_path / "c.json.gz", "wb") as f:
-        f.write(gzip.decompress((FIX / "healthy" / "ranks" / "rank-1" / "vm-14696.trace.json.gz").read_bytes()))
+        f.write(gzip.decompress((next((FIX / "healthy" / "ranks" / "rank-1").glob("*.trace.json.gz"))).read_bytes()))
     bundle = load_bundle(tmp_path, hta=False)
     assert sorted(bundle.snapshots) == [0, 1] and list(bundle.traces) == [1]
     assert sum("taken as rank" in w for w in bundle.warnings) == 2

@@ -22,7 +22,9 @@ from lorascope.text.artifacts import render_artifacts
 from tests.helpers import REAL_TRACES
 
 REAL = REAL_TRACES
-CPU_TRACE = Path(__file__).resolve().parents[2] / "fixtures" / "healthy" / "ranks" / "rank-0" / "vm-14695.trace.json.gz"
+CPU_TRACE = next(
+    (Path(__file__).resolve().parents[2] / "fixtures" / "healthy" / "ranks" / "rank-0").glob("*.trace.json.gz")
+)
 needs_real = pytest.mark.skipif(
     not REAL.is_dir(), reason=f"{REAL_TRACES} is absent (the real GPU traces are kept beside the repository)"
 )

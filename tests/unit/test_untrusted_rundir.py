@@ -63,12 +63,14 @@ def test_a_faulthandler_file_that_is_a_symlink_out_is_not_read(tmp_path: Path) -
     run = copied_run(tmp_path)
     secret = _secret_file(tmp_path)
 
+    process = next((run / "ranks" / "rank-0").glob("*.0000.jsonl")).name.split(".")[0]
+
     def planted(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        fatal = {"file": "vm-14695.fatal.txt", "k": "fatal_handler", "t": records[0]["t"]}
+        fatal = {"file": f"{process}.fatal.txt", "k": "fatal_handler", "t": records[0]["t"]}
         return [records[0], fatal, *records[1:]]
 
     stream = edit_records(run, 0, planted)
-    (stream.parent / "vm-14695.fatal.txt").symlink_to(secret)
+    (stream.parent / f"{process}.fatal.txt").symlink_to(secret)
     shown = capped_cli("analyze", str(run), "--no-hta")
     assert shown.returncode == 0, shown.stderr
     page = tmp_path / "report.html"
