@@ -12,6 +12,10 @@ the run ends in a rank-conditional hang. Planted on top:
 * rank ``RANKS // 2 + 1`` computes twice as long every step, the others wait for it in
   their first synchronous collective (straggler).
 
+The steady step's training-loop memory readings are written as the probes write them (on
+the steps read in full, and new peaks: ``probes/memory.py``), and so are the per-step
+sums of the calls past half the call file's ring (``probes/callsteps.py``).
+
 Prints per size: what was written, wall time and peak memory of `lorascope analyze
 --json` and `lorascope report` (the command and its worker processes together: summed RSS,
 and summed PSS, what the machine needs, the code the workers share counted once), the
@@ -56,6 +60,7 @@ import psutil
 
 from lorascope.probes.callsteps import LAG
 from lorascope.probes.logits import MAX_CALLS
+from lorascope.probes.memory import HEAP_DENSE_STEPS, HEAP_EVERY, STRIDED_PHASES
 from lorascope.rundir.format.layout import CALL, CALLS_VERSION, DEFAULT_HEAD, DEFAULT_RING, HEADER, MAGIC, STAMP_MASK
 from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION
 from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
@@ -206,6 +211,18 @@ def _template(rec: dict[str, Any]) -> str:
     return text
 
 
+def _written_mem(rec: dict[str, Any], step: int, new_peak: bool) -> bool:
+    """Whether the probes write a training-loop ``mem`` reading at ``step`` (its ``step``
+    field): on the steps read in full (``probes/memory.py``: the first HEAP_DENSE_STEPS,
+    every HEAP_EVERY-th and the end of the step before one), or when it is a new peak. The
+    sampler thread's readings are all written."""
+    src = str(rec.get("src", ""))
+    if src.partition(".")[0] not in STRIDED_PHASES:
+        return True
+    at = step - (src == "step")
+    return new_peak or at < HEAP_DENSE_STEPS or at % HEAP_EVERY == 0 or (at + 1) % HEAP_EVERY == 0
+
+
 def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     """Write rank ``rank``'s stream and call file; returns their bytes."""
     out, rank, world, steps, straggler = args
@@ -312,6 +329,10 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             chunk = []
             for r, tmpl, off in steady if j == 0 else later:
                 extra = EXTRA if rank == 0 and r.get("step", 0) + j >= plant else 0
+                if r["k"] == "mem" and not _written_mem(
+                    r, r.get("step", 0) + j, bool(extra) and r.get("step", 0) + j == plant
+                ):
+                    continue
                 chunk.append(
                     tmpl.format(
                         t=base + off,
