@@ -252,7 +252,8 @@ def test_steps_past_the_ring_are_counted_from_their_sums_and_kept_calls_join_the
     from lorascope.rundir.format.callfile import kept_calls_path
     from lorascope.rundir.format.writer import stream_prefix
 
-    sums = {"k": "calls_step", "step": 4, "groups": [[0, "all_reduce", 16, 64, 1600.0, 100.0, 0]]}
+    bad = [0, "all_reduce", "16", 64, 1600.0, 100.0, 0]  # a count that is not an int: left out
+    sums = {"k": "calls_step", "step": 4, "groups": [[0, "all_reduce", 16, 64, 1600.0, 100.0, 0], bad]}
     named = {"k": "calls_file", "file": "h-100.kept-calls", "how": "mmap", "head": 0, "ring": 64}  # the later one
     spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums, named])
     run_dir = write_run(tmp_path / "run", [spec, RankSpec(calls=[Call("all_reduce")] * 20)])

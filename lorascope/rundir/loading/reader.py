@@ -903,11 +903,20 @@ def _beside(first: Path, suffix: str = CALLS_SUFFIX) -> Path:
 def _summed(group: Any) -> bool:
     """Whether a ``calls_step`` record's group entry is [gid, op, calls, bytes, ms, longest
     ms, not ended] with the types it must have (another is left out)."""
-    if not isinstance(group, list) or len(group) != 7:
-        return False
-    gid, op, n, nbytes, ms, longest, open_ = group
-    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (ms, longest))
-    return all(type(v) is int for v in (gid, n, nbytes, open_)) and isinstance(op, str) and numbers
+    return (
+        type(group) is list
+        and len(group) == 7
+        and type(group[0]) is int
+        and type(group[1]) is str
+        and type(group[2]) is int
+        and type(group[3]) is int
+        and type(group[4]) in _NUMBER
+        and type(group[5]) in _NUMBER
+        and type(group[6]) is int
+    )
+
+
+_NUMBER = (int, float)
 
 
 def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
