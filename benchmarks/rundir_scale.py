@@ -12,6 +12,10 @@ the run ends in a rank-conditional hang. Planted on top:
 * rank ``RANKS // 2 + 1`` computes twice as long every step, the others wait for it in
   their first synchronous collective (straggler).
 
+The steady step's training-loop memory readings are written as the probes write them (on
+the steps read in full, and new peaks: ``probes/memory.py``), and so are the per-step
+sums of the calls past half the call file's ring (``probes/callsteps.py``).
+
 Prints per size: what was written, wall time and peak memory of `lorascope analyze
 --json` and `lorascope report` (the command and its worker processes together: summed RSS,
 and summed PSS, what the machine needs, the code the workers share counted once), the
@@ -54,7 +58,9 @@ from typing import Any
 import numpy as np
 import psutil
 
+from lorascope.probes.callsteps import LAG
 from lorascope.probes.logits import MAX_CALLS
+from lorascope.probes.memory import HEAP_DENSE_STEPS, HEAP_EVERY, STRIDED_PHASES
 from lorascope.rundir.format.layout import CALL, CALLS_VERSION, DEFAULT_HEAD, DEFAULT_RING, HEADER, MAGIC, STAMP_MASK
 from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION
 from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
@@ -148,6 +154,46 @@ class _CallColumns:
             f.truncate(HEADER.size + (head + ring) * CALL.size)
         return HEADER.size + min(n, head + ring) * CALL.size
 
+    def step_sums(self) -> list[dict[str, Any]]:
+        """The ``calls_step`` records the probes write for this run (``probes/callsteps.py``):
+        once half the ring is used, every call past the head, LAG calls behind the newest,
+        of a step that is over, summed per step, group and op."""
+        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, CALL_DTYPE)
+        head, n = DEFAULT_HEAD, len(rows)
+        if n - head < DEFAULT_RING // 2:
+            return []
+        folded = rows[head : max(head, n - min(LAG, DEFAULT_RING // 4))]
+        last_step = int(rows["step"][-1])
+        folded = folded[folded["step"] < last_step]
+        op_of = {sid: key[0] for key, sid in self.shapes.items()}
+        ops = sorted(set(op_of.values()))
+        op = np.array([ops.index(op_of[int(sid)]) for sid in range(len(op_of))])[folded["shape"]]
+        ended = folded["end"] > 0
+        ms = np.where(ended, (folded["end"] - folded["t"]) * 1e3, 0.0)
+        keys = np.stack((folded["step"].astype(np.int64), folded["gid"].astype(np.int64), op))
+        uniq, inverse = np.unique(keys, axis=1, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        count = np.bincount(inverse, minlength=uniq.shape[1])
+        nbytes = np.bincount(inverse, weights=np.maximum(folded["bytes"], 0), minlength=uniq.shape[1])
+        total = np.bincount(inverse, weights=ms, minlength=uniq.shape[1])
+        longest = np.zeros(uniq.shape[1])
+        np.maximum.at(longest, inverse, ms)
+        open_ = np.bincount(inverse, weights=~ended, minlength=uniq.shape[1])
+        out: dict[int, list[list[Any]]] = {}
+        for i, (step, gid, o) in enumerate(uniq.T.tolist()):
+            out.setdefault(step, []).append(
+                [
+                    gid,
+                    ops[o],
+                    int(count[i]),
+                    int(nbytes[i]),
+                    round(float(total[i]), 3),
+                    round(float(longest[i]), 3),
+                    int(open_[i]),
+                ]
+            )
+        return [{"k": "calls_step", "step": step, "groups": groups} for step, groups in sorted(out.items())]
+
 
 def _line(rec: dict[str, Any]) -> str:
     return json.dumps(rec, separators=(",", ":")) + "\n"
@@ -163,6 +209,18 @@ def _template(rec: dict[str, Any]) -> str:
     for key in ("t", "end", "step", "seq", "rss", "heap"):
         text = text.replace(f'"@{key}@"', "{" + key + "!r}")
     return text
+
+
+def _written_mem(rec: dict[str, Any], step: int, new_peak: bool) -> bool:
+    """Whether the probes write a training-loop ``mem`` reading at ``step`` (its ``step``
+    field): on the steps read in full (``probes/memory.py``: the first HEAP_DENSE_STEPS,
+    every HEAP_EVERY-th and the end of the step before one), or when it is a new peak. The
+    sampler thread's readings are all written."""
+    src = str(rec.get("src", ""))
+    if src.partition(".")[0] not in STRIDED_PHASES:
+        return True
+    at = step - (src == "step")
+    return new_peak or at < HEAP_DENSE_STEPS or at % HEAP_EVERY == 0 or (at + 1) % HEAP_EVERY == 0
 
 
 def write_rank(args: tuple[Path, int, int, int, int]) -> int:
@@ -271,6 +329,10 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             chunk = []
             for r, tmpl, off in steady if j == 0 else later:
                 extra = EXTRA if rank == 0 and r.get("step", 0) + j >= plant else 0
+                if r["k"] == "mem" and not _written_mem(
+                    r, r.get("step", 0) + j, bool(extra) and r.get("step", 0) + j == plant
+                ):
+                    continue
                 chunk.append(
                     tmpl.format(
                         t=base + off,
@@ -312,6 +374,8 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             emit({"k": "shape", "t": t0, "id": n, **dict(zip(_SHAPE_KEYS, key, strict=True))})
         for index, t, err in calls.errors:
             emit({"k": "coll_err", "t": t, "index": index, "err": err})
+        for rec in calls.step_sums():
+            emit({**rec, "t": t0})
     return written + calls.write(prefix.with_name(prefix.name + CALLS_SUFFIX), t0)
 
 

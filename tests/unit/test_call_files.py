@@ -241,3 +241,36 @@ def test_the_docs_tables_are_the_layout_tables(table: str) -> None:
     block = text.split(f"<!-- layout: {table} -->\n", 1)[1].split("<!-- end layout -->", 1)[0]
     rows = [line.strip("| ").split(" | ") for line in block.strip().splitlines()[2:]]
     assert [(f.strip("`"), c.strip("`"), m) for f, c, m in rows] == list(getattr(layout, table))
+
+
+def test_steps_past_the_ring_are_counted_from_their_sums_and_kept_calls_join_the_detail(tmp_path: Path) -> None:
+    """20 calls of step 4 on rank 0, a head of 4 and a ring of 8: calls 4..11 are gone from
+    the call file, but the step's ``calls_step`` sums hold its calls past the head (16 of
+    them, 1.6 s), and the kept-calls file holds calls 6 and 7 (seq 7, 8): every call is
+    counted once, the step's waiting is the head's and the sums', and only the sequence
+    numbers no file holds are unknown."""
+    from lorascope.rundir.format.callfile import kept_calls_path
+    from lorascope.rundir.format.writer import stream_prefix
+
+    bad = [0, "all_reduce", "16", 64, 1600.0, 100.0, 0]  # a count that is not an int: left out
+    sums = {"k": "calls_step", "step": 4, "groups": [[0, "all_reduce", 16, 64, 1600.0, 100.0, 0], bad]}
+    named = {"k": "calls_file", "file": "h-100.kept-calls", "how": "mmap", "head": 0, "ring": 64}  # the later one
+    spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums, named])
+    run_dir = write_run(tmp_path / "run", [spec, RankSpec(calls=[Call("all_reduce")] * 20)])
+    kept = CallFile(kept_calls_path(stream_prefix(run_dir, 0, "h", 100)), head=0, ring=64)
+    for seq in (7, 8):
+        kept.end(kept.begin(T0 + seq, seq, 4, 4, 0, 0), T0 + seq + 0.1)
+    kept.close()
+    run = load_run(run_dir)
+    rank = run.ranks[0]
+    assert rank.collectives_total == 20 == run.ranks[1].collectives_total
+    assert rank.tallies["default_pg"].missing == [(5, 6), (9, 12)]
+    assert rank.coll_wait[5] == pytest.approx(4 * 0.1 + 1.6, abs=1e-3)
+    assert rank.op_totals["all_reduce"][1] == 20
+    assert (
+        "rank 0: calls 4..11 not kept (the ring holds the newest 8); steps 4..4 are counted from their per-step sums ('calls_step')"
+        in run.warnings
+    )
+    held = {c.seq for c in rank.collectives}
+    assert {7, 8} <= held and not held & {5, 6, 9, 10, 11, 12}
+    assert not {c.seq for c in run.ranks[1].collectives} & {5, 6, 9, 10, 11, 12}  # compared by no one

@@ -75,6 +75,8 @@ class ReducedCalls:
     sync_calls: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     #: Step + 1 keys whose calls are not all kept: no sum is said for them.
     unknown_steps: set[int] = field(default_factory=set)
+    #: Step + 1 keys read from their ``calls_step`` sums: no time outside backward is said.
+    summed_steps: set[int] = field(default_factory=set)
     last_time: float = 0.0
     #: Calls naming a shape no ``shape`` record declared.
     unshaped: int = 0
@@ -103,7 +105,7 @@ class ReducedCalls:
             sums = np.bincount(inverse, weights=w, minlength=len(uniq))
             for i in np.argsort(first, kind="stable").tolist():
                 out[int(uniq[i])] = float(sums[i])
-        for key in self.unknown_steps:
+        for key in self.unknown_steps | self.summed_steps:
             out.pop(key, None)
         return out
 
@@ -229,6 +231,24 @@ def calls_between(
     return cols.made(make, kept, errors), max(0, len(bounded) - most)
 
 
+#: A ``calls_step`` record's groups: [gid, op, calls, bytes, ms in calls, longest ms, not ended].
+StepSums = dict[int, list[list[Any]]]
+
+
+def with_kept(calls: CallRecords, kept: CallRecords) -> CallRecords:
+    """The call file's calls and, after them, those of the kept-calls file it does not hold
+    (by group and sequence number), with indexes -1, -2, ... (theirs in the call file are
+    not known: no ``coll_err`` names them)."""
+    if not len(kept):
+        return calls
+    held = calls.records["gid"].astype(np.int64) << 40 | calls.records["seq"].astype(np.int64)
+    theirs = kept.records["gid"].astype(np.int64) << 40 | kept.records["seq"].astype(np.int64)
+    new = kept.records[~np.isin(theirs, held)]
+    records = np.concatenate((calls.records, new))
+    index = np.concatenate((calls.index, -1 - np.arange(len(new), dtype=np.int64)))
+    return CallRecords(records, index, calls.head, calls.ring, calls.last, calls.missing, calls.lost)
+
+
 def reduce_calls(
     calls: CallRecords,
     shapes: Mapping[int, Shape],
@@ -236,20 +256,35 @@ def reduce_calls(
     errors: Mapping[int, str],
     windows: Mapping[str, list[tuple[int, int]]] | None,
     make: type[Collective],
+    sums: StepSums | None = None,
 ) -> ReducedCalls:
     """The reduction of one call file's kept calls (``shapes``: the stream's shape records by
     id; ``group_name``: a gid's name; ``errors``: the stream's ``coll_err`` records, index ->
-    error; ``windows``: group -> sequence ranges to keep in full)."""
+    error; ``windows``: group -> sequence ranges to keep in full; ``sums``: the stream's
+    ``calls_step`` records by step).
+
+    A step with sums is counted from them and from its calls in the file's head (the sums
+    hold every other call of the step: the probes fold a call into them before the ring
+    overwrites it), its calls in the ring or the kept-calls file (indexes below 0, from
+    :func:`with_kept`) kept as detail only; a synchronous call's time is taken from the sums
+    for an op whose every shape is synchronous."""
     out = ReducedCalls()
     recs = calls.records
     n = len(recs)
+    sums = sums or {}
     if n == 0:
+        _add_step_sums(out, sums, group_name, [])
         return out
     cols = _Columns.of(calls, shapes, group_name)
     out.unshaped = cols.unshaped
     t, end, seq, step, group, shape_pos = recs["t"], recs["end"], cols.seq, cols.step, cols.group, cols.shape_pos
     table, names, ops = cols.table, cols.names, cols.ops
-    out.last_time = float(max(t.max(), end.max()))
+    index = calls.index
+    out.last_time = float(max(t.max(), end.max())) if n else 0.0
+    summed = np.isin(step, np.fromiter(sums, dtype=np.int64, count=len(sums)))
+    counted = ~summed | ((index >= 0) & (index < calls.head))
+    sum_ops = sorted({str(g[1]) for groups in sums.values() for g in groups} - set(ops))
+    ops = cols.ops = ops + sum_ops
     op_of_shape = np.array([ops.index(s[0]) for s in table], dtype=np.int64)
     op_code = np.array([name_code(s[0]) for s in table], dtype=np.uint64)
     dtype_code = np.array([name_code(s[1]) for s in table], dtype=np.uint64)
@@ -268,18 +303,17 @@ def reduce_calls(
         full_sums = np.add.reduceat(full[by_window], starts)
     win_group = g_sorted[starts]
     ended = end != 0.0
-    # per group, its calls in index order
-    by_group = np.argsort(group, kind="stable")
+    # per group, its calls in call order (the kept-calls file's among them by number)
+    by_group = np.lexsort((seq, group))
     bounds = np.searchsorted(group[by_group], np.arange(len(names) + 1))
     win_bounds = np.searchsorted(win_group, np.arange(len(names) + 1))
-    kept_parts: list[np.ndarray] = []
-    index = calls.index
+    kept_parts: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     for g, name in enumerate(names):
         mine = by_group[bounds[g] : bounds[g + 1]]
         s = seq[mine]
         done = s[ended[mine]]
         tally = GroupTally(
-            calls=len(mine),
+            calls=int(np.count_nonzero(counted[mine])),
             first_seq=int(s[0]),
             last_seq=max(0, int(s.max())),
             last_done=max(0, int(done.max())) if len(done) else 0,
@@ -303,24 +337,80 @@ def reduce_calls(
             for w_lo, w_hi in (windows or {}).get(name, ()):
                 keep |= (seq[middle] >= w_lo) & (seq[middle] <= w_hi)
             kept_parts.append(middle[keep])
-        for a, _ in calls.missing:
-            at = int(np.searchsorted(index[mine], a))
-            before = int(s[at - 1]) + 1 if at > 0 else 0
-            after = int(s[at]) - 1 if at < len(mine) else OPEN_END
-            if before <= after:
-                tally.missing.append((before, after))
+        tally.missing = _missing(calls, index[mine], s)
         out.tallies[name] = tally
+    in_file = np.flatnonzero(index >= 0)
     for a, b in calls.missing:
-        at, past = int(np.searchsorted(index, a)), int(np.searchsorted(index, b, side="right"))
-        first = int(step[at - 1]) if at > 0 else int(step.min())
-        last = int(step[past]) if past < n else int(step.max())
+        at, past = int(np.searchsorted(index[in_file], a)), int(np.searchsorted(index[in_file], b, side="right"))
+        first = int(step[in_file[at - 1]]) if at > 0 else int(step.min())
+        last = int(step[in_file[past]]) if past < len(in_file) else int(step.max())
         out.unknown_steps.update(range(first + 1, last + 2))
-    _sums(out, t, end, step, ended, async_of_shape[shape_pos], op_of_shape[shape_pos], ops)
+    out.unknown_steps -= {s + 1 for s in sums}
+    out.summed_steps = {s + 1 for s in sums}
+    keep = counted
+    _sums(
+        out,
+        t[keep],
+        end[keep],
+        step[keep],
+        ended[keep],
+        async_of_shape[shape_pos][keep],
+        op_of_shape[shape_pos][keep],
+        ops,
+    )
+    _add_step_sums(out, sums, group_name, table)
     # the calls kept, made once each, in the order they started
-    kept = np.unique(np.concatenate(kept_parts))
+    kept = np.unique(np.concatenate(kept_parts)).astype(np.int64)
     kept = kept[np.argsort(t[kept], kind="stable")]
     out.collectives = cols.made(make, kept, errors)
     return out
+
+
+def _missing(calls: CallRecords, index: np.ndarray, seq: np.ndarray) -> list[tuple[int, int]]:
+    """A group's sequence ranges the file did not keep (its calls' indexes and numbers given):
+    between the last call kept before each missing index range and the first after, but
+    those the kept-calls file holds (index below 0)."""
+    if not calls.missing:
+        return []
+    in_file = index >= 0
+    order = np.argsort(index[in_file], kind="stable")
+    at_index, at_seq = index[in_file][order], seq[in_file][order]
+    extra = np.sort(seq[~in_file])
+    out: list[tuple[int, int]] = []
+    for a, _ in calls.missing:
+        at = int(np.searchsorted(at_index, a))
+        lo = int(at_seq[at - 1]) + 1 if at > 0 else 0
+        hi = int(at_seq[at]) - 1 if at < len(at_seq) else OPEN_END
+        for held in extra[(extra >= lo) & (extra <= hi)].tolist():
+            if lo < held:
+                out.append((lo, held - 1))
+            lo = held + 1
+        if lo <= hi:
+            out.append((lo, hi))
+    return out
+
+
+def _add_step_sums(out: ReducedCalls, sums: StepSums, group_name: Callable[[int], Any], table: list[Shape]) -> None:
+    """The ``calls_step`` sums into the tallies' counts, the op totals and each step's time in
+    synchronous calls (an op's, where every shape of it is synchronous)."""
+    sync_ops = {op for op, *_ in table} - {op for op, _, is_async, *_ in table if is_async}
+    for step, groups in sums.items():
+        key, waited = step + 1, 0.0
+        for gid, op, n, _nbytes, ms, _longest, open_ in groups:
+            name = group_name(gid)
+            tally = out.tallies.get(name)
+            if tally is None:  # a group whose calls are all summed: counted, never compared
+                tally = out.tallies[name] = GroupTally()
+            tally.calls += int(n)
+            tally.ops.add(str(op))
+            seconds, done = out.op_totals.get(str(op), (0.0, 0))
+            out.op_totals[str(op)] = (seconds + ms / 1e3, done + int(n) - int(open_))
+            if op in sync_ops:
+                waited += ms / 1e3
+        if waited or key in out.sync:
+            out.sync[key] = out.sync.get(key, 0.0) + waited
+    if sums:
+        out.sync = dict(sorted(out.sync.items()))
 
 
 def _sums(

@@ -87,7 +87,7 @@ def read_header(raw: bytes, where: str) -> tuple[int, int, int]:
 COUNT_SLACK = 1024
 
 
-def read_calls(path: Path, who: str, warnings: list[str]) -> CallRecords:
+def read_calls(path: Path, who: str, warnings: list[str], summed: str = "") -> CallRecords:
     """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings);
     a file that cannot be read, or whose header is bad, is warned and reads as no calls.
     Only the slots written so far are read (the header's count, and COUNT_SLACK more): a
@@ -116,10 +116,12 @@ def read_calls(path: Path, who: str, warnings: list[str]) -> CallRecords:
             "its header says were written); read as far as it goes"
         )
     table = np.frombuffer(raw, CALL_DTYPE, count=len(raw) // CALL.size)
-    return kept(table, head, ring, count, who, warnings)
+    return kept(table, head, ring, count, who, warnings, summed)
 
 
-def kept(table: np.ndarray, head: int, ring: int, count: int, who: str, warnings: list[str]) -> CallRecords:
+def kept(
+    table: np.ndarray, head: int, ring: int, count: int, who: str, warnings: list[str], summed: str = ""
+) -> CallRecords:
     """The records of a call file's slots ``table`` whose stamps say they hold the index
     expected, in index order, and what is missing (warned)."""
     stamps = table["stamp"].astype(np.int64)
@@ -150,7 +152,7 @@ def kept(table: np.ndarray, head: int, ring: int, count: int, who: str, warnings
         return out
     if last - ring >= head:
         out.lost = (head, last - ring)
-        warnings.append(f"{who}: calls {head:,}..{last - ring:,} not kept (the ring holds the newest {ring:,})")
+        warnings.append(f"{who}: calls {head:,}..{last - ring:,} not kept (the ring holds the newest {ring:,}){summed}")
     # the indexes up to the newest that should be here, and are not
     expected = np.zeros(min(head, last + 1), dtype=bool)
     expected[: min(n_head, len(expected))] = head_ok[: len(expected)]

@@ -30,6 +30,7 @@ from lorascope.rundir.format.safe_open import leaves, maybe_too_deep, open_regul
 from lorascope.rundir.format.schema import (
     CALLS_SUFFIX,
     FORMAT_VERSION,
+    KEPT_CALLS_SUFFIX,
     MANIFEST_FILE,
     RANKS_DIR,
     STREAM_SUFFIX,
@@ -41,7 +42,14 @@ from lorascope.rundir.format.schema import (
 from lorascope.rundir.loading import workers
 from lorascope.rundir.loading.align import trim, windows_needed
 from lorascope.rundir.loading.attachments import why_none_attached
-from lorascope.rundir.loading.callreduce import ReducedCalls, Shape, calls_between, reduce_calls
+from lorascope.rundir.loading.callreduce import (
+    ReducedCalls,
+    Shape,
+    StepSums,
+    calls_between,
+    reduce_calls,
+    with_kept,
+)
 from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
 from lorascope.rundir.loading.reduce import (
@@ -386,8 +394,12 @@ class _Stream:
         self.errors: dict[int, str] = {}
         #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
         self.device: list[tuple[int, int, float]] = []
-        #: The latest ``calls_file`` record's file, in the stream's folder.
+        #: The latest ``calls_file`` record's file, in the stream's folder, and its kept-calls
+        #: file's (a ``calls_file`` record names it too, when the probes make it).
         self.calls_file: Path | None = None
+        self.kept_file: Path | None = None
+        #: The ``calls_step`` records: step -> its groups' sums of the calls the ring overwrote.
+        self.sums: StepSums = {}
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
@@ -423,10 +435,14 @@ class _Stream:
             self.errors[rec["index"]] = rec["err"]
         elif kind == "coll_dev":
             self.device.append((rec["gid"], rec["seq"], float(rec["ms"])))
+        elif kind == "calls_step":
+            self.sums[rec["step"]] = [g for g in rec["groups"] if _summed(g)]
         elif kind == "calls_file":
             name = str(rec["file"])
             if Path(name).name != name:
                 self.warnings.append(f"{path}:{number}: a call file {name[:80]!r} outside the rank's folder: not read")
+            elif name.endswith(KEPT_CALLS_SUFFIX):
+                self.kept_file = path.parent / name
             else:
                 self.calls_file = path.parent / name
         else:
@@ -468,7 +484,8 @@ class _Stream:
                 self.data.files.append(str(path))
 
     def calls(self, first: Path) -> CallRecords:
-        """The process's call records (none if it has no call file), warned as read."""
+        """The process's call records (none if it has no call file), warned as read, with
+        those of its kept-calls file it does not hold (:func:`callreduce.with_kept`)."""
         path = self.calls_file
         if path is None:  # no calls_file record: the file where the probes put it, if any
             beside = _beside(first)
@@ -480,14 +497,35 @@ class _Stream:
             return empty()
         if self.data is not None:
             self.data.calls_file = str(path)
-        return read_calls(path, f"rank {self.rank}", self.warnings)
+        summed = (
+            f"; steps {min(self.sums):,}..{max(self.sums):,} are counted from their per-step sums ('calls_step')"
+            if self.sums
+            else ""
+        )
+        calls = read_calls(path, f"rank {self.rank}", self.warnings, summed)
+        kept = self.kept_file or _beside(first, KEPT_CALLS_SUFFIX)
+        if not kept.exists() or leaves(first.parent, kept):
+            return calls
+        return with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
 
     def reduced(self, first: Path, windows: dict[str, list[tuple[int, int]]] | None) -> ReducedCalls:
         """The call file read and reduced, the device times and errors put on its calls kept."""
         data = self._started(first, 1)
         reduced = reduce_calls(
-            self.calls(first), self.shapes, lambda gid: _group_name(data, gid), self.errors, windows, Collective
+            self.calls(first),
+            self.shapes,
+            lambda gid: _group_name(data, gid),
+            self.errors,
+            windows,
+            Collective,
+            self.sums,
         )
+        lost = sorted(key - 1 for key in reduced.unknown_steps)
+        if lost and self.sums:
+            self.warnings.append(
+                f"rank {self.rank}: calls of steps {lost[0]:,}..{lost[-1]:,} were overwritten by the ring before "
+                "the probes summed them: not counted, their time in collectives unknown"
+            )
         if reduced.unshaped:
             self.warnings.append(
                 f"rank {self.rank}: {reduced.unshaped:,} call(s) name a shape no 'shape' record declares "
@@ -856,9 +894,29 @@ def _stream_bytes(jobs: list[_Job]) -> int:
     return total
 
 
-def _beside(first: Path) -> Path:
-    """The call file the probes write beside a process's stream (``HOST-PID.calls``)."""
-    return first.with_name(first.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] + CALLS_SUFFIX)
+def _beside(first: Path, suffix: str = CALLS_SUFFIX) -> Path:
+    """A file the probes write beside a process's stream: its call file (``HOST-PID.calls``),
+    or another of its suffix."""
+    return first.with_name(first.name[: -len(STREAM_SUFFIX)].rpartition(".")[0] + suffix)
+
+
+def _summed(group: Any) -> bool:
+    """Whether a ``calls_step`` record's group entry is [gid, op, calls, bytes, ms, longest
+    ms, not ended] with the types it must have (another is left out)."""
+    return (
+        type(group) is list
+        and len(group) == 7
+        and type(group[0]) is int
+        and type(group[1]) is str
+        and type(group[2]) is int
+        and type(group[3]) is int
+        and type(group[4]) in _NUMBER
+        and type(group[5]) in _NUMBER
+        and type(group[6]) is int
+    )
+
+
+_NUMBER = (int, float)
 
 
 def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
