@@ -1,4 +1,4 @@
-"""The collective ops the probes record (the ``op`` of a ``coll`` record), shared by the
+"""The collective ops the probes record (the ``op`` of a call's ``shape`` record), shared by the
 probes that wrap them and the analysis that recognises them in stacks."""
 
 from __future__ import annotations
