@@ -3,18 +3,24 @@ when, where in its step, who waited for it, and what evening it out would save.
 
 ``straggler`` names a rank slow for most of the run; a rank that becomes slow halfway,
 or for a few dozen steps, or only in its data loading, is averaged away there. Per rank
-and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's work against the
-median of the other ranks' work. A step is **hot** for a rank when its work is at least
-:data:`MIN_RATIO` times the others' median and the excess is at least
-:data:`NOISE_FACTOR` times the others' step-to-step noise (the median of their MADs): the
-straggler's thresholds, step by step, and the rank set that step's pace (the most work:
-two ranks that take turns are noise, as the straggler's persistence says). An
+and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's **excess**, its
+work less the median of the other ranks' work (what the whole job shares, a machine's
+load rising, cancels out). A step is **hot** for a rank when it set that step's pace (the
+most work: two ranks that take turns are noise, as the straggler's persistence says) and
+its excess is at least :data:`NOISE_FACTOR` times the excess's step-to-step noise
+(:func:`lorascope.detect.shifts.step_noise`: a change of level does not inflate it). An
 **episode** is a run of at least :data:`MIN_HOT` hot steps, at most :data:`MAX_GAP` cold
 steps apart, hot in at least :data:`MIN_HOT_SHARE` of it
-(:func:`lorascope.detect.shifts.episodes`). On more than one host each host's ranks
-(up to half the ranks) are a **group** too: hot when the slowest of them is against the
-other hosts' ranks' median and one of them set the pace; a rank's episode inside its
-host's is the host's.
+(:func:`lorascope.detect.shifts.episodes`), that is a **change** against the rank's own
+steps outside it: its median excess there rose by :data:`NOISE_FACTOR` times the noise. An
+episode with fewer than :data:`MIN_HOT` steps outside (about the whole run) needs the
+straggler's :data:`MIN_RATIO` instead. There is no ratio for an episode with a
+baseline: the others' work holds their waiting outside the synchronous collectives
+(ZeRO-3's prefetching all-gathers, cores shared with the slow rank), so a rank +300 ms
+in its forward read 1.4x. On more than one host each host's ranks (up to half the ranks)
+are a **group** too: its excess is the slowest of them over the other hosts' ranks'
+median, hot when one of them set the pace; a rank's episode inside its host's is the
+host's.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -81,35 +87,64 @@ class Episode:
     first: int  # step indexes, inclusive
     last: int
     hot: int
+    #: The step-to-step noise of the unit's excess over the others (seconds).
+    noise: float
 
 
-def _hot(t: PaceTable) -> tuple[dict[int, list[bool]], float]:
-    """Per rank, which steps are hot (see the module docstring); the median noise."""
-    others = _others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(len(t.steps))))
-    mads = {r: shifts.mad(t.work[r]) for r in t.ranks}
-    noise_of = _others_medians({r: {0: mads[r]} for r in t.ranks}, t.ranks, [0])
-    setters = [t.setter(i) for i in range(len(t.steps))]
-    hot = {}
-    for r in t.ranks:
-        floor = NOISE_FACTOR * noise_of[r][0]
-        hot[r] = [
-            w >= MIN_RATIO * o and w - o >= floor and who == r
-            for w, o, who in zip(t.work[r], others[r], setters, strict=True)
-        ]
-    return hot, statistics.median(mads.values())
+@dataclass
+class Unit:
+    """A rank or a host's ranks, tested as one: per step its excess (the most work of its
+    ranks less the median of the others' work), the step-to-step noise of that series,
+    and which steps are hot."""
+
+    ranks: list[int]
+    excess: list[float]
+    noise: float
+    hot: list[bool]
 
 
-def _host_hot(t: PaceTable, ranks: list[int]) -> list[bool]:
-    """Which steps are hot for a host's ranks together: the slowest of them against the
-    median of the other hosts' ranks, the pace set by one of them."""
-    out, members = [], set(ranks)
+def _unit(t: PaceTable, ranks: list[int], others: list[float]) -> Unit:
+    """``others``: per step, the median of the work of the ranks outside ``ranks``."""
+    members = set(ranks)
+    excess = [max(t.work[r][i] for r in ranks) - o for i, o in enumerate(others)]
+    noise = shifts.step_noise(excess)
+    hot = [e >= NOISE_FACTOR * noise and t.setter(i) in members for i, e in enumerate(excess)]
+    return Unit(ranks, excess, noise, hot)
+
+
+def _rank_units(t: PaceTable) -> list[Unit]:
+    steps = list(range(len(t.steps)))
+    others = _others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, steps)
+    return [_unit(t, [r], others[r]) for r in t.ranks]
+
+
+def _host_unit(t: PaceTable, ranks: list[int]) -> Unit:
+    members = set(ranks)
     rest = [r for r in t.ranks if r not in members]
-    floor = NOISE_FACTOR * statistics.median(shifts.mad(t.work[r]) for r in rest)
-    for i in range(len(t.steps)):
-        theirs = max(t.work[r][i] for r in ranks)
-        o = statistics.median(t.work[r][i] for r in rest)
-        out.append(theirs >= MIN_RATIO * o and theirs - o >= floor and t.setter(i) in members)
-    return out
+    return _unit(t, ranks, [statistics.median(t.work[r][i] for r in rest) for i in range(len(t.steps))])
+
+
+def _episodes(t: PaceTable, u: Unit) -> list[Episode]:
+    """The unit's episodes of hot steps that are a change: against its own excess outside
+    the episode (at least :data:`MIN_HOT` steps there) by :data:`NOISE_FACTOR` times its
+    noise; an episode with no such baseline (about the whole run) needs the straggler's
+    :data:`MIN_RATIO` (its persistence is that rule's business)."""
+    found = []
+    for a, b in shifts.episodes(u.hot, MIN_HOT, MAX_GAP, MIN_HOT_SHARE):
+        inside = u.excess[a : b + 1]
+        outside = u.excess[:a] + u.excess[b + 1 :]
+        if len(outside) >= MIN_HOT:
+            change = statistics.median(inside) - statistics.median(outside)
+            if change < NOISE_FACTOR * u.noise:
+                continue
+        elif statistics.median(_ratios(t, u.ranks, range(a, b + 1))) < MIN_RATIO:
+            continue
+        found.append(Episode(u.ranks, a, b, sum(u.hot[a : b + 1]), u.noise))
+    return found
+
+
+def _ratios(t: PaceTable, ranks: list[int], idx: range) -> list[float]:
+    return [max(t.work[r][i] for r in ranks) / max(t.others_median(ranks, t.work, i), 1e-9) for i in idx]
 
 
 def _overlap(a: Episode, b: Episode) -> bool:
@@ -174,16 +209,15 @@ def _part_text(p: dict[str, Any]) -> str:
     return text
 
 
-def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
+def _finding(run: RunData, t: PaceTable, e: Episode) -> Finding:
     label = _label(t, e.ranks)
     when = _when(t, e)
     idx = range(e.first, e.last + 1)
-    saving = what_if_summary(t, e.ranks, idx)
+    outside = [i for i in range(len(t.steps)) if i < e.first or i > e.last]
+    saving = what_if_summary(t, e.ranks, idx, outside if len(outside) >= MIN_HOT else ())
     parts = _parts(t, e)
     top = parts[0]
-    ratio = statistics.median(
-        max(t.work[r][i] for r in e.ranks) / max(t.others_median(e.ranks, t.work, i), 1e-9) for i in idx
-    )
+    ratio = statistics.median(_ratios(t, e.ranks, idx))
     excess = statistics.median(max(t.work[r][i] for r in e.ranks) - t.others_median(e.ranks, t.work, i) for i in idx)
     b = blame(run)
     steps_in = {t.steps[i] for i in idx}
@@ -232,11 +266,11 @@ def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
         id=ID,
         title=title,
         severity="warning" if saving["share_of_run"] >= WARN_SHARE else "info",
-        confidence="high" if hot_share >= 0.9 and excess >= 2 * NOISE_FACTOR * noise else "medium",
+        confidence="high" if hot_share >= 0.9 and excess >= 2 * NOISE_FACTOR * e.noise else "medium",
         confidence_reason=(
-            f"hot (work >= {MIN_RATIO:g}x the others' median and >= {NOISE_FACTOR:g}x their noise) in {hot_share:.0%} "
-            f"of {e.last - e.first + 1} steps; median excess {excess * 1000:.1f} ms against noise "
-            f"{noise * 1000:.1f} ms (MAD)"
+            f"hot (the most work, >= {NOISE_FACTOR:g}x the step-to-step noise of its excess over the others') in "
+            f"{hot_share:.0%} of {e.last - e.first + 1} steps; median excess {excess * 1000:.1f} ms against noise "
+            f"{e.noise * 1000:.1f} ms"
         ),
         ranks=list(e.ranks),
         evidence=evidence,
@@ -261,26 +295,22 @@ def from_run(run: RunData) -> list[Finding]:
     t = table(run)
     if t is None or len(t.steps) < MIN_HOT:
         return []
-    hot, noise = _hot(t)
     named = straggler_of(run)
     skip = set(named.ranks) if named is not None else set()
-    hosts = [ranks for ranks in host_groups(t).values() if len(ranks) > 1]
     found = [
-        Episode(ranks, a, b, sum(h[a : b + 1]))
-        for ranks in hosts
-        if len(ranks) <= len(t.ranks) // 2
-        for h in [_host_hot(t, ranks)]
-        for a, b in shifts.episodes(h, MIN_HOT, MAX_GAP, MIN_HOT_SHARE)
+        e
+        for ranks in host_groups(t).values()
+        if 1 < len(ranks) <= len(t.ranks) // 2
+        for e in _episodes(t, _host_unit(t, ranks))
     ]
-    for r in t.ranks:
-        if r in skip:
+    for u in _rank_units(t):
+        if u.ranks[0] in skip:
             continue
-        for a, b in shifts.episodes(hot[r], MIN_HOT, MAX_GAP, MIN_HOT_SHARE):
-            e = Episode([r], a, b, sum(hot[r][a : b + 1]))
+        for e in _episodes(t, u):
             # a rank's episode inside its host's is the host's
-            if not any(r in g.ranks and _overlap(e, g) for g in found):
+            if not any(u.ranks[0] in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
-    findings = [_finding(run, t, e, noise) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
+    findings = [_finding(run, t, e) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
     return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 
 

@@ -10,9 +10,13 @@ rank is named only when the effect persists and stands above the noise:
   left out);
 * it is the slowest rank in at least :data:`MIN_PERSISTENCE` of them;
 * its median work is at least :data:`MIN_RATIO` times the others' median;
-* its median excess is at least :data:`NOISE_FACTOR` times the step-to-step noise of
-  the other ranks' work (their median absolute deviation): on a shared machine a rank
-  that lost a core for a few steps is noise, not a straggler.
+* its median excess is at least :data:`NOISE_FACTOR` times the step-to-step noise: the
+  larger of the other ranks' (the median of their work's median absolute deviations) and
+  its own excess's (:func:`lorascope.detect.shifts.step_noise`). On a shared machine a
+  rank that lost a core for a few steps is noise, not a straggler; so is one that shares
+  its core with another process off and on, slower in most steps by an amount that
+  varies as much as it measures (of 2 ranks, the other one's noise alone is a quiet
+  rank's).
 
 Kernel traces from elsewhere (no run records) cover a few steps: the traces' comparison
 (``kineto_ranks``) is shown with the artifacts, and a finding is made only when the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 import statistics
 
+from lorascope.detect import shifts
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import saving_text, step_work, table, what_if_summary
@@ -90,8 +95,11 @@ def from_run(run: RunData) -> Finding | None:
     ratio = median_ratio(cand)
     slowest = sum(1 for s in common if max(ranks, key=lambda r: sw.work[r][s]) == cand)
     persistence = slowest / len(common)
-    excess = statistics.median(sw.work[cand][s] - others[cand][i] for i, s in enumerate(common))
-    noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
+    excesses = [sw.work[cand][s] - others[cand][i] for i, s in enumerate(common)]
+    excess = statistics.median(excesses)
+    others_noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
+    own_noise = shifts.step_noise(excesses)
+    noise = max(others_noise, own_noise)
     if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
         return None
     evidence = per_rank_evidence(
@@ -128,8 +136,9 @@ def from_run(run: RunData) -> Finding | None:
         confidence="high" if persistence >= 0.9 and excess >= 2 * NOISE_FACTOR * noise else "medium",
         confidence_reason=(
             f"slowest in {persistence:.0%} of {len(common)} steps (threshold {MIN_PERSISTENCE:.0%}); median excess "
-            f"{excess * 1000:.1f} ms, {excess / noise if noise else float('inf'):.1f}x the other ranks' step-to-step "
-            f"noise ({noise * 1000:.1f} ms; threshold {NOISE_FACTOR:g}x)"
+            f"{excess * 1000:.1f} ms, {excess / noise if noise else float('inf'):.1f}x the step-to-step noise "
+            f"({noise * 1000:.1f} ms: the larger of the other ranks' {others_noise * 1000:.1f} ms and its excess's "
+            f"own {own_noise * 1000:.1f} ms; threshold {NOISE_FACTOR:g}x)"
         ),
         ranks=[cand],
         evidence=evidence,
@@ -141,6 +150,8 @@ def from_run(run: RunData) -> Finding | None:
             "persistence": persistence,
             "excess_s": excess,
             "noise_s": noise,
+            "others_noise_s": others_noise,
+            "own_noise_s": own_noise,
             "steps": len(common),
             "what_if": saving,
         },
