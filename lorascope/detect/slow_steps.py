@@ -20,7 +20,9 @@ baseline: the others' work holds their waiting outside the synchronous collectiv
 in its forward read 1.4x. On more than one host each host's ranks (up to half the ranks)
 are a **group** too: its excess is the slowest of them over the other hosts' ranks'
 median, hot when one of them set the pace; a rank's episode inside its host's is the
-host's.
+host's. Ranks that set the pace in at least :data:`MIN_HOT` steps without an episode of
+their own (2 to half the ranks: two slow GPUs of one node take turns) are tested as one
+group the same way.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -34,6 +36,7 @@ rank ``straggler`` already names is left to it (its finding carries the what-if 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +121,7 @@ def _rank_units(t: PaceTable) -> list[Unit]:
     return [_unit(t, [r], others[r]) for r in t.ranks]
 
 
-def _host_unit(t: PaceTable, ranks: list[int]) -> Unit:
+def _group_unit(t: PaceTable, ranks: list[int]) -> Unit:
     members = set(ranks)
     rest = [r for r in t.ranks if r not in members]
     return _unit(t, ranks, [statistics.median(t.work[r][i] for r in rest) for i in range(len(t.steps))])
@@ -291,6 +294,14 @@ def _finding(run: RunData, t: PaceTable, e: Episode) -> Finding:
     )
 
 
+def _setters(t: PaceTable, leave: set[int]) -> list[int]:
+    """The ranks outside ``leave`` that set the pace in at least :data:`MIN_HOT` steps,
+    when they are 2 to half the ranks: tested together (two slow ranks take turns)."""
+    counts = Counter(t.setter(i) for i in range(len(t.steps)))
+    group = sorted(r for r, n in counts.items() if n >= MIN_HOT and r not in leave)
+    return group if 2 <= len(group) <= len(t.ranks) // 2 else []
+
+
 def from_run(run: RunData) -> list[Finding]:
     t = table(run)
     if t is None or len(t.steps) < MIN_HOT:
@@ -301,7 +312,7 @@ def from_run(run: RunData) -> list[Finding]:
         e
         for ranks in host_groups(t).values()
         if 1 < len(ranks) <= len(t.ranks) // 2
-        for e in _episodes(t, _host_unit(t, ranks))
+        for e in _episodes(t, _group_unit(t, ranks))
     ]
     for u in _rank_units(t):
         if u.ranks[0] in skip:
@@ -310,6 +321,9 @@ def from_run(run: RunData) -> list[Finding]:
             # a rank's episode inside its host's is the host's
             if not any(u.ranks[0] in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
+    setters = _setters(t, skip | {r for e in found for r in e.ranks})
+    if setters:
+        found += _episodes(t, _group_unit(t, setters))
     findings = [_finding(run, t, e) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
     return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 

@@ -263,3 +263,13 @@ def test_step_noise_ignores_a_change_of_level() -> None:
     series = [rng.gauss(0.0, 0.01) + (0.25 if i >= 20 else 0.0) for i in range(40)]
     assert shifts.mad(series) > 0.1
     assert 0.004 < shifts.step_noise(series) < 0.015
+
+
+def test_two_slow_ranks_of_one_host_that_take_turns_are_named_together() -> None:
+    """Two ranks of 4 on one host, each +200 ms in its forward from step 12 of 30: they
+    take turns setting the pace, so neither has an episode of its own."""
+    extra = {(r, "forward"): from_step(12, 30, 0.2) for r in (2, 3)}
+    bundle = run_of(30, 4, extra, seed=10)
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [2, 3] and f.title.startswith("ranks 2, 3 set the pace from step 12 on")
+    assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.2, abs=0.03)
