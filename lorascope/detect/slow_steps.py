@@ -3,26 +3,15 @@ when, where in its step, who waited for it, and what evening it out would save.
 
 ``straggler`` names a rank slow for most of the run; a rank that becomes slow halfway,
 or for a few dozen steps, or only in its data loading, is averaged away there. Per rank
-and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's **excess**, its
-work less the median of the other ranks' work (what the whole job shares, a machine's
-load rising, cancels out). A step is **hot** for a rank when it set that step's pace (the
-most work: two ranks that take turns are noise, as the straggler's persistence says) and
-its excess is at least :data:`NOISE_FACTOR` times the excess's step-to-step noise
-(:func:`lorascope.detect.shifts.step_noise`: a change of level does not inflate it). An
-**episode** is a run of at least :data:`MIN_HOT` hot steps, at most :data:`MAX_GAP` cold
-steps apart, hot in at least :data:`MIN_HOT_SHARE` of it
-(:func:`lorascope.detect.shifts.episodes`), that is a **change** against the rank's own
-steps outside it: its median excess there rose by :data:`NOISE_FACTOR` times the noise. An
-episode with fewer than :data:`MIN_HOT` steps outside (about the whole run) needs the
-straggler's :data:`MIN_RATIO` instead. There is no ratio for an episode with a
-baseline: the others' work holds their waiting outside the synchronous collectives
-(ZeRO-3's prefetching all-gathers, cores shared with the slow rank), so a rank +300 ms
-in its forward read 1.4x. On more than one host each host's ranks (up to half the ranks)
-are a **group** too: its excess is the slowest of them over the other hosts' ranks'
-median, hot when one of them set the pace; a rank's episode inside its host's is the
-host's. Ranks that set the pace in at least :data:`MIN_HOT` steps without an episode of
-their own (2 to half the ranks: two slow GPUs of one node take turns) are tested as one
-group the same way.
+and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's **episodes**
+(:mod:`lorascope.detect.episodes`): stretches of at least 5 steps in which it set the pace,
+its work above the others' median by 3x the step-to-step noise of that excess, a change
+against its own steps outside. On more than one host each host's ranks (up to half the
+ranks) are a **group** too, tested as one unit (the slowest of them against the other
+hosts' ranks' median); a rank's episode inside its host's is the host's. Ranks that set
+the pace in at least :data:`~lorascope.detect.episodes.MIN_HOT` steps without an episode
+of their own (2 to half the ranks: two slow GPUs of one node take turns) are tested as
+one group the same way.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -37,13 +26,13 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect import shifts
 from lorascope.detect.common import stream_source
+from lorascope.detect.episodes import MIN_HOT, Episode, episodes, group_unit, rank_units, ratios
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import (
+    NOISE_FACTOR,
     PART_LABELS,
     PaceTable,
     blame,
@@ -53,16 +42,12 @@ from lorascope.detect.pace import (
     table,
     what_if_summary,
 )
-from lorascope.detect.straggler import MIN_RATIO, NOISE_FACTOR, _others_medians
 from lorascope.detect.straggler import from_run as straggler_of
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RunData
 from lorascope.units import rank_ranges
 
 ID = "slow-steps"
-MIN_HOT = 5
-MAX_GAP = 2
-MIN_HOT_SHARE = 0.75
 #: A saving of at least this share of the run's time is a warning; below, a note.
 WARN_SHARE = 0.10
 #: Below this share, nothing: the healthy sweep's 3-rank DDP runs on the loaded 2-core
@@ -82,72 +67,6 @@ FIX = (
     "samples or a slower disk (data loading), another process on their cores or a throttled device (every "
     "part), logging or checkpointing on one rank (host-side work); even it out or move it off the step's path"
 )
-
-
-@dataclass
-class Episode:
-    ranks: list[int]
-    first: int  # step indexes, inclusive
-    last: int
-    hot: int
-    #: The step-to-step noise of the unit's excess over the others (seconds).
-    noise: float
-
-
-@dataclass
-class Unit:
-    """A rank or a host's ranks, tested as one: per step its excess (the most work of its
-    ranks less the median of the others' work), the step-to-step noise of that series,
-    and which steps are hot."""
-
-    ranks: list[int]
-    excess: list[float]
-    noise: float
-    hot: list[bool]
-
-
-def _unit(t: PaceTable, ranks: list[int], others: list[float]) -> Unit:
-    """``others``: per step, the median of the work of the ranks outside ``ranks``."""
-    members = set(ranks)
-    excess = [max(t.work[r][i] for r in ranks) - o for i, o in enumerate(others)]
-    noise = shifts.step_noise(excess)
-    hot = [e >= NOISE_FACTOR * noise and t.setter(i) in members for i, e in enumerate(excess)]
-    return Unit(ranks, excess, noise, hot)
-
-
-def _rank_units(t: PaceTable) -> list[Unit]:
-    steps = list(range(len(t.steps)))
-    others = _others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, steps)
-    return [_unit(t, [r], others[r]) for r in t.ranks]
-
-
-def _group_unit(t: PaceTable, ranks: list[int]) -> Unit:
-    members = set(ranks)
-    rest = [r for r in t.ranks if r not in members]
-    return _unit(t, ranks, [statistics.median(t.work[r][i] for r in rest) for i in range(len(t.steps))])
-
-
-def _episodes(t: PaceTable, u: Unit) -> list[Episode]:
-    """The unit's episodes of hot steps that are a change: against its own excess outside
-    the episode (at least :data:`MIN_HOT` steps there) by :data:`NOISE_FACTOR` times its
-    noise; an episode with no such baseline (about the whole run) needs the straggler's
-    :data:`MIN_RATIO` (its persistence is that rule's business)."""
-    found = []
-    for a, b in shifts.episodes(u.hot, MIN_HOT, MAX_GAP, MIN_HOT_SHARE):
-        inside = u.excess[a : b + 1]
-        outside = u.excess[:a] + u.excess[b + 1 :]
-        if len(outside) >= MIN_HOT:
-            change = statistics.median(inside) - statistics.median(outside)
-            if change < NOISE_FACTOR * u.noise:
-                continue
-        elif statistics.median(_ratios(t, u.ranks, range(a, b + 1))) < MIN_RATIO:
-            continue
-        found.append(Episode(u.ranks, a, b, sum(u.hot[a : b + 1]), u.noise))
-    return found
-
-
-def _ratios(t: PaceTable, ranks: list[int], idx: range) -> list[float]:
-    return [max(t.work[r][i] for r in ranks) / max(t.others_median(ranks, t.work, i), 1e-9) for i in idx]
 
 
 def _overlap(a: Episode, b: Episode) -> bool:
@@ -216,11 +135,10 @@ def _finding(run: RunData, t: PaceTable, e: Episode) -> Finding:
     label = _label(t, e.ranks)
     when = _when(t, e)
     idx = range(e.first, e.last + 1)
-    outside = [i for i in range(len(t.steps)) if i < e.first or i > e.last]
-    saving = what_if_summary(t, e.ranks, idx, outside if len(outside) >= MIN_HOT else ())
+    saving = what_if_summary(t, e.ranks, idx, e.outside(len(t.steps)) if e.baseline else ())
     parts = _parts(t, e)
     top = parts[0]
-    ratio = statistics.median(_ratios(t, e.ranks, idx))
+    ratio = statistics.median(ratios(t, e.ranks, idx))
     excess = statistics.median(max(t.work[r][i] for r in e.ranks) - t.others_median(e.ranks, t.work, i) for i in idx)
     b = blame(run)
     steps_in = {t.steps[i] for i in idx}
@@ -312,18 +230,18 @@ def from_run(run: RunData) -> list[Finding]:
         e
         for ranks in host_groups(t).values()
         if 1 < len(ranks) <= len(t.ranks) // 2
-        for e in _episodes(t, _group_unit(t, ranks))
+        for e in episodes(t, group_unit(t, ranks))
     ]
-    for u in _rank_units(t):
+    for u in rank_units(t):
         if u.ranks[0] in skip:
             continue
-        for e in _episodes(t, u):
+        for e in episodes(t, u):
             # a rank's episode inside its host's is the host's
             if not any(u.ranks[0] in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
     setters = _setters(t, skip | {r for e in found for r in e.ranks})
     if setters:
-        found += _episodes(t, _group_unit(t, setters))
+        found += episodes(t, group_unit(t, setters))
     findings = [_finding(run, t, e) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
     return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 

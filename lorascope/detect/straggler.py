@@ -26,23 +26,27 @@ table: docs/detectors.md.
 
 from __future__ import annotations
 
-import bisect
 import statistics
 
 from lorascope.detect import shifts
 from lorascope.detect.common import per_rank_evidence, stream_source
+from lorascope.detect.episodes import episodes, unit_of
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.pace import saving_text, step_work, table, what_if_summary
+from lorascope.detect.pace import (
+    MIN_RATIO,
+    NOISE_FACTOR,
+    others_medians,
+    saving_text,
+    step_work,
+    table,
+    what_if_summary,
+)
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RunData
 
 ID = "straggler"
 MIN_STEPS = 5
 MIN_PERSISTENCE = 0.75
-#: Healthy runs on the loaded 2-core test machine show one rank persistently up to 1.34x
-#: the other (a core shared with other work): a straggler worth a warning is well beyond.
-MIN_RATIO = 1.5
-NOISE_FACTOR = 3.0
 
 EXPLANATION = (
     "In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
@@ -59,25 +63,6 @@ def _mad(values: list[float]) -> float:
     return statistics.median(abs(v - median) for v in values)
 
 
-def _others_medians(work: dict[int, dict[int, float]], ranks: list[int], steps: list[int]) -> dict[int, list[float]]:
-    """Per rank, per step of ``steps`` (in order): the median of the other ranks' work,
-    as ``statistics.median`` of them gives it. Each step's values are sorted once and a
-    rank's own value is left out by position: O(ranks log ranks) a step, not ranks^2."""
-    out: dict[int, list[float]] = {r: [] for r in ranks}
-    others = len(ranks) - 1
-    half = others // 2  # the median's index among the others (odd), else the upper one of two
-    for s in steps:
-        values = sorted(work[r][s] for r in ranks)
-        for r in ranks:
-            gone = bisect.bisect_left(values, work[r][s])  # the others: values without index ``gone``
-            upper = values[half if half < gone else half + 1]
-            if others % 2:
-                out[r].append(upper)
-            else:
-                out[r].append((values[half - 1 if half - 1 < gone else half] + upper) / 2)
-    return out
-
-
 def from_run(run: RunData) -> Finding | None:
     if len(run.ranks) < 2:
         return None
@@ -86,7 +71,7 @@ def from_run(run: RunData) -> Finding | None:
     if len(common) < MIN_STEPS:
         return None
     ranks = sorted(sw.work)
-    others = _others_medians(sw.work, ranks, common)
+    others = others_medians(sw.work, ranks, common)
 
     def median_ratio(r: int) -> float:
         return statistics.median(sw.work[r][s] / max(others[r][i], 1e-9) for i, s in enumerate(common))
@@ -118,7 +103,9 @@ def from_run(run: RunData) -> Finding | None:
         apart=frozenset({cand}),
         show="ranges",
     )
-    saving = _saving(run, cand)
+    saving, since = _saving(run, cand)
+    if since is not None:
+        evidence.append(Evidence("since when", since, "per-step work compared across ranks"))
     if saving is not None:
         evidence.append(Evidence("what if", saving_text(saving), "per-step work replayed (lorascope/detect/pace.py)"))
     evidence.append(
@@ -154,16 +141,35 @@ def from_run(run: RunData) -> Finding | None:
             "own_noise_s": own_noise,
             "steps": len(common),
             "what_if": saving,
+            "since": since,
         },
     )
 
 
-def _saving(run: RunData, rank: int) -> dict[str, float] | None:
-    """What the rank doing the median rank's work would save, over every common step."""
+def _saving(run: RunData, rank: int) -> tuple[dict[str, float] | None, str | None]:
+    """What the rank doing the median rank's work would save, and since when it was slow.
+    Over every common step; when the rank's excess over the others changed
+    (:mod:`lorascope.detect.episodes`: the longest such episode), over the episode, the
+    others' waiting taken out against their own steps outside it."""
     t = table(run)
     if t is None:
-        return None
-    return what_if_summary(t, [rank], range(len(t.steps)))
+        return None, None
+    n = len(t.steps)
+    others = others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(n)))[rank]
+    unit = unit_of(t, [rank], others)
+    changes = [e for e in episodes(t, unit) if e.baseline]
+    if not changes:
+        return what_if_summary(t, [rank], range(n)), None
+    e = max(changes, key=lambda e: (e.last - e.first, -e.first))
+    outside = e.outside(n)
+    inside = range(e.first, e.last + 1)
+    when = f"from step {t.steps[e.first]} on" if e.last == n - 1 else f"in steps {t.steps[e.first]}-{t.steps[e.last]}"
+    since = (
+        f"{when}: its work over the others' median {statistics.median(unit.excess[i] for i in inside) * 1000:+.1f} ms "
+        f"a step, {statistics.median(unit.excess[i] for i in outside) * 1000:+.1f} ms in its {len(outside)} other "
+        f"steps (step-to-step noise {unit.noise * 1000:.1f} ms)"
+    )
+    return what_if_summary(t, [rank], inside, outside), since
 
 
 def from_traces(bundle: EvidenceBundle) -> Finding | None:

@@ -273,3 +273,28 @@ def test_two_slow_ranks_of_one_host_that_take_turns_are_named_together() -> None
     [f] = slow_steps.detect(bundle)
     assert f.ranks == [2, 3] and f.title.startswith("ranks 2, 3 set the pace from step 12 on")
     assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.2, abs=0.03)
+
+
+def test_a_straggler_that_became_slow_replays_its_change_only() -> None:
+    """Slow from step 8 of 30: slowest in >= 75% of the steps, so straggler names it; its
+    what-if covers the steps since the change, not the 6 before, when it was not slow."""
+    bundle = run_of(30, 4, {(1, "forward"): from_step(8, 30, 0.3)}, seed=12)
+    [f] = straggler.detect(bundle)
+    assert f.ranks == [1] and f.details["since"].startswith("from step 8 on")
+    w = f.details["what_if"]
+    assert w["steps"] == 23 and w["baseline_steps"] == 6
+    assert w["saved_per_step_s"] == pytest.approx(0.3, abs=0.04)
+    assert slow_steps.detect(bundle) == []
+
+
+def test_neighbours_slowed_by_a_slow_rank_are_not_a_whole_job_regression() -> None:
+    """3 ranks on 2 cores: rank 1's +250 ms of data preparation from step 20 also slows
+    the others' own work by 90 ms (their forward): every rank's work rose >= 1.3x, but
+    the median rank's by a third of the step's rise; the rest is waiting for rank 1."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(1, "data"): from_step(20, 40, 0.25)}
+    extra.update({(r, "forward"): from_step(20, 40, 0.09) for r in (0, 2)})
+    bundle = run_of(40, 3, extra, seed=13)
+    assert job_slowdown.detect(bundle) == []
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [1] and f.details["part"] == "data"
+    assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.25, abs=0.03)
