@@ -9,15 +9,17 @@ two runs: where the planting begins after step 3, both runs' steps before it are
 too and the measurement is scaled by their ratio (the "load" figure: the planted run's
 steps before the planting over the run without's), an error under the same load.
 
-    python benchmarks/slow_steps_check.py                 # ~8 min on 2 cores
+    python benchmarks/slow_steps_check.py                 # ~10 min on 2 cores
     python benchmarks/slow_steps_check.py --only data     # a subset (by name)
     python benchmarks/slow_steps_check.py --analyze-only  # the kept runs, current detectors
 
-The plantings were written after the rules were fixed (untuned): extra compute in the
-forward on one rank of 4 from step 8 of 30; CPU hogs (3 busy loops) pinned to one rank's core (2 ranks,
-each pinned to its own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
-case ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from
-step 15 of 30 on.
+The plantings: extra compute in the forward on one rank of 4 from step 8 of 30; CPU hogs
+(3 busy loops, each in its own session) pinned to one rank's core (2 ranks, each pinned to its
+own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the case
+``analyze`` once called "no problem found"); one rank of 4 slow in its forward from step 15
+of 30 on. The first four became the rules' tuning cases; the last two (one rank of 4 slow
+in its data loading in steps 10-17 and 28-35 of 40; two ranks of 4 slow in their forward
+from step 12 of 30) were written after the rules were last changed (untuned).
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ PLANTINGS = [
     Planting("hog-pinned", 2, 24, ("--pin", "--slow-ms", "0"), (1,), hog_core=1, hogs=3),
     Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), (1,)),
     Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), (2,)),
+    # written after the rules were last changed
+    Planting(
+        "comes-and-goes",
+        4,
+        40,
+        ("--slow-where", "data", "--slow-ms", "250", "--slow-steps", "10-17,28-35"),
+        (3,),
+        untuned=True,
+    ),
+    Planting(
+        "pair-of-4", 4, 30, ("--slow-where", "forward", "--slow-ms", "250", "--slow-from", "12"), (2, 3), untuned=True
+    ),
 ]
 
 HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    sum(range(10_000))\n"
@@ -79,7 +93,13 @@ def run(p: Planting, out: Path, planted: bool) -> int:
     cfg = Config(p.name, (*p.args, "--slow-rank", ranks), nproc=p.nproc, job=JOB)
     hogs = []
     if planted and p.hog_core is not None:
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(p.hog_core)]) for _ in range(p.hogs)]
+        # each in its own session: with the kernel's autogroup scheduling a core is shared
+        # between sessions, and torchrun starts each rank in its own, so hogs sharing this
+        # script's session took half the rank's core together, not hogs/(hogs+1) of it
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", HOG, str(p.hog_core)], start_new_session=True)
+            for _ in range(p.hogs)
+        ]
     try:
         rc, _ = run_one(cfg, out, p.steps, hog=False, timeout=600)
     finally:
