@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """The what-if checked (a script, not a test): each planting (``probes/slowness.py``) runs
 under ``lorascope run``, is analysed, and the finding that names the slow rank (or group)
-predicts the step time had it done the median rank's work; then the same job runs
-without the planting and its step time over the same steps is measured. Prints, per
-planting, what was named (id, ranks, since when, where), the predicted and the measured
-step time and the error of the prediction. A shared machine's load changes between the
-two runs: where the planting begins after step 3, both runs' steps before it are compared
-too and the measurement is scaled by their ratio (the "load" figure: the planted run's
-steps before the planting over the run without's), an error under the same load.
+predicts the step time had it done the median rank's work; the same job runs without the
+planting just before and just after the planted run, and its step time over the same
+steps is measured (the mean of the two: a load drifting across the three runs cancels to
+first order; each run's figure is printed). Prints, per finding, what was named (id,
+ranks, since when, where), the predicted and the measured step time, the error, and the
+prediction of the replay that keeps the others' waiting as their work. Where the planting
+begins after step 3, the runs' steps before it are compared too and the measurement scaled
+by their ratio (the "load" figure: the planted run's steps before the planting over the
+runs without), an error under the same load.
 
-    python benchmarks/slow_steps_check.py                 # ~10 min on 2 cores
+    python benchmarks/slow_steps_check.py                 # ~15 min on 2 cores
     python benchmarks/slow_steps_check.py --only data     # a subset (by name)
     python benchmarks/slow_steps_check.py --analyze-only  # the kept runs, current detectors
 
@@ -136,9 +138,11 @@ def measured_step_s(out: Path, first: int, last: int) -> float:
     return statistics.fmean(values)
 
 
-def rows(p: Planting, slow: Path, fixed: Path) -> list[str]:
+def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
     """One row per finding naming a planted rank (or one "not named" row per planted
-    stretch): predicted step time against the one measured without the planting."""
+    stretch): predicted step time against the one measured without the planting (the
+    mean of the runs without it, one before and one after the planted run where both
+    were run: the machine's load drifting in between cancels to first order)."""
     t = table(slow)
     found = named(analyze(slow), p.ranks)
     cases: list[tuple[dict[str, Any], dict[str, Any], dict[str, float], list[int]]] = []
@@ -160,20 +164,23 @@ def rows(p: Planting, slow: Path, fixed: Path) -> list[str]:
     first_planted = p.planted_steps()[0][0]
     for f, d, w, idx in cases:
         first, last = t.steps[idx[0]], t.steps[idx[-1]]
-        actual = measured_step_s(fixed, first, last)
+        each = [measured_step_s(f, first, last) for f in fixed]
+        actual = statistics.fmean(each)
         err = (w["predicted_step_s"] - actual) / actual
         # the replay keeping the others' waiting as work (no baseline): what the correction changed
         kept = pace.what_if_summary(t, f["ranks"], idx)["predicted_step_s"]
         drift = ""
         if first_planted > 3:
             # the machine's load between the two runs: their steps before the planting compared
-            ratio = measured_step_s(slow, 2, first_planted - 1) / measured_step_s(fixed, 2, first_planted - 1)
+            before = statistics.fmean(measured_step_s(f, 2, first_planted - 1) for f in fixed)
+            ratio = measured_step_s(slow, 2, first_planted - 1) / before
             adjusted = actual * ratio
             drift = f"; load {ratio - 1:+.0%}: {adjusted:.3f}, {(w['predicted_step_s'] - adjusted) / adjusted:+.1%}"
+        runs = " / ".join(f"{v:.3f}" for v in each)
         out.append(
             f"| {p.name}{' (untuned)' if p.untuned else ''} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | "
             f"steps {first}-{last}, {d.get('part', '')} | {w['step_s']:.3f} -> {w['predicted_step_s']:.3f} "
-            f"(others' waiting kept: {kept:.3f}) | {actual:.3f} | {err:+.1%}{drift} | "
+            f"(others' waiting kept: {kept:.3f}) | {actual:.3f} ({runs}) | {err:+.1%}{drift} | "
             f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |"
         )
     return out
@@ -193,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     for p in PLANTINGS:
         if args.only not in p.name:
             continue
-        slow, fixed = args.out / p.name / "planted", args.out / p.name / "without"
+        slow, before, after = (args.out / p.name / n for n in ("planted", "without", "without-after"))
         if not args.analyze_only:
-            for d, planted in ((slow, True), (fixed, False)):
+            for d, planted in ((before, False), (slow, True), (after, False)):
                 subprocess.run(["rm", "-rf", str(d)], check=True)
                 rc = run(p, d, planted)
                 if rc:
-                    print(f"| {p.name} | job failed rc={rc} ({'planted' if planted else 'without'}) | | | | | |")
+                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | |")
+        fixed = [d for d in (before, after) if (d / "manifest.json").exists()]
         for line in rows(p, slow, fixed):
             print(line, flush=True)
     return 0
