@@ -103,7 +103,7 @@ def from_run(run: RunData) -> Finding | None:
         apart=frozenset({cand}),
         show="ranges",
     )
-    saving, since = _saving(run, cand)
+    saving, since, stretch = _saving(run, cand)
     if since is not None:
         evidence.append(Evidence("since when", since, "per-step work compared across ranks"))
     if saving is not None:
@@ -142,24 +142,26 @@ def from_run(run: RunData) -> Finding | None:
             "steps": len(common),
             "what_if": saving,
             "since": since,
+            **stretch,
         },
     )
 
 
-def _saving(run: RunData, rank: int) -> tuple[dict[str, float] | None, str | None]:
-    """What the rank doing the median rank's work would save, and since when it was slow.
+def _saving(run: RunData, rank: int) -> tuple[dict[str, float] | None, str | None, dict[str, int]]:
+    """What the rank doing the median rank's work would save, since when it was slow, and
+    the steps replayed (``first_step``/``last_step`` for the report's mark, {} for all).
     Over every common step; when the rank's excess over the others changed
     (:mod:`lorascope.detect.episodes`: the longest such episode), over the episode, the
     others' waiting taken out against their own steps outside it."""
     t = table(run)
     if t is None:
-        return None, None
+        return None, None, {}
     n = len(t.steps)
     others = others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(n)))[rank]
     unit = unit_of(t, [rank], others)
     changes = [e for e in episodes(t, unit) if e.baseline]
     if not changes:
-        return what_if_summary(t, [rank], range(n)), None
+        return what_if_summary(t, [rank], range(n)), None, {}
     e = max(changes, key=lambda e: (e.last - e.first, -e.first))
     outside = e.outside(n)
     inside = range(e.first, e.last + 1)
@@ -169,7 +171,8 @@ def _saving(run: RunData, rank: int) -> tuple[dict[str, float] | None, str | Non
         f"a step, {statistics.median(unit.excess[i] for i in outside) * 1000:+.1f} ms in its {len(outside)} other "
         f"steps (step-to-step noise {unit.noise * 1000:.1f} ms)"
     )
-    return what_if_summary(t, [rank], inside, outside), since
+    stretch = {"first_step": t.steps[e.first], "last_step": t.steps[e.last]}
+    return what_if_summary(t, [rank], inside, outside), since, stretch
 
 
 def from_traces(bundle: EvidenceBundle) -> Finding | None:

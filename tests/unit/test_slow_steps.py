@@ -282,7 +282,7 @@ def test_a_straggler_that_became_slow_replays_its_change_only() -> None:
     [f] = straggler.detect(bundle)
     assert f.ranks == [1] and f.details["since"].startswith("from step 8 on")
     w = f.details["what_if"]
-    assert w["steps"] == 23 and w["baseline_steps"] == 6
+    assert w["steps"] == 23 and w["baseline_steps"] == 6 and f.details["first_step"] == 8
     assert w["saved_per_step_s"] == pytest.approx(0.3, abs=0.04)
     assert slow_steps.detect(bundle) == []
 
