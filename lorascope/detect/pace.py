@@ -20,9 +20,9 @@ Per rank and step (the steps every rank completed, the first left out as warm-up
 The **pace-setter** of a step is the rank with the most work in it (the one the others
 waited for); the **what-if** (:func:`what_if`) replays each step with a set of ranks
 doing the median of the other ranks' work: the step shortens by what the slowest of
-them did beyond the slowest other rank, whose work is first lowered by its rise over its
-own outside the replayed steps (the time it waited for them outside the synchronous
-collectives) when those steps have such a baseline. **Blame per collective** (:func:`blame`): of each
+them did beyond the slowest other rank. When the replayed steps have a baseline (steps
+where the set was not slow), each other rank's work is first moved back to its own there
+(its rise is the time it waited for them outside the synchronous collectives). **Blame per collective** (:func:`blame`): of each
 synchronous call every rank of its group holds, the late arriver (the latest start, the
 clocks of other hosts shifted by their offset) and how long the others waited for it;
 the offset of each host is the median difference of the calls' ends (a collective ends on
@@ -271,11 +271,12 @@ def what_if(t: PaceTable, unit: Iterable[int], indexes: Iterable[int], baseline:
     two ranks, the other one's; never below 0).
 
     With ``baseline`` (step indexes where the unit was not slow), each other rank's work
-    is first lowered by its rise over its own median there (never raised): what it
-    spent waiting for the unit outside the recorded synchronous collectives, which
-    evening the unit out removes too. ZeRO-3's prefetching all-gathers are waited on
-    through a handle, inside the forward and backward; ranks sharing cores slow each
-    other. Without it the replay keeps that waiting as work and under-predicts."""
+    is first moved by its median there less its median over ``indexes``: back to its own
+    work when the unit was not slow. Its rise is what it spent waiting for the unit
+    outside the recorded synchronous collectives, which evening the unit out removes too
+    (ZeRO-3's prefetching all-gathers are waited on through a handle, inside the forward
+    and backward: the replay that kept it as work under-predicted the saving); ranks that
+    share cores with the unit also run faster or slower beside it than beside each other."""
     members = set(unit)
     idx = list(indexes)
     rise = others_rise(t, members, idx, list(baseline))
@@ -289,13 +290,11 @@ def what_if(t: PaceTable, unit: Iterable[int], indexes: Iterable[int], baseline:
 
 def others_rise(t: PaceTable, unit: set[int], indexes: list[int], baseline: list[int]) -> dict[int, float]:
     """Per rank outside ``unit``: its median work over ``indexes`` less its median over
-    ``baseline``, at least 0; {} without a baseline."""
+    ``baseline`` (negative when it fell); {} without a baseline."""
     if not baseline or not indexes:
         return {}
     return {
-        r: max(
-            0.0, statistics.median(t.work[r][i] for i in indexes) - statistics.median(t.work[r][i] for i in baseline)
-        )
+        r: statistics.median(t.work[r][i] for i in indexes) - statistics.median(t.work[r][i] for i in baseline)
         for r in t.ranks
         if r not in unit
     }
@@ -447,8 +446,9 @@ def saving_text(w: dict[str, float]) -> str:
     )
     if w.get("baseline_steps"):
         text += (
-            f"; the other ranks' work rose {w['others_rise_s'] * 1000:.1f} ms a step (median) over their own in the "
-            f"{int(w['baseline_steps'])} other steps: waiting for it outside the synchronous collectives, taken out"
+            f"; the other ranks' work replayed at their own in the {int(w['baseline_steps'])} other steps "
+            f"({w['others_rise_s'] * 1000:+.1f} ms a step here, median: waiting for it outside the synchronous "
+            "collectives, or cores shared with it)"
         )
     return text
 
