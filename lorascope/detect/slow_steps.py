@@ -8,10 +8,10 @@ and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's **episo
 its work above the others' median by 3x the step-to-step noise of that excess, a change
 against its own steps outside. On more than one host each host's ranks (up to half the
 ranks) are a **group** too, tested as one unit (the slowest of them against the other
-hosts' ranks' median); a rank's episode inside its host's is the host's. Ranks that set
-the pace in at least :data:`~lorascope.detect.episodes.MIN_HOT` steps without an episode
-of their own (2 to half the ranks: two slow GPUs of one node take turns) are tested as
-one group the same way.
+hosts' ranks' median); a rank's episode inside its host's is the host's. Ranks with at
+least :data:`~lorascope.detect.episodes.MIN_HOT` hot steps but no episode of their own (2
+to half the ranks: two slow GPUs of one node take turns) are tested as one group the same
+way.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -25,11 +25,10 @@ rank ``straggler`` already names is left to it (its finding carries the what-if 
 from __future__ import annotations
 
 import statistics
-from collections import Counter
 from typing import Any
 
 from lorascope.detect.common import stream_source
-from lorascope.detect.episodes import MIN_HOT, Episode, episodes, group_unit, rank_units, ratios
+from lorascope.detect.episodes import MIN_HOT, Episode, Unit, episodes, group_unit, rank_units, ratios
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import (
     NOISE_FACTOR,
@@ -212,11 +211,12 @@ def _finding(run: RunData, t: PaceTable, e: Episode) -> Finding:
     )
 
 
-def _setters(t: PaceTable, leave: set[int]) -> list[int]:
-    """The ranks outside ``leave`` that set the pace in at least :data:`MIN_HOT` steps,
-    when they are 2 to half the ranks: tested together (two slow ranks take turns)."""
-    counts = Counter(t.setter(i) for i in range(len(t.steps)))
-    group = sorted(r for r, n in counts.items() if n >= MIN_HOT and r not in leave)
+def _turn_takers(t: PaceTable, units: list[Unit], leave: set[int]) -> list[int]:
+    """The ranks outside ``leave`` with at least :data:`MIN_HOT` hot steps (the pace set,
+    well above the others), when they are 2 to half the ranks: tested together (two slow
+    ranks take turns, and neither has an episode alone). Counting every step a rank set
+    the pace took in the ranks that took turns before the slowness began."""
+    group = sorted(u.ranks[0] for u in units if sum(u.hot) >= MIN_HOT and u.ranks[0] not in leave)
     return group if 2 <= len(group) <= len(t.ranks) // 2 else []
 
 
@@ -232,16 +232,17 @@ def from_run(run: RunData) -> list[Finding]:
         if 1 < len(ranks) <= len(t.ranks) // 2
         for e in episodes(t, group_unit(t, ranks))
     ]
-    for u in rank_units(t):
+    units = rank_units(t)
+    for u in units:
         if u.ranks[0] in skip:
             continue
         for e in episodes(t, u):
             # a rank's episode inside its host's is the host's
             if not any(u.ranks[0] in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
-    setters = _setters(t, skip | {r for e in found for r in e.ranks})
-    if setters:
-        found += episodes(t, group_unit(t, setters))
+    group = _turn_takers(t, units, skip | {r for e in found for r in e.ranks})
+    if group:
+        found += episodes(t, group_unit(t, group))
     findings = [_finding(run, t, e) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
     return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 

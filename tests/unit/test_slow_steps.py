@@ -311,3 +311,16 @@ def test_the_others_are_replayed_at_their_own_work_when_it_fell_beside_the_slow_
     assert w["others_rise_s"] == pytest.approx(-0.06, abs=0.01)
     # the others' 60 ms come back: 300 ms less the slowest other's noise, not 360 ms
     assert 0.27 <= w["saved_per_step_s"] <= 0.31
+
+
+def test_two_slow_ranks_are_named_together_though_a_third_set_the_pace_before() -> None:
+    """Before step 12 rank 1 is a little slower and sets the pace in most steps, within
+    the noise: only the ranks with hot steps make the group."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(r, "forward"): from_step(12, 30, 0.2) for r in (2, 3)}
+    extra[(1, "forward")] = from_step(1, 11, 0.008)
+    bundle = run_of(30, 4, extra, seed=15)
+    t = pace.table(bundle.run)  # type: ignore[arg-type]
+    assert t is not None
+    assert sum(t.setter(i) == 1 for i in range(len(t.steps))) >= 5
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [2, 3] and "from step 12 on" in f.title
