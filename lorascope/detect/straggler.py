@@ -35,6 +35,7 @@ from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import (
     MIN_RATIO,
     NOISE_FACTOR,
+    PaceTable,
     others_medians,
     saving_text,
     step_work,
@@ -87,6 +88,9 @@ def from_run(run: RunData) -> Finding | None:
     noise = max(others_noise, own_noise)
     if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
         return None
+    t = table(run)
+    if t is not None and _became_slow(t, cand):
+        return None
     evidence = per_rank_evidence(
         {
             r: [
@@ -103,9 +107,7 @@ def from_run(run: RunData) -> Finding | None:
         apart=frozenset({cand}),
         show="ranges",
     )
-    saving, since, stretch = _saving(run, cand)
-    if since is not None:
-        evidence.append(Evidence("since when", since, "per-step work compared across ranks"))
+    saving = what_if_summary(t, [cand], range(len(t.steps))) if t is not None else None
     if saving is not None:
         evidence.append(Evidence("what if", saving_text(saving), "per-step work replayed (lorascope/detect/pace.py)"))
     evidence.append(
@@ -141,38 +143,23 @@ def from_run(run: RunData) -> Finding | None:
             "own_noise_s": own_noise,
             "steps": len(common),
             "what_if": saving,
-            "since": since,
-            **stretch,
         },
     )
 
 
-def _saving(run: RunData, rank: int) -> tuple[dict[str, float] | None, str | None, dict[str, int]]:
-    """What the rank doing the median rank's work would save, since when it was slow, and
-    the steps replayed (``first_step``/``last_step`` for the report's mark, {} for all).
-    Over every common step; when the rank's excess over the others changed
-    (:mod:`lorascope.detect.episodes`: the longest such episode), over the episode, the
-    others' waiting taken out against their own steps outside it."""
-    t = table(run)
-    if t is None:
-        return None, None, {}
+def _became_slow(t: PaceTable, rank: int) -> bool:
+    """Whether the rank became slow during the run: its excess over the others changed
+    (an episode of :mod:`lorascope.detect.episodes` against its own other steps) and
+    outside that episode it worked under :data:`MIN_RATIO` times the others' median.
+    ``slow-steps`` names it then, with since when; slowest in 15 of 19 steps, a rank
+    slow from step 10 of 20 passes the persistence by chance."""
     n = len(t.steps)
     others = others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(n)))[rank]
-    unit = unit_of(t, [rank], others)
-    changes = [e for e in episodes(t, unit) if e.baseline]
-    if not changes:
-        return what_if_summary(t, [rank], range(n)), None, {}
-    e = max(changes, key=lambda e: (e.last - e.first, -e.first))
-    outside = e.outside(n)
-    inside = range(e.first, e.last + 1)
-    when = f"from step {t.steps[e.first]} on" if e.last == n - 1 else f"in steps {t.steps[e.first]}-{t.steps[e.last]}"
-    since = (
-        f"{when}: its work over the others' median {statistics.median(unit.excess[i] for i in inside) * 1000:+.1f} ms "
-        f"a step, {statistics.median(unit.excess[i] for i in outside) * 1000:+.1f} ms in its {len(outside)} other "
-        f"steps (step-to-step noise {unit.noise * 1000:.1f} ms)"
-    )
-    stretch = {"first_step": t.steps[e.first], "last_step": t.steps[e.last]}
-    return what_if_summary(t, [rank], inside, outside), since, stretch
+    for e in episodes(t, unit_of(t, [rank], others)):
+        outside = e.outside(n)
+        if e.baseline and statistics.median(t.work[rank][i] / max(others[i], 1e-9) for i in outside) < MIN_RATIO:
+            return True
+    return False
 
 
 def from_traces(bundle: EvidenceBundle) -> Finding | None:
