@@ -1,6 +1,6 @@
 """Since when a rank (or a group of ranks) set the job's pace: its episodes, shared by
-``slow-steps`` (which names them) and ``straggler`` (whose what-if replays the change its
-rank went through, when it has one).
+``slow-steps`` (which names them) and ``straggler`` (which leaves a rank that became slow
+to it).
 
 A **unit** is a rank or a group of ranks tested as one. Its **excess** per step is the
 most work of its ranks less the median of the other ranks' work (what the whole job
