@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
 """The what-if checked (a script, not a test): each planting (``probes/slowness.py``) runs
 under ``lorascope run``, is analysed, and the finding that names the slow rank (or group)
-predicts the step time had it done the median rank's work; then the same job runs
-without the planting and its step time over the same steps is measured. Prints, per
-planting, what was named (id, ranks, since when, where), the predicted and the measured
-step time and the error of the prediction. A shared machine's load changes between the
-two runs: where the planting begins after step 3, both runs' steps before it are compared
-too and the measurement is scaled by their ratio (the "load" figure: the planted run's
-steps before the planting over the run without's), an error under the same load.
+predicts the step time had it done the median rank's work; the same job runs without the
+planting just before and just after the planted run, and its step time over the same
+steps is measured (the mean of the two: a load drifting across the three runs cancels to
+first order; each run's figure is printed). Prints, per finding, what was named (id,
+ranks, since when, where), the predicted and the measured step time, the error, and the
+prediction of the replay that keeps the others' waiting as their work. Where the planting
+begins after step 3, the runs' steps before it are compared too and the measurement scaled
+by their ratio (the "load" figure: the planted run's steps before the planting over the
+runs without), an error under the same load.
 
-    python benchmarks/slow_steps_check.py                 # ~8 min on 2 cores
+    python benchmarks/slow_steps_check.py                 # ~15 min on 2 cores
     python benchmarks/slow_steps_check.py --only data     # a subset (by name)
     python benchmarks/slow_steps_check.py --analyze-only  # the kept runs, current detectors
 
-The plantings were written after the rules were fixed (untuned): extra compute in the
-forward on one rank of 4 from step 8 of 30; CPU hogs (3 busy loops) pinned to one rank's core (2 ranks,
-each pinned to its own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
-case ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from
-step 15 of 30 on.
+The plantings: extra compute in the forward on one rank of 4 from step 8 of 30; CPU hogs
+(3 busy loops, each in its own session) pinned to one rank's core (2 ranks, each pinned to its
+own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the case
+``analyze`` once called "no problem found"); one rank of 4 slow in its forward from step 15
+of 30 on. The first four became the rules' tuning cases; the last two (one rank of 4 slow
+in its data loading in steps 10-17 and 28-35 of 40; two ranks of 4 slow in their forward
+from step 12 of 30) were written after the rules were last changed (untuned).
 """
 
 from __future__ import annotations
@@ -46,30 +50,58 @@ class Planting:
     name: str
     nproc: int
     steps: int
-    #: The job's flags with the planting; without it, ``--slow-rank -1`` replaces the rank.
+    #: The job's flags with the planting; without it, ``--slow-rank -1`` replaces the ranks.
     args: tuple[str, ...]
-    rank: int
+    ranks: tuple[int, ...]
     #: CPU hogs pinned to this core while the planted run runs (None: none).
     hog_core: int | None = None
     hogs: int = 1
+    #: Written after the rules were last changed (reported apart: "untuned").
+    untuned: bool = False
+
+    def planted_steps(self) -> list[tuple[int, int]]:
+        """The planted stretches of steps, first and last (10**9: to the end)."""
+        if "--slow-steps" in self.args:
+            spec = self.args[self.args.index("--slow-steps") + 1]
+            return [(int(a), int(b)) for a, b in (part.split("-") for part in spec.split(","))]
+        start = int(self.args[self.args.index("--slow-from") + 1]) if "--slow-from" in self.args else 1
+        return [(start, 10**9)]
 
 
 PLANTINGS = [
-    Planting("compute-4ranks", 4, 30, ("--slow-where", "forward", "--slow-ms", "300", "--slow-from", "8"), rank=1),
-    Planting("hog-pinned", 2, 24, ("--pin", "--slow-ms", "0"), rank=1, hog_core=1, hogs=3),
-    Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), rank=1),
-    Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), rank=2),
+    Planting("compute-4ranks", 4, 30, ("--slow-where", "forward", "--slow-ms", "300", "--slow-from", "8"), (1,)),
+    Planting("hog-pinned", 2, 24, ("--pin", "--slow-ms", "0"), (1,), hog_core=1, hogs=3),
+    Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), (1,)),
+    Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), (2,)),
+    # written after the rules were last changed
+    Planting(
+        "comes-and-goes",
+        4,
+        40,
+        ("--slow-where", "data", "--slow-ms", "250", "--slow-steps", "10-17,28-35"),
+        (3,),
+        untuned=True,
+    ),
+    Planting(
+        "pair-of-4", 4, 30, ("--slow-where", "forward", "--slow-ms", "250", "--slow-from", "12"), (2, 3), untuned=True
+    ),
 ]
 
 HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    sum(range(10_000))\n"
 
 
 def run(p: Planting, out: Path, planted: bool) -> int:
-    args = (*p.args, "--slow-rank", str(p.rank if planted else -1))
-    cfg = Config(p.name, args, nproc=p.nproc, job=JOB)
+    ranks = ",".join(map(str, p.ranks)) if planted else "-1"
+    cfg = Config(p.name, (*p.args, "--slow-rank", ranks), nproc=p.nproc, job=JOB)
     hogs = []
     if planted and p.hog_core is not None:
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(p.hog_core)]) for _ in range(p.hogs)]
+        # each in its own session: with the kernel's autogroup scheduling a core is shared
+        # between sessions, and torchrun starts each rank in its own, so hogs sharing this
+        # script's session took half the rank's core together, not hogs/(hogs+1) of it
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", HOG, str(p.hog_core)], start_new_session=True)
+            for _ in range(p.hogs)
+        ]
     try:
         rc, _ = run_one(cfg, out, p.steps, hog=False, timeout=600)
     finally:
@@ -79,11 +111,13 @@ def run(p: Planting, out: Path, planted: bool) -> int:
     return rc
 
 
-def named(data: dict[str, Any], rank: int) -> dict[str, Any] | None:
-    for f in data.get("findings", []):
-        if rank in f["ranks"] and f["id"] in ("slow-steps", "straggler") and f["details"].get("what_if"):
-            return dict(f)
-    return None
+def named(data: dict[str, Any], ranks: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The findings with a what-if that name any of ``ranks``, in step order."""
+    return [
+        dict(f)
+        for f in data.get("findings", [])
+        if set(ranks) & set(f["ranks"]) and f["id"] in ("slow-steps", "straggler") and f["details"].get("what_if")
+    ]
 
 
 def table(out: Path) -> pace.PaceTable:
@@ -92,9 +126,9 @@ def table(out: Path) -> pace.PaceTable:
     return t
 
 
-def work_ratio(t: pace.PaceTable, rank: int, idx: list[int]) -> float:
-    """The rank's median work over the others' median, over the steps ``idx``."""
-    return statistics.median(t.work[rank][i] / t.others_median([rank], t.work, i) for i in idx)
+def work_ratio(t: pace.PaceTable, ranks: tuple[int, ...], idx: list[int]) -> float:
+    """The ranks' most work over the others' median, median over the steps ``idx``."""
+    return statistics.median(max(t.work[r][i] for r in ranks) / t.others_median(ranks, t.work, i) for i in idx)
 
 
 def measured_step_s(out: Path, first: int, last: int) -> float:
@@ -102,6 +136,54 @@ def measured_step_s(out: Path, first: int, last: int) -> float:
     t = table(out)
     values = [c for s, c in zip(t.steps, t.median_cycle, strict=True) if first <= s <= last]
     return statistics.fmean(values)
+
+
+def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
+    """One row per finding naming a planted rank (or one "not named" row per planted
+    stretch): predicted step time against the one measured without the planting (the
+    mean of the runs without it, one before and one after the planted run where both
+    were run: the machine's load drifting in between cancels to first order)."""
+    t = table(slow)
+    found = named(analyze(slow), p.ranks)
+    cases: list[tuple[dict[str, Any], dict[str, Any], dict[str, float], list[int]]] = []
+    for f in found:
+        d = f["details"]
+        first, last = d.get("first_step", t.steps[0]), d.get("last_step", t.steps[-1])
+        idx = [i for i, s in enumerate(t.steps) if first <= s <= last]
+        cases.append((f, d, d["what_if"], idx))
+    if not found:
+        for a, b in p.planted_steps():
+            idx = [i for i, s in enumerate(t.steps) if max(a, 2) <= s <= b]
+            outside = [i for i in range(len(t.steps)) if i not in idx]
+            base = outside if len(outside) >= 5 else []
+            d = {"first_step": t.steps[idx[0]], "last_step": t.steps[idx[-1]], "part": ""}
+            d["part"] = f"ratio {work_ratio(t, p.ranks, idx):.2f}x"
+            f = {"id": "**not named**", "severity": "-", "ranks": list(p.ranks)}
+            cases.append((f, d, pace.what_if_summary(t, p.ranks, idx, base), idx))
+    out = []
+    first_planted = p.planted_steps()[0][0]
+    for f, d, w, idx in cases:
+        first, last = t.steps[idx[0]], t.steps[idx[-1]]
+        each = [measured_step_s(f, first, last) for f in fixed]
+        actual = statistics.fmean(each)
+        err = (w["predicted_step_s"] - actual) / actual
+        # the replay keeping the others' waiting as work (no baseline): what the correction changed
+        kept = pace.what_if_summary(t, f["ranks"], idx)["predicted_step_s"]
+        drift = ""
+        if first_planted > 3:
+            # the machine's load between the two runs: their steps before the planting compared
+            before = statistics.fmean(measured_step_s(f, 2, first_planted - 1) for f in fixed)
+            ratio = measured_step_s(slow, 2, first_planted - 1) / before
+            adjusted = actual * ratio
+            drift = f"; load {ratio - 1:+.0%}: {adjusted:.3f}, {(w['predicted_step_s'] - adjusted) / adjusted:+.1%}"
+        runs = " / ".join(f"{v:.3f}" for v in each)
+        out.append(
+            f"| {p.name}{' (untuned)' if p.untuned else ''} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | "
+            f"steps {first}-{last}, {d.get('part', '')} | {w['step_s']:.3f} -> {w['predicted_step_s']:.3f} "
+            f"(others' waiting kept: {kept:.3f}) | {actual:.3f} ({runs}) | {err:+.1%}{drift} | "
+            f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,44 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     for p in PLANTINGS:
         if args.only not in p.name:
             continue
-        slow, fixed = args.out / p.name / "planted", args.out / p.name / "without"
+        slow, before, after = (args.out / p.name / n for n in ("planted", "without", "without-after"))
         if not args.analyze_only:
-            for d, planted in ((slow, True), (fixed, False)):
+            for d, planted in ((before, False), (slow, True), (after, False)):
                 subprocess.run(["rm", "-rf", str(d)], check=True)
                 rc = run(p, d, planted)
                 if rc:
-                    print(f"| {p.name} | job failed rc={rc} ({'planted' if planted else 'without'}) | | | | | |")
-        f = named(analyze(slow), p.rank)
-        start = int(p.args[p.args.index("--slow-from") + 1]) if "--slow-from" in p.args else 1
-        if f is None:
-            # the what-if of the planted rank over the planted steps, which no finding reported
-            t = table(slow)
-            idx = [i for i, s in enumerate(t.steps) if s >= max(start, 2)]
-            d = {
-                "first_step": t.steps[idx[0]],
-                "last_step": t.steps[-1],
-                "part": f"ratio {work_ratio(t, p.rank, idx):.2f}x",
-            }
-            w = pace.what_if_summary(t, [p.rank], idx)
-            f = {"id": "**not named**", "severity": "-", "ranks": [p.rank], "details": d}
-        else:
-            d, w = f["details"], f["details"]["what_if"]
-        first, last = d.get("first_step", 2), d.get("last_step", 10**9)
-        actual = measured_step_s(fixed, first, last)
-        err = (w["predicted_step_s"] - actual) / actual
-        where = f"steps {first}-{last if last < 10**9 else 'end'}, {d.get('part', 'whole run')}"
-        drift = ""
-        if start > 3:
-            # the machine's load between the two runs: their steps before the planting compared
-            ratio = measured_step_s(slow, 2, start - 1) / measured_step_s(fixed, 2, start - 1)
-            adjusted = actual * ratio
-            drift = f"; load {ratio - 1:+.0%} (before step {start}): {adjusted:.3f}, {(w['predicted_step_s'] - adjusted) / adjusted:+.1%}"
-        print(
-            f"| {p.name} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | {where} | "
-            f"{w['step_s']:.3f} -> {w['predicted_step_s']:.3f} | {actual:.3f} | {err:+.1%}{drift} | "
-            f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |",
-            flush=True,
-        )
+                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | |")
+        fixed = [d for d in (before, after) if (d / "manifest.json").exists()]
+        for line in rows(p, slow, fixed):
+            print(line, flush=True)
     return 0
 
 

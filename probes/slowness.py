@@ -5,9 +5,11 @@ planting, and compares the step time predicted with the one measured).
 
 Every flag of ``train_lora.py`` applies; these add the slowness:
 
-  --slow-rank R      the rank made slow (-1: none, the run "after the fix")
+  --slow-rank R      the rank made slow, or ranks "2,3" (-1: none, the run "after the fix")
   --slow-ms MS       CPU work (a busy loop, not a sleep) added per step
   --slow-from S      the first step it is added to (1: the whole run)
+  --slow-steps A-B,C-D
+                     only in these steps (a slowdown that comes and goes; overrides --slow-from)
   --slow-where W     data: while fetching the batch (data preparation); forward: in a
                      forward pre-hook of the model (compute inside the forward phase;
                      a pre-hook of DeepSpeed's engine would run before the phase begins)
@@ -32,9 +34,10 @@ import train_lora as base  # the job this one varies
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-rank", type=lambda v: {int(r) for r in v.split(",")}, default={-1})
     p.add_argument("--slow-ms", type=float, default=250.0)
     p.add_argument("--slow-from", type=int, default=1)
+    p.add_argument("--slow-steps", type=steps_of, default=None)
     p.add_argument("--slow-where", choices=("data", "forward"), default="data")
     p.add_argument("--pin", action="store_true")
     own, rest = p.parse_known_args(argv)
@@ -42,6 +45,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in vars(own).items():
         setattr(args, key, value)
     return args
+
+
+def steps_of(spec: str) -> set[int]:
+    """ "10-17,26-33" -> those steps."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def slow_at(args: argparse.Namespace, step: int) -> bool:
+    return step in args.slow_steps if args.slow_steps is not None else step >= args.slow_from
 
 
 def busy(ms: float) -> None:
@@ -56,12 +72,12 @@ def train(args: argparse.Namespace, d: base.Dist) -> float:
     model = base.build_model(args)
     trainer = base.deepspeed_trainer(model, args) if args.engine == "deepspeed" else base.torch_trainer(model, args, d)
     trainer.model.train()
-    slow = d.rank == args.slow_rank
+    slow = d.rank in args.slow_rank
     state = {"step": 0}
     if slow and args.slow_where == "forward":
 
         def pre_hook(module: torch.nn.Module, inputs: object) -> None:
-            if state["step"] >= args.slow_from and module.training:
+            if slow_at(args, state["step"]) and module.training:
                 busy(args.slow_ms)
 
         # on the model itself, not DeepSpeed's engine: its pre-hooks run before the forward phase begins
@@ -70,7 +86,7 @@ def train(args: argparse.Namespace, d: base.Dist) -> float:
     loss_value = float("nan")
     for step in range(1, args.steps + 1):
         state["step"] = step
-        if slow and args.slow_where == "data" and step >= args.slow_from:
+        if slow and args.slow_where == "data" and slow_at(args, step):
             busy(args.slow_ms)  # the batch's preparation, on this rank only
         batch = next(data)
         loss = base.compute_loss(trainer.model, batch, explicit_upcast=False)

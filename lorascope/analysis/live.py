@@ -25,7 +25,7 @@ The checks (:meth:`LiveRun.checks`), each from what was read so far:
   or outside any (the rank the others wait for, when they are in one);
 * a rank is slower: its own work per step (step time minus its time in synchronous
   collectives, as the ``straggler`` detector measures it) over its last steps is
-  ``straggler.MIN_RATIO`` times the other ranks' median or more, over at least
+  ``pace.MIN_RATIO`` times the other ranks' median or more, over at least
   ``straggler.MIN_STEPS`` steps;
 * fewer ranks seen than the world size their ``start`` records name.
 
@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from lorascope.detect.straggler import MIN_RATIO, MIN_STEPS
+from lorascope.detect.pace import MIN_RATIO
+from lorascope.detect.straggler import MIN_STEPS
 from lorascope.rundir.loading.tail import Looked
 from lorascope.units import short_error
 

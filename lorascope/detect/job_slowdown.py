@@ -4,11 +4,12 @@ straggler.
 
 From the pace table (:mod:`lorascope.detect.pace`): the change point of the median step
 time (:func:`lorascope.detect.shifts.change_point`, each side at least
-:data:`~lorascope.detect.slow_steps.MIN_HOT` steps). Named when the median after is at
+:data:`~lorascope.detect.episodes.MIN_HOT` steps). Named when the median after is at
 least :data:`MIN_RATIO` times the median before, the rise is at least
-:data:`~lorascope.detect.straggler.NOISE_FACTOR` times the step-to-step noise before it,
-and the work of at least :data:`MIN_RANK_SHARE` of the ranks rose by :data:`MIN_RATIO`
-too (when one rank's work rose and the others only waited, it is ``slow-steps``'s).
+:data:`~lorascope.detect.pace.NOISE_FACTOR` times the step-to-step noise before it,
+the work of at least :data:`MIN_RANK_SHARE` of the ranks rose by :data:`MIN_RATIO` too,
+and the median rank's work rose by at least :data:`MIN_WORK_SHARE` of the step time's
+rise (when one rank's work rose and the others mostly waited, it is ``slow-steps``'s).
 **Severity** info: it names the step and the part of the step that grew, for every rank;
 no rank to even out.
 """
@@ -18,16 +19,20 @@ from __future__ import annotations
 import statistics
 
 from lorascope.detect import shifts
+from lorascope.detect.episodes import MIN_HOT
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.pace import PART_LABELS, PaceTable, table
-from lorascope.detect.slow_steps import MIN_HOT
-from lorascope.detect.straggler import NOISE_FACTOR
+from lorascope.detect.pace import NOISE_FACTOR, PART_LABELS, PaceTable, table
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RunData
 
 ID = "job-slowdown"
 MIN_RATIO = 1.3
 MIN_RANK_SHARE = 0.75
+#: The median rank's own work must account for this share of the step time's rise: else
+#: the ranks mostly waited for some of them (whose extra work also slowed their
+#: neighbours on shared cores: 3 ranks on 2 cores, one +250 ms, the others' work +90 ms),
+#: which is ``slow-steps``'s.
+MIN_WORK_SHARE = 0.5
 
 EXPLANATION = (
     "Every rank's own work grew at the same step: the job itself became slower there (its input, its "
@@ -66,6 +71,11 @@ def from_run(run: RunData) -> Finding | None:
         return None
     rose = [r for r in t.ranks if _rose(t.work[r], cp.at) >= MIN_RATIO]
     if len(rose) < MIN_RANK_SHARE * len(t.ranks):
+        return None
+    grew = statistics.median(
+        statistics.median(t.work[r][cp.at :]) - statistics.median(t.work[r][: cp.at]) for r in t.ranks
+    )
+    if grew < MIN_WORK_SHARE * (cp.after - cp.before):
         return None
     step = t.steps[cp.at]
     parts = _parts(t, cp.at)

@@ -3,18 +3,15 @@ when, where in its step, who waited for it, and what evening it out would save.
 
 ``straggler`` names a rank slow for most of the run; a rank that becomes slow halfway,
 or for a few dozen steps, or only in its data loading, is averaged away there. Per rank
-and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's work against the
-median of the other ranks' work. A step is **hot** for a rank when its work is at least
-:data:`MIN_RATIO` times the others' median and the excess is at least
-:data:`NOISE_FACTOR` times the others' step-to-step noise (the median of their MADs): the
-straggler's thresholds, step by step, and the rank set that step's pace (the most work:
-two ranks that take turns are noise, as the straggler's persistence says). An
-**episode** is a run of at least :data:`MIN_HOT` hot steps, at most :data:`MAX_GAP` cold
-steps apart, hot in at least :data:`MIN_HOT_SHARE` of it
-(:func:`lorascope.detect.shifts.episodes`). On more than one host each host's ranks
-(up to half the ranks) are a **group** too: hot when the slowest of them is against the
-other hosts' ranks' median and one of them set the pace; a rank's episode inside its
-host's is the host's.
+and step, from the pace table (:mod:`lorascope.detect.pace`): the rank's **episodes**
+(:mod:`lorascope.detect.episodes`): stretches of at least 5 steps in which it set the pace,
+its work above the others' median by 3x the step-to-step noise of that excess, a change
+against its own steps outside. On more than one host each host's ranks (up to half the
+ranks) are a **group** too, tested as one unit (the slowest of them against the other
+hosts' ranks' median); a rank's episode inside its host's is the host's. Ranks with at
+least :data:`~lorascope.detect.episodes.MIN_HOT` hot steps but no episode of their own (2
+to half the ranks: two slow GPUs of one node take turns) are tested as one group the same
+way.
 
 The finding says since when ("from step 20 on" when the episode reaches the last step,
 else "in steps 12-18"), where (the part of the step whose excess over the others' is
@@ -28,13 +25,13 @@ rank ``straggler`` already names is left to it (its finding carries the what-if 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import Any
 
-from lorascope.detect import shifts
 from lorascope.detect.common import stream_source
+from lorascope.detect.episodes import MIN_HOT, Episode, Unit, episodes, group_unit, rank_units, ratios
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.detect.pace import (
+    NOISE_FACTOR,
     PART_LABELS,
     PaceTable,
     blame,
@@ -44,16 +41,12 @@ from lorascope.detect.pace import (
     table,
     what_if_summary,
 )
-from lorascope.detect.straggler import MIN_RATIO, NOISE_FACTOR, _others_medians
 from lorascope.detect.straggler import from_run as straggler_of
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RunData
 from lorascope.units import rank_ranges
 
 ID = "slow-steps"
-MIN_HOT = 5
-MAX_GAP = 2
-MIN_HOT_SHARE = 0.75
 #: A saving of at least this share of the run's time is a warning; below, a note.
 WARN_SHARE = 0.10
 #: Below this share, nothing: the healthy sweep's 3-rank DDP runs on the loaded 2-core
@@ -73,43 +66,6 @@ FIX = (
     "samples or a slower disk (data loading), another process on their cores or a throttled device (every "
     "part), logging or checkpointing on one rank (host-side work); even it out or move it off the step's path"
 )
-
-
-@dataclass
-class Episode:
-    ranks: list[int]
-    first: int  # step indexes, inclusive
-    last: int
-    hot: int
-
-
-def _hot(t: PaceTable) -> tuple[dict[int, list[bool]], float]:
-    """Per rank, which steps are hot (see the module docstring); the median noise."""
-    others = _others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(len(t.steps))))
-    mads = {r: shifts.mad(t.work[r]) for r in t.ranks}
-    noise_of = _others_medians({r: {0: mads[r]} for r in t.ranks}, t.ranks, [0])
-    setters = [t.setter(i) for i in range(len(t.steps))]
-    hot = {}
-    for r in t.ranks:
-        floor = NOISE_FACTOR * noise_of[r][0]
-        hot[r] = [
-            w >= MIN_RATIO * o and w - o >= floor and who == r
-            for w, o, who in zip(t.work[r], others[r], setters, strict=True)
-        ]
-    return hot, statistics.median(mads.values())
-
-
-def _host_hot(t: PaceTable, ranks: list[int]) -> list[bool]:
-    """Which steps are hot for a host's ranks together: the slowest of them against the
-    median of the other hosts' ranks, the pace set by one of them."""
-    out, members = [], set(ranks)
-    rest = [r for r in t.ranks if r not in members]
-    floor = NOISE_FACTOR * statistics.median(shifts.mad(t.work[r]) for r in rest)
-    for i in range(len(t.steps)):
-        theirs = max(t.work[r][i] for r in ranks)
-        o = statistics.median(t.work[r][i] for r in rest)
-        out.append(theirs >= MIN_RATIO * o and theirs - o >= floor and t.setter(i) in members)
-    return out
 
 
 def _overlap(a: Episode, b: Episode) -> bool:
@@ -174,16 +130,14 @@ def _part_text(p: dict[str, Any]) -> str:
     return text
 
 
-def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
+def _finding(run: RunData, t: PaceTable, e: Episode) -> Finding:
     label = _label(t, e.ranks)
     when = _when(t, e)
     idx = range(e.first, e.last + 1)
-    saving = what_if_summary(t, e.ranks, idx)
+    saving = what_if_summary(t, e.ranks, idx, e.outside(len(t.steps)) if e.baseline else ())
     parts = _parts(t, e)
     top = parts[0]
-    ratio = statistics.median(
-        max(t.work[r][i] for r in e.ranks) / max(t.others_median(e.ranks, t.work, i), 1e-9) for i in idx
-    )
+    ratio = statistics.median(ratios(t, e.ranks, idx))
     excess = statistics.median(max(t.work[r][i] for r in e.ranks) - t.others_median(e.ranks, t.work, i) for i in idx)
     b = blame(run)
     steps_in = {t.steps[i] for i in idx}
@@ -232,11 +186,11 @@ def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
         id=ID,
         title=title,
         severity="warning" if saving["share_of_run"] >= WARN_SHARE else "info",
-        confidence="high" if hot_share >= 0.9 and excess >= 2 * NOISE_FACTOR * noise else "medium",
+        confidence="high" if hot_share >= 0.9 and excess >= 2 * NOISE_FACTOR * e.noise else "medium",
         confidence_reason=(
-            f"hot (work >= {MIN_RATIO:g}x the others' median and >= {NOISE_FACTOR:g}x their noise) in {hot_share:.0%} "
-            f"of {e.last - e.first + 1} steps; median excess {excess * 1000:.1f} ms against noise "
-            f"{noise * 1000:.1f} ms (MAD)"
+            f"hot (the most work, >= {NOISE_FACTOR:g}x the step-to-step noise of its excess over the others') in "
+            f"{hot_share:.0%} of {e.last - e.first + 1} steps; median excess {excess * 1000:.1f} ms against noise "
+            f"{e.noise * 1000:.1f} ms"
         ),
         ranks=list(e.ranks),
         evidence=evidence,
@@ -257,30 +211,39 @@ def _finding(run: RunData, t: PaceTable, e: Episode, noise: float) -> Finding:
     )
 
 
+def _turn_takers(t: PaceTable, units: list[Unit], leave: set[int]) -> list[int]:
+    """The ranks outside ``leave`` with at least :data:`MIN_HOT` hot steps (the pace set,
+    well above the others), when they are 2 to half the ranks: tested together (two slow
+    ranks take turns, and neither has an episode alone). Counting every step a rank set
+    the pace took in the ranks that took turns before the slowness began."""
+    group = sorted(u.ranks[0] for u in units if sum(u.hot) >= MIN_HOT and u.ranks[0] not in leave)
+    return group if 2 <= len(group) <= len(t.ranks) // 2 else []
+
+
 def from_run(run: RunData) -> list[Finding]:
     t = table(run)
     if t is None or len(t.steps) < MIN_HOT:
         return []
-    hot, noise = _hot(t)
     named = straggler_of(run)
     skip = set(named.ranks) if named is not None else set()
-    hosts = [ranks for ranks in host_groups(t).values() if len(ranks) > 1]
     found = [
-        Episode(ranks, a, b, sum(h[a : b + 1]))
-        for ranks in hosts
-        if len(ranks) <= len(t.ranks) // 2
-        for h in [_host_hot(t, ranks)]
-        for a, b in shifts.episodes(h, MIN_HOT, MAX_GAP, MIN_HOT_SHARE)
+        e
+        for ranks in host_groups(t).values()
+        if 1 < len(ranks) <= len(t.ranks) // 2
+        for e in episodes(t, group_unit(t, ranks))
     ]
-    for r in t.ranks:
-        if r in skip:
+    units = rank_units(t)
+    for u in units:
+        if u.ranks[0] in skip:
             continue
-        for a, b in shifts.episodes(hot[r], MIN_HOT, MAX_GAP, MIN_HOT_SHARE):
-            e = Episode([r], a, b, sum(hot[r][a : b + 1]))
+        for e in episodes(t, u):
             # a rank's episode inside its host's is the host's
-            if not any(r in g.ranks and _overlap(e, g) for g in found):
+            if not any(u.ranks[0] in g.ranks and _overlap(e, g) for g in found):
                 found.append(e)
-    findings = [_finding(run, t, e, noise) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
+    group = _turn_takers(t, units, skip | {r for e in found for r in e.ranks})
+    if group:
+        found += episodes(t, group_unit(t, group))
+    findings = [_finding(run, t, e) for e in sorted(found, key=lambda e: (e.first, e.ranks))]
     return [f for f in findings if f.details["what_if"]["share_of_run"] >= NOTE_SHARE]
 
 

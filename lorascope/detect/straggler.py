@@ -10,9 +10,13 @@ rank is named only when the effect persists and stands above the noise:
   left out);
 * it is the slowest rank in at least :data:`MIN_PERSISTENCE` of them;
 * its median work is at least :data:`MIN_RATIO` times the others' median;
-* its median excess is at least :data:`NOISE_FACTOR` times the step-to-step noise of
-  the other ranks' work (their median absolute deviation): on a shared machine a rank
-  that lost a core for a few steps is noise, not a straggler.
+* its median excess is at least :data:`NOISE_FACTOR` times the step-to-step noise: the
+  larger of the other ranks' (the median of their work's median absolute deviations) and
+  its own excess's (:func:`lorascope.detect.shifts.step_noise`). On a shared machine a
+  rank that lost a core for a few steps is noise, not a straggler; so is one that shares
+  its core with another process off and on, slower in most steps by an amount that
+  varies as much as it measures (of 2 ranks, the other one's noise alone is a quiet
+  rank's).
 
 Kernel traces from elsewhere (no run records) cover a few steps: the traces' comparison
 (``kineto_ranks``) is shown with the artifacts, and a finding is made only when the
@@ -22,22 +26,28 @@ table: docs/detectors.md.
 
 from __future__ import annotations
 
-import bisect
 import statistics
 
+from lorascope.detect import shifts
 from lorascope.detect.common import per_rank_evidence, stream_source
+from lorascope.detect.episodes import episodes, unit_of
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.detect.pace import saving_text, step_work, table, what_if_summary
+from lorascope.detect.pace import (
+    MIN_RATIO,
+    NOISE_FACTOR,
+    PaceTable,
+    others_medians,
+    saving_text,
+    step_work,
+    table,
+    what_if_summary,
+)
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RunData
 
 ID = "straggler"
 MIN_STEPS = 5
 MIN_PERSISTENCE = 0.75
-#: Healthy runs on the loaded 2-core test machine show one rank persistently up to 1.34x
-#: the other (a core shared with other work): a straggler worth a warning is well beyond.
-MIN_RATIO = 1.5
-NOISE_FACTOR = 3.0
 
 EXPLANATION = (
     "In synchronous data parallelism every step runs at the pace of the slowest rank. Its extra "
@@ -54,25 +64,6 @@ def _mad(values: list[float]) -> float:
     return statistics.median(abs(v - median) for v in values)
 
 
-def _others_medians(work: dict[int, dict[int, float]], ranks: list[int], steps: list[int]) -> dict[int, list[float]]:
-    """Per rank, per step of ``steps`` (in order): the median of the other ranks' work,
-    as ``statistics.median`` of them gives it. Each step's values are sorted once and a
-    rank's own value is left out by position: O(ranks log ranks) a step, not ranks^2."""
-    out: dict[int, list[float]] = {r: [] for r in ranks}
-    others = len(ranks) - 1
-    half = others // 2  # the median's index among the others (odd), else the upper one of two
-    for s in steps:
-        values = sorted(work[r][s] for r in ranks)
-        for r in ranks:
-            gone = bisect.bisect_left(values, work[r][s])  # the others: values without index ``gone``
-            upper = values[half if half < gone else half + 1]
-            if others % 2:
-                out[r].append(upper)
-            else:
-                out[r].append((values[half - 1 if half - 1 < gone else half] + upper) / 2)
-    return out
-
-
 def from_run(run: RunData) -> Finding | None:
     if len(run.ranks) < 2:
         return None
@@ -81,7 +72,7 @@ def from_run(run: RunData) -> Finding | None:
     if len(common) < MIN_STEPS:
         return None
     ranks = sorted(sw.work)
-    others = _others_medians(sw.work, ranks, common)
+    others = others_medians(sw.work, ranks, common)
 
     def median_ratio(r: int) -> float:
         return statistics.median(sw.work[r][s] / max(others[r][i], 1e-9) for i, s in enumerate(common))
@@ -90,9 +81,15 @@ def from_run(run: RunData) -> Finding | None:
     ratio = median_ratio(cand)
     slowest = sum(1 for s in common if max(ranks, key=lambda r: sw.work[r][s]) == cand)
     persistence = slowest / len(common)
-    excess = statistics.median(sw.work[cand][s] - others[cand][i] for i, s in enumerate(common))
-    noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
+    excesses = [sw.work[cand][s] - others[cand][i] for i, s in enumerate(common)]
+    excess = statistics.median(excesses)
+    others_noise = statistics.median(_mad([sw.work[o][s] for s in common]) for o in ranks if o != cand)
+    own_noise = shifts.step_noise(excesses)
+    noise = max(others_noise, own_noise)
     if ratio < MIN_RATIO or persistence < MIN_PERSISTENCE or excess < NOISE_FACTOR * noise:
+        return None
+    t = table(run)
+    if t is not None and _became_slow(t, cand):
         return None
     evidence = per_rank_evidence(
         {
@@ -110,7 +107,7 @@ def from_run(run: RunData) -> Finding | None:
         apart=frozenset({cand}),
         show="ranges",
     )
-    saving = _saving(run, cand)
+    saving = what_if_summary(t, [cand], range(len(t.steps))) if t is not None else None
     if saving is not None:
         evidence.append(Evidence("what if", saving_text(saving), "per-step work replayed (lorascope/detect/pace.py)"))
     evidence.append(
@@ -128,8 +125,9 @@ def from_run(run: RunData) -> Finding | None:
         confidence="high" if persistence >= 0.9 and excess >= 2 * NOISE_FACTOR * noise else "medium",
         confidence_reason=(
             f"slowest in {persistence:.0%} of {len(common)} steps (threshold {MIN_PERSISTENCE:.0%}); median excess "
-            f"{excess * 1000:.1f} ms, {excess / noise if noise else float('inf'):.1f}x the other ranks' step-to-step "
-            f"noise ({noise * 1000:.1f} ms; threshold {NOISE_FACTOR:g}x)"
+            f"{excess * 1000:.1f} ms, {excess / noise if noise else float('inf'):.1f}x the step-to-step noise "
+            f"({noise * 1000:.1f} ms: the larger of the other ranks' {others_noise * 1000:.1f} ms and its excess's "
+            f"own {own_noise * 1000:.1f} ms; threshold {NOISE_FACTOR:g}x)"
         ),
         ranks=[cand],
         evidence=evidence,
@@ -141,18 +139,27 @@ def from_run(run: RunData) -> Finding | None:
             "persistence": persistence,
             "excess_s": excess,
             "noise_s": noise,
+            "others_noise_s": others_noise,
+            "own_noise_s": own_noise,
             "steps": len(common),
             "what_if": saving,
         },
     )
 
 
-def _saving(run: RunData, rank: int) -> dict[str, float] | None:
-    """What the rank doing the median rank's work would save, over every common step."""
-    t = table(run)
-    if t is None:
-        return None
-    return what_if_summary(t, [rank], range(len(t.steps)))
+def _became_slow(t: PaceTable, rank: int) -> bool:
+    """Whether the rank became slow during the run: its excess over the others changed
+    (an episode of :mod:`lorascope.detect.episodes` against its own other steps) and
+    outside that episode it worked under :data:`MIN_RATIO` times the others' median.
+    ``slow-steps`` names it then, with since when; slowest in 15 of 19 steps, a rank
+    slow from step 10 of 20 passes the persistence by chance."""
+    n = len(t.steps)
+    others = others_medians({r: dict(enumerate(t.work[r])) for r in t.ranks}, t.ranks, list(range(n)))[rank]
+    for e in episodes(t, unit_of(t, [rank], others)):
+        outside = e.outside(n)
+        if e.baseline and statistics.median(t.work[rank][i] / max(others[i], 1e-9) for i in outside) < MIN_RATIO:
+            return True
+    return False
 
 
 def from_traces(bundle: EvidenceBundle) -> Finding | None:

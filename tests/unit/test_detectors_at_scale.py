@@ -27,7 +27,7 @@ from lorascope.detect.common import (
 )
 from lorascope.detect.finding import Evidence
 from lorascope.detect.hang.divergence import RUN_ALL, RUN_OP_SIZE, classify, splits
-from lorascope.detect.straggler import _others_medians
+from lorascope.detect.pace import others_medians
 from lorascope.ingest.load import load_bundle
 from lorascope.rundir.loading.reader import Collective, RankData
 from lorascope.text.artifacts import _render_flight
@@ -42,7 +42,7 @@ def test_others_medians_are_the_median_of_the_others(n: int, steps: int, data: s
     ranks = sorted(data.draw(st.sets(st.integers(0, 50), min_size=n, max_size=n)))
     numbers = list(range(2, 2 + steps))
     work = {r: {s: data.draw(st.one_of(WORK, st.floats(0, 10))) for s in numbers} for r in ranks}
-    got = _others_medians(work, ranks, numbers)
+    got = others_medians(work, ranks, numbers)
     for r in ranks:
         for i, s in enumerate(numbers):
             want = statistics.median(work[o][s] for o in ranks if o != r)

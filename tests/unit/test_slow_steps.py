@@ -5,11 +5,12 @@ the step, what evening it out would save, the blame per collective with clock of
 from __future__ import annotations
 
 import random
+import statistics
 from pathlib import Path
 
 import pytest
 
-from lorascope.detect import job_slowdown, pace, slow_steps, straggler
+from lorascope.detect import job_slowdown, pace, shifts, slow_steps, straggler
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import Collective, RankData, RunData, recount
@@ -212,3 +213,122 @@ def test_the_report_and_json_carry_the_strip_the_saving_and_the_change_point() -
     assert report["findings"][0]["chart"] == "chart-pace"
     html = render(report)
     assert 'id="chart-pace"' in html and "evening it out would save" in html
+
+
+def test_a_rank_below_the_straggler_ratio_is_named_from_the_change_against_its_own_steps() -> None:
+    """The others' work hides their waiting for it (ZeRO-3's prefetching all-gathers
+    wait on a handle, inside their forward): rank 1's +80 ms from step 15 of 30 reads only
+    ~1.2x the others' median, under the straggler's 1.5x, but it is a change of its excess
+    over the others far above that excess's step-to-step noise."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(1, "forward"): from_step(15, 30, 0.08)}
+    extra.update({(r, "forward"): from_step(15, 30, 0.04) for r in (0, 2, 3)})
+    bundle = run_of(30, 4, extra, seed=7)
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [1] and "from step 15 on" in f.title and f.details["part"] == "forward"
+    assert f.details["ratio"] < 1.3
+    # evening rank 1 out also ends the others' 40 ms of waiting inside their forward
+    w = f.details["what_if"]
+    assert w["others_rise_s"] == pytest.approx(0.04, abs=0.01)
+    assert w["saved_per_step_s"] == pytest.approx(0.08, abs=0.015)
+
+
+def test_a_rank_slower_off_and_on_by_as_much_as_it_varies_is_neither_straggler_nor_slow_steps() -> None:
+    """A rank sharing its core with another busy process off and on: slower in most steps,
+    2x the other's median, but by 0-400 ms, as much as it measures. Of 2 ranks the other
+    one's noise alone was a quiet rank's and named it (the healthy sweep's one warning)."""
+    rng = random.Random(0)
+    bundle = run_of(40, 2, {(1, "backward"): {s: rng.uniform(0.0, 0.4) for s in range(1, 41)}}, seed=8, jitter=0.03)
+    t = pace.table(bundle.run)  # type: ignore[arg-type]
+    assert t is not None
+    n = range(len(t.steps))
+    excess = [t.work[1][i] - t.work[0][i] for i in n]
+    # what named it before: >= 1.5x, slowest in >= 75% of the steps, >= 3x the other rank's noise
+    assert statistics.median(t.work[1][i] / t.work[0][i] for i in n) >= 1.5
+    assert sum(e > 0 for e in excess) >= 0.75 * len(excess)
+    assert statistics.median(excess) >= 3 * shifts.mad(t.work[0])
+    assert statistics.median(excess) < 3 * shifts.step_noise(excess)
+    assert straggler.detect(bundle) == [] and slow_steps.detect(bundle) == []
+
+
+def test_a_steady_straggler_of_two_ranks_is_still_named() -> None:
+    bundle = run_of(40, 2, {(1, "backward"): from_step(1, 40, 0.15)}, seed=9)
+    [f] = straggler.detect(bundle)
+    assert f.ranks == [1] and f.details["own_noise_s"] < 0.02
+    # of two ranks the median rank is the other one: the whole excess is saved
+    assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.15, abs=0.02)
+
+
+def test_step_noise_ignores_a_change_of_level() -> None:
+    rng = random.Random(1)
+    series = [rng.gauss(0.0, 0.01) + (0.25 if i >= 20 else 0.0) for i in range(40)]
+    assert shifts.mad(series) > 0.1
+    assert 0.004 < shifts.step_noise(series) < 0.015
+
+
+def test_two_slow_ranks_of_one_host_that_take_turns_are_named_together() -> None:
+    """Two ranks of 4 on one host, each +200 ms in its forward from step 12 of 30: they
+    take turns setting the pace, so neither has an episode of its own."""
+    extra = {(r, "forward"): from_step(12, 30, 0.2) for r in (2, 3)}
+    bundle = run_of(30, 4, extra, seed=10)
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [2, 3] and f.title.startswith("ranks 2, 3 set the pace from step 12 on")
+    assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.2, abs=0.03)
+
+
+def test_a_rank_that_became_slow_is_slow_steps_even_when_slowest_in_most_steps() -> None:
+    """Slow from step 8 of 30: slowest in >= 75% of the steps, so the straggler's
+    persistence holds, but it was not slow before: slow-steps names it, since when, and
+    its what-if covers the steps since the change, not the 6 before."""
+    bundle = run_of(30, 4, {(1, "forward"): from_step(8, 30, 0.3)}, seed=12)
+    assert straggler.detect(bundle) == []
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [1] and "from step 8 on" in f.title
+    w = f.details["what_if"]
+    assert w["steps"] == 23 and w["baseline_steps"] == 6
+    assert w["saved_per_step_s"] == pytest.approx(0.3, abs=0.04)
+
+
+def test_a_rank_slow_all_along_and_slower_later_stays_the_straggler() -> None:
+    extra = {(1, "forward"): {s: 0.15 + (0.2 if s >= 20 else 0.0) for s in range(1, 41)}}
+    bundle = run_of(40, 4, extra, seed=16)
+    [f] = straggler.detect(bundle)
+    assert f.ranks == [1] and f.details["what_if"]["steps"] == 39
+
+
+def test_neighbours_slowed_by_a_slow_rank_are_not_a_whole_job_regression() -> None:
+    """3 ranks on 2 cores: rank 1's +250 ms of data preparation from step 20 also slows
+    the others' own work by 90 ms (their forward): every rank's work rose >= 1.3x, but
+    the median rank's by a third of the step's rise; the rest is waiting for rank 1."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(1, "data"): from_step(20, 40, 0.25)}
+    extra.update({(r, "forward"): from_step(20, 40, 0.09) for r in (0, 2)})
+    bundle = run_of(40, 3, extra, seed=13)
+    assert job_slowdown.detect(bundle) == []
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [1] and f.details["part"] == "data"
+    assert f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.25, abs=0.03)
+
+
+def test_the_others_are_replayed_at_their_own_work_when_it_fell_beside_the_slow_rank() -> None:
+    """On cores shared with the slow rank the others' own work can fall beside it (60 ms
+    here) and rise again without it: the replay puts them back at their own work."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(1, "forward"): from_step(15, 30, 0.3)}
+    extra.update({(r, "forward"): from_step(15, 30, -0.06) for r in (0, 2, 3)})
+    bundle = run_of(30, 4, extra, seed=14, jitter=0.05)
+    [f] = slow_steps.detect(bundle)
+    w = f.details["what_if"]
+    assert w["others_rise_s"] == pytest.approx(-0.06, abs=0.01)
+    # the others' 60 ms come back: 300 ms less the slowest other's noise, not 360 ms
+    assert 0.27 <= w["saved_per_step_s"] <= 0.31
+
+
+def test_two_slow_ranks_are_named_together_though_a_third_set_the_pace_before() -> None:
+    """Before step 12 rank 1 is a little slower and sets the pace in most steps, within
+    the noise: only the ranks with hot steps make the group."""
+    extra: dict[tuple[int, str], dict[int, float]] = {(r, "forward"): from_step(12, 30, 0.2) for r in (2, 3)}
+    extra[(1, "forward")] = from_step(1, 11, 0.008)
+    bundle = run_of(30, 4, extra, seed=15)
+    t = pace.table(bundle.run)  # type: ignore[arg-type]
+    assert t is not None
+    assert sum(t.setter(i) == 1 for i in range(len(t.steps))) >= 5
+    [f] = slow_steps.detect(bundle)
+    assert f.ranks == [2, 3] and "from step 12 on" in f.title
