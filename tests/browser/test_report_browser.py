@@ -425,8 +425,9 @@ def test_a_healthy_64_rank_run_paints_no_alarm(browser: Any, tmp_path: Path, art
 
 
 def test_the_memory_chart_opens_on_the_steps(browser: Any, tmp_path: Path) -> None:
-    """The healthy fixture spends 30 of its 36 s starting up: the memory chart opens on the
-    steps (its x axis from just before the first), the slider still reaching the start."""
+    """The healthy fixture spends most of its run starting up (~19 of its ~22 s): the
+    memory chart opens on the steps (its x axis from just before the first), the slider
+    still reaching the start."""
     analysis = analyze(FIXTURES / "healthy")
     page_file = tmp_path / "healthy.html"
     write_report(analysis, page_file)
@@ -435,5 +436,5 @@ def test_the_memory_chart_opens_on_the_steps(browser: Any, tmp_path: Path) -> No
     extent = loaded.page.evaluate("""() => echarts.getInstanceByDom(document.getElementById('chart-memory'))
         .getModel().getComponent('xAxis').axis.scale.getExtent()""")
     assert view is not None and abs(extent[0] - view[0]) < 1.0 and extent[1] >= view[1] - 0.5, (extent, view)
-    assert extent[0] > 20, extent
+    assert extent[0] > view[1] / 2, extent  # the start-up is left out of the view
     loaded.page.close()
