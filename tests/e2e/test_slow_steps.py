@@ -32,8 +32,9 @@ def check(data: dict, rank: int, first: int, part: str) -> None:
     assert findings and findings[0]["id"] == "slow-steps", [f["title"] for f in findings]
     top = findings[0]
     assert top["ranks"] == [rank] and top["severity"] == "warning"
-    # the first hot step: the planted one, or the next (the probe's step begins at the previous end)
-    assert first <= top["details"]["first_step"] <= first + 1 and top["details"]["to_end"]
+    # the first hot step: the planted one, or the next (the probe's step begins at the previous
+    # end); or up to two before, slow by chance on a loaded machine (docs/detectors.md)
+    assert first - 2 <= top["details"]["first_step"] <= first + 1 and top["details"]["to_end"]
     assert top["details"]["part"] == part
     assert top["details"]["what_if"]["share_of_run"] >= 0.1
     assert data["pace"]["strip"]["setter"][-1] == rank
