@@ -43,6 +43,7 @@ from lorascope.rundir.format.layout import (
     MAGIC,
     STAMP_MASK,
     file_size,
+    slot_of,
 )
 from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX
 
@@ -114,6 +115,7 @@ class CallFile:
         """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
         index = next(self._next)
         head = self.head
+        # slot_of(index, head, ring), inlined: a call's worth on every collective
         at = HEADER.size + (index if index < head else head + (index - head) % self.ring) * CALL.size
         try:
             if at + CALL.size > self._size:
@@ -175,7 +177,7 @@ class CallFile:
             return
         index = first
         while index < last:
-            slot = index if index < head else head + (index - head) % ring
+            slot = slot_of(index, head, ring)
             run = min(last - index, (head if index < head else head + ring) - slot)
             at = HEADER.size + slot * CALL.size
             if at + run * CALL.size > self._size:

@@ -23,7 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from lorascope.errors import BadInputError
-from lorascope.rundir.format.layout import CALL, CALL_FIELDS, CALLS_VERSION, HEADER, HEADER_FIELDS, MAGIC, STAMP_MASK
+from lorascope.rundir.format.layout import (
+    CALL,
+    CALL_FIELDS,
+    CALLS_VERSION,
+    HEADER,
+    HEADER_FIELDS,
+    MAGIC,
+    STAMP_MASK,
+    slot_of,
+)
 from lorascope.rundir.format.safe_open import open_regular
 
 
@@ -194,9 +203,9 @@ def read_since(path: Path, since: int, pending: list[int], most: int | None = No
         if most is not None:
             first = max(first, count - most)
         earlier = sorted(i for i in pending if i < first)
-        if not earlier and (count <= head or first >= head) and _slot(first, head, ring) < _slot(count, head, ring):
+        if not earlier and (count <= head or first >= head) and slot_of(first, head, ring) < slot_of(count, head, ring):
             # the common look: the records begun since, adjacent in the file (one pread)
-            raw = os.pread(fd, (count - first) * CALL.size, HEADER.size + _slot(first, head, ring) * CALL.size)
+            raw = os.pread(fd, (count - first) * CALL.size, HEADER.size + slot_of(first, head, ring) * CALL.size)
             got = len(raw) // CALL.size
             table = np.frombuffer(raw, CALL_DTYPE, count=got).copy()
             index = np.arange(first, first + got, dtype=np.int64)
@@ -210,10 +219,6 @@ def read_since(path: Path, since: int, pending: list[int], most: int | None = No
         os.close(fd)
     ok = table["stamp"].astype(np.int64) == (index + 1) & STAMP_MASK
     return count, CallRecords(table[ok], index[ok], head, ring, count - 1)
-
-
-def _slot(index: int, head: int, ring: int) -> int:
-    return index if index < head else head + (index - head) % ring
 
 
 def _pread_slots(fd: int, wanted: list[int], head: int, ring: int) -> np.ndarray:
