@@ -17,7 +17,10 @@ GRID = 64
 def episodes(hot: list[bool], min_hot: int, max_gap: int, min_share: float) -> list[tuple[int, int]]:
     """Index ranges ``(first, last)`` (inclusive) of runs of hot steps: hot steps at most
     ``max_gap`` cold ones apart are one run; a run is kept with at least ``min_hot`` hot
-    steps making at least ``min_share`` of it. Starts and ends on a hot step."""
+    steps making at least ``min_share`` of it. A kept run starts on a hot step followed
+    by a hot one and ends on one preceded by a hot one (while it keeps ``min_hot`` hot
+    steps): a lone step slow by chance just before (after) a stretch of slow steps, a
+    cold gap between them, is not its start (end)."""
     runs: list[tuple[int, int, int]] = []  # first, last, hot count
     for i, h in enumerate(hot):
         if not h:
@@ -27,7 +30,19 @@ def episodes(hot: list[bool], min_hot: int, max_gap: int, min_share: float) -> l
             runs[-1] = (first, i, n + 1)
         else:
             runs.append((i, i, 1))
-    return [(a, b) for a, b, n in runs if n >= min_hot and n / (b - a + 1) >= min_share]
+    kept = []
+    for a, b, n in runs:
+        if n < min_hot or n / (b - a + 1) < min_share:
+            continue
+        first, last, m = a, b, n
+        while first < last and not hot[first + 1]:
+            first = next(i for i in range(first + 1, last + 1) if hot[i])
+            m -= 1
+        while first < last and not hot[last - 1]:
+            last = next(i for i in range(last - 1, first - 1, -1) if hot[i])
+            m -= 1
+        kept.append((first, last) if m >= min_hot else (a, b))
+    return kept
 
 
 def mad(values: list[float]) -> float:

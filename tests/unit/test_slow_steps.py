@@ -139,6 +139,21 @@ def test_a_rank_slow_in_data_loading_from_halfway_is_named_with_since_when_where
     assert run_detectors(bundle)[0].id == "slow-steps"
 
 
+def test_a_step_slow_by_chance_before_the_slowness_is_not_its_start() -> None:
+    """The CI run under load that read "from step 7" for a planting from step 10: one step
+    slow by chance, two cold steps, then the slowness; the episode starts where it began."""
+    bundle = run_of(20, 3, {(1, "data"): {7: 0.3, **from_step(10, 20, 0.3)}})
+    [f] = slow_steps.detect(bundle)
+    assert f.details["first_step"] == 10 and f.details["to_end"]
+
+
+def test_an_episode_starts_and_ends_on_hot_steps_next_to_hot_ones() -> None:
+    hot = [False] * 3 + [True, False, False] + [True] * 6 + [False, True] + [False] * 3
+    assert shifts.episodes(hot, 5, 2, 0.7) == [(6, 11)]
+    # hot steps alternating with cold ones within the share keep their edges
+    assert shifts.episodes([True, True, False, True, True, False, True, True], 5, 2, 0.6) == [(0, 7)]
+
+
 def test_a_transient_episode_is_named_with_its_steps() -> None:
     bundle = run_of(40, 4, {(2, "backward"): from_step(10, 17, 0.2)}, seed=3)
     [f] = slow_steps.detect(bundle)
