@@ -24,6 +24,7 @@ from lorascope.hang.collect import (
     stream_ends,
     wait_for_dumps,
 )
+from lorascope.hang.flights import EarlyFlights
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.procstate import STOPPED, describe_state
 from lorascope.hang.targets import Target, verify
@@ -189,9 +190,10 @@ def command(
     ends = stream_ends(run_dir, waited)
     asked, notes = request_dumps(run_dir, targets, waited)
     waited = [t for t in waited if t.alive]  # a local one gone since
+    flights = EarlyFlights()
     with connect(cluster) as on:
         run, silent = wait_for_dumps(
-            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on
+            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
         )
     analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
     by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
@@ -202,7 +204,7 @@ def command(
     flight = {
         n: found
         for n, r in run.ranks.items()
-        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since))
+        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
     }
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
