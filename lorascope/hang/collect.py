@@ -212,6 +212,13 @@ def _read_as_answered(
 ) -> RunData:
     """The run, each process read as soon as it answered (the processes not asked first,
     those that did not answer at the deadline last)."""
+    with no_cycle_collection():  # each collection would walk every rank read so far
+        return _read_each(run_dir, ends, asked, deadline, each)
+
+
+def _read_each(
+    run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
+) -> RunData:
     listing = list_run(run_dir)
     read: dict[str, tuple[Job, tuple[RankData, list[str]]]] = {}  # by rank folder/process
 
@@ -252,8 +259,7 @@ def _read_as_answered(
         if done is not None:
             jobs.append(done[0])
             results.append(done[1])
-    with no_cycle_collection():
-        return listing.assemble(jobs, results)
+    return listing.assemble(jobs, results)
 
 
 def _process_of(segment: Path) -> str:
