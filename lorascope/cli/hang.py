@@ -32,7 +32,7 @@ from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.ending import ending_of
-from lorascope.rundir.loading.reader import RunData
+from lorascope.rundir.loading.reader import RunData, no_cycle_collection
 from lorascope.text import echo
 from lorascope.text.findings import quiet
 from lorascope.text.hang import Place, render_hang
@@ -129,6 +129,48 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     return f"report: {out}"
 
 
+def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, cluster: str | None) -> None:
+    """`lorascope hang RUN_DIR`: ask every rank for a dump, read each as it answers, diagnose,
+    print (and write the HTML report to ``out``)."""
+    # The processes to ask, from each stream's first record (each is read once, when it
+    # answered: on a large run a read of the whole run after the dumps took seconds).
+    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
+    waited = expected(targets, run_dir)
+    ends = stream_ends(run_dir, waited)
+    asked, notes = request_dumps(run_dir, targets, waited)
+    waited = [t for t in waited if t.alive]  # a local one gone since
+    flights = EarlyFlights()
+    with connect(cluster) as on:
+        run, silent = wait_for_dumps(
+            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
+        )
+    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
+    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
+    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
+    notes += _target_notes(mine)
+    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
+    notes += silent_notes(quiet_ranks, wait_s)
+    flight = {
+        n: found
+        for n, r in run.ranks.items()
+        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
+    }
+    stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
+    over, recorded = _gone(run, mine)
+    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
+        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
+    diagnosis["silent"] = quiet_ranks
+    if as_json:
+        if out is not None:
+            notes.append(_write_html(run, run_dir, diagnosis, out))
+        echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
+    else:
+        echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
+        if out is not None:
+            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
+
+
 @click.command("hang")
 @click.argument("run_dir", type=click.Path(path_type=Path), required=False)
 @click.option(
@@ -183,42 +225,12 @@ def command(
         )
         return 0
     assert run_dir is not None
-    # The processes to ask, from each stream's first record (the whole run is read once,
-    # after the dumps: on a large run a read takes minutes).
-    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
-    waited = expected(targets, run_dir)
-    ends = stream_ends(run_dir, waited)
-    asked, notes = request_dumps(run_dir, targets, waited)
-    waited = [t for t in waited if t.alive]  # a local one gone since
-    flights = EarlyFlights()
-    with connect(cluster) as on:
-        run, silent = wait_for_dumps(
-            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
+    with no_cycle_collection():  # the ranks' records hold no cycles: a collection would walk them all
+        _hang_run(
+            run_dir,
+            wait_s,
+            as_json,
+            None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html"),
+            cluster,
         )
-    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
-    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
-    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
-    notes += _target_notes(mine)
-    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
-    notes += silent_notes(quiet_ranks, wait_s)
-    flight = {
-        n: found
-        for n, r in run.ranks.items()
-        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
-    }
-    stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
-    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
-    over, recorded = _gone(run, mine)
-    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
-        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
-    diagnosis["silent"] = quiet_ranks
-    out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
-    if as_json:
-        if out is not None:
-            notes.append(_write_html(run, run_dir, diagnosis, out))
-        echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
-    else:
-        echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
-        if out is not None:
-            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
     return 0
