@@ -192,7 +192,8 @@ def wait_for_dumps(
     wait itself, and a rank read in the first instant, before its dump was flushed, was
     then reported silent. Each process is read once it answered (its dump, then its
     flight-recorder dump), while the others are still waited for (``each`` is called with
-    it); on ``cluster``, the run is read once, by its workers, after the wait."""
+    it); on ``cluster``, the run is read once, by its workers, after the wait (``each`` is
+    not called)."""
     deadline = time.time() + wait_s
     if cluster is not None:
         _until_answered(dict(ends), asked, deadline)
