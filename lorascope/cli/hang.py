@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 
-from lorascope.analysis import of_run, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose, flight_since
@@ -76,6 +75,8 @@ def _as_over(run: RunData, run_dir: Path, diagnosis: dict[str, Any], recorded: b
             "; the others wait for it or failed after it", "; the others failed after it"
         )
         return {**diagnosis, "kind": "over", "verdict": f"{over}: {verdict}"}
+    from lorascope.analysis import of_run  # only for a job over: the live verdict needs no detector
+
     analysis = of_run(run, run_dir)
     findings = analysis.findings
     if findings:
@@ -114,6 +115,8 @@ def _places(run: RunData) -> dict[int, Place]:
 def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path) -> str:
     """The hang's HTML report, best effort: the verdict is out already, and the light
     install (no jinja2) or an unwritable place must not take it back."""
+    from lorascope.analysis import of_run
+
     try:
         from lorascope.report.write import write_report
     except ImportError as exc:
@@ -127,6 +130,13 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     except LorascopeError as exc:
         return f"no HTML report: {exc}"
     return f"report: {out}"
+
+
+def _as_json(data: dict[str, Any]) -> str:
+    """``--json``'s text (the analysis package imported only then: the verdict needs none of it)."""
+    from lorascope.analysis import strict_json
+
+    return strict_json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
 def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, cluster: str | None) -> None:
@@ -164,7 +174,7 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     if as_json:
         if out is not None:
             notes.append(_write_html(run, run_dir, diagnosis, out))
-        echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
+        echo(_as_json({**diagnosis, "notes": notes}))
     else:
         echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
         if out is not None:
@@ -218,11 +228,7 @@ def command(
         raise UsageError("give a run directory or --pid, not both")
     if pids:
         diagnosis = diagnose_pids(list(pids))
-        echo(
-            strict_json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True)
-            if as_json
-            else render_hang(diagnosis, [])
-        )
+        echo(_as_json({**diagnosis, "notes": []}) if as_json else render_hang(diagnosis, []))
         return 0
     assert run_dir is not None
     with no_cycle_collection():  # the ranks' records hold no cycles: a collection would walk them all
