@@ -150,7 +150,7 @@ class Grown:
     prefix: Path
     ends: dict[Path, int]
     #: Each segment's size when its growth was last read (unchanged: not read again), and
-    #: what was found in it (:func:`_answers`).
+    #: what was found in what it gained (:func:`_answers`).
     looked: dict[Path, int] = field(default_factory=dict, compare=False)
     found: set[str] = field(default_factory=set, compare=False)
 
@@ -297,12 +297,13 @@ def _answers(files: Grown, asked: Asked, process: Process) -> set[str]:
     for a flight-recorder dump's record."""
     found = files.found
     for path in files.segments():
-        size = _size(path)
-        if files.looked.get(path) == size:  # nothing new since it was last read
-            continue
-        files.looked[path] = size
         try:
+            # opened, not only stat'ed: on NFS an open revalidates the size a stat may cache
             with open_regular(path, inside=path.parent) as f:
+                size = os.fstat(f.fileno()).st_size
+                if files.looked.get(path) == size:  # nothing new since it was last read
+                    continue
+                files.looked[path] = size
                 f.seek(files.ends.get(path, 0))
                 tail = f.read(MAX_TAIL_BYTES)
         except (OSError, BadInputError):
