@@ -507,6 +507,11 @@ class StepKeeper:
         self._nan = {"mem": False, "logits": False}
         self._next = PRUNE_RECORDS
 
+    def note_steps(self, numbers: list[int]) -> None:
+        """Step numbers known before their records are (a steps file read first)."""
+        for step in numbers:
+            self._number(step)
+
     def seen(self, data: Any, kind: str, recs: list[dict[str, Any]]) -> None:
         """Records of a step-keyed kind just added to ``data``'s lists."""
         if kind == "mem":
