@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -440,7 +441,7 @@ class _Stream:
         if kind == "shape":
             self._declare(path, number, rec)
         elif kind == "label":
-            if self.labels.setdefault(rec["id"], rec["text"]) != rec["text"]:
+            if self.labels.setdefault(rec["id"], sys.intern(rec["text"])) != rec["text"]:
                 raise BadInputError(f"{path}:{number}: label {rec['id']} is declared again with another text")
         elif kind == "loss":
             self.losses.append(rec)

@@ -52,12 +52,14 @@ def as_records(
             f"(the stream lost its end?): read as {UNKNOWN_LABEL!r}"
         )
     name = labels.get
+    shared: dict[int, int] = {}  # one object per step number (the reader's summary holds and pickles them)
     ended = table[kinds == STEP_END]
     steps = [
         {"step": step, "dur": dur, "loss": None if math.isnan(loss) else loss, "src": name(label, UNKNOWN_LABEL),
          "k": "step", "t": t}
         for t, dur, loss, step, label in zip(
-            ended["t"].tolist(), ended["dur"].tolist(), ended["loss"].tolist(), ended["step"].tolist(),
+            ended["t"].tolist(), ended["dur"].tolist(), ended["loss"].tolist(),
+            [shared.setdefault(n, n) for n in ended["step"].tolist()],
             ended["label"].tolist(), strict=True,
         )
     ]  # fmt: skip
@@ -66,7 +68,11 @@ def as_records(
     phases = [
         {"name": name(label, UNKNOWN_LABEL), "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
         for t, step, label, kind in zip(
-            edges["t"].tolist(), edges["step"].tolist(), edges["label"].tolist(), edges["kind"].tolist(), strict=True
+            edges["t"].tolist(),
+            [shared.setdefault(n, n) for n in edges["step"].tolist()],
+            edges["label"].tolist(),
+            edges["kind"].tolist(),
+            strict=True,
         )
     ]
     return steps, phases
