@@ -177,10 +177,8 @@ class PaceTable:
         """The rank of the most work at step index ``i`` (the first such in ``ranks``);
         every step's found once (each rank's episodes ask of every step)."""
         if self._setters is None:
-            among = range(len(self.ranks))
-            self._setters = [
-                self.ranks[max(among, key=values.__getitem__)] for values in zip(*(self.work[r] for r in self.ranks))
-            ]
+            among, columns = range(len(self.ranks)), [self.work[r] for r in self.ranks]
+            self._setters = [self.ranks[max(among, key=values.__getitem__)] for values in zip(*columns, strict=False)]
         return self._setters[i]
 
 
