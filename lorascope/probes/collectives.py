@@ -577,7 +577,8 @@ class CollectiveProbe:
             t = time.time()
             # in the call file before the call starts: the rank may block in it, or die
             size = -1 if nbytes is None else nbytes
-            index = self.calls.begin(t, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
+            # CallFile.begin without its call layer: its end 0.0, not yet
+            index = self.calls.put(t, 0.0, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
             call = _Call(index, t, seq, gid, nbytes, key)
             self._in_flight[(gid, seq)] = call
             # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)
