@@ -257,3 +257,14 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
     [(_, lines, _, more)] = list(tail.look())
     assert lines == b"" and more is not None and more["step"].tolist() == [1, 2]
     assert more["kind"].tolist() == [BEGIN, STEP_END]
+
+
+def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
+    """What a process's steps were before they left its stream still counts against
+    ``--max-stream-size``: a steps file that takes it past is refused in one line."""
+    run = _run(tmp_path, True)
+    [path] = (run / "ranks" / "rank-0").glob("*.steps")
+    with open(path, "ab") as f:
+        f.truncate(600 << 20)  # sparse
+    with pytest.raises(BadInputError, match=r"rank 0: its stream \(.* and its steps file\) is over the 512 MiB limit"):
+        load_run(run)

@@ -643,11 +643,13 @@ def _load_process(
             f"(bounded stream); the first and the newest segments are kept"
         )
     total = 0
-    for _, path in segs:
+    for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:  # its steps were stream records once
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
-        raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
+        raise LimitError(
+            f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s) and its steps file)", "stream_bytes"
+        )
     stream = _Stream(rank, warnings, budget)
     stream.read(segs)
     return stream.finish(segs[0][1], budget, windows)
@@ -948,11 +950,11 @@ def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) ->
 
 
 def _stream_bytes(jobs: list[_Job]) -> int:
-    """The bytes the jobs read: their streams, and of their call files what is written
-    (a call file is made sparse, at its full size)."""
+    """The bytes the jobs read: their streams and steps files, and of their call files what
+    is written (a call file is made sparse, at its full size)."""
     total = 0
     for _, segs, _, _ in jobs:
-        for _, path in segs:
+        for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:
             with contextlib.suppress(OSError):
                 total += path.stat().st_size
         calls = _beside(segs[0][1])
