@@ -162,7 +162,7 @@ class _CallColumns:
     def __init__(self) -> None:
         self.parts: list[np.ndarray] = []
         self.shapes: dict[tuple[Any, ...], int] = {}
-        self.errors: list[tuple[int, float, str]] = []
+        self.errors: list[tuple[int, int, int, float, str]] = []  # index, gid, seq, t, err
         self.n = 0
 
     def shape(self, rec: dict[str, Any]) -> int:
@@ -341,7 +341,8 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             np.array([calls.shape(r)]),
         )
         if end is not None and end.get("err") is not None:
-            calls.errors.append((calls.n - 1, end["t"] + shift, end["err"]))
+            seq = r["seq"] + seqs_on * per_step.get(r["gid"], 0)
+            calls.errors.append((calls.n - 1, r["gid"], seq, end["t"] + shift, end["err"]))
 
     with open(path, "w") as f:
 
@@ -433,8 +434,8 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
         t0 = recs[0]["t"]
         for key, n in calls.shapes.items():
             emit({"k": "shape", "t": t0, "id": n, **dict(zip(_SHAPE_KEYS, key, strict=True))})
-        for index, t, err in calls.errors:
-            emit({"k": "coll_err", "t": t, "index": index, "err": err})
+        for index, gid, seq, t, err in calls.errors:
+            emit({"k": "coll_err", "t": t, "index": index, "gid": gid, "seq": seq, "err": err})
         for rec in calls.step_sums():
             emit({**rec, "t": t0})
     written += step_columns.write(prefix.with_name(prefix.name + STEPS_SUFFIX), t0)

@@ -327,7 +327,8 @@ class Calls:
         if end is not None:
             self.file.end(index, end)
         if err is not None:
-            self.stream.write({"k": "coll_err", "t": end if end is not None else t, "index": index, "err": err})
+            at = end if end is not None else t
+            self.stream.write({"k": "coll_err", "t": at, "index": index, "gid": gid, "seq": seq, "err": err})
         return index
 
     def close(self) -> None:

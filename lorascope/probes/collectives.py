@@ -633,7 +633,9 @@ class CollectiveProbe:
             return
         call, events, _ = started
         if err is not None and call.index >= 0:  # before the end: a reader that sees it ended sees why
-            self.session.stream.write({"k": "coll_err", "index": call.index, "err": err})
+            self.session.stream.write(
+                {"k": "coll_err", "index": call.index, "gid": call.gid, "seq": call.seq, "err": err}
+            )
             self.session.keep_steps.add(self.session.step)
         self.calls.end(call.index, time.time())
         self._in_flight.pop((call.gid, call.seq), None)

@@ -97,8 +97,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     #: A step's calls the call file's ring overwrites, summed per group and op:
     #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
     "calls_step": {"step": _INT, "groups": (list,)},
-    #: The call at ``index`` of the call file failed: what it raised.
-    "coll_err": {"index": _INT, "err": _STR},
+    #: The call at ``index`` of the call file (of group ``gid``, number ``seq``: how its
+    #: copy in the kept-calls file is found once the ring overwrote it) failed: what it raised.
+    "coll_err": {"index": _INT, "gid": _INT, "seq": _INT, "err": _STR},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_unseen": {"path": _STR, "why": _STR},
     "fatal_handler": {"file": _STR},

@@ -247,7 +247,7 @@ StepSums = dict[int, list[list[Any]]]
 def with_kept(calls: CallRecords, kept: CallRecords) -> CallRecords:
     """The call file's calls and, after them, those of the kept-calls file it does not hold
     (by group and sequence number), with indexes -1, -2, ... (theirs in the call file are
-    not known: no ``coll_err`` names them)."""
+    not known; a failed one's ``coll_err`` names it by group and number too)."""
     if not len(kept):
         return calls
     held = calls.records["gid"].astype(np.int64) << 40 | calls.records["seq"].astype(np.int64)

@@ -394,8 +394,9 @@ class _Stream:
         self.data: RankData | None = None
         #: The call shapes declared (``shape`` records), by id.
         self.shapes: dict[int, Shape] = {}
-        #: The stream's ``coll_err`` records: call index -> its error.
+        #: The stream's ``coll_err`` records: call index -> its error; (gid, seq) -> index.
         self.errors: dict[int, str] = {}
+        self.failed: dict[tuple[int, int], int] = {}
         #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
         self.device: list[tuple[int, int, float]] = []
         #: The latest ``calls_file`` record's file, in the stream's folder, and its kept-calls
@@ -451,6 +452,7 @@ class _Stream:
                 self.warnings.append(f"{path}:{number}: a steps file {str(rec['file'])[:80]!r} not beside it: not read")
         elif kind == "coll_err":
             self.errors[rec["index"]] = rec["err"]
+            self.failed[(rec["gid"], rec["seq"])] = rec["index"]
         elif kind == "coll_dev":
             self.device.append((rec["gid"], rec["seq"], float(rec["ms"])))
         elif kind == "calls_step":
@@ -557,7 +559,26 @@ class _Stream:
         kept = self.kept_file or _beside(first, KEPT_CALLS_SUFFIX)
         if not kept.exists() or leaves(first.parent, kept):
             return calls
-        return with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
+        merged = with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
+        self._errors_of_kept(merged)
+        return merged
+
+    def _errors_of_kept(self, calls: CallRecords) -> None:
+        """A failed call the ring overwrote is found in the kept-calls file by its group
+        and number: its error goes to the index its copy is read at."""
+        if not self.failed:
+            return
+        copies = calls.index < 0
+        rows = zip(
+            calls.index[copies].tolist(),
+            calls.records["gid"][copies].tolist(),
+            calls.records["seq"][copies].tolist(),
+            strict=True,
+        )
+        for index, gid, seq in rows:
+            at = self.failed.get((gid, seq))
+            if at is not None:
+                self.errors[index] = self.errors[at]
 
     def reduced(self, first: Path, windows: dict[str, list[tuple[int, int]]] | None) -> ReducedCalls:
         """The call file read and reduced, the device times and errors put on its calls kept."""
