@@ -85,6 +85,7 @@ class CallSteps:
             if step != self._step:
                 self._flush()
                 self._step = step
+                self._forget_before(step)
             if step in self._keep:
                 kept = self._kept = self._kept or self._kept_file()
                 copy = kept.begin(t, rec[2], nbytes, step, gid, shape)
@@ -103,10 +104,17 @@ class CallSteps:
                 sums[4] += 1
             self.folded = index + 1
 
+    def _forget_before(self, step: int) -> None:
+        """Drop the steps before ``step`` from ``keep``: their calls are folded or lie in
+        the head, never overwritten (a kept step with no call past the head, an eval
+        without collectives, would stay in it for the life of the job)."""
+        done = [s for s in self._keep if s < step]
+        for s in done:
+            self._keep.discard(s)
+
     def _flush(self) -> None:
         if self._step is None or not self._sums:
             return
-        self._keep.discard(self._step)
         groups = [
             [gid, op, int(n), int(nbytes), round(ms, 3), round(longest, 3), int(open_)]
             for (gid, op), (n, nbytes, ms, longest, open_) in sorted(self._sums.items())

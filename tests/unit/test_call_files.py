@@ -232,9 +232,9 @@ def test_a_gap_in_one_ranks_ring_is_no_divergence(tmp_path: Path) -> None:
     assert set(run("barrier", "differ")) > set(whole)
 
 
-@pytest.mark.parametrize("table", ["HEADER_FIELDS", "CALL_FIELDS"])
+@pytest.mark.parametrize("table", ["HEADER_FIELDS", "CALL_FIELDS", "STEP_FIELDS"])
 def test_the_docs_tables_are_the_layout_tables(table: str) -> None:
-    """docs/run-format.md spells the call file's layout as layout.py does, row for row."""
+    """docs/run-format.md spells the call file's and the steps file's layout as layout.py does, row for row."""
     from lorascope.rundir.format import layout
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "run-format.md").read_text()
@@ -255,7 +255,9 @@ def test_steps_past_the_ring_are_counted_from_their_sums_and_kept_calls_join_the
     bad = [0, "all_reduce", "16", 64, 1600.0, 100.0, 0]  # a count that is not an int: left out
     sums = {"k": "calls_step", "step": 4, "groups": [[0, "all_reduce", 16, 64, 1600.0, 100.0, 0], bad]}
     named = {"k": "calls_file", "file": "h-100.kept-calls", "how": "mmap", "head": 0, "ring": 64}  # the later one
-    spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums, named])
+    # call 7 (seq 8) failed: its record in the call file is overwritten, its copy kept
+    failed = {"k": "coll_err", "t": T0 + 8.1, "index": 7, "gid": 0, "seq": 8, "err": "RuntimeError('gloo')"}
+    spec = RankSpec(calls=[Call("all_reduce")] * 20, call_slots=(4, 8), extra=[sums, named, failed])
     run_dir = write_run(tmp_path / "run", [spec, RankSpec(calls=[Call("all_reduce")] * 20)])
     kept = CallFile(kept_calls_path(stream_prefix(run_dir, 0, "h", 100)), head=0, ring=64)
     for seq in (7, 8):
@@ -271,6 +273,7 @@ def test_steps_past_the_ring_are_counted_from_their_sums_and_kept_calls_join_the
         "rank 0: calls 4..11 not kept (the ring holds the newest 8); steps 4..4 are counted from their per-step sums ('calls_step')"
         in run.warnings
     )
-    held = {c.seq for c in rank.collectives}
-    assert {7, 8} <= held and not held & {5, 6, 9, 10, 11, 12}
+    held = {c.seq: c for c in rank.collectives}
+    assert {7, 8} <= set(held) and not set(held) & {5, 6, 9, 10, 11, 12}
+    assert held[8].err == "RuntimeError('gloo')" and held[7].err is None
     assert not {c.seq for c in run.ranks[1].collectives} & {5, 6, 9, 10, 11, 12}  # compared by no one

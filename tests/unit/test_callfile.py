@@ -156,13 +156,14 @@ def test_calls_the_ring_overwrites_are_summed_per_step_first(tmp_path: Path) -> 
     when folded is counted as such. Read back, the sums are exactly the calls' own."""
     from lorascope.probes.callsteps import CallSteps
 
-    calls = CallFile(tmp_path / "r.calls", head=8, ring=64)
+    calls = CallFile(tmp_path / "r.calls", head=10, ring=64)
     written: list[dict[str, Any]] = []
     kept = CallFile(tmp_path / "r.kept-calls", head=0, ring=64)
-    steps = CallSteps(calls, ["all_reduce", "all_gather"].__getitem__, written.append, {5}, lambda: kept)
+    keep = {0, 5, 7}  # 0: its calls in the head; 7: a step without a call (an eval)
+    steps = CallSteps(calls, ["all_reduce", "all_gather"].__getitem__, written.append, keep, lambda: kept)
     made: list[tuple[int, int, int, int, float | None]] = []  # step, gid, shape, bytes, ms
     for step in range(12):
-        for i in range(10):
+        for i in range(0 if step == 7 else 10):
             shape, nbytes = i % 2, 100 * (i + 1)
             index = calls.begin(1000.0 + step + i / 100, i, nbytes, step, 3, shape)
             ms = None if (step, i) == (5, 9) else 2.0 + i
@@ -171,12 +172,13 @@ def test_calls_the_ring_overwrites_are_summed_per_step_first(tmp_path: Path) -> 
             made.append((step, 3, shape, nbytes, ms))
             if steps.due():
                 steps.look(step)
-    assert calls.count == 120 and steps.folded > 64  # past the ring: the first laps were folded in time
+    assert calls.count == 110 and steps.folded > 64  # past the ring: the first laps were folded in time
+    assert keep == set()  # the steps folded past are forgotten: what is kept stays bounded
     by_step = {rec["step"]: rec["groups"] for rec in written}
-    assert sorted(by_step) == list(range(min(by_step), max(by_step) + 1))
+    assert sorted(by_step) == [s for s in range(min(by_step), max(by_step) + 1) if s != 7]
     for step, groups in by_step.items():
         for gid, op, n, nbytes, ms, longest, open_ in groups:
-            mine = [m for m in made[8:] if m[0] == step and m[2] == ["all_reduce", "all_gather"].index(op)]
+            mine = [m for m in made[10:] if m[0] == step and m[2] == ["all_reduce", "all_gather"].index(op)]
             assert (gid, n, nbytes) == (3, len(mine), sum(m[3] for m in mine))
             ended = [m[4] for m in mine if m[4] is not None]
             assert ms == pytest.approx(sum(ended), abs=1e-2) and longest == pytest.approx(max(ended), abs=1e-3)

@@ -52,7 +52,7 @@ LAUNCH = {
     "exit_status": None,
 }
 
-COLL_ERR = {"k": "coll_err", "t": 2.5, "index": 7, "err": "RuntimeError('x')"}
+COLL_ERR = {"k": "coll_err", "t": 2.5, "index": 7, "gid": 0, "seq": 8, "err": "RuntimeError('x')"}
 CALLS_FILE = {"k": "calls_file", "t": 1.0, "file": "h-1.calls", "how": "mmap", "head": 16, "ring": 64}
 
 

@@ -19,10 +19,11 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
-from lorascope.rundir.format.callfile import CallFile
+from lorascope.rundir.format.callfile import CallFile, step_file
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CallRecords, read_calls
+from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
 from tests.helpers import FIXTURES
@@ -44,7 +45,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data, _ in tail.look():
+    for stream, data, _, _ in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -86,7 +87,7 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     tail = Tail(tmp_path)
 
     def looked() -> list[int]:
-        return [i for _, _, got in tail.look() if got is not None for i in got.index.tolist()]
+        return [i for _, _, got, _ in tail.look() if got is not None for i in got.index.tolist()]
 
     assert looked() == [0, 1, 2]
     assert looked() == [1]  # nothing new: the pending call read again, nothing else
@@ -94,7 +95,7 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     calls.end(1, 12.9)
     for seq in range(4, 30):
         calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
-    got = [g for _, _, g in tail.look() if g is not None][0]
+    got = [g for _, _, g, _ in tail.look() if g is not None][0]
     assert got.index.tolist() == [1, *range(21, 29)]  # 3..20 went round the ring before this look
     assert got.records["end"][0] == 12.9
     assert tail.bytes_read - read == 9 * CALL.size
@@ -106,7 +107,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data, _), *_ = list(tail.look())
+    (stream, data, _, _), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -115,8 +116,9 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
-    """A recorded run's streams and call files taken in as a tail would see them: each
-    stream cut at random places, and with each piece the calls begun up to its last record."""
+    """A recorded run's streams, call files and steps files taken in as a tail would see
+    them: each stream cut at random places, and with each piece the calls begun and the
+    steps-file records written up to its last record."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -127,7 +129,9 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             stream = tail_module.Followed(int(folder.name.split("-")[1]), process, 0, path)
             calls = read_calls(folder / (process + ".calls"), "rank", [])
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
-            rest, given = b"", 0
+            steps = read_steps(folder / (process + ".steps"), "rank", []).records
+            written = np.maximum.accumulate(steps["t"]) if len(steps) else np.zeros(0)
+            rest, given, given_steps = b"", 0, 0
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
@@ -136,7 +140,9 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
                 piece = CallRecords(calls.records[given:upto], calls.index[given:upto], calls.head, calls.ring)
                 given = max(given, upto)
-                live.take([(stream, lines, piece)])
+                upto = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
+                live.take([(stream, lines, piece, steps[given_steps:upto] if upto > given_steps else None)])
+                given_steps = max(given_steps, upto)
     return live
 
 
@@ -163,11 +169,7 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
     """fixtures/hung-ranks: rank 1 sleeps in its data loading at step 3; rank 0 waits in the
     next collective. Cut the streams 6 s after rank 1's last step, as a watch would see them."""
     source = FIXTURES / "hung-ranks"
-    last_step = max(
-        json.loads(line)["t"]
-        for line in next((source / "ranks" / "rank-1").glob("*.jsonl")).read_bytes().splitlines()
-        if b'"k":"step"' in line
-    )
+    last_step = max(read_steps(next((source / "ranks" / "rank-1").glob("*.steps")), "rank", []).records["t"].tolist())
     now = last_step + 6.0
     for folder in (source / "ranks").iterdir():
         for path in folder.glob("*.jsonl"):
@@ -191,6 +193,11 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
                     if end <= now:
                         cut.end(index, end)
             cut.close()
+            written = step_file(target.parent / (process + ".steps"))
+            for rec in read_steps(folder / (process + ".steps"), "rank", []).records.tolist():
+                if rec[0] <= now:
+                    written.put(*rec[:-1])
+            written.close()
     live = _feed(tmp_path, 5)
     checks = {c.id: c for c in live.checks(now)}
     assert checks["not-stepping"].ranks == [1] and "in no collective" in checks["not-stepping"].text

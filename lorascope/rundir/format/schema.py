@@ -1,6 +1,7 @@
 """Format v3 of the run directory: names, record kinds and their required fields.
 
-Every per-rank process writes a JSON Lines stream and a binary call file. Every stream
+Every per-rank process writes a JSON Lines stream, a binary call file and a binary steps
+file. Every stream
 record is an object with ``k`` (its kind) and ``t`` (wall-clock seconds since the epoch).
 The fields each kind must carry are listed in :data:`RECORD_FIELDS`; extra fields are
 allowed (readers ignore what they do not know), unknown kinds are skipped with a warning.
@@ -9,7 +10,9 @@ A change that breaks this bumps FORMAT_VERSION.
 v3 (over v2): collective calls are no longer stream records but fixed-width records of
 the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
 naming its ``shape`` record (op, dtype, async, site, via) by id; a call's error is
-a ``coll_err`` record. A reader of v3 refuses v2 and v1 run directories.
+a ``coll_err`` record. Steps and phase edges are fixed-width records of the steps file
+(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id. A
+reader of v3 refuses v2 and v1 run directories.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CALLS_SUFFIX = ".calls"
 #: Its calls of the steps kept whole past the call file's ring (an eval or a save, a
 #: failed call, a stall, a slow step), in the same layout: ``HOST-PID.kept-calls``.
 KEPT_CALLS_SUFFIX = ".kept-calls"
+#: Its steps' ends and phase edges, fixed-width records (layout.py): ``HOST-PID.steps``.
+STEPS_SUFFIX = ".steps"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
@@ -87,11 +92,14 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     #: The call file this process writes its calls to, and how (``mmap``, or ``pwrite
     #: (why)`` where a shared mapping could not be had); its head and ring sizes.
     "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
+    "steps_file": {"file": _STR, "how": _STR},
+    "label": {"id": _INT, "text": _STR},
     #: A step's calls the call file's ring overwrites, summed per group and op:
     #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
     "calls_step": {"step": _INT, "groups": (list,)},
-    #: The call at ``index`` of the call file failed: what it raised.
-    "coll_err": {"index": _INT, "err": _STR},
+    #: The call at ``index`` of the call file (of group ``gid``, number ``seq``: how its
+    #: copy in the kept-calls file is found once the ring overwrote it) failed: what it raised.
+    "coll_err": {"index": _INT, "gid": _INT, "seq": _INT, "err": _STR},
     "site": {"site": _STR, "line": _OPT_STR, "conditions": (list,)},
     "coll_unseen": {"path": _STR, "why": _STR},
     "fatal_handler": {"file": _STR},

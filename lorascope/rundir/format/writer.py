@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.format import safe_open
@@ -39,6 +39,8 @@ from lorascope.rundir.format.schema import (
     RANKS_DIR,
     STREAM_SUFFIX,
 )
+
+K = TypeVar("K")
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 #: With the segments' 64 MiB, a stream holds at most 25 x 64 MiB (1.6 GiB): ~1.7 million
@@ -80,6 +82,37 @@ class Line:
 
     def encode(self) -> str:
         return self.template % self.values
+
+
+class Declared(Generic[K]):
+    """The ids a stream gives values that records name (call shapes, labels): each declared
+    once, by a record line written (on disk) before the first record that names it, and
+    again at the head of every later segment (:meth:`Stream.declare`). Thread-safe; look
+    in ``ids`` first (no lock), then :meth:`declare`."""
+
+    __slots__ = ("ids", "_lock", "_stream", "_most")
+
+    def __init__(self, stream: Stream, most: int) -> None:
+        self.ids: dict[K, int] = {}
+        self._lock = threading.Lock()
+        self._stream = stream
+        self._most = most
+
+    def declare(self, key: K, line: Callable[[int], str], known: Callable[[int], None] | None = None) -> int:
+        """The id of ``key``, its record (``line(id)``) written now if it is new, ``known(id)``
+        called before any other thread can see the id; -1 past ``most`` ids."""
+        with self._lock:
+            n = self.ids.get(key)
+            if n is not None:  # another thread declared it first
+                return n
+            n = len(self.ids)
+            if n >= self._most:
+                return -1
+            self._stream.declare(line(n))
+            if known is not None:
+                known(n)
+            self.ids[key] = n
+            return n
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -134,11 +167,9 @@ class Stream:
         #: included, to queue what has happened since (the collective probe ends the async
         #: calls it sees completed); it must not raise.
         self.before_flush: Callable[[], None] | None = None
-        #: Called (on the flushing thread, under the stream's lock) when a new segment
-        #: begins: lines written after its ``segment`` record, before the records that
-        #: follow (the collective probe's ``shape`` declarations, which the segments
-        #: before may take with them when they are rotated away); it must not raise.
-        self.segment_head: Callable[[], str] | None = None
+        #: Declarations (``declare``): written again at the head of every later segment,
+        #: after its ``segment`` record (the segments before may be rotated away with them).
+        self._declared: list[str] = []
         safe_open.make_dirs(prefix.parents[2], prefix.parent)  # RUN_DIR/ranks/rank-N: no symlink followed
         self._fd = self._open(0)
         os.register_at_fork(after_in_child=self._forked)
@@ -146,6 +177,12 @@ class Stream:
     @property
     def alive(self) -> bool:
         return self._fd is not None
+
+    @property
+    def prefix(self) -> Path:
+        """Where its segments go (``HOST-PID``, without the segment and suffix): the
+        process's other files go beside it."""
+        return self._prefix
 
     @property
     def writer_thread(self) -> threading.Thread | None:
@@ -189,6 +226,14 @@ class Stream:
             return
         self.append(Line("%s", (line,)))
         self.flush()
+
+    def declare(self, line: str) -> None:
+        """Write a declaration (a call ``shape``, a ``label``: a preformatted record line
+        that later records name by id) now, as :meth:`write_line`, and again at the head of
+        every later segment."""
+        with self._lock:
+            self._declared.append(line)
+        self.write_line(line)
 
     def flush(self) -> None:
         """Format and write what is queued, in order, with one ``os.write`` per segment
@@ -247,8 +292,7 @@ class Stream:
         self._index += 1
         self._fd = self._open(self._index)
         head = _encode({"k": "segment", "t": time.time(), "index": self._index})
-        if self.segment_head is not None:
-            head += self.segment_head()
+        head += "".join(self._declared)
         data = head.encode()
         _write_all(self._fd, data)
         self._size = len(data)

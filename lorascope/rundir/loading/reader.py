@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -34,6 +35,7 @@ from lorascope.rundir.format.schema import (
     KEPT_CALLS_SUFFIX,
     MANIFEST_FILE,
     RANKS_DIR,
+    STEPS_SUFFIX,
     STREAM_SUFFIX,
     WARM_UP_STEPS,
     SchemaError,
@@ -57,6 +59,7 @@ from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
     GroupTally,
+    Rule,
     StepKeeper,
     backward_spans,
     decimate,
@@ -65,6 +68,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
+from lorascope.rundir.loading.steps import as_records, backward_edges, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -395,8 +399,9 @@ class _Stream:
         self.data: RankData | None = None
         #: The call shapes declared (``shape`` records), by id.
         self.shapes: dict[int, Shape] = {}
-        #: The stream's ``coll_err`` records: call index -> its error.
+        #: The stream's ``coll_err`` records: call index -> its error; (gid, seq) -> index.
         self.errors: dict[int, str] = {}
+        self.failed: dict[tuple[int, int], int] = {}
         #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
         self.device: list[tuple[int, int, float]] = []
         #: The latest ``calls_file`` record's file, in the stream's folder, and its kept-calls
@@ -405,6 +410,12 @@ class _Stream:
         self.kept_file: Path | None = None
         #: The ``calls_step`` records: step -> its groups' sums of the calls the ring overwrote.
         self.sums: StepSums = {}
+        #: The ``label`` records (what the steps file's records name), by id; the steps
+        #: file's records (read before the stream: its step numbers bound what is kept);
+        #: the ``loss`` records, put on their steps once every step is there.
+        self.labels: dict[int, str] = {}
+        self.step_table: CallRecords | None = None
+        self.losses: list[dict[str, Any]] = []
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
@@ -436,8 +447,17 @@ class _Stream:
         data.last_time = max(data.last_time, float(rec["t"]))
         if kind == "shape":
             self._declare(path, number, rec)
+        elif kind == "label":
+            if self.labels.setdefault(rec["id"], sys.intern(rec["text"])) != rec["text"]:
+                raise BadInputError(f"{path}:{number}: label {rec['id']} is declared again with another text")
+        elif kind == "loss":
+            self.losses.append(rec)
+        elif kind == "steps_file":
+            if rec["file"] != _beside(path, STEPS_SUFFIX).name:
+                self.warnings.append(f"{path}:{number}: a steps file {str(rec['file'])[:80]!r} not beside it: not read")
         elif kind == "coll_err":
             self.errors[rec["index"]] = rec["err"]
+            self.failed[(rec["gid"], rec["seq"])] = rec["index"]
         elif kind == "coll_dev":
             self.device.append((rec["gid"], rec["seq"], float(rec["ms"])))
         elif kind == "calls_step":
@@ -481,12 +501,45 @@ class _Stream:
             raise BadInputError(f"{path}:{number}: shape {rec['id']} is declared again with other fields")
 
     def read(self, segs: list[tuple[int, Path]]) -> None:
-        """Every record of the segments, in order."""
+        """The steps file's records (its step numbers to the keeper: what is sure to be
+        dropped is known from the start), then every record of the segments, in order."""
+        self.read_steps(segs[0][1])
+        if self.step_table is not None:
+            self.keeper.note_steps(step_numbers(self.step_table.records))
         for _, path in segs:
             for number, rec in _iter_records(path, self.warnings):
                 self.record(path, number, rec)
             if self.data is not None:
                 self.data.files.append(str(path))
+
+    def read_steps(self, first: Path) -> None:
+        """The process's steps file beside its stream, if there is one."""
+        path = _beside(first, STEPS_SUFFIX)
+        if not path.exists():
+            return
+        if leaves(first.parent, path):
+            self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            return
+        self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
+
+    def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The steps file's step and phase records (none without one; ``drop``: no phase
+        record decimation is sure to drop), its times in ``last_time``, every backward
+        edge to the keeper's spans."""
+        steps: list[dict[str, Any]] = []
+        phases: list[dict[str, Any]] = []
+        table = self.step_table
+        if table is not None and len(table):
+            records = table.records
+            steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
+            self.keeper.spans.add(backward_edges(records, self.labels))
+            data.last_time = max(data.last_time, float(records["t"].max()))
+        return steps, phases
+
+    def put_losses(self, data: RankData) -> None:
+        """The ``loss`` records (a CUDA loss, read once the device got there) onto their steps."""
+        for rec in self.losses:
+            _apply(data, "loss", rec)
 
     def calls(self, first: Path) -> CallRecords:
         """The process's call records (none if it has no call file), warned as read, with
@@ -511,7 +564,26 @@ class _Stream:
         kept = self.kept_file or _beside(first, KEPT_CALLS_SUFFIX)
         if not kept.exists() or leaves(first.parent, kept):
             return calls
-        return with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
+        merged = with_kept(calls, read_calls(kept, f"rank {self.rank} (kept calls)", self.warnings))
+        self._errors_of_kept(merged)
+        return merged
+
+    def _errors_of_kept(self, calls: CallRecords) -> None:
+        """A failed call the ring overwrote is found in the kept-calls file by its group
+        and number: its error goes to the index its copy is read at."""
+        if not self.failed:
+            return
+        copies = calls.index < 0
+        rows = zip(
+            calls.index[copies].tolist(),
+            calls.records["gid"][copies].tolist(),
+            calls.records["seq"][copies].tolist(),
+            strict=True,
+        )
+        for index, gid, seq in rows:
+            at = self.failed.get((gid, seq))
+            if at is not None:
+                self.errors[index] = self.errors[at]
 
     def reduced(self, first: Path, windows: dict[str, list[tuple[int, int]]] | None) -> ReducedCalls:
         """The call file read and reduced, the device times and errors put on its calls kept."""
@@ -561,6 +633,11 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
+        steps, phases = self.take_steps(data, self.keeper.bounds(data))
+        data.steps.extend(steps)
+        self.put_losses(data)
+        data.phases.extend(phases)
+        self.keeper.held(data)
         calls = self.reduced(first, windows)
         data.collectives = calls.collectives
         data.last_time = max(data.last_time, calls.last_time)
@@ -592,11 +669,13 @@ def _load_process(
             f"(bounded stream); the first and the newest segments are kept"
         )
     total = 0
-    for _, path in segs:
+    for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:  # its steps were stream records once
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
-        raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
+        raise LimitError(
+            f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s) and its steps file)", "stream_bytes"
+        )
     stream = _Stream(rank, warnings, budget)
     stream.read(segs)
     return stream.finish(segs[0][1], budget, windows)
@@ -749,6 +828,7 @@ def _read_span(
     lo = -math.inf if span[0] is None else span[0]
     hi = math.inf if span[1] is None else span[1]
     out = SpanRecords()
+    stream.read_steps(paths[0])
     for path in paths:
         for number, rec in _iter_records(path, warnings):
             kind = rec.get("k") if isinstance(rec, dict) else None
@@ -764,6 +844,17 @@ def _read_span(
     data = stream.data
     if data is None:
         raise BadInputError(f"{paths[0]}: empty rank stream")
+    for listed, recs in zip(("steps", "phases"), stream.take_steps(data), strict=True):
+        held = getattr(data, listed)
+        for rec in recs:
+            t = rec["t"]
+            if not (t - rec["dur"] if listed == "steps" else t) <= hi or not t >= lo:
+                continue
+            if len(held) >= most:
+                out.left_out += 1
+                continue
+            held.append(rec)
+    stream.put_losses(data)
     out.collectives, left_out = calls_between(
         stream.calls(paths[0]),
         stream.shapes,
@@ -885,11 +976,11 @@ def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) ->
 
 
 def _stream_bytes(jobs: list[Job]) -> int:
-    """The bytes the jobs read: their streams, and of their call files what is written
-    (a call file is made sparse, at its full size)."""
+    """The bytes the jobs read: their streams and steps files, and of their call files what
+    is written (a call file is made sparse, at its full size)."""
     total = 0
     for _, segs, _, _ in jobs:
-        for _, path in segs:
+        for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:
             with contextlib.suppress(OSError):
                 total += path.stat().st_size
         calls = _beside(segs[0][1])

@@ -19,7 +19,8 @@ A process's call file (beside its stream) is followed by index: a look reads its
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run.
+long the run. Its steps file is followed the same way: the records written since the
+last look (the newest :data:`START_STEPS` at the first).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorascope.rundir.format.layout import CALL
+import numpy as np
+
+from lorascope.rundir.format.layout import CALL, STEP
 from lorascope.rundir.format.safe_open import leaves
-from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import CallRecords, read_since
+from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
+from lorascope.rundir.loading.calls import STEPS, CallRecords, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -48,6 +51,8 @@ MAX_READ_BYTES = 4 << 20
 #: at each look, at most (the oldest: the one a hang sits in).
 START_CALLS = 4096
 MAX_PENDING_CALLS = 256
+#: Steps-file records read at its first look (the newest).
+START_STEPS = 1024
 
 
 @dataclass
@@ -57,6 +62,14 @@ class FollowedCalls:
     path: Path
     count: int = -1
     pending: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FollowedSteps:
+    """A rank process's steps file: the count read up to."""
+
+    path: Path
+    count: int = 0
 
 
 @dataclass
@@ -76,11 +89,14 @@ class Followed:
     size: int = field(default=-1, repr=False)
     #: Its call file, beside the stream (read once it is there).
     calls: FollowedCalls | None = None
+    #: Its steps file, beside the stream (read once it is there).
+    steps: FollowedSteps | None = None
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline; may be empty) and its call file's new and re-read records (None: none).
-Looked = tuple[Followed, bytes, CallRecords | None]
+#: newline; may be empty), its call file's new and re-read records (None: none) and its
+#: steps file's new records (layout.STEP_FIELDS; None: none).
+Looked = tuple[Followed, bytes, CallRecords | None, np.ndarray | None]
 
 
 def _rank_of(name: str) -> int | None:
@@ -141,11 +157,12 @@ class Tail:
                     continue
                 if known is None:
                     calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
-                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls)
+                    steps = FollowedSteps(Path(entry.path) / (proc + STEPS_SUFFIX))
+                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls, steps=steps)
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines, None))
+                    finished.append((known, lines, None, None))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -218,10 +235,23 @@ class Tail:
         followed.pending = calls.index[calls.records["end"] == 0.0].tolist()[:MAX_PENDING_CALLS]
         return calls if len(calls) else None
 
+    def _read_steps(self, stream: Followed) -> np.ndarray | None:
+        """The steps file's records written since the last look."""
+        followed = stream.steps
+        if followed is None:
+            return None
+        first = followed.count == 0
+        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, STEPS)
+        if got is None or got[0] == followed.count:
+            return None
+        followed.count, steps = got
+        self.bytes_read += len(steps) * STEP.size
+        return steps.records if len(steps) else None
+
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
         stream, as one ``bytes`` of lines without the last newline, and the records its
-        call file gained, one process at a time (those with neither are left out): a
+        call file and steps file gained, one process at a time (those with neither are left out): a
         caller that takes each in before the next holds one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
@@ -230,5 +260,6 @@ class Tail:
         for stream in list(self.streams.values()):
             lines = self._read(stream)
             calls = self._read_calls(stream)
-            if lines or calls is not None:
-                yield stream, lines, calls
+            steps = self._read_steps(stream)
+            if lines or calls is not None or steps is not None:
+                yield stream, lines, calls, steps
