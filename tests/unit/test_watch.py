@@ -22,7 +22,7 @@ from lorascope.cli import cli, main
 from lorascope.rundir.format.callfile import CallFile
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.loading import tail as tail_module
-from lorascope.rundir.loading.calls import CallRecords, read_calls
+from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
 from tests.helpers import FIXTURES
@@ -44,7 +44,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data, _ in tail.look():
+    for stream, data in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -86,7 +86,8 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     tail = Tail(tmp_path)
 
     def looked() -> list[int]:
-        return [i for _, _, got in tail.look() if got is not None for i in got.index.tolist()]
+        list(tail.look())
+        return [i for got in tail.look_calls() for i in got.index.tolist()]
 
     assert looked() == [0, 1, 2]
     assert looked() == [1]  # nothing new: the pending call read again, nothing else
@@ -94,7 +95,8 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     calls.end(1, 12.9)
     for seq in range(4, 30):
         calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
-    got = [g for _, _, g in tail.look() if g is not None][0]
+    list(tail.look())
+    (got,) = tail.look_calls()
     assert got.index.tolist() == [1, *range(21, 29)]  # 3..20 went round the ring before this look
     assert got.records["end"][0] == 12.9
     assert tail.bytes_read - read == 9 * CALL.size
@@ -106,7 +108,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data, _), *_ = list(tail.look())
+    (stream, data), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -116,7 +118,8 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
     """A recorded run's streams and call files taken in as a tail would see them: each
-    stream cut at random places, and with each piece the calls begun up to its last record."""
+    stream cut at random places, and with each piece the calls begun up to its last record
+    (and, as a tail reads them again, those pending at the last piece)."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -127,16 +130,20 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             stream = tail_module.Followed(int(folder.name.split("-")[1]), process, 0, path)
             calls = read_calls(folder / (process + ".calls"), "rank", [])
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
-            rest, given = b"", 0
+            rest, given, pending = b"", 0, np.zeros(0, dtype=np.int64)
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
                 lines, rest = (chunk[:cut], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
                 last = json.loads(lines.rsplit(b"\n", 1)[-1])["t"] if lines else -1.0
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
-                piece = CallRecords(calls.records[given:upto], calls.index[given:upto], calls.head, calls.ring)
+                if lines:
+                    live.take([(stream, lines)])
+                at = np.concatenate((pending, np.arange(given, max(given, upto))))
+                owner = np.zeros(len(at), dtype=np.int64)
+                live.take_calls(tail_module.CallBatch([stream], calls.records[at], calls.index[at], owner))
+                pending = at[calls.records["end"][at] == 0.0]
                 given = max(given, upto)
-                live.take([(stream, lines, piece)])
     return live
 
 
@@ -200,6 +207,47 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
     assert rows[1]["pending"] is None and rows[1]["state"] == "stalled 6s (watchdog)"  # its watchdog fired at 5 s
     assert checks["stall-watchdog"].ranks == [0, 1]
     assert not live.ended()
+
+
+def test_calls_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """One batch of several processes' calls (each its own async shapes, steps that go back
+    when a pending call is read again, ends not yet written) leaves each process as a
+    call-by-call fold of its own calls would: its seconds in synchronous calls per step,
+    the calls pending (those not ended), the latest time."""
+    rng = np.random.default_rng(5)
+    live = LiveRun()
+    streams, parts, want = [], [], []
+    for n in range(5):
+        stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+        is_async = {shape: bool(rng.integers(2)) for shape in range(4)}
+        live.take([(stream, b"\n".join(b'{"k":"shape","t":1.0,"id":%d,"op":"op%d","async":%s}'
+                                        % (s, s, b"true" if a else b"false") for s, a in is_async.items()))])  # fmt: skip
+        calls = np.zeros(int(rng.integers(0, 40)), CALL_DTYPE)
+        calls["t"] = 100 + rng.random(len(calls)) * 10
+        calls["end"] = np.where(rng.random(len(calls)) < 0.2, 0.0, calls["t"] + rng.random(len(calls)))
+        calls["step"] = np.sort(rng.integers(0, 6, len(calls)))[rng.permutation(len(calls))] if n % 2 else 3
+        calls["seq"], calls["gid"] = np.arange(len(calls)), n % 2
+        calls["shape"] = rng.integers(0, 5, len(calls))  # 4: a shape never declared
+        waited: dict[int, float] = {}
+        for t, end, step, shape in calls[["t", "end", "step", "shape"]].tolist():
+            if end != 0.0 and not is_async.get(shape, False):
+                waited[step] = waited.get(step, 0.0) + (end - t)
+        pending = {(n % 2, seq): (t, f"op{shape}" if shape < 4 else "?")
+                   for t, end, seq, shape in calls[["t", "end", "seq", "shape"]].tolist() if end == 0.0}  # fmt: skip
+        latest = max([0.0, *calls["t"].tolist(), *calls["end"].tolist()])
+        streams.append(stream)
+        parts.append(calls)
+        want.append((waited, pending, latest))
+    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    records = np.concatenate(parts)
+    live.take_calls(tail_module.CallBatch(streams, records, np.arange(len(records)), owner))
+    for stream, (waited, pending, latest) in zip(streams, want, strict=True):
+        rank = live.processes[(stream.rank, stream.process)]
+        assert rank.waited.keys() == waited.keys()
+        assert all(rank.waited[k] == pytest.approx(v) for k, v in waited.items())
+        assert rank.pending == pending and rank.last_t == latest
+    live.take_calls(tail_module.CallBatch(streams[:1], records[:0], np.zeros(0, np.int64), owner[:0]))
+    assert not live.processes[(0, "h-0")].pending  # read again and not there: gone round the ring
 
 
 def _synthetic(ranks: int, now: float) -> LiveRun:

@@ -43,7 +43,7 @@ from lorascope.rundir.format.layout import (
     MAGIC,
     STAMP_MASK,
     file_size,
-    slot_of,
+    slot_runs,
 )
 from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX
 
@@ -175,17 +175,13 @@ class CallFile:
         buf, head, ring = self._map, self.head, self.ring
         if buf is None:
             return
-        index = first
-        while index < last:
-            slot = slot_of(index, head, ring)
-            run = min(last - index, (head if index < head else head + ring) - slot)
+        for index, slot, run in slot_runs(first, last, head, ring):
             at = HEADER.size + slot * CALL.size
             if at + run * CALL.size > self._size:
                 return
             for offset, rec in enumerate(CALL.iter_unpack(buf[at : at + run * CALL.size])):
                 if rec[-1] == (index + offset + 1) & STAMP_MASK:
                     yield index + offset, rec
-            index += run
 
     def _fail(self, exc: BaseException) -> None:
         fd = self._fd

@@ -19,7 +19,11 @@ A process's call file (beside its stream) is followed by index: a look reads its
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run.
+long the run. The calls are read after the streams (whose ``shape`` lines name what a
+call was), and decoded many processes at a time (:class:`CallBatch`: one set of numpy
+columns a batch of about :data:`BATCH_CALLS` records), not one process at a time: a look
+brings each of 1,024 ranks a step's calls or so, and per-process array operations would
+cost more than the reading.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.format.safe_open import leaves
 from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import CallRecords, read_since
+from lorascope.rundir.loading.calls import Run, decode, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -48,6 +54,8 @@ MAX_READ_BYTES = 4 << 20
 #: at each look, at most (the oldest: the one a hang sits in).
 START_CALLS = 4096
 MAX_PENDING_CALLS = 256
+#: Records decoded in one batch (3 MiB), of as many processes as they come from.
+BATCH_CALLS = 1 << 16
 
 
 @dataclass
@@ -79,8 +87,22 @@ class Followed:
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline; may be empty) and its call file's new and re-read records (None: none).
-Looked = tuple[Followed, bytes, CallRecords | None]
+#: newline).
+Looked = tuple[Followed, bytes]
+
+
+@dataclass
+class CallBatch:
+    """The call records a look read of some processes, as one set of columns: ``records``
+    (CALL_DTYPE) and ``index``, each process's together and in index order (its pending
+    calls read again, then the new ones), ``owner`` the position of its process in
+    ``processes``. Every process read is there, also one none of whose records were kept
+    (those a ring went round over): the calls it had pending are not any more."""
+
+    processes: list[Followed]
+    records: np.ndarray
+    index: np.ndarray
+    owner: np.ndarray
 
 
 def _rank_of(name: str) -> int | None:
@@ -145,7 +167,7 @@ class Tail:
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines, None))
+                    finished.append((known, lines))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -201,8 +223,9 @@ class Tail:
             return b""
         return head[: head.rfind(b"\n") + 1]
 
-    def _read_calls(self, stream: Followed) -> CallRecords | None:
-        """The call file's records begun since the last look and its pending calls again."""
+    def _read_calls(self, stream: Followed) -> list[Run] | None:
+        """The call file's records begun since the last look and its pending calls again,
+        as read (None: nothing new, and none pending)."""
         followed = stream.calls
         if followed is None:
             return None
@@ -210,25 +233,61 @@ class Tail:
         got = read_since(followed.path, max(followed.count, 0), followed.pending, START_CALLS if first else None)
         if got is None:
             return None
-        count, calls = got
+        count, runs = got
         if count == followed.count and not followed.pending:
             return None
         followed.count = count
-        self.bytes_read += len(calls) * CALL.size
-        followed.pending = calls.index[calls.records["end"] == 0.0].tolist()[:MAX_PENDING_CALLS]
-        return calls if len(calls) else None
+        self.bytes_read += sum(len(raw) for _, raw in runs)
+        return runs
+
+    @staticmethod
+    def _batch(processes: list[Followed], runs: list[Run], owners: list[int]) -> CallBatch:
+        """The runs read of ``processes`` decoded at once; each process's pending calls
+        (for the next look) are those here that have not ended."""
+        records, index, run = decode(runs)
+        owner = np.asarray(owners, dtype=np.int64)[run]
+        pending: list[list[int]] = [[] for _ in processes]
+        for at in np.flatnonzero(records["end"] == 0.0).tolist():
+            of = pending[owner[at]]
+            if len(of) < MAX_PENDING_CALLS:
+                of.append(int(index[at]))
+        for process, calls in zip(processes, pending, strict=True):
+            if process.calls is not None:
+                process.calls.pending = calls
+        return CallBatch(processes, records, index, owner)
 
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream, as one ``bytes`` of lines without the last newline, and the records its
-        call file gained, one process at a time (those with neither are left out): a
-        caller that takes each in before the next holds one process's at most."""
+        stream, as one ``bytes`` of lines without the last newline, one process at a time
+        (those with none are left out): a caller that takes each in before the next holds
+        one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             yield from self._scan()
         for stream in list(self.streams.values()):
             lines = self._read(stream)
-            calls = self._read_calls(stream)
-            if lines or calls is not None:
-                yield stream, lines, calls
+            if lines:
+                yield stream, lines
+
+    def look_calls(self) -> Iterator[CallBatch]:
+        """Every call file's records begun since the last look, and its calls pending at
+        the last look read again, in batches of about :data:`BATCH_CALLS` records (the
+        processes with neither are left out). Called after :meth:`look`."""
+        processes: list[Followed] = []
+        runs: list[Run] = []
+        owners: list[int] = []
+        size = 0
+        for stream in list(self.streams.values()):
+            got = self._read_calls(stream)
+            if got is None:
+                continue
+            owners.extend([len(processes)] * len(got))
+            processes.append(stream)
+            runs.extend(got)
+            size += sum(len(raw) for _, raw in got)
+            if size >= BATCH_CALLS * CALL.size:
+                yield self._batch(processes, runs, owners)
+                processes, runs, owners, size = [], [], [], 0
+        if processes:
+            yield self._batch(processes, runs, owners)
