@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorascope.rundir.loading.steps import read_steps, step_numbers
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "probes" / "train_lora.py"
 TRAINER_JOB = REPO / "probes" / "train_trainer.py"
@@ -136,7 +138,7 @@ def _stop_after_first_step(
     """Send ``stop``'s signal to ``proc`` its seconds after a step record first shows in
     the run directory (or not at all if the job ends first)."""
     while time.monotonic() < deadline and proc.poll() is None:
-        if any('"k":"step"' in p.read_text(errors="replace") for p in out.glob("ranks/rank-0/*.jsonl")):
+        if any(step_numbers(read_steps(p, "rank 0", []).records) for p in out.glob("ranks/rank-0/*.steps")):
             break
         time.sleep(0.5)
     time.sleep(stop[1])

@@ -5,7 +5,8 @@ Runs the CPU test job (``probes/train_lora.py``, 2 ranks) under ``lorascope run`
 ``--steps`` steps with a small call-file ring (``LORASCOPE_CALL_SLOTS``, default
 ``1024,4096``: the ring comes round within the run, as it does after ~5,000 steps with
 the default slots), then prints for each rank, over the steps past ``--from-step``:
-the stream's bytes a step by record kind, the call file's size, and the projections for a
+the stream's bytes a step by record kind, the steps file's (its steps and phase edges),
+the call file's size, the bytes per rank-step in all, and the projections for a
 1,000,000-step run (per rank) and a 1,024-rank x 10,000-step run (in all), with the
 default slots (layout.DEFAULT_HEAD, DEFAULT_RING).
 
@@ -27,7 +28,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, DEFAULT_HEAD, DEFAULT_RING, file_size  # noqa: E402
+from lorascope.rundir.format.layout import (  # noqa: E402
+    CALL,
+    COUNT_OFFSET,
+    DEFAULT_HEAD,
+    DEFAULT_RING,
+    STEP,
+    file_size,
+)
+from lorascope.rundir.loading.steps import read_steps  # noqa: E402
 
 
 def free_port() -> int:
@@ -61,10 +70,18 @@ def main() -> None:
                         sizes[rec["k"]] += len(line)
             for path in rank_dir.glob("*.calls"):
                 calls = int.from_bytes(path.read_bytes()[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
-            per_step = sum(sizes.values()) / steps
-            print(f"{rank_dir.name}: {per_step:.0f} B a step of stream records past step {args.from_step}, by kind:")
+            stream_step = sum(sizes.values()) / steps
+            in_file = 0
+            for path in rank_dir.glob("*.steps"):
+                numbers = read_steps(path, rank_dir.name, []).records["step"]
+                in_file += int(((numbers >= args.from_step) & (numbers < args.steps - 5)).sum())
+            file_step = in_file * STEP.size / steps
+            per_step = stream_step + file_step
+            print(f"{rank_dir.name}: {stream_step:.0f} B a step of stream records past step {args.from_step}, by kind:")
             for kind, size in sizes.most_common():
                 print(f"  {kind:<12} {size / steps:7.0f} B")
+            print(f"  steps file   {file_step:7.0f} B ({in_file / steps:.1f} steps and phase edges a step)")
+            print(f"  in all past the ring: {per_step:.0f} B a rank-step")
             calls_per_step = calls / args.steps
             ring_bytes = file_size(DEFAULT_HEAD, DEFAULT_RING)
             ring_steps = (DEFAULT_HEAD + DEFAULT_RING) / calls_per_step

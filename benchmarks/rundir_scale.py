@@ -33,8 +33,8 @@ its workers' CPU is not counted, they are not this machine's); ``--local-cluster
 one here with N single-threaded worker processes and counts their CPU (what the Dask
 path costs against the local pool on the same cores).
 
-Each run directory is written in format v3 (the calls in each rank's call file, the rest
-in its stream) and deleted after it is measured (unless --keep); check `df` first.
+Each run directory is written in format v3 (the calls in each rank's call file, its steps
+and phase edges in its steps file, the rest in its stream) and deleted after it is measured (unless --keep); check `df` first.
 """
 
 from __future__ import annotations
@@ -61,9 +61,25 @@ import psutil
 from lorascope.probes.callsteps import LAG
 from lorascope.probes.logits import MAX_CALLS
 from lorascope.probes.memory import HEAP_DENSE_STEPS, HEAP_EVERY, STRIDED_PHASES
-from lorascope.rundir.format.layout import CALL, CALLS_VERSION, DEFAULT_HEAD, DEFAULT_RING, HEADER, MAGIC, STAMP_MASK
-from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION
-from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
+from lorascope.rundir.format.layout import (
+    CALL,
+    CALLS_VERSION,
+    DEFAULT_HEAD,
+    DEFAULT_RING,
+    HEADER,
+    MAGIC,
+    STAMP_MASK,
+    STEP,
+    STEP_END,
+    STEP_KINDS,
+    STEPS_HEAD,
+    STEPS_MAGIC,
+    STEPS_RING,
+    STEPS_VERSION,
+)
+from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION, STEPS_SUFFIX
+from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.loading.steps import as_records, read_steps
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO / "fixtures" / "rank-conditional-hang"
@@ -89,7 +105,11 @@ def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dic
     calls = read_calls(calls_path, f"rank {rank}", [])
     shapes = {r["id"]: r for r in recs if r["k"] == "shape"}
     errors = {r["index"]: r["err"] for r in recs if r["k"] == "coll_err"}
-    stream = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err")]
+    labels = {r["id"]: r["text"] for r in recs if r["k"] == "label"}
+    [steps_file] = path.parent.glob("*" + STEPS_SUFFIX)
+    steps, phases = as_records(read_steps(steps_file, f"rank {rank}", []).records, labels, f"rank {rank}", [])
+    kept = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err", "steps_file")]
+    stream = list(heapq.merge(kept, sorted([*steps, *phases], key=lambda r: r["t"]), key=lambda r: r["t"]))
     made, ends = [], {}
     rows = calls.records
     for i, index in enumerate(calls.index.tolist()):
@@ -105,6 +125,35 @@ def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dic
             ends[(call["gid"], call["seq"])] = {"t": float(rows["end"][i]), "err": errors.get(index)}
     merged = list(heapq.merge(stream, made, key=lambda r: r["t"]))  # each one's own order kept
     return merged, ends
+
+
+class _StepColumns:
+    """A rank's steps and phase edges as the steps file's columns, appended a step at a time."""
+
+    def __init__(self, labels: dict[str, int]) -> None:
+        self.labels = labels
+        self.parts: list[np.ndarray] = []
+
+    def add(self, recs: list[dict[str, Any]], t: np.ndarray, steps_on: int, dur: float | None = None) -> None:
+        """``recs`` (step and phase records) at times ``t``, their steps ``steps_on`` later;
+        ``dur``: every step's duration (None: its own)."""
+        rows = np.zeros(len(recs), STEP_DTYPE)
+        rows["t"] = t
+        rows["dur"] = [(r["dur"] if dur is None else dur) if r["k"] == "step" else 0.0 for r in recs]
+        rows["loss"] = [np.nan if r.get("loss") is None else r["loss"] for r in recs]
+        rows["step"] = [r["step"] + steps_on for r in recs]
+        rows["label"] = [self.labels[r["src"] if r["k"] == "step" else r["name"]] for r in recs]
+        rows["kind"] = [STEP_END if r["k"] == "step" else STEP_KINDS.index(r["edge"]) for r in recs]
+        self.parts.append(rows)
+
+    def write(self, path: Path, created: float) -> int:
+        """The steps file as the probes leave it; its bytes."""
+        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, STEP_DTYPE)
+        rows["stamp"] = (np.arange(len(rows)) + 1) & STAMP_MASK
+        with open(path, "wb") as f:
+            f.write(HEADER.pack(STEPS_MAGIC, STEPS_VERSION, STEP.size, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
+            f.write(rows.tobytes())
+        return HEADER.size + len(rows) * STEP.size
 
 
 class _CallColumns:
@@ -263,7 +312,11 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     c_step = np.array([r["step"] for r in block_calls], dtype=np.int64)
     c_gid = np.array([r["gid"] for r in block_calls], dtype=np.int64)
     c_shape = np.array([calls.shape(r) for r in block_calls], dtype=np.int64)
-    stream = [r for r in block if r["k"] != "coll"]
+    labels = {r["text"]: r["id"] for r in recs if r["k"] == "label"}
+    step_columns = _StepColumns(labels)
+    block_steps = [r for r in block if r["k"] in ("step", "phase")]
+    s_offsets = np.array([offset(r["t"] - t1, False) for r in block_steps])
+    stream = [r for r in block if r["k"] not in ("coll", "step", "phase")]
     offsets = [offset(r["t"] - t1, False) for r in stream]
     templates = [_template(r) for r in stream]
     steady = list(zip(stream, templates, offsets, strict=True))
@@ -304,6 +357,9 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             if r["k"] == "coll":
                 call(r, 0.0, 0, 0)
                 continue
+            if r["k"] in ("step", "phase"):
+                step_columns.add([r], np.array([r["t"]]), 0)
+                continue
             r = dict(r)
             if r["k"] == "start":
                 r.update(rank=rank, world_size=world, local_rank=rank % 8, pid=pid)
@@ -318,6 +374,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                         "ring": DEFAULT_RING,
                     }
                 )
+                emit({"k": "steps_file", "t": r["t"], "file": prefix.name + STEPS_SUFFIX, "how": "mmap"})
                 continue
             if r["k"] == "group":
                 r["ranks"] = list(range(world))
@@ -343,9 +400,10 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                         heap=r.get("heap", 0) + extra,
                     )
                 )
-            text = "".join(chunk).replace('"dur":' + repr(recs[second]["dur"]), '"dur":' + repr(period))
+            text = "".join(chunk)
             written += len(text)
             f.write(text)
+            step_columns.add(block_steps, base + s_offsets, j, period)
             calls.add(
                 base + c_start,
                 np.where(c_end < 0, 0.0, base + c_end),
@@ -362,6 +420,9 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             if r["k"] == "coll":
                 call(r, shift, steps - 2, steps - 2)
                 continue
+            if r["k"] in ("step", "phase"):
+                step_columns.add([r], np.array([r["t"] + shift]), steps - 2)
+                continue
             r = dict(r)
             r["t"] += shift
             if isinstance(r.get("step"), int):
@@ -376,6 +437,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             emit({"k": "coll_err", "t": t, "index": index, "err": err})
         for rec in calls.step_sums():
             emit({**rec, "t": t0})
+    written += step_columns.write(prefix.with_name(prefix.name + STEPS_SUFFIX), t0)
     return written + calls.write(prefix.with_name(prefix.name + CALLS_SUFFIX), t0)
 
 
@@ -496,7 +558,9 @@ def main() -> int:
             write_run(out, ranks, args.steps)
         wrote = time.perf_counter() - start
         size = sum(p.stat().st_size for p in (out / "ranks").rglob("*.jsonl")) + sum(
-            min(p.stat().st_size, p.stat().st_blocks * 512) for p in (out / "ranks").rglob("*.calls")
+            min(p.stat().st_size, p.stat().st_blocks * 512)
+            for suffix in (CALLS_SUFFIX, STEPS_SUFFIX)
+            for p in (out / "ranks").rglob("*" + suffix)
         )
         lorascope = [sys.executable, "-m", "lorascope", *(["--workers", str(args.workers)] if args.workers else [])]
         a_wall, a_here, a_dask, a_peak, text = measure(

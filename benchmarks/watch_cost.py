@@ -2,8 +2,9 @@
 one core, and its peak memory, on a synthetic run directory that grows while it runs.
 
 A writer process writes for every rank what a rank of the probes/ job writes in a step
-(the stream lines between two step records of a real recorded run, fixtures/diff/r8's
-rank 0, and that step's calls into the rank's call file, with their times made now),
+(the stream lines between two steps' ends of a real recorded run, fixtures/diff/r8's
+rank 0, that step's calls into the rank's call file and its phase edges and end into the
+rank's steps file, with their times made now),
 every ``--step-s`` seconds on every rank; one rank stops stepping after a third of the
 time (a stall, so the checks have something to say). `lorascope watch` runs under a
 pseudo-terminal of 80x24, refreshing every second, for ``--seconds`` after a warm-up;
@@ -33,39 +34,46 @@ from typing import Any
 
 import psutil
 
-from lorascope.rundir.format.callfile import CallFile, calls_path
-from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, HEADER
+from lorascope.rundir.format.callfile import CallFile, calls_path, step_file, steps_path
+from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
+from lorascope.rundir.loading.steps import read_steps
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "fixtures" / "diff" / "r8" / "ranks" / "rank-0"
 _T = re.compile(rb'"t":[0-9.]+')
 
 
-def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]]]:
-    """The template stream's head (up to its first step record), one step's lines (those
-    after its second step record up to its third) and that step's calls (its call file's
-    records of the step, in order)."""
+def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The template stream's head (up to its first step's end), one step's lines (those
+    after its second step's end up to its third), that step's calls (its call file's
+    records of the step, in order) and its steps-file records (its phase edges and end)."""
     lines = next(TEMPLATE.glob("*.0000.jsonl")).read_bytes().splitlines(keepends=True)
-    steps = [i for i, line in enumerate(lines) if b'"k":"step"' in line]
-    step_no = json.loads(lines[steps[1]])["step"]
+    table = read_steps(next(TEMPLATE.glob("*.steps")), "template", []).records
+    ends = table[table["kind"] == STEP_END]
+    (t1, t2, t3), step_no = ends["t"][:3].tolist(), int(ends["step"][1])
+    times = [json.loads(line)["t"] for line in lines]
+    head = [line for line, t in zip(lines, times, strict=True) if t <= t1]
+    block = [line for line, t in zip(lines, times, strict=True) if t2 < t <= t3]
+    steps = [tuple(r) for r in table[(table["t"] > t2) & (table["t"] <= t3)].tolist()]
     data = next(TEMPLATE.glob("*.calls")).read_bytes()
     count = int.from_bytes(data[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
     records = [CALL.unpack_from(data, HEADER.size + i * CALL.size) for i in range(count)]
-    return lines[: steps[0] + 1], lines[steps[1] + 1 : steps[2] + 1], [r for r in records if r[4] == step_no]
+    return head, block, [r for r in records if r[4] == step_no], steps
 
 
 def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: int) -> None:
     """The growing run: every rank's head, then a step every ``step_s`` seconds: the step's
-    stream lines appended, its calls written into the rank's call file as the probes do."""
+    stream lines appended, its calls and steps-file records written as the probes do."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, ranks + 256)), hard))
-    head, step, calls = _template()
-    paths, files = [], []
+    head, step, calls, step_records = _template()
+    paths, files, step_files = [], [], []
     for r in range(ranks):
         folder = run_dir / "ranks" / f"rank-{r}"
         folder.mkdir(parents=True)
         path = folder / f"node{r // 8}-{10000 + r}.0000.jsonl"
         files.append(CallFile(calls_path(path.with_name(path.name.split(".")[0]))))
+        step_files.append(step_file(steps_path(path.with_name(path.name.split(".")[0]))))
         start = b"".join(head).replace(b'"rank":0,"world_size":2', f'"rank":{r},"world_size":{ranks}'.encode())
         path.write_bytes(_T.sub(f'"t":{time.time():.6f}'.encode(), start))
         paths.append(path)
@@ -74,7 +82,6 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
         n += 1
         now = time.time()
         block = _T.sub(f'"t":{now:.6f}'.encode(), b"".join(step))
-        block = re.sub(rb'"step":([0-9]+),"dur"', f'"step":{n},"dur"'.encode(), block)
         for r, path in enumerate(paths):
             if r == stalled and now - began > seconds / 3:
                 continue
@@ -82,6 +89,10 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
             for k, (t0, end, _, nbytes, _, gid, shape, _) in enumerate(calls):
                 index = file.begin(now + (t0 - calls[0][0]), seq + k + 1, nbytes, n - 1, gid, shape)
                 file.end(index, now + (end - calls[0][0]))
+            for t, dur, loss, _, label, kind, _ in step_records:  # its phase edges and its end
+                step_files[r].put(
+                    now + (t - step_records[0][0]), dur, loss, n if kind == STEP_END else n - 1, label, kind
+                )
             with open(path, "ab") as f:
                 f.write(block)
         seq += len(calls)
@@ -148,8 +159,8 @@ def main() -> None:
         streams = sum(p.stat().st_size for p in (run_dir / "ranks").rglob("*") if p.is_file())
     used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     share = used / (t1 - t0) * 100
-    _, lines, calls = _template()
-    per_step = len(b"".join(lines)) + len(calls) * CALL.size
+    _, lines, calls, steps = _template()
+    per_step = len(b"".join(lines)) + len(calls) * CALL.size + len(steps) * STEP.size
     print(f"ranks {args.ranks}, a step every {args.step_s} s a rank ({per_step:,} bytes), window {t1 - t0:.0f} s")
     print(
         f"run directory at the end: {streams / 2**20:.0f} MiB ({per_step * args.ranks / args.step_s / 2**20:.1f} MiB/s)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -25,7 +26,8 @@ from typing import Any, TypeVar
 import pytest
 
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.rundir.format.callfile import CallFile, calls_path
+from lorascope.rundir.format.callfile import CallFile, calls_path, step_file, steps_path
+from lorascope.rundir.format.layout import BEGIN, END, STEP_END
 from lorascope.rundir.format.writer import Stream, fatal_path, record_launch, stream_prefix
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import load_run
@@ -73,7 +75,7 @@ def step_probe(session: Any, mem: Any, trace_dir: Path, kernels: Any = None) -> 
 
 def stream_records(folder: Path) -> list[dict[str, Any]]:
     """Every record of the stream segments in ``folder``, in order."""
-    return [json.loads(line) for path in sorted(folder.iterdir()) for line in path.read_text().splitlines()]
+    return [json.loads(line) for path in sorted(folder.glob("*.jsonl")) for line in path.read_text().splitlines()]
 
 
 # --- allocator snapshots as the probes write them into a run directory ---------------------
@@ -332,6 +334,44 @@ class Calls:
         self.file.close()
 
 
+class Steps:
+    """A rank process's steps and phase edges written as the probes write them: each into
+    its steps file (beside the stream at ``prefix``), its phase name or step source a
+    ``label`` record of ``stream`` the first time it is seen. The ``steps_file`` record is
+    written when this is made."""
+
+    def __init__(self, stream: Stream, prefix: Path, t: float) -> None:
+        self.stream = stream
+        self.file = step_file(steps_path(prefix))
+        self.labels: dict[str, int] = {}
+        stream.write({"k": "steps_file", "t": t, "file": self.file.path.name, "how": self.file.how})
+
+    def label(self, t: float, text: str) -> int:
+        n = self.labels.get(text)
+        if n is None:
+            n = self.labels[text] = len(self.labels)
+            self.stream.write({"k": "label", "t": t, "id": n, "text": text})
+        return n
+
+    def phase(self, t: float, name: str, edge: str, step: int) -> None:
+        self.file.put(t, 0.0, math.nan, step, self.label(t, name), BEGIN if edge == "begin" else END)
+
+    def step(self, t: float, step: int, dur: float, loss: float | None = None, src: str = "torch") -> None:
+        """A step's end; a non-finite loss as the probes write it: none in the step's
+        record, and a ``loss`` record with its text."""
+        finite = loss is not None and math.isfinite(loss)
+        self.file.put(t, dur, loss if finite else math.nan, step, self.label(t, src), STEP_END)
+        if loss is not None and not finite:
+            self.stream.write({"k": "loss", "t": t, "step": step, "loss": None, "text": repr(loss)})
+
+    def record(self, rec: dict[str, Any]) -> None:
+        """A ``phase`` or ``step`` record, as the stream held them."""
+        if rec["k"] == "phase":
+            self.phase(rec["t"], rec["name"], rec["edge"], rec["step"])
+        else:
+            self.step(rec["t"], rec["step"], rec["dur"], rec.get("loss"), rec.get("src", "torch"))
+
+
 def write_run(
     root: Path,
     ranks: list[RankSpec],
@@ -346,11 +386,15 @@ def write_run(
     for n, spec in enumerate(ranks):
         stream = Stream(stream_prefix(root, n, "h", 100 + n))
         t = T0 + 1 + n * 0.01
+        steps_file: list[Steps] = []  # once made
 
-        def write(kind: str, stream: Stream = stream, **fields: Any) -> None:
+        def write(kind: str, stream: Stream = stream, files: list[Steps] = steps_file, **fields: Any) -> None:
             nonlocal t
             t += 0.1
-            stream.write({"k": kind, "t": t, **fields})
+            if kind in ("phase", "step") and files:
+                files[0].record({"k": kind, "t": t, **fields})  # the steps file, as the probes write them
+            else:
+                stream.write({"k": kind, "t": t, **fields})
 
         write(
             "start",
@@ -371,6 +415,7 @@ def write_run(
         for name, value in (configs or {}).items():
             write("config", name=name, value=value)
         write("group", gid=0, name="default_pg", ranks=list(range(len(ranks))), backend="gloo")
+        steps_file.append(Steps(stream, stream_prefix(root, n, "h", 100 + n), t))
         for site, (line, conditions) in spec.sites.items():
             write("site", site=site, line=line, conditions=conditions)
         for step in range(spec.steps):
@@ -417,6 +462,7 @@ def write_run(
         elif spec.ends:
             write("mem", src="end", step=spec.steps, rss=(200 + (50 if n == 0 else 0)) << 20)
             write("end", status="exit", code=0)
+        steps_file[0].file.close()
         stream.close()
     return root
 

@@ -1,16 +1,18 @@
 """A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
-lines its stream appends and the calls its call file gains
+lines its stream appends and the records its call file and steps file gain
 (:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can run on a partial run.
 
 Lines are taken in a block at a time (what one stream appended), without decoding
 most of them: watch runs for hours beside the job. One regular expression, anchored where
-a line begins (``{"``), picks out ``step`` lines (number, duration, time) and the first
-key of the rare kinds, which are decoded whole (``start``, ``dist_init``, ``group``,
-``shape``, ``stall``, ``dump``, ``exception``, ``signal``, ``end``, ``probe_error``). Every
-``mem`` reading's figure is taken by one ``findall`` over the block, the last phase edge
-by ``rfind``. Calls come as the call file's columns (new ones, and those pending at the
-last look read again): the pending ones are kept, and the seconds of the synchronous ones
-that ended are summed per step (a rank's work in a step is its step time less them).
+a line begins (``{"``), picks out the first key of the rare kinds, which are decoded whole
+(``start``, ``dist_init``, ``group``, ``shape``, ``label``, ``stall``, ``dump``,
+``exception``, ``signal``, ``end``, ``probe_error``). Every ``mem`` reading's figure is
+taken by one ``findall`` over the block. Steps and phase edges come as the steps file's
+columns (number, duration, time; the last phase edge's label). Calls come as columns, a
+look's calls of many processes at once (each one's new calls, and those pending at the
+last look read again): the pending ones are kept, and the seconds of the synchronous
+ones that ended are summed per process and step, in one pass over the columns (a rank's
+work in a step is its step time less them).
 Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
 :data:`MAX_PENDING`), the group and shape names.
 
@@ -48,6 +50,7 @@ import numpy as np
 
 from lorascope.detect.pace import MIN_RATIO
 from lorascope.detect.straggler import MIN_STEPS
+from lorascope.rundir.format.layout import BEGIN, STEP_END
 from lorascope.rundir.loading.tail import CallBatch, Followed, Looked, Tail
 from lorascope.units import short_error
 
@@ -64,24 +67,15 @@ FIRST_STEP_MIN_S = 120.0
 #: Ranks not seen for this long after the first rank started count as missing.
 MISSING_AFTER_S = 30.0
 
-#: The lines watch reads, matched where they begin (``{"``) in the probes' layouts: a
-#: ``step`` (number, duration), a ``mem`` reading (RSS), or the first key of a rare kind,
-#: decoded whole (``start`` and ``dist_init`` begin with rank, ``group`` gid, ``shape`` its
-#: kind, ``stall`` seconds, ``dump`` reason, ``exception`` type, ``signal`` signum, ``end``
-#: status, ``fatal_handler`` file, ``probe_error`` probe). Nested objects do not match (a
-#: match must begin a line).
-_LINE = re.compile(
-    rb'\{"(?:'
-    rb'step":(?P<step>[0-9]+),"dur":(?P<dur>[0-9.eE+-]+)'
-    rb'|(?P<rare>rank|gid|k":"shape|seconds|reason|type|signum|status|file|probe)"'
-    rb")"
-)
+#: The lines watch decodes, matched where they begin (``{"``) in the probes' layouts: the
+#: first key of a rare kind (``start`` and ``dist_init`` begin with rank, ``group`` gid,
+#: ``shape`` and ``label`` their kind, ``stall`` seconds, ``dump`` reason, ``exception``
+#: type, ``signal`` signum, ``end`` status, ``fatal_handler`` file, ``probe_error`` probe).
+#: Nested objects do not match (a match must begin a line).
+_LINE = re.compile(rb'\{"(?:rank|gid|k":"shape|k":"label|seconds|reason|type|signum|status|file|probe)"')
 #: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
 _RSS = re.compile(rb'\{"src":"[a-z._]+","step":[0-9]+,"rss":([0-9]+)')
 _CUDA = re.compile(rb'"cuda":\{[^}]*"alloc":([0-9]+)[^}]*"max_alloc":([0-9]+)')
-_PHASE = re.compile(rb'\{"name":"([a-z_]+)","edge":"(begin|end)"')
-_T = re.compile(rb'"t":([0-9.]+)\}')
-_LAST_PHASE = b'"k":"phase"'
 _CUDA_MARK = b'"cuda":{'
 
 
@@ -117,6 +111,8 @@ class LiveRank:
     shapes: dict[int, tuple[str, bool]] = field(default_factory=dict)
     #: The ids of its async shapes (as a call record holds them: 32-bit).
     async_shapes: list[int] = field(default_factory=list)
+    #: Label id -> its text (a phase's name).
+    labels: dict[int, str] = field(default_factory=dict)
     #: How it ended: (status, detail) from its exception / signal / end / fatal record.
     ended: tuple[str, str] | None = None
     stall: dict[str, Any] | None = None
@@ -136,20 +132,25 @@ class LiveRank:
             start, pos = m.start(), m.end()
             if start and data[start - 1] != 10:  # inside a line: a nested object
                 continue
-            step, dur, _ = m.groups()
-            if step is not None:
-                self._step(data, pos, int(step), float(dur))
-            else:
-                end = data.find(b"\n", pos)
-                end = len(data) if end < 0 else end
-                self._rare(data[start:end])
-                pos = end
+            end = data.find(b"\n", pos)
+            end = len(data) if end < 0 else end
+            self._rare(data[start:end])
+            pos = end
         self._mem(data)
-        at = data.rfind(_LAST_PHASE)
-        if at >= 0:
-            phase = _PHASE.match(data, data.rfind(b"\n", 0, at) + 1)
-            if phase is not None:
-                self.phase = phase.group(1).decode() if phase.group(2) == b"begin" else None
+
+    def take_steps(self, records: np.ndarray) -> None:
+        """Records the steps file gained: its steps' ends, and its phase edges (the last
+        one says which phase it is in)."""
+        kinds = records["kind"]
+        ended = records[kinds == STEP_END]
+        cols = (ended["step"].tolist(), ended["dur"].tolist(), ended["t"].tolist())
+        for step, dur, t in zip(*cols, strict=True):
+            self._step(step, dur, t)
+        edges = np.flatnonzero(kinds < STEP_END)
+        if len(edges):
+            last = records[edges[-1]]
+            self.phase = self.labels.get(int(last["label"]), "?") if int(last["kind"]) == BEGIN else None
+            self.last_t = max(self.last_t, float(records["t"][edges].max()))
 
     def _mem(self, data: bytes) -> None:
         """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
@@ -168,10 +169,7 @@ class LiveRank:
             self.mem_now, peak = int(rss[-1]), max(map(int, rss))
             self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
-    def _step(self, data: bytes, pos: int, step: int, dur: float) -> None:
-        end = data.find(b"\n", pos)
-        tm = _T.search(data, pos, len(data) if end < 0 else end)
-        t = float(tm.group(1)) if tm is not None else self.last_t
+    def _step(self, step: int, dur: float, t: float) -> None:
         self.last_t = max(self.last_t, t)
         self.step = step
         self.last_step_t = t
@@ -204,6 +202,8 @@ class LiveRank:
             self.shapes[rec["id"]] = (str(rec.get("op")), rec.get("async") is True)
             if rec.get("async") is True and -(1 << 31) <= rec["id"] < 1 << 31:
                 self.async_shapes.append(rec["id"])
+        elif kind == "label" and isinstance(rec.get("id"), int):
+            self.labels[rec["id"]] = str(rec.get("text"))
         elif kind == "stall":
             self.stall = rec
         elif kind == "dump":
@@ -280,8 +280,8 @@ class LiveRun:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
     def update(self, tail: Tail) -> None:
-        """Take in what a look of ``tail`` finds: the streams' lines, then the calls (the
-        lines declare the shapes the calls name)."""
+        """Take in what a look of ``tail`` finds: the streams' lines and steps files' records,
+        then the calls (the lines declare the shapes the calls name)."""
         self.take(tail.look())
         for batch in tail.look_calls():
             self.take_calls(batch)
@@ -294,8 +294,12 @@ class LiveRun:
         return rank
 
     def take(self, looked: Iterable[Looked]) -> None:
-        for stream, lines in looked:
-            self._process(stream).take(lines)
+        for stream, lines, steps in looked:
+            rank = self._process(stream)
+            if lines:
+                rank.take(lines)
+            if steps is not None:
+                rank.take_steps(steps)
 
     def take_calls(self, batch: CallBatch) -> None:
         """Call records of a look, many processes' at once (the calls each had pending at

@@ -141,6 +141,8 @@ class PaceTable:
     median_cycle: list[float] = field(default_factory=list)
 
     _parts: dict[int, dict[str, list[float]]] = field(default_factory=dict, repr=False)
+    #: Per step index, the rank that set the pace (:meth:`setter`), once first asked.
+    _setters: list[int] | None = field(default=None, repr=False)
 
     def parts_of(self, rank: int) -> dict[str, list[float]]:
         """The rank's parts per step (the module docstring), computed when first asked."""
@@ -172,7 +174,12 @@ class PaceTable:
         return statistics.median(values[r][i] for r in self.ranks if r not in out)
 
     def setter(self, i: int) -> int:
-        return max(self.ranks, key=lambda r: self.work[r][i])
+        """The rank of the most work at step index ``i`` (the first such in ``ranks``);
+        every step's found once (each rank's episodes ask of every step)."""
+        if self._setters is None:
+            among, columns = range(len(self.ranks)), [self.work[r] for r in self.ranks]
+            self._setters = [self.ranks[max(among, key=values.__getitem__)] for values in zip(*columns, strict=False)]
+        return self._setters[i]
 
 
 def _spans(rank: RankData) -> dict[int, dict[str, list[tuple[float, float]]]]:

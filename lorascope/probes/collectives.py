@@ -118,7 +118,7 @@ def _fields(key: _ShapeKey) -> str:
 class _Shapes:
     """The call shapes one stream has declared: each one's id and its ``shape`` record,
     written (on disk) before the first call that names it, and again at the head of every
-    later segment (``Stream.segment_head``: the earlier segments may be rotated away)."""
+    later segment (``Stream.declare``: the earlier segments may be rotated away)."""
 
     __slots__ = ("ids", "lines", "ops", "_lock", "_stream")
 
@@ -142,13 +142,10 @@ class _Shapes:
             if n >= MAX_SHAPES:
                 return -1
             self.lines.append(f'{{"k":"shape","t":{time.time():.6f},"id":{n}{_fields(key)}}}\n')
-            self._stream.write_line(self.lines[-1])
+            self._stream.declare(self.lines[-1])
             self.ops.append(key[0])
             self.ids[key] = n
             return n
-
-    def head(self) -> str:
-        return "".join(self.lines)
 
 
 def _call_file(session: Session, prefix: Path, kept: bool = False) -> CallFile:
@@ -284,7 +281,6 @@ class CollectiveProbe:
         #: (the work is held, so that no id is reused while it is here).
         self._open: dict[int, tuple[_Started, Any]] = {}
         self._shapes = _Shapes(session.stream)
-        session.stream.segment_head = self._shapes.head
         self.calls = _call_file(session, prefix)
         self._call_steps = CallSteps(
             self.calls,

@@ -4,6 +4,11 @@ optimizer-step hooks), and the Hugging Face ``Trainer``'s evaluation and checkpo
 saves (its steps come from the engine or the optimizer below it). Each phase edge also takes a memory sample; each finished step
 records its wall time and the loss when one was seen.
 
+Steps and phase edges are fixed-width records of the process's steps file
+(``HOST-PID.steps``, :func:`lorascope.rundir.format.callfile.step_file`), written in place
+by the thread that makes them; a phase's name and a step's source are ``label`` records of
+the stream, declared once.
+
 Reading the loss must not synchronise the device: on CPU it is read at once; on CUDA
 it is copied without blocking and read at the next step end, once its event is done.
 """
@@ -16,6 +21,7 @@ import functools
 import importlib
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -26,11 +32,16 @@ from lorascope.probes.kernels import KernelWindow
 from lorascope.probes.logits import LogitsProbe
 from lorascope.probes.memory import STRIDED_PHASES, MemoryProbe
 from lorascope.probes.session import COST_EVERY, Session, plain
+from lorascope.rundir.format.callfile import step_file, steps_path
+from lorascope.rundir.format.layout import BEGIN, END, STEP_END
 from lorascope.rundir.format.schema import WARM_UP_STEPS
-from lorascope.rundir.format.writer import Line, json_str
+from lorascope.rundir.format.writer import json_str
 
-#: A ``phase`` record, as ``Session.record`` writes it (formatted by the writer: ``Line``).
-_PHASE = '{"name":%s,"edge":%s,"step":%d,"k":"phase","t":%r}\n'
+#: A phase edge's ``kind`` in the steps file.
+_EDGES = {"begin": BEGIN, "end": END}
+#: Labels (phase names, step sources) a process declares, at most; a record of any other
+#: is not written (a ``probe_error`` says so once).
+MAX_LABELS = 1 << 12
 #: A step over SLOW_STEP times the median of the SLOW_WINDOW steps before it (once there
 #: are SLOW_AFTER) is slow: its calls are kept in full past the call file's ring.
 SLOW_STEP = 1.5
@@ -52,6 +63,36 @@ def ddp_settings(wrapper: Any) -> dict[str, Any]:
     }
 
 
+class StepRecords:
+    """A rank process's steps file (beside its stream) and the labels its records name,
+    each declared once as a ``label`` record of the stream (on disk before the first
+    record that names it, and again at the head of every later segment). A failed write
+    turns the steps probe off, as any failing probe."""
+
+    def __init__(self, session: Session) -> None:
+        self.file = step_file(steps_path(session.stream.prefix), on_error=lambda exc: session.fail("steps", exc))
+        self._stream = session.stream
+        self._labels: dict[str, int] = {}
+        self._lock = threading.Lock()
+        session.stream.write({"k": "steps_file", "file": self.file.path.name, "how": self.file.how})
+
+    def label(self, text: str) -> int:
+        """The id of a label, declared now if new."""
+        known = self._labels.get(text)
+        if known is not None:
+            return known
+        with self._lock:
+            known = self._labels.get(text)
+            if known is not None:  # another thread declared it first
+                return known
+            n = len(self._labels)
+            if n >= MAX_LABELS:
+                raise ValueError(f"more than {MAX_LABELS} phase names and step sources")
+            self._stream.declare(f'{{"k":"label","t":{time.time()!r},"id":{n},"text":{json_str(text)}}}\n')
+            self._labels[text] = n
+            return n
+
+
 class StepProbe:
     """Drives the probes that hang off the training loop: phases, steps, and the ones
     that need the model (gradient health, logits, the kernel-trace window)."""
@@ -71,6 +112,7 @@ class StepProbe:
         self.logits = logits
         self.kernels = kernels
         self.model: Any = None
+        self.records = StepRecords(session)
         self._on_step_end = on_step_end
         self._step_start: float | None = None
         #: The latest steps' durations: a step over SLOW_STEP times their median is slow.
@@ -96,7 +138,8 @@ class StepProbe:
         if self._step_start is None:
             self._step_start = time.time()
         session = self.session
-        session.record_entry(Line(_PHASE, (json_str(name), json_str(edge), session.step, time.time())))
+        records = self.records
+        records.file.put(time.time(), 0.0, math.nan, session.step, records.label(name), _EDGES[edge])
         if name not in STRIDED_PHASES:  # an eval, a save: its calls kept in full
             session.keep_steps.add(session.step)
         return self.memory.sample(f"{name}.{edge}")
@@ -137,7 +180,15 @@ class StepProbe:
         value = loss if isinstance(loss, float) and math.isfinite(loss) else None
         if isinstance(loss, tuple):
             self._pending_losses.append((session.step, *loss))
-        session.record("step", step=session.step, dur=round(dur, 6), loss=value, src=source)
+        records = self.records
+        records.file.put(
+            time.time(),
+            round(dur, 6),
+            math.nan if value is None else value,
+            session.step,
+            records.label(source),
+            STEP_END,
+        )
         if isinstance(loss, float) and value is None:
             self._record_loss(session.step, loss)
         self._resolve_losses()

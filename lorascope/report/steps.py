@@ -58,7 +58,7 @@ def step_series(run: RunData, lines: bool = True) -> dict[str, Any]:
         bad_losses += [
             [rank.rank, s["step"], str(s.get("loss_text") or s["loss"])]
             for s in rank.steps
-            if type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"])
+            if s.get("loss_text") or (type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"]))
         ]
         values = [s["dur"] for s in steps if s["dur"] > 0]
         stats.append(

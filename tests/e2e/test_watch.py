@@ -5,7 +5,6 @@ traceback, and the verdict is printed when the run ends."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lorascope.analysis.live import STALL_FACTOR, STALL_MIN_S
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, REPO, free_port, job_env, torchrun
 
 FAULT_STEP = 7
@@ -59,12 +59,7 @@ def _wait_for(name: str, text: str, timeout: float) -> str:
 
 
 def _steps(run_dir: Path, rank: int) -> list[dict]:
-    recs = []
-    for path in sorted((run_dir / "ranks" / f"rank-{rank}").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if '"k":"step"' in line:
-                recs.append(json.loads(line))
-    return recs
+    return load_run(run_dir).ranks[rank].steps
 
 
 def test_watch_shows_a_planted_stall_live_then_the_verdict(tmp_path: Path) -> None:

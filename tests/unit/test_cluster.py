@@ -50,12 +50,13 @@ def test_a_run_read_on_the_cluster_analyses_as_a_local_read(scheduler: str, fixt
 
 
 def test_long_streams_and_the_report_read_on_the_cluster(scheduler: str, tmp_path: Path) -> None:
-    """Streams over 1 MB, which the workers read column-wise (polars imported on them
-    first), a pending call on one rank; and the report, byte for byte."""
+    """Long streams and steps files (6,000 steps), a pending call on one rank; and the
+    report, byte for byte."""
     calls = [Call("all_reduce", bytes=4 * (i % 7 + 1)) for i in range(3000)]
     specs = [RankSpec(steps=6000, calls=calls), RankSpec(steps=6000, calls=[*calls[:-1], Call("barrier", end=False)])]
     run = write_run(tmp_path / "run", specs)
-    assert min(p.stat().st_size for p in run.glob("ranks/rank-*/*.jsonl")) > 1 << 20
+    for folder in run.glob("ranks/rank-*"):  # its stream and its steps file (6,000 steps, 240 KB)
+        assert sum(p.stat().st_size for p in [*folder.glob("*.jsonl"), *folder.glob("*.steps")]) > 700_000
     local = lorascope("analyze", str(run), "--json")
     remote = lorascope("analyze", str(run), "--json", "--cluster", scheduler)
     assert local.returncode == remote.returncode == 0, remote.stderr

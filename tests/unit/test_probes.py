@@ -65,8 +65,8 @@ def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None
     # Its stream, and its faulthandler file, empty: enabled to the end of the process, it
     # is left for `lorascope run` to remove (none runs after a job that attached itself).
     files = sorted((out / "ranks" / "rank-0").iterdir(), key=lambda f: f.suffix)
-    assert [f.suffix for f in files] == [".calls", ".jsonl", ".txt"] and files[2].name.endswith(".fatal.txt")
-    assert files[2].stat().st_size == 0 and rank.fatal is None
+    assert [f.suffix for f in files] == [".calls", ".jsonl", ".steps", ".txt"] and files[3].name.endswith(".fatal.txt")
+    assert files[3].stat().st_size == 0 and rank.fatal is None
     assert [s["step"] for s in rank.steps] == [1, 2, 3]
     assert all(s["src"] == "torch" and s["loss"] is not None for s in rank.steps)
     ops = [(c.op, c.bytes, c.seq) for c in rank.collectives]

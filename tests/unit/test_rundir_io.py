@@ -331,7 +331,6 @@ def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) ->
     prefix = stream_prefix(tmp_path, 0, "h", 42)
     stream = Stream(prefix, segment_bytes=4000, keep_segments=2)
     shapes = _Shapes(stream)
-    stream.segment_head = shapes.head
     stream.write(dict(START, t=1.0))
     stream.write({"k": "group", "t": 1.0, "gid": 0, "name": "default_pg", "ranks": [0], "backend": "gloo"})
     calls = CallFile(calls_path(prefix))
@@ -361,36 +360,42 @@ def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) ->
     assert all(c.site == f"/j/t.py:{ops.index(c.op)} in f" and c.bytes == 64 for c in kept)
 
 
-def test_phase_edges_and_memory_readings_format_as_the_json_encoder_does(
+def test_phase_edges_go_to_the_steps_file_and_readings_format_as_the_encoder_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A phase edge's ``phase`` and ``mem`` records are formatted from templates (``Line``):
-    byte for byte what the JSON encoder wrote for them as dicts, odd names included; a
-    reading with more than RSS and the heap (a CUDA rank's) is a dict as before."""
+    """A phase edge goes to the steps file, its name a ``label`` record of the stream
+    declared once, and its ``mem`` record is formatted from a template (``Line``): byte for
+    byte what the JSON encoder wrote for them as dicts, odd names included; a reading with
+    more than RSS and the heap (a CUDA rank's) is a dict as before."""
     from lorascope.probes import memory
     from lorascope.probes.session import Session
     from lorascope.rundir.format.writer import _encode
+    from lorascope.rundir.loading.steps import as_records, read_steps
     from tests.helpers import step_probe
 
     stream = Stream(tmp_path / "r" / "s")
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
     mem = memory.MemoryProbe(session)
     steps = step_probe(session, mem, tmp_path / "k")
-    given = [{"rss": 123456789}, {"rss": 5, "heap": 7}, {"rss": 9, "cuda": {"device": 0, "alloc": 1}}]
+    given = [{"rss": 123456789}, {"rss": 5, "heap": 7}, {"rss": 9, "cuda": {"device": 0, "alloc": 1}}, {"rss": 1}]
     readings = iter(given)
     monkeypatch.setattr(mem, "reading", lambda *_, **__: next(readings))
     session.step = 12
-    for name, edge in (("forward", "begin"), ('sa"ve \\ ✓\n', "end"), ("eval", "begin")):
+    edges = (("forward", "begin"), ('sa"ve \\ ✓\n', "end"), ("eval", "begin"), ("forward", "end"))
+    for name, edge in edges:
         steps.phase(name, edge)
     stream.close()
     lines = next((tmp_path / "r").glob("s.*.jsonl")).read_text().splitlines(True)
     written = [json.loads(line) for line in lines]
-    phases = [i for i, r in enumerate(written) if r["k"] == "phase"]
-    assert [written[i]["name"] for i in phases] == ["forward", 'sa"ve \\ ✓\n', "eval"]
-    for i, fields in zip(phases, given, strict=True):  # each edge: its phase record, its reading's
-        t, t_mem = written[i]["t"], written[i + 1]["t"]
-        name, edge = written[i]["name"], written[i]["edge"]
-        phase = {"name": name, "edge": edge, "step": 12, "k": "phase", "t": t}
-        reading = {"src": f"{name}.{edge}", "step": 12, **fields, "k": "mem", "t": t_mem}
-        assert (lines[i], lines[i + 1]) == (_encode(phase), _encode(reading))  # key order, floats
-        assert isinstance(t, float) and t <= t_mem
+    labels = [(i, r) for i, r in enumerate(written) if r["k"] == "label"]
+    assert [r["text"] for _, r in labels] == ["forward", 'sa"ve \\ ✓\n', "eval"]  # each once
+    assert all(lines[i] == _encode({"k": "label", "t": r["t"], "id": r["id"], "text": r["text"]}) for i, r in labels)
+    warnings: list[str] = []
+    table = read_steps(tmp_path / "r" / "s.steps", "rank 0", warnings)
+    _, phases = as_records(table.records, {r["id"]: r["text"] for _, r in labels}, "rank 0", warnings)
+    assert [(p["name"], p["edge"], p["step"]) for p in phases] == [(n, e, 12) for n, e in edges] and not warnings
+    readings_at = [i for i, r in enumerate(written) if r["k"] == "mem"]
+    for i, fields, phase in zip(readings_at, given, phases, strict=True):
+        reading = {"src": f"{phase['name']}.{phase['edge']}", "step": 12, **fields, "k": "mem", "t": written[i]["t"]}
+        assert lines[i] == _encode(reading)  # key order, floats
+        assert isinstance(phase["t"], float) and phase["t"] <= written[i]["t"]

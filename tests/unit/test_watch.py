@@ -19,10 +19,11 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
-from lorascope.rundir.format.callfile import CallFile
+from lorascope.rundir.format.callfile import CallFile, step_file
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
+from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
 from tests.helpers import FIXTURES
@@ -44,7 +45,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data in tail.look():
+    for stream, data, _ in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -108,7 +109,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data), *_ = list(tail.look())
+    (stream, data, _), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -117,9 +118,10 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
-    """A recorded run's streams and call files taken in as a tail would see them: each
-    stream cut at random places, and with each piece the calls begun up to its last record
-    (and, as a tail reads them again, those pending at the last piece)."""
+    """A recorded run's streams, call files and steps files taken in as a tail would see
+    them: each stream cut at random places, and with each piece the steps-file records
+    written and the calls begun up to its last record (and, as a tail reads them again,
+    the calls pending at the last piece)."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -130,15 +132,18 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             stream = tail_module.Followed(int(folder.name.split("-")[1]), process, 0, path)
             calls = read_calls(folder / (process + ".calls"), "rank", [])
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
-            rest, given, pending = b"", 0, np.zeros(0, dtype=np.int64)
+            steps = read_steps(folder / (process + ".steps"), "rank", []).records
+            written = np.maximum.accumulate(steps["t"]) if len(steps) else np.zeros(0)
+            rest, given, given_steps, pending = b"", 0, 0, np.zeros(0, dtype=np.int64)
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
                 lines, rest = (chunk[:cut], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
                 last = json.loads(lines.rsplit(b"\n", 1)[-1])["t"] if lines else -1.0
+                done = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
+                live.take([(stream, lines, steps[given_steps:done] if done > given_steps else None)])
+                given_steps = max(given_steps, done)
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
-                if lines:
-                    live.take([(stream, lines)])
                 at = np.concatenate((pending, np.arange(given, max(given, upto))))
                 owner = np.zeros(len(at), dtype=np.int64)
                 live.take_calls(tail_module.CallBatch([stream], calls.records[at], calls.index[at], owner))
@@ -170,11 +175,7 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
     """fixtures/hung-ranks: rank 1 sleeps in its data loading at step 3; rank 0 waits in the
     next collective. Cut the streams 6 s after rank 1's last step, as a watch would see them."""
     source = FIXTURES / "hung-ranks"
-    last_step = max(
-        json.loads(line)["t"]
-        for line in next((source / "ranks" / "rank-1").glob("*.jsonl")).read_bytes().splitlines()
-        if b'"k":"step"' in line
-    )
+    last_step = max(read_steps(next((source / "ranks" / "rank-1").glob("*.steps")), "rank", []).records["t"].tolist())
     now = last_step + 6.0
     for folder in (source / "ranks").iterdir():
         for path in folder.glob("*.jsonl"):
@@ -198,6 +199,11 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
                     if end <= now:
                         cut.end(index, end)
             cut.close()
+            written = step_file(target.parent / (process + ".steps"))
+            for rec in read_steps(folder / (process + ".steps"), "rank", []).records.tolist():
+                if rec[0] <= now:
+                    written.put(*rec[:-1])
+            written.close()
     live = _feed(tmp_path, 5)
     checks = {c.id: c for c in live.checks(now)}
     assert checks["not-stepping"].ranks == [1] and "in no collective" in checks["not-stepping"].text
@@ -220,8 +226,9 @@ def test_calls_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
     for n in range(5):
         stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
         is_async = {shape: bool(rng.integers(2)) for shape in range(4)}
-        live.take([(stream, b"\n".join(b'{"k":"shape","t":1.0,"id":%d,"op":"op%d","async":%s}'
-                                        % (s, s, b"true" if a else b"false") for s, a in is_async.items()))])  # fmt: skip
+        shapes = [b'{"k":"shape","t":1.0,"id":%d,"op":"op%d","async":%s}' % (s, s, b"true" if a else b"false")
+                  for s, a in is_async.items()]  # fmt: skip
+        live.take([(stream, b"\n".join(shapes), None)])
         calls = np.zeros(int(rng.integers(0, 40)), CALL_DTYPE)
         calls["t"] = 100 + rng.random(len(calls)) * 10
         calls["end"] = np.where(rng.random(len(calls)) < 0.2, 0.0, calls["t"] + rng.random(len(calls)))

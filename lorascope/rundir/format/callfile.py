@@ -1,4 +1,6 @@
-"""Writing a rank's call file (probe side; standard library only). Layout: ``layout.py``.
+"""Writing a rank's call file and steps file (probe side; standard library only). Layout:
+``layout.py``. One writer, :class:`SlotFile`, serves both: a record Struct, a header, and
+slots kept from the start and a ring after them (none for the steps file).
 
 ``begin`` writes a call's record into its slot with one ``struct.pack_into`` on the thread
 that makes the call: no queue, no formatting, no system call. The file is mapped shared,
@@ -42,10 +44,15 @@ from lorascope.rundir.format.layout import (
     HEADER,
     MAGIC,
     STAMP_MASK,
+    STEP,
+    STEPS_HEAD,
+    STEPS_MAGIC,
+    STEPS_RING,
+    STEPS_VERSION,
     file_size,
     slot_runs,
 )
-from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX
+from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX, STEPS_SUFFIX
 
 _END = struct.Struct("<d")
 _COUNT = struct.Struct("<Q")
@@ -58,15 +65,23 @@ def calls_path(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + CALLS_SUFFIX)
 
 
+def steps_path(prefix: Path) -> Path:
+    """A rank process's steps file, beside its segments: ``HOST-PID.steps``."""
+    return prefix.with_name(prefix.name + STEPS_SUFFIX)
+
+
 def kept_calls_path(prefix: Path) -> Path:
     """Its calls kept whole past the ring (``probes/callsteps.py``): ``HOST-PID.kept-calls``."""
     return prefix.with_name(prefix.name + KEPT_CALLS_SUFFIX)
 
 
-class CallFile:
-    """One rank process's call records. No method raises: a failed write calls
-    ``on_error`` once and turns the file off (the job goes on); a forked child (a
-    DataLoader worker) finds its copy off, so it never writes into its parent's file."""
+class SlotFile:
+    """One rank process's fixed-width records of one kind (``record``: a layout.py
+    Struct whose last field is the stamp, which :meth:`put` adds), in a file of ``head``
+    slots kept and a ring of ``ring`` after them (``ring`` 0: no ring, every record kept).
+    No method raises: a failed write calls ``on_error`` once and turns the file off (the
+    job goes on); a forked child (a DataLoader worker) finds its copy off, so it never
+    writes into its parent's file."""
 
     def __init__(
         self,
@@ -74,9 +89,13 @@ class CallFile:
         head: int = DEFAULT_HEAD,
         ring: int = DEFAULT_RING,
         on_error: Callable[[BaseException], None] | None = None,
+        record: struct.Struct = CALL,
+        magic: bytes = MAGIC,
+        version: int = CALLS_VERSION,
     ) -> None:
         self.path = path
-        self.head, self.ring = max(0, head), max(2, ring)
+        self.head, self.ring = max(0, head), (max(2, ring) if ring else 0)
+        self.record = record
         self._on_error = on_error
         self._next = itertools.count()
         #: Records begun so far, as far as this process has written it into the header.
@@ -91,9 +110,9 @@ class CallFile:
         self.how = "mmap"
         fd = safe_open.create(path, readable=True)
         try:
-            self._size = min(file_size(self.head, self.ring), file_size(CHUNK_SLOTS, 0))
+            self._size = min(self._full(), file_size(CHUNK_SLOTS, 0, record))
             _reserve(fd, 0, self._size)
-            os.pwrite(fd, HEADER.pack(MAGIC, CALLS_VERSION, CALL.size, self.head, self.ring, 0, time.time(), b""), 0)
+            os.pwrite(fd, HEADER.pack(magic, version, record.size, self.head, self.ring, 0, time.time(), b""), 0)
             try:
                 self._map = mmap.mmap(fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as exc:
@@ -111,25 +130,30 @@ class CallFile:
     def _forked(self) -> None:
         self._map, self._fd = None, None
 
-    def begin(self, t: float, seq: int, nbytes: int, step: int, gid: int, shape: int) -> int:
-        """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
+    def _full(self) -> int:
+        """The file's size once every slot is there."""
+        return file_size(self.head, self.ring, self.record)
+
+    def put(self, *fields: Any) -> int:
+        """Write a record (its fields but the stamp, in the layout's order) into the slot
+        of the next index; its index, or -1 when off."""
         index = next(self._next)
-        head = self.head
+        head, size = self.head, self.record.size
         # slot_of(index, head, ring), inlined: a call's worth on every collective
-        at = HEADER.size + (index if index < head else head + (index - head) % self.ring) * CALL.size
+        at = HEADER.size + (index if index < head else head + (index - head) % self.ring) * size
         try:
-            if at + CALL.size > self._size:
-                self._grow(at + CALL.size)
+            if at + size > self._size:
+                self._grow(at + size)
             buf = self._map
             if buf is not None:
-                CALL.pack_into(buf, at, t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK)
+                self.record.pack_into(buf, at, *fields, (index + 1) & STAMP_MASK)
                 if index >= self.count:
                     self.count = index + 1
                     _COUNT.pack_into(buf, COUNT_OFFSET, index + 1)
                 return index
             if self._fd is None:
                 return -1
-            os.pwrite(self._fd, CALL.pack(t, 0.0, seq, nbytes, step, gid, shape, (index + 1) & STAMP_MASK), at)
+            os.pwrite(self._fd, self.record.pack(*fields, (index + 1) & STAMP_MASK), at)
             if index >= self.count:
                 self.count = index + 1
                 os.pwrite(self._fd, _COUNT.pack(index + 1), COUNT_OFFSET)
@@ -143,12 +167,55 @@ class CallFile:
         with self._grow_lock:
             if needed <= self._size or self._fd is None:
                 return
-            full = file_size(self.head, self.ring)
-            size = min(full, self._size + max(CHUNK_SLOTS * CALL.size, needed - self._size))
+            size = min(self._full(), self._size + max(CHUNK_SLOTS * self.record.size, needed - self._size))
             _reserve(self._fd, self._size, size - self._size)
             if self._map is not None:
                 self._map.resize(size)
             self._size = size
+
+    def read(self, first: int, last: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+        """The records of indexes ``first`` .. ``last - 1`` still in the file (index,
+        fields in the layout's order), read back from the mapping; a slot that holds
+        another record by now is skipped. For the probes' own thread (``probes/callsteps.py``)."""
+        buf, head, ring, record = self._map, self.head, self.ring, self.record
+        if buf is None:
+            return
+        for index, slot, run in slot_runs(first, last, head, ring):
+            at = HEADER.size + slot * record.size
+            if at + run * record.size > self._size:
+                return
+            for offset, rec in enumerate(record.iter_unpack(buf[at : at + run * record.size])):
+                if rec[-1] == (index + offset + 1) & STAMP_MASK:
+                    yield index + offset, rec
+
+    def _fail(self, exc: BaseException) -> None:
+        fd = self._fd
+        self._map, self._fd = None, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._on_error is not None and not self._closed:
+            with contextlib.suppress(Exception):
+                self._on_error(exc)
+
+    def close(self) -> None:
+        """Later records write nothing (what was written stays in the file). The mapping
+        is dropped, not closed: a thread writing may still hold it, and the last
+        reference unmaps it."""
+        self._closed = True
+        fd = self._fd
+        self._map, self._fd = None, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class CallFile(SlotFile):
+    """One rank process's call records (layout.CALL_FIELDS)."""
+
+    def begin(self, t: float, seq: int, nbytes: int, step: int, gid: int, shape: int) -> int:
+        """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
+        return self.put(t, 0.0, seq, nbytes, step, gid, shape)
 
     def end(self, index: int, t: float) -> None:
         """Write the end of call ``index`` into its record, unless the ring has gone round
@@ -168,41 +235,11 @@ class CallFile:
         except Exception as exc:
             self._fail(exc)
 
-    def read(self, first: int, last: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
-        """The records of calls ``first`` .. ``last - 1`` still in the file (index, fields
-        in CALL_FIELDS' order), read back from the mapping; a slot that holds another
-        call by now is skipped. For the probes' own thread (``probes/callsteps.py``)."""
-        buf, head, ring = self._map, self.head, self.ring
-        if buf is None:
-            return
-        for index, slot, run in slot_runs(first, last, head, ring):
-            at = HEADER.size + slot * CALL.size
-            if at + run * CALL.size > self._size:
-                return
-            for offset, rec in enumerate(CALL.iter_unpack(buf[at : at + run * CALL.size])):
-                if rec[-1] == (index + offset + 1) & STAMP_MASK:
-                    yield index + offset, rec
 
-    def _fail(self, exc: BaseException) -> None:
-        fd = self._fd
-        self._map, self._fd = None, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if self._on_error is not None and not self._closed:
-            with contextlib.suppress(Exception):
-                self._on_error(exc)
-
-    def close(self) -> None:
-        """Later calls write nothing (what was written stays in the file). The mapping is
-        dropped, not closed: a thread in ``end`` may still hold it, and the last
-        reference unmaps it."""
-        self._closed = True
-        fd = self._fd
-        self._map, self._fd = None, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+def step_file(path: Path, on_error: Callable[[BaseException], None] | None = None) -> SlotFile:
+    """A rank process's steps file (layout.STEP_FIELDS: its steps' ends and phase edges,
+    every one kept); write a record with ``put(t, dur, loss, step, label, kind)``."""
+    return SlotFile(path, STEPS_HEAD, STEPS_RING, on_error, STEP, STEPS_MAGIC, STEPS_VERSION)
 
 
 def _reserve(fd: int, offset: int, length: int) -> None:

@@ -1,4 +1,4 @@
-"""The binary layout of a rank's call file: the one place it is spelled.
+"""The binary layout of a rank's call file and steps file: the one place it is spelled.
 
 A rank process's collective calls are fixed-width records in ``HOST-PID.calls``, beside its
 JSON Lines stream, written in place by the thread that made the call (a shared ``mmap``, or
@@ -14,8 +14,15 @@ call file never grows past its header plus ``head + ring`` slots. A record carri
 (its index plus one, modulo 2**32) that says which index a slot holds: a slot whose
 stamp is not the one expected was never written, or is being overwritten.
 
-The writer (:mod:`lorascope.rundir.format.callfile`), the reader and docs/run-format.md all
-read the tables below; the reader builds its numpy dtype from :data:`CALL_FIELDS`.
+A rank process's steps and phase edges are fixed-width records of ``HOST-PID.steps``
+(:data:`STEP_FIELDS`), written in place the same way by the same writer: the same header,
+no ring (``ring`` 0: every record stays where it was written; the file grows a chunk at a
+time). A record's ``label`` names a phase (``forward``, ``eval`` ...) or a step's source
+(``deepspeed``, ``torch``) by the id of the stream's ``label`` record that holds the text.
+
+The writer (:mod:`lorascope.rundir.format.callfile`), the readers and docs/run-format.md
+all read the tables below; the readers build their numpy dtypes from :data:`CALL_FIELDS`
+and :data:`STEP_FIELDS`.
 """
 
 from __future__ import annotations
@@ -51,8 +58,35 @@ CALL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("stamp", "I", "(index + 1) mod 2**32: which record the slot holds"),
 )
 
-HEADER = struct.Struct("<" + "".join(code for _, code, _ in HEADER_FIELDS))
-CALL = struct.Struct("<" + "".join(code for _, code, _ in CALL_FIELDS))
+#: One step's end or phase edge, as its thread wrote it.
+STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("t", "d", "epoch seconds of the phase edge, or when the step's record was made"),
+    ("dur", "d", "a step: its wall seconds (6 decimals); a phase edge: 0.0"),
+    ("loss", "d", "a step: its loss; NaN when none was read then (a stream 'loss' record may give it)"),
+    ("step", "i", "a step: its number, from 1; a phase edge: steps this rank had completed"),
+    ("label", "i", "the id of the stream's label record: the phase's name, or the step's source"),
+    ("kind", "I", "STEP_KINDS: 0 a phase begins, 1 a phase ends, 2 a step ends"),
+    ("stamp", "I", "(index + 1) mod 2**32: which record the slot holds"),
+)
+#: A steps-file record's ``kind``: its index here (a phase edge's is its ``edge``).
+STEP_KINDS = ("begin", "end", "step")
+BEGIN, END, STEP_END = range(len(STEP_KINDS))
+
+
+def _struct(fields: tuple[tuple[str, str, str], ...]) -> struct.Struct:
+    return struct.Struct("<" + "".join(code for _, code, _ in fields))
+
+
+HEADER = _struct(HEADER_FIELDS)
+CALL = _struct(CALL_FIELDS)
+STEP = _struct(STEP_FIELDS)
+#: The first bytes of a steps file, and its own version.
+STEPS_MAGIC = b"LSSTEPS\0"
+STEPS_VERSION = 1
+#: A steps file's slots: every record in the head (no ring; 2**39 records is no bound a
+#: run reaches), so that the call file's slot arithmetic serves it unchanged.
+STEPS_HEAD = 1 << 39
+STEPS_RING = 0
 
 
 def offset_of(fields: tuple[tuple[str, str, str], ...], name: str) -> int:
@@ -93,5 +127,5 @@ def slot_runs(first: int, stop: int, head: int, ring: int) -> Iterator[tuple[int
         index += run
 
 
-def file_size(head: int, ring: int) -> int:
-    return HEADER.size + (head + ring) * CALL.size
+def file_size(head: int, ring: int, record: struct.Struct = CALL) -> int:
+    return HEADER.size + (head + ring) * record.size

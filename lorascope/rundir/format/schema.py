@@ -32,6 +32,8 @@ CALLS_SUFFIX = ".calls"
 #: Its calls of the steps kept whole past the call file's ring (an eval or a save, a
 #: failed call, a stall, a slow step), in the same layout: ``HOST-PID.kept-calls``.
 KEPT_CALLS_SUFFIX = ".kept-calls"
+#: Its steps' ends and phase edges, fixed-width records (layout.py): ``HOST-PID.steps``.
+STEPS_SUFFIX = ".steps"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
@@ -87,6 +89,8 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     #: The call file this process writes its calls to, and how (``mmap``, or ``pwrite
     #: (why)`` where a shared mapping could not be had); its head and ring sizes.
     "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
+    "steps_file": {"file": _STR, "how": _STR},
+    "label": {"id": _INT, "text": _STR},
     #: A step's calls the call file's ring overwrites, summed per group and op:
     #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
     "calls_step": {"step": _INT, "groups": (list,)},

@@ -134,11 +134,9 @@ class Stream:
         #: included, to queue what has happened since (the collective probe ends the async
         #: calls it sees completed); it must not raise.
         self.before_flush: Callable[[], None] | None = None
-        #: Called (on the flushing thread, under the stream's lock) when a new segment
-        #: begins: lines written after its ``segment`` record, before the records that
-        #: follow (the collective probe's ``shape`` declarations, which the segments
-        #: before may take with them when they are rotated away); it must not raise.
-        self.segment_head: Callable[[], str] | None = None
+        #: Declarations (``declare``): written again at the head of every later segment,
+        #: after its ``segment`` record (the segments before may be rotated away with them).
+        self._declared: list[str] = []
         safe_open.make_dirs(prefix.parents[2], prefix.parent)  # RUN_DIR/ranks/rank-N: no symlink followed
         self._fd = self._open(0)
         os.register_at_fork(after_in_child=self._forked)
@@ -146,6 +144,12 @@ class Stream:
     @property
     def alive(self) -> bool:
         return self._fd is not None
+
+    @property
+    def prefix(self) -> Path:
+        """Where its segments go (``HOST-PID``, without the segment and suffix): the
+        process's other files go beside it."""
+        return self._prefix
 
     @property
     def writer_thread(self) -> threading.Thread | None:
@@ -189,6 +193,14 @@ class Stream:
             return
         self.append(Line("%s", (line,)))
         self.flush()
+
+    def declare(self, line: str) -> None:
+        """Write a declaration (a call ``shape``, a ``label``: a preformatted record line
+        that later records name by id) now, as :meth:`write_line`, and again at the head of
+        every later segment."""
+        with self._lock:
+            self._declared.append(line)
+        self.write_line(line)
 
     def flush(self) -> None:
         """Format and write what is queued, in order, with one ``os.write`` per segment
@@ -247,8 +259,7 @@ class Stream:
         self._index += 1
         self._fd = self._open(self._index)
         head = _encode({"k": "segment", "t": time.time(), "index": self._index})
-        if self.segment_head is not None:
-            head += self.segment_head()
+        head += "".join(self._declared)
         data = head.encode()
         _write_all(self._fd, data)
         self._size = len(data)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lorascope.rundir.loading.calls import CallRecords
+from lorascope.rundir.loading.calls import CallRecords, stable_order
 from lorascope.rundir.loading.reduce import (
     HEAD_CALLS,
     MIX_A,
@@ -110,6 +110,15 @@ class ReducedCalls:
         return out
 
 
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)``, by counting where the values are small
+    whole numbers (a call's shape id, its gid): no sort of every call."""
+    if len(values) and int(values.min()) >= 0 and int(values.max()) < 1 << 20:
+        present = np.bincount(values) > 0
+        return np.flatnonzero(present).astype(values.dtype), (np.cumsum(present) - 1)[values]
+    return np.unique(values, return_inverse=True)
+
+
 @dataclass
 class _Columns:
     """A call file's kept calls with their shapes and groups looked up, as columns."""
@@ -128,7 +137,7 @@ class _Columns:
     @classmethod
     def of(cls, calls: CallRecords, shapes: Mapping[int, Shape], group_name: Callable[[int], Any]) -> _Columns:
         recs = calls.records
-        shape_ids, shape_pos = np.unique(recs["shape"], return_inverse=True)
+        shape_ids, shape_pos = _codes(recs["shape"])
         table: list[Shape] = []
         unshaped = 0
         intern = sys.intern
@@ -147,7 +156,7 @@ class _Columns:
                 )
             )
         # groups by name, as the log keys them (two gids of one name are one group)
-        gids, gid_pos = np.unique(recs["gid"], return_inverse=True)
+        gids, gid_pos = _codes(recs["gid"])
         names: list[Any] = []
         name_of_gid = np.zeros(len(gids), dtype=np.int64)
         for i, gid in enumerate(gids.tolist()):
@@ -361,7 +370,7 @@ def reduce_calls(
     _add_step_sums(out, sums, group_name, table)
     # the calls kept, made once each, in the order they started
     kept = np.unique(np.concatenate(kept_parts)).astype(np.int64)
-    kept = kept[np.argsort(t[kept], kind="stable")]
+    kept = kept[stable_order(t[kept])]
     out.collectives = cols.made(make, kept, errors)
     return out
 
@@ -425,7 +434,7 @@ def _sums(
 ) -> None:
     """Per step + 1 the synchronous calls' seconds, per op the calls' seconds and count,
     summed over the completed calls in the order they started."""
-    order = np.argsort(t, kind="stable")
+    order = stable_order(t)
     order = order[ended[order]]
     took = end[order] - t[order]
     op_order = op[order]

@@ -17,6 +17,7 @@ sequence ranges per group that alignment compares no rank over.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from lorascope.rundir.format.layout import (
     HEADER_FIELDS,
     MAGIC,
     STAMP_MASK,
+    STEP,
+    STEP_FIELDS,
+    STEPS_MAGIC,
+    STEPS_VERSION,
     slot_runs,
 )
 from lorascope.rundir.format.safe_open import open_regular
@@ -46,10 +51,36 @@ def dtype_of(fields: tuple[tuple[str, str, str], ...]) -> np.dtype[np.void]:
     return np.dtype([(name, _numpy_code(code)) for name, code, _ in fields])
 
 
-#: A call file's header and one call, as numpy reads them.
+def stable_order(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, kind="stable")``, without the sort where the values are in order
+    already (a rank's calls are, unless a ring went round or threads raced: ~10 ms a
+    rank-thousand-steps saved)."""
+    if len(values) < 2 or bool((values[1:] >= values[:-1]).all()):
+        return np.arange(len(values))
+    return np.argsort(values, kind="stable")
+
+
+#: A call file's header and one call, and a steps file's record, as numpy reads them.
 HEADER_DTYPE = dtype_of(HEADER_FIELDS)
 CALL_DTYPE = dtype_of(CALL_FIELDS)
-assert HEADER_DTYPE.itemsize == HEADER.size and CALL_DTYPE.itemsize == CALL.size
+STEP_DTYPE = dtype_of(STEP_FIELDS)
+assert HEADER_DTYPE.itemsize == HEADER.size and CALL_DTYPE.itemsize == CALL.size and STEP_DTYPE.itemsize == STEP.size
+
+
+@dataclass(frozen=True)
+class FileKind:
+    """What tells one kind of slot file from another (layout.py): what its records are
+    called in a warning, its magic, version and record."""
+
+    noun: str
+    magic: bytes
+    version: int
+    record: struct.Struct
+    dtype: np.dtype[np.void]
+
+
+CALLS = FileKind("call", MAGIC, CALLS_VERSION, CALL, CALL_DTYPE)
+STEPS = FileKind("step", STEPS_MAGIC, STEPS_VERSION, STEP, STEP_DTYPE)
 
 
 @dataclass
@@ -70,24 +101,26 @@ class CallRecords:
         return len(self.index)
 
 
-def empty(head: int = 0, ring: int = 0) -> CallRecords:
-    return CallRecords(np.zeros(0, CALL_DTYPE), np.zeros(0, np.int64), head, ring)
+def empty(head: int = 0, ring: int = 0, dtype: np.dtype[np.void] = CALL_DTYPE) -> CallRecords:
+    return CallRecords(np.zeros(0, dtype), np.zeros(0, np.int64), head, ring)
 
 
-def read_header(raw: bytes, where: str) -> tuple[int, int, int]:
-    """(head, ring, count) of a call file's first bytes; BadInputError (one line) when they
-    are not a call file this lorascope reads."""
+def read_header(raw: bytes, where: str, kind: FileKind = CALLS) -> tuple[int, int, int]:
+    """(head, ring, count) of a call file's (or another ``kind``'s) first bytes;
+    BadInputError (one line) when they are not such a file this lorascope reads. A ring of
+    0 is none: every record is in the head."""
+    noun = kind.noun
     if len(raw) < HEADER.size:
-        raise BadInputError(f"{where}: a call file cut before the end of its header ({len(raw)} bytes)")
+        raise BadInputError(f"{where}: a {noun} file cut before the end of its header ({len(raw)} bytes)")
     magic, version, size, head, ring, count, *_ = HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise BadInputError(f"{where}: not a call file (its first bytes are {magic[:8]!r})")
-    if version != CALLS_VERSION:
-        raise BadInputError(f"{where}: call file version {version}; this lorascope reads version {CALLS_VERSION}")
-    if size != CALL.size:
-        raise BadInputError(f"{where}: call records of {size} bytes; version {CALLS_VERSION} has {CALL.size}")
-    if ring < 1 or head + ring >= 1 << 40:
-        raise BadInputError(f"{where}: a call file header with head {head} and ring {ring}")
+    if magic != kind.magic:
+        raise BadInputError(f"{where}: not a {noun} file (its first bytes are {magic[:8]!r})")
+    if version != kind.version:
+        raise BadInputError(f"{where}: {noun} file version {version}; this lorascope reads version {kind.version}")
+    if size != kind.record.size:
+        raise BadInputError(f"{where}: {noun} records of {size} bytes; version {kind.version} has {kind.record.size}")
+    if (ring < 1 and head < 1 << 30) or head + ring >= 1 << 40:
+        raise BadInputError(f"{where}: a {noun} file header with head {head} and ring {ring}")
     return head, ring, count
 
 
@@ -96,8 +129,9 @@ def read_header(raw: bytes, where: str) -> tuple[int, int, int]:
 COUNT_SLACK = 1024
 
 
-def read_calls(path: Path, who: str, warnings: list[str], summed: str = "") -> CallRecords:
-    """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings);
+def read_calls(path: Path, who: str, warnings: list[str], summed: str = "", kind: FileKind = CALLS) -> CallRecords:
+    """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings;
+    ``kind``: another kind of slot file, its records in ``records``);
     a file that cannot be read, or whose header is bad, is warned and reads as no calls.
     Only the slots written so far are read (the header's count, and COUNT_SLACK more): a
     call file is made at its full size, sparse, and may be cut after its last slot written
@@ -108,28 +142,35 @@ def read_calls(path: Path, who: str, warnings: list[str], summed: str = "") -> C
             size = os.fstat(f.fileno()).st_size
             header = f.read(HEADER.size)
             try:
-                head, ring, count = read_header(header, str(path))
+                head, ring, count = read_header(header, str(path), kind)
             except BadInputError as exc:
-                warnings.append(f"{exc}; {who}'s calls are not read")
-                return empty()
+                warnings.append(f"{exc}; {who}'s {kind.noun}s are not read")
+                return empty(dtype=kind.dtype)
             want = min(head + ring, count + COUNT_SLACK)
-            raw = f.read(want * CALL.size)
+            raw = f.read(want * kind.record.size)
     except (OSError, BadInputError) as exc:
         why = getattr(exc, "strerror", None) or exc
-        warnings.append(f"{who}: its call file {path} is unreadable ({why}); its calls are not read")
-        return empty()
-    slots = (size - HEADER.size) // CALL.size
+        warnings.append(f"{who}: its {kind.noun} file {path} is unreadable ({why}); its {kind.noun}s are not read")
+        return empty(dtype=kind.dtype)
+    slots = (size - HEADER.size) // kind.record.size
     if slots < min(head + ring, count):  # a file may end after its last slot written, not before
         warnings.append(
-            f"{path}: the call file is cut short ({max(slots, 0):,} of the {min(head + ring, count):,} slots "
+            f"{path}: the {kind.noun} file is cut short ({max(slots, 0):,} of the {min(head + ring, count):,} slots "
             "its header says were written); read as far as it goes"
         )
-    table = np.frombuffer(raw, CALL_DTYPE, count=len(raw) // CALL.size)
-    return kept(table, head, ring, count, who, warnings, summed)
+    table = np.frombuffer(raw, kind.dtype, count=len(raw) // kind.record.size)
+    return kept(table, head, ring, count, who, warnings, summed, kind.noun)
 
 
 def kept(
-    table: np.ndarray, head: int, ring: int, count: int, who: str, warnings: list[str], summed: str = ""
+    table: np.ndarray,
+    head: int,
+    ring: int,
+    count: int,
+    who: str,
+    warnings: list[str],
+    summed: str = "",
+    noun: str = "call",
 ) -> CallRecords:
     """The records of a call file's slots ``table`` whose stamps say they hold the index
     expected, in index order, and what is missing (warned)."""
@@ -145,23 +186,26 @@ def kept(
     delta = ((ring_stamps - 1 - hint) & STAMP_MASK).astype(np.int64)
     delta[delta >= 1 << 31] -= 1 << 32
     ring_index = hint + delta
-    ring_ok = (ring_stamps != 0) & (ring_index >= head) & ((ring_index - head) % ring == ring_slots)
+    ring_ok = (ring_stamps != 0) & (ring_index >= head) & ((ring_index - head) % max(ring, 1) == ring_slots)
     last = max(int(head_index[head_ok][-1]) if head_ok.any() else -1, int(ring_index[ring_ok].max(initial=-1)))
-    if last < count - 1 <= last + ring:  # begun (the count is written after a record), not whole
+    if last < count - 1 <= last + (ring or head):  # begun (the count is written after a record), not whole
         last = count - 1
     # a ring slot whose index is a lap or more behind the newest was being overwritten:
     # the newer call took its index, and its record was not whole when the process stopped
     ring_ok &= ring_index > last - ring
     index = np.concatenate((head_index[head_ok], ring_index[ring_ok]))
-    records = np.concatenate((table[:n_head][head_ok], table[n_head:][ring_ok]))
-    order = np.argsort(index, kind="stable")
+    whole = table.view(np.dtype((np.void, table.dtype.itemsize)))  # records copied as bytes: ~8x a field-wise copy
+    records = np.concatenate((whole[:n_head][head_ok], whole[n_head:][ring_ok]))
+    order = stable_order(index)
     index, records = index[order], records[order]
-    out = CallRecords(records, index, head, ring, last)
+    out = CallRecords(records.view(table.dtype), index, head, ring, last)
     if last < 0:
         return out
     if last - ring >= head:
         out.lost = (head, last - ring)
-        warnings.append(f"{who}: calls {head:,}..{last - ring:,} not kept (the ring holds the newest {ring:,}){summed}")
+        warnings.append(
+            f"{who}: {noun}s {head:,}..{last - ring:,} not kept (the ring holds the newest {ring:,}){summed}"
+        )
     # the indexes up to the newest that should be here, and are not
     expected = np.zeros(min(head, last + 1), dtype=bool)
     expected[: min(n_head, len(expected))] = head_ok[: len(expected)]
@@ -176,7 +220,7 @@ def kept(
         runs = np.split(at, np.flatnonzero(np.diff(at) != 1) + 1)
         out.missing = [(int(r[0]), int(r[-1])) for r in runs]
         warnings.append(
-            f"{who}: {len(at):,} call record(s) torn or never written (the process stopped while writing "
+            f"{who}: {len(at):,} {noun} record(s) torn or never written (the process stopped while writing "
             f"them?), the first at index {int(at[0]):,}: not read"
         )
     if out.lost is not None:
@@ -184,25 +228,27 @@ def kept(
     return out
 
 
-#: Records read from a call file: (the first one's index, the bytes of adjacent slots).
+#: Records read from a slot file: (the first one's index, the bytes of adjacent slots).
 Run = tuple[int, bytes]
 
 
-def read_since(path: Path, since: int, pending: list[int], most: int | None = None) -> tuple[int, list[Run]] | None:
+def read_since(
+    path: Path, since: int, pending: list[int], most: int | None = None, kind: FileKind = CALLS
+) -> tuple[int, list[Run]] | None:
     """For a follower (`lorascope watch`): the records of indexes ``since`` up to the
     header's count (the newest ``most`` of them at most), and those of the ``pending``
     indexes again (their ends may have been written since), as they are in the file: runs
     of adjacent slots, each read with one ``pread`` (the common look: one run); returns
-    (the count, the runs), or None when the file is not (yet) a call file. Indexes a ring
-    went round over are skipped; the stamps are checked by :func:`decode`, which takes the
-    runs of many files at once."""
+    (the count, the runs), or None when the file is not (yet) a call file (``kind``:
+    another kind of slot file, a steps file). Indexes a ring went round over are skipped;
+    the stamps are checked by :func:`decode`, which takes the runs of many files at once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
         try:
-            head, ring, count = read_header(os.pread(fd, HEADER.size, 0), str(path))
+            head, ring, count = read_header(os.pread(fd, HEADER.size, 0), str(path), kind)
         except BadInputError:
             return None
         first = max(since, count - ring, 0) if count > head else since
@@ -218,11 +264,11 @@ def read_since(path: Path, since: int, pending: list[int], most: int | None = No
             spans[-1][1] = count
         else:
             spans.append([first, count])
-        runs = []
+        size, runs = kind.record.size, []
         for lo, hi in spans:
             for index, slot, n in slot_runs(lo, hi, head, ring):
-                raw = os.pread(fd, n * CALL.size, HEADER.size + slot * CALL.size)
-                whole = len(raw) - len(raw) % CALL.size
+                raw = os.pread(fd, n * size, HEADER.size + slot * size)
+                whole = len(raw) - len(raw) % size
                 if whole:
                     runs.append((index, raw if whole == len(raw) else raw[:whole]))
     except OSError:
@@ -232,13 +278,15 @@ def read_since(path: Path, since: int, pending: list[int], most: int | None = No
     return count, runs
 
 
-def decode(runs: list[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of records (of one call file or many) decoded in one pass: (the records, their
-    indexes, the position in ``runs`` each came from), in the order given; a record whose
-    stamp does not name its index (never written, or overwritten since) is left out."""
-    lengths = np.fromiter((len(raw) // CALL.size for _, raw in runs), np.int64, len(runs))
+def decode(runs: list[Run], kind: FileKind = CALLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of records (of one slot file or many of a ``kind``) decoded in one pass: (the
+    records, their indexes, the position in ``runs`` each came from), in the order given;
+    a record whose stamp does not name its index (never written, or overwritten since) is
+    left out."""
+    size = kind.record.size
+    lengths = np.fromiter((len(raw) // size for _, raw in runs), np.int64, len(runs))
     firsts = np.fromiter((index for index, _ in runs), np.int64, len(runs))
-    table = np.frombuffer(b"".join(raw for _, raw in runs), CALL_DTYPE)
+    table = np.frombuffer(b"".join(raw for _, raw in runs), kind.dtype)
     starts = np.cumsum(lengths) - lengths
     index = np.arange(len(table), dtype=np.int64) + np.repeat(firsts - starts, lengths)
     ok = table["stamp"] == (index + 1) & STAMP_MASK

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -33,6 +34,7 @@ from lorascope.rundir.format.schema import (
     KEPT_CALLS_SUFFIX,
     MANIFEST_FILE,
     RANKS_DIR,
+    STEPS_SUFFIX,
     STREAM_SUFFIX,
     WARM_UP_STEPS,
     SchemaError,
@@ -64,6 +66,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
+from lorascope.rundir.loading.steps import as_records, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -400,6 +403,12 @@ class _Stream:
         self.kept_file: Path | None = None
         #: The ``calls_step`` records: step -> its groups' sums of the calls the ring overwrote.
         self.sums: StepSums = {}
+        #: The ``label`` records (what the steps file's records name), by id; the steps
+        #: file's records (read before the stream: its step numbers bound what is kept);
+        #: the ``loss`` records, put on their steps once every step is there.
+        self.labels: dict[int, str] = {}
+        self.step_table: CallRecords | None = None
+        self.losses: list[dict[str, Any]] = []
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
 
@@ -431,6 +440,14 @@ class _Stream:
         data.last_time = max(data.last_time, float(rec["t"]))
         if kind == "shape":
             self._declare(path, number, rec)
+        elif kind == "label":
+            if self.labels.setdefault(rec["id"], sys.intern(rec["text"])) != rec["text"]:
+                raise BadInputError(f"{path}:{number}: label {rec['id']} is declared again with another text")
+        elif kind == "loss":
+            self.losses.append(rec)
+        elif kind == "steps_file":
+            if rec["file"] != _beside(path, STEPS_SUFFIX).name:
+                self.warnings.append(f"{path}:{number}: a steps file {str(rec['file'])[:80]!r} not beside it: not read")
         elif kind == "coll_err":
             self.errors[rec["index"]] = rec["err"]
         elif kind == "coll_dev":
@@ -476,12 +493,42 @@ class _Stream:
             raise BadInputError(f"{path}:{number}: shape {rec['id']} is declared again with other fields")
 
     def read(self, segs: list[tuple[int, Path]]) -> None:
-        """Every record of the segments, in order."""
+        """The steps file's records (its step numbers to the keeper: what is sure to be
+        dropped is known from the start), then every record of the segments, in order."""
+        self.read_steps(segs[0][1])
+        if self.step_table is not None:
+            self.keeper.note_steps(step_numbers(self.step_table.records))
         for _, path in segs:
             for number, rec in _iter_records(path, self.warnings):
                 self.record(path, number, rec)
             if self.data is not None:
                 self.data.files.append(str(path))
+
+    def read_steps(self, first: Path) -> None:
+        """The process's steps file beside its stream, if there is one."""
+        path = _beside(first, STEPS_SUFFIX)
+        if not path.exists():
+            return
+        if leaves(first.parent, path):
+            self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            return
+        self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
+
+    def take_steps(self, data: RankData) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The steps file's step and phase records (none without one), its times in
+        ``last_time``; then every ``loss`` record put on its step."""
+        steps: list[dict[str, Any]] = []
+        phases: list[dict[str, Any]] = []
+        table = self.step_table
+        if table is not None and len(table):
+            steps, phases = as_records(table.records, self.labels, f"rank {self.rank}", self.warnings)
+            data.last_time = max(data.last_time, float(table.records["t"].max()))
+        return steps, phases
+
+    def put_losses(self, data: RankData) -> None:
+        """The ``loss`` records (a CUDA loss, read once the device got there) onto their steps."""
+        for rec in self.losses:
+            _apply(data, "loss", rec)
 
     def calls(self, first: Path) -> CallRecords:
         """The process's call records (none if it has no call file), warned as read, with
@@ -556,6 +603,12 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
+        steps, phases = self.take_steps(data)
+        data.steps.extend(steps)
+        self.put_losses(data)
+        if phases:
+            data.phases.extend(phases)
+            self.keeper.seen(data, "phase", phases)
         calls = self.reduced(first, windows)
         data.collectives = calls.collectives
         data.last_time = max(data.last_time, calls.last_time)
@@ -744,6 +797,7 @@ def _read_span(
     lo = -math.inf if span[0] is None else span[0]
     hi = math.inf if span[1] is None else span[1]
     out = SpanRecords()
+    stream.read_steps(paths[0])
     for path in paths:
         for number, rec in _iter_records(path, warnings):
             kind = rec.get("k") if isinstance(rec, dict) else None
@@ -759,6 +813,17 @@ def _read_span(
     data = stream.data
     if data is None:
         raise BadInputError(f"{paths[0]}: empty rank stream")
+    for listed, recs in zip(("steps", "phases"), stream.take_steps(data), strict=True):
+        held = getattr(data, listed)
+        for rec in recs:
+            t = rec["t"]
+            if not (t - rec["dur"] if listed == "steps" else t) <= hi or not t >= lo:
+                continue
+            if len(held) >= most:
+                out.left_out += 1
+                continue
+            held.append(rec)
+    stream.put_losses(data)
     out.collectives, left_out = calls_between(
         stream.calls(paths[0]),
         stream.shapes,

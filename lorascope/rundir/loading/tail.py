@@ -19,11 +19,12 @@ A process's call file (beside its stream) is followed by index: a look reads its
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run. The calls are read after the streams (whose ``shape`` lines name what a
-call was), and decoded many processes at a time (:class:`CallBatch`: one set of numpy
-columns a batch of about :data:`BATCH_CALLS` records), not one process at a time: a look
-brings each of 1,024 ranks a step's calls or so, and per-process array operations would
-cost more than the reading.
+long the run. Its steps file is followed the same way: the records written since the
+last look (the newest :data:`START_STEPS` at the first). The calls are read after the
+streams and steps files (whose ``shape`` lines name what a call was), and decoded many
+processes at a time (:class:`CallBatch`: one set of numpy columns a batch of about
+:data:`BATCH_CALLS` records), not one process at a time: a look brings each of 1,024 ranks
+a step's calls or so, and per-process array operations would cost more than the reading.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import numpy as np
 
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.format.safe_open import leaves
-from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import Run, decode, read_since
+from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
+from lorascope.rundir.loading.calls import STEPS, Run, decode, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -54,6 +55,8 @@ MAX_READ_BYTES = 4 << 20
 #: at each look, at most (the oldest: the one a hang sits in).
 START_CALLS = 4096
 MAX_PENDING_CALLS = 256
+#: Steps-file records read at its first look (the newest).
+START_STEPS = 1024
 #: Records decoded in one batch (3 MiB), of as many processes as they come from.
 BATCH_CALLS = 1 << 16
 
@@ -65,6 +68,14 @@ class FollowedCalls:
     path: Path
     count: int = -1
     pending: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FollowedSteps:
+    """A rank process's steps file: the count read up to."""
+
+    path: Path
+    count: int = 0
 
 
 @dataclass
@@ -84,11 +95,13 @@ class Followed:
     size: int = field(default=-1, repr=False)
     #: Its call file, beside the stream (read once it is there).
     calls: FollowedCalls | None = None
+    #: Its steps file, beside the stream (read once it is there).
+    steps: FollowedSteps | None = None
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline).
-Looked = tuple[Followed, bytes]
+#: newline; may be empty) and its steps file's new records (layout.STEP_FIELDS; None: none).
+Looked = tuple[Followed, bytes, np.ndarray | None]
 
 
 @dataclass
@@ -163,11 +176,12 @@ class Tail:
                     continue
                 if known is None:
                     calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
-                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls)
+                    steps = FollowedSteps(Path(entry.path) / (proc + STEPS_SUFFIX))
+                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls, steps=steps)
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines))
+                    finished.append((known, lines, None))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -256,19 +270,34 @@ class Tail:
                 process.calls.pending = calls
         return CallBatch(processes, records, index, owner)
 
+    def _read_steps(self, stream: Followed) -> np.ndarray | None:
+        """The steps file's records written since the last look."""
+        followed = stream.steps
+        if followed is None:
+            return None
+        first = followed.count == 0
+        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, STEPS)
+        if got is None or got[0] == followed.count:
+            return None
+        followed.count, runs = got
+        self.bytes_read += sum(len(raw) for _, raw in runs)
+        steps, _, _ = decode(runs, STEPS)
+        return steps if len(steps) else None
+
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream, as one ``bytes`` of lines without the last newline, one process at a time
-        (those with none are left out): a caller that takes each in before the next holds
-        one process's at most."""
+        stream, as one ``bytes`` of lines without the last newline, and the records its
+        steps file gained, one process at a time (those with neither are left out): a
+        caller that takes each in before the next holds one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             yield from self._scan()
         for stream in list(self.streams.values()):
             lines = self._read(stream)
-            if lines:
-                yield stream, lines
+            steps = self._read_steps(stream)
+            if lines or steps is not None:
+                yield stream, lines, steps
 
     def look_calls(self) -> Iterator[CallBatch]:
         """Every call file's records begun since the last look, and its calls pending at

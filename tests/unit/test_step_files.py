@@ -1,0 +1,241 @@
+"""The steps file (lorascope/rundir/format/callfile.py's writer with layout.STEP_FIELDS, read
+by lorascope/rundir/loading/steps.py): what is on disk, what the reader makes of it, torn
+and cut records, a kill, `lorascope watch`'s tail."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorascope.errors import BadInputError
+from lorascope.rundir.format import callfile as callfile_module
+from lorascope.rundir.format.callfile import CHUNK_SLOTS, step_file, steps_path
+from lorascope.rundir.format.layout import (
+    BEGIN,
+    END,
+    HEADER,
+    HEADER_FIELDS,
+    STEP,
+    STEP_END,
+    STEP_FIELDS,
+    STEPS_MAGIC,
+    STEPS_VERSION,
+    file_size,
+    offset_of,
+)
+from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.reader import load_run
+from lorascope.rundir.loading.steps import as_records, read_steps
+from lorascope.rundir.loading.tail import Tail
+from tests.helpers import Call, RankSpec, Steps, write_run
+
+START = {"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h", "argv": [],
+         "versions": {}, "device": "cpu"}  # fmt: skip
+
+
+def _header(path: Path) -> dict[str, Any]:
+    return dict(zip((f for f, _, _ in HEADER_FIELDS), HEADER.unpack_from(path.read_bytes()), strict=True))
+
+
+def test_a_step_record_is_40_bytes_of_its_table() -> None:
+    assert STEP.size == 40 and STEP.format.startswith("<") and [f for f, _, _ in STEP_FIELDS][-1] == "stamp"
+
+
+def test_records_read_back_as_the_stream_held_them(tmp_path: Path) -> None:
+    """Phase edges and steps written with the probes' writer read back as the records the
+    stream held before: key order, values, a loss none was read for as None."""
+    path = tmp_path / "h-1.steps"
+    f = step_file(path)
+    f.put(10.5, 0.0, math.nan, 0, 0, BEGIN)
+    f.put(10.75, 0.0, math.nan, 0, 0, END)
+    f.put(11.0, 0.512345, 2.25, 1, 1, STEP_END)
+    f.put(12.0, 0.5, math.nan, 2, 1, STEP_END)
+    head = _header(path)
+    assert (head["magic"], head["version"], head["record_size"], head["ring"], head["count"]) == (
+        STEPS_MAGIC, STEPS_VERSION, STEP.size, 0, 4
+    )  # fmt: skip
+    warnings: list[str] = []
+    table = read_steps(path, "rank 0", warnings)
+    steps, phases = as_records(table.records, {0: "forward", 1: "torch"}, "rank 0", warnings)
+    assert not warnings
+    assert [json.dumps(p) for p in phases] == [
+        json.dumps({"name": "forward", "edge": "begin", "step": 0, "k": "phase", "t": 10.5}),
+        json.dumps({"name": "forward", "edge": "end", "step": 0, "k": "phase", "t": 10.75}),
+    ]
+    assert [json.dumps(s) for s in steps] == [
+        json.dumps({"step": 1, "dur": 0.512345, "loss": 2.25, "src": "torch", "k": "step", "t": 11.0}),
+        json.dumps({"step": 2, "dur": 0.5, "loss": None, "src": "torch", "k": "step", "t": 12.0}),
+    ]
+
+
+def test_the_file_grows_by_chunks_without_a_ring(tmp_path: Path) -> None:
+    path = tmp_path / "h-1.steps"
+    f = step_file(path)
+    assert os.path.getsize(path) == file_size(CHUNK_SLOTS, 0, STEP)
+    n = 3 * CHUNK_SLOTS + 5
+    for i in range(n):
+        f.put(float(i), 0.0, math.nan, i, 0, BEGIN)
+    assert os.path.getsize(path) == file_size(4 * CHUNK_SLOTS, 0, STEP)
+    table = read_steps(path, "rank 0", [])
+    assert table.records["step"].tolist() == list(range(n))  # every one kept, in order
+
+
+def test_torn_and_cut_records_are_dropped_with_a_warning(tmp_path: Path) -> None:
+    """A slot whose stamp is not its index's (never written, or torn) is dropped; a file
+    cut in a record is read as far as it goes; a bad header is one warning, no steps."""
+    path = tmp_path / "h-1.steps"
+    f = step_file(path)
+    for i in range(6):
+        f.put(float(i), 1.0, 1.0, i + 1, 0, STEP_END)
+    f.close()
+    data = bytearray(path.read_bytes())
+    at = HEADER.size + 2 * STEP.size + offset_of(STEP_FIELDS, "stamp")
+    data[at : at + 4] = (0).to_bytes(4, "little")  # record 2: begun, its stamp not yet written
+    path.write_bytes(bytes(data[: HEADER.size + 5 * STEP.size + 17]))  # record 5 cut
+    warnings: list[str] = []
+    table = read_steps(path, "rank 0", warnings)
+    assert table.records["step"].tolist() == [1, 2, 4, 5]
+    assert any("2 step record(s) torn or never written" in w and "index 2" in w for w in warnings), warnings  # 2 and 5
+    assert any("the step file is cut short" in w for w in warnings), warnings
+    path.write_bytes(b"LSCALLS\0" + bytes(data[8 : HEADER.size]))
+    warnings = []
+    assert len(read_steps(path, "rank 0", warnings)) == 0
+    assert warnings == [f"{path}: not a step file (its first bytes are b'LSCALLS\\x00'); rank 0's steps are not read"]
+
+
+def test_without_a_shared_mapping_the_same_records_by_pwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> mmap.mmap:
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(callfile_module.mmap, "mmap", refuse)
+    path = tmp_path / "h-1.steps"
+    f = step_file(path)
+    assert f.how == "pwrite (No such device)"
+    for i in range(CHUNK_SLOTS + 3):
+        f.put(float(i), 0.5, 1.0, i + 1, 0, STEP_END)
+    assert read_steps(path, "rank 0", []).records["step"].tolist() == list(range(1, CHUNK_SLOTS + 4))
+
+
+@pytest.mark.parametrize("death", ["SIGKILL", "abort"])
+def test_a_killed_process_leaves_every_step_it_wrote(tmp_path: Path, death: str) -> None:
+    """A process that dies right after a record (no flush, no close, no exit handler)
+    leaves it on disk: the page cache holds what was stored into the shared mapping."""
+    path = tmp_path / "h-1.steps"
+    n = 3 * CHUNK_SLOTS + 17  # across chunks
+    kill = "os.kill(os.getpid(), signal.SIGKILL)" if death == "SIGKILL" else "os.abort()"
+    code = (
+        "import math, os, signal, sys\n"
+        "from lorascope.rundir.format.callfile import step_file\n"
+        f"f = step_file(__import__('pathlib').Path({str(path)!r}))\n"
+        f"for i in range({n}):\n"
+        "    f.put(float(i), 0.25, float(i), i + 1, 0, 2)\n"
+        "print('written', flush=True)\n"
+        f"{kill}\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "written\n" and proc.returncode == (
+        -signal.SIGKILL if death == "SIGKILL" else -signal.SIGABRT
+    )
+    warnings: list[str] = []
+    table = read_steps(path, "rank 0", warnings)
+    assert table.records["step"].tolist() == list(range(1, n + 1)) and not warnings
+    assert table.records["loss"].tolist() == [float(i) for i in range(n)]
+
+
+def _run(tmp_path: Path, in_file: bool) -> Path:
+    """A one-rank run whose phase edges and steps (one a CUDA loss given later, one a NaN)
+    are in its steps file, or (``in_file`` False) stream records as before."""
+    run = tmp_path / ("file" if in_file else "stream")
+    record_launch(run, "h-1", ["job"])
+    prefix = stream_prefix(run, 0, "h", 42)
+    stream = Stream(prefix)
+    stream.write({**START, "t": 1.0})
+    steps = Steps(stream, prefix, 1.0) if in_file else None
+    for step in range(6):
+        t = 2.0 + step
+        recs: list[dict[str, Any]] = [
+            {"k": "phase", "t": t, "name": "forward", "edge": "begin", "step": step},
+            {"k": "phase", "t": t + 0.25, "name": "forward", "edge": "end", "step": step},
+            {"k": "phase", "t": t + 0.5, "name": "backward", "edge": "begin", "step": step},
+            {"k": "phase", "t": t + 0.75, "name": "backward", "edge": "end", "step": step},
+            {"k": "step", "t": t + 0.9, "step": step + 1, "dur": 0.9, "loss": None if step == 2 else 1.0 / (step + 1),
+             "src": "deepspeed"},
+        ]  # fmt: skip
+        for rec in recs:
+            if steps is not None:
+                steps.record(rec)
+            else:
+                stream.write(rec)
+        stream.write({"k": "mem", "t": t + 0.95, "src": "step", "step": step + 1, "rss": 1000 + step})
+    stream.write({"k": "loss", "t": 9.0, "step": 3, "loss": 0.3})
+    stream.write({"k": "end", "t": 9.5, "status": "exit", "code": 0})
+    stream.close()
+    return run
+
+
+def test_a_steps_file_reads_as_the_stream_records_did(tmp_path: Path) -> None:
+    """The reader gives the detectors the same steps and phases from the steps file as
+    from the stream's records (a later ``loss`` record put on its step), and the same
+    per-step sums over them."""
+    from_file, from_stream = load_run(_run(tmp_path, True)).ranks[0], load_run(_run(tmp_path, False)).ranks[0]
+    assert from_file.steps == from_stream.steps and len(from_file.steps) == 6
+    assert from_file.steps[2]["loss"] == 0.3
+    assert from_file.phases == from_stream.phases and len(from_file.phases) == 24
+    assert from_file.totals == from_stream.totals and from_file.last_time == from_stream.last_time
+
+
+def test_a_label_declared_again_with_another_text_is_a_corrupt_stream(tmp_path: Path) -> None:
+    run = _run(tmp_path, True)
+    [path] = (run / "ranks" / "rank-0").glob("*.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"k": "label", "t": 9.9, "id": 0, "text": "eval"}) + "\n")
+    with pytest.raises(BadInputError, match=r":\d+: label 0 is declared again with another text"):
+        load_run(run)
+
+
+def test_records_naming_no_label_read_as_unknown_with_a_warning(tmp_path: Path) -> None:
+    run = _run(tmp_path, True)
+    [path] = (run / "ranks" / "rank-0").glob("*.jsonl")
+    path.write_text("".join(line for line in path.read_text().splitlines(True) if '"k":"label"' not in line))
+    loaded = load_run(run)
+    assert {s["src"] for s in loaded.ranks[0].steps} == {"unknown"}
+    assert any("name label(s) [0, 1, 2] no 'label' record declares" in w for w in loaded.warnings), loaded.warnings
+
+
+def test_helpers_runs_hold_their_steps_in_the_steps_file(tmp_path: Path) -> None:
+    run = write_run(tmp_path, [RankSpec(steps=3, phases=[("eval", 1)], calls=[Call("all_reduce")])])
+    [stream] = (run / "ranks" / "rank-0").glob("*.jsonl")
+    kinds = [json.loads(line)["k"] for line in stream.read_text().splitlines()]
+    assert "step" not in kinds and "phase" not in kinds and kinds.count("label") == 2
+    rank = load_run(run).ranks[0]
+    assert [s["step"] for s in rank.steps] == [1, 2, 3]
+    assert [(p["name"], p["edge"]) for p in rank.phases] == [("eval", "begin"), ("eval", "end")]
+
+
+def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
+    """`lorascope watch`'s tail reads the records written since its last look, and nothing
+    when none was."""
+    folder = tmp_path / "ranks" / "rank-0"
+    folder.mkdir(parents=True)
+    (folder / "h-1.0000.jsonl").write_text(json.dumps({**START, "t": 1.0}) + "\n")
+    f = step_file(steps_path(folder / "h-1"))
+    f.put(2.0, 0.5, 1.0, 1, 0, STEP_END)
+    tail = Tail(tmp_path)
+    [(_, _, first)] = list(tail.look())
+    assert first is not None and first["step"].tolist() == [1]
+    assert [s for *_, s in tail.look()] == []
+    f.put(3.0, 0.0, math.nan, 1, 1, BEGIN)
+    f.put(3.5, 0.5, 1.0, 2, 0, STEP_END)
+    [(_, lines, more)] = list(tail.look())
+    assert lines == b"" and more is not None and more["step"].tolist() == [1, 2]
+    assert more["kind"].tolist() == [BEGIN, STEP_END]
