@@ -51,7 +51,7 @@ import numpy as np
 from lorascope.detect.pace import MIN_RATIO
 from lorascope.detect.straggler import MIN_STEPS
 from lorascope.rundir.format.layout import BEGIN, STEP_END
-from lorascope.rundir.loading.tail import CallBatch, Followed, Looked, Tail
+from lorascope.rundir.loading.tail import Batch, Followed, Looked, Tail
 from lorascope.units import short_error
 
 #: Steps kept per rank for its step time and work.
@@ -137,20 +137,6 @@ class LiveRank:
             self._rare(data[start:end])
             pos = end
         self._mem(data)
-
-    def take_steps(self, records: np.ndarray) -> None:
-        """Records the steps file gained: its steps' ends, and its phase edges (the last
-        one says which phase it is in)."""
-        kinds = records["kind"]
-        ended = records[kinds == STEP_END]
-        cols = (ended["step"].tolist(), ended["dur"].tolist(), ended["t"].tolist())
-        for step, dur, t in zip(*cols, strict=True):
-            self._step(step, dur, t)
-        edges = np.flatnonzero(kinds < STEP_END)
-        if len(edges):
-            last = records[edges[-1]]
-            self.phase = self.labels.get(int(last["label"]), "?") if int(last["kind"]) == BEGIN else None
-            self.last_t = max(self.last_t, float(records["t"][edges].max()))
 
     def _mem(self, data: bytes) -> None:
         """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
@@ -283,6 +269,8 @@ class LiveRun:
         """Take in what a look of ``tail`` finds: the streams' lines and steps files' records,
         then the calls (the lines declare the shapes the calls name)."""
         self.take(tail.look())
+        for batch in tail.look_steps():
+            self.take_steps(batch)
         for batch in tail.look_calls():
             self.take_calls(batch)
 
@@ -294,14 +282,34 @@ class LiveRun:
         return rank
 
     def take(self, looked: Iterable[Looked]) -> None:
-        for stream, lines, steps in looked:
-            rank = self._process(stream)
-            if lines:
-                rank.take(lines)
-            if steps is not None:
-                rank.take_steps(steps)
+        for stream, lines in looked:
+            self._process(stream).take(lines)
 
-    def take_calls(self, batch: CallBatch) -> None:
+    def take_steps(self, batch: Batch) -> None:
+        """Steps-file records of a look, many processes' at once: each one's steps' ends,
+        and its phase edges (the last one says which phase it is in)."""
+        ranks = [self._process(stream) for stream in batch.processes]
+        records, owner = batch.records, batch.owner
+        kinds = records["kind"]
+        ended = np.flatnonzero(kinds == STEP_END)
+        cols = (owner[ended].tolist(), records["step"][ended].tolist(), records["dur"][ended].tolist(),
+                records["t"][ended].tolist())  # fmt: skip
+        for at, step, dur, t in zip(*cols, strict=True):
+            ranks[at]._step(step, dur, t)
+        edges = np.flatnonzero(kinds < STEP_END)
+        if not len(edges):
+            return
+        of = owner[edges]  # each process's records are together: so are its edges
+        firsts = np.flatnonzero(np.diff(of, prepend=-1))
+        lasts = edges[np.append(firsts[1:] - 1, len(edges) - 1)]
+        latest = np.maximum.reduceat(records["t"][edges], firsts)
+        cols = (of[firsts].tolist(), records["label"][lasts].tolist(), kinds[lasts].tolist(), latest.tolist())
+        for at, label, kind, t in zip(*cols, strict=True):
+            rank = ranks[at]
+            rank.phase = rank.labels.get(label, "?") if kind == BEGIN else None
+            rank.last_t = max(rank.last_t, t)
+
+    def take_calls(self, batch: Batch) -> None:
         """Call records of a look, many processes' at once (the calls each had pending at
         the last look read again, then its new ones), taken in as columns: per process,
         the latest time it wrote, the calls pending now (every call it had pending was

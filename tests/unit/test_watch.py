@@ -20,9 +20,9 @@ from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
 from lorascope.rundir.format.callfile import CallFile, step_file
-from lorascope.rundir.format.layout import CALL
+from lorascope.rundir.format.layout import BEGIN, CALL, STEP_END
 from lorascope.rundir.loading import tail as tail_module
-from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls
+from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
@@ -45,7 +45,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data, _ in tail.look():
+    for stream, data in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -109,7 +109,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data, _), *_ = list(tail.look())
+    (stream, data), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -141,12 +141,14 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
                 lines, rest = (chunk[:cut], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
                 last = json.loads(lines.rsplit(b"\n", 1)[-1])["t"] if lines else -1.0
                 done = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
-                live.take([(stream, lines, steps[given_steps:done] if done > given_steps else None)])
+                live.take([(stream, lines)])
+                part = np.arange(given_steps, max(given_steps, done))
+                live.take_steps(tail_module.Batch([stream], steps[part], part, np.zeros(len(part), dtype=np.int64)))
                 given_steps = max(given_steps, done)
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
                 at = np.concatenate((pending, np.arange(given, max(given, upto))))
                 owner = np.zeros(len(at), dtype=np.int64)
-                live.take_calls(tail_module.CallBatch([stream], calls.records[at], calls.index[at], owner))
+                live.take_calls(tail_module.Batch([stream], calls.records[at], calls.index[at], owner))
                 pending = at[calls.records["end"][at] == 0.0]
                 given = max(given, upto)
     return live
@@ -228,7 +230,7 @@ def test_calls_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
         is_async = {shape: bool(rng.integers(2)) for shape in range(4)}
         shapes = [b'{"k":"shape","t":1.0,"id":%d,"op":"op%d","async":%s}' % (s, s, b"true" if a else b"false")
                   for s, a in is_async.items()]  # fmt: skip
-        live.take([(stream, b"\n".join(shapes), None)])
+        live.take([(stream, b"\n".join(shapes))])
         calls = np.zeros(int(rng.integers(0, 40)), CALL_DTYPE)
         calls["t"] = 100 + rng.random(len(calls)) * 10
         calls["end"] = np.where(rng.random(len(calls)) < 0.2, 0.0, calls["t"] + rng.random(len(calls)))
@@ -247,14 +249,47 @@ def test_calls_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
         want.append((waited, pending, latest))
     owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
     records = np.concatenate(parts)
-    live.take_calls(tail_module.CallBatch(streams, records, np.arange(len(records)), owner))
+    live.take_calls(tail_module.Batch(streams, records, np.arange(len(records)), owner))
     for stream, (waited, pending, latest) in zip(streams, want, strict=True):
         rank = live.processes[(stream.rank, stream.process)]
         assert rank.waited.keys() == waited.keys()
         assert all(rank.waited[k] == pytest.approx(v) for k, v in waited.items())
         assert rank.pending == pending and rank.last_t == latest
-    live.take_calls(tail_module.CallBatch(streams[:1], records[:0], np.zeros(0, np.int64), owner[:0]))
+    live.take_calls(tail_module.Batch(streams[:1], records[:0], np.zeros(0, np.int64), owner[:0]))
     assert not live.processes[(0, "h-0")].pending  # read again and not there: gone round the ring
+
+
+def test_steps_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """One batch of several processes' steps-file records leaves each process as its own
+    records would: its steps (number, duration), the phase its last edge says it is in, the
+    latest time; a process with no record in the batch is left as it was."""
+    rng = np.random.default_rng(7)
+    live = LiveRun()
+    streams, parts, want = [], [], []
+    for n in range(6):
+        stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+        live.take([(stream, b'{"k":"label","t":1.0,"id":3,"text":"backward"}')])
+        recs = np.zeros(int(rng.integers(0, 9)) if n != 2 else 0, STEP_DTYPE)
+        recs["t"] = 50 + np.sort(rng.random(len(recs)))
+        recs["kind"] = rng.integers(0, 3, len(recs))
+        recs["label"] = np.where(rng.random(len(recs)) < 0.5, 3, 4)  # 4: a label never declared
+        recs["step"] = np.arange(len(recs)) + 10 * n
+        recs["dur"] = np.where(recs["kind"] == STEP_END, rng.random(len(recs)), 0.0)
+        ends = recs[recs["kind"] == STEP_END]
+        edges = recs[recs["kind"] != STEP_END]
+        phase = None if not len(edges) or edges["kind"][-1] != BEGIN else "backward" if edges["label"][-1] == 3 else "?"
+        latest = float(recs["t"].max()) if len(recs) else 1.0  # the label line's time
+        streams.append(stream)
+        parts.append(recs)
+        want.append((ends["step"].tolist(), ends["dur"].tolist(), phase, latest))
+    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    records = np.concatenate(parts)
+    live.take_steps(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+    assert {p for *_, p, _ in want} >= {None, "backward", "?"}
+    for stream, (steps, durs, phase, latest) in zip(streams, want, strict=True):
+        rank = live.processes[(stream.rank, stream.process)]
+        assert [s for s, _ in rank.timed] == [s for s in steps if s > 1] and list(rank.durs) == durs
+        assert rank.step == (steps[-1] if steps else 0) and rank.phase == phase and rank.last_t == latest
 
 
 def _synthetic(ranks: int, now: float) -> LiveRun:

@@ -22,9 +22,9 @@ since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls
 long the run. Its steps file is followed the same way: the records written since the
 last look (the newest :data:`START_STEPS` at the first). The calls are read after the
 streams and steps files (whose ``shape`` lines name what a call was), and decoded many
-processes at a time (:class:`CallBatch`: one set of numpy columns a batch of about
-:data:`BATCH_CALLS` records), not one process at a time: a look brings each of 1,024 ranks
-a step's calls or so, and per-process array operations would cost more than the reading.
+processes at a time (:class:`Batch`: one set of numpy columns a batch of about
+:data:`BATCH_BYTES`), not one process at a time: a look brings each of 1,024 ranks a
+step's calls or so, and per-process array operations would cost more than the reading.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.format.safe_open import leaves
 from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import STEPS, Run, decode, read_since
+from lorascope.rundir.loading.calls import CALLS, STEPS, FileKind, Run, decode, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -57,8 +56,8 @@ START_CALLS = 4096
 MAX_PENDING_CALLS = 256
 #: Steps-file records read at its first look (the newest).
 START_STEPS = 1024
-#: Records decoded in one batch (3 MiB), of as many processes as they come from.
-BATCH_CALLS = 1 << 16
+#: Bytes of records decoded in one batch, of as many processes as they come from.
+BATCH_BYTES = 3 << 20
 
 
 @dataclass
@@ -100,22 +99,30 @@ class Followed:
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline; may be empty) and its steps file's new records (layout.STEP_FIELDS; None: none).
-Looked = tuple[Followed, bytes, np.ndarray | None]
+#: newline).
+Looked = tuple[Followed, bytes]
 
 
 @dataclass
-class CallBatch:
-    """The call records a look read of some processes, as one set of columns: ``records``
-    (CALL_DTYPE) and ``index``, each process's together and in index order (its pending
-    calls read again, then the new ones), ``owner`` the position of its process in
-    ``processes``. Every process read is there, also one none of whose records were kept
-    (those a ring went round over): the calls it had pending are not any more."""
+class Batch:
+    """The records a look read of some processes' slot files of one kind (their call
+    files, or their steps files), as one set of columns: ``records`` (the kind's dtype)
+    and ``index``, each process's together and in index order (a call file's: its calls
+    pending at the last look read again, then the new ones), ``owner`` the position of its
+    process in ``processes``. Every process read is there, also one none of whose records
+    were kept (those a ring went round over): the calls it had pending are not any more."""
 
     processes: list[Followed]
     records: np.ndarray
     index: np.ndarray
     owner: np.ndarray
+
+
+def _batch(processes: list[Followed], runs: list[Run], owners: list[int], kind: FileKind) -> Batch:
+    """The runs read of ``processes`` (``owners``: the position of each run's process),
+    decoded at once."""
+    records, index, run = decode(runs, kind)
+    return Batch(processes, records, index, np.asarray(owners, dtype=np.int64)[run])
 
 
 def _rank_of(name: str) -> int | None:
@@ -181,7 +188,7 @@ class Tail:
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines, None))
+                    finished.append((known, lines))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -254,24 +261,8 @@ class Tail:
         self.bytes_read += sum(len(raw) for _, raw in runs)
         return runs
 
-    @staticmethod
-    def _batch(processes: list[Followed], runs: list[Run], owners: list[int]) -> CallBatch:
-        """The runs read of ``processes`` decoded at once; each process's pending calls
-        (for the next look) are those here that have not ended."""
-        records, index, run = decode(runs)
-        owner = np.asarray(owners, dtype=np.int64)[run]
-        pending: list[list[int]] = [[] for _ in processes]
-        for at in np.flatnonzero(records["end"] == 0.0).tolist():
-            of = pending[owner[at]]
-            if len(of) < MAX_PENDING_CALLS:
-                of.append(int(index[at]))
-        for process, calls in zip(processes, pending, strict=True):
-            if process.calls is not None:
-                process.calls.pending = calls
-        return CallBatch(processes, records, index, owner)
-
-    def _read_steps(self, stream: Followed) -> np.ndarray | None:
-        """The steps file's records written since the last look."""
+    def _read_steps(self, stream: Followed) -> list[Run] | None:
+        """The steps file's records written since the last look, as read (None: none)."""
         followed = stream.steps
         if followed is None:
             return None
@@ -281,42 +272,60 @@ class Tail:
             return None
         followed.count, runs = got
         self.bytes_read += sum(len(raw) for _, raw in runs)
-        steps, _, _ = decode(runs, STEPS)
-        return steps if len(steps) else None
+        return runs
 
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream, as one ``bytes`` of lines without the last newline, and the records its
-        steps file gained, one process at a time (those with neither are left out): a
-        caller that takes each in before the next holds one process's at most."""
+        stream, as one ``bytes`` of lines without the last newline, one process at a time
+        (those with none are left out): a caller that takes each in before the next holds
+        one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             yield from self._scan()
         for stream in list(self.streams.values()):
             lines = self._read(stream)
-            steps = self._read_steps(stream)
-            if lines or steps is not None:
-                yield stream, lines, steps
+            if lines:
+                yield stream, lines
 
-    def look_calls(self) -> Iterator[CallBatch]:
+    def look_steps(self) -> Iterator[Batch]:
+        """Every steps file's records written since the last look, in batches (the
+        processes with none are left out). Called after :meth:`look`."""
+        return self._batches(STEPS, self._read_steps)
+
+    def look_calls(self) -> Iterator[Batch]:
         """Every call file's records begun since the last look, and its calls pending at
-        the last look read again, in batches of about :data:`BATCH_CALLS` records (the
-        processes with neither are left out). Called after :meth:`look`."""
+        the last look read again, in batches (the processes with neither are left out);
+        each process's calls pending now, to read again at the next look, are those not
+        ended. Called after :meth:`look`."""
+        for batch in self._batches(CALLS, self._read_calls):
+            pending: list[list[int]] = [[] for _ in batch.processes]
+            for at in np.flatnonzero(batch.records["end"] == 0.0).tolist():
+                of = pending[batch.owner[at]]
+                if len(of) < MAX_PENDING_CALLS:
+                    of.append(int(batch.index[at]))
+            for process, calls in zip(batch.processes, pending, strict=True):
+                if process.calls is not None:
+                    process.calls.pending = calls
+            yield batch
+
+    def _batches(self, kind: FileKind, read: Callable[[Followed], list[Run] | None]) -> Iterator[Batch]:
+        """What ``read`` reads of each process's slot file of a ``kind``, decoded
+        :data:`BATCH_BYTES` or so at a time, many processes' in one pass."""
         processes: list[Followed] = []
         runs: list[Run] = []
         owners: list[int] = []
         size = 0
         for stream in list(self.streams.values()):
-            got = self._read_calls(stream)
+            got = read(stream)
             if got is None:
                 continue
             owners.extend([len(processes)] * len(got))
             processes.append(stream)
             runs.extend(got)
             size += sum(len(raw) for _, raw in got)
-            if size >= BATCH_CALLS * CALL.size:
-                yield self._batch(processes, runs, owners)
+            if size >= BATCH_BYTES:
+                yield _batch(processes, runs, owners, kind)
                 processes, runs, owners, size = [], [], [], 0
         if processes:
-            yield self._batch(processes, runs, owners)
+            yield _batch(processes, runs, owners, kind)
