@@ -123,7 +123,8 @@ class LiveRank:
     def work(self) -> list[float]:
         """Its own work in each of its last steps (past the first): the step's time less its
         time in synchronous collectives (as the ``straggler`` detector measures it)."""
-        return [max(0.0, dur - self.waited.get(step - 1, 0.0)) for step, dur in self.timed]
+        get = self.waited.get  # a view computes this for every rank: no call but the dict's
+        return [w if w > 0.0 else 0.0 for w in [dur - get(step - 1, 0.0) for step, dur in self.timed]]
 
     def take(self, data: bytes) -> None:
         """Lines the stream appended (without the last newline)."""
