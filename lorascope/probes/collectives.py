@@ -56,7 +56,7 @@ from lorascope.rundir.format.callfile import CallFile, calls_path, kept_calls_pa
 from lorascope.rundir.format.layout import DEFAULT_HEAD, DEFAULT_RING
 from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
 from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, rank_condition_in
-from lorascope.rundir.format.writer import Stream, json_str
+from lorascope.rundir.format.writer import Declared, Stream, json_str
 
 MAX_PENDING_EVENTS = 4096
 
@@ -116,36 +116,26 @@ def _fields(key: _ShapeKey) -> str:
 
 
 class _Shapes:
-    """The call shapes one stream has declared: each one's id and its ``shape`` record,
-    written (on disk) before the first call that names it, and again at the head of every
-    later segment (``Stream.declare``: the earlier segments may be rotated away)."""
+    """The call shapes one stream has declared (:class:`Declared`): each one's id, its
+    ``shape`` record, and its op."""
 
-    __slots__ = ("ids", "lines", "ops", "_lock", "_stream")
+    __slots__ = ("ids", "ops", "_declared")
 
     def __init__(self, stream: Stream) -> None:
-        self.ids: dict[_ShapeKey, int] = {}
-        self.lines: list[str] = []
+        self._declared: Declared[_ShapeKey] = Declared(stream, MAX_SHAPES)
+        self.ids = self._declared.ids
         #: Each shape's op, by id.
         self.ops: list[str] = []
-        self._lock = threading.Lock()
-        self._stream = stream
 
     def declare(self, key: _ShapeKey) -> int:
         """The id of a shape not in ``ids`` (the caller looks there first), its record
         written now, after everything queued before it (the ``group`` and ``site``
         records it names); -1 past MAX_SHAPES."""
-        with self._lock:
-            known = self.ids.get(key)
-            if known is not None:  # another thread declared it first
-                return known
-            n = len(self.lines)
-            if n >= MAX_SHAPES:
-                return -1
-            self.lines.append(f'{{"k":"shape","t":{time.time():.6f},"id":{n}{_fields(key)}}}\n')
-            self._stream.declare(self.lines[-1])
-            self.ops.append(key[0])
-            self.ids[key] = n
-            return n
+        return self._declared.declare(
+            key,
+            lambda n: f'{{"k":"shape","t":{time.time():.6f},"id":{n}{_fields(key)}}}\n',
+            lambda _: self.ops.append(key[0]),
+        )
 
 
 def _call_file(session: Session, prefix: Path, kept: bool = False) -> CallFile:
@@ -587,7 +577,8 @@ class CollectiveProbe:
             t = time.time()
             # in the call file before the call starts: the rank may block in it, or die
             size = -1 if nbytes is None else nbytes
-            index = self.calls.begin(t, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
+            # CallFile.begin without its call layer: its end 0.0, not yet
+            index = self.calls.put(t, 0.0, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
             call = _Call(index, t, seq, gid, nbytes, key)
             self._in_flight[(gid, seq)] = call
             # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)

@@ -21,7 +21,6 @@ import functools
 import importlib
 import math
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -35,7 +34,7 @@ from lorascope.probes.session import COST_EVERY, Session, plain
 from lorascope.rundir.format.callfile import step_file, steps_path
 from lorascope.rundir.format.layout import BEGIN, END, STEP_END
 from lorascope.rundir.format.schema import WARM_UP_STEPS
-from lorascope.rundir.format.writer import json_str
+from lorascope.rundir.format.writer import Declared, json_str
 
 #: A phase edge's ``kind`` in the steps file.
 _EDGES = {"begin": BEGIN, "end": END}
@@ -71,26 +70,20 @@ class StepRecords:
 
     def __init__(self, session: Session) -> None:
         self.file = step_file(steps_path(session.stream.prefix), on_error=lambda exc: session.fail("steps", exc))
-        self._stream = session.stream
-        self._labels: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._labels: Declared[str] = Declared(session.stream, MAX_LABELS)
         session.stream.write({"k": "steps_file", "file": self.file.path.name, "how": self.file.how})
 
     def label(self, text: str) -> int:
         """The id of a label, declared now if new."""
-        known = self._labels.get(text)
+        known = self._labels.ids.get(text)
         if known is not None:
             return known
-        with self._lock:
-            known = self._labels.get(text)
-            if known is not None:  # another thread declared it first
-                return known
-            n = len(self._labels)
-            if n >= MAX_LABELS:
-                raise ValueError(f"more than {MAX_LABELS} phase names and step sources")
-            self._stream.declare(f'{{"k":"label","t":{time.time()!r},"id":{n},"text":{json_str(text)}}}\n')
-            self._labels[text] = n
-            return n
+        n = self._labels.declare(
+            text, lambda n: f'{{"k":"label","t":{time.time()!r},"id":{n},"text":{json_str(text)}}}\n'
+        )
+        if n < 0:
+            raise ValueError(f"more than {MAX_LABELS} phase names and step sources")
+        return n
 
 
 class StepProbe:

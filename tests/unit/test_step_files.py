@@ -152,16 +152,16 @@ def test_a_killed_process_leaves_every_step_it_wrote(tmp_path: Path, death: str)
     assert table.records["loss"].tolist() == [float(i) for i in range(n)]
 
 
-def _run(tmp_path: Path, in_file: bool) -> Path:
-    """A one-rank run whose phase edges and steps (one a CUDA loss given later, one a NaN)
-    are in its steps file, or (``in_file`` False) stream records as before."""
-    run = tmp_path / ("file" if in_file else "stream")
+def _run(tmp_path: Path, in_file: bool, steps_made: int = 6) -> Path:
+    """A one-rank run whose phase edges and steps (one a CUDA loss given later, one
+    without a loss) are in its steps file, or (``in_file`` False) stream records as before."""
+    run = tmp_path / (("file" if in_file else "stream") + str(steps_made))
     record_launch(run, "h-1", ["job"])
     prefix = stream_prefix(run, 0, "h", 42)
     stream = Stream(prefix)
     stream.write({**START, "t": 1.0})
     steps = Steps(stream, prefix, 1.0) if in_file else None
-    for step in range(6):
+    for step in range(steps_made):
         t = 2.0 + step
         recs: list[dict[str, Any]] = [
             {"k": "phase", "t": t, "name": "forward", "edge": "begin", "step": step},
@@ -177,8 +177,8 @@ def _run(tmp_path: Path, in_file: bool) -> Path:
             else:
                 stream.write(rec)
         stream.write({"k": "mem", "t": t + 0.95, "src": "step", "step": step + 1, "rss": 1000 + step})
-    stream.write({"k": "loss", "t": 9.0, "step": 3, "loss": 0.3})
-    stream.write({"k": "end", "t": 9.5, "status": "exit", "code": 0})
+    stream.write({"k": "loss", "t": 2.0 + steps_made, "step": 3, "loss": 0.3})
+    stream.write({"k": "end", "t": 2.5 + steps_made, "status": "exit", "code": 0})
     stream.close()
     return run
 
@@ -192,6 +192,24 @@ def test_a_steps_file_reads_as_the_stream_records_did(tmp_path: Path) -> None:
     assert from_file.steps[2]["loss"] == 0.3
     assert from_file.phases == from_stream.phases and len(from_file.phases) == 24
     assert from_file.totals == from_stream.totals and from_file.last_time == from_stream.last_time
+
+
+def test_a_long_steps_file_is_decimated_as_the_stream_records_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the step budget, the phase records decimation is sure to drop are never made
+    from the steps file (a long run's would not fit), and what is kept is what the
+    stream's records kept: steps, phases, memory readings, the time outside backward."""
+    from lorascope.rundir.loading import reader
+
+    monkeypatch.setattr(reader, "steps_per_rank", lambda ranks: 64)
+    from_file = load_run(_run(tmp_path, True, 700)).ranks[0]
+    from_stream = load_run(_run(tmp_path, False, 700)).ranks[0]
+    assert from_file.stride == from_stream.stride > 1
+    assert from_file.steps == from_stream.steps and from_file.phases == from_stream.phases
+    assert len(from_file.phases) < 4 * 100 and from_file.mem == from_stream.mem
+    assert from_file.coll_wait_outside_backward == from_stream.coll_wait_outside_backward
+    assert from_file.totals == from_stream.totals
 
 
 def test_a_label_declared_again_with_another_text_is_a_corrupt_stream(tmp_path: Path) -> None:
@@ -244,3 +262,14 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
     [more] = looked()
     assert more["step"].tolist() == [1, 2]
     assert more["kind"].tolist() == [BEGIN, STEP_END]
+
+
+def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
+    """What a process's steps were before they left its stream still counts against
+    ``--max-stream-size``: a steps file that takes it past is refused in one line."""
+    run = _run(tmp_path, True)
+    [path] = (run / "ranks" / "rank-0").glob("*.steps")
+    with open(path, "ab") as f:
+        f.truncate(600 << 20)  # sparse
+    with pytest.raises(BadInputError, match=r"rank 0: its stream \(.* and its steps file\) is over the 512 MiB limit"):
+        load_run(run)

@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -374,15 +375,21 @@ def test_non_utf8_argv_host_and_run_directory_path(tmp_path: Path) -> None:
 def test_json_outputs_are_strict(tmp_path: Path) -> None:
     """A NaN loss and an infinite step time: `analyze --json` and the Perfetto file parse
     with a strict parser (non-finite numbers are null)."""
+    from lorascope.rundir.format.layout import HEADER, STEP, STEP_END, STEP_FIELDS, offset_of
+    from lorascope.rundir.loading.steps import read_steps
+
     run = copied_run(tmp_path)
-
-    def non_finite(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        steps = [r for r in records if r["k"] == "step"]
-        steps[-1]["loss"] = math.nan
-        steps[0]["dur"] = math.inf
-        return records
-
-    edit_records(run, 0, non_finite)
+    [steps_file] = (run / "ranks" / "rank-0").glob("*.steps")
+    table = read_steps(steps_file, "rank 0", [])
+    ends = table.index[table.records["kind"] == STEP_END]
+    data = bytearray(steps_file.read_bytes())  # the first step's time infinite
+    at = HEADER.size + int(ends[0]) * STEP.size + offset_of(STEP_FIELDS, "dur")
+    data[at : at + 8] = struct.pack("<d", math.inf)
+    steps_file.write_bytes(bytes(data))
+    last = int(table.records["step"][table.records["kind"] == STEP_END][-1])
+    edit_records(
+        run, 0, lambda records: [*records, {"k": "loss", "t": records[-1]["t"], "step": last, "loss": math.nan}]
+    )
     shown = capped_cli("analyze", str(run), "--no-hta", "--json")
     assert shown.returncode == 0, shown.stderr
     _strict(shown.stdout)

@@ -96,6 +96,8 @@ class SlotFile:
         self.path = path
         self.head, self.ring = max(0, head), (max(2, ring) if ring else 0)
         self.record = record
+        #: The record's size and packer, looked up once: ``put`` runs on every collective.
+        self._record_size, self._pack_into = record.size, record.pack_into
         self._on_error = on_error
         self._next = itertools.count()
         #: Records begun so far, as far as this process has written it into the header.
@@ -138,7 +140,7 @@ class SlotFile:
         """Write a record (its fields but the stamp, in the layout's order) into the slot
         of the next index; its index, or -1 when off."""
         index = next(self._next)
-        head, size = self.head, self.record.size
+        head, size = self.head, self._record_size
         # slot_of(index, head, ring), inlined: a call's worth on every collective
         at = HEADER.size + (index if index < head else head + (index - head) % self.ring) * size
         try:
@@ -146,7 +148,7 @@ class SlotFile:
                 self._grow(at + size)
             buf = self._map
             if buf is not None:
-                self.record.pack_into(buf, at, *fields, (index + 1) & STAMP_MASK)
+                self._pack_into(buf, at, *fields, (index + 1) & STAMP_MASK)
                 if index >= self.count:
                     self.count = index + 1
                     _COUNT.pack_into(buf, COUNT_OFFSET, index + 1)
@@ -214,7 +216,8 @@ class CallFile(SlotFile):
     """One rank process's call records (layout.CALL_FIELDS)."""
 
     def begin(self, t: float, seq: int, nbytes: int, step: int, gid: int, shape: int) -> int:
-        """Write a call's record (its end 0.0: not yet); its index, or -1 when off."""
+        """Write a call's record (its end 0.0: not yet); its index, or -1 when off. (The
+        collective wrappers call ``put(t, 0.0, ...)`` themselves: a call layer less.)"""
         return self.put(t, 0.0, seq, nbytes, step, gid, shape)
 
     def end(self, index: int, t: float) -> None:

@@ -23,7 +23,8 @@ class Limits:
     #: A whole-file JSON input: a Kineto trace, a flight-recorder JSON dump. Parsed JSON
     #: takes ~4x its text in memory, so 1 GiB needs ~5 GiB of RAM.
     json_bytes: int = 1 << 30
-    #: All the segments one rank process wrote (the writer keeps ~320 MiB by default).
+    #: All the segments one rank process wrote (the writer keeps ~320 MiB by default), and
+    #: its steps file (40 bytes a step or phase edge).
     stream_bytes: int = 512 << 20
     #: One record (line) of a rank stream; a longer one is skipped with a warning.
     record_bytes: int = 16 << 20

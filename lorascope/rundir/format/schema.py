@@ -1,6 +1,7 @@
 """Format v3 of the run directory: names, record kinds and their required fields.
 
-Every per-rank process writes a JSON Lines stream and a binary call file. Every stream
+Every per-rank process writes a JSON Lines stream, a binary call file and a binary steps
+file. Every stream
 record is an object with ``k`` (its kind) and ``t`` (wall-clock seconds since the epoch).
 The fields each kind must carry are listed in :data:`RECORD_FIELDS`; extra fields are
 allowed (readers ignore what they do not know), unknown kinds are skipped with a warning.
@@ -9,7 +10,9 @@ A change that breaks this bumps FORMAT_VERSION.
 v3 (over v2): collective calls are no longer stream records but fixed-width records of
 the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
 naming its ``shape`` record (op, dtype, async, site, via) by id; a call's error is
-a ``coll_err`` record. A reader of v3 refuses v2 and v1 run directories.
+a ``coll_err`` record. Steps and phase edges are fixed-width records of the steps file
+(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id. A
+reader of v3 refuses v2 and v1 run directories.
 """
 
 from __future__ import annotations

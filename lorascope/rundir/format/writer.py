@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from lorascope.errors import BadInputError
 from lorascope.rundir.format import safe_open
@@ -39,6 +39,8 @@ from lorascope.rundir.format.schema import (
     RANKS_DIR,
     STREAM_SUFFIX,
 )
+
+K = TypeVar("K")
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 #: With the segments' 64 MiB, a stream holds at most 25 x 64 MiB (1.6 GiB): ~1.7 million
@@ -80,6 +82,37 @@ class Line:
 
     def encode(self) -> str:
         return self.template % self.values
+
+
+class Declared(Generic[K]):
+    """The ids a stream gives values that records name (call shapes, labels): each declared
+    once, by a record line written (on disk) before the first record that names it, and
+    again at the head of every later segment (:meth:`Stream.declare`). Thread-safe; look
+    in ``ids`` first (no lock), then :meth:`declare`."""
+
+    __slots__ = ("ids", "_lock", "_stream", "_most")
+
+    def __init__(self, stream: Stream, most: int) -> None:
+        self.ids: dict[K, int] = {}
+        self._lock = threading.Lock()
+        self._stream = stream
+        self._most = most
+
+    def declare(self, key: K, line: Callable[[int], str], known: Callable[[int], None] | None = None) -> int:
+        """The id of ``key``, its record (``line(id)``) written now if it is new, ``known(id)``
+        called before any other thread can see the id; -1 past ``most`` ids."""
+        with self._lock:
+            n = self.ids.get(key)
+            if n is not None:  # another thread declared it first
+                return n
+            n = len(self.ids)
+            if n >= self._most:
+                return -1
+            self._stream.declare(line(n))
+            if known is not None:
+                known(n)
+            self.ids[key] = n
+            return n
 
 
 def _write_all(fd: int, data: bytes) -> None:

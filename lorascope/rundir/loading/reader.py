@@ -58,6 +58,7 @@ from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
     GroupTally,
+    Rule,
     StepKeeper,
     backward_spans,
     decimate,
@@ -66,7 +67,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
-from lorascope.rundir.loading.steps import as_records, read_steps, step_numbers
+from lorascope.rundir.loading.steps import as_records, backward_edges, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -514,15 +515,18 @@ class _Stream:
             return
         self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
 
-    def take_steps(self, data: RankData) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The steps file's step and phase records (none without one), its times in
-        ``last_time``; then every ``loss`` record put on its step."""
+    def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The steps file's step and phase records (none without one; ``drop``: no phase
+        record decimation is sure to drop), its times in ``last_time``, every backward
+        edge to the keeper's spans."""
         steps: list[dict[str, Any]] = []
         phases: list[dict[str, Any]] = []
         table = self.step_table
         if table is not None and len(table):
-            steps, phases = as_records(table.records, self.labels, f"rank {self.rank}", self.warnings)
-            data.last_time = max(data.last_time, float(table.records["t"].max()))
+            records = table.records
+            steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
+            self.keeper.spans.add(backward_edges(records, self.labels))
+            data.last_time = max(data.last_time, float(records["t"].max()))
         return steps, phases
 
     def put_losses(self, data: RankData) -> None:
@@ -603,12 +607,11 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
-        steps, phases = self.take_steps(data)
+        steps, phases = self.take_steps(data, self.keeper.bounds(data))
         data.steps.extend(steps)
         self.put_losses(data)
-        if phases:
-            data.phases.extend(phases)
-            self.keeper.seen(data, "phase", phases)
+        data.phases.extend(phases)
+        self.keeper.held(data)
         calls = self.reduced(first, windows)
         data.collectives = calls.collectives
         data.last_time = max(data.last_time, calls.last_time)
@@ -640,11 +643,13 @@ def _load_process(
             f"(bounded stream); the first and the newest segments are kept"
         )
     total = 0
-    for _, path in segs:
+    for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:  # its steps were stream records once
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
-        raise LimitError(f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s))", "stream_bytes")
+        raise LimitError(
+            f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s) and its steps file)", "stream_bytes"
+        )
     stream = _Stream(rank, warnings, budget)
     stream.read(segs)
     return stream.finish(segs[0][1], budget, windows)
@@ -945,11 +950,11 @@ def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) ->
 
 
 def _stream_bytes(jobs: list[_Job]) -> int:
-    """The bytes the jobs read: their streams, and of their call files what is written
-    (a call file is made sparse, at its full size)."""
+    """The bytes the jobs read: their streams and steps files, and of their call files what
+    is written (a call file is made sparse, at its full size)."""
     total = 0
     for _, segs, _, _ in jobs:
-        for _, path in segs:
+        for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:
             with contextlib.suppress(OSError):
                 total += path.stat().st_size
         calls = _beside(segs[0][1])

@@ -65,7 +65,7 @@ def steps_per_rank(ranks: int) -> int:
     return max(MIN_STEPS_KEPT, STEP_BUDGET // max(ranks, 1))
 
 
-#: What :meth:`StepKeeper._bounds` says: (low, high, stride).
+#: What :meth:`StepKeeper.bounds` says: (low, high, stride).
 Rule = tuple[int | None, int, int]
 
 
@@ -527,11 +527,15 @@ class StepKeeper:
             self.mem += len(recs)
         elif kind == "phase":
             self.spans.add(recs)
+        self.held(data)
+
+    def held(self, data: Any) -> None:
+        """``data``'s lists grew: drop what is sure to be dropped, every so often."""
         if len(data.mem) + len(data.phases) + len(data.logits) >= self._next:
             self.prune(data)
             self._next = 2 * (len(data.mem) + len(data.phases) + len(data.logits)) + PRUNE_RECORDS
 
-    def _bounds(self, data: Any) -> Rule | None:
+    def bounds(self, data: Any) -> Rule | None:
         """(low, high, stride): the records whose step is a whole number s with ``low < s <
         high`` (no lower bound if low is None) and ``s % stride != 0`` are sure to be
         dropped by :func:`decimate` (:func:`sure_dropped`) unless they hold a peak, from
@@ -547,7 +551,7 @@ class StepKeeper:
 
     def prune(self, data: Any) -> None:
         """Drop the records of ``data`` that :func:`decimate` is sure to drop."""
-        rule = self._bounds(data)
+        rule = self.bounds(data)
         if rule is None:
             return
         data.phases = [p for p in data.phases if not sure_dropped(rule, p["step"])]

@@ -11,6 +11,7 @@ source looked up in the stream's ``label`` records.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from lorascope.rundir.format.layout import STEP_END, STEP_KINDS
 from lorascope.rundir.loading.calls import STEPS, CallRecords, read_calls
+from lorascope.rundir.loading.reduce import Rule
 
 #: What a record whose label no ``label`` record declares is read as.
 UNKNOWN_LABEL = "unknown"
@@ -35,12 +37,14 @@ def step_numbers(table: np.ndarray) -> list[int]:
 
 
 def as_records(
-    table: np.ndarray, labels: dict[int, str], who: str, warnings: list[str]
+    table: np.ndarray, labels: dict[int, str], who: str, warnings: list[str], drop: Rule | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The ``step`` records and the ``phase`` records of ``table`` (the steps file's
     records, in index order), each kind in order, as the stream held them before:
     ``{"step", "dur", "loss", "src", "k", "t"}`` (loss None where none was read) and
-    ``{"name", "edge", "step", "k", "t"}``."""
+    ``{"name", "edge", "step", "k", "t"}``; with ``drop``, no phase record whose step
+    decimation is sure to drop (:func:`~lorascope.rundir.loading.reduce.sure_dropped`):
+    a long run's are never all made."""
     kinds = table["kind"]
     if len(kinds) and int(kinds.max()) > STEP_END:
         odd = int(np.count_nonzero(kinds > STEP_END))
@@ -64,6 +68,13 @@ def as_records(
         )
     ]  # fmt: skip
     edges = table[kinds < STEP_END]
+    if drop is not None:
+        low, high, stride = drop
+        numbers = edges["step"].astype(np.int64)
+        sure = (numbers < high) & (numbers % stride != 0)
+        if low is not None:
+            sure &= numbers > low
+        edges = edges[~sure]
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     phases = [
         {"name": name(label, UNKNOWN_LABEL), "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
@@ -76,3 +87,13 @@ def as_records(
         )
     ]
     return steps, phases
+
+
+def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[dict[str, Any]]:
+    """The ``backward`` phase edges of ``table``, as records with the fields
+    :class:`~lorascope.rundir.loading.reduce.BackwardSpans` reads (made one at a time)."""
+    ids = [n for n, text in labels.items() if text == "backward"]
+    at = table[(table["kind"] < STEP_END) & np.isin(table["label"], ids)]
+    edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
+    for t, step, kind in zip(at["t"].tolist(), at["step"].tolist(), at["kind"].tolist(), strict=True):
+        yield {"name": "backward", "edge": edge_names[kind], "step": step, "t": t}
