@@ -258,7 +258,6 @@ class Tail:
         if count == followed.count and not followed.pending:
             return None
         followed.count = count
-        self.bytes_read += sum(len(raw) for _, raw in runs)
         return runs
 
     def _read_steps(self, stream: Followed) -> list[Run] | None:
@@ -271,7 +270,6 @@ class Tail:
         if got is None or got[0] == followed.count:
             return None
         followed.count, runs = got
-        self.bytes_read += sum(len(raw) for _, raw in runs)
         return runs
 
     def look(self) -> Iterator[Looked]:
@@ -325,7 +323,9 @@ class Tail:
             runs.extend(got)
             size += sum(len(raw) for _, raw in got)
             if size >= BATCH_BYTES:
+                self.bytes_read += size
                 yield _batch(processes, runs, owners, kind)
                 processes, runs, owners, size = [], [], [], 0
+        self.bytes_read += size
         if processes:
             yield _batch(processes, runs, owners, kind)
