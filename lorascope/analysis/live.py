@@ -8,9 +8,11 @@ a line begins (``{"``), picks out the first key of the rare kinds, which are dec
 (``start``, ``dist_init``, ``group``, ``shape``, ``label``, ``stall``, ``dump``,
 ``exception``, ``signal``, ``end``, ``probe_error``). Every ``mem`` reading's figure is
 taken by one ``findall`` over the block. Steps and phase edges come as the steps file's
-columns (number, duration, time; the last phase edge's label). Calls come as the call file's columns (new ones, and those pending at the
-last look read again): the pending ones are kept, and the seconds of the synchronous ones
-that ended are summed per step (a rank's work in a step is its step time less them).
+columns (number, duration, time; the last phase edge's label). Calls come as columns, a
+look's calls of many processes at once (each one's new calls, and those pending at the
+last look read again): the pending ones are kept, and the seconds of the synchronous
+ones that ended are summed per process and step, in one pass over the columns (a rank's
+work in a step is its step time less them).
 Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
 :data:`MAX_PENDING`), the group and shape names.
 
@@ -49,7 +51,7 @@ import numpy as np
 from lorascope.detect.pace import MIN_RATIO
 from lorascope.detect.straggler import MIN_STEPS
 from lorascope.rundir.format.layout import BEGIN, STEP_END
-from lorascope.rundir.loading.tail import Looked
+from lorascope.rundir.loading.tail import Batch, Followed, Looked, Tail
 from lorascope.units import short_error
 
 #: Steps kept per rank for its step time and work.
@@ -107,6 +109,8 @@ class LiveRank:
     groups: dict[int, str] = field(default_factory=dict)
     #: Shape id -> (op, async).
     shapes: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    #: The ids of its async shapes (as a call record holds them: 32-bit).
+    async_shapes: list[int] = field(default_factory=list)
     #: Label id -> its text (a phase's name).
     labels: dict[int, str] = field(default_factory=dict)
     #: How it ended: (status, detail) from its exception / signal / end / fatal record.
@@ -119,7 +123,8 @@ class LiveRank:
     def work(self) -> list[float]:
         """Its own work in each of its last steps (past the first): the step's time less its
         time in synchronous collectives (as the ``straggler`` detector measures it)."""
-        return [max(0.0, dur - self.waited.get(step - 1, 0.0)) for step, dur in self.timed]
+        get = self.waited.get  # a view computes this for every rank: no call but the dict's
+        return [w if w > 0.0 else 0.0 for w in [dur - get(step - 1, 0.0) for step, dur in self.timed]]
 
     def take(self, data: bytes) -> None:
         """Lines the stream appended (without the last newline)."""
@@ -133,44 +138,6 @@ class LiveRank:
             self._rare(data[start:end])
             pos = end
         self._mem(data)
-
-    def take_steps(self, records: np.ndarray) -> None:
-        """Records the steps file gained: its steps' ends, and its phase edges (the last
-        one says which phase it is in)."""
-        kinds = records["kind"]
-        ended = records[kinds == STEP_END]
-        cols = (ended["step"].tolist(), ended["dur"].tolist(), ended["t"].tolist())
-        for step, dur, t in zip(*cols, strict=True):
-            self._step(step, dur, t)
-        edges = np.flatnonzero(kinds < STEP_END)
-        if len(edges):
-            last = records[edges[-1]]
-            self.phase = self.labels.get(int(last["label"]), "?") if int(last["kind"]) == BEGIN else None
-            self.last_t = max(self.last_t, float(records["t"][edges].max()))
-
-    def take_calls(self, records: np.ndarray) -> None:
-        """Call records the call file gained, or held pending at the last look, read again.
-        A look brings each rank a step's calls or so: a loop over them costs less than the
-        array operations' overhead, 1,024 ranks a second."""
-        if not len(records):
-            return
-        shapes, pending, waited = self.shapes, self.pending, self.waited
-        oldest = self.timed[0][0] - 1 if len(self.timed) == self.timed.maxlen else None
-        last_t = self.last_t
-        cols = (records["t"].tolist(), records["end"].tolist(), records["seq"].tolist(), records["gid"].tolist(),
-                records["step"].tolist(), records["shape"].tolist())  # fmt: skip
-        for t, end, seq, gid, step, shape in zip(*cols, strict=True):
-            last_t = max(last_t, t, end)
-            key = (gid, seq)
-            op, is_async = shapes.get(shape, ("?", False))
-            if end == 0.0:
-                if key not in pending and len(pending) < MAX_PENDING:
-                    pending[key] = (t, op)
-                continue
-            pending.pop(key, None)
-            if not is_async and (oldest is None or step >= oldest):
-                waited[step] = waited.get(step, 0.0) + (end - t)
-        self.last_t = last_t
 
     def _mem(self, data: bytes) -> None:
         """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
@@ -220,6 +187,8 @@ class LiveRank:
             self.groups[rec["gid"]] = str(rec.get("name"))
         elif kind == "shape" and isinstance(rec.get("id"), int):
             self.shapes[rec["id"]] = (str(rec.get("op")), rec.get("async") is True)
+            if rec.get("async") is True and -(1 << 31) <= rec["id"] < 1 << 31:
+                self.async_shapes.append(rec["id"])
         elif kind == "label" and isinstance(rec.get("id"), int):
             self.labels[rec["id"]] = str(rec.get("text"))
         elif kind == "stall":
@@ -264,24 +233,108 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _of_async_shapes(ranks: list[LiveRank], owner: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """Which records name an async shape of their process: (process, shape) as one key,
+    looked up in the sorted keys of the async shapes (np.isin sorts both sides)."""
+    known = np.sort([at << 32 | (s & 0xFFFFFFFF) for at, rank in enumerate(ranks) for s in rank.async_shapes])
+    if not len(known):
+        return np.zeros(len(shape), dtype=bool)
+    keys = owner << 32 | (shape.astype(np.int64) & 0xFFFFFFFF)
+    found: np.ndarray = known[np.minimum(np.searchsorted(known, keys), len(known) - 1)] == keys
+    return found
+
+
+def _add_waits(ranks: list[LiveRank], records: np.ndarray, owner: np.ndarray) -> None:
+    """Add the seconds of the synchronous calls that ended to their rank's step (those of
+    steps before the oldest a rank keeps left out), a run of records of one process and
+    step at a time."""
+    done = np.flatnonzero((records["end"] != 0.0) & ~_of_async_shapes(ranks, owner, records["shape"]))
+    if not len(done):
+        return
+    keys = owner[done] << 32 | (records["step"][done].astype(np.int64) + (1 << 31))
+    firsts = np.flatnonzero(np.diff(keys, prepend=-1))
+    seconds = np.add.reduceat((records["end"] - records["t"])[done], firsts)
+    for key, secs in zip(keys[firsts].tolist(), seconds.tolist(), strict=True):
+        rank, step = ranks[key >> 32], (key & 0xFFFFFFFF) - (1 << 31)
+        if len(rank.timed) < KEEP_STEPS or step >= rank.timed[0][0] - 1:
+            rank.waited[step] = rank.waited.get(step, 0.0) + secs
+
+
 class LiveRun:
     """Every rank's :class:`LiveRank`, fed by the tail's looks."""
 
     def __init__(self) -> None:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
+    def update(self, tail: Tail) -> None:
+        """Take in what a look of ``tail`` finds: the streams' lines and steps files' records,
+        then the calls (the lines declare the shapes the calls name)."""
+        self.take(tail.look())
+        for batch in tail.look_steps():
+            self.take_steps(batch)
+        for batch in tail.look_calls():
+            self.take_calls(batch)
+
+    def _process(self, stream: Followed) -> LiveRank:
+        key = (stream.rank, stream.process)
+        rank = self.processes.get(key)
+        if rank is None:
+            rank = self.processes[key] = LiveRank(stream.rank, stream.process, partial=stream.partial)
+        return rank
+
     def take(self, looked: Iterable[Looked]) -> None:
-        for stream, lines, calls, steps in looked:
-            key = (stream.rank, stream.process)
-            rank = self.processes.get(key)
-            if rank is None:
-                rank = self.processes[key] = LiveRank(stream.rank, stream.process, partial=stream.partial)
-            if lines:
-                rank.take(lines)
-            if calls is not None:
-                rank.take_calls(calls.records)
-            if steps is not None:
-                rank.take_steps(steps)
+        for stream, lines in looked:
+            self._process(stream).take(lines)
+
+    def take_steps(self, batch: Batch) -> None:
+        """Steps-file records of a look, many processes' at once: each one's steps' ends,
+        and its phase edges (the last one says which phase it is in)."""
+        ranks = [self._process(stream) for stream in batch.processes]
+        records, owner = batch.records, batch.owner
+        kinds = records["kind"]
+        ended = np.flatnonzero(kinds == STEP_END)
+        cols = (owner[ended].tolist(), records["step"][ended].tolist(), records["dur"][ended].tolist(),
+                records["t"][ended].tolist())  # fmt: skip
+        for at, step, dur, t in zip(*cols, strict=True):
+            ranks[at]._step(step, dur, t)
+        edges = np.flatnonzero(kinds < STEP_END)
+        if not len(edges):
+            return
+        of = owner[edges]  # each process's records are together: so are its edges
+        firsts = np.flatnonzero(np.diff(of, prepend=-1))
+        lasts = edges[np.append(firsts[1:] - 1, len(edges) - 1)]
+        latest = np.maximum.reduceat(records["t"][edges], firsts)
+        cols = (of[firsts].tolist(), records["label"][lasts].tolist(), kinds[lasts].tolist(), latest.tolist())
+        for at, label, kind, t in zip(*cols, strict=True):
+            rank = ranks[at]
+            rank.phase = rank.labels.get(label, "?") if kind == BEGIN else None
+            rank.last_t = max(rank.last_t, t)
+
+    def take_calls(self, batch: Batch) -> None:
+        """Call records of a look, many processes' at once (the calls each had pending at
+        the last look read again, then its new ones), taken in as columns: per process,
+        the latest time it wrote, the calls pending now (every call it had pending was
+        read again: those not ended) and the seconds of its synchronous calls that ended,
+        added to the step they began in."""
+        ranks = [self._process(stream) for stream in batch.processes]
+        for rank in ranks:
+            if rank.pending:
+                rank.pending = {}
+        records, owner = batch.records, batch.owner
+        if not len(records):
+            return
+        t, end = records["t"], records["end"]
+        counts = np.bincount(owner, minlength=len(ranks))
+        has = np.flatnonzero(counts)  # each process's records are together
+        latest = np.maximum.reduceat(np.maximum(t, end), (np.cumsum(counts) - counts)[has])
+        for at, last_t in zip(has.tolist(), latest.tolist(), strict=True):
+            ranks[at].last_t = max(ranks[at].last_t, last_t)
+        _add_waits(ranks, records, owner)
+        for at in np.flatnonzero(end == 0.0).tolist():
+            rank = ranks[owner[at]]
+            if len(rank.pending) < MAX_PENDING:
+                gid, seq, shape = int(records["gid"][at]), int(records["seq"][at]), int(records["shape"][at])
+                rank.pending[(gid, seq)] = (float(t[at]), rank.shapes.get(shape, ("?", False))[0])
 
     @property
     def ranks(self) -> dict[int, LiveRank]:
@@ -319,7 +372,7 @@ class LiveRun:
     def work_ratio(self) -> dict[int, float]:
         """Per rank with enough steps: its median work over the median of the other ranks'
         (as the straggler detector compares: with two ranks, the other one)."""
-        medians = {n: statistics.median(r.work) for n, r in self.ranks.items() if len(r.work) >= MIN_STEPS}
+        medians = {n: statistics.median(r.work) for n, r in self.ranks.items() if len(r.timed) >= MIN_STEPS}
         if len(medians) < 2:
             return {}
         ordered = sorted(medians.values())

@@ -91,15 +91,15 @@ def command(run_dir: Path, interval: float, once: bool) -> int:
     def finished() -> bool:
         return live.ended() or _launches_ended(run_dir)
 
-    live.take(tail.look())
+    live.update(tail)
     if once:
         console.print(frame(_verdict(run_dir) if finished() else None))
         return 0
     if not console.is_terminal:
         while not finished():
             time.sleep(interval)
-            live.take(tail.look())
-        live.take(tail.look())
+            live.update(tail)
+        live.update(tail)
         console.print(frame(_verdict(run_dir)))
         return 0
     with Live(console=console, screen=True, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) as screen:
@@ -107,8 +107,8 @@ def command(run_dir: Path, interval: float, once: bool) -> int:
             began = time.monotonic()
             screen.update(frame(None), refresh=True)
             time.sleep(max(0.0, interval - (time.monotonic() - began)))
-            live.take(tail.look())
-        live.take(tail.look())
+            live.update(tail)
+        live.update(tail)
         screen.update(frame(None), refresh=True)
         verdict = _verdict(run_dir)
     console.print(frame(verdict))

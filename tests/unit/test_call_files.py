@@ -18,7 +18,7 @@ from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, offset_of
 from lorascope.rundir.format.schema import MANIFEST_FILE
 from lorascope.rundir.loading import callreduce, reduce
 from lorascope.rundir.loading.callreduce import reduce_calls
-from lorascope.rundir.loading.calls import CALL_DTYPE, read_calls, read_since
+from lorascope.rundir.loading.calls import CALL_DTYPE, decode, read_calls, read_since
 from lorascope.rundir.loading.reader import Collective, load_run
 from lorascope.rundir.loading.reduce import CollectiveLog
 from tests.helpers import T0, Call, RankSpec, write_run
@@ -132,15 +132,22 @@ def test_v2_run_directories_are_refused_in_one_line(tmp_path: Path, capsys: pyte
 def test_a_follower_reads_the_new_calls_and_the_pending_ones_again(tmp_path: Path) -> None:
     f = CallFile(tmp_path / "h-1.calls", head=4, ring=8)
     first = f.begin(T0, 1, 4, 0, 0, 0)
-    count, got = read_since(f.path, 0, []) or (0, None)
-    assert count == 1 and got is not None and got.records["end"].tolist() == [0.0]
+    count, runs = read_since(f.path, 0, []) or (0, [])
+    records, _, _ = decode(runs)
+    assert count == 1 and records["end"].tolist() == [0.0]
     f.end(first, T0 + 1)
-    for i in range(1, 20):
+    for i in range(1, 22):
         f.begin(T0 + i, i + 1, 4, 0, 0, 0)
-    count, got = read_since(f.path, 1, [first]) or (0, None)
-    assert count == 20 and got is not None
-    assert got.index.tolist() == [0, *range(12, 20)]  # 1..11 gone round the ring
-    assert got.records["end"][0] == T0 + 1
+    count, runs = read_since(f.path, 1, [first]) or (0, [])
+    assert count == 22
+    assert [(index, len(raw) // CALL.size) for index, raw in runs] == [(0, 1), (14, 6), (20, 2)]  # the ring wraps
+    records, index, _ = decode(runs)
+    assert index.tolist() == [0, *range(14, 22)]  # 1..13 gone round the ring
+    assert records["end"][0] == T0 + 1
+    g = CallFile(tmp_path / "h-2.calls", head=4, ring=8)
+    g.begin(T0, 1, 4, 0, 0, 0)
+    records, index, run = decode([*runs, *(read_since(g.path, 0, []) or (0, []))[1]])  # two files at once
+    assert index.tolist() == [0, *range(14, 22), 0] and run.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2, 3]
 
 
 def _reference(colls: list[Collective]) -> CollectiveLog:

@@ -20,9 +20,9 @@ from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
 from lorascope.rundir.format.callfile import CallFile, step_file
-from lorascope.rundir.format.layout import CALL
+from lorascope.rundir.format.layout import BEGIN, CALL, STEP_END
 from lorascope.rundir.loading import tail as tail_module
-from lorascope.rundir.loading.calls import CallRecords, read_calls
+from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
@@ -45,7 +45,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data, _, _ in tail.look():
+    for stream, data in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -87,7 +87,8 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     tail = Tail(tmp_path)
 
     def looked() -> list[int]:
-        return [i for _, _, got, _ in tail.look() if got is not None for i in got.index.tolist()]
+        list(tail.look())
+        return [i for got in tail.look_calls() for i in got.index.tolist()]
 
     assert looked() == [0, 1, 2]
     assert looked() == [1]  # nothing new: the pending call read again, nothing else
@@ -95,7 +96,8 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     calls.end(1, 12.9)
     for seq in range(4, 30):
         calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
-    got = [g for _, _, g, _ in tail.look() if g is not None][0]
+    list(tail.look())
+    (got,) = tail.look_calls()
     assert got.index.tolist() == [1, *range(21, 29)]  # 3..20 went round the ring before this look
     assert got.records["end"][0] == 12.9
     assert tail.bytes_read - read == 9 * CALL.size
@@ -107,7 +109,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data, _, _), *_ = list(tail.look())
+    (stream, data), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -117,8 +119,9 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
     """A recorded run's streams, call files and steps files taken in as a tail would see
-    them: each stream cut at random places, and with each piece the calls begun and the
-    steps-file records written up to its last record."""
+    them: each stream cut at random places, and with each piece the steps-file records
+    written and the calls begun up to its last record (and, as a tail reads them again,
+    the calls pending at the last piece)."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -131,18 +134,23 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
             steps = read_steps(folder / (process + ".steps"), "rank", []).records
             written = np.maximum.accumulate(steps["t"]) if len(steps) else np.zeros(0)
-            rest, given, given_steps = b"", 0, 0
+            rest, given, given_steps, pending = b"", 0, 0, np.zeros(0, dtype=np.int64)
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
                 lines, rest = (chunk[:cut], chunk[cut + 1 :]) if cut >= 0 else (b"", chunk)
                 last = json.loads(lines.rsplit(b"\n", 1)[-1])["t"] if lines else -1.0
+                done = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
+                live.take([(stream, lines)])
+                part = np.arange(given_steps, max(given_steps, done))
+                live.take_steps(tail_module.Batch([stream], steps[part], part, np.zeros(len(part), dtype=np.int64)))
+                given_steps = max(given_steps, done)
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
-                piece = CallRecords(calls.records[given:upto], calls.index[given:upto], calls.head, calls.ring)
+                at = np.concatenate((pending, np.arange(given, max(given, upto))))
+                owner = np.zeros(len(at), dtype=np.int64)
+                live.take_calls(tail_module.Batch([stream], calls.records[at], calls.index[at], owner))
+                pending = at[calls.records["end"][at] == 0.0]
                 given = max(given, upto)
-                upto = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
-                live.take([(stream, lines, piece, steps[given_steps:upto] if upto > given_steps else None)])
-                given_steps = max(given_steps, upto)
     return live
 
 
@@ -207,6 +215,81 @@ def test_a_stall_reads_as_one_rank_outside_any_collective_and_the_other_waiting(
     assert rows[1]["pending"] is None and rows[1]["state"] == "stalled 6s (watchdog)"  # its watchdog fired at 5 s
     assert checks["stall-watchdog"].ranks == [0, 1]
     assert not live.ended()
+
+
+def test_calls_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """One batch of several processes' calls (each its own async shapes, steps that go back
+    when a pending call is read again, ends not yet written) leaves each process as a
+    call-by-call fold of its own calls would: its seconds in synchronous calls per step,
+    the calls pending (those not ended), the latest time."""
+    rng = np.random.default_rng(5)
+    live = LiveRun()
+    streams, parts, want = [], [], []
+    for n in range(5):
+        stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+        is_async = {shape: bool(rng.integers(2)) for shape in range(4)}
+        shapes = [b'{"k":"shape","t":1.0,"id":%d,"op":"op%d","async":%s}' % (s, s, b"true" if a else b"false")
+                  for s, a in is_async.items()]  # fmt: skip
+        live.take([(stream, b"\n".join(shapes))])
+        calls = np.zeros(int(rng.integers(0, 40)), CALL_DTYPE)
+        calls["t"] = 100 + rng.random(len(calls)) * 10
+        calls["end"] = np.where(rng.random(len(calls)) < 0.2, 0.0, calls["t"] + rng.random(len(calls)))
+        calls["step"] = np.sort(rng.integers(0, 6, len(calls)))[rng.permutation(len(calls))] if n % 2 else 3
+        calls["seq"], calls["gid"] = np.arange(len(calls)), n % 2
+        calls["shape"] = rng.integers(0, 5, len(calls))  # 4: a shape never declared
+        waited: dict[int, float] = {}
+        for t, end, step, shape in calls[["t", "end", "step", "shape"]].tolist():
+            if end != 0.0 and not is_async.get(shape, False):
+                waited[step] = waited.get(step, 0.0) + (end - t)
+        pending = {(n % 2, seq): (t, f"op{shape}" if shape < 4 else "?")
+                   for t, end, seq, shape in calls[["t", "end", "seq", "shape"]].tolist() if end == 0.0}  # fmt: skip
+        latest = max([0.0, *calls["t"].tolist(), *calls["end"].tolist()])
+        streams.append(stream)
+        parts.append(calls)
+        want.append((waited, pending, latest))
+    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    records = np.concatenate(parts)
+    live.take_calls(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+    for stream, (waited, pending, latest) in zip(streams, want, strict=True):
+        rank = live.processes[(stream.rank, stream.process)]
+        assert rank.waited.keys() == waited.keys()
+        assert all(rank.waited[k] == pytest.approx(v) for k, v in waited.items())
+        assert rank.pending == pending and rank.last_t == latest
+    live.take_calls(tail_module.Batch(streams[:1], records[:0], np.zeros(0, np.int64), owner[:0]))
+    assert not live.processes[(0, "h-0")].pending  # read again and not there: gone round the ring
+
+
+def test_steps_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """One batch of several processes' steps-file records leaves each process as its own
+    records would: its steps (number, duration), the phase its last edge says it is in, the
+    latest time; a process with no record in the batch is left as it was."""
+    rng = np.random.default_rng(7)
+    live = LiveRun()
+    streams, parts, want = [], [], []
+    for n in range(6):
+        stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+        live.take([(stream, b'{"k":"label","t":1.0,"id":3,"text":"backward"}')])
+        recs = np.zeros(int(rng.integers(0, 9)) if n != 2 else 0, STEP_DTYPE)
+        recs["t"] = 50 + np.sort(rng.random(len(recs)))
+        recs["kind"] = rng.integers(0, 3, len(recs))
+        recs["label"] = np.where(rng.random(len(recs)) < 0.5, 3, 4)  # 4: a label never declared
+        recs["step"] = np.arange(len(recs)) + 10 * n
+        recs["dur"] = np.where(recs["kind"] == STEP_END, rng.random(len(recs)), 0.0)
+        ends = recs[recs["kind"] == STEP_END]
+        edges = recs[recs["kind"] != STEP_END]
+        phase = None if not len(edges) or edges["kind"][-1] != BEGIN else "backward" if edges["label"][-1] == 3 else "?"
+        latest = float(recs["t"].max()) if len(recs) else 1.0  # the label line's time
+        streams.append(stream)
+        parts.append(recs)
+        want.append((ends["step"].tolist(), ends["dur"].tolist(), phase, latest))
+    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    records = np.concatenate(parts)
+    live.take_steps(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+    assert {p for *_, p, _ in want} >= {None, "backward", "?"}
+    for stream, (steps, durs, phase, latest) in zip(streams, want, strict=True):
+        rank = live.processes[(stream.rank, stream.process)]
+        assert [s for s, _ in rank.timed] == [s for s in steps if s > 1] and list(rank.durs) == durs
+        assert rank.step == (steps[-1] if steps else 0) and rank.phase == phase and rank.last_t == latest
 
 
 def _synthetic(ranks: int, now: float) -> LiveRun:

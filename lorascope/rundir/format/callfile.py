@@ -50,7 +50,7 @@ from lorascope.rundir.format.layout import (
     STEPS_RING,
     STEPS_VERSION,
     file_size,
-    slot_of,
+    slot_runs,
 )
 from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX, STEPS_SUFFIX
 
@@ -182,17 +182,13 @@ class SlotFile:
         buf, head, ring, record = self._map, self.head, self.ring, self.record
         if buf is None:
             return
-        index = first
-        while index < last:
-            slot = slot_of(index, head, ring)
-            run = min(last - index, (head if index < head else head + ring) - slot)
+        for index, slot, run in slot_runs(first, last, head, ring):
             at = HEADER.size + slot * record.size
             if at + run * record.size > self._size:
                 return
             for offset, rec in enumerate(record.iter_unpack(buf[at : at + run * record.size])):
                 if rec[-1] == (index + offset + 1) & STAMP_MASK:
                     yield index + offset, rec
-            index += run
 
     def _fail(self, exc: BaseException) -> None:
         fd = self._fd

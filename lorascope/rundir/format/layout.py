@@ -28,6 +28,7 @@ and :data:`STEP_FIELDS`.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 #: The first bytes of a call file.
 MAGIC = b"LSCALLS\0"
@@ -113,6 +114,17 @@ DEFAULT_RING = 1 << 18
 def slot_of(index: int, head: int, ring: int) -> int:
     """The slot record ``index`` is written to."""
     return index if index < head else head + (index - head) % ring
+
+
+def slot_runs(first: int, stop: int, head: int, ring: int) -> Iterator[tuple[int, int, int]]:
+    """Records ``first`` .. ``stop - 1`` as runs of adjacent slots: (first index, its
+    slot, how many); a run ends where the head ends and where the ring wraps."""
+    index = first
+    while index < stop:
+        slot = slot_of(index, head, ring)
+        run = min(stop - index, (head if index < head else head + ring) - slot)
+        yield index, slot, run
+        index += run
 
 
 def file_size(head: int, ring: int, record: struct.Struct = CALL) -> int:

@@ -36,7 +36,7 @@ from lorascope.rundir.format.layout import (
     STEP_FIELDS,
     STEPS_MAGIC,
     STEPS_VERSION,
-    slot_of,
+    slot_runs,
 )
 from lorascope.rundir.format.safe_open import open_regular
 
@@ -228,14 +228,20 @@ def kept(
     return out
 
 
+#: Records read from a slot file: (the first one's index, the bytes of adjacent slots).
+Run = tuple[int, bytes]
+
+
 def read_since(
     path: Path, since: int, pending: list[int], most: int | None = None, kind: FileKind = CALLS
-) -> tuple[int, CallRecords] | None:
+) -> tuple[int, list[Run]] | None:
     """For a follower (`lorascope watch`): the records of indexes ``since`` up to the
     header's count (the newest ``most`` of them at most), and those of the ``pending``
-    indexes again (their ends may have been written since), read with ``pread``; returns
-    (the count, the records), or None when the file is not (yet) a call file. Indexes a
-    ring went round over are skipped. ``kind``: another kind of slot file (a steps file)."""
+    indexes again (their ends may have been written since), as they are in the file: runs
+    of adjacent slots, each read with one ``pread`` (the common look: one run); returns
+    (the count, the runs), or None when the file is not (yet) a call file (``kind``:
+    another kind of slot file, a steps file). Indexes a ring went round over are skipped;
+    the stamps are checked by :func:`decode`, which takes the runs of many files at once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -248,35 +254,40 @@ def read_since(
         first = max(since, count - ring, 0) if count > head else since
         if most is not None:
             first = max(first, count - most)
-        earlier = sorted(i for i in pending if i < first)
-        if not earlier and (count <= head or first >= head) and slot_of(first, head, ring) < slot_of(count, head, ring):
-            # the common look: the records begun since, adjacent in the file (one pread)
-            size = kind.record.size
-            raw = os.pread(fd, (count - first) * size, HEADER.size + slot_of(first, head, ring) * size)
-            got = len(raw) // size
-            table = np.frombuffer(raw, kind.dtype, count=got).copy()
-            index = np.arange(first, first + got, dtype=np.int64)
+        spans: list[list[int]] = []  # [first, stop) index ranges: the earlier pending ones, then the new
+        for index in sorted(i for i in pending if i < first):
+            if spans and spans[-1][1] == index:
+                spans[-1][1] += 1
+            else:
+                spans.append([index, index + 1])
+        if spans and spans[-1][1] == first:
+            spans[-1][1] = count
         else:
-            wanted = [*earlier, *range(first, count)]
-            table = _pread_slots(fd, wanted, head, ring)
-            index = np.asarray(wanted, dtype=np.int64)
+            spans.append([first, count])
+        size, runs = kind.record.size, []
+        for lo, hi in spans:
+            for index, slot, n in slot_runs(lo, hi, head, ring):
+                raw = os.pread(fd, n * size, HEADER.size + slot * size)
+                whole = len(raw) - len(raw) % size
+                if whole:
+                    runs.append((index, raw if whole == len(raw) else raw[:whole]))
     except OSError:
         return None
     finally:
         os.close(fd)
-    ok = table["stamp"].astype(np.int64) == (index + 1) & STAMP_MASK
-    return count, CallRecords(table[ok], index[ok], head, ring, count - 1)
+    return count, runs
 
 
-def _pread_slots(fd: int, wanted: list[int], head: int, ring: int) -> np.ndarray:
-    """The slots of indexes ``wanted``, read a run of adjacent slots at a time."""
-    index = np.asarray(wanted, dtype=np.int64)
-    slots = np.where(index < head, index, head + (index - head) % ring)
-    out = np.zeros(len(index), CALL_DTYPE)
-    for run in np.split(np.arange(len(index)), np.flatnonzero(np.diff(slots) != 1) + 1):
-        if not len(run):
-            continue
-        raw = os.pread(fd, len(run) * CALL.size, HEADER.size + int(slots[run[0]]) * CALL.size)
-        got = len(raw) // CALL.size
-        out[run[0] : run[0] + got] = np.frombuffer(raw, CALL_DTYPE, count=got)
-    return out
+def decode(runs: list[Run], kind: FileKind = CALLS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of records (of one slot file or many of a ``kind``) decoded in one pass: (the
+    records, their indexes, the position in ``runs`` each came from), in the order given;
+    a record whose stamp does not name its index (never written, or overwritten since) is
+    left out."""
+    size = kind.record.size
+    lengths = np.fromiter((len(raw) // size for _, raw in runs), np.int64, len(runs))
+    firsts = np.fromiter((index for index, _ in runs), np.int64, len(runs))
+    table = np.frombuffer(b"".join(raw for _, raw in runs), kind.dtype)
+    starts = np.cumsum(lengths) - lengths
+    index = np.arange(len(table), dtype=np.int64) + np.repeat(firsts - starts, lengths)
+    ok = table["stamp"] == (index + 1) & STAMP_MASK
+    return table[ok], index[ok], np.repeat(np.arange(len(runs)), lengths)[ok]

@@ -20,7 +20,11 @@ count, the records begun since the last look (the newest :data:`START_CALLS` at 
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
 long the run. Its steps file is followed the same way: the records written since the
-last look (the newest :data:`START_STEPS` at the first).
+last look (the newest :data:`START_STEPS` at the first). The calls are read after the
+streams and steps files (whose ``shape`` lines name what a call was), and decoded many
+processes at a time (:class:`Batch`: one set of numpy columns a batch of about
+:data:`BATCH_BYTES`), not one process at a time: a look brings each of 1,024 ranks a
+step's calls or so, and per-process array operations would cost more than the reading.
 """
 
 from __future__ import annotations
@@ -33,10 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lorascope.rundir.format.layout import CALL, STEP
 from lorascope.rundir.format.safe_open import leaves
 from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import STEPS, CallRecords, read_since
+from lorascope.rundir.loading.calls import CALLS, STEPS, FileKind, Run, decode, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -53,6 +56,8 @@ START_CALLS = 4096
 MAX_PENDING_CALLS = 256
 #: Steps-file records read at its first look (the newest).
 START_STEPS = 1024
+#: Bytes of records decoded in one batch, of as many processes as they come from.
+BATCH_BYTES = 3 << 20
 
 
 @dataclass
@@ -94,9 +99,30 @@ class Followed:
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline; may be empty), its call file's new and re-read records (None: none) and its
-#: steps file's new records (layout.STEP_FIELDS; None: none).
-Looked = tuple[Followed, bytes, CallRecords | None, np.ndarray | None]
+#: newline).
+Looked = tuple[Followed, bytes]
+
+
+@dataclass
+class Batch:
+    """The records a look read of some processes' slot files of one kind (their call
+    files, or their steps files), as one set of columns: ``records`` (the kind's dtype)
+    and ``index``, each process's together and in index order (a call file's: its calls
+    pending at the last look read again, then the new ones), ``owner`` the position of its
+    process in ``processes``. Every process read is there, also one none of whose records
+    were kept (those a ring went round over): the calls it had pending are not any more."""
+
+    processes: list[Followed]
+    records: np.ndarray
+    index: np.ndarray
+    owner: np.ndarray
+
+
+def _batch(processes: list[Followed], runs: list[Run], owners: list[int], kind: FileKind) -> Batch:
+    """The runs read of ``processes`` (``owners``: the position of each run's process),
+    decoded at once."""
+    records, index, run = decode(runs, kind)
+    return Batch(processes, records, index, np.asarray(owners, dtype=np.int64)[run])
 
 
 def _rank_of(name: str) -> int | None:
@@ -162,7 +188,7 @@ class Tail:
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines, None, None))
+                    finished.append((known, lines))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -218,8 +244,9 @@ class Tail:
             return b""
         return head[: head.rfind(b"\n") + 1]
 
-    def _read_calls(self, stream: Followed) -> CallRecords | None:
-        """The call file's records begun since the last look and its pending calls again."""
+    def _read_calls(self, stream: Followed) -> list[Run] | None:
+        """The call file's records begun since the last look and its pending calls again,
+        as read (None: nothing new, and none pending)."""
         followed = stream.calls
         if followed is None:
             return None
@@ -227,16 +254,14 @@ class Tail:
         got = read_since(followed.path, max(followed.count, 0), followed.pending, START_CALLS if first else None)
         if got is None:
             return None
-        count, calls = got
+        count, runs = got
         if count == followed.count and not followed.pending:
             return None
         followed.count = count
-        self.bytes_read += len(calls) * CALL.size
-        followed.pending = calls.index[calls.records["end"] == 0.0].tolist()[:MAX_PENDING_CALLS]
-        return calls if len(calls) else None
+        return runs
 
-    def _read_steps(self, stream: Followed) -> np.ndarray | None:
-        """The steps file's records written since the last look."""
+    def _read_steps(self, stream: Followed) -> list[Run] | None:
+        """The steps file's records written since the last look, as read (None: none)."""
         followed = stream.steps
         if followed is None:
             return None
@@ -244,22 +269,63 @@ class Tail:
         got = read_since(followed.path, followed.count, [], START_STEPS if first else None, STEPS)
         if got is None or got[0] == followed.count:
             return None
-        followed.count, steps = got
-        self.bytes_read += len(steps) * STEP.size
-        return steps.records if len(steps) else None
+        followed.count, runs = got
+        return runs
 
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
-        stream, as one ``bytes`` of lines without the last newline, and the records its
-        call file and steps file gained, one process at a time (those with neither are left out): a
-        caller that takes each in before the next holds one process's at most."""
+        stream, as one ``bytes`` of lines without the last newline, one process at a time
+        (those with none are left out): a caller that takes each in before the next holds
+        one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
             self._scanned = now
             yield from self._scan()
         for stream in list(self.streams.values()):
             lines = self._read(stream)
-            calls = self._read_calls(stream)
-            steps = self._read_steps(stream)
-            if lines or calls is not None or steps is not None:
-                yield stream, lines, calls, steps
+            if lines:
+                yield stream, lines
+
+    def look_steps(self) -> Iterator[Batch]:
+        """Every steps file's records written since the last look, in batches (the
+        processes with none are left out). Called after :meth:`look`."""
+        return self._batches(STEPS, self._read_steps)
+
+    def look_calls(self) -> Iterator[Batch]:
+        """Every call file's records begun since the last look, and its calls pending at
+        the last look read again, in batches (the processes with neither are left out);
+        each process's calls pending now, to read again at the next look, are those not
+        ended. Called after :meth:`look`."""
+        for batch in self._batches(CALLS, self._read_calls):
+            pending: list[list[int]] = [[] for _ in batch.processes]
+            for at in np.flatnonzero(batch.records["end"] == 0.0).tolist():
+                of = pending[batch.owner[at]]
+                if len(of) < MAX_PENDING_CALLS:
+                    of.append(int(batch.index[at]))
+            for process, calls in zip(batch.processes, pending, strict=True):
+                if process.calls is not None:
+                    process.calls.pending = calls
+            yield batch
+
+    def _batches(self, kind: FileKind, read: Callable[[Followed], list[Run] | None]) -> Iterator[Batch]:
+        """What ``read`` reads of each process's slot file of a ``kind``, decoded
+        :data:`BATCH_BYTES` or so at a time, many processes' in one pass."""
+        processes: list[Followed] = []
+        runs: list[Run] = []
+        owners: list[int] = []
+        size = 0
+        for stream in list(self.streams.values()):
+            got = read(stream)
+            if got is None:
+                continue
+            owners.extend([len(processes)] * len(got))
+            processes.append(stream)
+            runs.extend(got)
+            size += sum(len(raw) for _, raw in got)
+            if size >= BATCH_BYTES:
+                self.bytes_read += size
+                yield _batch(processes, runs, owners, kind)
+                processes, runs, owners, size = [], [], [], 0
+        self.bytes_read += size
+        if processes:
+            yield _batch(processes, runs, owners, kind)
