@@ -228,7 +228,7 @@ def main() -> None:
         began, cpu = time.time(), time.process_time()
         load_run(out)
         print(
-            f"of which reading the run once (load_run, in this process): {time.time() - began:.2f} s wall, "
+            f"reading the whole run once (load_run, in this process; hang reads each rank as it answers): {time.time() - began:.2f} s wall, "
             f"{time.process_time() - cpu:.2f} s CPU; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
         )
         if not fits or len(lines2) > SCREEN_LINES or kept != args.ranks:

@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 
-from lorascope.analysis import of_run, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose, flight_since
@@ -24,6 +23,7 @@ from lorascope.hang.collect import (
     stream_ends,
     wait_for_dumps,
 )
+from lorascope.hang.flights import EarlyFlights
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.procstate import STOPPED, describe_state
 from lorascope.hang.targets import Target, verify
@@ -31,7 +31,7 @@ from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.ending import ending_of
-from lorascope.rundir.loading.reader import RunData
+from lorascope.rundir.loading.reader import RunData, no_cycle_collection
 from lorascope.text import echo
 from lorascope.text.findings import quiet
 from lorascope.text.hang import Place, render_hang
@@ -75,6 +75,8 @@ def _as_over(run: RunData, run_dir: Path, diagnosis: dict[str, Any], recorded: b
             "; the others wait for it or failed after it", "; the others failed after it"
         )
         return {**diagnosis, "kind": "over", "verdict": f"{over}: {verdict}"}
+    from lorascope.analysis import of_run  # only for a job over: the live verdict needs no detector
+
     analysis = of_run(run, run_dir)
     findings = analysis.findings
     if findings:
@@ -113,6 +115,8 @@ def _places(run: RunData) -> dict[int, Place]:
 def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path) -> str:
     """The hang's HTML report, best effort: the verdict is out already, and the light
     install (no jinja2) or an unwritable place must not take it back."""
+    from lorascope.analysis import of_run
+
     try:
         from lorascope.report.write import write_report
     except ImportError as exc:
@@ -126,6 +130,55 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     except LorascopeError as exc:
         return f"no HTML report: {exc}"
     return f"report: {out}"
+
+
+def _as_json(data: dict[str, Any]) -> str:
+    """``--json``'s text (the analysis package imported only then: the verdict needs none of it)."""
+    from lorascope.analysis import strict_json
+
+    return strict_json.dumps(data, indent=2, sort_keys=True, default=str)
+
+
+def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, cluster: str | None) -> None:
+    """`lorascope hang RUN_DIR`: ask every rank for a dump, read each as it answers, diagnose,
+    print (and write the HTML report to ``out``)."""
+    # The processes to ask, from each stream's first record (each is read once, when it
+    # answered: on a large run a read of the whole run after the dumps took seconds).
+    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
+    waited = expected(targets, run_dir)
+    ends = stream_ends(run_dir, waited)
+    asked, notes = request_dumps(run_dir, targets, waited)
+    waited = [t for t in waited if t.alive]  # a local one gone since
+    flights = EarlyFlights()
+    with connect(cluster) as on:
+        run, silent = wait_for_dumps(
+            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
+        )
+    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
+    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
+    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
+    notes += _target_notes(mine)
+    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
+    notes += silent_notes(quiet_ranks, wait_s)
+    flight = {
+        n: found
+        for n, r in run.ranks.items()
+        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
+    }
+    stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
+    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
+    over, recorded = _gone(run, mine)
+    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
+        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
+    diagnosis["silent"] = quiet_ranks
+    if as_json:
+        if out is not None:
+            notes.append(_write_html(run, run_dir, diagnosis, out))
+        echo(_as_json({**diagnosis, "notes": notes}))
+    else:
+        echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
+        if out is not None:
+            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
 
 
 @click.command("hang")
@@ -175,48 +228,15 @@ def command(
         raise UsageError("give a run directory or --pid, not both")
     if pids:
         diagnosis = diagnose_pids(list(pids))
-        echo(
-            strict_json.dumps({**diagnosis, "notes": []}, indent=2, sort_keys=True)
-            if as_json
-            else render_hang(diagnosis, [])
-        )
+        echo(_as_json({**diagnosis, "notes": []}) if as_json else render_hang(diagnosis, []))
         return 0
     assert run_dir is not None
-    # The processes to ask, from each stream's first record (the whole run is read once,
-    # after the dumps: on a large run a read takes minutes).
-    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
-    waited = expected(targets, run_dir)
-    ends = stream_ends(run_dir, waited)
-    asked, notes = request_dumps(run_dir, targets, waited)
-    waited = [t for t in waited if t.alive]  # a local one gone since
-    with connect(cluster) as on:
-        run, silent = wait_for_dumps(
-            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on
+    with no_cycle_collection():  # the ranks' records hold no cycles: a collection would walk them all
+        _hang_run(
+            run_dir,
+            wait_s,
+            as_json,
+            None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html"),
+            cluster,
         )
-    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
-    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
-    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
-    notes += _target_notes(mine)
-    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
-    notes += silent_notes(quiet_ranks, wait_s)
-    flight = {
-        n: found
-        for n, r in run.ranks.items()
-        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since))
-    }
-    stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
-    diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
-    over, recorded = _gone(run, mine)
-    if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
-        diagnosis = _as_over(run, run_dir, diagnosis, recorded)
-    diagnosis["silent"] = quiet_ranks
-    out = None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html")
-    if as_json:
-        if out is not None:
-            notes.append(_write_html(run, run_dir, diagnosis, out))
-        echo(strict_json.dumps({**diagnosis, "notes": notes}, indent=2, sort_keys=True, default=str))
-    else:
-        echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
-        if out is not None:
-            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
     return 0

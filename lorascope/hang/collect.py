@@ -15,7 +15,8 @@ import platform
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from lorascope.rundir.format.safe_open import open_regular
 from lorascope.rundir.format.schema import DUMP_SIGNAL, STREAM_SUFFIX
 from lorascope.rundir.format.writer import stream_prefix
 from lorascope.rundir.loading.cluster import Cluster
-from lorascope.rundir.loading.reader import RunData, load_run
+from lorascope.rundir.loading.reader import Job, RankData, RunData, list_run, load_run, no_cycle_collection
 from lorascope.units import rank_ranges
 
 POLL_S = 0.2
@@ -148,6 +149,10 @@ class Grown:
 
     prefix: Path
     ends: dict[Path, int]
+    #: Each segment's size when its growth was last read (unchanged: not read again), and
+    #: what was found in what it gained (:func:`_answers`).
+    looked: dict[Path, int] = field(default_factory=dict, compare=False)
+    found: set[str] = field(default_factory=set, compare=False)
 
     def segments(self) -> list[Path]:
         """The process's segment files now (a listing of its rank's folder: a glob compiles
@@ -173,27 +178,94 @@ def stream_ends(run_dir: Path, targets: list[Target]) -> dict[Process, Grown]:
 
 
 def wait_for_dumps(
-    run_dir: Path, ends: dict[Process, Grown], asked: Asked, wait_s: float, cluster: Cluster | None = None
+    run_dir: Path,
+    ends: dict[Process, Grown],
+    asked: Asked,
+    wait_s: float,
+    cluster: Cluster | None = None,
+    each: Callable[[RankData], None] | None = None,
 ) -> tuple[RunData, list[int]]:
     """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump that
-    answers ``asked``, or ``wait_s`` passes, then read the run once (on ``cluster``, if
-    given); returns it and the ranks whose process was asked and did not answer. The wait
-    reads only what the processes wrote since the request: reading a large run again on
-    every poll took longer than the wait itself, and a rank read in the first instant,
-    before its dump was flushed, was then reported silent."""
+    answers ``asked``, or ``wait_s`` passes, and read the run; returns it and the ranks
+    whose process was asked and did not answer. The wait reads only what the processes
+    wrote since the request: reading a large run again on every poll took longer than the
+    wait itself, and a rank read in the first instant, before its dump was flushed, was
+    then reported silent. Each process is read once it answered (its dump, then its
+    flight-recorder dump), while the others are still waited for (``each`` is called with
+    it); on ``cluster``, the run is read once, by its workers, after the wait (``each`` is
+    not called)."""
     deadline = time.time() + wait_s
-    waiting = _until_written(dict(ends), asked, "dump", deadline)
-    # Each dump is followed by the rank's flight-recorder dump (the collectives the probes
-    # cannot see): a moment more for those, as long as the wait lasts.
-    dumped = {key: files for key, files in ends.items() if key not in waiting}
-    _until_written(dumped, asked, "flight_dump", min(deadline, time.time() + FLIGHT_GRACE_S))
-    run = load_run(run_dir, cluster=cluster)
+    if cluster is not None:
+        _until_answered(dict(ends), asked, deadline)
+        run = load_run(run_dir, cluster=cluster)
+    else:
+        run = _read_as_answered(run_dir, ends, asked, deadline, each or (lambda _: None))
     silent = [
         n
         for n, rank in run.ranks.items()
         if (rank.host, rank.pid) in ends and not any(asked.answered_by(d, (rank.host, rank.pid)) for d in rank.dumps)
     ]
     return run, silent
+
+
+def _read_as_answered(
+    run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
+) -> RunData:
+    """The run, each process read as soon as it answered (the processes not asked first,
+    those that did not answer at the deadline last)."""
+    with no_cycle_collection():  # each collection would walk every rank read so far
+        return _read_each(run_dir, ends, asked, deadline, each)
+
+
+def _read_each(
+    run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
+) -> RunData:
+    listing = list_run(run_dir)
+    read: dict[str, tuple[Job, tuple[RankData, list[str]]]] = {}  # by rank folder/process
+
+    def take(rank_dir: Path, process: str) -> None:
+        job = listing.job(rank_dir, process)
+        if job is not None:
+            read[f"{rank_dir.name}/{process}"] = job, listing.read(job)
+            each(read[f"{rank_dir.name}/{process}"][1][0])
+
+    asked_for = {f"{g.prefix.parent.name}/{g.prefix.name}" for g in ends.values()}
+    for job in listing.jobs():
+        folder, process = job[1][0][1].parent, _process_of(job[1][0][1])
+        if f"{folder.name}/{process}" not in asked_for:
+            take(folder, process)
+    waiting = dict(ends)
+    dumped: dict[Process, float] = {}  # answered: when its dump was seen
+    while waiting and time.time() < deadline:
+        now = time.time()
+        ready = []
+        for key, grown in waiting.items():
+            kinds = _answers(grown, asked, key)
+            if "dump" in kinds and key not in dumped:
+                dumped[key] = now
+            # its flight-recorder dump follows its dump: a moment more for it (a process
+            # without torch.distributed writes none), as long as the wait lasts
+            if "dump" in kinds and ("flight_dump" in kinds or now >= dumped[key] + FLIGHT_GRACE_S):
+                ready.append(key)
+        for key in ready:
+            grown = waiting.pop(key)
+            take(grown.prefix.parent, grown.prefix.name)
+        if waiting and not ready:
+            time.sleep(POLL_S)
+    for grown in waiting.values():
+        take(grown.prefix.parent, grown.prefix.name)
+    jobs, results = [], []
+    for job in listing.jobs():  # in the listing's order, as load_run reads them
+        done = read.get(f"{job[1][0][1].parent.name}/{_process_of(job[1][0][1])}")
+        if done is not None:
+            jobs.append(done[0])
+            results.append(done[1])
+    return listing.assemble(jobs, results)
+
+
+def _process_of(segment: Path) -> str:
+    """The process (``HOST-PID``) a stream segment file belongs to."""
+    return segment.name[: -len(STREAM_SUFFIX)].rpartition(".")[0]
 
 
 def _size(path: Path) -> int:
@@ -203,38 +275,49 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _until_written(files: dict[Process, Grown], asked: Asked, kind: str, until: float) -> dict[Process, Grown]:
-    """Poll until every process's files hold a record of ``kind`` answering ``asked``, or
-    ``until``; returns the processes still without one."""
+def _until_answered(files: dict[Process, Grown], asked: Asked, until: float) -> None:
+    """Poll until every process's files hold a dump answering ``asked`` and a flight-recorder
+    dump after it (for that, FLIGHT_GRACE_S at most once the dumps are in), or ``until``."""
     waiting = files
     while waiting and time.time() < until:
-        waiting = {key: grown for key, grown in waiting.items() if not _written_since(grown, asked, kind, key)}
+        waiting = {key: grown for key, grown in waiting.items() if "dump" not in _answers(grown, asked, key)}
         if waiting:
             time.sleep(POLL_S)
-    return waiting
+    flights = {key: grown for key, grown in files.items() if key not in waiting}
+    until = min(until, time.time() + FLIGHT_GRACE_S)
+    while flights and time.time() < until:
+        flights = {key: grown for key, grown in flights.items() if "flight_dump" not in _answers(grown, asked, key)}
+        if flights:
+            time.sleep(POLL_S)
 
 
-def _written_since(files: Grown, asked: Asked, kind: str, process: Process) -> bool:
-    """Whether a record of ``kind`` answering ``asked`` (a ``flight_dump``: any) is in
-    what one process's files gained past their ends (at most MAX_TAIL_BYTES of each), a
-    segment begun since included."""
-    compact, spaced = f'"k":"{kind}"'.encode(), f'"k": "{kind}"'.encode()
+def _answers(files: Grown, asked: Asked, process: Process) -> set[str]:
+    """What one process's files gained past their ends (at most MAX_TAIL_BYTES of each),
+    a segment begun since included: "dump" for a dump answering ``asked``, "flight_dump"
+    for a flight-recorder dump's record."""
+    found = files.found
     for path in files.segments():
         try:
+            # opened, not only stat'ed: on NFS an open revalidates the size a stat may cache
             with open_regular(path, inside=path.parent) as f:
+                size = os.fstat(f.fileno()).st_size
+                if files.looked.get(path) == size:  # nothing new since it was last read
+                    continue
+                files.looked[path] = size
                 f.seek(files.ends.get(path, 0))
                 tail = f.read(MAX_TAIL_BYTES)
         except (OSError, BadInputError):
             continue
         for line in tail.split(b"\n"):
-            if compact in line or spaced in line:
-                try:
-                    record = json.loads(line)
-                    if kind != "dump" or asked.answered_by(record, process):
-                        return True
-                except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
-                    continue
-    return False
+            for kind in ("dump", "flight_dump"):
+                if f'"k":"{kind}"'.encode() in line or f'"k": "{kind}"'.encode() in line:
+                    try:
+                        record = json.loads(line)
+                        if kind != "dump" or asked.answered_by(record, process):
+                            found.add(kind)
+                    except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
+                        continue
+    return found
 
 
 def py_spy_dump(pid: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,15 @@ def add_run(bundle: EvidenceBundle, run: RunData, progress: Progress | None) -> 
 
 
 def rank_flight_timeline(
-    rank: RankData, warnings: list[str], since: float = -math.inf
+    rank: RankData,
+    warnings: list[str],
+    since: float = -math.inf,
+    read: Callable[[Path, int], FlightDump] | None = None,
 ) -> list[tuple[float, FlightDump]]:
     """Every flight-recorder dump the rank wrote next to its stream (those recorded at
     ``since`` or later), with the time of its record, oldest first; one that does not
-    read is a warning."""
+    read is a warning. ``read``: how a dump file is read (default: read_flight_dump, in
+    its folder)."""
     out = []
     for record in rank.flight_dumps:
         if float(record["t"]) < since:
@@ -113,7 +118,8 @@ def rank_flight_timeline(
         if not path.is_file():
             continue
         try:
-            out.append((float(record["t"]), read_flight_dump(path, rank.rank, inside=path.parent)))
+            found = read(path, rank.rank) if read else read_flight_dump(path, rank.rank, inside=path.parent)
+            out.append((float(record["t"]), found))
         except BadInputError as exc:
             warnings.append(f"rank {rank.rank}: {exc}")
     return out

@@ -83,3 +83,26 @@ def test_another_hosts_rank_answers_by_the_requests_id_whatever_its_clock(tmp_pa
     run, silent = wait_for_dumps(run_dir, ends, asked, wait_s=1.0)
     assert silent == [1]
     assert run.ranks[0].dumps[-1]["request"] == "req-7"
+
+
+def test_a_rank_is_read_as_soon_as_it_answered(tmp_path: Path) -> None:
+    """Each process is read once its dump and flight-recorder dump are in, while the others
+    are still waited for (at 1,024 ranks, reading them all after the last answer was most
+    of the verdict's time)."""
+    run_dir = write_run(tmp_path / "run", [RankSpec(ends=False), RankSpec(ends=False)])
+    streams = {n: sorted((run_dir / "ranks" / f"rank-{n}").glob("*.jsonl"))[0] for n in (0, 1)}
+    ends = stream_ends(run_dir, processes(run_dir))
+    since = time.time()
+    flight = json.dumps({"file": "gone.pickle", "reason": "request", "bytes": 0, "k": "flight_dump", "t": since})
+    append(streams[0], dump_line(since + 0.01) + flight + "\n")
+    answered: list[float] = []
+    later = threading.Timer(1.5, lambda: (answered.append(time.time()), append(streams[1], dump_line(time.time()))))
+    later.start()
+    read: dict[int, float] = {}
+    run, silent = wait_for_dumps(
+        run_dir, ends, signalled(run_dir, since), wait_s=20, each=lambda rank: read.setdefault(rank.rank, time.time())
+    )
+    later.join()
+    assert silent == [] and sorted(read) == [0, 1]
+    assert read[0] < answered[0] <= read[1]  # rank 0 read before rank 1 answered
+    assert [d["t"] >= since for d in run.ranks[1].dumps] == [True]

@@ -116,6 +116,25 @@ def test_leaves_sees_symlinks_out_and_loops(tmp_path: Path) -> None:
     assert not leaves(root, root / "link-in")
     assert leaves(root, root / "link-out")
     assert leaves(root, root / "loop")
+    assert leaves(root, root / "..")
+
+
+def test_a_file_in_its_folder_opens_as_resolved(tmp_path: Path) -> None:
+    """open_regular(inside=FOLDER) of a file right in FOLDER takes a short way (no
+    resolving) for a plain file; a symlink there is still followed only inside."""
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "in").write_text("x")
+    (root / "link-in").symlink_to(root / "in")
+    (root / "link-out").symlink_to(tmp_path / "out")
+    (tmp_path / "out").write_text("secret")
+    for name in ("in", "link-in"):
+        with open_regular(root / name, inside=root) as f:
+            assert f.read() == b"x"
+    with pytest.raises(BadInputError, match="out of the run directory"):
+        open_regular(root / "link-out", inside=root)
+    with pytest.raises(BadInputError, match="no such file|No such file"):
+        open_regular(root / "gone", inside=root)
 
 
 def test_manifest_writes_never_raise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,8 +11,10 @@ line up again shifted by one, which ranks ran an extra collective.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 from lorascope.detect.hang.conditions import chain_condition
 from lorascope.detect.hang.divergence import Aspects, splits
@@ -226,21 +228,31 @@ def _compare(
 
 
 def _extra_on(holding: dict[int, dict[int, FlightEntry]], seq: int) -> list[int]:
-    """Ranks whose entries from ``seq + 1`` on match the other ranks' from ``seq`` on."""
+    """Ranks whose entries from ``seq + 1`` on match the other ranks' from ``seq`` on (as
+    far as both hold them). The others' runs from ``seq`` are compared once per distinct
+    run, not once per pair of ranks (1,024 ranks: a million pairs)."""
+
+    def run(calls: dict[int, FlightEntry], start: int) -> tuple[tuple[Any, ...], ...]:
+        out = []
+        while start in calls:
+            out.append(calls[start].signature())
+            start += 1
+        return tuple(out)
+
+    theirs = {r: run(calls, seq) for r, calls in holding.items()}
+    kinds = Counter(theirs.values())
     extra = []
     for r, mine in holding.items():
-        others = [o for o in holding if o != r]
+        ahead = run(mine, seq + 1)
         pairs = 0
         agree = True
-        for o in others:
-            theirs = holding[o]
-            k = 0
-            while seq + 1 + k in mine and seq + k in theirs:
-                if mine[seq + 1 + k].signature() != theirs[seq + k].signature():
-                    agree = False
-                    break
-                k += 1
-            pairs += k
+        for other, count in kinds.items():
+            count -= other == theirs[r]  # the other ranks only
+            n = min(len(ahead), len(other))
+            if count and ahead[:n] != other[:n]:
+                agree = False
+                break
+            pairs += n * count
         if agree and pairs > 0:
             extra.append(r)
     return extra if len(extra) < len(holding) else []
@@ -269,11 +281,14 @@ def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
         first = group.first_disagreement
         if first is None or first.kind != "missing" or first.p2p:
             continue
+        short_of: dict[int, list[int]] = {}  # seq -> the ranks that never enqueued it (most ranks share one)
         for r in first.entries:
             entry = group.progress[r].last_entry
             if r in out or entry is None or entry.seq is None or entry.is_p2p or entry.seq < first.seq:
                 continue
-            never = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
+            if entry.seq not in short_of:
+                short_of[entry.seq] = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
+            never = short_of[entry.seq]
             if never:
                 out[r] = Ahead(group.desc or group.group, entry, never)
     return out

@@ -92,6 +92,24 @@ def _open_beneath(root: str, parts: list[str], flags: int) -> int:
         os.close(fd)
 
 
+def _open_child(root: Path | str, path: Path | str) -> int | None:
+    """PATH opened for reading when it is a file right in ROOT and no symlink (it is then
+    where ROOT is: nothing to resolve, ~0.1 ms saved a file, thousands of files a run);
+    None when it is not (the caller resolves it)."""
+    name = os.path.basename(path)
+    if name in ("", os.curdir, os.pardir) or os.path.dirname(path) != os.fspath(root):
+        return None
+    fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        return os.open(name, _READ | _NOFOLLOW, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink: it may still point inside ROOT
+            return None
+        raise
+    finally:
+        os.close(fd)
+
+
 def open_regular(path: Path | str, inside: Path | str | None = None) -> BinaryIO:
     """Open PATH for binary reading if it is a regular file (after symlinks); else
     BadInputError. With INSIDE (a run directory), PATH must resolve inside it, and no
@@ -100,7 +118,8 @@ def open_regular(path: Path | str, inside: Path | str | None = None) -> BinaryIO
         if inside is None:
             fd = os.open(path, _READ)
         else:
-            fd = _open_beneath(*_beneath(inside, path), _READ)
+            child = _open_child(inside, path)
+            fd = child if child is not None else _open_beneath(*_beneath(inside, path), _READ)
     except OSError as exc:
         raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
@@ -236,6 +255,8 @@ def maybe_too_deep(line: bytes, max_depth: int) -> bool:
 
 def leaves(root: Path, path: Path) -> bool:
     """Whether PATH (a symlink, or under one) resolves outside ROOT."""
+    if path.parent == root and path.name != os.pardir and not path.is_symlink():  # right in ROOT
+        return False
     try:
         return not path.resolve().is_relative_to(root.resolve())
     except (OSError, RuntimeError):  # a symlink loop

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -243,12 +244,16 @@ def _segments(run_dir: Path, rank_dir: Path, warnings: list[str]) -> dict[str, l
     """Segment files per process (``HOST-PID``), in segment order; symlinks out of the
     run directory are not followed (warned)."""
     out: dict[str, list[tuple[int, Path]]] = {}
-    for path in sorted(rank_dir.glob("*" + STREAM_SUFFIX)):
-        stem = path.name[: -len(STREAM_SUFFIX)]
-        proc, _, index = stem.rpartition(".")
+    try:
+        names = os.listdir(rank_dir)  # not a glob: it compiles its pattern at every call (~1.6 ms)
+    except OSError:
+        names = []
+    for name in sorted(n for n in names if n.endswith(STREAM_SUFFIX) and not n.startswith(".")):
+        path = rank_dir / name
+        proc, _, index = name[: -len(STREAM_SUFFIX)].rpartition(".")
         if not proc or not index.isdigit() or len(index) > 9:
             continue
-        if leaves(run_dir, path):
+        if path.is_symlink() and leaves(run_dir, path):  # else it is where its folder is (the caller's to check)
             warnings.append(f"{path}: a symlink out of the run directory: not followed")
             continue
         out.setdefault(proc, []).append((int(index), path))
@@ -776,10 +781,10 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
 POOL_MIN_BYTES = 48 << 20
 
 #: One process's stream to read: (rank, segments, step budget, windows to keep in full).
-_Job = tuple[int, list[tuple[int, Path]], int, dict[str, list[tuple[int, int]]] | None]
+Job = tuple[int, list[tuple[int, Path]], int, dict[str, list[tuple[int, int]]] | None]
 
 
-def read_process(job: _Job, configured: limits.Limits) -> tuple[RankData | str, list[str]]:
+def read_process(job: Job, configured: limits.Limits) -> tuple[RankData | str, list[str]]:
     """Read one process's stream (a pure function of its files, run in a worker): the
     reduced RankData, or the one-line reason it is bad input, and the reading warnings."""
     limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
@@ -913,7 +918,7 @@ def no_cycle_collection() -> Iterator[None]:
 
 
 def _read_all(
-    jobs: list[_Job], parallel: bool, progress: Progress | None, what: str, cluster: Cluster | None = None
+    jobs: list[Job], parallel: bool, progress: Progress | None, what: str, cluster: Cluster | None = None
 ) -> list[tuple[RankData, list[str]]]:
     """Read every job, on the cluster if given, else over a pool of worker processes when
     ``parallel``; in job order."""
@@ -970,7 +975,7 @@ def _share_members(data: RankData, members: dict[tuple[Any, ...], list[Any]]) ->
                 group["ranks"] = members.setdefault(tuple(listed), listed)
 
 
-def _stream_bytes(jobs: list[_Job]) -> int:
+def _stream_bytes(jobs: list[Job]) -> int:
     """The bytes the jobs read: their streams and steps files, and of their call files what
     is written (a call file is made sparse, at its full size)."""
     total = 0
@@ -1016,14 +1021,86 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
     read (:mod:`lorascope.rundir.loading.reduce`), by worker processes when there is enough to
     read, or by the workers of ``cluster`` (:mod:`lorascope.rundir.loading.cluster`); the ranks
     are then aligned (:mod:`lorascope.rundir.loading.align`)."""
+    listing = list_run(path, cluster)
+    jobs = listing.jobs()
+    parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
+    if cluster is not None and jobs:
+        cluster.prepare(listing.run_dir)
+    with no_cycle_collection():
+        results = _read_all(jobs, parallel, progress, "reading rank streams", cluster)
+        return listing.assemble(jobs, results, parallel, progress, cluster)
+
+
+@dataclass
+class Listing:
+    """A run directory's manifest and its processes' stream files, listed before they are
+    read: :func:`load_run` reads them all at once; `lorascope hang` reads each process as
+    it answers (:meth:`job`, :func:`read_process`), then puts them together (:meth:`assemble`)."""
+
+    run_dir: Path
+    manifest: dict[str, Any]
+    #: Each rank folder's number and its processes (``HOST-PID``) with their segments.
+    found: list[tuple[int, dict[str, list[tuple[int, Path]]]]]
+    #: What the listing warned of.
+    warnings: list[str]
+    _where: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
+    _members: dict[tuple[Any, ...], list[Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def budget(self) -> int:
+        """The steps each process keeps of its step-keyed records."""
+        return steps_per_rank(len(self.found))
+
+    def jobs(self) -> list[Job]:
+        """Every process's stream to read, in order."""
+        return [(rank, segs, self.budget, None) for rank, procs in self.found for segs in procs.values()]
+
+    def job(self, rank_dir: Path, process: str) -> Job | None:
+        """One process's stream to read, its segments listed again (one may have begun
+        since the listing); None when it is not a process of the listing."""
+        if not self._where:
+            self._where.update(((procs[p][0][1].parent.name, p), rank) for rank, procs in self.found for p in procs)
+        rank = self._where.get((rank_dir.name, process))
+        if rank is None:
+            return None
+        segs = _segments(self.run_dir, rank_dir, []).get(process)
+        return (rank, segs, self.budget, None) if segs else None
+
+    def read(self, job: Job) -> tuple[RankData, list[str]]:
+        """One process's stream read here (:func:`read_process`); BadInputError if it is bad."""
+        data, warnings = read_process(job, limits.current())
+        if isinstance(data, str):
+            raise BadInputError(data)
+        _share_members(data, self._members)
+        return data, warnings
+
+    def assemble(
+        self,
+        jobs: list[Job],
+        results: list[tuple[RankData, list[str]]],
+        parallel: bool = False,
+        progress: Progress | None = None,
+        cluster: Cluster | None = None,
+    ) -> RunData:
+        """The run from what each of ``jobs`` (every process of the listing, in order:
+        :meth:`jobs`) read: one process per rank, the ranks aligned."""
+        flat = [*self.warnings, *(w for _, warnings in results for w in warnings)]
+        ranks = _choose(self.run_dir, self.manifest, [data for data, _ in results], flat)
+        _align(ranks, jobs, results, parallel, progress, cluster)
+        _from_common_attach(ranks, flat)
+        return RunData(path=self.run_dir, manifest=self.manifest, ranks=ranks, warnings=flat)
+
+
+def list_run(path: str | Path, cluster: Cluster | None = None) -> Listing:
+    """The run directory's manifest (validated) and its processes' stream files; BadInputError
+    with a one-line reason."""
     run_dir = Path(path) if cluster is None else Path(path).absolute()
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")
     if not run_dir.is_dir():
         raise BadInputError(f"{run_dir} is not a run directory (it is a file)")
     manifest = _read_manifest(run_dir)
-    warnings: list[str | int] = []
-    jobs: list[_Job] = []
+    warnings: list[str] = []
     ranks_dir = run_dir / RANKS_DIR
     rank_dirs = sorted(ranks_dir.glob("rank-*")) if ranks_dir.is_dir() else []
     found: list[tuple[int, dict[str, list[tuple[int, Path]]]]] = []
@@ -1041,21 +1118,7 @@ def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluste
             warnings.append(f"rank {suffix}: no stream files in {rank_dir}")
             continue
         found.append((int(suffix), procs))
-    budget = steps_per_rank(len(found))
-    for rank, procs in found:
-        for segs in procs.values():
-            warnings.append(len(jobs))  # where this stream's reading warnings go
-            jobs.append((rank, segs, budget, None))
-    parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
-    if cluster is not None and jobs:
-        cluster.prepare(run_dir)
-    with no_cycle_collection():
-        results = _read_all(jobs, parallel, progress, "reading rank streams", cluster)
-        flat = [w for item in warnings for w in (results[item][1] if isinstance(item, int) else [item])]
-        ranks = _choose(run_dir, manifest, [data for data, _ in results], flat)
-        _align(ranks, jobs, results, parallel, progress, cluster)
-        _from_common_attach(ranks, flat)
-    return RunData(path=run_dir, manifest=manifest, ranks=ranks, warnings=flat)
+    return Listing(run_dir, manifest, found, warnings)
 
 
 def _from_common_attach(ranks: dict[int, RankData], warnings: list[str]) -> None:
@@ -1117,7 +1180,7 @@ def _choose(
 
 def _align(
     ranks: dict[int, RankData],
-    jobs: list[_Job],
+    jobs: list[Job],
     results: list[tuple[RankData, list[str]]],
     parallel: bool,
     progress: Progress | None,
