@@ -87,7 +87,6 @@ HARNESS = textwrap.dedent("""
     '''
         _ns = {{}}
         exec(compile(_src, os.path.join(os.path.dirname(lorascope.__file__), "_probe_costs_harness.py"), "exec"), _ns)
-        _record = importlib.import_module("lorascope.probes.session").Session.record
         _steps = []
 
         def _threads_cpu():
@@ -100,12 +99,33 @@ HARNESS = textwrap.dedent("""
                         pass
             return out
 
-        def _step_clock(self, kind, **fields):
-            if kind == "step" and threading.current_thread() is _main:
+        def _mark():
+            if threading.current_thread() is _main:
                 _steps.append((time.thread_time_ns(), time.monotonic_ns(), _threads_cpu()))
-            return _record(self, kind, **fields)
 
-        importlib.import_module("lorascope.probes.session").Session.record = _step_clock
+        # a step's end: its record put into the steps file (a step's kind is the last field),
+        # or in a checkout before the steps file (--src) its stream record
+        _SlotFile = getattr(importlib.import_module("lorascope.rundir.format.callfile"), "SlotFile", None)
+        if _SlotFile is not None:
+            _layout = importlib.import_module("lorascope.rundir.format.layout")
+            _put = _SlotFile.put
+
+            def _step_clock(self, *fields):
+                if self.record is _layout.STEP and fields[-1] == _layout.STEP_END:
+                    _mark()
+                return _put(self, *fields)
+
+            _SlotFile.put = _step_clock
+        else:
+            _Session = importlib.import_module("lorascope.probes.session").Session
+            _record = _Session.record
+
+            def _step_clock(self, kind, **fields):
+                if kind == "step":
+                    _mark()
+                return _record(self, kind, **fields)
+
+            _Session.record = _step_clock
         for _mod, _owner, _name, _label, _ in ({timed!r} if {wrap!r} else []):
             _m = importlib.import_module(_mod)
             _o = getattr(_m, _owner) if _owner else _m
