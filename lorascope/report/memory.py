@@ -17,6 +17,7 @@ from lorascope.report.downsample import thin
 from lorascope.report.timebase import MIB, mib, secs
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import RankData, RunData
+from lorascope.rundir.loading.records import StepRecord
 
 #: Points kept per chart over all ranks (per rank: this / ranks, within the bounds below).
 TIMELINE_BUDGET = 32_000
@@ -125,7 +126,7 @@ def _step_markers(run: RunData, origin: float) -> list[list[float]]:
 VIEW_MARGIN = 0.05
 
 
-def _duration(step: dict[str, Any]) -> float:
+def _duration(step: StepRecord) -> float:
     dur = step.get("dur")
     if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not math.isfinite(dur):
         return 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 from lorascope.report import collectives, memory
 from lorascope.report.downsample import thin
@@ -26,15 +26,21 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _finite(rank: RankData, key: str) -> list[dict[str, Any]]:
-    return [s for s in rank.steps if type(s[key]) in _NUMBERS and math.isfinite(s[key])]
+def _finite(rank: RankData, key: Literal["loss", "dur"]) -> list[tuple[int, float]]:
+    """(step, value) of the rank's steps whose ``key`` is a finite number (not a bool)."""
+    out: list[tuple[int, float]] = []
+    for s in rank.steps:
+        value = s[key]
+        if type(value) in _NUMBERS and value is not None and math.isfinite(value):
+            out.append((s["step"], value))
+    return out
 
 
 def per_step(run: RunData) -> PerStep:
     """The run's per-step series for :func:`lorascope.report.spread.charts`."""
     return PerStep(
-        step_time={r.rank: sorted((s["step"], float(s["dur"])) for s in _finite(r, "dur")) for r in run.ranks.values()},
-        loss={r.rank: sorted((s["step"], float(s["loss"])) for s in _finite(r, "loss")) for r in run.ranks.values()},
+        step_time={r.rank: sorted((s, float(v)) for s, v in _finite(r, "dur")) for r in run.ranks.values()},
+        loss={r.rank: sorted((s, float(v)) for s, v in _finite(r, "loss")) for r in run.ranks.values()},
         wait=collectives.wait_per_step(run),
         memory={kind: memory.per_step(run, kind) for kind in memory.recorded_metrics(run)},
     )
@@ -50,17 +56,17 @@ def step_series(run: RunData, lines: bool = True) -> dict[str, Any]:
     for rank in run.ranks.values():
         steps = _finite(rank, "dur")
         if lines:
-            xs, ys = thin([s["step"] for s in steps], [s["dur"] for s in steps], keep)
+            xs, ys = thin([s for s, _ in steps], [v for _, v in steps], keep)
             times.append({"rank": rank.rank, "step": xs, "s": [round(y, 4) for y in ys]})
             with_loss = _finite(rank, "loss")
-            xs, ys = thin([s["step"] for s in with_loss], [s["loss"] for s in with_loss], keep)
+            xs, ys = thin([s for s, _ in with_loss], [v for _, v in with_loss], keep)
             losses.append({"rank": rank.rank, "step": xs, "loss": [round(y, 5) for y in ys]})
         bad_losses += [
             [rank.rank, s["step"], str(s.get("loss_text") or s["loss"])]
             for s in rank.steps
-            if s.get("loss_text") or (type(s["loss"]) in _NUMBERS and not math.isfinite(s["loss"]))
+            if s.get("loss_text") or (isinstance(loss := s["loss"], _NUMBERS) and not math.isfinite(loss))
         ]
-        values = [s["dur"] for s in steps if s["dur"] > 0]
+        values = [v for _, v in steps if v > 0]
         stats.append(
             {
                 "rank": rank.rank,

@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir.format import limits, ranks
@@ -55,6 +55,7 @@ from lorascope.rundir.loading.callreduce import (
 )
 from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
@@ -119,8 +120,8 @@ class RankData:
     files: list[str]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     mem: list[dict[str, Any]] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    phases: list[PhaseEdge] = field(default_factory=list)
     groups: dict[int, dict[str, Any]] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     warnings: list[dict[str, Any]] = field(default_factory=list)
@@ -522,12 +523,12 @@ class _Stream:
             return
         self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
 
-    def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[StepRecord], list[PhaseEdge]]:
         """The steps file's step and phase records (none without one; ``drop``: no phase
         record decimation is sure to drop), its times in ``last_time``, every backward
         edge to the keeper's spans."""
-        steps: list[dict[str, Any]] = []
-        phases: list[dict[str, Any]] = []
+        steps: list[StepRecord] = []
+        phases: list[PhaseEdge] = []
         table = self.step_table
         if table is not None and len(table):
             records = table.records
@@ -780,6 +781,8 @@ def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
 #: pool's start (~0.1 s a worker) costs more than it saves (measured: benchmarks/rundir_scale.py).
 POOL_MIN_BYTES = 48 << 20
 
+_Rec = TypeVar("_Rec")
+
 #: One process's stream to read: (rank, segments, step budget, windows to keep in full).
 Job = tuple[int, list[tuple[int, Path]], int, dict[str, list[tuple[int, int]]] | None]
 
@@ -844,16 +847,10 @@ def _read_span(
     data = stream.data
     if data is None:
         raise BadInputError(f"{paths[0]}: empty rank stream")
-    for listed, recs in zip(("steps", "phases"), stream.take_steps(data), strict=True):
-        held = getattr(data, listed)
-        for rec in recs:
-            t = rec["t"]
-            if not (t - rec["dur"] if listed == "steps" else t) <= hi or not t >= lo:
-                continue
-            if len(held) >= most:
-                out.left_out += 1
-                continue
-            held.append(rec)
+    steps, phases = stream.take_steps(data)
+    # a step from its begin (its end less its duration), a phase edge at its time
+    out.left_out += _keep_within(data.steps, [(s["t"] - s["dur"], s["t"], s) for s in steps], lo, hi, most)
+    out.left_out += _keep_within(data.phases, [(p["t"], p["t"], p) for p in phases], lo, hi, most)
     stream.put_losses(data)
     out.collectives, left_out = calls_between(
         stream.calls(paths[0]),
@@ -868,6 +865,20 @@ def _read_span(
     out.steps, out.phases, out.mem = data.steps, data.phases, data.mem
     out.left_out += left_out
     return out
+
+
+def _keep_within(held: list[_Rec], recs: list[tuple[float, float, _Rec]], lo: float, hi: float, most: int) -> int:
+    """Append to ``held`` the records (begun, ended, record) that overlap [lo, hi], while it
+    holds fewer than ``most``; how many of those were left out."""
+    left_out = 0
+    for begun, ended, rec in recs:
+        if not begun <= hi or not ended >= lo:
+            continue
+        if len(held) >= most:
+            left_out += 1
+            continue
+        held.append(rec)
+    return left_out
 
 
 def records_between(

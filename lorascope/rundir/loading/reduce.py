@@ -36,9 +36,11 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sortedcontainers import SortedList
+
+from lorascope.rundir.loading.records import PhaseEdge
 
 if TYPE_CHECKING:
     from lorascope.rundir.loading.reader import Collective
@@ -526,7 +528,7 @@ class StepKeeper:
         if kind == "mem":
             self.mem += len(recs)
         elif kind == "phase":
-            self.spans.add(recs)
+            self.spans.add(cast("list[PhaseEdge]", recs))  # stream phase records, validated: its fields
         self.held(data)
 
     def held(self, data: Any) -> None:
@@ -590,7 +592,7 @@ class StepKeeper:
             k += 1
 
 
-def backward_spans(phases: Iterable[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+def backward_spans(phases: Iterable[PhaseEdge]) -> dict[int, list[tuple[float, float]]]:
     """Per step (+1, the step record's number), the (begin, end) times of its backward
     phases that ended."""
     spans = BackwardSpans()
@@ -605,7 +607,7 @@ class BackwardSpans:
         self.spans: dict[int, list[tuple[float, float]]] = {}
         self._begin: dict[int, float] = {}
 
-    def add(self, phases: Iterable[dict[str, Any]]) -> None:
+    def add(self, phases: Iterable[PhaseEdge]) -> None:
         spans, begin = self.spans, self._begin
         for p in phases:
             if p["name"] != "backward":

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorascope.rundir.loading.records import PhaseEdge, StepRecord
+
 if TYPE_CHECKING:
     from lorascope.rundir.loading.reader import Collective
 
@@ -24,7 +26,7 @@ class SpanRecords:
     left out past that, of all kinds together."""
 
     collectives: list[Collective] = field(default_factory=list)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    phases: list[PhaseEdge] = field(default_factory=list)
     mem: list[dict[str, Any]] = field(default_factory=list)
     left_out: int = 0

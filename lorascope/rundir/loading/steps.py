@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from lorascope.rundir.format.layout import STEP_END, STEP_KINDS
 from lorascope.rundir.loading.calls import STEPS, CallRecords, read_calls
+from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import Rule
 
 #: What a record whose label no ``label`` record declares is read as.
@@ -38,7 +38,7 @@ def step_numbers(table: np.ndarray) -> list[int]:
 
 def as_records(
     table: np.ndarray, labels: dict[int, str], who: str, warnings: list[str], drop: Rule | None = None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[StepRecord], list[PhaseEdge]]:
     """The ``step`` records and the ``phase`` records of ``table`` (the steps file's
     records, in index order), each kind in order, as the stream held them before:
     ``{"step", "dur", "loss", "src", "k", "t"}`` (loss None where none was read) and
@@ -58,7 +58,7 @@ def as_records(
     name = labels.get
     shared: dict[int, int] = {}  # one object per step number (the reader's summary holds and pickles them)
     ended = table[kinds == STEP_END]
-    steps = [
+    steps: list[StepRecord] = [
         {"step": step, "dur": dur, "loss": None if math.isnan(loss) else loss, "src": name(label, UNKNOWN_LABEL),
          "k": "step", "t": t}
         for t, dur, loss, step, label in zip(
@@ -76,7 +76,7 @@ def as_records(
             sure &= numbers > low
         edges = edges[~sure]
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
-    phases = [
+    phases: list[PhaseEdge] = [
         {"name": name(label, UNKNOWN_LABEL), "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
         for t, step, label, kind in zip(
             edges["t"].tolist(),
@@ -89,11 +89,11 @@ def as_records(
     return steps, phases
 
 
-def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[dict[str, Any]]:
+def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseEdge]:
     """The ``backward`` phase edges of ``table``, as records with the fields
     :class:`~lorascope.rundir.loading.reduce.BackwardSpans` reads (made one at a time)."""
     ids = [n for n, text in labels.items() if text == "backward"]
     at = table[(table["kind"] < STEP_END) & np.isin(table["label"], ids)]
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     for t, step, kind in zip(at["t"].tolist(), at["step"].tolist(), at["kind"].tolist(), strict=True):
-        yield {"name": "backward", "edge": edge_names[kind], "step": step, "t": t}
+        yield {"name": "backward", "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
