@@ -1,14 +1,14 @@
 """A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
-lines its stream appends and the records its call file and steps file gain
+lines its stream appends and the records its call file, steps file and memory file gain
 (:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can run on a partial run.
 
 Lines are taken in a block at a time (what one stream appended), without decoding
 most of them: watch runs for hours beside the job. One regular expression, anchored where
 a line begins (``{"``), picks out the first key of the rare kinds, which are decoded whole
 (``start``, ``dist_init``, ``group``, ``shape``, ``label``, ``stall``, ``dump``,
-``exception``, ``signal``, ``end``, ``probe_error``). Every ``mem`` reading's figure is
-taken by one ``findall`` over the block. Steps and phase edges come as the steps file's
-columns (number, duration, time; the last phase edge's label). Calls come as the call file's columns (new ones, and those pending at the
+``exception``, ``signal``, ``end``, ``probe_error``). Steps and phase edges come as the
+steps file's columns (number, duration, time; the last phase edge's label), memory
+readings as the memory file's (the latest, the highest). Calls come as the call file's columns (new ones, and those pending at the
 last look read again): the pending ones are kept, and the seconds of the synchronous ones
 that ended are summed per step (a rank's work in a step is its step time less them).
 Memory is bounded: per rank the last :data:`KEEP_STEPS` steps, the pending calls (at most
@@ -71,10 +71,6 @@ MISSING_AFTER_S = 30.0
 #: type, ``signal`` signum, ``end`` status, ``fatal_handler`` file, ``probe_error`` probe).
 #: Nested objects do not match (a match must begin a line).
 _LINE = re.compile(rb'\{"(?:rank|gid|k":"shape|k":"label|seconds|reason|type|signum|status|file|probe)"')
-#: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
-_RSS = re.compile(rb'\{"src":"[a-z._]+","step":[0-9]+,"rss":([0-9]+)')
-_CUDA = re.compile(rb'"cuda":\{[^}]*"alloc":([0-9]+)[^}]*"max_alloc":([0-9]+)')
-_CUDA_MARK = b'"cuda":{'
 
 
 @dataclass
@@ -132,7 +128,6 @@ class LiveRank:
             end = len(data) if end < 0 else end
             self._rare(data[start:end])
             pos = end
-        self._mem(data)
 
     def take_steps(self, records: np.ndarray) -> None:
         """Records the steps file gained: its steps' ends, and its phase edges (the last
@@ -172,22 +167,22 @@ class LiveRank:
                 waited[step] = waited.get(step, 0.0) + (end - t)
         self.last_t = last_t
 
-    def _mem(self, data: bytes) -> None:
-        """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
-        are the allocator's (allocated now, the highest since the start), else RSS."""
-        if _CUDA_MARK in data:
-            readings = [(int(a), int(b)) for a, b in _CUDA.findall(data)]
-            if readings:
-                self.mem_metric = "cuda"
-                self.mem_now, peak = readings[-1][0], max(p for _, p in readings)
-                self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
-                return
-        if self.mem_metric == "cuda":
+    def take_mem(self, records: np.ndarray) -> None:
+        """Readings the memory file gained: the latest is the rank's memory now. A CUDA
+        rank's are the allocator's (allocated now, the highest since the start), else RSS."""
+        cuda = records[records["device"] >= 0]
+        if len(cuda):
+            self.mem_metric = "cuda"
+            now, peak = int(cuda["alloc"][-1]), int(cuda["max_alloc"].max())
+        elif self.mem_metric == "cuda":
             return
-        rss = _RSS.findall(data)
-        if rss:
-            self.mem_now, peak = int(rss[-1]), max(map(int, rss))
-            self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
+        else:
+            read = records["rss"][records["rss"] >= 0]
+            if not len(read):
+                return
+            now, peak = int(read[-1]), int(read.max())
+        self.mem_now = now
+        self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
     def _step(self, step: int, dur: float, t: float) -> None:
         self.last_t = max(self.last_t, t)
@@ -271,7 +266,7 @@ class LiveRun:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
     def take(self, looked: Iterable[Looked]) -> None:
-        for stream, lines, calls, steps in looked:
+        for stream, lines, calls, steps, mem in looked:
             key = (stream.rank, stream.process)
             rank = self.processes.get(key)
             if rank is None:
@@ -282,6 +277,8 @@ class LiveRun:
                 rank.take_calls(calls.records)
             if steps is not None:
                 rank.take_steps(steps)
+            if mem is not None:
+                rank.take_mem(mem)
 
     @property
     def ranks(self) -> dict[int, LiveRank]:

@@ -234,7 +234,7 @@ def test_helpers_runs_hold_their_steps_in_the_steps_file(tmp_path: Path) -> None
     run = write_run(tmp_path, [RankSpec(steps=3, phases=[("eval", 1)], calls=[Call("all_reduce")])])
     [stream] = (run / "ranks" / "rank-0").glob("*.jsonl")
     kinds = [json.loads(line)["k"] for line in stream.read_text().splitlines()]
-    assert "step" not in kinds and "phase" not in kinds and kinds.count("label") == 2
+    assert "step" not in kinds and "phase" not in kinds and kinds.count("label") == 4  # and the readings' sources
     rank = load_run(run).ranks[0]
     assert [s["step"] for s in rank.steps] == [1, 2, 3]
     assert [(p["name"], p["edge"]) for p in rank.phases] == [("eval", "begin"), ("eval", "end")]
@@ -249,12 +249,12 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
     f = step_file(steps_path(folder / "h-1"))
     f.put(2.0, 0.5, 1.0, 1, 0, STEP_END)
     tail = Tail(tmp_path)
-    [(_, _, _, first)] = list(tail.look())
+    [(_, _, _, first, _)] = list(tail.look())
     assert first is not None and first["step"].tolist() == [1]
-    assert [s for *_, s in tail.look()] == []
+    assert [s for _, _, _, s, _ in tail.look()] == []
     f.put(3.0, 0.0, math.nan, 1, 1, BEGIN)
     f.put(3.5, 0.5, 1.0, 2, 0, STEP_END)
-    [(_, lines, _, more)] = list(tail.look())
+    [(_, lines, _, more, _)] = list(tail.look())
     assert lines == b"" and more is not None and more["step"].tolist() == [1, 2]
     assert more["kind"].tolist() == [BEGIN, STEP_END]
 
@@ -266,5 +266,7 @@ def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
     [path] = (run / "ranks" / "rank-0").glob("*.steps")
     with open(path, "ab") as f:
         f.truncate(600 << 20)  # sparse
-    with pytest.raises(BadInputError, match=r"rank 0: its stream \(.* and its steps file\) is over the 512 MiB limit"):
+    with pytest.raises(
+        BadInputError, match=r"rank 0: its stream \(.*, its steps and memory files\) is over the 512 MiB limit"
+    ):
         load_run(run)

@@ -23,6 +23,7 @@ from lorascope.rundir.format.callfile import CallFile, step_file
 from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CallRecords, read_calls
+from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
@@ -45,7 +46,7 @@ def _stream(run: Path, rank: int, name: str = "h-1.0000.jsonl") -> Path:
 
 def _lines(tail: Tail) -> dict[tuple[int, str], list[bytes]]:
     out: dict[tuple[int, str], list[bytes]] = {}
-    for stream, data, _, _ in tail.look():
+    for stream, data, *_ in tail.look():
         if data:
             out.setdefault((stream.rank, stream.process), []).extend(data.split(b"\n"))
     return out
@@ -87,7 +88,7 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     tail = Tail(tmp_path)
 
     def looked() -> list[int]:
-        return [i for _, _, got, _ in tail.look() if got is not None for i in got.index.tolist()]
+        return [i for _, _, got, *_ in tail.look() if got is not None for i in got.index.tolist()]
 
     assert looked() == [0, 1, 2]
     assert looked() == [1]  # nothing new: the pending call read again, nothing else
@@ -95,7 +96,7 @@ def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(t
     calls.end(1, 12.9)
     for seq in range(4, 30):
         calls.begin(10.0 + seq, seq, 4, 0, 0, 0)
-    got = [g for _, _, g, _ in tail.look() if g is not None][0]
+    got = [g for _, _, g, *_ in tail.look() if g is not None][0]
     assert got.index.tolist() == [1, *range(21, 29)]  # 3..20 went round the ring before this look
     assert got.records["end"][0] == 12.9
     assert tail.bytes_read - read == 9 * CALL.size
@@ -107,7 +108,7 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     path = _stream(tmp_path, 0)
     path.write_bytes(b"".join(b'{"n":%d}\n' % i for i in range(100)))
     tail = Tail(tmp_path)
-    (stream, data, _, _), *_ = list(tail.look())
+    (stream, data, *_), *_ = list(tail.look())
     lines = data.split(b"\n")
     assert stream.partial and tail.bytes_read == 100
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
@@ -116,9 +117,9 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
-    """A recorded run's streams, call files and steps files taken in as a tail would see
-    them: each stream cut at random places, and with each piece the calls begun and the
-    steps-file records written up to its last record."""
+    """A recorded run's streams, call files, steps files and memory files taken in as a
+    tail would see them: each stream cut at random places, and with each piece the calls
+    begun and the steps-file and memory-file records written up to its last record."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -131,7 +132,9 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
             steps = read_steps(folder / (process + ".steps"), "rank", []).records
             written = np.maximum.accumulate(steps["t"]) if len(steps) else np.zeros(0)
-            rest, given, given_steps = b"", 0, 0
+            mem = read_mem(folder / (process + ".mem"), "rank", []).records
+            read = np.maximum.accumulate(mem["t"]) if len(mem) else np.zeros(0)
+            rest, given, given_steps, given_mem = b"", 0, 0, 0
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
@@ -141,8 +144,11 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
                 piece = CallRecords(calls.records[given:upto], calls.index[given:upto], calls.head, calls.ring)
                 given = max(given, upto)
                 upto = len(steps) if b == len(data) else int(np.searchsorted(written, last, side="right"))
-                live.take([(stream, lines, piece, steps[given_steps:upto] if upto > given_steps else None)])
-                given_steps = max(given_steps, upto)
+                upto_mem = len(mem) if b == len(data) else int(np.searchsorted(read, last, side="right"))
+                new_steps = steps[given_steps:upto] if upto > given_steps else None
+                new_mem = mem[given_mem:upto_mem] if upto_mem > given_mem else None
+                live.take([(stream, lines, piece, new_steps, new_mem)])
+                given_steps, given_mem = max(given_steps, upto), max(given_mem, upto_mem)
     return live
 
 

@@ -37,6 +37,8 @@ CALLS_SUFFIX = ".calls"
 KEPT_CALLS_SUFFIX = ".kept-calls"
 #: Its steps' ends and phase edges, fixed-width records (layout.py): ``HOST-PID.steps``.
 STEPS_SUFFIX = ".steps"
+#: Its memory readings, fixed-width records (layout.py): ``HOST-PID.mem``.
+MEM_SUFFIX = ".mem"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
@@ -94,6 +96,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
     "steps_file": {"file": _STR, "how": _STR},
     "label": {"id": _INT, "text": _STR},
+    "mem_file": {"file": _STR, "how": _STR},
+    #: NVML's part of the memory file's reading of index ``i`` (the sampler's, on CUDA).
+    "nvml": {"i": _INT, "nvml": (dict,)},
     #: A step's calls the call file's ring overwrites, summed per group and op:
     #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
     "calls_step": {"step": _INT, "groups": (list,)},

@@ -19,8 +19,8 @@ A process's call file (beside its stream) is followed by index: a look reads its
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run. Its steps file is followed the same way: the records written since the
-last look (the newest :data:`START_STEPS` at the first).
+long the run. Its steps file and its memory file are followed the same way: the records
+written since the last look (the newest :data:`START_STEPS` at the first).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lorascope.rundir.format.layout import CALL, STEP
+from lorascope.rundir.format.layout import CALL
 from lorascope.rundir.format.safe_open import leaves
-from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import STEPS, CallRecords, read_since
+from lorascope.rundir.format.schema import CALLS_SUFFIX, MEM_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
+from lorascope.rundir.loading.calls import MEMORY, STEPS, CallRecords, FileKind, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -51,7 +51,7 @@ MAX_READ_BYTES = 4 << 20
 #: at each look, at most (the oldest: the one a hang sits in).
 START_CALLS = 4096
 MAX_PENDING_CALLS = 256
-#: Steps-file records read at its first look (the newest).
+#: Steps-file (and memory-file) records read at its first look (the newest).
 START_STEPS = 1024
 
 
@@ -66,7 +66,7 @@ class FollowedCalls:
 
 @dataclass
 class FollowedSteps:
-    """A rank process's steps file: the count read up to."""
+    """A rank process's steps file (or memory file): the count read up to."""
 
     path: Path
     count: int = 0
@@ -91,12 +91,15 @@ class Followed:
     calls: FollowedCalls | None = None
     #: Its steps file, beside the stream (read once it is there).
     steps: FollowedSteps | None = None
+    #: Its memory file, beside the stream (read once it is there).
+    mem: FollowedSteps | None = None
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
-#: newline; may be empty), its call file's new and re-read records (None: none) and its
-#: steps file's new records (layout.STEP_FIELDS; None: none).
-Looked = tuple[Followed, bytes, CallRecords | None, np.ndarray | None]
+#: newline; may be empty), its call file's new and re-read records (None: none), its
+#: steps file's new records (layout.STEP_FIELDS; None: none) and its memory file's
+#: (layout.MEM_FIELDS; None: none).
+Looked = tuple[Followed, bytes, CallRecords | None, np.ndarray | None, np.ndarray | None]
 
 
 def _rank_of(name: str) -> int | None:
@@ -158,11 +161,14 @@ class Tail:
                 if known is None:
                     calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
                     steps = FollowedSteps(Path(entry.path) / (proc + STEPS_SUFFIX))
-                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls, steps=steps)
+                    mem = FollowedSteps(Path(entry.path) / (proc + MEM_SUFFIX))
+                    self.streams[(rank, proc)] = Followed(
+                        rank, proc, index, Path(path), calls=calls, steps=steps, mem=mem
+                    )
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
-                    finished.append((known, lines, None, None))
+                    finished.append((known, lines, None, None, None))
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
 
@@ -235,23 +241,22 @@ class Tail:
         followed.pending = calls.index[calls.records["end"] == 0.0].tolist()[:MAX_PENDING_CALLS]
         return calls if len(calls) else None
 
-    def _read_steps(self, stream: Followed) -> np.ndarray | None:
-        """The steps file's records written since the last look."""
-        followed = stream.steps
+    def _read_steps(self, followed: FollowedSteps | None, kind: FileKind = STEPS) -> np.ndarray | None:
+        """The steps file's (or ``kind``'s file's) records written since the last look."""
         if followed is None:
             return None
         first = followed.count == 0
-        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, STEPS)
+        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, kind)
         if got is None or got[0] == followed.count:
             return None
-        followed.count, steps = got
-        self.bytes_read += len(steps) * STEP.size
-        return steps.records if len(steps) else None
+        followed.count, records = got
+        self.bytes_read += len(records) * kind.record.size
+        return records.records if len(records) else None
 
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
         stream, as one ``bytes`` of lines without the last newline, and the records its
-        call file and steps file gained, one process at a time (those with neither are left out): a
+        call file, steps file and memory file gained, one process at a time (those with none are left out): a
         caller that takes each in before the next holds one process's at most."""
         now = self.clock()
         if now - self._scanned >= RESCAN_S:
@@ -260,6 +265,7 @@ class Tail:
         for stream in list(self.streams.values()):
             lines = self._read(stream)
             calls = self._read_calls(stream)
-            steps = self._read_steps(stream)
-            if lines or calls is not None or steps is not None:
-                yield stream, lines, calls, steps
+            steps = self._read_steps(stream.steps)
+            mem = self._read_steps(stream.mem, MEMORY)
+            if lines or calls is not None or steps is not None or mem is not None:
+                yield stream, lines, calls, steps, mem
