@@ -1,7 +1,7 @@
 """Format v3 of the run directory: names, record kinds and their required fields.
 
-Every per-rank process writes a JSON Lines stream, a binary call file and a binary steps
-file. Every stream
+Every per-rank process writes a JSON Lines stream, a binary call file, a binary steps
+file and a binary memory file. Every stream
 record is an object with ``k`` (its kind) and ``t`` (wall-clock seconds since the epoch).
 The fields each kind must carry are listed in :data:`RECORD_FIELDS`; extra fields are
 allowed (readers ignore what they do not know), unknown kinds are skipped with a warning.
@@ -11,8 +11,9 @@ v3 (over v2): collective calls are no longer stream records but fixed-width reco
 the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
 naming its ``shape`` record (op, dtype, async, site, via) by id; a call's error is
 a ``coll_err`` record. Steps and phase edges are fixed-width records of the steps file
-(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id. A
-reader of v3 refuses v2 and v1 run directories.
+(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id; memory
+readings of the memory file (``HOST-PID.mem``), each naming where it was read the same way,
+a sampler's NVML part an ``nvml`` record. A reader of v3 refuses v2 and v1 run directories.
 """
 
 from __future__ import annotations
