@@ -1,6 +1,7 @@
-"""Writing a rank's call file and steps file (probe side; standard library only). Layout:
-``layout.py``. One writer, :class:`SlotFile`, serves both: a record Struct, a header, and
-slots kept from the start and a ring after them (none for the steps file).
+"""Writing a rank's call file, steps file and memory file (probe side; standard library
+only). Layout: ``layout.py``. One writer, :class:`SlotFile`, serves them all: a record
+Struct, a header, and slots kept from the start and a ring after them (none for the steps
+and memory files).
 
 ``begin`` writes a call's record into its slot with one ``struct.pack_into`` on the thread
 that makes the call: no queue, no formatting, no system call. The file is mapped shared,
