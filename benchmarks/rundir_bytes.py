@@ -5,8 +5,8 @@ Runs the CPU test job (``probes/train_lora.py``, 2 ranks) under ``lorascope run`
 ``--steps`` steps with a small call-file ring (``LORASCOPE_CALL_SLOTS``, default
 ``1024,4096``: the ring comes round within the run, as it does after ~5,000 steps with
 the default slots), then prints for each rank, over the steps past ``--from-step``:
-the stream's bytes a step by record kind, the steps file's (its steps and phase edges),
-the call file's size, the bytes per rank-step in all, and the projections for a
+the stream's bytes a step by record kind, the steps file's (its steps and phase edges)
+and the memory file's (its readings), the call file's size, the bytes per rank-step in all, and the projections for a
 1,000,000-step run (per rank) and a 1,024-rank x 10,000-step run (in all), with the
 default slots (layout.DEFAULT_HEAD, DEFAULT_RING).
 
@@ -33,9 +33,11 @@ from lorascope.rundir.format.layout import (  # noqa: E402
     COUNT_OFFSET,
     DEFAULT_HEAD,
     DEFAULT_RING,
+    MEM,
     STEP,
     file_size,
 )
+from lorascope.rundir.loading.mem import read_mem  # noqa: E402
 from lorascope.rundir.loading.steps import read_steps  # noqa: E402
 
 
@@ -76,11 +78,17 @@ def main() -> None:
                 numbers = read_steps(path, rank_dir.name, []).records["step"]
                 in_file += int(((numbers >= args.from_step) & (numbers < args.steps - 5)).sum())
             file_step = in_file * STEP.size / steps
-            per_step = stream_step + file_step
+            readings = 0
+            for path in rank_dir.glob("*.mem"):
+                numbers = read_mem(path, rank_dir.name, []).records["step"]
+                readings += int(((numbers >= args.from_step) & (numbers < args.steps - 5)).sum())
+            mem_step = readings * MEM.size / steps
+            per_step = stream_step + file_step + mem_step
             print(f"{rank_dir.name}: {stream_step:.0f} B a step of stream records past step {args.from_step}, by kind:")
             for kind, size in sizes.most_common():
                 print(f"  {kind:<12} {size / steps:7.0f} B")
             print(f"  steps file   {file_step:7.0f} B ({in_file / steps:.1f} steps and phase edges a step)")
+            print(f"  memory file  {mem_step:7.0f} B ({readings / steps:.1f} readings a step)")
             print(f"  in all past the ring: {per_step:.0f} B a rank-step")
             calls_per_step = calls / args.steps
             ring_bytes = file_size(DEFAULT_HEAD, DEFAULT_RING)

@@ -12,8 +12,8 @@ the run ends in a rank-conditional hang. Planted on top:
 * rank ``RANKS // 2 + 1`` computes twice as long every step, the others wait for it in
   their first synchronous collective (straggler).
 
-The steady step's training-loop memory readings are written as the probes write them (on
-the steps read in full, and new peaks: ``probes/memory.py``), and so are the per-step
+The steady step's training-loop memory readings are written into the memory file as the
+probes write them (on the steps read in full, and new peaks: ``probes/memory.py``), and so are the per-step
 sums of the calls past half the call file's ring (``probes/callsteps.py``).
 
 Prints per size: what was written, wall time and peak memory of `lorascope analyze
@@ -68,6 +68,9 @@ from lorascope.rundir.format.layout import (
     DEFAULT_RING,
     HEADER,
     MAGIC,
+    MEM,
+    MEM_MAGIC,
+    MEM_VERSION,
     STAMP_MASK,
     STEP,
     STEP_END,
@@ -77,8 +80,10 @@ from lorascope.rundir.format.layout import (
     STEPS_RING,
     STEPS_VERSION,
 )
-from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION, STEPS_SUFFIX
-from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.format.schema import CALLS_SUFFIX, FORMAT_VERSION, MEM_SUFFIX, STEPS_SUFFIX
+from lorascope.rundir.loading.calls import CALL_DTYPE, MEM_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.loading.mem import as_records as mem_records
+from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import as_records, read_steps
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,8 +113,12 @@ def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dic
     labels = {r["id"]: r["text"] for r in recs if r["k"] == "label"}
     [steps_file] = path.parent.glob("*" + STEPS_SUFFIX)
     steps, phases = as_records(read_steps(steps_file, f"rank {rank}", []).records, labels, f"rank {rank}", [])
-    kept = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err", "steps_file")]
-    stream = list(heapq.merge(kept, sorted([*steps, *phases], key=lambda r: r["t"]), key=lambda r: r["t"]))
+    [mem_file] = path.parent.glob("*" + MEM_SUFFIX)
+    nvml = {r["i"]: r["nvml"] for r in recs if r["k"] == "nvml"}
+    mem = mem_records(read_mem(mem_file, f"rank {rank}", []), labels, nvml, f"rank {rank}", [])
+    kept = [r for r in recs if r["k"] not in ("shape", "calls_file", "coll_err", "steps_file", "mem_file", "nvml")]
+    made_here = sorted([*steps, *phases, *mem], key=lambda r: r["t"])
+    stream = list(heapq.merge(kept, made_here, key=lambda r: r["t"]))
     made, ends = [], {}
     rows = calls.records
     for i, index in enumerate(calls.index.tolist()):
@@ -154,6 +163,35 @@ class _StepColumns:
             f.write(HEADER.pack(STEPS_MAGIC, STEPS_VERSION, STEP.size, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
             f.write(rows.tobytes())
         return HEADER.size + len(rows) * STEP.size
+
+
+class _MemColumns:
+    """A rank's memory readings as the memory file's columns, appended a step at a time."""
+
+    def __init__(self, labels: dict[str, int]) -> None:
+        self.labels = labels
+        self.parts: list[np.ndarray] = []
+
+    def rows(self, recs: list[dict[str, Any]]) -> np.ndarray:
+        """``recs`` (mem records) as memory-file rows."""
+        rows = np.zeros(len(recs), MEM_DTYPE)
+        rows["t"] = [r["t"] for r in recs]
+        rows["rss"] = [-1 if r.get("rss") is None else r["rss"] for r in recs]
+        rows["heap"] = [r.get("heap", -1) for r in recs]
+        for key in ("alloc", "reserved", "max_alloc", "device"):
+            rows[key] = [r["cuda"][key] if "cuda" in r else -1 for r in recs]
+        rows["step"] = [r["step"] for r in recs]
+        rows["src"] = [self.labels[r["src"]] for r in recs]
+        return rows
+
+    def write(self, path: Path, created: float) -> int:
+        """The memory file as the probes leave it; its bytes."""
+        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, MEM_DTYPE)
+        rows["stamp"] = (np.arange(len(rows)) + 1) & STAMP_MASK
+        with open(path, "wb") as f:
+            f.write(HEADER.pack(MEM_MAGIC, MEM_VERSION, MEM.size, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
+            f.write(rows.tobytes())
+        return HEADER.size + len(rows) * MEM.size
 
 
 class _CallColumns:
@@ -249,13 +287,13 @@ def _line(rec: dict[str, Any]) -> str:
 
 
 def _template(rec: dict[str, Any]) -> str:
-    """The record as a format string: {t}, {end}, {step}, {seq}, {rss}, {heap} where it holds them."""
+    """The record as a format string: {t}, {end}, {step}, {seq} where it holds them."""
     marked = dict(rec)
-    for key in ("t", "end", "step", "seq", "rss", "heap"):
+    for key in ("t", "end", "step", "seq"):
         if isinstance(marked.get(key), int | float) and not isinstance(marked.get(key), bool):
             marked[key] = f"@{key}@"
     text = _line(marked).replace("{", "{{").replace("}", "}}")
-    for key in ("t", "end", "step", "seq", "rss", "heap"):
+    for key in ("t", "end", "step", "seq"):
         text = text.replace(f'"@{key}@"', "{" + key + "!r}")
     return text
 
@@ -316,7 +354,11 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
     step_columns = _StepColumns(labels)
     block_steps = [r for r in block if r["k"] in ("step", "phase")]
     s_offsets = np.array([offset(r["t"] - t1, False) for r in block_steps])
-    stream = [r for r in block if r["k"] not in ("coll", "step", "phase")]
+    mem_columns = _MemColumns(labels)
+    block_mem = [r for r in block if r["k"] == "mem"]
+    m_rows = mem_columns.rows(block_mem)
+    m_offsets = np.array([offset(r["t"] - t1, False) for r in block_mem])
+    stream = [r for r in block if r["k"] not in ("coll", "step", "phase", "mem")]
     offsets = [offset(r["t"] - t1, False) for r in stream]
     templates = [_template(r) for r in stream]
     steady = list(zip(stream, templates, offsets, strict=True))
@@ -361,6 +403,9 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             if r["k"] in ("step", "phase"):
                 step_columns.add([r], np.array([r["t"]]), 0)
                 continue
+            if r["k"] == "mem":
+                mem_columns.parts.append(mem_columns.rows([r]))
+                continue
             r = dict(r)
             if r["k"] == "start":
                 r.update(rank=rank, world_size=world, local_rank=rank % 8, pid=pid)
@@ -376,6 +421,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
                     }
                 )
                 emit({"k": "steps_file", "t": r["t"], "file": prefix.name + STEPS_SUFFIX, "how": "mmap"})
+                emit({"k": "mem_file", "t": r["t"], "file": prefix.name + MEM_SUFFIX, "how": "mmap"})
                 continue
             if r["k"] == "group":
                 r["ranks"] = list(range(world))
@@ -386,21 +432,28 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             base = t1 + j * period
             chunk = []
             for r, tmpl, off in steady if j == 0 else later:
-                extra = EXTRA if rank == 0 and r.get("step", 0) + j >= plant else 0
-                if r["k"] == "mem" and not _written_mem(
-                    r, r.get("step", 0) + j, bool(extra) and r.get("step", 0) + j == plant
-                ):
-                    continue
                 chunk.append(
                     tmpl.format(
                         t=base + off,
                         end=base + off + r.get("end", 0) - r["t"],
                         step=r.get("step", 0) + j,
                         seq=r.get("seq", 0),
-                        rss=r.get("rss", 0) + extra,
-                        heap=r.get("heap", 0) + extra,
                     )
                 )
+            written_mem = [
+                i
+                for i, r in enumerate(block_mem)
+                if _written_mem(r, r["step"] + j, rank == 0 and r["step"] + j == plant)
+            ]
+            rows = m_rows[written_mem]
+            rows["t"] = base + m_offsets[written_mem]
+            rows["step"] += j
+            if rank == 0:
+                planted = (rows["step"] >= plant) & (rows["rss"] >= 0)
+                rows["rss"][planted] += EXTRA
+                planted = (rows["step"] >= plant) & (rows["heap"] >= 0)
+                rows["heap"][planted] += EXTRA
+            mem_columns.parts.append(rows)
             text = "".join(chunk)
             written += len(text)
             f.write(text)
@@ -428,8 +481,11 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
             r["t"] += shift
             if isinstance(r.get("step"), int):
                 r["step"] += steps - 2
-            if rank == 0 and r["k"] == "mem":
-                r.update({k: r[k] + EXTRA for k in ("rss", "heap") if isinstance(r.get(k), int)})
+            if r["k"] == "mem":
+                if rank == 0:
+                    r.update({k: r[k] + EXTRA for k in ("rss", "heap") if isinstance(r.get(k), int)})
+                mem_columns.parts.append(mem_columns.rows([r]))
+                continue
             emit(r)
         t0 = recs[0]["t"]
         for key, n in calls.shapes.items():
@@ -439,6 +495,7 @@ def write_rank(args: tuple[Path, int, int, int, int]) -> int:
         for rec in calls.step_sums():
             emit({**rec, "t": t0})
     written += step_columns.write(prefix.with_name(prefix.name + STEPS_SUFFIX), t0)
+    written += mem_columns.write(prefix.with_name(prefix.name + MEM_SUFFIX), t0)
     return written + calls.write(prefix.with_name(prefix.name + CALLS_SUFFIX), t0)
 
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import pytest
 
 from lorascope.detect.finding import Evidence, Finding
-from lorascope.rundir.format.callfile import CallFile, calls_path, step_file, steps_path
+from lorascope.rundir.format.callfile import CallFile, calls_path, mem_file, mem_path, step_file, steps_path
 from lorascope.rundir.format.layout import BEGIN, END, STEP_END
 from lorascope.rundir.format.writer import Stream, fatal_path, record_launch, stream_prefix
 from lorascope.rundir.loading.ending import ending_of
@@ -76,6 +76,18 @@ def step_probe(session: Any, mem: Any, trace_dir: Path, kernels: Any = None) -> 
 def stream_records(folder: Path) -> list[dict[str, Any]]:
     """Every record of the stream segments in ``folder``, in order."""
     return [json.loads(line) for path in sorted(folder.glob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def mem_records(folder: Path) -> list[dict[str, Any]]:
+    """The ``mem`` records of the memory file in ``folder``, as the reader makes them (the
+    stream's ``label`` and ``nvml`` records naming theirs)."""
+    from lorascope.rundir.loading.mem import as_records, read_mem
+
+    records = stream_records(folder)
+    labels = {r["id"]: r["text"] for r in records if r["k"] == "label"}
+    nvml = {r["i"]: r["nvml"] for r in records if r["k"] == "nvml"}
+    [path] = folder.glob("*.mem")
+    return as_records(read_mem(path, "rank", []), labels, nvml, "rank", [])
 
 
 # --- allocator snapshots as the probes write them into a run directory ---------------------
@@ -336,16 +348,19 @@ class Calls:
 
 
 class Steps:
-    """A rank process's steps and phase edges written as the probes write them: each into
-    its steps file (beside the stream at ``prefix``), its phase name or step source a
-    ``label`` record of ``stream`` the first time it is seen. The ``steps_file`` record is
-    written when this is made."""
+    """A rank process's steps, phase edges and memory readings written as the probes write
+    them: each into its steps file or memory file (beside the stream at ``prefix``), its
+    phase name, step source or reading's source a ``label`` record of ``stream`` the first
+    time it is seen. The ``steps_file`` and ``mem_file`` records are written when this is
+    made."""
 
     def __init__(self, stream: Stream, prefix: Path, t: float) -> None:
         self.stream = stream
         self.file = step_file(steps_path(prefix))
+        self.mem = mem_file(mem_path(prefix))
         self.labels: dict[str, int] = {}
         stream.write({"k": "steps_file", "t": t, "file": self.file.path.name, "how": self.file.how})
+        stream.write({"k": "mem_file", "t": t, "file": self.mem.path.name, "how": self.mem.how})
 
     def label(self, t: float, text: str) -> int:
         n = self.labels.get(text)
@@ -365,9 +380,25 @@ class Steps:
         if loss is not None and not finite:
             self.stream.write({"k": "loss", "t": t, "step": step, "loss": None, "text": repr(loss)})
 
+    def reading(self, rec: dict[str, Any]) -> None:
+        """A ``mem`` record, as the stream held them: into the memory file, its NVML part
+        an ``nvml`` record."""
+        t, cuda, rss, heap = rec["t"], rec.get("cuda"), rec.get("rss"), rec.get("heap")
+        counters = (-1, -1, -1, -1) if cuda is None else (
+            cuda["alloc"], cuda["reserved"], cuda["max_alloc"], cuda["device"]
+        )  # fmt: skip
+        index = self.mem.put(
+            t, -1 if rss is None else rss, -1 if heap is None else heap, *counters[:3], rec["step"], counters[3],
+            self.label(t, rec["src"]),
+        )  # fmt: skip
+        if "nvml" in rec:
+            self.stream.write({"k": "nvml", "t": t, "i": index, "nvml": rec["nvml"]})
+
     def record(self, rec: dict[str, Any]) -> None:
-        """A ``phase`` or ``step`` record, as the stream held them."""
-        if rec["k"] == "phase":
+        """A ``phase``, ``step`` or ``mem`` record, as the stream held them."""
+        if rec["k"] == "mem":
+            self.reading(rec)
+        elif rec["k"] == "phase":
             self.phase(rec["t"], rec["name"], rec["edge"], rec["step"])
         else:
             self.step(rec["t"], rec["step"], rec["dur"], rec.get("loss"), rec.get("src", "torch"))
@@ -392,8 +423,8 @@ def write_run(
         def write(kind: str, stream: Stream = stream, files: list[Steps] = steps_file, **fields: Any) -> None:
             nonlocal t
             t += 0.1
-            if kind in ("phase", "step") and files:
-                files[0].record({"k": kind, "t": t, **fields})  # the steps file, as the probes write them
+            if kind in ("phase", "step", "mem") and files:
+                files[0].record({"k": kind, "t": t, **fields})  # the steps or memory file, as the probes write them
             else:
                 stream.write({"k": kind, "t": t, **fields})
 
@@ -464,6 +495,7 @@ def write_run(
             write("mem", src="end", step=spec.steps, rss=(200 + (50 if n == 0 else 0)) << 20)
             write("end", status="exit", code=0)
         steps_file[0].file.close()
+        steps_file[0].mem.close()
         stream.close()
     return root
 

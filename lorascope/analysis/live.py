@@ -1,14 +1,14 @@
 """A running job as `lorascope watch` shows it: each rank's state, kept up to date from the
-lines its stream appends and the records its call file and steps file gain
+lines its stream appends and the records its call file, steps file and memory file gain
 (:class:`lorascope.rundir.loading.tail.Tail`), and the checks that can run on a partial run.
 
 Lines are taken in a block at a time (what one stream appended), without decoding
 most of them: watch runs for hours beside the job. One regular expression, anchored where
 a line begins (``{"``), picks out the first key of the rare kinds, which are decoded whole
 (``start``, ``dist_init``, ``group``, ``shape``, ``label``, ``stall``, ``dump``,
-``exception``, ``signal``, ``end``, ``probe_error``). Every ``mem`` reading's figure is
-taken by one ``findall`` over the block. Steps and phase edges come as the steps file's
-columns (number, duration, time; the last phase edge's label). Calls come as columns, a
+``exception``, ``signal``, ``end``, ``probe_error``). Steps and phase edges come as the
+steps file's columns (number, duration, time; the last phase edge's label), memory
+readings as the memory file's (the latest, the highest). Calls come as columns, a
 look's calls of many processes at once (each one's new calls, and those pending at the
 last look read again): the pending ones are kept, and the seconds of the synchronous
 ones that ended are summed per process and step, in one pass over the columns (a rank's
@@ -74,9 +74,6 @@ MISSING_AFTER_S = 30.0
 #: Nested objects do not match (a match must begin a line).
 _LINE = re.compile(rb'\{"(?:rank|gid|k":"shape|k":"label|seconds|reason|type|signum|status|file|probe)"')
 #: Every ``mem`` reading's RSS in a block of lines, at once (seven a step).
-_RSS = re.compile(rb'\{"src":"[a-z._]+","step":[0-9]+,"rss":([0-9]+)')
-_CUDA = re.compile(rb'"cuda":\{[^}]*"alloc":([0-9]+)[^}]*"max_alloc":([0-9]+)')
-_CUDA_MARK = b'"cuda":{'
 
 
 @dataclass
@@ -137,24 +134,21 @@ class LiveRank:
             end = len(data) if end < 0 else end
             self._rare(data[start:end])
             pos = end
-        self._mem(data)
 
-    def _mem(self, data: bytes) -> None:
-        """The block's memory readings: the latest is the rank's memory now. A CUDA rank's
-        are the allocator's (allocated now, the highest since the start), else RSS."""
-        if _CUDA_MARK in data:
-            readings = [(int(a), int(b)) for a, b in _CUDA.findall(data)]
-            if readings:
-                self.mem_metric = "cuda"
-                self.mem_now, peak = readings[-1][0], max(p for _, p in readings)
-                self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
-                return
-        if self.mem_metric == "cuda":
+    def _reading(self, device: int, alloc: int, max_alloc: int, rss: int) -> None:
+        """A memory reading: the latest is the rank's memory now. A CUDA rank's are the
+        allocator's (allocated now, the highest since the start; once it has one, its RSS
+        readings are left out), else RSS."""
+        if device >= 0:
+            if self.mem_metric != "cuda":
+                self.mem_metric, self.mem_peak = "cuda", None
+            now, peak = alloc, max_alloc
+        elif self.mem_metric == "cuda" or rss < 0:
             return
-        rss = _RSS.findall(data)
-        if rss:
-            self.mem_now, peak = int(rss[-1]), max(map(int, rss))
-            self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
+        else:
+            now = peak = rss
+        self.mem_now = now
+        self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
     def _step(self, step: int, dur: float, t: float) -> None:
         self.last_t = max(self.last_t, t)
@@ -267,11 +261,13 @@ class LiveRun:
         self.processes: dict[tuple[int, str], LiveRank] = {}
 
     def update(self, tail: Tail) -> None:
-        """Take in what a look of ``tail`` finds: the streams' lines and steps files' records,
-        then the calls (the lines declare the shapes the calls name)."""
+        """Take in what a look of ``tail`` finds: the streams' lines, the steps and memory
+        files' records, then the calls (the lines declare the shapes the calls name)."""
         self.take(tail.look())
         for batch in tail.look_steps():
             self.take_steps(batch)
+        for batch in tail.look_mem():
+            self.take_mem(batch)
         for batch in tail.look_calls():
             self.take_calls(batch)
 
@@ -309,6 +305,17 @@ class LiveRun:
             rank = ranks[at]
             rank.phase = rank.labels.get(label, "?") if kind == BEGIN else None
             rank.last_t = max(rank.last_t, t)
+
+    def take_mem(self, batch: Batch) -> None:
+        """Memory-file readings of a look, many processes' at once, each to its process in
+        order. A look brings each rank a reading or two: a loop over them costs less than
+        per-process array operations."""
+        ranks = [self._process(stream) for stream in batch.processes]
+        records = batch.records
+        cols = (batch.owner.tolist(), records["device"].tolist(), records["alloc"].tolist(),
+                records["max_alloc"].tolist(), records["rss"].tolist())  # fmt: skip
+        for at, device, alloc, max_alloc, rss in zip(*cols, strict=True):
+            ranks[at]._reading(device, alloc, max_alloc, rss)
 
     def take_calls(self, batch: Batch) -> None:
         """Call records of a look, many processes' at once (the calls each had pending at

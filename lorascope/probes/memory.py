@@ -5,6 +5,11 @@ free, so it cannot tell memory held from memory released. On CUDA the caching al
 the rank's device and, from the background sampler only, NVML's device-used figure and
 the PIDs NVML lists on that GPU (other ranks' contexts on GPU 0 show up there).
 
+A reading is a fixed-width record of the process's memory file (``HOST-PID.mem``,
+:func:`lorascope.rundir.format.callfile.mem_file`), written in place by the thread that
+read it; where it was read is a ``label`` record of the stream, and NVML's part an
+``nvml`` record naming the reading's index.
+
 No reading synchronises the device. The rank's CUDA device is learnt from the main
 thread (the current device is per thread) and only once CUDA is initialised by the job:
 the probe never creates a CUDA context itself.
@@ -23,8 +28,8 @@ from typing import Any
 import psutil
 
 from lorascope.probes.session import Session
+from lorascope.rundir.format.callfile import mem_file, mem_path
 from lorascope.rundir.format.schema import WARM_UP_STEPS
-from lorascope.rundir.format.writer import Line, json_str
 
 #: Phase edges a CPU rank's training thread reads without the C heap (RSS, and on CUDA
 #: the allocator's counters, as everywhere). A heap reading is a mallinfo2 walk of every
@@ -64,9 +69,8 @@ HEAP_EVERY = 10
 MAX_SAMPLE_INTERVAL = 3600.0
 #: The edges that end a step (a ``step`` record takes the optimizer's end reading).
 _STEP_ENDS = frozenset({"optimizer.end", "step"})
-#: A ``mem`` record of a reading of RSS (and the C heap), as ``Session.record`` writes it.
-_MEM_RSS = '{"src":%s,"step":%d,"rss":%d,"k":"mem","t":%r}\n'
-_MEM_HEAP = '{"src":%s,"step":%d,"rss":%d,"heap":%d,"k":"mem","t":%r}\n'
+#: A reading's CUDA fields when it has none (layout.MEM_FIELDS: alloc, reserved, max_alloc, device).
+_NO_CUDA = (-1, -1, -1, -1)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -155,6 +159,8 @@ def _allocator_counters(torch: Any, dev: int) -> dict[str, int]:
 class MemoryProbe:
     def __init__(self, session: Session) -> None:
         self.session = session
+        self.file = mem_file(mem_path(session.stream.prefix), on_error=lambda exc: session.fail("memory", exc))
+        session.stream.write({"k": "mem_file", "file": self.file.path.name, "how": self.file.how})
         self._rss = _Rss()
         self._device: int | None = None
         self._nvml_handle: Any = None
@@ -259,15 +265,20 @@ class MemoryProbe:
         if not self._new_peak(reading) and not dense:
             return reading  # a step read in part, below every peak so far: not written
         session = self.session
-        heap, size = reading.get("heap"), len(reading)
-        if size == 1 or (size == 2 and heap is not None):  # a CPU rank's: formatted by template
-            if heap is None:
-                line = Line(_MEM_RSS, (json_str(src), session.step, reading["rss"], time.time()))
-            else:
-                line = Line(_MEM_HEAP, (json_str(src), session.step, reading["rss"], heap, time.time()))
-            session.record_entry(line)
-        else:
-            session.record("mem", src=src, step=session.step, **reading)
+        rss, heap, cuda = reading.get("rss"), reading.get("heap"), reading.get("cuda")
+        counters = _NO_CUDA if cuda is None else (cuda["alloc"], cuda["reserved"], cuda["max_alloc"], cuda["device"])
+        index = self.file.put(
+            time.time(),
+            -1 if rss is None else rss,
+            -1 if heap is None else heap,
+            *counters[:3],
+            session.step,
+            counters[3],
+            session.label(src),
+        )
+        nvml = reading.get("nvml")
+        if nvml is not None and index >= 0:
+            session.record("nvml", i=index, nvml=nvml)
         return reading
 
     def _new_peak(self, reading: dict[str, Any]) -> bool:

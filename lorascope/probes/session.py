@@ -12,12 +12,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lorascope.rundir.format.writer import Line, Stream
+from lorascope.rundir.format.writer import Declared, Line, Stream, json_str
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Steps between two ``cost`` records.
 COST_EVERY = 100
+#: Labels (phase names, step sources, where memory was read) a process declares, at most;
+#: a record naming any other is not written (a ``probe_error`` says so once).
+MAX_LABELS = 1 << 12
 
 
 def plain(value: Any, depth: int = 0) -> Any:
@@ -50,6 +53,8 @@ class Session:
         self.step_source: str | None = None
         self.disabled: set[str] = set()
         self.ended = False
+        #: The ``label`` records' ids the steps and memory files' records name.
+        self._labels: Declared[str] = Declared(stream, MAX_LABELS)
         #: What the probes cost the job's own threads, wall ns: ``cost_ns`` in probe code
         #: outside the collective wrappers (phase edges, step ends, the loss) and
         #: ``calls_ns`` in the collective calls (kept apart, so a call adds to one counter;
@@ -85,6 +90,20 @@ class Session:
             self.stream.append(fields)
             if self.ended:  # after the end record (a call ending at interpreter teardown)
                 self.stream.flush()
+
+    def label(self, text: str) -> int:
+        """The id of a label (a phase's name, a step's source, where memory was read),
+        declared now as a ``label`` record of the stream if new (on disk before the first
+        record that names it, and again at the head of every later segment)."""
+        known = self._labels.ids.get(text)
+        if known is not None:
+            return known
+        n = self._labels.declare(
+            text, lambda n: f'{{"k":"label","t":{time.time()!r},"id":{n},"text":{json_str(text)}}}\n'
+        )
+        if n < 0:
+            raise ValueError(f"more than {MAX_LABELS} labels (phase names, step sources, memory readings' sources)")
+        return n
 
     def record_entry(self, entry: Line) -> None:
         """Queue a record the writer formats from its template (a phase edge, a reading)."""

@@ -34,13 +34,9 @@ from lorascope.probes.session import COST_EVERY, Session, plain
 from lorascope.rundir.format.callfile import step_file, steps_path
 from lorascope.rundir.format.layout import BEGIN, END, STEP_END
 from lorascope.rundir.format.schema import WARM_UP_STEPS
-from lorascope.rundir.format.writer import Declared, json_str
 
 #: A phase edge's ``kind`` in the steps file.
 _EDGES = {"begin": BEGIN, "end": END}
-#: Labels (phase names, step sources) a process declares, at most; a record of any other
-#: is not written (a ``probe_error`` says so once).
-MAX_LABELS = 1 << 12
 #: A step over SLOW_STEP times the median of the SLOW_WINDOW steps before it (once there
 #: are SLOW_AFTER) is slow: its calls are kept in full past the call file's ring.
 SLOW_STEP = 1.5
@@ -63,27 +59,14 @@ def ddp_settings(wrapper: Any) -> dict[str, Any]:
 
 
 class StepRecords:
-    """A rank process's steps file (beside its stream) and the labels its records name,
-    each declared once as a ``label`` record of the stream (on disk before the first
-    record that names it, and again at the head of every later segment). A failed write
-    turns the steps probe off, as any failing probe."""
+    """A rank process's steps file (beside its stream); the labels its records name are
+    the session's (:meth:`Session.label`). A failed write turns the steps probe off, as any
+    failing probe."""
 
     def __init__(self, session: Session) -> None:
         self.file = step_file(steps_path(session.stream.prefix), on_error=lambda exc: session.fail("steps", exc))
-        self._labels: Declared[str] = Declared(session.stream, MAX_LABELS)
+        self.label = session.label
         session.stream.write({"k": "steps_file", "file": self.file.path.name, "how": self.file.how})
-
-    def label(self, text: str) -> int:
-        """The id of a label, declared now if new."""
-        known = self._labels.ids.get(text)
-        if known is not None:
-            return known
-        n = self._labels.declare(
-            text, lambda n: f'{{"k":"label","t":{time.time()!r},"id":{n},"text":{json_str(text)}}}\n'
-        )
-        if n < 0:
-            raise ValueError(f"more than {MAX_LABELS} phase names and step sources")
-        return n
 
 
 class StepProbe:

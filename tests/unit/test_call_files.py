@@ -239,9 +239,9 @@ def test_a_gap_in_one_ranks_ring_is_no_divergence(tmp_path: Path) -> None:
     assert set(run("barrier", "differ")) > set(whole)
 
 
-@pytest.mark.parametrize("table", ["HEADER_FIELDS", "CALL_FIELDS", "STEP_FIELDS"])
+@pytest.mark.parametrize("table", ["HEADER_FIELDS", "CALL_FIELDS", "STEP_FIELDS", "MEM_FIELDS"])
 def test_the_docs_tables_are_the_layout_tables(table: str) -> None:
-    """docs/run-format.md spells the call file's and the steps file's layout as layout.py does, row for row."""
+    """docs/run-format.md spells the call, steps and memory files' layout as layout.py does, row for row."""
     from lorascope.rundir.format import layout
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "run-format.md").read_text()

@@ -55,8 +55,9 @@ def test_long_streams_and_the_report_read_on_the_cluster(scheduler: str, tmp_pat
     calls = [Call("all_reduce", bytes=4 * (i % 7 + 1)) for i in range(3000)]
     specs = [RankSpec(steps=6000, calls=calls), RankSpec(steps=6000, calls=[*calls[:-1], Call("barrier", end=False)])]
     run = write_run(tmp_path / "run", specs)
-    for folder in run.glob("ranks/rank-*"):  # its stream and its steps file (6,000 steps, 240 KB)
-        assert sum(p.stat().st_size for p in [*folder.glob("*.jsonl"), *folder.glob("*.steps")]) > 700_000
+    for folder in run.glob("ranks/rank-*"):  # its stream, steps file (6,000 steps, 240 KB) and memory file (384 KB)
+        files = [*folder.glob("*.jsonl"), *folder.glob("*.steps"), *folder.glob("*.mem")]
+        assert sum(p.stat().st_size for p in files) > 700_000
     local = lorascope("analyze", str(run), "--json")
     remote = lorascope("analyze", str(run), "--json", "--cluster", scheduler)
     assert local.returncode == remote.returncode == 0, remote.stderr

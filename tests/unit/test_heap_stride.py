@@ -20,7 +20,7 @@ from lorascope.probes.session import Session
 from lorascope.report import memory as report_memory
 from lorascope.rundir.format.writer import Stream
 from lorascope.rundir.loading.reader import RankData, RunData
-from tests.helpers import step_probe, stream_records
+from tests.helpers import mem_records, step_probe
 
 MiB = 2**20
 BASE = 900 * MiB
@@ -64,7 +64,7 @@ def probed_loop(
             where[0] = "eval"
             probe.phase("eval", "end")
     stream.close()
-    return [m for m in stream_records(tmp_path / f"rank{rank}") if m["k"] == "mem"]
+    return mem_records(tmp_path / f"rank{rank}")
 
 
 def kept_from_forward_of(at: int) -> Callable[[int, str], int]:
@@ -142,9 +142,7 @@ def test_between_the_steps_read_a_new_peak_is_written(tmp_path: Path) -> None:
         probe._optimizer_end()
     stream.close()
     # by iteration (a step record carries the number of the step it ends, plus one)
-    written = [
-        (m["step"] - (m["src"] == "step"), m["src"]) for m in stream_records(tmp_path / "rank0") if m["k"] == "mem"
-    ]
+    written = [(m["step"] - (m["src"] == "step"), m["src"]) for m in mem_records(tmp_path / "rank0")]
     off_steps = {step for step, _ in written if 20 < step < 29}
     assert off_steps == {25} and (25, "forward.begin") in written
     assert [m for m in written if m[0] == 25] == [(25, "forward.begin")]  # the rest of step 25 is no higher

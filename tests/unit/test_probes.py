@@ -65,8 +65,9 @@ def test_attach_api_records_steps_collectives_and_memory(tmp_path: Path) -> None
     # Its stream, and its faulthandler file, empty: enabled to the end of the process, it
     # is left for `lorascope run` to remove (none runs after a job that attached itself).
     files = sorted((out / "ranks" / "rank-0").iterdir(), key=lambda f: f.suffix)
-    assert [f.suffix for f in files] == [".calls", ".jsonl", ".steps", ".txt"] and files[3].name.endswith(".fatal.txt")
-    assert files[3].stat().st_size == 0 and rank.fatal is None
+    suffixes = [".calls", ".jsonl", ".mem", ".steps", ".txt"]
+    assert [f.suffix for f in files] == suffixes and files[4].name.endswith(".fatal.txt")
+    assert files[4].stat().st_size == 0 and rank.fatal is None
     assert [s["step"] for s in rank.steps] == [1, 2, 3]
     assert all(s["src"] == "torch" and s["loss"] is not None for s in rank.steps)
     ops = [(c.op, c.bytes, c.seq) for c in rank.collectives]
@@ -291,7 +292,7 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
     from lorascope.probes import memory
     from lorascope.probes.session import Session
     from lorascope.rundir.format.writer import Stream
-    from tests.helpers import step_probe, stream_records
+    from tests.helpers import mem_records, step_probe
 
     stream = Stream(tmp_path / "r" / "s")
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
@@ -304,8 +305,7 @@ def test_a_step_ending_at_the_optimizer_reads_memory_once(tmp_path: Path, monkey
         steps._optimizer_begin()
         steps._optimizer_end()
     stream.close()
-    lines = stream_records(tmp_path / "r")
-    got = [(m["src"], m["rss"], m["heap"]) for m in lines if m["k"] == "mem"]
+    got = [(m["src"], m["rss"], m["heap"]) for m in mem_records(tmp_path / "r")]
     assert got == [
         ("forward.begin", 1, True), ("optimizer.begin", 2, False), ("optimizer.end", 3, True), ("step", 3, True),
         ("forward.begin", 4, True), ("optimizer.begin", 5, False), ("optimizer.end", 6, True), ("step", 6, True),

@@ -360,16 +360,18 @@ def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) ->
     assert all(c.site == f"/j/t.py:{ops.index(c.op)} in f" and c.bytes == 64 for c in kept)
 
 
-def test_phase_edges_go_to_the_steps_file_and_readings_format_as_the_encoder_does(
+def test_phase_edges_and_their_readings_go_to_the_steps_and_memory_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A phase edge goes to the steps file, its name a ``label`` record of the stream
-    declared once, and its ``mem`` record is formatted from a template (``Line``): byte for
-    byte what the JSON encoder wrote for them as dicts, odd names included; a reading with
-    more than RSS and the heap (a CUDA rank's) is a dict as before."""
+    """A phase edge goes to the steps file and its reading to the memory file, each name a
+    ``label`` record of the stream declared once (odd names included), written as the JSON
+    encoder writes a record; the readings read back as the ``mem`` records they were, RSS
+    alone, with the heap, a CUDA rank's allocator counters."""
     from lorascope.probes import memory
     from lorascope.probes.session import Session
     from lorascope.rundir.format.writer import _encode
+    from lorascope.rundir.loading.mem import as_records as mem_records
+    from lorascope.rundir.loading.mem import read_mem
     from lorascope.rundir.loading.steps import as_records, read_steps
     from tests.helpers import step_probe
 
@@ -377,7 +379,8 @@ def test_phase_edges_go_to_the_steps_file_and_readings_format_as_the_encoder_doe
     session = Session(stream, rank=0, local_rank=0, world_size=1, sample_interval=0)
     mem = memory.MemoryProbe(session)
     steps = step_probe(session, mem, tmp_path / "k")
-    given = [{"rss": 123456789}, {"rss": 5, "heap": 7}, {"rss": 9, "cuda": {"device": 0, "alloc": 1}}, {"rss": 1}]
+    cuda = {"device": 0, "alloc": 1, "reserved": 2 << 40, "max_alloc": 3}
+    given = [{"rss": 123456789}, {"rss": 5, "heap": 7}, {"rss": 9, "cuda": cuda}, {"rss": 1}]
     readings = iter(given)
     monkeypatch.setattr(mem, "reading", lambda *_, **__: next(readings))
     session.step = 12
@@ -388,14 +391,18 @@ def test_phase_edges_go_to_the_steps_file_and_readings_format_as_the_encoder_doe
     lines = next((tmp_path / "r").glob("s.*.jsonl")).read_text().splitlines(True)
     written = [json.loads(line) for line in lines]
     labels = [(i, r) for i, r in enumerate(written) if r["k"] == "label"]
-    assert [r["text"] for _, r in labels] == ["forward", 'sa"ve \\ ✓\n', "eval"]  # each once
+    sources = [f"{n}.{e}" for n, e in edges]
+    assert sorted(r["text"] for _, r in labels) == sorted({n for n, _ in edges} | set(sources))  # each once
     assert all(lines[i] == _encode({"k": "label", "t": r["t"], "id": r["id"], "text": r["text"]}) for i, r in labels)
+    assert not [r for r in written if r["k"] in ("mem", "phase")]
     warnings: list[str] = []
+    named = {r["id"]: r["text"] for _, r in labels}
     table = read_steps(tmp_path / "r" / "s.steps", "rank 0", warnings)
-    _, phases = as_records(table.records, {r["id"]: r["text"] for _, r in labels}, "rank 0", warnings)
+    _, phases = as_records(table.records, named, "rank 0", warnings)
     assert [(p["name"], p["edge"], p["step"]) for p in phases] == [(n, e, 12) for n, e in edges] and not warnings
-    readings_at = [i for i, r in enumerate(written) if r["k"] == "mem"]
-    for i, fields, phase in zip(readings_at, given, phases, strict=True):
-        reading = {"src": f"{phase['name']}.{phase['edge']}", "step": 12, **fields, "k": "mem", "t": written[i]["t"]}
-        assert lines[i] == _encode(reading)  # key order, floats
-        assert isinstance(phase["t"], float) and phase["t"] <= written[i]["t"]
+    got = mem_records(read_mem(tmp_path / "r" / "s.mem", "rank 0", warnings), named, {}, "rank 0", warnings)
+    assert [{k: v for k, v in m.items() if k != "t"} for m in got] == [
+        {"src": src, "step": 12, **fields, "k": "mem"} for src, fields in zip(sources, given, strict=True)
+    ]
+    assert [list(m) for m in got] == [["src", "step", *fields, "k", "t"] for fields in given] and not warnings
+    assert all(isinstance(m["t"], float) and p["t"] <= m["t"] for m, p in zip(got, phases, strict=True))

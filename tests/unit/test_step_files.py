@@ -234,7 +234,7 @@ def test_helpers_runs_hold_their_steps_in_the_steps_file(tmp_path: Path) -> None
     run = write_run(tmp_path, [RankSpec(steps=3, phases=[("eval", 1)], calls=[Call("all_reduce")])])
     [stream] = (run / "ranks" / "rank-0").glob("*.jsonl")
     kinds = [json.loads(line)["k"] for line in stream.read_text().splitlines()]
-    assert "step" not in kinds and "phase" not in kinds and kinds.count("label") == 2
+    assert "step" not in kinds and "phase" not in kinds and kinds.count("label") == 4  # and the readings' sources
     rank = load_run(run).ranks[0]
     assert [s["step"] for s in rank.steps] == [1, 2, 3]
     assert [(p["name"], p["edge"]) for p in rank.phases] == [("eval", "begin"), ("eval", "end")]
@@ -271,5 +271,7 @@ def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
     [path] = (run / "ranks" / "rank-0").glob("*.steps")
     with open(path, "ab") as f:
         f.truncate(600 << 20)  # sparse
-    with pytest.raises(BadInputError, match=r"rank 0: its stream \(.* and its steps file\) is over the 512 MiB limit"):
+    with pytest.raises(
+        BadInputError, match=r"rank 0: its stream \(.*, its steps and memory files\) is over the 512 MiB limit"
+    ):
         load_run(run)

@@ -23,6 +23,7 @@ from lorascope.rundir.format.callfile import CallFile, step_file
 from lorascope.rundir.format.layout import BEGIN, CALL, STEP_END
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
 from lorascope.text.watch import render_watch
@@ -118,10 +119,10 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
-    """A recorded run's streams, call files and steps files taken in as a tail would see
-    them: each stream cut at random places, and with each piece the steps-file records
-    written and the calls begun up to its last record (and, as a tail reads them again,
-    the calls pending at the last piece)."""
+    """A recorded run's streams, call files, steps files and memory files taken in as a
+    tail would see them: each stream cut at random places, and with each piece the steps-
+    and memory-file records written and the calls begun up to its last record (and, as a
+    tail reads them again, the calls pending at the last piece)."""
     live = LiveRun()
     rng = random.Random(seed)
     for folder in sorted((run_dir / "ranks").iterdir()):
@@ -134,7 +135,9 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
             begun = np.maximum.accumulate(calls.records["t"]) if len(calls) else np.zeros(0)
             steps = read_steps(folder / (process + ".steps"), "rank", []).records
             written = np.maximum.accumulate(steps["t"]) if len(steps) else np.zeros(0)
-            rest, given, given_steps, pending = b"", 0, 0, np.zeros(0, dtype=np.int64)
+            mem = read_mem(folder / (process + ".mem"), "rank", []).records
+            read = np.maximum.accumulate(mem["t"]) if len(mem) else np.zeros(0)
+            rest, given, given_steps, given_mem, pending = b"", 0, 0, 0, np.zeros(0, dtype=np.int64)
             for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
                 chunk = rest + data[a:b]
                 cut = chunk.rfind(b"\n")
@@ -145,6 +148,10 @@ def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
                 part = np.arange(given_steps, max(given_steps, done))
                 live.take_steps(tail_module.Batch([stream], steps[part], part, np.zeros(len(part), dtype=np.int64)))
                 given_steps = max(given_steps, done)
+                upto_mem = len(mem) if b == len(data) else int(np.searchsorted(read, last, side="right"))
+                part = np.arange(given_mem, max(given_mem, upto_mem))
+                live.take_mem(tail_module.Batch([stream], mem[part], part, np.zeros(len(part), dtype=np.int64)))
+                given_mem = max(given_mem, upto_mem)
                 upto = len(calls) if b == len(data) else int(np.searchsorted(begun, last, side="right"))
                 at = np.concatenate((pending, np.arange(given, max(given, upto))))
                 owner = np.zeros(len(at), dtype=np.int64)

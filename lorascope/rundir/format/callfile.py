@@ -1,6 +1,7 @@
-"""Writing a rank's call file and steps file (probe side; standard library only). Layout:
-``layout.py``. One writer, :class:`SlotFile`, serves both: a record Struct, a header, and
-slots kept from the start and a ring after them (none for the steps file).
+"""Writing a rank's call file, steps file and memory file (probe side; standard library
+only). Layout: ``layout.py``. One writer, :class:`SlotFile`, serves them all: a record
+Struct, a header, and slots kept from the start and a ring after them (none for the steps
+and memory files).
 
 ``begin`` writes a call's record into its slot with one ``struct.pack_into`` on the thread
 that makes the call: no queue, no formatting, no system call. The file is mapped shared,
@@ -43,6 +44,9 @@ from lorascope.rundir.format.layout import (
     END_OFFSET,
     HEADER,
     MAGIC,
+    MEM,
+    MEM_MAGIC,
+    MEM_VERSION,
     STAMP_MASK,
     STEP,
     STEPS_HEAD,
@@ -52,7 +56,7 @@ from lorascope.rundir.format.layout import (
     file_size,
     slot_runs,
 )
-from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX, STEPS_SUFFIX
+from lorascope.rundir.format.schema import CALLS_SUFFIX, KEPT_CALLS_SUFFIX, MEM_SUFFIX, STEPS_SUFFIX
 
 _END = struct.Struct("<d")
 _COUNT = struct.Struct("<Q")
@@ -68,6 +72,11 @@ def calls_path(prefix: Path) -> Path:
 def steps_path(prefix: Path) -> Path:
     """A rank process's steps file, beside its segments: ``HOST-PID.steps``."""
     return prefix.with_name(prefix.name + STEPS_SUFFIX)
+
+
+def mem_path(prefix: Path) -> Path:
+    """A rank process's memory file, beside its segments: ``HOST-PID.mem``."""
+    return prefix.with_name(prefix.name + MEM_SUFFIX)
 
 
 def kept_calls_path(prefix: Path) -> Path:
@@ -243,6 +252,13 @@ def step_file(path: Path, on_error: Callable[[BaseException], None] | None = Non
     """A rank process's steps file (layout.STEP_FIELDS: its steps' ends and phase edges,
     every one kept); write a record with ``put(t, dur, loss, step, label, kind)``."""
     return SlotFile(path, STEPS_HEAD, STEPS_RING, on_error, STEP, STEPS_MAGIC, STEPS_VERSION)
+
+
+def mem_file(path: Path, on_error: Callable[[BaseException], None] | None = None) -> SlotFile:
+    """A rank process's memory file (layout.MEM_FIELDS: its memory readings, every one
+    kept); write a record with ``put(t, rss, heap, alloc, reserved, max_alloc, step,
+    device, src)``."""
+    return SlotFile(path, STEPS_HEAD, STEPS_RING, on_error, MEM, MEM_MAGIC, MEM_VERSION)
 
 
 def _reserve(fd: int, offset: int, length: int) -> None:

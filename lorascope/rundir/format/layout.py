@@ -20,9 +20,16 @@ no ring (``ring`` 0: every record stays where it was written; the file grows a c
 time). A record's ``label`` names a phase (``forward``, ``eval`` ...) or a step's source
 (``deepspeed``, ``torch``) by the id of the stream's ``label`` record that holds the text.
 
+A rank process's memory readings are fixed-width records of ``HOST-PID.mem``
+(:data:`MEM_FIELDS`), written the same way (no ring): RSS, the C heap in use and the CUDA
+caching allocator's counters, -1 where a reading has no such figure; its ``src`` (the phase
+edge, ``sampler``) is a ``label`` record's id as a steps-file record's label is. The rare
+NVML part of a sampler's reading is an ``nvml`` record of the stream naming the reading's
+index.
+
 The writer (:mod:`lorascope.rundir.format.callfile`), the readers and docs/run-format.md
-all read the tables below; the readers build their numpy dtypes from :data:`CALL_FIELDS`
-and :data:`STEP_FIELDS`.
+all read the tables below; the readers build their numpy dtypes from :data:`CALL_FIELDS`,
+:data:`STEP_FIELDS` and :data:`MEM_FIELDS`.
 """
 
 from __future__ import annotations
@@ -72,6 +79,20 @@ STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
 STEP_KINDS = ("begin", "end", "step")
 BEGIN, END, STEP_END = range(len(STEP_KINDS))
 
+#: One memory reading, as its thread wrote it (-1: the reading has no such figure).
+MEM_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("t", "d", "epoch seconds the reading was written"),
+    ("rss", "q", "the process's resident set size in bytes; -1: not read"),
+    ("heap", "q", "the C heap's bytes in use (glibc mallinfo2); -1: not read"),
+    ("alloc", "q", "the CUDA caching allocator's allocated bytes on the rank's device; -1: no CUDA"),
+    ("reserved", "q", "its reserved bytes; -1: no CUDA"),
+    ("max_alloc", "q", "its peak allocated bytes; -1: no CUDA"),
+    ("step", "i", "steps this rank had completed (a step's end: the step's number)"),
+    ("device", "i", "the rank's CUDA device index; -1: no CUDA (then no CUDA field is read)"),
+    ("src", "i", "the id of the stream's label record naming where it was read (forward.begin, sampler)"),
+    ("stamp", "I", "(index + 1) mod 2**32: which record the slot holds"),
+)
+
 
 def _struct(fields: tuple[tuple[str, str, str], ...]) -> struct.Struct:
     return struct.Struct("<" + "".join(code for _, code, _ in fields))
@@ -87,6 +108,10 @@ STEPS_VERSION = 1
 #: run reaches), so that the call file's slot arithmetic serves it unchanged.
 STEPS_HEAD = 1 << 39
 STEPS_RING = 0
+MEM = _struct(MEM_FIELDS)
+#: The first bytes of a memory file, and its own version; its slots are a steps file's.
+MEM_MAGIC = b"LSMEMRY\0"
+MEM_VERSION = 1
 
 
 def offset_of(fields: tuple[tuple[str, str, str], ...], name: str) -> int:

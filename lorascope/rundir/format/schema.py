@@ -1,7 +1,7 @@
 """Format v3 of the run directory: names, record kinds and their required fields.
 
-Every per-rank process writes a JSON Lines stream, a binary call file and a binary steps
-file. Every stream
+Every per-rank process writes a JSON Lines stream, a binary call file, a binary steps
+file and a binary memory file. Every stream
 record is an object with ``k`` (its kind) and ``t`` (wall-clock seconds since the epoch).
 The fields each kind must carry are listed in :data:`RECORD_FIELDS`; extra fields are
 allowed (readers ignore what they do not know), unknown kinds are skipped with a warning.
@@ -11,8 +11,9 @@ v3 (over v2): collective calls are no longer stream records but fixed-width reco
 the call file (``HOST-PID.calls``; layout: :mod:`lorascope.rundir.format.layout`), each
 naming its ``shape`` record (op, dtype, async, site, via) by id; a call's error is
 a ``coll_err`` record. Steps and phase edges are fixed-width records of the steps file
-(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id. A
-reader of v3 refuses v2 and v1 run directories.
+(``HOST-PID.steps``), each naming its phase or source by a ``label`` record's id; memory
+readings of the memory file (``HOST-PID.mem``), each naming where it was read the same way,
+a sampler's NVML part an ``nvml`` record. A reader of v3 refuses v2 and v1 run directories.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ CALLS_SUFFIX = ".calls"
 KEPT_CALLS_SUFFIX = ".kept-calls"
 #: Its steps' ends and phase edges, fixed-width records (layout.py): ``HOST-PID.steps``.
 STEPS_SUFFIX = ".steps"
+#: Its memory readings, fixed-width records (layout.py): ``HOST-PID.mem``.
+MEM_SUFFIX = ".mem"
 #: A rank process's faulthandler file, beside its stream: ``HOST-PID.fatal.txt``.
 FATAL_SUFFIX = ".fatal.txt"
 #: What `lorascope hang` sends a rank for an on-demand dump (a ``dump`` record): SIGURG,
@@ -94,6 +97,9 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "calls_file": {"file": _STR, "how": _STR, "head": _INT, "ring": _INT},
     "steps_file": {"file": _STR, "how": _STR},
     "label": {"id": _INT, "text": _STR},
+    "mem_file": {"file": _STR, "how": _STR},
+    #: NVML's part of the memory file's reading of index ``i`` (the sampler's, on CUDA).
+    "nvml": {"i": _INT, "nvml": (dict,)},
     #: A step's calls the call file's ring overwrites, summed per group and op:
     #: ``groups`` holds ``[gid, op, calls, bytes, ms in them, longest ms, not ended]``.
     "calls_step": {"step": _INT, "groups": (list,)},

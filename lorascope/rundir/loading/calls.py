@@ -31,6 +31,10 @@ from lorascope.rundir.format.layout import (
     HEADER,
     HEADER_FIELDS,
     MAGIC,
+    MEM,
+    MEM_FIELDS,
+    MEM_MAGIC,
+    MEM_VERSION,
     STAMP_MASK,
     STEP,
     STEP_FIELDS,
@@ -64,7 +68,9 @@ def stable_order(values: np.ndarray) -> np.ndarray:
 HEADER_DTYPE = dtype_of(HEADER_FIELDS)
 CALL_DTYPE = dtype_of(CALL_FIELDS)
 STEP_DTYPE = dtype_of(STEP_FIELDS)
+MEM_DTYPE = dtype_of(MEM_FIELDS)
 assert HEADER_DTYPE.itemsize == HEADER.size and CALL_DTYPE.itemsize == CALL.size and STEP_DTYPE.itemsize == STEP.size
+assert MEM_DTYPE.itemsize == MEM.size
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class FileKind:
 
 CALLS = FileKind("call", MAGIC, CALLS_VERSION, CALL, CALL_DTYPE)
 STEPS = FileKind("step", STEPS_MAGIC, STEPS_VERSION, STEP, STEP_DTYPE)
+MEMORY = FileKind("memory", MEM_MAGIC, MEM_VERSION, MEM, MEM_DTYPE)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from lorascope.rundir.format.schema import (
     FORMAT_VERSION,
     KEPT_CALLS_SUFFIX,
     MANIFEST_FILE,
+    MEM_SUFFIX,
     RANKS_DIR,
     STEPS_SUFFIX,
     STREAM_SUFFIX,
@@ -55,6 +56,8 @@ from lorascope.rundir.loading.callreduce import (
 )
 from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
+from lorascope.rundir.loading.mem import as_records as mem_records
+from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
@@ -416,6 +419,10 @@ class _Stream:
         #: the ``loss`` records, put on their steps once every step is there.
         self.labels: dict[int, str] = {}
         self.step_table: CallRecords | None = None
+        #: The memory file's readings (read before the stream too), and NVML's parts of
+        #: them (``nvml`` records), by reading index.
+        self.mem_table: CallRecords | None = None
+        self.nvml: dict[int, dict[str, Any]] = {}
         self.losses: list[dict[str, Any]] = []
         self._unknown: dict[str, tuple[str, int]] = {}
         self._dropped: tuple[str, int] | None = None
@@ -456,6 +463,13 @@ class _Stream:
         elif kind == "steps_file":
             if rec["file"] != _beside(path, STEPS_SUFFIX).name:
                 self.warnings.append(f"{path}:{number}: a steps file {str(rec['file'])[:80]!r} not beside it: not read")
+        elif kind == "mem_file":
+            if rec["file"] != _beside(path, MEM_SUFFIX).name:
+                self.warnings.append(
+                    f"{path}:{number}: a memory file {str(rec['file'])[:80]!r} not beside it: not read"
+                )
+        elif kind == "nvml":
+            self.nvml[rec["i"]] = rec["nvml"]
         elif kind == "coll_err":
             self.errors[rec["index"]] = rec["err"]
             self.failed[(rec["gid"], rec["seq"])] = rec["index"]
@@ -514,14 +528,29 @@ class _Stream:
                 self.data.files.append(str(path))
 
     def read_steps(self, first: Path) -> None:
-        """The process's steps file beside its stream, if there is one."""
+        """The process's steps file and memory file beside its stream, those there are."""
         path = _beside(first, STEPS_SUFFIX)
-        if not path.exists():
-            return
-        if leaves(first.parent, path):
-            self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
-            return
-        self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
+        if path.exists():
+            if leaves(first.parent, path):
+                self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            else:
+                self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
+        path = _beside(first, MEM_SUFFIX)
+        if path.exists():
+            if leaves(first.parent, path):
+                self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            else:
+                self.mem_table = read_mem(path, f"rank {self.rank}", self.warnings)
+                self.keeper.mem += len(self.mem_table)
+
+    def take_mem(self, data: RankData, drop: Rule | None = None) -> list[dict[str, Any]]:
+        """The memory file's ``mem`` records (none without one; ``drop``: none that
+        decimation is sure to drop), its times in ``last_time``."""
+        table = self.mem_table
+        if table is None or not len(table):
+            return []
+        data.last_time = max(data.last_time, float(table.records["t"].max()))
+        return mem_records(table, self.labels, self.nvml, f"rank {self.rank}", self.warnings, drop)
 
     def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[StepRecord], list[PhaseEdge]]:
         """The steps file's step and phase records (none without one; ``drop``: no phase
@@ -634,10 +663,12 @@ class _Stream:
         data = self.data
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
-        steps, phases = self.take_steps(data, self.keeper.bounds(data))
+        drop = self.keeper.bounds(data)
+        steps, phases = self.take_steps(data, drop)
         data.steps.extend(steps)
         self.put_losses(data)
         data.phases.extend(phases)
+        data.mem.extend(self.take_mem(data, drop))
         self.keeper.held(data)
         calls = self.reduced(first, windows)
         data.collectives = calls.collectives
@@ -670,12 +701,15 @@ def _load_process(
             f"(bounded stream); the first and the newest segments are kept"
         )
     total = 0
-    for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:  # its steps were stream records once
+    beside = (_beside(segs[0][1], STEPS_SUFFIX), _beside(segs[0][1], MEM_SUFFIX))
+    for path in [*(p for _, p in segs), *beside]:  # its steps and readings were stream records once
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
         raise LimitError(
-            f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s) and its steps file)", "stream_bytes"
+            f"rank {rank}",
+            f"its stream ({total:,} bytes in {len(segs)} segment(s), its steps and memory files)",
+            "stream_bytes",
         )
     stream = _Stream(rank, warnings, budget)
     stream.read(segs)
@@ -848,9 +882,10 @@ def _read_span(
     if data is None:
         raise BadInputError(f"{paths[0]}: empty rank stream")
     steps, phases = stream.take_steps(data)
-    # a step from its begin (its end less its duration), a phase edge at its time
+    # a step from its begin (its end less its duration), a phase edge and a reading at its time
     out.left_out += _keep_within(data.steps, [(s["t"] - s["dur"], s["t"], s) for s in steps], lo, hi, most)
     out.left_out += _keep_within(data.phases, [(p["t"], p["t"], p) for p in phases], lo, hi, most)
+    out.left_out += _keep_within(data.mem, [(m["t"], m["t"], m) for m in stream.take_mem(data)], lo, hi, most)
     stream.put_losses(data)
     out.collectives, left_out = calls_between(
         stream.calls(paths[0]),

@@ -19,8 +19,8 @@ A process's call file (beside its stream) is followed by index: a look reads its
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
 since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run. Its steps file is followed the same way: the records written since the
-last look (the newest :data:`START_STEPS` at the first). The calls are read after the
+long the run. Its steps file and its memory file are followed the same way: the records
+written since the last look (the newest :data:`START_STEPS` at the first). The calls are read after the
 streams and steps files (whose ``shape`` lines name what a call was), and decoded many
 processes at a time (:class:`Batch`: one set of numpy columns a batch of about
 :data:`BATCH_BYTES`), not one process at a time: a look brings each of 1,024 ranks a
@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from lorascope.rundir.format.safe_open import leaves
-from lorascope.rundir.format.schema import CALLS_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import CALLS, STEPS, FileKind, Run, decode, read_since
+from lorascope.rundir.format.schema import CALLS_SUFFIX, MEM_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
+from lorascope.rundir.loading.calls import CALLS, MEMORY, STEPS, FileKind, Run, decode, read_since
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
@@ -54,7 +54,7 @@ MAX_READ_BYTES = 4 << 20
 #: at each look, at most (the oldest: the one a hang sits in).
 START_CALLS = 4096
 MAX_PENDING_CALLS = 256
-#: Steps-file records read at its first look (the newest).
+#: Steps-file (and memory-file) records read at its first look (the newest).
 START_STEPS = 1024
 #: Bytes of records decoded in one batch, of as many processes as they come from.
 BATCH_BYTES = 3 << 20
@@ -71,7 +71,7 @@ class FollowedCalls:
 
 @dataclass
 class FollowedSteps:
-    """A rank process's steps file: the count read up to."""
+    """A rank process's steps file (or memory file): the count read up to."""
 
     path: Path
     count: int = 0
@@ -96,6 +96,8 @@ class Followed:
     calls: FollowedCalls | None = None
     #: Its steps file, beside the stream (read once it is there).
     steps: FollowedSteps | None = None
+    #: Its memory file, beside the stream (read once it is there).
+    mem: FollowedSteps | None = None
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
@@ -106,7 +108,7 @@ Looked = tuple[Followed, bytes]
 @dataclass
 class Batch:
     """The records a look read of some processes' slot files of one kind (their call
-    files, or their steps files), as one set of columns: ``records`` (the kind's dtype)
+    files, their steps files or their memory files), as one set of columns: ``records`` (the kind's dtype)
     and ``index``, each process's together and in index order (a call file's: its calls
     pending at the last look read again, then the new ones), ``owner`` the position of its
     process in ``processes``. Every process read is there, also one none of whose records
@@ -184,7 +186,10 @@ class Tail:
                 if known is None:
                     calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
                     steps = FollowedSteps(Path(entry.path) / (proc + STEPS_SUFFIX))
-                    self.streams[(rank, proc)] = Followed(rank, proc, index, Path(path), calls=calls, steps=steps)
+                    mem = FollowedSteps(Path(entry.path) / (proc + MEM_SUFFIX))
+                    self.streams[(rank, proc)] = Followed(
+                        rank, proc, index, Path(path), calls=calls, steps=steps, mem=mem
+                    )
                     continue
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
@@ -262,11 +267,18 @@ class Tail:
 
     def _read_steps(self, stream: Followed) -> list[Run] | None:
         """The steps file's records written since the last look, as read (None: none)."""
-        followed = stream.steps
+        return self._read_since(stream.steps, STEPS)
+
+    def _read_mem(self, stream: Followed) -> list[Run] | None:
+        """The memory file's readings written since the last look, as read (None: none)."""
+        return self._read_since(stream.mem, MEMORY)
+
+    @staticmethod
+    def _read_since(followed: FollowedSteps | None, kind: FileKind) -> list[Run] | None:
         if followed is None:
             return None
         first = followed.count == 0
-        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, STEPS)
+        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, kind)
         if got is None or got[0] == followed.count:
             return None
         followed.count, runs = got
@@ -290,6 +302,11 @@ class Tail:
         """Every steps file's records written since the last look, in batches (the
         processes with none are left out). Called after :meth:`look`."""
         return self._batches(STEPS, self._read_steps)
+
+    def look_mem(self) -> Iterator[Batch]:
+        """Every memory file's readings written since the last look, in batches (the
+        processes with none are left out)."""
+        return self._batches(MEMORY, self._read_mem)
 
     def look_calls(self) -> Iterator[Batch]:
         """Every call file's records begun since the last look, and its calls pending at
