@@ -13,7 +13,7 @@ from lorascope.rundir.loading.reader import RankData, RunData
 
 
 def _peak_memory(rank: RankData) -> dict[str, int | None]:
-    rss = [m["rss"] for m in rank.mem if m.get("rss") is not None]
+    rss = [r for m in rank.mem if (r := m.get("rss")) is not None]
     heap = [m["heap"] for m in rank.mem if m.get("heap") is not None]
     cuda = [m["cuda"] for m in rank.mem if isinstance(m.get("cuda"), dict)]
     nvml = [m["nvml"]["used"] for m in rank.mem if isinstance(m.get("nvml"), dict)]

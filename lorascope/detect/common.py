@@ -7,7 +7,7 @@ import itertools
 import operator
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from lorascope.detect.finding import Evidence
@@ -23,7 +23,7 @@ CUDA_ALLOCATED, HEAP_IN_USE, RSS = "CUDA allocated", "heap in use", "RSS"
 FIGURE_KEYS = {CUDA_ALLOCATED: "cuda", HEAP_IN_USE: "heap", RSS: "rss"}
 
 
-def any_has_key(samples: list[dict[str, Any]], key: str) -> bool:
+def any_has_key(samples: Sequence[Mapping[str, Any]], key: str) -> bool:
     """Whether any sample has ``key`` at all, tested in C (~20 ns a sample): a figure a run
     never recorded is a key none of its samples has, and at 1,024 ranks asking for one
     in Python went through millions of samples."""
@@ -45,7 +45,7 @@ def has_figure(rank: RankData, kind: str) -> bool:
     return any_has_key(rank.mem, FIGURE_KEYS[kind]) and any(mem_value(m, kind) is not None for m in rank.mem)
 
 
-def mem_value(sample: dict[str, Any], kind: str | None = None) -> int | None:
+def mem_value(sample: Mapping[str, Any], kind: str | None = None) -> int | None:
     """A sample's figure of the given kind (see memory_kind); without one, CUDA allocated
     bytes where the sample has them, else RSS."""
     cuda = sample.get("cuda")
@@ -56,7 +56,7 @@ def mem_value(sample: dict[str, Any], kind: str | None = None) -> int | None:
     return sample.get("heap" if kind == HEAP_IN_USE else "rss")
 
 
-def mem_reader(kind: str | None) -> Callable[[dict[str, Any]], int | None]:
+def mem_reader(kind: str | None) -> Callable[[Mapping[str, Any]], int | None]:
     """``mem_value(sample, kind)`` as a function of the sample alone; for the CPU figures a
     C one (a 1,024-rank run's detectors read millions of samples)."""
     if kind in (None, CUDA_ALLOCATED):

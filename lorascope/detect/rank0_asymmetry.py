@@ -193,7 +193,7 @@ def _rss_note(rank: RankData, kind: str, heap_peak: int) -> str:
     """Beside a heap figure, the rank's peak RSS, and why the heap reads more when it does."""
     if kind != "heap in use":
         return ""
-    rss = max((m["rss"] for m in rank.mem if m.get("rss")), default=None)
+    rss = max((r for m in rank.mem if (r := m.get("rss"))), default=None)
     if not rss:
         return ""
     if heap_peak <= rss:

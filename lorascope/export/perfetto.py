@@ -154,7 +154,7 @@ def _rank_events(
             "RSS MiB": mem_value(m, RSS),
             "heap in use MiB": m.get("heap"),
             "CUDA allocated MiB": mem_value(m, CUDA_ALLOCATED),
-            "CUDA reserved MiB": (m.get("cuda") or {}).get("reserved") if isinstance(m.get("cuda"), dict) else None,
+            "CUDA reserved MiB": cuda.get("reserved") if isinstance(cuda := m.get("cuda"), dict) else None,
         }
         args = {k: round(v / MIB, 3) for k, v in values.items() if isinstance(v, (int, float))}
         if args:

@@ -11,11 +11,12 @@ in the stream's ``label`` records and NVML's part in its ``nvml`` records.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from lorascope.rundir.loading.calls import MEMORY, CallRecords, read_calls
+from lorascope.rundir.loading.records import MemReading
 from lorascope.rundir.loading.reduce import Rule
 from lorascope.rundir.loading.steps import UNKNOWN_LABEL
 
@@ -59,7 +60,7 @@ def as_records(
     who: str,
     warnings: list[str],
     drop: Rule | None = None,
-) -> list[dict[str, Any]]:
+) -> list[MemReading]:
     """The ``mem`` records of the memory file's readings ``kept``, in index order, as the
     stream held them before: ``{"src", "step", "rss", "heap"?, "cuda"?: {"device",
     "alloc", "reserved", "max_alloc"}, "nvml"?, "k", "t"}`` (``rss`` None where it was not
@@ -77,14 +78,15 @@ def as_records(
         table, index = table[held], index[held]
     name = labels.get
     part = nvml.get
-    out: list[dict[str, Any]] = []
+    out: list[MemReading] = []
     append = out.append
     for t, rss, heap, alloc, reserved, max_alloc, step, device, src, i in zip(
         table["t"].tolist(), table["rss"].tolist(), table["heap"].tolist(), table["alloc"].tolist(),
         table["reserved"].tolist(), table["max_alloc"].tolist(), table["step"].tolist(),
         table["device"].tolist(), table["src"].tolist(), index.tolist(), strict=True,
     ):  # fmt: skip
-        rec: dict[str, Any] = {"src": name(src, UNKNOWN_LABEL), "step": step, "rss": None if rss < 0 else rss}
+        # its fields in the stream's order (k and t last)
+        rec = cast(MemReading, {"src": name(src, UNKNOWN_LABEL), "step": step, "rss": None if rss < 0 else rss})
         if heap >= 0:
             rec["heap"] = heap
         if device >= 0:

@@ -58,7 +58,7 @@ from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
 from lorascope.rundir.loading.mem import as_records as mem_records
 from lorascope.rundir.loading.mem import read_mem
-from lorascope.rundir.loading.records import PhaseEdge, StepRecord
+from lorascope.rundir.loading.records import MemReading, PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
@@ -122,7 +122,7 @@ class RankData:
     start: dict[str, Any]
     files: list[str]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    mem: list[dict[str, Any]] = field(default_factory=list)
+    mem: list[MemReading] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     phases: list[PhaseEdge] = field(default_factory=list)
     groups: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -543,7 +543,7 @@ class _Stream:
                 self.mem_table = read_mem(path, f"rank {self.rank}", self.warnings)
                 self.keeper.mem += len(self.mem_table)
 
-    def take_mem(self, data: RankData, drop: Rule | None = None) -> list[dict[str, Any]]:
+    def take_mem(self, data: RankData, drop: Rule | None = None) -> list[MemReading]:
         """The memory file's ``mem`` records (none without one; ``drop``: none that
         decimation is sure to drop), its times in ``last_time``."""
         table = self.mem_table

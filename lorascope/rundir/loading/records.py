@@ -5,7 +5,7 @@ records of these kinds, which carry the same fields."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 
 class _NonFinite(TypedDict, total=False):
@@ -36,3 +36,31 @@ class PhaseEdge(TypedDict):
     edge: str
     #: Steps this rank had completed.
     step: int
+
+
+class CudaFigures(TypedDict):
+    """The CUDA caching allocator's counters at a reading (bytes)."""
+
+    device: int
+    alloc: int
+    reserved: int
+    max_alloc: int
+
+
+class _Parts(TypedDict, total=False):
+    #: The C heap in use (a CPU rank's allocations), where it was read.
+    heap: int
+    cuda: CudaFigures
+    #: NVML's view of the device (a sampler's reading, now and then).
+    nvml: dict[str, Any]
+
+
+class MemReading(_Parts):
+    """A memory reading: where it was taken (a phase edge, ``sampler``), the rank's RSS (None
+    where it was not read) and the parts it has."""
+
+    k: str
+    t: float
+    src: str
+    step: int
+    rss: int | None

@@ -11,9 +11,9 @@ through the whole span is kept past that bound (there are few: a rank blocked in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lorascope.rundir.loading.records import PhaseEdge, StepRecord
+from lorascope.rundir.loading.records import MemReading, PhaseEdge, StepRecord
 
 if TYPE_CHECKING:
     from lorascope.rundir.loading.reader import Collective
@@ -28,5 +28,5 @@ class SpanRecords:
     collectives: list[Collective] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     phases: list[PhaseEdge] = field(default_factory=list)
-    mem: list[dict[str, Any]] = field(default_factory=list)
+    mem: list[MemReading] = field(default_factory=list)
     left_out: int = 0
