@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lorascope.analysis import analyze
@@ -210,12 +210,14 @@ _RECORDS = st.lists(
     st.dictionaries(
         _FIELDS,
         st.one_of(_VALUES, st.dictionaries(st.sampled_from(["used", "total", "reserved", "t"]), _VALUES, max_size=3)),
-        max_size=5,
+        max_size=4,
     ),
-    max_size=12,
+    max_size=10,
 )
 
 
+# generating nested records is slow on a loaded 2-core machine: not the code under test
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(records=_RECORDS, by=st.sampled_from([None, "where"]))
 def test_peaks_are_the_records_holding_each_fields_highest_value(records: list[dict[str, Any]], by: Any) -> None:
     """``_peaks`` (a loop per field, for speed) against its definition: per (``by`` value,
