@@ -1,11 +1,18 @@
 """The ``slow`` marker: the second planting or variant of an end-to-end scenario whose
 first one stays in the default run (CI runs the default run; each detector, launcher and
 healthy job is covered there). Deselected unless asked for, and never silently: the
-terminal summary says how many were left out and how to run them."""
+terminal summary says how many were left out and how to run them.
+
+Hypothesis runs without its timing checks: the tests run on small shared machines, where
+generating an example can take a second; what they test is not time."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("lorascope", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("lorascope")
 
 _LEFT_OUT = pytest.StashKey[int]()
 
