@@ -34,8 +34,9 @@ from typing import Any
 
 import psutil
 
-from lorascope.rundir.format.callfile import CallFile, calls_path, step_file, steps_path
-from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
+from lorascope.rundir.format.callfile import CallFile, calls_path, mem_file, mem_path, step_file, steps_path
+from lorascope.rundir.format.layout import CALL, COUNT_OFFSET, HEADER, MEM, STEP, STEP_END
+from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import read_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,10 +44,11 @@ TEMPLATE = REPO / "fixtures" / "diff" / "r8" / "ranks" / "rank-0"
 _T = re.compile(rb'"t":[0-9.]+')
 
 
-def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """The template stream's head (up to its first step's end), one step's lines (those
     after its second step's end up to its third), that step's calls (its call file's
-    records of the step, in order) and its steps-file records (its phase edges and end)."""
+    records of the step, in order), its steps-file records (its phase edges and end) and
+    its memory readings."""
     lines = next(TEMPLATE.glob("*.0000.jsonl")).read_bytes().splitlines(keepends=True)
     table = read_steps(next(TEMPLATE.glob("*.steps")), "template", []).records
     ends = table[table["kind"] == STEP_END]
@@ -55,25 +57,29 @@ def _template() -> tuple[list[bytes], list[bytes], list[tuple[Any, ...]], list[t
     head = [line for line, t in zip(lines, times, strict=True) if t <= t1]
     block = [line for line, t in zip(lines, times, strict=True) if t2 < t <= t3]
     steps = [tuple(r) for r in table[(table["t"] > t2) & (table["t"] <= t3)].tolist()]
+    readings = read_mem(next(TEMPLATE.glob("*.mem")), "template", []).records
+    mem = [tuple(r) for r in readings[(readings["t"] > t2) & (readings["t"] <= t3)].tolist()]
     data = next(TEMPLATE.glob("*.calls")).read_bytes()
     count = int.from_bytes(data[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
     records = [CALL.unpack_from(data, HEADER.size + i * CALL.size) for i in range(count)]
-    return head, block, [r for r in records if r[4] == step_no], steps
+    return head, block, [r for r in records if r[4] == step_no], steps, mem
 
 
 def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: int) -> None:
     """The growing run: every rank's head, then a step every ``step_s`` seconds: the step's
-    stream lines appended, its calls and steps-file records written as the probes do."""
+    stream lines appended, its calls, steps-file records and memory readings written as the
+    probes do."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, ranks + 256)), hard))
-    head, step, calls, step_records = _template()
-    paths, files, step_files = [], [], []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 3 * ranks + 256)), hard))
+    head, step, calls, step_records, readings = _template()
+    paths, files, step_files, mem_files = [], [], [], []
     for r in range(ranks):
         folder = run_dir / "ranks" / f"rank-{r}"
         folder.mkdir(parents=True)
         path = folder / f"node{r // 8}-{10000 + r}.0000.jsonl"
         files.append(CallFile(calls_path(path.with_name(path.name.split(".")[0]))))
         step_files.append(step_file(steps_path(path.with_name(path.name.split(".")[0]))))
+        mem_files.append(mem_file(mem_path(path.with_name(path.name.split(".")[0]))))
         start = b"".join(head).replace(b'"rank":0,"world_size":2', f'"rank":{r},"world_size":{ranks}'.encode())
         path.write_bytes(_T.sub(f'"t":{time.time():.6f}'.encode(), start))
         paths.append(path)
@@ -93,6 +99,8 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
                 step_files[r].put(
                     now + (t - step_records[0][0]), dur, loss, n if kind == STEP_END else n - 1, label, kind
                 )
+            for t, *figures, _, device, src, _ in readings:  # rss .. max_alloc, step, device, src, stamp
+                mem_files[r].put(now + (t - readings[0][0]), *figures, n - 1, device, src)
             with open(path, "ab") as f:
                 f.write(block)
         seq += len(calls)
@@ -159,8 +167,8 @@ def main() -> None:
         streams = sum(p.stat().st_size for p in (run_dir / "ranks").rglob("*") if p.is_file())
     used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     share = used / (t1 - t0) * 100
-    _, lines, calls, steps = _template()
-    per_step = len(b"".join(lines)) + len(calls) * CALL.size + len(steps) * STEP.size
+    _, lines, calls, steps, mem = _template()
+    per_step = len(b"".join(lines)) + len(calls) * CALL.size + len(steps) * STEP.size + len(mem) * MEM.size
     print(f"ranks {args.ranks}, a step every {args.step_s} s a rank ({per_step:,} bytes), window {t1 - t0:.0f} s")
     print(
         f"run directory at the end: {streams / 2**20:.0f} MiB ({per_step * args.ranks / args.step_s / 2**20:.1f} MiB/s)"
