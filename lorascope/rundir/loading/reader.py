@@ -529,19 +529,23 @@ class _Stream:
 
     def read_steps(self, first: Path) -> None:
         """The process's steps file and memory file beside its stream, those there are."""
-        path = _beside(first, STEPS_SUFFIX)
-        if path.exists():
-            if leaves(first.parent, path):
-                self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
-            else:
-                self.step_table = read_steps(path, f"rank {self.rank}", self.warnings)
-        path = _beside(first, MEM_SUFFIX)
-        if path.exists():
-            if leaves(first.parent, path):
-                self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
-            else:
-                self.mem_table = read_mem(path, f"rank {self.rank}", self.warnings)
-                self.keeper.mem += len(self.mem_table)
+        self.step_table = self._beside_stream(first, STEPS_SUFFIX, read_steps)
+        self.mem_table = self._beside_stream(first, MEM_SUFFIX, read_mem)
+        if self.mem_table is not None:
+            self.keeper.mem += len(self.mem_table)
+
+    def _beside_stream(
+        self, first: Path, suffix: str, read: Callable[[Path, str, list[str]], CallRecords]
+    ) -> CallRecords | None:
+        """The records of the process's slot file ``suffix`` (None: it has none, or it is a
+        symlink out of the run directory, warned)."""
+        path = _beside(first, suffix)
+        if not path.exists():
+            return None
+        if leaves(first.parent, path):
+            self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
+            return None
+        return read(path, f"rank {self.rank}", self.warnings)
 
     def take_mem(self, data: RankData, drop: Rule | None = None) -> list[MemReading]:
         """The memory file's ``mem`` records (none without one; ``drop``: none that
