@@ -68,11 +68,9 @@ from lorascope.rundir.format.layout import (
     DEFAULT_RING,
     HEADER,
     MAGIC,
-    MEM,
     MEM_MAGIC,
     MEM_VERSION,
     STAMP_MASK,
-    STEP,
     STEP_END,
     STEP_KINDS,
     STEPS_HEAD,
@@ -136,6 +134,19 @@ def _records(rank: int) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dic
     return merged, ends
 
 
+def _write_without_ring(
+    path: Path, parts: list[np.ndarray], dtype: np.dtype[Any], magic: bytes, version: int, created: float
+) -> int:
+    """A slot file without a ring (a steps or memory file) holding ``parts``' rows in
+    order, as the probes leave it; its bytes."""
+    rows = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    rows["stamp"] = (np.arange(len(rows)) + 1) & STAMP_MASK
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(magic, version, dtype.itemsize, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
+        f.write(rows.tobytes())
+    return HEADER.size + len(rows) * dtype.itemsize
+
+
 class _StepColumns:
     """A rank's steps and phase edges as the steps file's columns, appended a step at a time."""
 
@@ -157,12 +168,7 @@ class _StepColumns:
 
     def write(self, path: Path, created: float) -> int:
         """The steps file as the probes leave it; its bytes."""
-        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, STEP_DTYPE)
-        rows["stamp"] = (np.arange(len(rows)) + 1) & STAMP_MASK
-        with open(path, "wb") as f:
-            f.write(HEADER.pack(STEPS_MAGIC, STEPS_VERSION, STEP.size, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
-            f.write(rows.tobytes())
-        return HEADER.size + len(rows) * STEP.size
+        return _write_without_ring(path, self.parts, STEP_DTYPE, STEPS_MAGIC, STEPS_VERSION, created)
 
 
 class _MemColumns:
@@ -186,12 +192,7 @@ class _MemColumns:
 
     def write(self, path: Path, created: float) -> int:
         """The memory file as the probes leave it; its bytes."""
-        rows = np.concatenate(self.parts) if self.parts else np.zeros(0, MEM_DTYPE)
-        rows["stamp"] = (np.arange(len(rows)) + 1) & STAMP_MASK
-        with open(path, "wb") as f:
-            f.write(HEADER.pack(MEM_MAGIC, MEM_VERSION, MEM.size, STEPS_HEAD, STEPS_RING, len(rows), created, b""))
-            f.write(rows.tobytes())
-        return HEADER.size + len(rows) * MEM.size
+        return _write_without_ring(path, self.parts, MEM_DTYPE, MEM_MAGIC, MEM_VERSION, created)
 
 
 class _CallColumns:
