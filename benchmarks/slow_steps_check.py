@@ -6,7 +6,9 @@ planting just before and just after the planted run, and its step time over the 
 steps is measured (the mean of the two: a load drifting across the three runs cancels to
 first order; each run's figure is printed). Prints, per finding, what was named (id,
 ranks, since when, where), the predicted and the measured step time, the error, and the
-prediction of the replay that keeps the others' waiting as their work. Where the planting
+prediction of the replay that keeps the others' waiting as their work, the prediction
+with the time blocked on async collectives' handles unread (as from probes that did not
+record it), and each rank's median time blocked on handles a step. Where the planting
 begins after step 3, the runs' steps before it are compared too and the measurement scaled
 by their ratio (the "load" figure: the planted run's steps before the planting over the
 runs without), an error under the same load.
@@ -126,6 +128,30 @@ def table(out: Path) -> pace.PaceTable:
     return t
 
 
+def blind_table(out: Path) -> pace.PaceTable:
+    """:func:`table` with the time blocked on async collectives' handles unread (as a run
+    whose probes did not record it): what the new data changed."""
+    run = load(out).bundle.run
+    assert run is not None
+    for rank in run.ranks.values():
+        rank.handle_wait, rank.handle_wait_phases = {}, {}
+    for key in ("pace", "step_work"):
+        run.derived.pop(key, None)
+    t = pace.table(run)
+    assert t is not None
+    return t
+
+
+def blocked_ms(out: Path, idx: list[int]) -> str:
+    """Per rank, its median time blocked on async collectives' handles a step over ``idx`` (ms)."""
+    t = table(out)
+    assert t.run is not None
+    return ", ".join(
+        f"r{r} {statistics.median(t.run.ranks[r].handle_wait.get(t.steps[i], 0.0) for i in idx) * 1000:.0f}"
+        for r in t.ranks
+    )
+
+
 def work_ratio(t: pace.PaceTable, ranks: tuple[int, ...], idx: list[int]) -> float:
     """The ranks' most work over the others' median, median over the steps ``idx``."""
     return statistics.median(max(t.work[r][i] for r in ranks) / t.others_median(ranks, t.work, i) for i in idx)
@@ -169,6 +195,9 @@ def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
         err = (w["predicted_step_s"] - actual) / actual
         # the replay keeping the others' waiting as work (no baseline): what the correction changed
         kept = pace.what_if_summary(t, f["ranks"], idx)["predicted_step_s"]
+        # the same replay with the waits on handles unread: what recording them changed
+        base = [i for i in range(len(t.steps)) if i not in idx] if w.get("baseline_steps") else []
+        blind = pace.what_if_summary(blind_table(slow), f["ranks"], idx, base)["predicted_step_s"]
         drift = ""
         if first_planted > 3:
             # the machine's load between the two runs: their steps before the planting compared
@@ -180,8 +209,8 @@ def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
         out.append(
             f"| {p.name}{' (untuned)' if p.untuned else ''} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | "
             f"steps {first}-{last}, {d.get('part', '')} | {w['step_s']:.3f} -> {w['predicted_step_s']:.3f} "
-            f"(others' waiting kept: {kept:.3f}) | {actual:.3f} ({runs}) | {err:+.1%}{drift} | "
-            f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |"
+            f"(others' waiting kept: {kept:.3f}; handle waits unread: {blind:.3f}) | {actual:.3f} ({runs}) | "
+            f"{err:+.1%}{drift} | {w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} | {blocked_ms(slow, idx)} |"
         )
     return out
 
@@ -194,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     print(
-        "| planting | named | since / where | predicted step (s) | measured without (s) | error | speed-up predicted / measured |"
+        "| planting | named | since / where | predicted step (s) | measured without (s) | error "
+        "| speed-up predicted / measured | blocked on handles (ms a step) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for p in PLANTINGS:
         if args.only not in p.name:
             continue
@@ -206,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["rm", "-rf", str(d)], check=True)
                 rc = run(p, d, planted)
                 if rc:
-                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | |")
+                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | | |")
         fixed = [d for d in (before, after) if (d / "manifest.json").exists()]
         for line in rows(p, slow, fixed):
             print(line, flush=True)

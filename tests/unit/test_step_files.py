@@ -275,3 +275,31 @@ def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
         BadInputError, match=r"rank 0: its stream \(.*, its steps and memory files\) is over the 512 MiB limit"
     ):
         load_run(run)
+
+
+def test_the_time_blocked_on_handles_reads_back_per_step_and_phase(tmp_path: Path) -> None:
+    """A record's ``waited`` is the time blocked on async collectives' handles since its step
+    began: the step's end holds the step's, a phase's is its end's less its begin's; a run
+    whose records hold 0.0 (the probes recorded none) has none."""
+    run = tmp_path / "run"
+    record_launch(run, "h-1", ["job"])
+    prefix = stream_prefix(run, 0, "h", 42)
+    stream = Stream(prefix)
+    stream.write({**START, "t": 1.0})
+    steps = Steps(stream, prefix, 1.0)
+    for step in range(3):
+        t, w = 2.0 + step, 0.01 * step  # step 1 waits for none
+        steps.phase(t, "forward", "begin", step, waited=w)
+        steps.phase(t + 0.25, "forward", "end", step, waited=3 * w)
+        steps.phase(t + 0.5, "backward", "begin", step, waited=3 * w)
+        steps.phase(t + 0.75, "backward", "end", step, waited=4 * w)
+        steps.step(t + 0.9, step + 1, 0.9, 1.0, "deepspeed", waited=5 * w)
+    stream.write({"k": "end", "t": 6.0, "status": "exit", "code": 0})
+    stream.close()
+    rank = load_run(run).ranks[0]
+    assert rank.handle_wait == pytest.approx({2: 0.05, 3: 0.10})
+    assert rank.handle_wait_phases == {
+        2: pytest.approx({"forward": 0.02, "backward": 0.01}),
+        3: pytest.approx({"forward": 0.04, "backward": 0.02}),
+    }
+    assert load_run(_run(tmp_path, True)).ranks[0].handle_wait == {}
