@@ -23,7 +23,10 @@ own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
 ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from step 15
 of 30 on. The first four became the rules' tuning cases; the last two (one rank of 4 slow
 in its data loading in steps 10-17 and 28-35 of 40; two ranks of 4 slow in their forward
-from step 12 of 30) were written after the rules were last changed (untuned).
+from step 12 of 30) were written after the rules were last changed (untuned). The last
+but two (``--partition``: ZeRO-3 partitions every parameter, so the forward gathers them by
+async all-gathers waited on by handle; 2 ranks, one +150 ms in its forward all run long)
+was written once the waits on handles were recorded (untuned).
 """
 
 from __future__ import annotations
@@ -76,6 +79,15 @@ PLANTINGS = [
     Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), (1,)),
     Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), (2,)),
     # written after the rules were last changed
+    # written after the waits on handles were recorded: the others wait inside their forward
+    Planting(
+        "partitioned-whole-run",
+        2,
+        24,
+        ("--partition", "--slow-where", "forward", "--slow-ms", "150"),
+        (1,),
+        untuned=True,
+    ),
     Planting(
         "comes-and-goes",
         4,
