@@ -23,10 +23,11 @@ own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
 ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from step 15
 of 30 on. The first four became the rules' tuning cases; the last two (one rank of 4 slow
 in its data loading in steps 10-17 and 28-35 of 40; two ranks of 4 slow in their forward
-from step 12 of 30) were written after the rules were last changed (untuned). The last
-but two (``--partition``: ZeRO-3 partitions every parameter, so the forward gathers them by
-async all-gathers waited on by handle; 2 ranks, one +150 ms in its forward all run long)
-was written once the waits on handles were recorded (untuned).
+from step 12 of 30) were written after the rules were last changed (untuned). The two
+``partitioned`` ones (``--partition``: ZeRO-3 partitions every parameter, so the forward
+gathers them by async all-gathers waited on by handle; 2 ranks, one +150 ms a step all run
+long, in its forward, or in its data preparation, before the forward's first all-gather)
+were written once the waits on handles were recorded (untuned).
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ PLANTINGS = [
         2,
         24,
         ("--partition", "--slow-where", "forward", "--slow-ms", "150"),
+        (1,),
+        untuned=True,
+    ),
+    Planting(
+        "partitioned-data-whole-run",
+        2,
+        24,
+        ("--partition", "--slow-where", "data", "--slow-ms", "150"),
         (1,),
         untuned=True,
     ),
