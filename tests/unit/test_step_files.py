@@ -301,4 +301,4 @@ def test_the_time_blocked_on_handles_reads_back_per_step_and_phase(tmp_path: Pat
         2: pytest.approx({"forward": 0.02, "backward": 0.01}),
         3: pytest.approx({"forward": 0.04, "backward": 0.02}),
     }
-    assert load_run(_run(tmp_path, True)).ranks[0].handle_wait == {}
+    assert load_run(_run(tmp_path)).ranks[0].handle_wait == {}
