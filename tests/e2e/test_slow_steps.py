@@ -70,9 +70,9 @@ def test_a_rank_slow_in_its_data_loading_from_halfway_is_named(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_rank_slow_in_its_forward_from_halfway_is_named(tmp_path: Path) -> None:
-    """400 ms in the forward: the fast ranks' work counts their waits inside ZeRO-3's
-    asynchronous gathers, so a rank's extra compute reads as less than its share; the
-    episode is named from the change against its own steps before step 10."""
+    """400 ms in the forward: the fast ranks' own work moves with the slow rank's (3 ranks
+    share the 2 cores of the test machine), so a rank's extra compute reads as less than
+    its share; the episode is named from the change against its own steps before step 10."""
     data = planted(
         tmp_path,
         3,
