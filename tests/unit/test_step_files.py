@@ -47,8 +47,8 @@ def _header(path: Path) -> dict[str, Any]:
     return dict(zip((f for f, _, _ in HEADER_FIELDS), HEADER.unpack_from(path.read_bytes()), strict=True))
 
 
-def test_a_step_record_is_40_bytes_of_its_table() -> None:
-    assert STEP.size == 40 and STEP.format.startswith("<") and [f for f, _, _ in STEP_FIELDS][-1] == "stamp"
+def test_a_step_record_is_48_bytes_of_its_table() -> None:
+    assert STEP.size == 48 and STEP.format.startswith("<") and [f for f, _, _ in STEP_FIELDS][-1] == "stamp"
 
 
 def test_records_read_back_as_the_stream_held_them(tmp_path: Path) -> None:
@@ -56,10 +56,10 @@ def test_records_read_back_as_the_stream_held_them(tmp_path: Path) -> None:
     stream held before: key order, values, a loss none was read for as None."""
     path = tmp_path / "h-1.steps"
     f = step_file(path)
-    f.put(10.5, 0.0, math.nan, 0, 0, BEGIN)
-    f.put(10.75, 0.0, math.nan, 0, 0, END)
-    f.put(11.0, 0.512345, 2.25, 1, 1, STEP_END)
-    f.put(12.0, 0.5, math.nan, 2, 1, STEP_END)
+    f.put(10.5, 0.0, math.nan, 0.0, 0, 0, BEGIN)
+    f.put(10.75, 0.0, math.nan, 0.0, 0, 0, END)
+    f.put(11.0, 0.512345, 2.25, 0.0, 1, 1, STEP_END)
+    f.put(12.0, 0.5, math.nan, 0.0, 2, 1, STEP_END)
     head = _header(path)
     assert (head["magic"], head["version"], head["record_size"], head["ring"], head["count"]) == (
         STEPS_MAGIC, STEPS_VERSION, STEP.size, 0, 4
@@ -84,7 +84,7 @@ def test_the_file_grows_by_chunks_without_a_ring(tmp_path: Path) -> None:
     assert os.path.getsize(path) == file_size(CHUNK_SLOTS, 0, STEP)
     n = 3 * CHUNK_SLOTS + 5
     for i in range(n):
-        f.put(float(i), 0.0, math.nan, i, 0, BEGIN)
+        f.put(float(i), 0.0, math.nan, 0.0, i, 0, BEGIN)
     assert os.path.getsize(path) == file_size(4 * CHUNK_SLOTS, 0, STEP)
     table = read_steps(path, "rank 0", [])
     assert table.records["step"].tolist() == list(range(n))  # every one kept, in order
@@ -96,7 +96,7 @@ def test_torn_and_cut_records_are_dropped_with_a_warning(tmp_path: Path) -> None
     path = tmp_path / "h-1.steps"
     f = step_file(path)
     for i in range(6):
-        f.put(float(i), 1.0, 1.0, i + 1, 0, STEP_END)
+        f.put(float(i), 1.0, 1.0, 0.0, i + 1, 0, STEP_END)
     f.close()
     data = bytearray(path.read_bytes())
     at = HEADER.size + 2 * STEP.size + offset_of(STEP_FIELDS, "stamp")
@@ -122,7 +122,7 @@ def test_without_a_shared_mapping_the_same_records_by_pwrite(tmp_path: Path, mon
     f = step_file(path)
     assert f.how == "pwrite (No such device)"
     for i in range(CHUNK_SLOTS + 3):
-        f.put(float(i), 0.5, 1.0, i + 1, 0, STEP_END)
+        f.put(float(i), 0.5, 1.0, 0.0, i + 1, 0, STEP_END)
     assert read_steps(path, "rank 0", []).records["step"].tolist() == list(range(1, CHUNK_SLOTS + 4))
 
 
@@ -138,7 +138,7 @@ def test_a_killed_process_leaves_every_step_it_wrote(tmp_path: Path, death: str)
         "from lorascope.rundir.format.callfile import step_file\n"
         f"f = step_file(__import__('pathlib').Path({str(path)!r}))\n"
         f"for i in range({n}):\n"
-        "    f.put(float(i), 0.25, float(i), i + 1, 0, 2)\n"
+        "    f.put(float(i), 0.25, float(i), 0.0, i + 1, 0, 2)\n"
         "print('written', flush=True)\n"
         f"{kill}\n"
     )
@@ -246,7 +246,7 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "h-1.0000.jsonl").write_text(json.dumps({**START, "t": 1.0}) + "\n")
     f = step_file(steps_path(folder / "h-1"))
-    f.put(2.0, 0.5, 1.0, 1, 0, STEP_END)
+    f.put(2.0, 0.5, 1.0, 0.0, 1, 0, STEP_END)
     tail = Tail(tmp_path)
 
     def looked() -> list[Any]:
@@ -256,8 +256,8 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
     [first] = looked()
     assert first["step"].tolist() == [1]
     assert looked() == []
-    f.put(3.0, 0.0, math.nan, 1, 1, BEGIN)
-    f.put(3.5, 0.5, 1.0, 2, 0, STEP_END)
+    f.put(3.0, 0.0, math.nan, 0.0, 1, 1, BEGIN)
+    f.put(3.5, 0.5, 1.0, 0.0, 2, 0, STEP_END)
     [more] = looked()
     assert more["step"].tolist() == [1, 2]
     assert more["kind"].tolist() == [BEGIN, STEP_END]
@@ -274,3 +274,31 @@ def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
         BadInputError, match=r"rank 0: its stream \(.*, its steps and memory files\) is over the 512 MiB limit"
     ):
         load_run(run)
+
+
+def test_the_time_blocked_on_handles_reads_back_per_step_and_phase(tmp_path: Path) -> None:
+    """A record's ``waited`` is the time blocked on async collectives' handles since its step
+    began: the step's end holds the step's, a phase's is its end's less its begin's; a run
+    whose records hold 0.0 (the probes recorded none) has none."""
+    run = tmp_path / "run"
+    record_launch(run, "h-1", ["job"])
+    prefix = stream_prefix(run, 0, "h", 42)
+    stream = Stream(prefix)
+    stream.write({**START, "t": 1.0})
+    steps = Steps(stream, prefix, 1.0)
+    for step in range(3):
+        t, w = 2.0 + step, 0.01 * step  # step 1 waits for none
+        steps.phase(t, "forward", "begin", step, waited=w)
+        steps.phase(t + 0.25, "forward", "end", step, waited=3 * w)
+        steps.phase(t + 0.5, "backward", "begin", step, waited=3 * w)
+        steps.phase(t + 0.75, "backward", "end", step, waited=4 * w)
+        steps.step(t + 0.9, step + 1, 0.9, 1.0, "deepspeed", waited=5 * w)
+    stream.write({"k": "end", "t": 6.0, "status": "exit", "code": 0})
+    stream.close()
+    rank = load_run(run).ranks[0]
+    assert rank.handle_wait == pytest.approx({2: 0.05, 3: 0.10})
+    assert rank.handle_wait_phases == {
+        2: pytest.approx({"forward": 0.02, "backward": 0.01}),
+        3: pytest.approx({"forward": 0.04, "backward": 0.02}),
+    }
+    assert load_run(_run(tmp_path)).ranks[0].handle_wait == {}

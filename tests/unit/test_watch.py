@@ -299,6 +299,33 @@ def test_steps_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
         assert rank.step == (steps[-1] if steps else 0) and rank.phase == phase and rank.last_t == latest
 
 
+def test_a_rank_blocked_on_handles_is_not_the_slower_one() -> None:
+    """Two ranks, every step 0.3 s on both: rank 0 blocked 0.15 s of it on async
+    collectives' handles (the steps file's ``waited``), waiting for rank 1. Its work is
+    the other half, and rank 1 is the slower one; with the waits not recorded (0) the two
+    look alike and nothing is named."""
+
+    def checks(blocked: float) -> list[tuple[str, list[int]]]:
+        live = LiveRun()
+        streams, parts = [], []
+        for n in range(2):
+            stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+            live.take([(stream, b'{"k":"start","t":1.0,"rank":%d,"world_size":2}' % n)])
+            recs = np.zeros(12, STEP_DTYPE)
+            recs["kind"], recs["step"], recs["dur"] = STEP_END, np.arange(1, 13), 0.3
+            recs["t"] = 10.0 + 0.3 * np.arange(1, 13)
+            recs["waited"] = blocked if n == 0 else 0.0
+            streams.append(stream)
+            parts.append(recs)
+        owner = np.repeat(np.arange(2), 12)
+        records = np.concatenate(parts)
+        live.take_steps(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+        return [(c.id, c.ranks) for c in live.checks(now=13.7) if c.id == "slower"]
+
+    assert checks(0.15) == [("slower", [1])]
+    assert checks(0.0) == []
+
+
 def _synthetic(ranks: int, now: float) -> LiveRun:
     live = LiveRun()
     for n in range(ranks):

@@ -97,7 +97,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
-from lorascope.rundir.loading.steps import as_records, backward_edges, read_steps, step_numbers
+from lorascope.rundir.loading.steps import as_records, backward_edges, handle_waits, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -203,6 +203,11 @@ class RankData:
     coll_wait: dict[int, float] = field(default_factory=dict)
     #: The same, of the calls that started outside the step's backward phases.
     coll_wait_outside_backward: dict[int, float] = field(default_factory=dict)
+    #: Per step (the step record's number), the seconds its threads were blocked on async
+    #: collectives' handles (``Work.wait``, ``wait_tensor``: the steps file's ``waited``),
+    #: steps with none left out; and per step and phase name, the part within that phase.
+    handle_wait: dict[int, float] = field(default_factory=dict)
+    handle_wait_phases: dict[int, dict[str, float]] = field(default_factory=dict)
     op_totals: dict[str, tuple[float, int]] = field(default_factory=dict)
     totals: dict[str, Any] = field(default_factory=dict)
     stride: int = 1
@@ -591,6 +596,7 @@ class _Stream:
         if table is not None and len(table):
             records = table.records
             steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
+            data.handle_wait, data.handle_wait_phases = handle_waits(records, self.labels, drop)
             self.keeper.spans.add(backward_edges(records, self.labels))
             data.last_time = max(data.last_time, float(records["t"].max()))
         return steps, phases

@@ -433,6 +433,8 @@ def decimate(data: Any, budget: int, stride: int | None = None) -> int:
     data.coll_wait_outside_backward = {
         k: v for k, v in data.coll_wait_outside_backward.items() if k in kept or k > last
     }
+    data.handle_wait = {k: v for k, v in data.handle_wait.items() if k in kept or k > last}
+    data.handle_wait_phases = {k: v for k, v in data.handle_wait_phases.items() if k in kept or k > last}
     return stride
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorascope.rundir.format.layout import STEP_END, STEP_KINDS
+from lorascope.rundir.format.layout import END, STEP_END, STEP_KINDS
 from lorascope.rundir.loading.calls import STEPS, CallRecords, read_calls
 from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import Rule
@@ -67,14 +67,7 @@ def as_records(
             ended["label"].tolist(), strict=True,
         )
     ]  # fmt: skip
-    edges = table[kinds < STEP_END]
-    if drop is not None:
-        low, high, stride = drop
-        numbers = edges["step"].astype(np.int64)
-        sure = (numbers < high) & (numbers % stride != 0)
-        if low is not None:
-            sure &= numbers > low
-        edges = edges[~sure]
+    edges = _undropped(table[kinds < STEP_END], drop)
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     phases: list[PhaseEdge] = [
         {"name": name(label, UNKNOWN_LABEL), "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
@@ -89,6 +82,18 @@ def as_records(
     return steps, phases
 
 
+def _undropped(edges: np.ndarray, drop: Rule | None) -> np.ndarray:
+    """The phase edges of ``edges`` whose step decimation may keep (all without ``drop``)."""
+    if drop is None:
+        return edges
+    low, high, stride = drop
+    numbers = edges["step"].astype(np.int64)
+    sure = (numbers < high) & (numbers % stride != 0)
+    if low is not None:
+        sure &= numbers > low
+    return edges[~sure]  # type: ignore[no-any-return]
+
+
 def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseEdge]:
     """The ``backward`` phase edges of ``table``, as records with the fields
     :class:`~lorascope.rundir.loading.reduce.BackwardSpans` reads (made one at a time)."""
@@ -97,3 +102,32 @@ def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseE
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     for t, step, kind in zip(at["t"].tolist(), at["step"].tolist(), at["kind"].tolist(), strict=True):
         yield {"name": "backward", "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
+
+
+def handle_waits(
+    table: np.ndarray, labels: dict[int, str], drop: Rule | None = None
+) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """The time blocked on async collectives' handles (the records' ``waited``: since the
+    step began): per step (the step record's number), a step's end record's; per step and
+    phase name, within the phase's spans (each end's less its begin's; with ``drop``, not
+    of the steps decimation is sure to drop). Steps with none left out: all of them where
+    the probes recorded none (0.0 throughout)."""
+    waited = table["waited"]
+    if not len(waited) or not np.any(waited > 0):
+        return {}, {}
+    kinds = table["kind"]
+    ends = table[(kinds == STEP_END) & (waited > 0)]
+    per_step = dict(zip(ends["step"].tolist(), ends["waited"].tolist(), strict=True))
+    edges = _undropped(table[(kinds < STEP_END) & (waited > 0)], drop)
+    name = labels.get
+    phases: dict[int, dict[str, float]] = {}
+    for step, label, kind, w in zip(
+        edges["step"].tolist(), edges["label"].tolist(), edges["kind"].tolist(), edges["waited"].tolist(), strict=True
+    ):
+        within = phases.setdefault(step + 1, {})
+        key = name(label, UNKNOWN_LABEL)
+        within[key] = within.get(key, 0.0) + (w if kind == END else -w)
+    for within in phases.values():
+        for key, w in within.items():
+            within[key] = max(0.0, w)  # a span begun and never ended reads as none
+    return per_step, phases
