@@ -28,12 +28,16 @@ from lorascope.rundir.format.layout import (
     STEP,
     STEP_END,
     STEP_FIELDS,
+    STEP_V1,
+    STEPS_HEAD,
     STEPS_MAGIC,
+    STEPS_RING,
     STEPS_VERSION,
     file_size,
     offset_of,
 )
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.loading.calls import STEP_DTYPE
 from lorascope.rundir.loading.reader import load_run
 from lorascope.rundir.loading.steps import as_records, read_steps
 from lorascope.rundir.loading.tail import Tail
@@ -302,3 +306,24 @@ def test_the_time_blocked_on_handles_reads_back_per_step_and_phase(tmp_path: Pat
         3: pytest.approx({"forward": 0.04, "backward": 0.02}),
     }
     assert load_run(_run(tmp_path)).ranks[0].handle_wait == {}
+
+
+def test_a_steps_file_of_lorascope_0_3_0_reads_without_its_waits(tmp_path: Path) -> None:
+    """A version-1 steps file (no ``waited``: lorascope 0.3.0's) is read, its waits 0.0
+    (not recorded); another version is a one-line warning and no steps."""
+    path = tmp_path / "h-1.steps"
+    f = callfile_module.SlotFile(path, STEPS_HEAD, STEPS_RING, None, STEP_V1, STEPS_MAGIC, 1)
+    f.put(10.5, 0.0, math.nan, 0, 0, BEGIN)
+    f.put(11.0, 0.5, 2.25, 1, 1, STEP_END)
+    f.close()
+    warnings: list[str] = []
+    table = read_steps(path, "rank 0", warnings).records
+    assert not warnings and table.dtype == STEP_DTYPE
+    assert table["t"].tolist() == [10.5, 11.0] and table["loss"].tolist()[1] == 2.25
+    assert table["waited"].tolist() == [0.0, 0.0] and table["kind"].tolist() == [BEGIN, STEP_END]
+    data = bytearray(path.read_bytes())
+    HEADER.pack_into(data, 0, *(9 if name == "version" else v for (name, _, _), v in
+                                zip(HEADER_FIELDS, HEADER.unpack_from(data), strict=True)))  # fmt: skip
+    path.write_bytes(bytes(data))
+    assert len(read_steps(path, "rank 0", warnings).records) == 0
+    assert any("step file version 9; this lorascope reads version 2" in w for w in warnings), warnings

@@ -110,6 +110,10 @@ STEP = _struct(STEP_FIELDS)
 #: The first bytes of a steps file, and its own version.
 STEPS_MAGIC = b"LSSTEPS\0"
 STEPS_VERSION = 2
+#: Version 1 of the steps file (lorascope 0.3.0): the same records without ``waited``;
+#: still read (``waited`` 0.0: not recorded).
+STEP_FIELDS_V1 = tuple(f for f in STEP_FIELDS if f[0] != "waited")
+STEP_V1 = _struct(STEP_FIELDS_V1)
 #: A steps file's slots: every record in the head (no ring; 2**39 records is no bound a
 #: run reaches), so that the call file's slot arithmetic serves it unchanged.
 STEPS_HEAD = 1 << 39

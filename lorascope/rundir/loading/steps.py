@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lorascope.rundir.format.layout import END, STEP_END, STEP_KINDS
-from lorascope.rundir.loading.calls import STEPS, CallRecords, read_calls
+from lorascope.rundir.loading.calls import STEPS, STEPS_V1, CallRecords, file_version, read_calls
 from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import Rule
 
@@ -27,8 +27,16 @@ UNKNOWN_LABEL = "unknown"
 
 def read_steps(path: Path, who: str, warnings: list[str]) -> CallRecords:
     """The records of the steps file at ``path`` kept, in index order (``who``: ``rank R``,
-    for the warnings)."""
-    return read_calls(path, who, warnings, kind=STEPS)
+    for the warnings). A version-1 file (lorascope 0.3.0) reads with ``waited`` 0.0 (not
+    recorded)."""
+    if file_version(path) != STEPS_V1.version:
+        return read_calls(path, who, warnings, kind=STEPS)
+    old = read_calls(path, who, warnings, kind=STEPS_V1)
+    records = np.zeros(len(old.records), STEPS.dtype)
+    for name in STEPS_V1.dtype.names or ():
+        records[name] = old.records[name]
+    old.records = records
+    return old
 
 
 def step_numbers(table: np.ndarray) -> list[int]:
