@@ -3,7 +3,8 @@ whether the output fits one screen (not a test).
 
 Writes a run directory as the probes write it (the real writer; 1,024 ranks on hosts
 node000-node127, 8 each, none of them this host): every rank's start, group, call sites,
-steps and collectives, all of them waiting in the same all_gather except one rank stuck
+steps (their phase edges and memory readings in the steps and memory files) and
+collectives, all of them waiting in the same all_gather except one rank stuck
 in its data loader. Then runs `lorascope hang` while a responder thread stands in for
 the ranks' probe threads: each rank answers the dump request in the run directory at a
 random moment within the probes' one-second look (a ``dump`` record with the request's
@@ -39,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
-from tests.helpers import Calls
+from tests.helpers import Calls, Steps
 
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"
 FORWARD = f"{TRAIN}:88 in forward"
+PHASES = ("forward", "backward", "step")
 STEP_CALLS = (("all_gather_into_tensor", 32768, FORWARD), ("reduce_scatter_tensor", 65536, f"{TRAIN}:120 in step"))
 
 
@@ -88,8 +90,14 @@ class Job:
             for _, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
             calls = Calls(stream, prefix, t)
+            files = Steps(stream, prefix, t)
             seq = 0
             for step in range(1, steps + 1):
+                t += 0.01
+                files.reading({"t": t, "src": "forward.begin", "step": step, "rss": 3 << 30})
+                for phase in PHASES:
+                    files.phase(t, phase, "begin", step)
+                    files.phase(t + 0.005, phase, "end", step)
                 for op, nbytes, site in STEP_CALLS:
                     seq += 1
                     last = step == steps and op == STEP_CALLS[0][0]
@@ -103,10 +111,12 @@ class Job:
                         began, seq, step=step, nbytes=nbytes, end=None if last else t, op=op, dtype="float32", site=site
                     )
                 else:
-                    write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
+                    files.step(t, step, 0.5, 2.0, "deepspeed")
                     continue
                 break
             calls.close()
+            files.file.close()
+            files.mem.close()
             stream.close()
         self.pending_seq = self.last_seq - 1  # the last step's gather
 
