@@ -64,8 +64,22 @@ def _stacks(stuck: bool) -> str:
 class Job:
     """The run directory's ranks: where each is, and what it answers with."""
 
-    def __init__(self, out: Path, ranks: int, hosts: int, steps: int, odd: int) -> None:
+    def __init__(
+        self, out: Path, ranks: int, hosts: int, steps: int, odd: int, flight: tuple[int, int] = (20, 1)
+    ) -> None:
         self.out, self.ranks, self.odd = out, ranks, odd
+        self.flight_entries, flight_frames = flight
+        #: A flight-recorder entry's frames, innermost first: the job's line, then (a deeper
+        #: stack, as DeepSpeed's calls have) library frames out to the script; each entry's
+        #: list holds the same frame objects, as torch's dumps do (a frame is written once).
+        self.frames = [{"name": "forward", "filename": TRAIN, "line": 88}] + [
+            {
+                "name": f"wrapper{i}",
+                "filename": f"/env/lib/python3.11/site-packages/deepspeed/runtime/m{i}.py",
+                "line": i,
+            }
+            for i in range(flight_frames - 1)
+        ]
         self.per_host = max(1, ranks // hosts)
         self.last_seq = steps * len(STEP_CALLS)
         self.prefixes: dict[int, Path] = {}
@@ -134,8 +148,8 @@ class Job:
              "p2p_seq_id": 0, "profiling_name": f"gloo:{'all_gather' if s % 2 else 'reduce_scatter'}",
              "input_sizes": [[8192]], "output_sizes": [[8192 * self.ranks]], "input_dtypes": ["Float"],
              "output_dtypes": ["Float"], "state": "scheduled", "retired": s <= done, "is_p2p": False,
-             "frames": [{"name": "forward", "filename": TRAIN, "line": 88}]}
-            for s in range(max(1, self.pending_seq - 19), self.pending_seq + (0 if odd else 1))
+             "frames": list(self.frames)}
+            for s in range(max(1, self.pending_seq - self.flight_entries + 1), self.pending_seq + (0 if odd else 1))
         ]  # fmt: skip
         flight = {
             "version": "2.10",
@@ -209,6 +223,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--hosts", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--flight-entries",
+        type=int,
+        default=20,
+        help="entries of each flight-recorder dump (torch keeps the last TORCH_FR_BUFFER_SIZE: lorascope run sets 2000;"
+        " the dump holds at most the job's 2 calls a step)",
+    )
+    parser.add_argument("--flight-frames", type=int, default=1, help="frames of each entry (a DeepSpeed call's: ~30)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
     args = parser.parse_args()
     random.seed(0)
@@ -216,7 +238,7 @@ def main() -> None:
     try:
         began = time.time()
         odd = args.ranks // 2 + 5
-        job = Job(out, args.ranks, args.hosts, args.steps, odd)
+        job = Job(out, args.ranks, args.hosts, args.steps, odd, (args.flight_entries, args.flight_frames))
         print(
             f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
         )
