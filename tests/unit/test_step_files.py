@@ -152,68 +152,67 @@ def test_a_killed_process_leaves_every_step_it_wrote(tmp_path: Path, death: str)
     assert table.records["loss"].tolist() == [float(i) for i in range(n)]
 
 
-def _run(tmp_path: Path, in_file: bool, steps_made: int = 6) -> Path:
+def _run(tmp_path: Path, steps_made: int = 6) -> Path:
     """A one-rank run whose phase edges and steps (one a CUDA loss given later, one
-    without a loss) are in its steps file, or (``in_file`` False) stream records as before."""
-    run = tmp_path / (("file" if in_file else "stream") + str(steps_made))
+    without a loss) are in its steps file, a reading after each step in its memory file."""
+    run = tmp_path / f"run{steps_made}"
     record_launch(run, "h-1", ["job"])
     prefix = stream_prefix(run, 0, "h", 42)
     stream = Stream(prefix)
     stream.write({**START, "t": 1.0})
-    steps = Steps(stream, prefix, 1.0) if in_file else None
+    steps = Steps(stream, prefix, 1.0)
     for step in range(steps_made):
         t = 2.0 + step
-        recs: list[dict[str, Any]] = [
-            {"k": "phase", "t": t, "name": "forward", "edge": "begin", "step": step},
-            {"k": "phase", "t": t + 0.25, "name": "forward", "edge": "end", "step": step},
-            {"k": "phase", "t": t + 0.5, "name": "backward", "edge": "begin", "step": step},
-            {"k": "phase", "t": t + 0.75, "name": "backward", "edge": "end", "step": step},
-            {"k": "step", "t": t + 0.9, "step": step + 1, "dur": 0.9, "loss": None if step == 2 else 1.0 / (step + 1),
-             "src": "deepspeed"},
-        ]  # fmt: skip
-        for rec in recs:
-            if steps is not None:
-                steps.record(rec)
-            else:
-                stream.write(rec)
-        stream.write({"k": "mem", "t": t + 0.95, "src": "step", "step": step + 1, "rss": 1000 + step})
+        for name, at in (("forward", 0.0), ("backward", 0.5)):
+            steps.phase(t + at, name, "begin", step)
+            steps.phase(t + at + 0.25, name, "end", step)
+        steps.step(t + 0.9, step + 1, 0.9, None if step == 2 else 1.0 / (step + 1), "deepspeed")
+        steps.reading({"t": t + 0.95, "src": "step", "step": step + 1, "rss": 1000 + step})
     stream.write({"k": "loss", "t": 2.0 + steps_made, "step": 3, "loss": 0.3})
     stream.write({"k": "end", "t": 2.5 + steps_made, "status": "exit", "code": 0})
     stream.close()
     return run
 
 
-def test_a_steps_file_reads_as_the_stream_records_did(tmp_path: Path) -> None:
-    """The reader gives the detectors the same steps and phases from the steps file as
-    from the stream's records (a later ``loss`` record put on its step), and the same
-    per-step sums over them."""
-    from_file, from_stream = load_run(_run(tmp_path, True)).ranks[0], load_run(_run(tmp_path, False)).ranks[0]
-    assert from_file.steps == from_stream.steps and len(from_file.steps) == 6
-    assert from_file.steps[2]["loss"] == 0.3
-    assert from_file.phases == from_stream.phases and len(from_file.phases) == 24
-    assert from_file.totals == from_stream.totals and from_file.last_time == from_stream.last_time
+def test_a_steps_file_is_read_into_steps_and_phases(tmp_path: Path) -> None:
+    """The reader gives the detectors the steps file's steps (a later ``loss`` record put
+    on its step) and phase edges, in order, and the per-step sums over them."""
+    rank = load_run(_run(tmp_path)).ranks[0]
+    assert [(s["step"], s["t"], s["dur"], s["src"]) for s in rank.steps] == [
+        (n + 1, 2.9 + n, 0.9, "deepspeed") for n in range(6)
+    ]
+    assert [s["loss"] for s in rank.steps] == [1.0, 0.5, 0.3, 0.25, 0.2, 1 / 6]
+    assert [(p["name"], p["edge"], p["step"], p["t"]) for p in rank.phases[:4]] == [
+        ("forward", "begin", 0, 2.0), ("forward", "end", 0, 2.25), ("backward", "begin", 0, 2.5),
+        ("backward", "end", 0, 2.75),
+    ]  # fmt: skip
+    assert len(rank.phases) == 24 and [m["rss"] for m in rank.mem] == [1000 + n for n in range(6)]
+    assert rank.totals["steps"] == 6 and rank.totals["mem"] == 6 and rank.totals["step_time_median_s"] == 0.9
+    assert rank.last_time == 8.5
 
 
-def test_a_long_steps_file_is_decimated_as_the_stream_records_were(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past the step budget, the phase records decimation is sure to drop are never made
-    from the steps file (a long run's would not fit), and what is kept is what the
-    stream's records kept: steps, phases, memory readings, the time outside backward."""
+def test_a_long_steps_file_is_decimated_as_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the step budget, the phase edges and readings decimation is sure to drop are
+    never made from the files (a long run's would not fit), and what is kept is what
+    decimating the whole run keeps: steps, phases, memory readings, the time outside
+    backward, the totals."""
     from lorascope.rundir.loading import reader
+    from lorascope.rundir.loading.reduce import decimate
 
+    run = _run(tmp_path, 700)
+    whole = load_run(run).ranks[0]
+    assert whole.stride == 1 and len(whole.phases) == 4 * 700
     monkeypatch.setattr(reader, "steps_per_rank", lambda ranks: 64)
-    from_file = load_run(_run(tmp_path, True, 700)).ranks[0]
-    from_stream = load_run(_run(tmp_path, False, 700)).ranks[0]
-    assert from_file.stride == from_stream.stride > 1
-    assert from_file.steps == from_stream.steps and from_file.phases == from_stream.phases
-    assert len(from_file.phases) < 4 * 100 and from_file.mem == from_stream.mem
-    assert from_file.coll_wait_outside_backward == from_stream.coll_wait_outside_backward
-    assert from_file.totals == from_stream.totals
+    read = load_run(run).ranks[0]
+    assert read.stride == decimate(whole, 64) > 1
+    assert read.steps == whole.steps and read.phases == whole.phases and read.mem == whole.mem
+    assert len(read.phases) < 4 * 100
+    assert read.coll_wait_outside_backward == whole.coll_wait_outside_backward
+    assert read.totals == whole.totals
 
 
 def test_a_label_declared_again_with_another_text_is_a_corrupt_stream(tmp_path: Path) -> None:
-    run = _run(tmp_path, True)
+    run = _run(tmp_path)
     [path] = (run / "ranks" / "rank-0").glob("*.jsonl")
     with open(path, "a") as f:
         f.write(json.dumps({"k": "label", "t": 9.9, "id": 0, "text": "eval"}) + "\n")
@@ -222,7 +221,7 @@ def test_a_label_declared_again_with_another_text_is_a_corrupt_stream(tmp_path: 
 
 
 def test_records_naming_no_label_read_as_unknown_with_a_warning(tmp_path: Path) -> None:
-    run = _run(tmp_path, True)
+    run = _run(tmp_path)
     [path] = (run / "ranks" / "rank-0").glob("*.jsonl")
     path.write_text("".join(line for line in path.read_text().splitlines(True) if '"k":"label"' not in line))
     loaded = load_run(run)
@@ -267,7 +266,7 @@ def test_watch_follows_the_steps_file_by_index(tmp_path: Path) -> None:
 def test_a_steps_file_counts_in_the_streams_limit(tmp_path: Path) -> None:
     """What a process's steps were before they left its stream still counts against
     ``--max-stream-size``: a steps file that takes it past is refused in one line."""
-    run = _run(tmp_path, True)
+    run = _run(tmp_path)
     [path] = (run / "ranks" / "rank-0").glob("*.steps")
     with open(path, "ab") as f:
         f.truncate(600 << 20)  # sparse

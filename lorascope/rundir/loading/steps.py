@@ -40,7 +40,7 @@ def as_records(
     table: np.ndarray, labels: dict[int, str], who: str, warnings: list[str], drop: Rule | None = None
 ) -> tuple[list[StepRecord], list[PhaseEdge]]:
     """The ``step`` records and the ``phase`` records of ``table`` (the steps file's
-    records, in index order), each kind in order, as the stream held them before:
+    records, in index order), each kind in order, as RankData keeps them:
     ``{"step", "dur", "loss", "src", "k", "t"}`` (loss None where none was read) and
     ``{"name", "edge", "step", "k", "t"}``; with ``drop``, no phase record whose step
     decimation is sure to drop (:func:`~lorascope.rundir.loading.reduce.sure_dropped`):
