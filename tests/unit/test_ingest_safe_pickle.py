@@ -170,3 +170,11 @@ def test_a_refusal_names_the_import_on_one_printable_line(data: bytes) -> None:
         loads_pickle(data)
     message = str(raised.value)
     assert "asks to import os" in message and message.isprintable(), repr(message)
+
+
+@pytest.mark.parametrize("put", [b"r" + (10**8).to_bytes(4, "little"), b"p100000000\n"])
+def test_a_memo_slot_past_the_file_is_refused_before_the_memo_grows(put: bytes) -> None:
+    """A 10-byte pickle that puts to slot 100,000,000 (pickle's own C unpickler allocates
+    a 1.5 GB memo for it, which is why it is not used for untrusted dumps): refused."""
+    with pytest.raises(PickleFormatError, match="memo index 100000000 out of range"):
+        loads_pickle(b"\x80\x02N" + put + b".")
