@@ -3,7 +3,8 @@ whether the output fits one screen (not a test).
 
 Writes a run directory as the probes write it (the real writer; 1,024 ranks on hosts
 node000-node127, 8 each, none of them this host): every rank's start, group, call sites,
-steps and collectives, all of them waiting in the same all_gather except one rank stuck
+steps (their phase edges and memory readings in the steps and memory files) and
+collectives, all of them waiting in the same all_gather except one rank stuck
 in its data loader. Then runs `lorascope hang` while a responder thread stands in for
 the ranks' probe threads: each rank answers the dump request in the run directory at a
 random moment within the probes' one-second look (a ``dump`` record with the request's
@@ -44,6 +45,7 @@ from tests.helpers import Calls, Steps
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"
 FORWARD = f"{TRAIN}:88 in forward"
+PHASES = ("forward", "backward", "step")
 STEP_CALLS = (("all_gather_into_tensor", 32768, FORWARD), ("reduce_scatter_tensor", 65536, f"{TRAIN}:120 in step"))
 
 
@@ -62,8 +64,22 @@ def _stacks(stuck: bool) -> str:
 class Job:
     """The run directory's ranks: where each is, and what it answers with."""
 
-    def __init__(self, out: Path, ranks: int, hosts: int, steps: int, odd: int) -> None:
+    def __init__(
+        self, out: Path, ranks: int, hosts: int, steps: int, odd: int, flight: tuple[int, int] = (20, 1)
+    ) -> None:
         self.out, self.ranks, self.odd = out, ranks, odd
+        self.flight_entries, flight_frames = flight
+        #: A flight-recorder entry's frames, innermost first: the job's line, then (a deeper
+        #: stack, as DeepSpeed's calls have) library frames out to the script; each entry's
+        #: list holds the same frame objects, as torch's dumps do (a frame is written once).
+        self.frames = [{"name": "forward", "filename": TRAIN, "line": 88}] + [
+            {
+                "name": f"wrapper{i}",
+                "filename": f"/env/lib/python3.11/site-packages/deepspeed/runtime/m{i}.py",
+                "line": i,
+            }
+            for i in range(flight_frames - 1)
+        ]
         self.per_host = max(1, ranks // hosts)
         self.last_seq = steps * len(STEP_CALLS)
         self.prefixes: dict[int, Path] = {}
@@ -87,9 +103,15 @@ class Job:
             write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
             for _, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
-            calls, files = Calls(stream, prefix, t), Steps(stream, prefix, t)
+            calls = Calls(stream, prefix, t)
+            files = Steps(stream, prefix, t)
             seq = 0
             for step in range(1, steps + 1):
+                t += 0.01
+                files.reading({"t": t, "src": "forward.begin", "step": step, "rss": 3 << 30})
+                for phase in PHASES:
+                    files.phase(t, phase, "begin", step)
+                    files.phase(t + 0.005, phase, "end", step)
                 for op, nbytes, site in STEP_CALLS:
                     seq += 1
                     last = step == steps and op == STEP_CALLS[0][0]
@@ -103,7 +125,6 @@ class Job:
                         began, seq, step=step, nbytes=nbytes, end=None if last else t, op=op, dtype="float32", site=site
                     )
                 else:
-                    t += 0.01
                     files.step(t, step, 0.5, 2.0, "deepspeed")
                     continue
                 break
@@ -127,8 +148,8 @@ class Job:
              "p2p_seq_id": 0, "profiling_name": f"gloo:{'all_gather' if s % 2 else 'reduce_scatter'}",
              "input_sizes": [[8192]], "output_sizes": [[8192 * self.ranks]], "input_dtypes": ["Float"],
              "output_dtypes": ["Float"], "state": "scheduled", "retired": s <= done, "is_p2p": False,
-             "frames": [{"name": "forward", "filename": TRAIN, "line": 88}]}
-            for s in range(max(1, self.pending_seq - 19), self.pending_seq + (0 if odd else 1))
+             "frames": list(self.frames)}
+            for s in range(max(1, self.pending_seq - self.flight_entries + 1), self.pending_seq + (0 if odd else 1))
         ]  # fmt: skip
         flight = {
             "version": "2.10",
@@ -202,6 +223,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--hosts", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--flight-entries",
+        type=int,
+        default=20,
+        help="entries of each flight-recorder dump (torch keeps the last TORCH_FR_BUFFER_SIZE: lorascope run sets 2000;"
+        " the dump holds at most the job's 2 calls a step)",
+    )
+    parser.add_argument("--flight-frames", type=int, default=1, help="frames of each entry (a DeepSpeed call's: ~30)")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
     args = parser.parse_args()
     random.seed(0)
@@ -209,7 +238,7 @@ def main() -> None:
     try:
         began = time.time()
         odd = args.ranks // 2 + 5
-        job = Job(out, args.ranks, args.hosts, args.steps, odd)
+        job = Job(out, args.ranks, args.hosts, args.steps, odd, (args.flight_entries, args.flight_frames))
         print(
             f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
         )

@@ -149,22 +149,22 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     ends = stream_ends(run_dir, waited)
     asked, notes = request_dumps(run_dir, targets, waited)
     waited = [t for t in waited if t.alive]  # a local one gone since
-    flights = EarlyFlights()
-    with connect(cluster) as on:
-        run, silent = wait_for_dumps(
-            run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
-        )
-    analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
-    by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
-    mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
-    notes += _target_notes(mine)
-    quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
-    notes += silent_notes(quiet_ranks, wait_s)
-    flight = {
-        n: found
-        for n, r in run.ranks.items()
-        if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
-    }
+    with EarlyFlights() as flights:  # its workers (reading large dumps) end with it
+        with connect(cluster) as on:
+            run, silent = wait_for_dumps(
+                run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
+            )
+        analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
+        by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
+        mine = sorted((replace(t, rank=analysed[key]) for key, t in by_process.items()), key=lambda t: t.rank)
+        notes += _target_notes(mine)
+        quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
+        notes += silent_notes(quiet_ranks, wait_s)
+        flight = {
+            n: found
+            for n, r in run.ranks.items()
+            if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
+        }
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)

@@ -13,6 +13,7 @@ optimizer state even though the step was called from the training loop).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -107,8 +108,11 @@ def is_user_frame(frame: Mapping[str, Any]) -> bool:
     return is_python_frame(frame) and not _NOT_USER_FILE.search(str(frame.get("filename", "")))
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def short_path(filename: str) -> str:
-    """A path without the interpreter's site-packages prefix (``transformers/models/...``)."""
+    """A path without the interpreter's site-packages prefix (``transformers/models/...``);
+    remembered: a flight-recorder dump names the same few files in every frame of its
+    thousands (a regular expression a frame was most of its reading)."""
     return _SITE_PACKAGES.sub("", filename)
 
 

@@ -455,6 +455,19 @@ def _run(src: _Source) -> Any:
             pos += 4
         elif op == 0x94:  # MEMOIZE
             memo_append(stack[-1])
+        elif op == 0x71:  # BINPUT; the next slot (as picklers number them, torch's included) appended
+            if buf[pos] == len(memo):
+                memo_append(stack[-1])
+            else:
+                _memo_put(memo, buf[pos], stack[-1], shared)
+            pos += 1
+        elif op == 0x72:  # LONG_BINPUT
+            idx = from_bytes(buf[pos : pos + 4], "little")
+            if idx == len(memo):
+                memo_append(stack[-1])
+            else:
+                _memo_put(memo, idx, stack[-1], shared)
+            pos += 4
         elif op == 0x28:  # MARK
             marks_append(len(stack))
         elif op == 0x7D:  # EMPTY_DICT, with the flat-dict fast path
@@ -516,18 +529,27 @@ def _run(src: _Source) -> Any:
                     strings[raw] = s
             push(s)
             pos += 1 + n
+        elif op == 0x58:  # BINUNICODE (torch's strings), sliced from the buffer when it holds it all
+            n = from_bytes(buf[pos : pos + 4], "little")
+            if pos + 4 + n <= len(buf):
+                raw = buf[pos + 4 : pos + 4 + n]
+                pos += 4 + n
+            else:
+                raw, buf, pos = src.take(buf, pos + 4, n)
+                refill_at = _refill_at(buf, src)
+            push(raw.decode("utf-8", "surrogatepass"))
         elif op == 0x65:  # APPENDS
             items = _pop_mark(stack, marks)
             target = stack[-1]
             if type(target) is not list:
                 raise PickleFormatError("the pickle is corrupt (APPENDS on something that is not a list)")
             target.extend(items)
-        elif op == 0x71:  # BINPUT
-            _memo_put(memo, buf[pos], stack[-1], shared)
-            pos += 1
-        elif op == 0x72:  # LONG_BINPUT
-            _memo_put(memo, from_bytes(buf[pos : pos + 4], "little"), stack[-1], shared)
-            pos += 4
+        elif op == 0x61:  # APPEND
+            value = stack.pop()
+            target = stack[-1]
+            if type(target) is not list:
+                raise PickleFormatError("the pickle is corrupt (APPEND on something that is not a list)")
+            target.append(value)
         elif op == 0x95:  # FRAME: a length hint only
             pos += 8
         elif op == 0x73:  # SETITEM
@@ -537,12 +559,6 @@ def _run(src: _Source) -> Any:
             if type(target) is not dict:
                 raise PickleFormatError("the pickle is corrupt (SETITEM on something that is not a dict)")
             target[key] = value
-        elif op == 0x61:  # APPEND
-            value = stack.pop()
-            target = stack[-1]
-            if type(target) is not list:
-                raise PickleFormatError("the pickle is corrupt (APPEND on something that is not a list)")
-            target.append(value)
         elif op == 0x4E:  # NONE
             push(None)
         elif op == 0x88:  # NEWTRUE
@@ -565,10 +581,6 @@ def _run(src: _Source) -> Any:
         elif op == 0x47:  # BINFLOAT
             push(struct.unpack(">d", buf[pos : pos + 8])[0])
             pos += 8
-        elif op == 0x58:  # BINUNICODE
-            raw, buf, pos = src.take(buf, pos + 4, from_bytes(buf[pos : pos + 4], "little"))
-            push(raw.decode("utf-8", "surrogatepass"))
-            refill_at = _refill_at(buf, src)
         elif op == 0x8D:  # BINUNICODE8
             raw, buf, pos = src.take(buf, pos + 8, from_bytes(buf[pos : pos + 8], "little"))
             push(raw.decode("utf-8", "surrogatepass"))

@@ -200,3 +200,16 @@ def test_rooted_calls_compare_the_side_every_rank_holds() -> None:
     assert _call("all_gather", [[1]], [[2, 1]], ["Long"], ["Long"]).signature() != (
         _call("all_gather", [[1]], [], ["Long"], []).signature()
     )
+
+
+def test_an_entry_keeps_its_first_twelve_python_frames_innermost_first() -> None:
+    """A DeepSpeed call's entry holds ~30 frames, native ones among them: the first 12
+    Python frames are kept, as labels, site-packages cut off; the rest are not read."""
+    site = "/env/lib/python3.11/site-packages/"
+    frames: list[Any] = [{"name": "c10d::barrier", "filename": "libtorch.so", "line": 0}]  # native: skipped
+    frames += [{"name": f"f{i}", "filename": f"{site}deepspeed/m{i}.py", "line": i} for i in range(11)]
+    frames += [{"name": "<module>", "filename": "/job/train.py", "line": 9}, "not a frame"]
+    frames += [{"name": "late", "filename": "/job/late.py", "line": 1}, {"filename": ["no", "label"]}]
+    entry = {"collective_seq_id": 1, "profiling_name": "gloo:barrier", "process_group": ["0", ""], "frames": frames}
+    (read,) = parse_flight_dump({"entries": [entry]}, Path("rank-0.pickle"), 0).entries
+    assert read.frames == [f"deepspeed/m{i}.py:{i} in f{i}" for i in range(11)] + ["/job/train.py:9 in <module>"]

@@ -134,18 +134,28 @@ def test_broken_pickles_raise_one_clear_error(data: bytes, message: str) -> None
         loads_pickle(data)
 
 
-def test_values_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("protocol", [2, 4])  # 2: torch's flight-recorder dumps (BINPUT, BINUNICODE)
+def test_values_across_chunk_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, protocol: int) -> None:
     monkeypatch.setattr(safe_pickle, "_CHUNK", 4096)
     monkeypatch.setattr(safe_pickle, "_LOW_WATER", 512)
-    obj = {
+    obj: dict[str, Any] = {
         "long": "z" * 10_000,
-        "bytes": b"b" * 9000,
         "list": [[SHARED, SHARED] for _ in range(500)],
         "entries": [{"addr": i * 512, "size": i, "name": f"n{i % 7}"} for i in range(2000)],
     }
+    if protocol >= 3:  # bytes as data (protocol 2 writes them as a call of _codecs.encode)
+        obj["bytes"] = b"b" * 9000
     path = tmp_path / "big.pickle"
-    path.write_bytes(pickle.dumps(obj, protocol=4))
+    path.write_bytes(pickle.dumps(obj, protocol=protocol))
     assert _norm(load_pickle(path)) == _norm(obj)
+
+
+def test_memo_slots_out_of_order_read_as_pickle_builds_them() -> None:
+    """BINPUT to a slot ahead of the memo, to an earlier one, and over a used one (picklers
+    number slots in order; a forged pickle need not): what pickle.loads builds."""
+    data = b"\x80\x02]q\x02(X\x01\x00\x00\x00aq\x00h\x00K\x07q\x02h\x02r\x05\x00\x00\x00h\x05e."
+    assert pickle.loads(data) == ["a", "a", 7, 7, 7]
+    assert loads_pickle(data) == ["a", "a", 7, 7, 7]
 
 
 @pytest.mark.parametrize(
@@ -160,3 +170,11 @@ def test_a_refusal_names_the_import_on_one_printable_line(data: bytes) -> None:
         loads_pickle(data)
     message = str(raised.value)
     assert "asks to import os" in message and message.isprintable(), repr(message)
+
+
+@pytest.mark.parametrize("put", [b"r" + (10**8).to_bytes(4, "little"), b"p100000000\n"])
+def test_a_memo_slot_past_the_file_is_refused_before_the_memo_grows(put: bytes) -> None:
+    """A 10-byte pickle that puts to slot 100,000,000 (pickle's own C unpickler allocates
+    a 1.5 GB memo for it, which is why it is not used for untrusted dumps): refused."""
+    with pytest.raises(PickleFormatError, match="memo index 100000000 out of range"):
+        loads_pickle(b"\x80\x02N" + put + b".")

@@ -227,9 +227,16 @@ def _reconcile_group_names(
 
 
 def _frames(raw: Any) -> list[str]:
-    if not isinstance(raw, (list, tuple)):
-        return []
-    return [frame_label(f) for f in raw if isinstance(f, Mapping) and is_python_frame(f)][:MAX_FRAMES]
+    """The first MAX_FRAMES Python frames' labels (the frames past them are not looked at:
+    a DeepSpeed call's entry holds ~30)."""
+    out: list[str] = []
+    if isinstance(raw, (list, tuple)):
+        for f in raw:
+            if isinstance(f, Mapping) and is_python_frame(f):
+                out.append(frame_label(f))
+                if len(out) == MAX_FRAMES:
+                    break
+    return out
 
 
 def _strings(raw: Any) -> list[str]:
