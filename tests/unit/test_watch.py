@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
 from lorascope.rundir.format.callfile import CallFile, step_file
-from lorascope.rundir.format.layout import BEGIN, CALL, STEP_END
+from lorascope.rundir.format.layout import BEGIN, CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
 from lorascope.rundir.loading.mem import read_mem
@@ -116,6 +117,124 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
     assert lines[-1] == b'{"n":99}' and all(json.loads(line) for line in lines)  # the cut line left out
     assert json.loads(lines[2])["n"] > 80
+
+
+def _steps_looked(tail: Tail) -> list[int]:
+    list(tail.look())
+    return [step for got in tail.look_steps() for step in got.records["step"].tolist()]
+
+
+def test_tail_keeps_a_growing_slot_file_open_and_opens_a_quiet_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steps file that grew stays open for the next look (one ``pread`` of its header's
+    count, one of the new records: no open); one that did not grow is not read again but
+    closed, and opened again at the next look, which sees a record written late."""
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    written = step_file(tmp_path / "ranks" / "rank-0" / "h-1.steps")
+    opened: list[str] = []
+    real_open = tail_module.os.open
+
+    def counted(path: str | Path, *args: int) -> int:
+        opened.append(Path(path).name)
+        return real_open(path, *args)
+
+    monkeypatch.setattr(tail_module.os, "open", counted)
+    tail = Tail(tmp_path)
+    assert _steps_looked(tail) == []  # no record yet
+    followed = tail.streams[(0, "h-1")].steps
+    assert followed is not None and followed.fd is None
+    for step in (1, 2):
+        written.put(10.0 + step, 1.0, 0.5, step, 0, STEP_END)
+    opened.clear()
+    assert _steps_looked(tail) == [1, 2] and opened.count("h-1.steps") == 1 and followed.fd is not None
+    written.put(13.0, 1.0, 0.5, 3, 0, STEP_END)
+    read = tail.bytes_read
+    opened.clear()
+    assert _steps_looked(tail) == [3] and opened.count("h-1.steps") == 0  # read through the open file
+    assert tail.bytes_read - read == STEP.size  # the new record only
+    read = tail.bytes_read
+    assert _steps_looked(tail) == [] and tail.bytes_read == read and followed.fd is None  # quiet: closed
+    written.put(14.0, 1.0, 0.5, 4, 0, STEP_END)  # late
+    opened.clear()
+    assert _steps_looked(tail) == [4] and opened.count("h-1.steps") == 1  # opened again, and seen
+    tail.close()
+    assert followed.fd is None and tail._open == 0
+    written.close()
+
+
+def test_tail_keeps_no_more_files_open_than_its_budget_and_reads_them_all(tmp_path: Path) -> None:
+    files = []
+    for rank in range(4):
+        _stream(tmp_path, rank).write_bytes(b'{"a":1}\n')
+        files.append(step_file(tmp_path / "ranks" / f"rank-{rank}" / "h-1.steps"))
+    tail = Tail(tmp_path, max_open=2)
+    for step in (1, 2, 3):
+        for rank, f in enumerate(files):
+            f.put(10.0 + step, 1.0, 0.5, 10 * rank + step, 0, STEP_END)
+        assert sorted(_steps_looked(tail)) == [10 * rank + step for rank in range(4)]
+        assert tail._open == sum(s.steps is not None and s.steps.fd is not None for s in tail.streams.values()) == 2
+    tail.close()
+
+
+def test_tail_reads_a_slot_file_made_anew_or_cut_as_far_as_it_goes(tmp_path: Path) -> None:
+    """A steps file replaced by a new one (its count lower than read) is read from its
+    start, whether the old one was held open or not; a header cut short reads as nothing
+    yet, then as the file once it is whole."""
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    path = tmp_path / "ranks" / "rank-0" / "h-1.steps"
+    old = step_file(path)
+    for step in range(1, 6):
+        old.put(10.0 + step, 1.0, 0.5, step, 0, STEP_END)
+    tail = Tail(tmp_path)
+    assert _steps_looked(tail) == [1, 2, 3, 4, 5]
+    old.put(16.0, 1.0, 0.5, 6, 0, STEP_END)
+    assert _steps_looked(tail) == [6]  # held open now
+    old.close()
+    path.unlink()
+    new = step_file(path)
+    for step in (1, 2):
+        new.put(20.0 + step, 1.0, 0.5, 100 + step, 0, STEP_END)
+    assert _steps_looked(tail) == []  # the open file is the old one: it did not grow, closed
+    assert _steps_looked(tail) == [101, 102]  # opened again: the new file, from its start
+    new.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:20])  # cut inside its header
+    assert _steps_looked(tail) == []
+    path.write_bytes(data)
+    assert _steps_looked(tail) == []  # whole again, its count as read: nothing new
+    with open(path, "r+b") as f:  # a third record, written as the writer would
+        rec = bytearray(data[HEADER.size + STEP.size : HEADER.size + 2 * STEP.size])
+        f.seek(HEADER.size + 2 * STEP.size)
+        f.write(STEP.pack(*STEP.unpack(bytes(rec))[:3], 103, *STEP.unpack(bytes(rec))[4:-1], 3))
+        f.seek(COUNT_OFFSET)
+        f.write((3).to_bytes(8, "little"))
+    assert _steps_looked(tail) == [103]
+    tail.close()
+
+
+def test_a_rank_folder_is_listed_again_only_when_it_changed(tmp_path: Path) -> None:
+    """At a rescan a rank folder whose modification time did not change is not listed
+    (a segment made there without changing it waits for the full listing every
+    FULL_RESCAN_S); one that changed is, and once more at the rescan after."""
+    clock = Clock()
+    first = _stream(tmp_path, 0)
+    first.write_bytes(b'{"a":1}\n')
+    folder = first.parent
+    tail = Tail(tmp_path, clock=clock)
+    assert _lines(tail) == {(0, "h-1"): [b'{"a":1}']}
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {}  # listed again: it was new at the rescan before
+    stamp = folder.stat().st_mtime_ns
+    _stream(tmp_path, 0, "h-1.0001.jsonl").write_bytes(b'{"b":2}\n')
+    os.utime(folder, ns=(stamp, stamp))  # as if nothing was made in it
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {}  # not listed
+    clock.now += tail_module.FULL_RESCAN_S
+    assert _lines(tail) == {(0, "h-1"): [b'{"b":2}']}  # the full listing finds it
+    _stream(tmp_path, 0, "h-2.0000.jsonl").write_bytes(b'{"c":3}\n')
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {(0, "h-2"): [b'{"c":3}']}  # the folder changed: listed
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:

@@ -30,6 +30,7 @@ step's calls or so, and per-process array operations would cost more than the re
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,12 +38,18 @@ from pathlib import Path
 
 import numpy as np
 
+from lorascope.errors import BadInputError
+from lorascope.rundir.format.layout import COUNT_OFFSET, HEADER
 from lorascope.rundir.format.safe_open import leaves
 from lorascope.rundir.format.schema import CALLS_SUFFIX, MEM_SUFFIX, RANKS_DIR, STEPS_SUFFIX, STREAM_SUFFIX
-from lorascope.rundir.loading.calls import CALLS, MEMORY, STEPS, FileKind, Run, decode, read_since
+from lorascope.rundir.loading.calls import CALLS, MEMORY, STEPS, FileKind, Run, decode, read_header, read_runs
 
 #: Seconds between listings of the rank folders (new ranks, processes, segments).
 RESCAN_S = 2.0
+#: A rank folder is listed at a rescan only when its modification time changed since the
+#: rescan before (or at the one before that: a file made in the same clock tick as the
+#: change seen), and at least every FULL_RESCAN_S (a filesystem that keeps no folder times).
+FULL_RESCAN_S = 30.0
 #: A stream longer than this when first seen is followed from its last START_TAIL_BYTES
 #: (~35 steps of the probes/ job), after the whole lines of its first HEAD_BYTES (its
 #: start record, its first groups and call shapes).
@@ -58,23 +65,35 @@ MAX_PENDING_CALLS = 256
 START_STEPS = 1024
 #: Bytes of records decoded in one batch, of as many processes as they come from.
 BATCH_BYTES = 3 << 20
+#: File descriptors left to the rest of the process (the verdict's analysis, the terminal)
+#: when slot files are kept open between looks.
+SPARE_FDS = 256
+
+
+def open_budget() -> int:
+    """Slot files a :class:`Tail` may keep open: the process's limit on open files less
+    :data:`SPARE_FDS`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(0, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - SPARE_FDS)
 
 
 @dataclass
-class FollowedCalls:
-    """A rank process's call file: the count read up to, and the calls pending then."""
+class FollowedSlots:
+    """A rank process's slot file (its call file, steps file or memory file): the count
+    read up to, the calls pending then (a call file's), and the file kept open while it
+    grows."""
 
     path: Path
+    #: Records read up to (-1: none yet; the first look reads the newest only).
     count: int = -1
     pending: list[int] = field(default_factory=list)
-
-
-@dataclass
-class FollowedSteps:
-    """A rank process's steps file (or memory file): the count read up to."""
-
-    path: Path
-    count: int = 0
+    #: The file, open since a look that found it grown (None: closed; opened at the next look).
+    fd: int | None = field(default=None, repr=False)
+    #: Its header's bytes before the count, as checked (magic, version, record size, head,
+    #: ring), and its head and ring: a header that still reads the same is not checked again.
+    layout: bytes = field(default=b"", repr=False)
+    head: int = 0
+    ring: int = 0
 
 
 @dataclass
@@ -93,11 +112,11 @@ class Followed:
     #: The segment's size at the last look (a look reads only a file that grew).
     size: int = field(default=-1, repr=False)
     #: Its call file, beside the stream (read once it is there).
-    calls: FollowedCalls | None = None
+    calls: FollowedSlots | None = None
     #: Its steps file, beside the stream (read once it is there).
-    steps: FollowedSteps | None = None
+    steps: FollowedSlots | None = None
     #: Its memory file, beside the stream (read once it is there).
-    mem: FollowedSteps | None = None
+    mem: FollowedSlots | None = None
 
 
 #: What a look yields of one process: its stream's new whole lines (without the last
@@ -147,12 +166,18 @@ def _stream_name(name: str) -> tuple[str, int] | None:
 class Tail:
     """The appended lines of every rank stream under ``run_dir``, look by look."""
 
-    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, run_dir: Path, clock: Callable[[], float] = time.monotonic, max_open: int | None = None) -> None:
         self.run_dir = run_dir
         self.clock = clock
+        #: Slot files kept open between looks, at most (default: :func:`open_budget`).
+        self.max_open = open_budget() if max_open is None else max_open
+        self._open = 0
         #: (rank, process) -> the stream followed.
         self.streams: dict[tuple[int, str], Followed] = {}
-        self._scanned = -float("inf")
+        self._scanned = self._scanned_all = -float("inf")
+        #: Rank folder name -> (its modification time at the last rescan, whether it had
+        #: changed then: it is listed again at the next rescan either way).
+        self._folders: dict[str, tuple[int, bool]] = {}
         #: Bytes read so far, all looks (for the benchmark and the footer).
         self.bytes_read = 0
 
@@ -164,10 +189,22 @@ class Tail:
             rank_dirs = list(os.scandir(self.run_dir / RANKS_DIR))
         except OSError:
             return finished
+        now = self.clock()
+        every = now - self._scanned_all >= FULL_RESCAN_S
+        if every:
+            self._scanned_all = now
         for entry in rank_dirs:
             rank = _rank_of(entry.name)
             if rank is None or not entry.is_dir(follow_symlinks=False):
                 continue
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            seen = self._folders.get(entry.name)
+            self._folders[entry.name] = (mtime, seen is None or seen[0] != mtime)
+            if seen is not None and seen[0] == mtime and not seen[1] and not every:
+                continue  # nothing made or removed in it since it was listed
             newest: dict[str, tuple[int, str]] = {}
             try:
                 files = list(os.scandir(entry.path))
@@ -184,9 +221,9 @@ class Tail:
                 if leaves(self.run_dir, Path(path)):
                     continue
                 if known is None:
-                    calls = FollowedCalls(Path(entry.path) / (proc + CALLS_SUFFIX))
-                    steps = FollowedSteps(Path(entry.path) / (proc + STEPS_SUFFIX))
-                    mem = FollowedSteps(Path(entry.path) / (proc + MEM_SUFFIX))
+                    calls = FollowedSlots(Path(entry.path) / (proc + CALLS_SUFFIX))
+                    steps = FollowedSlots(Path(entry.path) / (proc + STEPS_SUFFIX))
+                    mem = FollowedSlots(Path(entry.path) / (proc + MEM_SUFFIX))
                     self.streams[(rank, proc)] = Followed(
                         rank, proc, index, Path(path), calls=calls, steps=steps, mem=mem
                     )
@@ -249,40 +286,60 @@ class Tail:
             return b""
         return head[: head.rfind(b"\n") + 1]
 
-    def _read_calls(self, stream: Followed) -> list[Run] | None:
-        """The call file's records begun since the last look and its pending calls again,
-        as read (None: nothing new, and none pending)."""
-        followed = stream.calls
+    def _read_slots(self, followed: FollowedSlots | None, kind: FileKind, most: int) -> list[Run] | None:
+        """The slot file's records written since the last look and its pending calls again,
+        as read (None: none of either). The header's count is read with one ``pread``, and
+        the new records with one more (the common look): a file that grew since the last
+        look stays open for the next (up to :attr:`Tail.max_open` files); one that did not
+        is closed, and opened again at the next look (on a network filesystem, opening it
+        is what makes the client ask the server for its newest state)."""
         if followed is None:
             return None
-        first = followed.count < 0
-        got = read_since(followed.path, max(followed.count, 0), followed.pending, START_CALLS if first else None)
-        if got is None:
+        fd, grew = followed.fd, False
+        if fd is None:
+            try:
+                fd = os.open(followed.path, os.O_RDONLY)
+            except OSError:
+                return None
+        try:
+            header = os.pread(fd, HEADER.size, 0)
+            if header[:COUNT_OFFSET] != followed.layout or len(header) < HEADER.size:  # first read, or made anew
+                try:
+                    followed.head, followed.ring, count = read_header(header, str(followed.path), kind)
+                except BadInputError:
+                    return None
+                if followed.layout:
+                    followed.count, followed.pending = -1, []
+                followed.layout = header[:COUNT_OFFSET]
+            else:
+                count = int.from_bytes(header[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
+            if count < followed.count:  # the count went back: made anew, read it as new
+                followed.count, followed.pending = -1, []
+            if count == followed.count and not followed.pending:
+                return None
+            since = followed.count
+            runs = read_runs(fd, followed.head, followed.ring, count, max(since, 0), followed.pending,
+                             most if since < 0 else None, kind.record.size)  # fmt: skip
+            grew, followed.count = count > max(since, 0), count
+            return runs
+        except OSError:
             return None
-        count, runs = got
-        if count == followed.count and not followed.pending:
-            return None
-        followed.count = count
-        return runs
+        finally:
+            if grew and (followed.fd is not None or self._open < self.max_open):
+                if followed.fd is None:
+                    followed.fd, self._open = fd, self._open + 1
+            else:
+                if followed.fd is not None:
+                    followed.fd, self._open = None, self._open - 1
+                os.close(fd)
 
-    def _read_steps(self, stream: Followed) -> list[Run] | None:
-        """The steps file's records written since the last look, as read (None: none)."""
-        return self._read_since(stream.steps, STEPS)
-
-    def _read_mem(self, stream: Followed) -> list[Run] | None:
-        """The memory file's readings written since the last look, as read (None: none)."""
-        return self._read_since(stream.mem, MEMORY)
-
-    @staticmethod
-    def _read_since(followed: FollowedSteps | None, kind: FileKind) -> list[Run] | None:
-        if followed is None:
-            return None
-        first = followed.count == 0
-        got = read_since(followed.path, followed.count, [], START_STEPS if first else None, kind)
-        if got is None or got[0] == followed.count:
-            return None
-        followed.count, runs = got
-        return runs
+    def close(self) -> None:
+        """Close the slot files kept open (a later look opens them again)."""
+        for stream in self.streams.values():
+            for followed in (stream.calls, stream.steps, stream.mem):
+                if followed is not None and followed.fd is not None:
+                    os.close(followed.fd)
+                    followed.fd, self._open = None, self._open - 1
 
     def look(self) -> Iterator[Looked]:
         """Every stream's whole lines appended since the last look, oldest first per
@@ -301,19 +358,19 @@ class Tail:
     def look_steps(self) -> Iterator[Batch]:
         """Every steps file's records written since the last look, in batches (the
         processes with none are left out). Called after :meth:`look`."""
-        return self._batches(STEPS, self._read_steps)
+        return self._batches(STEPS, "steps", START_STEPS)
 
     def look_mem(self) -> Iterator[Batch]:
         """Every memory file's readings written since the last look, in batches (the
         processes with none are left out)."""
-        return self._batches(MEMORY, self._read_mem)
+        return self._batches(MEMORY, "mem", START_STEPS)
 
     def look_calls(self) -> Iterator[Batch]:
         """Every call file's records begun since the last look, and its calls pending at
         the last look read again, in batches (the processes with neither are left out);
         each process's calls pending now, to read again at the next look, are those not
         ended. Called after :meth:`look`."""
-        for batch in self._batches(CALLS, self._read_calls):
+        for batch in self._batches(CALLS, "calls", START_CALLS):
             pending: list[list[int]] = [[] for _ in batch.processes]
             for at in np.flatnonzero(batch.records["end"] == 0.0).tolist():
                 of = pending[batch.owner[at]]
@@ -324,21 +381,26 @@ class Tail:
                     process.calls.pending = calls
             yield batch
 
-    def _batches(self, kind: FileKind, read: Callable[[Followed], list[Run] | None]) -> Iterator[Batch]:
-        """What ``read`` reads of each process's slot file of a ``kind``, decoded
-        :data:`BATCH_BYTES` or so at a time, many processes' in one pass."""
+    def _batches(self, kind: FileKind, attr: str, most: int) -> Iterator[Batch]:
+        """What each process's slot file of a ``kind`` (its ``attr``: calls, steps, mem)
+        gained since the last look (:meth:`_read_slots`; ``most``: the records read at its
+        first look, at most), decoded :data:`BATCH_BYTES` or so at a time, many processes'
+        in one pass."""
         processes: list[Followed] = []
         runs: list[Run] = []
         owners: list[int] = []
         size = 0
+        read = self._read_slots
         for stream in list(self.streams.values()):
-            got = read(stream)
+            got = read(getattr(stream, attr), kind, most)
             if got is None:
                 continue
-            owners.extend([len(processes)] * len(got))
+            at = len(processes)
             processes.append(stream)
-            runs.extend(got)
-            size += sum(len(raw) for _, raw in got)
+            for run in got:
+                runs.append(run)
+                owners.append(at)
+                size += len(run[1])
             if size >= BATCH_BYTES:
                 self.bytes_read += size
                 yield _batch(processes, runs, owners, kind)
