@@ -121,7 +121,7 @@ class LiveRank:
         """Its own work in each of its last steps (past the first): the step's time less its
         time in synchronous collectives (as the ``straggler`` detector measures it)."""
         get = self.waited.get  # a view computes this for every rank: no call but the dict's
-        return [w if w > 0.0 else 0.0 for w in [dur - get(step - 1, 0.0) for step, dur in self.timed]]
+        return [w if (w := dur - get(step - 1, 0.0)) > 0.0 else 0.0 for step, dur in self.timed]
 
     def take(self, data: bytes) -> None:
         """Lines the stream appended (without the last newline)."""
@@ -135,18 +135,16 @@ class LiveRank:
             self._rare(data[start:end])
             pos = end
 
-    def _reading(self, device: int, alloc: int, max_alloc: int, rss: int) -> None:
-        """A memory reading: the latest is the rank's memory now. A CUDA rank's are the
-        allocator's (allocated now, the highest since the start; once it has one, its RSS
+    def _readings(self, metric: str, now: int, peak: int) -> None:
+        """Memory readings of one ``metric`` (``cuda``: the allocator's, allocated now and
+        its peak; ``rss``): the latest one's figure is the rank's memory now, ``peak`` the
+        highest of theirs. A CUDA rank's are the allocator's (once it has one, its RSS
         readings are left out), else RSS."""
-        if device >= 0:
+        if metric == "cuda":
             if self.mem_metric != "cuda":
                 self.mem_metric, self.mem_peak = "cuda", None
-            now, peak = alloc, max_alloc
-        elif self.mem_metric == "cuda" or rss < 0:
+        elif self.mem_metric == "cuda":
             return
-        else:
-            now = peak = rss
         self.mem_now = now
         self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
@@ -318,15 +316,24 @@ class LiveRun:
             rank.last_t = max(rank.last_t, t)
 
     def take_mem(self, batch: Batch) -> None:
-        """Memory-file readings of a look, many processes' at once, each to its process in
-        order. A look brings each rank a reading or two: a loop over them costs less than
-        per-process array operations."""
+        """Memory-file readings of a look, many processes' at once, as each process's
+        readings in order would leave it (:meth:`LiveRank._readings`): of those with the CUDA
+        allocator's figures (a device), the last one's and the highest peak; of a process
+        with none, its last RSS reading and the highest."""
         ranks = [self._process(stream) for stream in batch.processes]
-        records = batch.records
-        cols = (batch.owner.tolist(), records["device"].tolist(), records["alloc"].tolist(),
-                records["max_alloc"].tolist(), records["rss"].tolist())  # fmt: skip
-        for at, device, alloc, max_alloc, rss in zip(*cols, strict=True):
-            ranks[at]._reading(device, alloc, max_alloc, rss)
+        records, owner = batch.records, batch.owner
+        cuda = records["device"] >= 0
+        for of, now, peak in (("cuda", "alloc", "max_alloc"), ("rss", "rss", "rss")):
+            at = np.flatnonzero(cuda if of == "cuda" else ~cuda & (records["rss"] >= 0))
+            if not len(at):
+                continue
+            who = owner[at]
+            firsts = np.flatnonzero(np.diff(who, prepend=-1))  # each process's records are together
+            lasts = at[np.append(firsts[1:] - 1, len(at) - 1)]
+            highest = np.maximum.reduceat(records[peak][at], firsts)
+            cols = (who[firsts].tolist(), records[now][lasts].tolist(), highest.tolist())
+            for process, last, high in zip(*cols, strict=True):
+                ranks[process]._readings(of, last, high)
 
     def take_calls(self, batch: Batch) -> None:
         """Call records of a look, many processes' at once (the calls each had pending at

@@ -23,7 +23,7 @@ from lorascope.cli import cli, main
 from lorascope.rundir.format.callfile import CallFile, step_file
 from lorascope.rundir.format.layout import BEGIN, CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
 from lorascope.rundir.loading import tail as tail_module
-from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.loading.calls import CALL_DTYPE, MEM_DTYPE, STEP_DTYPE, read_calls
 from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
@@ -416,6 +416,42 @@ def test_steps_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
         rank = live.processes[(stream.rank, stream.process)]
         assert [s for s, _ in rank.timed] == [s for s in steps if s > 1] and list(rank.durs) == durs
         assert rank.step == (steps[-1] if steps else 0) and rank.phase == phase and rank.last_t == latest
+
+
+def test_memory_readings_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """Two batches of several processes' memory readings (RSS only, CUDA ones, RSS readings
+    before and after a process's first CUDA one, unread RSS) leave each process as its
+    readings one by one would: the CUDA allocator's figures once it has one, else RSS;
+    memory now the latest reading's, the peak the highest."""
+    rng = np.random.default_rng(11)
+    live = LiveRun()
+    streams = [tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl")) for n in range(8)]
+    want: dict[int, tuple[int | None, int | None, str]] = {n: (None, None, "rss") for n in range(8)}
+    for _ in range(2):
+        parts = []
+        for n in range(8):
+            recs = np.zeros(int(rng.integers(0, 7)), MEM_DTYPE)
+            recs["rss"] = np.where(rng.random(len(recs)) < 0.2, -1, rng.integers(100, 1000, len(recs)))
+            recs["device"] = np.where(rng.random(len(recs)) < (0.0 if n < 3 else 0.5), 0, -1)
+            recs["alloc"], recs["max_alloc"] = rng.integers(1, 50, len(recs)), rng.integers(50, 90, len(recs))
+            now, peak, metric = want[n]
+            for rss, device, alloc, max_alloc in recs[["rss", "device", "alloc", "max_alloc"]].tolist():
+                if device >= 0:
+                    peak = None if metric != "cuda" else peak
+                    metric, now, high = "cuda", alloc, max_alloc
+                elif metric == "cuda" or rss < 0:
+                    continue
+                else:
+                    now = high = rss
+                peak = high if peak is None else max(peak, high)
+            want[n] = (now, peak, metric)
+            parts.append(recs)
+        owner = np.repeat(np.arange(8), [len(p) for p in parts])
+        records = np.concatenate(parts)
+        live.take_mem(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+    got = {n: (r.mem_now, r.mem_peak, r.mem_metric) for n, r in live.ranks.items()}
+    assert got == {n: w for n, w in want.items() if n in got} and len(got) == 8
+    assert {m for *_, m in want.values()} == {"rss", "cuda"}
 
 
 def _synthetic(ranks: int, now: float) -> LiveRun:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -303,8 +304,8 @@ def decode(runs: list[Run], kind: FileKind = CALLS) -> tuple[np.ndarray, np.ndar
     a record whose stamp does not name its index (never written, or overwritten since) is
     left out (the common look has none: then nothing is copied)."""
     size = kind.record.size
-    firsts = np.fromiter((index for index, _ in runs), np.int64, len(runs))
-    raws = [raw for _, raw in runs]
+    firsts = np.fromiter(map(itemgetter(0), runs), np.int64, len(runs))
+    raws = list(map(itemgetter(1), runs))
     lengths = np.fromiter(map(len, raws), np.int64, len(runs)) // size
     table = np.frombuffer(b"".join(raws), kind.dtype)
     starts = np.cumsum(lengths) - lengths

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import resource
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ BATCH_BYTES = 3 << 20
 #: File descriptors left to the rest of the process (the verdict's analysis, the terminal)
 #: when slot files are kept open between looks.
 SPARE_FDS = 256
+
+
+_COUNT = struct.Struct("<Q")
 
 
 def open_budget() -> int:
@@ -303,7 +307,9 @@ class Tail:
                 return None
         try:
             header = os.pread(fd, HEADER.size, 0)
-            if header[:COUNT_OFFSET] != followed.layout or len(header) < HEADER.size:  # first read, or made anew
+            if followed.layout and len(header) == HEADER.size and header.startswith(followed.layout):
+                (count,) = _COUNT.unpack_from(header, COUNT_OFFSET)
+            else:  # its first read, or the file was made anew
                 try:
                     followed.head, followed.ring, count = read_header(header, str(followed.path), kind)
                 except BadInputError:
@@ -311,8 +317,6 @@ class Tail:
                 if followed.layout:
                     followed.count, followed.pending = -1, []
                 followed.layout = header[:COUNT_OFFSET]
-            else:
-                count = int.from_bytes(header[COUNT_OFFSET : COUNT_OFFSET + 8], "little")
             if count < followed.count:  # the count went back: made anew, read it as new
                 followed.count, followed.pending = -1, []
             if count == followed.count and not followed.pending:
@@ -371,14 +375,15 @@ class Tail:
         each process's calls pending now, to read again at the next look, are those not
         ended. Called after :meth:`look`."""
         for batch in self._batches(CALLS, "calls", START_CALLS):
-            pending: list[list[int]] = [[] for _ in batch.processes]
-            for at in np.flatnonzero(batch.records["end"] == 0.0).tolist():
-                of = pending[batch.owner[at]]
+            pending: dict[int, list[int]] = {}
+            at = np.flatnonzero(batch.records["end"] == 0.0)
+            for owner, index in zip(batch.owner[at].tolist(), batch.index[at].tolist(), strict=True):
+                of = pending.setdefault(owner, [])
                 if len(of) < MAX_PENDING_CALLS:
-                    of.append(int(batch.index[at]))
-            for process, calls in zip(batch.processes, pending, strict=True):
-                if process.calls is not None:
-                    process.calls.pending = calls
+                    of.append(index)
+            for n, process in enumerate(batch.processes):
+                if process.calls is not None and (process.calls.pending or n in pending):
+                    process.calls.pending = pending.get(n, [])
             yield batch
 
     def _batches(self, kind: FileKind, attr: str, most: int) -> Iterator[Batch]:
