@@ -251,13 +251,14 @@ class LiveRun:
         #: process or a line was taken since: a ``shape`` line is one).
         self._async: tuple[np.ndarray, dict[int, int]] | None = None
 
-    def update(self, tail: Tail) -> None:
+    def update(self, tail: Tail, whole: bool = False) -> None:
         """Take in what a look of ``tail`` finds: the streams' lines, the steps and memory
-        files' records, then the calls (the lines declare the shapes the calls name)."""
+        files' records, then the calls (the lines declare the shapes the calls name);
+        ``whole``: the memory files too, however recently they were read (the last look)."""
         self.take(tail.look())
         for batch in tail.look_steps():
             self.take_steps(batch)
-        for batch in tail.look_mem():
+        for batch in tail.look_mem(now=whole):
             self.take_mem(batch)
         for batch in tail.look_calls():
             self.take_calls(batch)

@@ -130,7 +130,7 @@ def _follow(run_dir: Path, console: Console, tail: Tail, live: LiveRun, interval
         while not finished():
             time.sleep(interval)
             live.update(tail)
-        live.update(tail)
+        live.update(tail, whole=True)
         tail.close()
         console.print(frame(_verdict(run_dir)))
         return
@@ -140,7 +140,7 @@ def _follow(run_dir: Path, console: Console, tail: Tail, live: LiveRun, interval
             screen.update(frame(None), refresh=True)
             time.sleep(max(0.0, interval - (time.monotonic() - began)))
             live.update(tail)
-        live.update(tail)
+        live.update(tail, whole=True)
         tail.close()
         screen.update(frame(None), refresh=True)
         verdict = _verdict(run_dir)

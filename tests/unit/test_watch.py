@@ -20,7 +20,7 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
-from lorascope.rundir.format.callfile import CallFile, step_file
+from lorascope.rundir.format.callfile import CallFile, mem_file, step_file
 from lorascope.rundir.format.layout import BEGIN, CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
 from lorascope.rundir.loading import tail as tail_module
 from lorascope.rundir.loading.calls import CALL_DTYPE, MEM_DTYPE, STEP_DTYPE, read_calls
@@ -175,6 +175,31 @@ def test_tail_keeps_no_more_files_open_than_its_budget_and_reads_them_all(tmp_pa
         assert sorted(_steps_looked(tail)) == [10 * rank + step for rank in range(4)]
         assert tail._open == sum(s.steps is not None and s.steps.fd is not None for s in tail.streams.values()) == 2
     tail.close()
+
+
+def test_memory_files_are_read_every_other_look_and_at_the_last(tmp_path: Path) -> None:
+    """A memory reading written after a look is shown at the first look MEM_LOOK_S after
+    the memory files were last read (not at the one a second later), and at a whole look
+    (the last one, when the run ended) at once."""
+    clock = Clock()
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    readings = mem_file(tmp_path / "ranks" / "rank-0" / "h-1.mem")
+    tail, live = Tail(tmp_path, clock=clock), LiveRun()
+
+    def shown(rss: int, whole: bool = False) -> int | None:
+        readings.put(clock.now, rss, -1, -1, -1, -1, 0, -1, 0)
+        live.update(tail, whole)
+        clock.now += 1.0
+        return live.ranks[0].mem_now
+
+    assert shown(100) == 100
+    assert shown(200) == 100 and tail_module.MEM_LOOK_S > 1.0  # read a second ago: not yet
+    assert shown(300) == 300  # both readings read now
+    assert live.ranks[0].mem_peak == 300
+    assert shown(400) == 300
+    assert shown(500, whole=True) == 500
+    tail.close()
+    readings.close()
 
 
 def test_tail_reads_a_slot_file_made_anew_or_cut_as_far_as_it_goes(tmp_path: Path) -> None:

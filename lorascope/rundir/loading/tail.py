@@ -64,6 +64,10 @@ START_CALLS = 4096
 MAX_PENDING_CALLS = 256
 #: Steps-file (and memory-file) records read at its first look (the newest).
 START_STEPS = 1024
+#: The memory files are read at most every MEM_LOOK_S seconds (every other look at the
+#: default second): memory now and peak are read the least often of a rank's figures, a
+#: third of a look's reading; a look that must see everything (the last) reads them anyway.
+MEM_LOOK_S = 1.5
 #: Bytes of records decoded in one batch, of as many processes as they come from.
 BATCH_BYTES = 3 << 20
 #: File descriptors left to the rest of the process (the verdict's analysis, the terminal)
@@ -178,7 +182,7 @@ class Tail:
         self._open = 0
         #: (rank, process) -> the stream followed.
         self.streams: dict[tuple[int, str], Followed] = {}
-        self._scanned = self._scanned_all = -float("inf")
+        self._scanned = self._scanned_all = self._mem_looked = -float("inf")
         #: Rank folder name -> (its modification time at the last rescan, whether it had
         #: changed then: it is listed again at the next rescan either way).
         self._folders: dict[str, tuple[int, bool]] = {}
@@ -364,9 +368,14 @@ class Tail:
         processes with none are left out). Called after :meth:`look`."""
         return self._batches(STEPS, "steps", START_STEPS)
 
-    def look_mem(self) -> Iterator[Batch]:
-        """Every memory file's readings written since the last look, in batches (the
-        processes with none are left out)."""
+    def look_mem(self, now: bool = False) -> Iterator[Batch]:
+        """Every memory file's readings written since they were last read, in batches (the
+        processes with none are left out): none when they were read less than
+        :data:`MEM_LOOK_S` ago, unless ``now``."""
+        at = self.clock()
+        if not now and at - self._mem_looked < MEM_LOOK_S:
+            return iter(())
+        self._mem_looked = at
         return self._batches(MEMORY, "mem", START_STEPS)
 
     def look_calls(self) -> Iterator[Batch]:
