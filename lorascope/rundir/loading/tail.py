@@ -5,10 +5,12 @@ Each stream file is read from the offset where the last look stopped, up to its 
 complete line (a line the writer has half written waits for the next look). A look
 stats the newest segment of every process it knows; the rank folders are listed again
 every :data:`RESCAN_S` seconds for new ranks, processes and segments (a rotated segment's
-file is finished first, from its offset). Nothing is held open between looks (1,024 ranks
-would take 1,024 file descriptors) and nothing but the appended bytes is read, so a look
-costs one ``stat`` a process when nothing changed. Works on a shared filesystem as on a
-local one: polling, no inotify (which does not see another host's writes).
+file is finished first, from its offset): the top folder whole, a rank folder only when
+its modification time changed (and at the rescan after: a file made in the same clock
+tick), every one every :data:`FULL_RESCAN_S`. A stream is not held open between looks,
+and nothing but the appended bytes is read, so a look costs one ``stat`` a process whose
+stream did not change. Works on a shared filesystem as on a local one: polling, no inotify
+(which does not see another host's writes).
 
 A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch`` started
 late in a long run) is read from its last :data:`START_TAIL_BYTES` bytes, from the first
@@ -18,13 +20,23 @@ line boundary there, after the whole lines of its first :data:`HEAD_BYTES`:
 A process's call file (beside its stream) is followed by index: a look reads its header's
 count, the records begun since the last look (the newest :data:`START_CALLS` at the first)
 and the calls still pending at the last look again, whose ends may have been written
-since (:func:`lorascope.rundir.loading.calls.read_since`): a few ``pread`` calls, however
-long the run. Its steps file and its memory file are followed the same way: the records
-written since the last look (the newest :data:`START_STEPS` at the first). The calls are read after the
-streams and steps files (whose ``shape`` lines name what a call was), and decoded many
-processes at a time (:class:`Batch`: one set of numpy columns a batch of about
-:data:`BATCH_BYTES`), not one process at a time: a look brings each of 1,024 ranks a
-step's calls or so, and per-process array operations would cost more than the reading.
+since (:func:`lorascope.rundir.loading.calls.read_runs`): one ``pread`` of the header and
+one of the new records in the common look, however long the run. Its steps file and its
+memory file are followed the same way: the records written since the last look (the
+newest :data:`START_STEPS` at the first); the memory files at most every
+:data:`MEM_LOOK_S`. A slot file that grew at a look is kept open for the next (at most
+:attr:`Tail.max_open` of them: the open-file limit less :data:`SPARE_FDS`); one that did
+not is closed and opened again at the next look: on a network filesystem opening a file is
+what makes the client ask the server for its newest size and pages (close-to-open), so a
+quiet file, or one made anew under its name, is seen as it is now at the next look (a
+file held open may show the client's cached header for a look: then it did not grow, and
+is opened again).
+
+The calls are read after the streams and steps files (whose ``shape`` lines name what a
+call was), and decoded many processes at a time (:class:`Batch`: one set of numpy columns
+a batch of about :data:`BATCH_BYTES`), not one process at a time: a look brings each of
+1,024 ranks a step's calls or so, and per-process array operations would cost more than
+the reading.
 """
 
 from __future__ import annotations
