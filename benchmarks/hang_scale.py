@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
-from tests.helpers import Calls
+from tests.helpers import Calls, Steps
 
 SCREEN_LINES = 24
 TRAIN = "/job/train.py"
@@ -87,7 +87,7 @@ class Job:
             write("group", gid=0, name="default_pg", ranks=list(range(ranks)), backend="gloo")
             for _, _, site in STEP_CALLS:
                 write("site", site=site, line="x = step(batch)", conditions=[])
-            calls = Calls(stream, prefix, t)
+            calls, files = Calls(stream, prefix, t), Steps(stream, prefix, t)
             seq = 0
             for step in range(1, steps + 1):
                 for op, nbytes, site in STEP_CALLS:
@@ -103,10 +103,13 @@ class Job:
                         began, seq, step=step, nbytes=nbytes, end=None if last else t, op=op, dtype="float32", site=site
                     )
                 else:
-                    write("step", step=step, dur=0.5, loss=2.0, src="deepspeed")
+                    t += 0.01
+                    files.step(t, step, 0.5, 2.0, "deepspeed")
                     continue
                 break
             calls.close()
+            files.file.close()
+            files.mem.close()
             stream.close()
         self.pending_seq = self.last_seq - 1  # the last step's gather
 

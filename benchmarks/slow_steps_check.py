@@ -6,7 +6,9 @@ planting just before and just after the planted run, and its step time over the 
 steps is measured (the mean of the two: a load drifting across the three runs cancels to
 first order; each run's figure is printed). Prints, per finding, what was named (id,
 ranks, since when, where), the predicted and the measured step time, the error, and the
-prediction of the replay that keeps the others' waiting as their work. Where the planting
+prediction of the replay that keeps the others' waiting as their work, the prediction
+with the time blocked on async collectives' handles unread (as from probes that did not
+record it), and each rank's median time blocked on handles a step. Where the planting
 begins after step 3, the runs' steps before it are compared too and the measurement scaled
 by their ratio (the "load" figure: the planted run's steps before the planting over the
 runs without), an error under the same load.
@@ -21,7 +23,11 @@ own core); one rank of 3 slow in its data preparation from step 20 of 40 on (the
 ``analyze`` once called "no problem found"); one rank of 4 slow in its forward from step 15
 of 30 on. The first four became the rules' tuning cases; the last two (one rank of 4 slow
 in its data loading in steps 10-17 and 28-35 of 40; two ranks of 4 slow in their forward
-from step 12 of 30) were written after the rules were last changed (untuned).
+from step 12 of 30) were written after the rules were last changed (untuned). The two
+``partitioned`` ones (``--partition``: ZeRO-3 partitions every parameter, so the forward
+gathers them by async all-gathers waited on by handle; 2 ranks, one +150 ms a step all run
+long, in its forward, or in its data preparation, before the forward's first all-gather)
+were written once the waits on handles were recorded (untuned).
 """
 
 from __future__ import annotations
@@ -74,6 +80,23 @@ PLANTINGS = [
     Planting("data-from-20", 3, 40, ("--slow-where", "data", "--slow-ms", "250", "--slow-from", "20"), (1,)),
     Planting("forward-from-15", 4, 30, ("--slow-where", "forward", "--slow-ms", "200", "--slow-from", "15"), (2,)),
     # written after the rules were last changed
+    # written after the waits on handles were recorded: the others wait inside their forward
+    Planting(
+        "partitioned-whole-run",
+        2,
+        24,
+        ("--partition", "--slow-where", "forward", "--slow-ms", "150"),
+        (1,),
+        untuned=True,
+    ),
+    Planting(
+        "partitioned-data-whole-run",
+        2,
+        24,
+        ("--partition", "--slow-where", "data", "--slow-ms", "150"),
+        (1,),
+        untuned=True,
+    ),
     Planting(
         "comes-and-goes",
         4,
@@ -126,6 +149,30 @@ def table(out: Path) -> pace.PaceTable:
     return t
 
 
+def blind_table(out: Path) -> pace.PaceTable:
+    """:func:`table` with the time blocked on async collectives' handles unread (as a run
+    whose probes did not record it): what the new data changed."""
+    run = load(out).bundle.run
+    assert run is not None
+    for rank in run.ranks.values():
+        rank.handle_wait, rank.handle_wait_phases = {}, {}
+    for key in ("pace", "step_work"):
+        run.derived.pop(key, None)
+    t = pace.table(run)
+    assert t is not None
+    return t
+
+
+def blocked_ms(out: Path, idx: list[int]) -> str:
+    """Per rank, its median time blocked on async collectives' handles a step over ``idx`` (ms)."""
+    t = table(out)
+    assert t.run is not None
+    return ", ".join(
+        f"r{r} {statistics.median(t.run.ranks[r].handle_wait.get(t.steps[i], 0.0) for i in idx) * 1000:.0f}"
+        for r in t.ranks
+    )
+
+
 def work_ratio(t: pace.PaceTable, ranks: tuple[int, ...], idx: list[int]) -> float:
     """The ranks' most work over the others' median, median over the steps ``idx``."""
     return statistics.median(max(t.work[r][i] for r in ranks) / t.others_median(ranks, t.work, i) for i in idx)
@@ -169,6 +216,9 @@ def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
         err = (w["predicted_step_s"] - actual) / actual
         # the replay keeping the others' waiting as work (no baseline): what the correction changed
         kept = pace.what_if_summary(t, f["ranks"], idx)["predicted_step_s"]
+        # the same replay with the waits on handles unread: what recording them changed
+        base = [i for i in range(len(t.steps)) if i not in idx] if w.get("baseline_steps") else []
+        blind = pace.what_if_summary(blind_table(slow), f["ranks"], idx, base)["predicted_step_s"]
         drift = ""
         if first_planted > 3:
             # the machine's load between the two runs: their steps before the planting compared
@@ -180,8 +230,8 @@ def rows(p: Planting, slow: Path, fixed: list[Path]) -> list[str]:
         out.append(
             f"| {p.name}{' (untuned)' if p.untuned else ''} | {f['id']} {f['severity'][0].upper()} ranks {f['ranks']} | "
             f"steps {first}-{last}, {d.get('part', '')} | {w['step_s']:.3f} -> {w['predicted_step_s']:.3f} "
-            f"(others' waiting kept: {kept:.3f}) | {actual:.3f} ({runs}) | {err:+.1%}{drift} | "
-            f"{w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} |"
+            f"(others' waiting kept: {kept:.3f}; handle waits unread: {blind:.3f}) | {actual:.3f} ({runs}) | "
+            f"{err:+.1%}{drift} | {w['saved_per_step_s']:.3f} / {w['step_s'] - actual:.3f} | {blocked_ms(slow, idx)} |"
         )
     return out
 
@@ -194,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     print(
-        "| planting | named | since / where | predicted step (s) | measured without (s) | error | speed-up predicted / measured |"
+        "| planting | named | since / where | predicted step (s) | measured without (s) | error "
+        "| speed-up predicted / measured | blocked on handles (ms a step) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for p in PLANTINGS:
         if args.only not in p.name:
             continue
@@ -206,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["rm", "-rf", str(d)], check=True)
                 rc = run(p, d, planted)
                 if rc:
-                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | |")
+                    print(f"| {p.name} | job failed rc={rc} ({d.name}) | | | | | | |")
         fixed = [d for d in (before, after) if (d / "manifest.json").exists()]
         for line in rows(p, slow, fixed):
             print(line, flush=True)

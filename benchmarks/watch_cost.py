@@ -95,9 +95,9 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
             for k, (t0, end, _, nbytes, _, gid, shape, _) in enumerate(calls):
                 index = file.begin(now + (t0 - calls[0][0]), seq + k + 1, nbytes, n - 1, gid, shape)
                 file.end(index, now + (end - calls[0][0]))
-            for t, dur, loss, _, label, kind, _ in step_records:  # its phase edges and its end
+            for t, dur, loss, waited, _, label, kind, _ in step_records:  # its phase edges and its end
                 step_files[r].put(
-                    now + (t - step_records[0][0]), dur, loss, n if kind == STEP_END else n - 1, label, kind
+                    now + (t - step_records[0][0]), dur, loss, waited, n if kind == STEP_END else n - 1, label, kind
                 )
             for t, *figures, _, device, src, _ in readings:  # rss .. max_alloc, step, device, src, stamp
                 mem_files[r].put(now + (t - readings[0][0]), *figures, n - 1, device, src)

@@ -14,6 +14,10 @@ Every flag of ``train_lora.py`` applies; these add the slowness:
                      forward pre-hook of the model (compute inside the forward phase;
                      a pre-hook of DeepSpeed's engine would run before the phase begins)
   --pin              pin rank r to core r % cores (what a CPU hog "on its core" needs)
+  --partition        ZeRO-3 partitions every parameter (``stage3_param_persistence_threshold``
+                     0), as a real model's are: the forward and backward gather them
+                     through async all-gathers waited on by handle (this tiny model's
+                     are otherwise kept whole, and gathered only after each optimizer step)
 
     torchrun --nproc_per_node 3 probes/slowness.py --steps 40 --slow-rank 1 --slow-ms 250 --slow-from 20
 """
@@ -40,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-steps", type=steps_of, default=None)
     p.add_argument("--slow-where", choices=("data", "forward"), default="data")
     p.add_argument("--pin", action="store_true")
+    p.add_argument("--partition", action="store_true")
     own, rest = p.parse_known_args(argv)
     args = base.parse_args(rest)
     for key, value in vars(own).items():
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[d.rank % len(cores)]})
         torch.set_num_threads(1)
+    if args.partition:
+        base.zero_extra = lambda _: {"stage3_param_persistence_threshold": 0}
     final_loss = train(args, d)
     if d.rank == 0:
         print(f"slowness: done steps={args.steps} final_loss={final_loss!r}", flush=True)

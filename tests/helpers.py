@@ -369,14 +369,17 @@ class Steps:
             self.stream.write({"k": "label", "t": t, "id": n, "text": text})
         return n
 
-    def phase(self, t: float, name: str, edge: str, step: int) -> None:
-        self.file.put(t, 0.0, math.nan, step, self.label(t, name), BEGIN if edge == "begin" else END)
+    def phase(self, t: float, name: str, edge: str, step: int, waited: float = 0.0) -> None:
+        self.file.put(t, 0.0, math.nan, waited, step, self.label(t, name), BEGIN if edge == "begin" else END)
 
-    def step(self, t: float, step: int, dur: float, loss: float | None = None, src: str = "torch") -> None:
-        """A step's end; a non-finite loss as the probes write it: none in the step's
-        record, and a ``loss`` record with its text."""
+    def step(
+        self, t: float, step: int, dur: float, loss: float | None = None, src: str = "torch", waited: float = 0.0
+    ) -> None:
+        """A step's end (``waited``: seconds blocked on async collectives' handles in it); a
+        non-finite loss as the probes write it: none in the step's record, and a ``loss``
+        record with its text."""
         finite = loss is not None and math.isfinite(loss)
-        self.file.put(t, dur, loss if finite else math.nan, step, self.label(t, src), STEP_END)
+        self.file.put(t, dur, loss if finite else math.nan, waited, step, self.label(t, src), STEP_END)
         if loss is not None and not finite:
             self.stream.write({"k": "loss", "t": t, "step": step, "loss": None, "text": repr(loss)})
 
@@ -399,9 +402,11 @@ class Steps:
         if rec["k"] == "mem":
             self.reading(rec)
         elif rec["k"] == "phase":
-            self.phase(rec["t"], rec["name"], rec["edge"], rec["step"])
+            self.phase(rec["t"], rec["name"], rec["edge"], rec["step"], rec.get("waited", 0.0))
         else:
-            self.step(rec["t"], rec["step"], rec["dur"], rec.get("loss"), rec.get("src", "torch"))
+            self.step(
+                rec["t"], rec["step"], rec["dur"], rec.get("loss"), rec.get("src", "torch"), rec.get("waited", 0.0)
+            )
 
 
 def write_run(

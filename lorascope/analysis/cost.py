@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from lorascope.rundir.loading.reader import RankData
 
@@ -35,7 +36,7 @@ def rank_cost(rank: RankData) -> dict[str, Any] | None:
     records a step or more apart."""
     if len(rank.costs) < 2:
         return None
-    first, last = rank.costs
+    first, last = cast("list[Mapping[str, Any]]", rank.costs)
     steps = int(last["step"] - first["step"])
     if steps < 1:
         return None

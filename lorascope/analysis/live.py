@@ -26,7 +26,8 @@ The checks (:meth:`LiveRun.checks`), each from what was read so far:
   :data:`FIRST_STEP_MIN_S`), said with what it is in: a collective pending since when,
   or outside any (the rank the others wait for, when they are in one);
 * a rank is slower: its own work per step (step time minus its time in synchronous
-  collectives, as the ``straggler`` detector measures it) over its last steps is
+  collectives and blocked on async collectives' handles, as the ``straggler`` detector
+  measures it) over its last steps is
   ``pace.MIN_RATIO`` times the other ranks' median or more, over at least
   ``straggler.MIN_STEPS`` steps;
 * fewer ranks seen than the world size their ``start`` records name.
@@ -90,7 +91,7 @@ class LiveRank:
     step: int = 0
     last_step_t: float | None = None
     durs: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
-    #: The last steps past the first: (number, duration).
+    #: The last steps past the first: (number, duration less the time blocked on handles).
     timed: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=KEEP_STEPS))
     #: Seconds in synchronous collectives per step (the steps completed when they began),
     #: of the steps from the oldest one in ``timed`` on.
@@ -119,7 +120,8 @@ class LiveRank:
     @property
     def work(self) -> list[float]:
         """Its own work in each of its last steps (past the first): the step's time less its
-        time in synchronous collectives (as the ``straggler`` detector measures it)."""
+        time in synchronous collectives and blocked on handles (as the ``straggler``
+        detector measures it)."""
         get = self.waited.get  # a view computes this for every rank: no call but the dict's
         return [w if (w := dur - get(step - 1, 0.0)) > 0.0 else 0.0 for step, dur in self.timed]
 
@@ -148,13 +150,14 @@ class LiveRank:
         self.mem_now = now
         self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
-    def _step(self, step: int, dur: float, t: float) -> None:
+    def _step(self, step: int, dur: float, t: float, blocked: float = 0.0) -> None:
+        """A step's end (``blocked``: its time blocked on async collectives' handles)."""
         self.last_t = max(self.last_t, t)
         self.step = step
         self.last_step_t = t
         self.durs.append(dur)
         if step > 1:
-            self.timed.append((step, dur))
+            self.timed.append((step, dur - blocked))
             oldest = self.timed[0][0] - 1
             if len(self.waited) > 2 * KEEP_STEPS:
                 self.waited = {s: w for s, w in self.waited.items() if s >= oldest}
@@ -299,10 +302,10 @@ class LiveRun:
         records, owner = batch.records, batch.owner
         kinds = records["kind"]
         ended = np.flatnonzero(kinds == STEP_END)
-        cols = (owner[ended].tolist(), records["step"][ended].tolist(), records["dur"][ended].tolist(),
-                records["t"][ended].tolist())  # fmt: skip
-        for at, step, dur, t in zip(*cols, strict=True):
-            ranks[at]._step(step, dur, t)
+        done = (owner[ended].tolist(), records["step"][ended].tolist(), records["dur"][ended].tolist(),
+                records["t"][ended].tolist(), records["waited"][ended].tolist())  # fmt: skip
+        for at, step, dur, t, blocked in zip(*done, strict=True):
+            ranks[at]._step(step, dur, t, blocked)
         edges = np.flatnonzero(kinds < STEP_END)
         if not len(edges):
             return

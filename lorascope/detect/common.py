@@ -86,7 +86,7 @@ def calls_source(run: RunData, rank: RankData) -> str:
 
 
 def ended_with_oom(rank: RankData) -> bool:
-    text = (rank.exception or {}).get("message", "")
+    text = rank.exception["message"] if rank.exception is not None else ""
     return "out of memory" in text.lower()
 
 

@@ -89,7 +89,7 @@ def _rank_finding(run: RunData, rank: RankData) -> tuple[float, list[Evidence], 
                 "loss input", f"shape {loss_rec['shape']} {loss_rec['dtype']} = {fmt_bytes(loss_rec['bytes'])}", src
             )
         )
-    before, after = (loss_rec or {}).get("mem_before"), (loss_rec or {}).get("mem_after")
+    before, after = (loss_rec.get("mem_before"), loss_rec.get("mem_after")) if loss_rec is not None else (None, None)
     if isinstance(before, dict) and isinstance(after, dict) and before.get("rss") and after.get("rss"):
         evidence.append(
             Evidence("RSS across the loss", f"{fmt_bytes(before['rss'])} -> {fmt_bytes(after['rss'])}", src)

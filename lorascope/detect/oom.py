@@ -194,7 +194,7 @@ def _logits_bytes(data: RankData | None) -> list[int]:
 def _cap(run: RunData | None, data: RankData | None, logged: tuple[str, OomReport] | None) -> tuple[str, int] | None:
     """(where it is read, bytes) of the rank's own memory cap, from its OOM message: the
     exception the probes recorded, else the job's log."""
-    report = parse_oom(str((data.exception or {}).get("message") or "")) if data is not None else None
+    report = parse_oom(data.exception["message"]) if data is not None and data.exception is not None else None
     if run is not None and data is not None and report is not None and report.allowed is not None:
         return stream_source(run, data, "exception record: torch's OOM message"), report.allowed
     if logged is not None:

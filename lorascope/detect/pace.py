@@ -6,8 +6,10 @@ Per rank and step (the steps every rank completed, the first left out as warm-up
 
 * **cycle**: the step record's ``dur``, from the previous step's end to this one's: every
   rank's is about the same in synchronous training (the fast ones wait);
-* **work**: the cycle less the time in synchronous collectives (``straggler``'s measure,
-  :func:`step_work`): what the rank did itself;
+* **work**: the cycle less the time in synchronous collectives and the time blocked on
+  async collectives' handles (``Work.wait``, ``wait_tensor``: the steps file's ``waited``,
+  where the probes recorded it) (``straggler``'s measure, :func:`step_work`): what the rank
+  did itself;
 * **parts** of the work: ``data`` (from the step's begin, the previous step's end, to its
   first phase: fetching the batch, host-side work before the forward), each phase
   (``forward``, ``backward``, ``optimizer``, ``eval`` ...: its spans' time) and ``host``
@@ -15,14 +17,16 @@ Per rank and step (the steps every rank completed, the first left out as warm-up
   out of the part they ran in where the step's calls are all held (every call of short
   runs; :mod:`lorascope.rundir.loading.reduce` keeps the first and the newest of long ones), else
   the backward's from the backward (the reader's sums over every call) and the rest from
-  ``host``.
+  ``host``; the time blocked on handles is taken out of the phase it was in, the rest of
+  it from ``host``.
 
 The **pace-setter** of a step is the rank with the most work in it (the one the others
 waited for); the **what-if** (:func:`what_if`) replays each step with a set of ranks
 doing the median of the other ranks' work: the step shortens by what the slowest of
 them did beyond the slowest other rank. When the replayed steps have a baseline (steps
 where the set was not slow), each other rank's work is first moved back to its own there
-(its rise is the time it waited for them outside the synchronous collectives). **Blame per collective** (:func:`blame`): of each
+(its rise is the time it waited for them outside the synchronous collectives and the
+recorded waits on handles, or ran slower beside them on shared cores). **Blame per collective** (:func:`blame`): of each
 synchronous call every rank of its group holds, the late arriver (the latest start, the
 clocks of other hosts shifted by their offset) and how long the others waited for it;
 the offset of each host is the median difference of the calls' ends (a collective ends on
@@ -70,24 +74,30 @@ class StepWork:
 
 def _work(rank: RankData) -> tuple[dict[int, float], str]:
     """Step number -> the rank's own work in that step: its wall time minus the time in
-    recorded synchronous collectives. Outside DeepSpeed (or in a step without recorded
-    collectives) the backward phase is taken out too: DDP's gradient all_reduce runs
-    inside it, in C++, unrecorded; the recorded collectives inside it (FSDP's
-    reduce-scatters and backward all-gathers) are then not taken out a second time. The
-    collectives' sums are the reader's, over every call (:mod:`lorascope.rundir.loading.reduce`)."""
+    recorded synchronous collectives and blocked on async collectives' handles (where the
+    probes recorded it: ZeRO-3's prefetched all-gathers are waited on inside the forward).
+    Outside DeepSpeed (or in a step without recorded collectives) the backward phase is
+    taken out too: DDP's gradient all_reduce runs inside it, in C++, unrecorded; the
+    recorded collectives and waits inside it (FSDP's reduce-scatters and backward
+    all-gathers) are then not taken out a second time. The collectives' sums are the
+    reader's, over every call (:mod:`lorascope.rundir.loading.reduce`)."""
     backward = {step: math.fsum(e - b for b, e in spans) for step, spans in backward_spans(rank.phases).items()}
     waited, outside_backward = rank.coll_wait, rank.coll_wait_outside_backward
+    handles, handles_in = rank.handle_wait, rank.handle_wait_phases
     work, by_backward = {}, 0
     for s in rank.steps:
-        if s["step"] <= 1:
+        step = s["step"]
+        if step <= 1:
             continue
-        if s.get("src") == "deepspeed" and s["step"] in waited:
-            wait = waited[s["step"]]
+        held = handles.get(step, 0.0)
+        if s.get("src") == "deepspeed" and step in waited:
+            wait = waited[step] + held
         else:
-            wait = outside_backward.get(s["step"], 0.0) + backward.get(s["step"], 0.0)
+            in_backward = handles_in.get(step, {}).get("backward", 0.0)
+            wait = outside_backward.get(step, 0.0) + backward.get(step, 0.0) + max(0.0, held - in_backward)
             by_backward += 1
-        work[s["step"]] = max(0.0, s["dur"] - wait)
-    how = "recorded collectives"
+        work[step] = max(0.0, s["dur"] - wait)
+    how = "recorded collectives" + (" and waits on their handles" if handles else "")
     return work, how + (" and the backward phase (DDP)" if by_backward > len(work) / 2 else "")
 
 
@@ -231,6 +241,12 @@ def _parts(rank: RankData, steps: list[int]) -> dict[str, list[float]]:
             if "backward" in wait_in:
                 wait_in["backward"] = in_backward
             wait_in[HOST] = waited - in_backward
+        blocked, blocked_in = rank.handle_wait.get(step, 0.0), rank.handle_wait_phases.get(step, {})
+        if blocked:  # on handles: out of the phase it was in, the rest out of the host-side work
+            placed = {n: w for n, w in blocked_in.items() if n in times}
+            for n, w in placed.items():
+                wait_in[n] = wait_in.get(n, 0.0) + w
+            wait_in[HOST] += max(0.0, blocked - math.fsum(placed.values()))
         host = dur - data - math.fsum(times.values())
         parts[DATA].append(data)
         for name in names:

@@ -6,12 +6,11 @@ clean bill where lorascope stopped looking.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lorascope.detect.common import per_rank_evidence, stream_source
 from lorascope.detect.finding import Finding
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.rundir.loading.reader import RankData
+from lorascope.rundir.loading.records import ProbeError
 from lorascope.units import ranks_named
 
 ID = "probes-off"
@@ -63,10 +62,10 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     if run is None:
         return []
-    off: dict[str, dict[int, dict[str, Any]]] = {}  # probe -> rank -> its first error
+    off: dict[str, dict[int, ProbeError]] = {}  # probe -> rank -> its first error
     for n, rank in run.ranks.items():
         for err in rank.probe_errors:
-            off.setdefault(str(err.get("probe")), {}).setdefault(n, err)
+            off.setdefault(err["probe"], {}).setdefault(n, err)
     findings = []
     for probe, by_rank in sorted(off.items()):
         records, readers = _fed(probe)

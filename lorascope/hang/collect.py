@@ -15,7 +15,7 @@ import platform
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ class Asked:
     request: str | None
     signalled: frozenset[Process]
 
-    def answered_by(self, dump: dict[str, Any], process: Process) -> bool:
+    def answered_by(self, dump: Mapping[str, Any], process: Process) -> bool:
         """Whether a ``dump`` record of ``process`` answers this request: it carries its
         id, or (a process signalled here, on this clock) it was taken since."""
         if self.request is not None and dump.get("request") == self.request:

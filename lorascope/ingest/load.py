@@ -12,7 +12,6 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from lorascope.errors import BadInputError, UsageError
 from lorascope.ingest.evidence import EvidenceBundle
@@ -26,6 +25,7 @@ from lorascope.rundir.format.schema import MANIFEST_FILE
 from lorascope.rundir.format.sources import describe, job_source
 from lorascope.rundir.loading.cluster import Cluster
 from lorascope.rundir.loading.reader import Progress, RankData, RunData, load_run
+from lorascope.rundir.loading.records import SnapshotRecord
 
 
 def load_bundle(
@@ -125,7 +125,7 @@ def rank_flight_timeline(
     return out
 
 
-def rank_snapshot(rank: RankData) -> dict[str, Any] | None:
+def rank_snapshot(rank: RankData) -> SnapshotRecord | None:
     """The allocator snapshot that stands for a rank: the one taken at its OOM, else its
     latest (a rank writes one per OOM, hang request or stall)."""
     if not rank.snapshots:
@@ -152,7 +152,7 @@ def _load_rank_snapshot(bundle: EvidenceBundle, rank: RankData) -> None:
     if "history" in chosen and chosen["history"] is None:
         bundle.warnings.append(
             f"rank {rank.rank}: its {chosen['reason']} snapshot was taken with allocator history off "
-            f"(--memory-history {(history or {}).get('mode', 'auto')}): blocks allocated while it was off show "
+            f"(--memory-history {history.get('mode', 'auto') if history else 'auto'}): blocks allocated while it was off show "
             "no stacks; --memory-history always records every allocation"
         )
     if len(rank.snapshots) > 1:

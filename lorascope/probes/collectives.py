@@ -525,15 +525,22 @@ class CollectiveProbe:
 
     def _wrap_wait(self, original: Any) -> Any:
         probe = self
+        session, local, clock = self.session, self._local, time.perf_counter_ns
 
         def wait_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            began = clock()
             try:
                 out = original(tensor, *args, **kwargs)
             except BaseException as exc:
                 probe._output_done(id(tensor), repr(exc)[:500])
                 raise
+            finally:
+                back = clock()
+                if not getattr(local, "depth", 0) and "collectives" not in session.disabled:
+                    session.waited_ns += back - began
             if probe._awaited:
                 probe._output_done(id(tensor), None)
+            session.calls_ns += clock() - back
             return out
 
         return _like(wait_tensor, original, "wait_tensor")
@@ -706,26 +713,32 @@ class CollectiveProbe:
 
     def _wrap_work_wait(self, original: Any) -> Any:
         """``Work.wait`` at class level: a host async call ends when the job's wait for it
-        returns (or raises: its error). Any other work passes straight through."""
+        returns (or raises: its error). Any other work passes straight through. The time
+        blocked in it, outside a recorded call (a synchronous call waits on its own work:
+        its time is the call's), adds to ``session.waited_ns``, as ``wait_tensor``'s does."""
         probe = self
         session, opened, in_flight, clock = self.session, self._open, self._in_flight, time.perf_counter_ns
-        calls = self.calls
+        calls, local = self.calls, self._local
 
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            began = clock()
             try:
                 out = original(work, *args, **kwargs)
             except BaseException as exc:
                 if probe._open:
                     probe._end_open(id(work), repr(exc)[:500])
                 raise
+            finally:
+                back = clock()
+                if not getattr(local, "depth", 0) and "collectives" not in session.disabled:
+                    session.waited_ns += back - began
             if opened:
-                began = clock()
                 entry = opened.pop(id(work), None)
                 if entry is not None:  # _end of a host call (no events), inline
                     call = entry[0].call
                     calls.end(call.index, time.time())
                     in_flight.pop((call.gid, call.seq), None)
-                session.calls_ns += clock() - began
+            session.calls_ns += clock() - back
             return out
 
         return _like(wait, original, "wait")

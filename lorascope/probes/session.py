@@ -72,6 +72,10 @@ class Session:
         self.heap_ns = 0
         self.heap_reads = 0
         self.trace_ns = 0
+        #: Wall ns the job's threads were blocked on async collectives' handles (``Work.wait``,
+        #: ``wait_tensor``) outside a recorded call, since the probes started: each step and
+        #: phase-edge record holds what it added since the step began (``waited``).
+        self.waited_ns = 0
         #: Steps whose calls are kept in full when the call file's ring overwrites them
         #: (``probes/callsteps.py``): an eval or a save, a failed call, a stall, a slow step.
         self.keep_steps: set[int] = set()

@@ -2,7 +2,9 @@
 torch loops as far as they can be seen (DDP forward, ``Tensor.backward``, the global
 optimizer-step hooks), and the Hugging Face ``Trainer``'s evaluation and checkpoint
 saves (its steps come from the engine or the optimizer below it). Each phase edge also takes a memory sample; each finished step
-records its wall time and the loss when one was seen.
+records its wall time and the loss when one was seen. Every record also holds the time the
+job's threads were blocked on async collectives' handles since the step began
+(``Session.waited_ns``, added to by the collectives probe's wait wrappers).
 
 Steps and phase edges are fixed-width records of the process's steps file
 (``HOST-PID.steps``, :func:`lorascope.rundir.format.callfile.step_file`), written in place
@@ -91,6 +93,8 @@ class StepProbe:
         self.records = StepRecords(session)
         self._on_step_end = on_step_end
         self._step_start: float | None = None
+        #: ``session.waited_ns`` when the step began: a record's ``waited`` is what it added since.
+        self._waited_from = 0
         #: The latest steps' durations: a step over SLOW_STEP times their median is slow.
         self._durations: collections.deque[float] = collections.deque(maxlen=SLOW_WINDOW)
         self._loss: Any = None
@@ -111,11 +115,13 @@ class StepProbe:
     # -- records ------------------------------------------------------------------
     def _phase(self, name: str, edge: str) -> dict[str, Any] | None:
         """A phase edge and its memory reading (returned: None if the memory probe is off)."""
+        session = self.session
         if self._step_start is None:
             self._step_start = time.time()
-        session = self.session
+            self._waited_from = session.waited_ns
         records = self.records
-        records.file.put(time.time(), 0.0, math.nan, session.step, records.label(name), _EDGES[edge])
+        waited = (session.waited_ns - self._waited_from) / 1e9
+        records.file.put(time.time(), 0.0, math.nan, waited, session.step, records.label(name), _EDGES[edge])
         if name not in STRIDED_PHASES:  # an eval, a save: its calls kept in full
             session.keep_steps.add(session.step)
         return self.memory.sample(f"{name}.{edge}")
@@ -161,6 +167,7 @@ class StepProbe:
             time.time(),
             round(dur, 6),
             math.nan if value is None else value,
+            (session.waited_ns - self._waited_from) / 1e9,
             session.step,
             records.label(source),
             STEP_END,
@@ -178,6 +185,7 @@ class StepProbe:
         if session.step in (1, WARM_UP_STEPS) or session.step % COST_EVERY == 0:
             session.record_cost()
         self._step_start = time.time()
+        self._waited_from = session.waited_ns
 
     def _resolve_losses(self) -> None:
         while self._pending_losses and self._pending_losses[0][2].query():

@@ -12,6 +12,7 @@ import math
 import operator
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from lorascope.detect.common import MIN_ALIKE_RANKS
@@ -141,7 +142,7 @@ def _window(first: int, last: int, focus: int | None, size: int) -> tuple[int, i
     return lo, min(last, lo + size - 1)
 
 
-def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def alignment(run: RunData, findings: list[Finding], sites_of: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The focus group's aligned calls: the group where ranks disagree, else one with pending
     calls, else the busiest."""
     by_group = groups_of(run)
@@ -223,7 +224,7 @@ def alignment(run: RunData, findings: list[Finding], sites_of: dict[str, dict[st
     }
 
 
-def _table_cell(c: Collective | None, focus: bool, sites_of: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _table_cell(c: Collective | None, focus: bool, sites_of: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     status = _cell(c)
     site = c.site if c else None
     context = sites_of.get(site or "", {})

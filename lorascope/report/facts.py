@@ -61,7 +61,7 @@ def _rank_facts(rank: RankData, summary: dict[str, Any], end: dict[str, Any]) ->
         if exc is None
         else {"type": exc["type"], "message": exc["message"], "traceback": exc["traceback"]},
         "signal": None if rank.signal is None else {"name": rank.signal["name"]},
-        "stacks": (exc or rank.signal or {}).get("stacks"),
+        "stacks": exc.get("stacks") if exc is not None else rank.signal.get("stacks") if rank.signal else None,
         "fatal": rank.fatal or None,
         "warnings": _warnings(rank),
         "probe_errors": summary["probe_errors"],

@@ -99,8 +99,9 @@ def end_mark(ended: dict[str, Any], rank: RankData) -> dict[str, Any]:
     """How the rank ended, as a short label for the end of its line."""
     status = ended["status"]
     if status == "exception":
-        text = (rank.exception or {}).get("message", "")
-        label = "OOM" if "out of memory" in text.lower() else (rank.exception or {}).get("type", "exception")
+        exc = rank.exception
+        text = exc["message"] if exc is not None else ""
+        label = "OOM" if "out of memory" in text.lower() else (exc["type"] if exc is not None else "exception")
     elif status == "signal":  # a fatal signal's detail goes on with faulthandler's whole dump
         label = str(ended["detail"] or "signal").splitlines()[0][:80]
     elif status == "exit":

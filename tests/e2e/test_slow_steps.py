@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lorascope.rundir.loading.reader import load_run
 from tests.helpers import LORASCOPE, TRAIN, free_port, probed, torchrun
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +25,26 @@ def planted(tmp_path: Path, nproc: int, *args: str) -> dict:
     res = subprocess.run([*LORASCOPE, "analyze", str(fin.out), "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     data: dict = json.loads(res.stdout)
+    data["run_dir"] = str(fin.out)
     return data
+
+
+def check_handle_waits(run_dir: Path) -> None:
+    """Every rank's time blocked on async collectives' handles is recorded (ZeRO-3's
+    all-gathers of the updated partitions after each step are waited on by handle), and
+    it lies within the async calls' own time: the waits a synchronous call makes on its
+    own work are the call's, not counted again."""
+    run = load_run(run_dir)
+    for rank in run.ranks.values():
+        steps = [s["step"] for s in rank.steps if s["step"] > 1]
+        assert sum(1 for s in steps if rank.handle_wait.get(s, 0.0) > 0) >= len(steps) - 1, rank.rank
+        calls: dict[int, float] = {}
+        for c in rank.collectives:
+            if c.is_async and c.end is not None:
+                calls[c.step + 1] = calls.get(c.step + 1, 0.0) + (c.end - c.start)
+        for s in steps:
+            assert rank.handle_wait.get(s, 0.0) <= calls.get(s, 0.0) + 0.002, (rank.rank, s)
+            assert rank.handle_wait_phases.get(s, {}).get("backward", 0.0) == 0.0  # only sync calls there
 
 
 def check(data: dict, rank: int, first: int, part: str) -> None:
@@ -45,13 +65,14 @@ def test_a_rank_slow_in_its_data_loading_from_halfway_is_named(tmp_path: Path) -
     CPU work preparing its batch from step 10 of 20 on (the job's step ~2x from then)."""
     data = planted(tmp_path, 3, "--steps", "20", "--slow-rank", "1", "--slow-ms", "300", "--slow-from", "10")
     check(data, 1, 10, "data")
+    check_handle_waits(Path(data["run_dir"]))
 
 
 @pytest.mark.slow
 def test_a_rank_slow_in_its_forward_from_halfway_is_named(tmp_path: Path) -> None:
-    """400 ms in the forward: the fast ranks' work counts their waits inside ZeRO-3's
-    asynchronous gathers, so a rank's extra compute reads as less than its share; the
-    episode is named from the change against its own steps before step 10."""
+    """400 ms in the forward: the fast ranks' own work moves with the slow rank's (3 ranks
+    share the 2 cores of the test machine), so a rank's extra compute reads as less than
+    its share; the episode is named from the change against its own steps before step 10."""
     data = planted(
         tmp_path,
         3,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.probes import allocator as allocator_mod
 from lorascope.probes.allocator import MAX_REQUESTED, AllocatorProbe, is_oom, parse_switch
 from lorascope.probes.session import Session
+from lorascope.rundir.format.layout import HEADER, MEM_FIELDS, offset_of
 from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot
@@ -222,18 +224,15 @@ def test_a_cuda_rank_without_history_says_why(tmp_path: Path) -> None:
             line for line in stream.read_text().splitlines(keepends=True) if json.loads(line)["k"] != "memory_history"
         ]
         t = json.loads(lines[1])["t"]
-        extra = [
-            {"on": False, "reason": reason, "k": "memory_history", "t": t},
-            {
-                "src": "sampler",
-                "step": 0,
-                "rss": 1,
-                "cuda": {"device": 0, "alloc": 1, "reserved": 2, "max_alloc": 1},
-                "k": "mem",
-                "t": t,
-            },
-        ]
-        stream.write_text(lines[0] + "".join(json.dumps(r) + "\n" for r in extra) + "".join(lines[1:]))
+        planted = {"on": False, "reason": reason, "k": "memory_history", "t": t}
+        stream.write_text(lines[0] + json.dumps(planted) + "\n" + "".join(lines[1:]))
+        # the rank's first reading becomes a CUDA rank's (its allocator's counters read)
+        mem = next((run / "ranks" / f"rank-{rank}").glob("*.mem"))
+        data = bytearray(mem.read_bytes())
+        codes = {name: code for name, code, _ in MEM_FIELDS}
+        for name, value in (("alloc", 1), ("reserved", 2), ("max_alloc", 1), ("device", 0)):
+            struct.pack_into("<" + codes[name], data, HEADER.size + offset_of(MEM_FIELDS, name), value)
+        mem.write_bytes(bytes(data))
     warnings = [w for w in load_bundle(run).warnings if "allocator history" in w]
     assert warnings == [
         "rank 0: no allocator history on this CUDA rank: RuntimeError: cudaMallocAsync does not yet support recordHistory"

@@ -20,7 +20,7 @@ import pytest
 from lorascope.detect.hang.diagnosis import main_thread_frame
 from lorascope.hang.collect import py_spy_dump, py_spy_message, stacks_text
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
-from tests.helpers import HANG_JSON_KEYS
+from tests.helpers import HANG_JSON_KEYS, Steps
 
 #: A process whose main thread waits inside a function named like a collective.
 IN_COLLECTIVE = "import time\ndef all_reduce():\n    time.sleep(60)\nall_reduce()\n"
@@ -202,12 +202,11 @@ def test_a_stopped_local_rank_of_a_run_is_named_with_its_state(tmp_path: Path) -
         time.sleep(0.5)
         now = time.time()
         record_launch(run, "h-1", ["torchrun", "train.py"], start=now - 10, end=None, exit_status=None)
-        stream = Stream(stream_prefix(run, 0, socket.gethostname(), proc.pid))
-        for kind, fields in (
-            ("start", {"rank": 0, "world_size": 1, "local_rank": 0, "pid": proc.pid, "host": socket.gethostname()}),
-            ("step", {"step": 1, "dur": 0.5, "loss": 1.0, "src": "torch"}),
-        ):
-            stream.write({"k": kind, "t": now + 1, **fields, "argv": ["train.py"], "versions": {}, "device": "cpu"})
+        prefix = stream_prefix(run, 0, socket.gethostname(), proc.pid)
+        stream = Stream(prefix)
+        stream.write({"k": "start", "t": now + 1, "rank": 0, "world_size": 1, "local_rank": 0, "pid": proc.pid,
+                      "host": socket.gethostname(), "argv": ["train.py"], "versions": {}, "device": "cpu"})  # fmt: skip
+        Steps(stream, prefix, now + 1).step(now + 1, 1, 0.5, 1.0)
         stream.close()
         os.kill(proc.pid, signal.SIGSTOP)
         res = subprocess.run(

@@ -39,7 +39,7 @@ def test_a_reading_is_64_bytes_of_its_table() -> None:
     assert MEM.size == 64 and MEM.format.startswith("<") and [f for f, _, _ in MEM_FIELDS][-1] == "stamp"
 
 
-def test_every_kind_of_reading_reads_back_as_the_stream_held_it(tmp_path: Path) -> None:
+def test_every_kind_of_reading_reads_back_as_written(tmp_path: Path) -> None:
     """RSS alone, with the heap, with the CUDA allocator's counters, and a sampler's with
     NVML's part (an ``nvml`` record): the same dicts, key for key in the same order."""
     stream = Stream(tmp_path / "r" / "h-1")
@@ -98,10 +98,10 @@ def test_a_killed_process_leaves_every_reading_the_probe_made(tmp_path: Path, de
     assert all(m["rss"] > 0 and m["heap"] > 0 for m in got)
 
 
-def _run(tmp_path: Path, in_file: bool, steps: int) -> Path:
-    """A one-rank run of ``steps`` steps with every kind of reading, a peak in the middle of
-    the run, in its memory file or (``in_file`` False) stream records as before."""
-    run = tmp_path / (("file" if in_file else "stream") + str(steps))
+def _run(tmp_path: Path, steps: int) -> Path:
+    """A one-rank run of ``steps`` steps with every kind of reading in its memory file, a
+    peak in the middle of the run."""
+    run = tmp_path / f"run{steps}"
     record_launch(run, "h-1", ["job"])
     prefix = stream_prefix(run, 0, "h", 42)
     stream = Stream(prefix)
@@ -116,10 +116,7 @@ def _run(tmp_path: Path, in_file: bool, steps: int) -> Path:
                 rec["rss"] = 1 << 40  # a peak on a step decimation drops
             if step % 50 and "nvml" in rec:
                 del rec["nvml"]
-            if in_file:
-                files.record(rec)
-            else:
-                stream.write(rec)
+            files.reading(rec)
     stream.write({"k": "end", "t": 2.5 + steps, "status": "exit", "code": 0})
     files.file.close()
     files.mem.close()
@@ -128,24 +125,25 @@ def _run(tmp_path: Path, in_file: bool, steps: int) -> Path:
 
 
 @pytest.mark.parametrize("steps", [6, 700])
-def test_a_memory_file_is_decimated_as_the_stream_records_were(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int
-) -> None:
-    """What the reader keeps of the memory file's readings is what it kept of the stream's
-    records: every reading of a short run; past the step budget the steps kept, each
-    column's peak, the readings with an NVML part; the same totals."""
+def test_a_memory_file_is_decimated_as_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """What the reader keeps of the memory file's readings is what decimating the whole
+    run keeps: every reading of a short run; past the step budget the steps kept and each
+    column's peak; the totals of every reading."""
     from lorascope.rundir.loading import reader
+    from lorascope.rundir.loading.reduce import decimate
 
+    run = _run(tmp_path, steps)
+    whole = load_run(run).ranks[0]
+    assert whole.stride == 1 and len(whole.mem) == 4 * steps
     monkeypatch.setattr(reader, "steps_per_rank", lambda ranks: 64)
-    from_file = load_run(_run(tmp_path, True, steps)).ranks[0]
-    from_stream = load_run(_run(tmp_path, False, steps)).ranks[0]
-    assert from_file.stride == from_stream.stride and (from_file.stride > 1) == (steps > 64)
-    assert [json.dumps(m) for m in from_file.mem] == [json.dumps(m) for m in from_stream.mem]
-    assert from_file.totals == from_stream.totals and from_file.totals["mem"] == 4 * steps
-    assert from_file.last_time == from_stream.last_time
-    assert any(m["rss"] == 1 << 40 for m in from_file.mem)
+    read = load_run(run).ranks[0]
+    assert read.stride == decimate(whole, 64) and (read.stride > 1) == (steps > 64)
+    assert [json.dumps(m) for m in read.mem] == [json.dumps(m) for m in whole.mem]
+    assert read.totals == whole.totals and read.totals["mem"] == 4 * steps
+    assert read.last_time == whole.last_time == 2.5 + steps
+    assert any(m["rss"] == 1 << 40 for m in read.mem)
     if steps > 64:
-        assert len(from_file.mem) < 4 * steps // 2
+        assert len(read.mem) < 4 * steps // 2
 
 
 def test_watch_follows_the_memory_file(tmp_path: Path) -> None:

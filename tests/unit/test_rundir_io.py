@@ -16,7 +16,7 @@ from lorascope.errors import BadInputError, FormatVersionError
 from lorascope.rundir.format.schema import FORMAT_VERSION
 from lorascope.rundir.format.writer import Line, Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
-from tests.helpers import Calls
+from tests.helpers import Calls, Steps
 
 START = {
     "k": "start",
@@ -42,13 +42,18 @@ def make_run(
     keep: int = 4,
     calls: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """A one-rank run: ``records`` in its stream, ``calls`` (keyword arguments of
+    """A one-rank run: ``records`` in its stream (``step`` records in its steps file), ``calls`` (keyword arguments of
     :meth:`tests.helpers.Calls.call`) in its call file."""
     record_launch(tmp_path, "h-1", ["job"])
     prefix = stream_prefix(tmp_path, 0, "h", 42)
     stream = Stream(prefix, segment_bytes=segment_bytes, keep_segments=keep)
-    for rec in [dict(START), *records]:
-        stream.write(rec)
+    stream.write(dict(START))
+    steps = Steps(stream, prefix, 1.0) if any(rec["k"] == "step" for rec in records) else None
+    for rec in records:
+        if rec["k"] == "step" and steps is not None:  # into the steps file, as the probes write them
+            steps.record({"t": 1.5, **rec})
+        else:
+            stream.write(rec)
     if calls is not None:
         writer = Calls(stream, prefix, 1.0)
         for call in calls:
@@ -56,6 +61,12 @@ def make_run(
         writer.close()
     stream.close()
     return tmp_path
+
+
+def zero_param(step: Any, **extra: Any) -> dict[str, Any]:
+    """A stream record of a kind the reader keeps every one of, in order (an entry into
+    ZeRO-3's parameter state)."""
+    return {"k": "zero_param", "what": "GatheredParameters", "op": "enter", "step": step, **extra}
 
 
 def stream_file(run: Path) -> Path:
@@ -114,8 +125,8 @@ def test_corrupt_middle_line_is_an_error(tmp_path: Path) -> None:
 
 
 def test_schema_violation_names_file_and_line(tmp_path: Path) -> None:
-    run_dir = make_run(tmp_path, [{"k": "step", "step": "one", "dur": 0.5, "loss": None, "src": "torch"}])
-    with pytest.raises(BadInputError, match=r"\.jsonl:2: a 'step' record field 'step' is str"):
+    run_dir = make_run(tmp_path, [zero_param("one")])
+    with pytest.raises(BadInputError, match=r"\.jsonl:2: a 'zero_param' record field 'step' is str"):
         load_run(run_dir)
 
 
@@ -127,14 +138,11 @@ def test_stream_must_begin_with_start(tmp_path: Path) -> None:
 
 
 def test_rotation_keeps_first_and_newest_segments(tmp_path: Path) -> None:
-    steps = [
-        {"k": "step", "step": i, "dur": 0.1, "loss": None, "src": "torch", "pad": "x" * 200} for i in range(1, 101)
-    ]
-    run_dir = make_run(tmp_path, steps, segment_bytes=2000, keep=2)
+    run_dir = make_run(tmp_path, [zero_param(i, pad="x" * 200) for i in range(1, 101)], segment_bytes=2000, keep=2)
     files = sorted(p.name for p in (run_dir / "ranks" / "rank-0").iterdir())
     assert files[0].endswith(".0000.jsonl") and len(files) == 3
     run = load_run(run_dir)
-    kept = [s["step"] for s in run.ranks[0].steps]
+    kept = [s["step"] for s in run.ranks[0].zero_params]
     assert kept[-1] == 100 and 1 in kept and len(kept) < 100
     assert any("rotated away" in w for w in run.warnings)
 
@@ -176,7 +184,7 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
         "i = 0\n"
         "while True:\n"
         "    i += 1\n"
-        "    s.write({'k': 'step', 'step': i, 'dur': 0.1, 'loss': None, 'src': 'torch', 'pad': 'y' * (i % 997)})\n"
+        f"    s.write({{**{zero_param(0)!r}, 'step': i, 'pad': 'y' * (i % 997)}})\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
@@ -191,7 +199,7 @@ def test_sigkill_mid_stream_leaves_every_record(tmp_path: Path) -> None:
     proc.kill()
     proc.wait()
     run = load_run(tmp_path)
-    steps = [s["step"] for s in run.ranks[0].steps]
+    steps = [s["step"] for s in run.ranks[0].zero_params]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > 1000
     assert run.ranks[0].end is None
 
@@ -233,9 +241,7 @@ class Ended(Line):
 
     def encode(self) -> str:
         self.encoded += 1
-        return (
-            json.dumps({"k": "step", "t": 1.0, "step": self.encoded, "dur": 0.1, "loss": None, "src": "torch"}) + "\n"
-        )
+        return json.dumps({**zero_param(self.encoded), "t": 1.0}) + "\n"
 
 
 def test_records_are_queued_until_a_flush(tmp_path: Path) -> None:
@@ -246,14 +252,14 @@ def test_records_are_queued_until_a_flush(tmp_path: Path) -> None:
     stream.write(dict(START, t=0.5))
     lazy = Ended()
     stream.append(lazy)
-    stream.append({"k": "phase", "t": 1.0, "name": "forward", "edge": "begin", "step": 0})
+    stream.append({"k": "warning", "t": 1.0, "category": "UserWarning", "message": "m", "filename": "f", "lineno": 1})
     assert lazy.encoded == 0 and stream_file(tmp_path).read_text().count("\n") == 1
     stream.flush()
     assert lazy.encoded == 1 and stream_file(tmp_path).read_text().count("\n") == 3
-    stream.append({"k": "phase", "t": 2.0, "name": "forward", "edge": "end", "step": 0})
+    stream.append({"k": "warning", "t": 2.0, "category": "UserWarning", "message": "m", "filename": "f", "lineno": 2})
     stream.write({"k": "end", "t": 3.0, "status": "exit", "code": 0})
     kinds = [json.loads(line)["k"] for line in stream_file(tmp_path).read_text().splitlines()]
-    assert kinds == ["start", "step", "phase", "phase", "end"]
+    assert kinds == ["start", "zero_param", "warning", "warning", "end"]
 
 
 def test_writer_thread_flushes_within_its_interval(tmp_path: Path) -> None:
@@ -261,9 +267,9 @@ def test_writer_thread_flushes_within_its_interval(tmp_path: Path) -> None:
     stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
     stream.write(dict(START, t=0.5))
     stream.start_writer(interval=0.02)
-    stream.append({"k": "step", "t": 1.0, "step": 1, "dur": 0.1, "loss": None, "src": "torch"})
+    stream.append({**zero_param(1), "t": 1.0})
     deadline = time.monotonic() + 5
-    while "step" not in stream_file(tmp_path).read_text():
+    while "zero_param" not in stream_file(tmp_path).read_text():
         assert time.monotonic() < deadline, "the writer thread never flushed"
         time.sleep(0.005)
     stream.close()
@@ -274,11 +280,11 @@ def test_a_full_queue_drops_and_says_how_many(tmp_path: Path) -> None:
     stream = Stream(stream_prefix(tmp_path, 0, "h", 42), queue_records=3)
     stream.write(dict(START, t=0.5))
     for i in range(1, 11):
-        stream.append({"k": "step", "t": 1.0 + i, "step": i, "dur": 0.1, "loss": None, "src": "torch"})
+        stream.append({**zero_param(i), "t": 1.0 + i})
     assert stream.dropped == 7
     stream.close()
     run = load_run(tmp_path)
-    assert [s["step"] for s in run.ranks[0].steps] == [1, 2, 3]
+    assert [s["step"] for s in run.ranks[0].zero_params] == [1, 2, 3]
     assert any("the probes dropped 7 record(s) (their queue was full)" in w for w in run.warnings)
 
 
@@ -286,16 +292,16 @@ def test_a_forked_child_writes_nothing(tmp_path: Path) -> None:
     record_launch(tmp_path, "h-1", ["job"])
     stream = Stream(stream_prefix(tmp_path, 0, "h", 42))
     stream.write(dict(START, t=0.5))
-    stream.append({"k": "step", "t": 1.0, "step": 1, "dur": 0.1, "loss": None, "src": "torch"})
+    stream.append({**zero_param(1), "t": 1.0})
     pid = os.fork()
     if pid == 0:  # the child: its copy of the queue and descriptor are off
         code = 0 if not stream.alive else 1
-        stream.write({"k": "step", "t": 2.0, "step": 99, "dur": 0.1, "loss": None, "src": "torch"})
+        stream.write({**zero_param(99), "t": 2.0})
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     stream.close()
-    assert [s["step"] for s in load_run(tmp_path).ranks[0].steps] == [1]
+    assert [s["step"] for s in load_run(tmp_path).ranks[0].zero_params] == [1]
 
 
 @pytest.mark.parametrize(
@@ -345,7 +351,7 @@ def test_rotated_segments_declare_the_shapes_their_calls_name(tmp_path: Path) ->
         if sid is None:
             sid = shapes.declare(key)
         calls.end(calls.begin(2.0 + seq, seq, 64, seq, 0, sid), 2.5 + seq)
-        stream.write({"k": "step", "t": 2.6 + seq, "step": seq, "dur": 1.0, "loss": None, "src": "torch"})
+        stream.write({**zero_param(seq), "t": 2.6 + seq})  # the stream grows: its segments rotate
     calls.close()
     stream.close()
     files = sorted((tmp_path / "ranks" / "rank-0").glob("*.jsonl"))

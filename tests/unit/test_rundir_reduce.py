@@ -6,16 +6,17 @@ worker pool reads what the serial path reads."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,10 +27,11 @@ from lorascope.detect.common import peak_memory
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.report.data import build_report_data
 from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, offset_of, slot_of
+from lorascope.rundir.format.writer import Stream, stream_prefix
 from lorascope.rundir.loading import align, callreduce, reader, reduce, workers
 from lorascope.rundir.loading.calls import read_calls
 from lorascope.rundir.loading.reader import load_run
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, Steps
 
 RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
 
@@ -259,15 +261,14 @@ def test_a_collective_pickles_as_its_fields() -> None:
     assert loaded == calls and loaded[0].pending is False and loaded[1].pending is True
 
 
-_NUMBER = st.one_of(st.integers(0, 2**40), st.floats(0, 2**40), st.just(math.nan))
+_COUNT = st.integers(0, 2**40)
 
 
 @st.composite
 def _step_keyed(draw: st.DrawFn) -> list[dict[str, Any]]:
     """A rank's step-keyed records: steps mostly in order, now and then one repeated,
-    skipped or going back; mem records with and without the heap or CUDA figures (a NaN
-    now and then), phase edges of backward and other phases, logits of two places, and a
-    loss read after its step."""
+    skipped or going back; readings with and without the heap or CUDA figures, phase edges
+    of backward and other phases, logits of two places, and a loss read after its step."""
     out: list[dict[str, Any]] = []
     step, t = 0, 1.0
     for _ in range(draw(st.integers(0, 160))):
@@ -279,12 +280,12 @@ def _step_keyed(draw: st.DrawFn) -> list[dict[str, Any]]:
             loss = draw(st.one_of(st.none(), st.floats(0, 10)))
             out.append({"step": step, "dur": draw(st.sampled_from([0.5, 0.0, 1, 0.25])), "loss": loss, "src": "x"})
         elif what == "mem":
-            rec: dict[str, Any] = {"src": "step", "step": on, "rss": draw(st.one_of(st.none(), st.integers(0, 2**40)))}
+            rec: dict[str, Any] = {"src": "step", "step": on, "rss": draw(st.one_of(st.none(), _COUNT))}
             more = draw(st.sampled_from(["heap", "cuda", "none"]))
             if more == "heap":
-                rec["heap"] = draw(_NUMBER)
+                rec["heap"] = draw(_COUNT)
             elif more == "cuda":
-                rec["cuda"] = {"alloc": draw(_NUMBER), "max_alloc": draw(_NUMBER), "used": 3, "total": 4}
+                rec["cuda"] = {"device": 0, "alloc": draw(_COUNT), "reserved": draw(_COUNT), "max_alloc": draw(_COUNT)}
             out.append(rec)
         elif what == "phase":
             name = draw(st.sampled_from(["backward", "backward", "forward"]))
@@ -298,72 +299,68 @@ def _step_keyed(draw: st.DrawFn) -> list[dict[str, Any]]:
     return out
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(records=_step_keyed(), budget=st.integers(1, 24))
-def test_dropping_step_keyed_records_on_the_way_changes_nothing(records: list[dict[str, Any]], budget: int) -> None:
-    """The reader drops on the way (StepKeeper.prune, here after every record) only what
-    decimation drops at the end: the kept records, peaks, stride, totals and backward
-    spans are those of a reader that holds every record until the end; and the totals are
-    those of their definition over every record."""
-    start = {
-        "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "ppid": 1, "host": "vm", "argv": ["train.py"],
-        "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start", "t": 0.5,
-    }  # fmt: skip
-    path = Path("stream.jsonl")
-    streams = []
-    for prune in (False, True):
-        stream = reader._Stream(0, [], budget)
-        stream.record(path, 1, dict(start))
-        stream.keeper._next = 1 << 62  # no pruning but what the test asks for
-        for n, rec in enumerate(records, 2):
-            stream.record(path, n, json.loads(json.dumps(rec)))  # a copy: a loss record changes its step
-            if prune:
-                stream.keeper.prune(stream.data)
-        streams.append(stream)
-    whole, pruned = streams
-    assert whole.data is not None and pruned.data is not None
-    assert len(pruned.data.mem) <= len(whole.data.mem)
-    assert whole.keeper.spans.spans == reduce.backward_spans(whole.data.phases)
-    full_mem = list(whole.data.mem)
-    a, b = (s.finish(path, budget, None) for s in streams)
+def test_reading_within_a_budget_keeps_what_decimation_keeps(records: list[dict[str, Any]], budget: int) -> None:
+    """A rank's steps, phase edges and readings (in its steps and memory files) and logits
+    (in its stream), read within a step budget (dropping on the way, StepKeeper.prune after
+    every record it holds): the kept records, peaks, stride, totals and time outside
+    backward are those of the whole rank read, then decimated."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = stream_prefix(Path(tmp), 0, "vm", 7)
+        stream = Stream(prefix)
+        stream.write({"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "host": "vm",
+                      "argv": ["train.py"], "versions": {}, "device": "cpu", "t": 0.5})  # fmt: skip
+        files = Steps(stream, prefix, 0.5)
+        for rec in records:
+            if rec["k"] in ("step", "phase", "mem"):
+                files.record(rec)
+            else:
+                stream.write(rec)
+        stream.close()
+        [path] = prefix.parent.glob("*.jsonl")
+        whole = reader._Stream(0, [], 1 << 62)
+        whole.read([(0, path)])
+        a = whole.finish(path, 1 << 62, None)
+        with mock.patch.object(reduce, "PRUNE_RECORDS", 0):
+            within = reader._Stream(0, [], budget)
+            within.read([(0, path)])
+            b = within.finish(path, budget, None)
+    assert a.totals["mem"] == sum(rec["k"] == "mem" for rec in records)  # every reading counted, made or not
+    a.stride = reduce.decimate(a, budget)
     for name in ("mem", "phases", "steps", "logits", "stride", "totals", "coll_wait_outside_backward"):
         assert json.dumps(getattr(a, name), default=str) == json.dumps(getattr(b, name), default=str), name
-    assert a.totals["mem"] == len(full_mem)  # every mem record counted, made or not
 
 
-def test_a_long_run_holds_about_its_budget_of_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    """3,000 steps in order (a step, three mem and two phase records each) read with a
-    budget of 16 steps: the reader never holds more than a few hundred mem and phase
-    records (it held all 15,000 before StepKeeper), and decimation keeps the same ones."""
-    monkeypatch.setattr(reduce, "PRUNE_RECORDS", 64)
-    start = {
-        "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "ppid": 1, "host": "vm", "argv": ["train.py"],
-        "versions": {}, "device": "cpu", "sample_interval": 0.5, "launch_id": "vm-1", "k": "start", "t": 0.5,
-    }  # fmt: skip
-    path = Path("stream.jsonl")
-    stream = reader._Stream(0, [], 16)
-    stream.record(path, 1, start)
-    held, n = 0, 1
+def test_a_long_run_is_read_into_about_its_budget_of_records(tmp_path: Path) -> None:
+    """3,000 steps (a step, three readings and two phase edges each, in the steps and
+    memory files) read with a budget of 16 steps: only the records decimation keeps are
+    made (the peaks among them), every reading is counted and every backward edge seen."""
+    prefix = stream_prefix(tmp_path, 0, "vm", 7)
+    stream = Stream(prefix)
+    stream.write({"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 7, "host": "vm",
+                  "argv": ["train.py"], "versions": {}, "device": "cpu", "t": 0.5})  # fmt: skip
+    files = Steps(stream, prefix, 0.5)
+    t = 1.0
     for step in range(1, 3001):
-        for rec in (
-            {"name": "backward", "edge": "begin", "step": step, "k": "phase"},
-            {"src": "backward.begin", "step": step, "rss": 100 + step % 7, "heap": 9, "k": "mem"},
-            {"name": "backward", "edge": "end", "step": step, "k": "phase"},
-            {"src": "sampler", "step": step, "rss": 100, "heap": 9, "k": "mem"},
-            {"step": step + 1, "dur": 0.5, "loss": 1.0, "src": "x", "k": "step"},
-            {"src": "step", "step": step + 1, "rss": 100, "heap": 9, "k": "mem"},
-        ):
-            n += 1
-            stream.record(path, n, {**rec, "t": float(n)})
-            assert stream.data is not None
-            held = max(held, len(stream.data.mem) + len(stream.data.phases))
-    assert held < 600, held
-    data = stream.finish(path, 16, None)
+        files.phase(t, "backward", "begin", step)
+        files.reading({"t": t, "src": "backward.begin", "step": step, "rss": 100 + step % 7, "heap": 9})
+        files.phase(t + 0.1, "backward", "end", step)
+        files.reading({"t": t + 0.1, "src": "sampler", "step": step, "rss": 100, "heap": 9})
+        files.step(t + 0.2, step + 1, 0.5, 1.0, "x")
+        files.reading({"t": t + 0.2, "src": "step", "step": step + 1, "rss": 100, "heap": 9})
+        t += 1.0
+    stream.close()
+    [path] = prefix.parent.glob("*.jsonl")
+    read = reader._Stream(0, [], 16)
+    read.read([(0, path)])
+    data = read.finish(path, 16, None)
     stride, kept = reduce.kept_steps(range(2, 3002), 16)
     assert data.totals["mem"] == 9000 and data.stride == stride == 512
     assert [s["step"] for s in data.steps] == sorted(kept)
     assert {m["step"] for m in data.mem} == set(kept) | {1, 6}  # the peaks: the first heap of 9, RSS of 106
-    assert len(stream.keeper.spans.spans) == 3000
+    assert len(data.mem) < 100 and len(data.phases) < 100
+    assert len(read.keeper.spans.spans) == 3000
 
 
 def test_a_windows_digest_is_its_calls_in_any_order() -> None:

@@ -347,3 +347,26 @@ def test_two_slow_ranks_are_named_together_though_a_third_set_the_pace_before() 
     assert sum(t.setter(i) == 1 for i in range(len(t.steps))) >= 5
     [f] = slow_steps.detect(bundle)
     assert f.ranks == [2, 3] and "from step 12 on" in f.title
+
+
+def test_a_whole_run_straggler_is_told_from_the_others_waiting_on_handles() -> None:
+    """Two ranks, rank 1 +200 ms in its forward all run long, rank 0 blocked the same 200 ms
+    on a prefetched all-gather's handle inside its forward (ZeRO-3): no step without the
+    slowness to take a baseline from. With the waits recorded (the steps file's ``waited``)
+    rank 0's work leaves them out, the straggler is named and the replay saves the 200 ms;
+    without them (0: not recorded) its waiting reads as work, and the two ranks look alike."""
+
+    def bundle(recorded: bool) -> EvidenceBundle:
+        extra = {(r, "forward"): from_step(1, 24, 0.2) for r in (0, 1)}
+        b = run_of(24, 2, extra, seed=3, jitter=0.05)
+        if recorded:
+            rank = b.run.ranks[0]
+            rank.handle_wait = from_step(1, 24, 0.2)
+            rank.handle_wait_phases = {s: {"forward": 0.2} for s in range(1, 25)}
+        return b
+
+    [f] = straggler.detect(bundle(True))
+    assert f.ranks == [1] and f.details["what_if"]["saved_per_step_s"] == pytest.approx(0.2, abs=0.03)
+    t = pace.table(bundle(True).run)
+    assert t is not None and statistics.median(t.parts_of(0)["forward"]) == pytest.approx(0.06, abs=0.01)
+    assert straggler.detect(bundle(False)) == []

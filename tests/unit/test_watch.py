@@ -145,17 +145,17 @@ def test_tail_keeps_a_growing_slot_file_open_and_opens_a_quiet_one_again(
     followed = tail.streams[(0, "h-1")].steps
     assert followed is not None and followed.fd is None
     for step in (1, 2):
-        written.put(10.0 + step, 1.0, 0.5, step, 0, STEP_END)
+        written.put(10.0 + step, 1.0, 0.5, 0.0, step, 0, STEP_END)
     opened.clear()
     assert _steps_looked(tail) == [1, 2] and opened.count("h-1.steps") == 1 and followed.fd is not None
-    written.put(13.0, 1.0, 0.5, 3, 0, STEP_END)
+    written.put(13.0, 1.0, 0.5, 0.0, 3, 0, STEP_END)
     read = tail.bytes_read
     opened.clear()
     assert _steps_looked(tail) == [3] and opened.count("h-1.steps") == 0  # read through the open file
     assert tail.bytes_read - read == STEP.size  # the new record only
     read = tail.bytes_read
     assert _steps_looked(tail) == [] and tail.bytes_read == read and followed.fd is None  # quiet: closed
-    written.put(14.0, 1.0, 0.5, 4, 0, STEP_END)  # late
+    written.put(14.0, 1.0, 0.5, 0.0, 4, 0, STEP_END)  # late
     opened.clear()
     assert _steps_looked(tail) == [4] and opened.count("h-1.steps") == 1  # opened again, and seen
     tail.close()
@@ -171,7 +171,7 @@ def test_tail_keeps_no_more_files_open_than_its_budget_and_reads_them_all(tmp_pa
     tail = Tail(tmp_path, max_open=2)
     for step in (1, 2, 3):
         for rank, f in enumerate(files):
-            f.put(10.0 + step, 1.0, 0.5, 10 * rank + step, 0, STEP_END)
+            f.put(10.0 + step, 1.0, 0.5, 0.0, 10 * rank + step, 0, STEP_END)
         assert sorted(_steps_looked(tail)) == [10 * rank + step for rank in range(4)]
         assert tail._open == sum(s.steps is not None and s.steps.fd is not None for s in tail.streams.values()) == 2
     tail.close()
@@ -210,16 +210,16 @@ def test_tail_reads_a_slot_file_made_anew_or_cut_as_far_as_it_goes(tmp_path: Pat
     path = tmp_path / "ranks" / "rank-0" / "h-1.steps"
     old = step_file(path)
     for step in range(1, 6):
-        old.put(10.0 + step, 1.0, 0.5, step, 0, STEP_END)
+        old.put(10.0 + step, 1.0, 0.5, 0.0, step, 0, STEP_END)
     tail = Tail(tmp_path)
     assert _steps_looked(tail) == [1, 2, 3, 4, 5]
-    old.put(16.0, 1.0, 0.5, 6, 0, STEP_END)
+    old.put(16.0, 1.0, 0.5, 0.0, 6, 0, STEP_END)
     assert _steps_looked(tail) == [6]  # held open now
     old.close()
     path.unlink()
     new = step_file(path)
     for step in (1, 2):
-        new.put(20.0 + step, 1.0, 0.5, 100 + step, 0, STEP_END)
+        new.put(20.0 + step, 1.0, 0.5, 0.0, 100 + step, 0, STEP_END)
     assert _steps_looked(tail) == []  # the open file is the old one: it did not grow, closed
     assert _steps_looked(tail) == [101, 102]  # opened again: the new file, from its start
     new.close()
@@ -229,9 +229,10 @@ def test_tail_reads_a_slot_file_made_anew_or_cut_as_far_as_it_goes(tmp_path: Pat
     path.write_bytes(data)
     assert _steps_looked(tail) == []  # whole again, its count as read: nothing new
     with open(path, "r+b") as f:  # a third record, written as the writer would
-        rec = bytearray(data[HEADER.size + STEP.size : HEADER.size + 2 * STEP.size])
+        rec = np.frombuffer(data, STEP_DTYPE, count=1, offset=HEADER.size + STEP.size).copy()
+        rec["step"], rec["stamp"] = 103, 3
         f.seek(HEADER.size + 2 * STEP.size)
-        f.write(STEP.pack(*STEP.unpack(bytes(rec))[:3], 103, *STEP.unpack(bytes(rec))[4:-1], 3))
+        f.write(rec.tobytes())
         f.seek(COUNT_OFFSET)
         f.write((3).to_bytes(8, "little"))
     assert _steps_looked(tail) == [103]
@@ -477,6 +478,33 @@ def test_memory_readings_of_many_processes_taken_in_at_once_are_each_process_alo
     got = {n: (r.mem_now, r.mem_peak, r.mem_metric) for n, r in live.ranks.items()}
     assert got == {n: w for n, w in want.items() if n in got} and len(got) == 8
     assert {m for *_, m in want.values()} == {"rss", "cuda"}
+
+
+def test_a_rank_blocked_on_handles_is_not_the_slower_one() -> None:
+    """Two ranks, every step 0.3 s on both: rank 0 blocked 0.15 s of it on async
+    collectives' handles (the steps file's ``waited``), waiting for rank 1. Its work is
+    the other half, and rank 1 is the slower one; with the waits not recorded (0) the two
+    look alike and nothing is named."""
+
+    def checks(blocked: float) -> list[tuple[str, list[int]]]:
+        live = LiveRun()
+        streams, parts = [], []
+        for n in range(2):
+            stream = tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl"))
+            live.take([(stream, b'{"k":"start","t":1.0,"rank":%d,"world_size":2}' % n)])
+            recs = np.zeros(12, STEP_DTYPE)
+            recs["kind"], recs["step"], recs["dur"] = STEP_END, np.arange(1, 13), 0.3
+            recs["t"] = 10.0 + 0.3 * np.arange(1, 13)
+            recs["waited"] = blocked if n == 0 else 0.0
+            streams.append(stream)
+            parts.append(recs)
+        owner = np.repeat(np.arange(2), 12)
+        records = np.concatenate(parts)
+        live.take_steps(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+        return [(c.id, c.ranks) for c in live.checks(now=13.7) if c.id == "slower"]
+
+    assert checks(0.15) == [("slower", [1])]
+    assert checks(0.0) == []
 
 
 def _synthetic(ranks: int, now: float) -> LiveRun:

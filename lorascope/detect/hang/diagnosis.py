@@ -249,20 +249,20 @@ def _rank_state(
     }
 
 
-def _dumps(rank: RankData, run: RunData, as_of: float | None) -> list[dict[str, Any]]:
+def _dumps(rank: RankData, run: RunData, as_of: float | None) -> list[Mapping[str, Any]]:
     """The rank's dumps (:func:`dumps_of`); with ``as_of``, those taken by then (within
     MOVING_WITHIN_S), else its records read as a dump taken then (the calls in flight; no
     stack)."""
     if as_of is None:
         return dumps_of(rank, run)
-    taken = [d for d in rank.dumps if float(d["t"]) <= as_of + MOVING_WITHIN_S]
+    taken: list[Mapping[str, Any]] = [d for d in rank.dumps if float(d["t"]) <= as_of + MOVING_WITHIN_S]
     if taken:
         return taken
     pending = [call_entry(c) for c in rank.collectives if c.start <= as_of and (c.end is None or c.end >= as_of)]
     return [{"t": as_of, "reason": RECORDS_THEN, "pending": pending, "stacks": "", "since_progress": None}]
 
 
-def flight_at(timeline: list[tuple[float, FlightDump]], dump: dict[str, Any]) -> FlightDump | None:
+def flight_at(timeline: list[tuple[float, FlightDump]], dump: Mapping[str, Any]) -> FlightDump | None:
     """The flight-recorder dump a rank wrote with ``dump`` (a dump, or its stop from
     outside: any written after the stop), if any."""
     at = float(dump["t"])
@@ -370,7 +370,7 @@ def diagnose(
     }
 
 
-def _not_hung(run: RunData, last_dumps: dict[int, dict[str, Any]]) -> str | None:
+def _not_hung(run: RunData, last_dumps: Mapping[int, Mapping[str, Any]]) -> str | None:
     """The kind of a diagnosis that finds no hang, else None: "finished" when every rank
     exited with code 0 (the job ended while `lorascope hang` waited); "moving" when every
     rank's latest dump caught it moving, or it made a step after it (and it had not

@@ -23,6 +23,7 @@ from lorascope.detect.common import short_site
 from lorascope.detect.hang.conditions import rank_condition
 from lorascope.detect.hang.divergence import Divergence, conditions_at
 from lorascope.rundir.loading.reader import RankData, RunData
+from lorascope.rundir.loading.records import ZeroParamRecord
 from lorascope.units import ranks_named
 
 #: The probe whose failure leaves a rank's entries unrecorded.
@@ -72,7 +73,7 @@ class RankOnly:
         }
 
 
-def _condition(rank: RankData, rec: dict[str, Any]) -> tuple[str, str] | None:
+def _condition(rank: RankData, rec: ZeroParamRecord) -> tuple[str, str] | None:
     for frame in (rec.get("site"), rec.get("via")):
         if isinstance(frame, str):
             cond = rank_condition(rank, frame)
@@ -87,11 +88,11 @@ def rank_only_entry(run: RunData, div: Divergence) -> RankOnly | None:
     members = sorted(div.calls)
     if not any(run.ranks[n].zero_params for n in members if n in run.ranks):
         return None
-    entries: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    entries: dict[int, dict[str, list[ZeroParamRecord]]] = {}
     for n in members:
         call = div.calls[n]
         until = call.start if call is not None else math.inf
-        by_site: dict[str, list[dict[str, Any]]] = {}
+        by_site: dict[str, list[ZeroParamRecord]] = {}
         for rec in run.ranks[n].zero_params:
             if rec.get("op") == "enter" and float(rec["t"]) <= until:
                 by_site.setdefault(str(rec.get("site")), []).append(rec)

@@ -70,6 +70,12 @@ STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("t", "d", "epoch seconds of the phase edge, or when the step's record was made"),
     ("dur", "d", "a step: its wall seconds (6 decimals); a phase edge: 0.0"),
     ("loss", "d", "a step: its loss; NaN when none was read then (a stream 'loss' record may give it)"),
+    (
+        "waited",
+        "d",
+        "seconds the process's threads were blocked on async collectives' handles since the step began "
+        "(Work.wait, wait_tensor; a step: all of it); 0.0: none, or not recorded",
+    ),
     ("step", "i", "a step: its number, from 1; a phase edge: steps this rank had completed"),
     ("label", "i", "the id of the stream's label record: the phase's name, or the step's source"),
     ("kind", "I", "STEP_KINDS: 0 a phase begins, 1 a phase ends, 2 a step ends"),
@@ -103,7 +109,11 @@ CALL = _struct(CALL_FIELDS)
 STEP = _struct(STEP_FIELDS)
 #: The first bytes of a steps file, and its own version.
 STEPS_MAGIC = b"LSSTEPS\0"
-STEPS_VERSION = 1
+STEPS_VERSION = 2
+#: Version 1 of the steps file (lorascope 0.3.0): the same records without ``waited``;
+#: still read (``waited`` 0.0: not recorded).
+STEP_FIELDS_V1 = tuple(f for f in STEP_FIELDS if f[0] != "waited")
+STEP_V1 = _struct(STEP_FIELDS_V1)
 #: A steps file's slots: every record in the head (no ring; 2**39 records is no bound a
 #: run reaches), so that the call file's slot arithmetic serves it unchanged.
 STEPS_HEAD = 1 << 39

@@ -84,10 +84,7 @@ RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "segment": {"index": _INT},
     "dist_init": {"rank": _INT, "world_size": _INT},
     "config": {"name": _STR, "value": (dict,)},
-    "mem": {"src": _STR, "step": _INT, "rss": _OPT_INT},
     "loss": {"step": _INT, "loss": _OPT_NUM},
-    "phase": {"name": _STR, "edge": _STR, "step": _INT},
-    "step": {"step": _INT, "dur": _NUM, "loss": _OPT_NUM, "src": _STR},
     "group": {"gid": _INT, "name": _STR, "ranks": (list, type(None)), "backend": _OPT_STR},
     #: A call shape, declared before the first call record that names it by ``id``
     #: (again at the head of each later segment: a segment may be rotated away).

@@ -11,7 +11,7 @@ import linecache
 import os
 import re
 import tokenize
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lorascope.errors import BadInputError
@@ -111,7 +111,7 @@ def describe(filename: str, lineno: int, lines: Sequence[str] | None = None) -> 
     return {"line": line, "conditions": [text for _, text in sorted(found, reverse=True)]}
 
 
-def rank_condition_in(context: dict[str, Any] | None) -> str | None:
+def rank_condition_in(context: Mapping[str, Any] | None) -> str | None:
     """The innermost enclosing condition in a :func:`describe` context that tests the rank
     (in its code: a recording made before conditions were stored without their comments
     may carry one)."""

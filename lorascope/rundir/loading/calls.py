@@ -39,6 +39,8 @@ from lorascope.rundir.format.layout import (
     STAMP_MASK,
     STEP,
     STEP_FIELDS,
+    STEP_FIELDS_V1,
+    STEP_V1,
     STEPS_MAGIC,
     STEPS_VERSION,
     slot_runs,
@@ -88,6 +90,8 @@ class FileKind:
 
 CALLS = FileKind("call", MAGIC, CALLS_VERSION, CALL, CALL_DTYPE)
 STEPS = FileKind("step", STEPS_MAGIC, STEPS_VERSION, STEP, STEP_DTYPE)
+#: A steps file of lorascope 0.3.0 (no ``waited``).
+STEPS_V1 = FileKind("step", STEPS_MAGIC, 1, STEP_V1, dtype_of(STEP_FIELDS_V1))
 MEMORY = FileKind("memory", MEM_MAGIC, MEM_VERSION, MEM, MEM_DTYPE)
 
 
@@ -130,6 +134,17 @@ def read_header(raw: bytes, where: str, kind: FileKind = CALLS) -> tuple[int, in
     if (ring < 1 and head < 1 << 30) or head + ring >= 1 << 40:
         raise BadInputError(f"{where}: a {noun} file header with head {head} and ring {ring}")
     return head, ring, count
+
+
+def file_version(path: Path) -> int | None:
+    """The version a slot file's header gives (None: no header could be read; reading
+    the file then says why)."""
+    try:
+        with open_regular(path, inside=path.parent) as f:
+            raw = f.read(HEADER.size)
+    except (OSError, BadInputError):
+        return None
+    return int(HEADER.unpack_from(raw)[1]) if len(raw) == HEADER.size else None
 
 
 #: Slots read past the header's count: records begun while the count was behind them

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
+from lorascope.rundir.loading.records import StallRecord
 from lorascope.units import ranks_named, strip_source_locations
 
 #: faulthandler's first line ("Fatal Python error: Aborted") -> the signal.
@@ -332,8 +334,10 @@ def _stop_dump(rank: RankData, run: RunData) -> dict[str, Any] | None:
     at = stop_time(run)
     if at is None or stopped_at(rank) is None:
         return None
-    record = rank.exception if rank.exception is not None else rank.signal
-    stacks = (record or {}).get("traceback" if rank.exception is not None else "stacks")
+    if rank.exception is not None:
+        stacks: str | None = rank.exception["traceback"]
+    else:
+        stacks = rank.signal.get("stacks") if rank.signal is not None else None
     return {
         "t": at,
         "reason": "stopped",
@@ -380,15 +384,17 @@ def moving_when_stopped(run: RunData) -> dict[int, bool]:
     return found
 
 
-def dumps_of(rank: RankData, run: RunData) -> list[dict[str, Any]]:
+def dumps_of(rank: RankData, run: RunData) -> list[Mapping[str, Any]]:
     """The rank's dumps, its stop from outside last as one (:func:`stop_dump`), less those
     that caught it stuck and that it made steps after: they tell of a stall it came back
     from (``rundir.stalls`` reads those), not of where the rank is. A dump that caught it
     moving (:func:`moving_at`) stays: it is what says so. Made once per rank of a loaded
     run (the diagnosis asks for each rank's several times; each a pass over its steps)."""
-    made: dict[int, list[dict[str, Any]]] = run.derived.setdefault("dumps_of", {})
+    made: dict[int, list[Mapping[str, Any]]] = run.derived.setdefault("dumps_of", {})
     if rank.rank not in made:
-        dumps = [d for d in rank.dumps if moving_at(d, rank) or not stepped_after(rank, float(d["t"]))]
+        dumps: list[Mapping[str, Any]] = [
+            d for d in rank.dumps if moving_at(d, rank) or not stepped_after(rank, float(d["t"]))
+        ]
         stop = stop_dump(rank, run)
         made[rank.rank] = dumps if stop is None else [*dumps, stop]
     return made[rank.rank]
@@ -399,14 +405,14 @@ def stepped_after(rank: RankData, at: float) -> bool:
     return bool(rank.steps) and float(rank.steps[-1]["t"]) > at
 
 
-def stalled_now(rank: RankData) -> dict[str, Any] | None:
+def stalled_now(rank: RankData) -> StallRecord | None:
     """The rank's latest stall record, if it made no step after it (else the stall was one
     it came back from: ``rundir.stalls``)."""
     stall = rank.stall
     return stall if stall is not None and not stepped_after(rank, float(stall["t"])) else None
 
 
-def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
+def moving_at(dump: Mapping[str, Any], rank: RankData) -> bool:
     """A dump (`lorascope hang`'s, on demand) came within DUMP_STEPS of the rank's fastest
     steps (at least DUMP_MIN_S) of a step's end (its ``since_progress``): the rank was
     moving, not hung, whatever it was doing at that instant. A stall dump never is (it
@@ -422,7 +428,7 @@ def moving_at(dump: dict[str, Any], rank: RankData) -> bool:
     return dump.get("reason") != "stall" and isinstance(since, (int, float)) and float(since) <= window
 
 
-def _moved_before_stop(dump: dict[str, Any], rank: RankData, since: Any, durations: list[float]) -> bool:
+def _moved_before_stop(dump: Mapping[str, Any], rank: RankData, since: Any, durations: list[float]) -> bool:
     """Whether a rank stopped from outside was moving: looser than a dump's reading, as no
     one said the job hung when it was stopped (a job stopped mid-save must not read as
     hung): within :func:`progress_window` or twice its longest step of its last step, in

@@ -61,8 +61,8 @@ def as_records(
     warnings: list[str],
     drop: Rule | None = None,
 ) -> list[MemReading]:
-    """The ``mem`` records of the memory file's readings ``kept``, in index order, as the
-    stream held them before: ``{"src", "step", "rss", "heap"?, "cuda"?: {"device",
+    """The ``mem`` records of the memory file's readings ``kept``, in index order, as
+    RankData keeps them: ``{"src", "step", "rss", "heap"?, "cuda"?: {"device",
     "alloc", "reserved", "max_alloc"}, "nvml"?, "k", "t"}`` (``rss`` None where it was not
     read); ``nvml``: NVML's parts by reading index; with ``drop``, no reading decimation is
     sure to drop (:func:`_held`): a long run's are never all made."""

@@ -18,12 +18,12 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir.format import limits, ranks
@@ -58,7 +58,32 @@ from lorascope.rundir.loading.calls import CallRecords, empty, read_calls
 from lorascope.rundir.loading.cluster import Cluster
 from lorascope.rundir.loading.mem import as_records as mem_records
 from lorascope.rundir.loading.mem import read_mem
-from lorascope.rundir.loading.records import MemReading, PhaseEdge, StepRecord
+from lorascope.rundir.loading.records import (
+    CostRecord,
+    DistInit,
+    DumpRecord,
+    EndRecord,
+    ExceptionRecord,
+    FlightDumpRecord,
+    Grads,
+    GradSetup,
+    GroupRecord,
+    HistoryRecord,
+    LogitsRecord,
+    MemoryHistory,
+    MemReading,
+    PhaseEdge,
+    ProbeError,
+    SignalRecord,
+    SiteRecord,
+    SnapshotRecord,
+    StallRecord,
+    StartRecord,
+    StepRecord,
+    UnseenPath,
+    WarningRecord,
+    ZeroParamRecord,
+)
 from lorascope.rundir.loading.reduce import (
     KEEP_WARNINGS,
     CollectiveLog,
@@ -72,7 +97,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
-from lorascope.rundir.loading.steps import as_records, backward_edges, read_steps, step_numbers
+from lorascope.rundir.loading.steps import as_records, backward_edges, handle_waits, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -119,52 +144,52 @@ class RankData:
     """Everything one rank process wrote."""
 
     rank: int
-    start: dict[str, Any]
+    start: StartRecord
     files: list[str]
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     mem: list[MemReading] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     phases: list[PhaseEdge] = field(default_factory=list)
-    groups: dict[int, dict[str, Any]] = field(default_factory=dict)
+    groups: dict[int, GroupRecord] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
-    warnings: list[dict[str, Any]] = field(default_factory=list)
-    exception: dict[str, Any] | None = None
-    signal: dict[str, Any] | None = None
-    end: dict[str, Any] | None = None
-    probe_errors: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[WarningRecord] = field(default_factory=list)
+    exception: ExceptionRecord | None = None
+    signal: SignalRecord | None = None
+    end: EndRecord | None = None
+    probe_errors: list[ProbeError] = field(default_factory=list)
     #: The first ``cost`` record (the probes' cost so far, cumulative) and the latest; the
     #: first is moved up to the first one at or past WARM_UP_STEPS once a later one comes.
-    costs: list[dict[str, Any]] = field(default_factory=list)
+    costs: list[CostRecord] = field(default_factory=list)
     #: Collective paths the job used that the probes cannot see (``coll_unseen``).
-    unseen_collectives: list[dict[str, Any]] = field(default_factory=list)
+    unseen_collectives: list[UnseenPath] = field(default_factory=list)
     #: Call site -> {"line": source text, "conditions": enclosing if/while lines}.
-    sites: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sites: dict[str, SiteRecord] = field(default_factory=dict)
     #: On-demand and stall dumps (stacks, pending collectives), oldest first.
-    dumps: list[dict[str, Any]] = field(default_factory=list)
-    stall: dict[str, Any] | None = None
+    dumps: list[DumpRecord] = field(default_factory=list)
+    stall: StallRecord | None = None
     #: Entries into and exits from ZeRO-3's parameter state (``zero_param`` records), oldest first.
-    zero_params: list[dict[str, Any]] = field(default_factory=list)
+    zero_params: list[ZeroParamRecord] = field(default_factory=list)
     #: torch.distributed's rank and world size, once the process group started.
-    dist_init: dict[str, Any] | None = None
-    grad_setup: dict[str, Any] | None = None
-    grads: dict[str, Any] | None = None
-    logits: list[dict[str, Any]] = field(default_factory=list)
+    dist_init: DistInit | None = None
+    grad_setup: GradSetup | None = None
+    grads: Grads | None = None
+    logits: list[LogitsRecord] = field(default_factory=list)
     #: The call file its collective calls were read from (None: none was).
     calls_file: str | None = None
     #: Kineto traces the rank wrote, as absolute paths.
     trace_files: list[str] = field(default_factory=list)
     #: Flight-recorder dumps the rank wrote: their ``flight_dump`` records (``t``: when,
     #: just after the dump or ending they go with), ``path`` added (absolute), oldest first.
-    flight_dumps: list[dict[str, Any]] = field(default_factory=list)
+    flight_dumps: list[FlightDumpRecord] = field(default_factory=list)
     #: What faulthandler wrote when the rank died of a fatal signal (a C++ abort, a
     #: segfault): "Fatal Python error: Aborted" and every thread's stack; None when empty.
     fatal: str | None = None
     #: Allocator snapshots the rank wrote: their ``snapshot`` records, ``path`` added
     #: (absolute), oldest first; and whether allocator history was recorded, and why not.
-    snapshots: list[dict[str, Any]] = field(default_factory=list)
-    memory_history: dict[str, Any] | None = None
+    snapshots: list[SnapshotRecord] = field(default_factory=list)
+    memory_history: MemoryHistory | None = None
     #: The latest start or stop of allocator history under ``--memory-history auto``.
-    history: dict[str, Any] | None = None
+    history: HistoryRecord | None = None
     last_time: float = 0.0
     #: The reduction (:mod:`lorascope.rundir.loading.reduce`): ``collectives`` holds the first and
     #: the newest calls of each group, the pending ones and the windows where ranks differ;
@@ -178,6 +203,11 @@ class RankData:
     coll_wait: dict[int, float] = field(default_factory=dict)
     #: The same, of the calls that started outside the step's backward phases.
     coll_wait_outside_backward: dict[int, float] = field(default_factory=dict)
+    #: Per step (the step record's number), the seconds its threads were blocked on async
+    #: collectives' handles (``Work.wait``, ``wait_tensor``: the steps file's ``waited``),
+    #: steps with none left out; and per step and phase name, the part within that phase.
+    handle_wait: dict[int, float] = field(default_factory=dict)
+    handle_wait_phases: dict[int, dict[str, float]] = field(default_factory=dict)
     op_totals: dict[str, tuple[float, int]] = field(default_factory=dict)
     totals: dict[str, Any] = field(default_factory=dict)
     stride: int = 1
@@ -487,8 +517,8 @@ class _Stream:
                 self.calls_file = path.parent / name
         else:
             _apply(data, kind, rec)
-            if kind in _STEP_KEYED:
-                self.keeper.seen(data, kind, [rec])
+            if kind == "logits":  # step-keyed: the keeper drops what decimation will
+                self.keeper.held(data)
         if kind == "dropped":  # a running total
             self._dropped = (f"{path}:{number}", rec["records"])
         if kind == "fatal_handler":
@@ -502,9 +532,9 @@ class _Stream:
             elif kind == "trace_window":
                 data.trace_files.append(str(side))
             elif kind == "snapshot":
-                data.snapshots.append({**rec, "path": str(side)})
+                data.snapshots.append(cast(SnapshotRecord, {**rec, "path": str(side)}))
             else:
-                data.flight_dumps.append({**rec, "path": str(side)})
+                data.flight_dumps.append(cast(FlightDumpRecord, {**rec, "path": str(side)}))
 
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
@@ -566,6 +596,7 @@ class _Stream:
         if table is not None and len(table):
             records = table.records
             steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
+            data.handle_wait, data.handle_wait_phases = handle_waits(records, self.labels, drop)
             self.keeper.spans.add(backward_edges(records, self.labels))
             data.last_time = max(data.last_time, float(records["t"].max()))
         return steps, phases
@@ -668,11 +699,9 @@ class _Stream:
         if data is None:
             raise BadInputError(f"{first}: empty rank stream")
         drop = self.keeper.bounds(data)
-        steps, phases = self.take_steps(data, drop)
-        data.steps.extend(steps)
+        data.steps, data.phases = self.take_steps(data, drop)
         self.put_losses(data)
-        data.phases.extend(phases)
-        data.mem.extend(self.take_mem(data, drop))
+        data.mem = self.take_mem(data, drop)
         self.keeper.held(data)
         calls = self.reduced(first, windows)
         data.collectives = calls.collectives
@@ -706,7 +735,7 @@ def _load_process(
         )
     total = 0
     beside = (_beside(segs[0][1], STEPS_SUFFIX), _beside(segs[0][1], MEM_SUFFIX))
-    for path in [*(p for _, p in segs), *beside]:  # its steps and readings were stream records once
+    for path in [*(p for _, p in segs), *beside]:  # its steps and readings count with its stream
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
@@ -735,9 +764,6 @@ def recount(data: RankData) -> RankData:
 
 #: Kinds kept as lists on RankData (attribute names), and kinds of which the last is kept.
 _LISTED = {
-    "mem": "mem",
-    "step": "steps",
-    "phase": "phases",
     "warning": "warnings",
     "probe_error": "probe_errors",
     "coll_unseen": "unseen_collectives",
@@ -758,10 +784,6 @@ _LATEST = {
 }
 
 
-#: Step-keyed kinds (a :class:`~lorascope.rundir.loading.reduce.StepKeeper` sees each as it is read).
-_STEP_KEYED = frozenset({"mem", "step", "phase", "logits"})
-
-
 def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
     """A validated record of a kind RankData keeps."""
     if kind in _LISTED:
@@ -774,11 +796,11 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
         costs = data.costs
         if len(costs) == 2 and costs[0]["step"] < WARM_UP_STEPS <= costs[1]["step"] < rec["step"]:
             costs[0] = costs[1]  # past the probes' warm-up, with a step after it
-        costs[1:] = [rec]
+        costs[1:] = [cast(CostRecord, rec)]
     elif kind == "site":
-        data.sites[rec["site"]] = rec
+        data.sites[rec["site"]] = cast(SiteRecord, rec)
     elif kind == "group":
-        data.groups[rec["gid"]] = rec
+        data.groups[rec["gid"]] = cast(GroupRecord, rec)
     elif kind == "loss":  # a CUDA loss, read once the device got there
         for step in reversed(data.steps):
             if step["step"] == rec["step"]:
@@ -790,13 +812,14 @@ def _apply(data: RankData, kind: str, rec: dict[str, Any]) -> None:
 
 def _group_name(data: RankData, gid: int) -> Any:
     """The name a call of group ``gid`` is kept under: its ``group`` record's name, else the id."""
-    return data.groups[gid].get("name", str(gid)) if gid in data.groups else str(gid)
+    return data.groups[gid]["name"] if gid in data.groups else str(gid)
 
 
 def _device_group(data: RankData, gid: int) -> Any:
     """The name a ``coll_dev`` record of group ``gid`` looks its call up under (a string,
     else there is none)."""
-    return data.groups.get(gid, {}).get("name")
+    group = data.groups.get(gid)
+    return None if group is None else group["name"]
 
 
 def _probe_errors(run_dir: Path, most: int = 50) -> list[str]:
@@ -841,8 +864,6 @@ def read_process(job: Job, configured: limits.Limits) -> tuple[RankData | str, l
 #: One process's stream read again for a span: (rank, its segment files, the span's start
 #: and end in epoch seconds or None, the most records of each kind kept).
 _SpanJob = tuple[int, list[str], float | None, float | None, int]
-#: The step-keyed kinds a span keeps: RankData's list of each.
-_SPAN_KINDS = {"step": "steps", "phase": "phases", "mem": "mem"}
 
 
 def read_span(job: _SpanJob, configured: limits.Limits) -> tuple[SpanRecords | str, list[str]]:
@@ -872,15 +893,6 @@ def _read_span(
     stream.read_steps(paths[0])
     for path in paths:
         for number, rec in _iter_records(path, warnings):
-            kind = rec.get("k") if isinstance(rec, dict) else None
-            listed = _SPAN_KINDS.get(kind) if isinstance(kind, str) else None
-            if listed is not None and stream.data is not None and _Stream._validated(path, number, rec):
-                t = float(rec["t"])
-                if not (t - float(rec["dur"]) if listed == "steps" else t) <= hi or not t >= lo:
-                    continue
-                if len(getattr(stream.data, listed)) >= most:
-                    out.left_out += 1
-                    continue
             stream.record(path, number, rec)
     data = stream.data
     if data is None:
@@ -1318,7 +1330,7 @@ def _trust_torch_rank(data: RankData, warnings: list[str]) -> None:
     data.start = {**data.start, "rank": actual[0], "world_size": actual[1], "probed_as": list(probed)}
 
 
-def launching_cli(start: dict[str, Any]) -> bool:
+def launching_cli(start: Mapping[str, Any]) -> bool:
     """Whether a process's ``start`` record names a framework's tool that starts its ranks
     itself (``ranks.LAUNCHING_CLIS``)."""
     argv = start.get("argv")  # sys.argv: the script (a console script's path) first

@@ -36,7 +36,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
@@ -433,6 +433,8 @@ def decimate(data: Any, budget: int, stride: int | None = None) -> int:
     data.coll_wait_outside_backward = {
         k: v for k, v in data.coll_wait_outside_backward.items() if k in kept or k > last
     }
+    data.handle_wait = {k: v for k, v in data.handle_wait.items() if k in kept or k > last}
+    data.handle_wait_phases = {k: v for k, v in data.handle_wait_phases.items() if k in kept or k > last}
     return stride
 
 
@@ -522,14 +524,6 @@ class StepKeeper:
         """Step numbers known before their records are (a steps file read first)."""
         for step in numbers:
             self._number(step)
-
-    def seen(self, data: Any, kind: str, recs: list[dict[str, Any]]) -> None:
-        """Records of a step-keyed kind just added to ``data``'s lists."""
-        if kind == "mem":
-            self.mem += len(recs)
-        elif kind == "phase":
-            self.spans.add(cast("list[PhaseEdge]", recs))  # stream phase records, validated: its fields
-        self.held(data)
 
     def held(self, data: Any) -> None:
         """``data``'s lists grew: drop what is sure to be dropped, every so often."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from lorascope.rundir.loading.ending import in_long_phase, progress_window, stepped_after
 from lorascope.rundir.loading.reader import RunData
+from lorascope.rundir.loading.records import DumpRecord
 
 #: Stall dumps of different ranks this close in time are one stall (each rank's watchdog
 #: fires on its own clock, within a second of the others').
@@ -31,7 +32,7 @@ def recovered_stalls(run: RunData) -> list[Stall]:
     the watchdog set short with LORASCOPE_STALL_SECONDS fires in a slow step)."""
     fired = sorted((float(d["t"]), n, d) for n, r in run.ranks.items() for d in r.dumps if d.get("reason") == "stall")
     stalls: list[Stall] = []
-    group: list[tuple[float, int, dict[str, object]]] = []
+    group: list[tuple[float, int, DumpRecord]] = []
     for item in [*fired, None]:
         if item is not None and (not group or item[0] - group[0][0] <= SAME_STALL_S):
             group.append(item)
@@ -44,7 +45,7 @@ def recovered_stalls(run: RunData) -> list[Stall]:
     return stalls
 
 
-def _stall(run: RunData, group: list[tuple[float, int, dict[str, object]]]) -> Stall | None:
+def _stall(run: RunData, group: list[tuple[float, int, DumpRecord]]) -> Stall | None:
     at = group[0][0]
     if not all(stepped_after(run.ranks[n], t) for t, n, _ in group):
         return None  # not come back from: a hang, read as one

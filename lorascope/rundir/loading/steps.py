@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lorascope.rundir.format.layout import STEP_END, STEP_KINDS
-from lorascope.rundir.loading.calls import STEPS, CallRecords, read_calls
+from lorascope.rundir.format.layout import END, STEP_END, STEP_KINDS
+from lorascope.rundir.loading.calls import STEPS, STEPS_V1, CallRecords, file_version, read_calls
 from lorascope.rundir.loading.records import PhaseEdge, StepRecord
 from lorascope.rundir.loading.reduce import Rule
 
@@ -27,8 +27,16 @@ UNKNOWN_LABEL = "unknown"
 
 def read_steps(path: Path, who: str, warnings: list[str]) -> CallRecords:
     """The records of the steps file at ``path`` kept, in index order (``who``: ``rank R``,
-    for the warnings)."""
-    return read_calls(path, who, warnings, kind=STEPS)
+    for the warnings). A version-1 file (lorascope 0.3.0) reads with ``waited`` 0.0 (not
+    recorded)."""
+    if file_version(path) != STEPS_V1.version:
+        return read_calls(path, who, warnings, kind=STEPS)
+    old = read_calls(path, who, warnings, kind=STEPS_V1)
+    records = np.zeros(len(old.records), STEPS.dtype)
+    for name in STEPS_V1.dtype.names or ():
+        records[name] = old.records[name]
+    old.records = records
+    return old
 
 
 def step_numbers(table: np.ndarray) -> list[int]:
@@ -40,7 +48,7 @@ def as_records(
     table: np.ndarray, labels: dict[int, str], who: str, warnings: list[str], drop: Rule | None = None
 ) -> tuple[list[StepRecord], list[PhaseEdge]]:
     """The ``step`` records and the ``phase`` records of ``table`` (the steps file's
-    records, in index order), each kind in order, as the stream held them before:
+    records, in index order), each kind in order, as RankData keeps them:
     ``{"step", "dur", "loss", "src", "k", "t"}`` (loss None where none was read) and
     ``{"name", "edge", "step", "k", "t"}``; with ``drop``, no phase record whose step
     decimation is sure to drop (:func:`~lorascope.rundir.loading.reduce.sure_dropped`):
@@ -67,14 +75,7 @@ def as_records(
             ended["label"].tolist(), strict=True,
         )
     ]  # fmt: skip
-    edges = table[kinds < STEP_END]
-    if drop is not None:
-        low, high, stride = drop
-        numbers = edges["step"].astype(np.int64)
-        sure = (numbers < high) & (numbers % stride != 0)
-        if low is not None:
-            sure &= numbers > low
-        edges = edges[~sure]
+    edges = _undropped(table[kinds < STEP_END], drop)
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     phases: list[PhaseEdge] = [
         {"name": name(label, UNKNOWN_LABEL), "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
@@ -89,6 +90,18 @@ def as_records(
     return steps, phases
 
 
+def _undropped(edges: np.ndarray, drop: Rule | None) -> np.ndarray:
+    """The phase edges of ``edges`` whose step decimation may keep (all without ``drop``)."""
+    if drop is None:
+        return edges
+    low, high, stride = drop
+    numbers = edges["step"].astype(np.int64)
+    sure = (numbers < high) & (numbers % stride != 0)
+    if low is not None:
+        sure &= numbers > low
+    return edges[~sure]  # type: ignore[no-any-return]
+
+
 def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseEdge]:
     """The ``backward`` phase edges of ``table``, as records with the fields
     :class:`~lorascope.rundir.loading.reduce.BackwardSpans` reads (made one at a time)."""
@@ -97,3 +110,32 @@ def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseE
     edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
     for t, step, kind in zip(at["t"].tolist(), at["step"].tolist(), at["kind"].tolist(), strict=True):
         yield {"name": "backward", "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
+
+
+def handle_waits(
+    table: np.ndarray, labels: dict[int, str], drop: Rule | None = None
+) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """The time blocked on async collectives' handles (the records' ``waited``: since the
+    step began): per step (the step record's number), a step's end record's; per step and
+    phase name, within the phase's spans (each end's less its begin's; with ``drop``, not
+    of the steps decimation is sure to drop). Steps with none left out: all of them where
+    the probes recorded none (0.0 throughout)."""
+    waited = table["waited"]
+    if not len(waited) or not np.any(waited > 0):
+        return {}, {}
+    kinds = table["kind"]
+    ends = table[(kinds == STEP_END) & (waited > 0)]
+    per_step = dict(zip(ends["step"].tolist(), ends["waited"].tolist(), strict=True))
+    edges = _undropped(table[(kinds < STEP_END) & (waited > 0)], drop)
+    name = labels.get
+    phases: dict[int, dict[str, float]] = {}
+    for step, label, kind, w in zip(
+        edges["step"].tolist(), edges["label"].tolist(), edges["kind"].tolist(), edges["waited"].tolist(), strict=True
+    ):
+        within = phases.setdefault(step + 1, {})
+        key = name(label, UNKNOWN_LABEL)
+        within[key] = within.get(key, 0.0) + (w if kind == END else -w)
+    for within in phases.values():
+        for key, w in within.items():
+            within[key] = max(0.0, w)  # a span begun and never ended reads as none
+    return per_step, phases
