@@ -79,6 +79,26 @@ def test_tail_reads_only_appended_whole_lines_and_follows_segments_and_new_ranks
     assert got[(3, "h-1")] == [b'{"g":7}']
 
 
+def test_tail_follows_a_stream_kept_open_when_it_is_cut_or_made_anew(tmp_path: Path) -> None:
+    """A stream is kept open between looks; cut shorter than read it is read from its start,
+    and removed and made again under its name the new file is followed."""
+    path = _stream(tmp_path, 0)
+    path.write_bytes(b'{"a":1}\n{"b":2}\n')
+    tail = Tail(tmp_path)
+    assert _lines(tail) == {(0, "h-1"): [b'{"a":1}', b'{"b":2}']}
+    stream = tail.streams[(0, "h-1")]
+    assert stream.fd is not None
+    path.write_bytes(b'{"c":3}\n')  # cut in place
+    assert _lines(tail) == {(0, "h-1"): [b'{"c":3}']}
+    path.unlink()
+    path.write_bytes(b'{"d":4}\n{"e":5}\n')
+    assert _lines(tail)[(0, "h-1")][-1] == b'{"e":5}'  # the new file's, by its name
+    assert _lines(tail) == {}  # and kept open from the next look
+    assert stream.fd is not None and os.fstat(stream.fd).st_ino == path.stat().st_ino
+    tail.close()
+    assert stream.fd is None
+
+
 def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(tmp_path: Path) -> None:
     _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
     calls = CallFile(tmp_path / "ranks" / "rank-0" / "h-1.calls", head=4, ring=8)
@@ -173,8 +193,10 @@ def test_tail_keeps_no_more_files_open_than_its_budget_and_reads_them_all(tmp_pa
         for rank, f in enumerate(files):
             f.put(10.0 + step, 1.0, 0.5, 0.0, 10 * rank + step, 0, STEP_END)
         assert sorted(_steps_looked(tail)) == [10 * rank + step for rank in range(4)]
-        assert tail._open == sum(s.steps is not None and s.steps.fd is not None for s in tail.streams.values()) == 2
+        held = [f.fd for s in tail.streams.values() for f in (s, s.steps) if f is not None and f.fd is not None]
+        assert tail._open == len(held) == 2  # streams and slot files together
     tail.close()
+    assert tail._open == 0 and all(s.fd is None and s.steps and s.steps.fd is None for s in tail.streams.values())
 
 
 def test_memory_files_are_read_every_other_look_and_at_the_last(tmp_path: Path) -> None:

@@ -7,9 +7,12 @@ stats the newest segment of every process it knows; the rank folders are listed 
 every :data:`RESCAN_S` seconds for new ranks, processes and segments (a rotated segment's
 file is finished first, from its offset): the top folder whole, a rank folder only when
 its modification time changed (and at the rescan after: a file made in the same clock
-tick), every one every :data:`FULL_RESCAN_S`. A stream is not held open between looks,
-and nothing but the appended bytes is read, so a look costs one ``stat`` a process whose
-stream did not change. Works on a shared filesystem as on a local one: polling, no inotify
+tick), every one every :data:`FULL_RESCAN_S`. A stream's segment is kept open from its
+first look (within :attr:`Tail.max_open`; past it, looked at by its path) and nothing but
+the appended bytes is read, so a look costs one ``fstat`` a process whose stream did not
+change (as a ``stat`` of the path, it asks a network filesystem's client for the size as
+its attribute cache allows; a segment removed or made anew under its name is followed by
+its name again). Works on a shared filesystem as on a local one: polling, no inotify
 (which does not see another host's writes).
 
 A stream already longer than :data:`START_TAIL_BYTES` when first seen (``watch`` started
@@ -131,6 +134,8 @@ class Followed:
     partial: bool = False
     #: The segment's size at the last look (a look reads only a file that grew).
     size: int = field(default=-1, repr=False)
+    #: The segment, kept open (None: its path is looked at each time).
+    fd: int | None = field(default=None, repr=False)
     #: Its call file, beside the stream (read once it is there).
     calls: FollowedSlots | None = None
     #: Its steps file, beside the stream (read once it is there).
@@ -251,17 +256,39 @@ class Tail:
                 lines = self._read(known)  # the rest of the segment it replaces
                 if lines:
                     finished.append((known, lines))
+                self._close_stream(known)
                 known.segment, known.path, known.offset, known.size, known.rest = index, Path(path), 0, -1, b""
         return finished
+
+    def _size(self, stream: Followed) -> int | None:
+        """The stream's segment's size: of the segment kept open (from its first look, as
+        long as :attr:`max_open` allows), or of its path; a segment removed or replaced
+        under its name is followed by its name again."""
+        fd = stream.fd
+        try:
+            if fd is None and self._open < self.max_open:
+                fd = stream.fd = os.open(stream.path, os.O_RDONLY)
+                self._open += 1
+            if fd is None:
+                return os.stat(stream.path).st_size
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                self._close_stream(stream)
+                return os.stat(stream.path).st_size
+            return st.st_size
+        except OSError:
+            return None
+
+    def _close_stream(self, stream: Followed) -> None:
+        if stream.fd is not None:
+            os.close(stream.fd)
+            stream.fd, self._open = None, self._open - 1
 
     def _read(self, stream: Followed) -> bytes:
         """The stream's whole lines after its offset, without the last newline (empty when
         its size did not change)."""
-        try:
-            size = os.stat(stream.path).st_size
-        except OSError:
-            return b""
-        if size == stream.size:
+        size = self._size(stream)
+        if size is None or size == stream.size:
             return b""
         first_look = stream.size == -1
         if first_look and stream.offset == 0 and size > START_TAIL_BYTES:
@@ -269,11 +296,12 @@ class Tail:
         if size < stream.offset:  # truncated or replaced: start over
             stream.offset, stream.rest = 0, b""
         try:
-            fd = os.open(stream.path, os.O_RDONLY)
+            fd = stream.fd if stream.fd is not None else os.open(stream.path, os.O_RDONLY)
             try:
                 chunk = os.pread(fd, min(size - stream.offset, MAX_READ_BYTES), stream.offset)
             finally:
-                os.close(fd)
+                if fd != stream.fd:
+                    os.close(fd)
         except OSError:
             return b""
         started_inside = first_look and stream.partial
@@ -354,8 +382,9 @@ class Tail:
                 os.close(fd)
 
     def close(self) -> None:
-        """Close the slot files kept open (a later look opens them again)."""
+        """Close the files kept open (a later look opens them again)."""
         for stream in self.streams.values():
+            self._close_stream(stream)
             for followed in (stream.calls, stream.steps, stream.mem):
                 if followed is not None and followed.fd is not None:
                     os.close(followed.fd)
