@@ -107,6 +107,12 @@ def _write(run_dir: Path, ranks: int, step_s: float, seconds: float, stalled: in
         time.sleep(max(0.0, step_s - (time.time() - now)))
 
 
+def _sigint_default() -> None:
+    """Ctrl-C's default in watch: a benchmark started in the background of a script (``&``)
+    has SIGINT ignored, which watch would inherit and never quit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _hwm(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -139,6 +145,7 @@ def main() -> None:
             stderr=slave,
             env=env,
             cwd=REPO,
+            preexec_fn=_sigint_default,
         )
         os.close(slave)
         screen: list[bytes] = []

@@ -123,7 +123,7 @@ class LiveRank:
         time in synchronous collectives and blocked on handles (as the ``straggler``
         detector measures it)."""
         get = self.waited.get  # a view computes this for every rank: no call but the dict's
-        return [w if w > 0.0 else 0.0 for w in [dur - get(step - 1, 0.0) for step, dur in self.timed]]
+        return [w if (w := dur - get(step - 1, 0.0)) > 0.0 else 0.0 for step, dur in self.timed]
 
     def take(self, data: bytes) -> None:
         """Lines the stream appended (without the last newline)."""
@@ -137,18 +137,16 @@ class LiveRank:
             self._rare(data[start:end])
             pos = end
 
-    def _reading(self, device: int, alloc: int, max_alloc: int, rss: int) -> None:
-        """A memory reading: the latest is the rank's memory now. A CUDA rank's are the
-        allocator's (allocated now, the highest since the start; once it has one, its RSS
+    def _readings(self, metric: str, now: int, peak: int) -> None:
+        """Memory readings of one ``metric`` (``cuda``: the allocator's, allocated now and
+        its peak; ``rss``): the latest one's figure is the rank's memory now, ``peak`` the
+        highest of theirs. A CUDA rank's are the allocator's (once it has one, its RSS
         readings are left out), else RSS."""
-        if device >= 0:
+        if metric == "cuda":
             if self.mem_metric != "cuda":
                 self.mem_metric, self.mem_peak = "cuda", None
-            now, peak = alloc, max_alloc
-        elif self.mem_metric == "cuda" or rss < 0:
+        elif self.mem_metric == "cuda":
             return
-        else:
-            now = peak = rss
         self.mem_now = now
         self.mem_peak = peak if self.mem_peak is None else max(self.mem_peak, peak)
 
@@ -230,22 +228,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _of_async_shapes(ranks: list[LiveRank], owner: np.ndarray, shape: np.ndarray) -> np.ndarray:
-    """Which records name an async shape of their process: (process, shape) as one key,
-    looked up in the sorted keys of the async shapes (np.isin sorts both sides)."""
-    known = np.sort([at << 32 | (s & 0xFFFFFFFF) for at, rank in enumerate(ranks) for s in rank.async_shapes])
-    if not len(known):
-        return np.zeros(len(shape), dtype=bool)
-    keys = owner << 32 | (shape.astype(np.int64) & 0xFFFFFFFF)
-    found: np.ndarray = known[np.minimum(np.searchsorted(known, keys), len(known) - 1)] == keys
-    return found
-
-
-def _add_waits(ranks: list[LiveRank], records: np.ndarray, owner: np.ndarray) -> None:
-    """Add the seconds of the synchronous calls that ended to their rank's step (those of
-    steps before the oldest a rank keeps left out), a run of records of one process and
-    step at a time."""
-    done = np.flatnonzero((records["end"] != 0.0) & ~_of_async_shapes(ranks, owner, records["shape"]))
+def _add_waits(ranks: list[LiveRank], records: np.ndarray, owner: np.ndarray, is_async: np.ndarray) -> None:
+    """Add the seconds of the synchronous calls that ended (``is_async``: which records
+    name an async shape) to their rank's step (those of steps before the oldest a rank
+    keeps left out), a run of records of one process and step at a time."""
+    done = np.flatnonzero((records["end"] != 0.0) & ~is_async)
     if not len(done):
         return
     keys = owner[done] << 32 | (records["step"][done].astype(np.int64) + (1 << 31))
@@ -262,14 +249,19 @@ class LiveRun:
 
     def __init__(self) -> None:
         self.processes: dict[tuple[int, str], LiveRank] = {}
+        #: Every process's async shapes as sorted keys (its number << 32 | the shape id),
+        #: its number (position in ``processes``) by ``id()``; None: to be made again (a
+        #: process or a line was taken since: a ``shape`` line is one).
+        self._async: tuple[np.ndarray, dict[int, int]] | None = None
 
-    def update(self, tail: Tail) -> None:
+    def update(self, tail: Tail, whole: bool = False) -> None:
         """Take in what a look of ``tail`` finds: the streams' lines, the steps and memory
-        files' records, then the calls (the lines declare the shapes the calls name)."""
+        files' records, then the calls (the lines declare the shapes the calls name);
+        ``whole``: the memory files too, however recently they were read (the last look)."""
         self.take(tail.look())
         for batch in tail.look_steps():
             self.take_steps(batch)
-        for batch in tail.look_mem():
+        for batch in tail.look_mem(now=whole):
             self.take_mem(batch)
         for batch in tail.look_calls():
             self.take_calls(batch)
@@ -279,11 +271,29 @@ class LiveRun:
         rank = self.processes.get(key)
         if rank is None:
             rank = self.processes[key] = LiveRank(stream.rank, stream.process, partial=stream.partial)
+            self._async = None
         return rank
 
     def take(self, looked: Iterable[Looked]) -> None:
         for stream, lines in looked:
             self._process(stream).take(lines)
+            self._async = None
+
+    def _of_async_shapes(self, ranks: list[LiveRank], owner: np.ndarray, shape: np.ndarray) -> np.ndarray:
+        """Which records (of ``ranks[owner]``) name an async shape of their process: (the
+        process's number, the shape) as one key, looked up in the sorted keys of the async
+        shapes, made again only when a line or a process was taken since."""
+        if self._async is None:
+            procs = list(self.processes.values())
+            keys = [at << 32 | (s & 0xFFFFFFFF) for at, rank in enumerate(procs) for s in rank.async_shapes]
+            self._async = np.sort(np.asarray(keys, dtype=np.int64)), {id(r): at for at, r in enumerate(procs)}
+        known, number = self._async
+        if not len(known):
+            return np.zeros(len(shape), dtype=bool)
+        numbers = np.fromiter((number[id(r)] for r in ranks), np.int64, len(ranks))
+        keys = numbers[owner] << 32 | (shape.astype(np.int64) & 0xFFFFFFFF)
+        found: np.ndarray = known[np.minimum(np.searchsorted(known, keys), len(known) - 1)] == keys
+        return found
 
     def take_steps(self, batch: Batch) -> None:
         """Steps-file records of a look, many processes' at once: each one's steps' ends,
@@ -310,15 +320,24 @@ class LiveRun:
             rank.last_t = max(rank.last_t, t)
 
     def take_mem(self, batch: Batch) -> None:
-        """Memory-file readings of a look, many processes' at once, each to its process in
-        order. A look brings each rank a reading or two: a loop over them costs less than
-        per-process array operations."""
+        """Memory-file readings of a look, many processes' at once, as each process's
+        readings in order would leave it (:meth:`LiveRank._readings`): of those with the CUDA
+        allocator's figures (a device), the last one's and the highest peak; of a process
+        with none, its last RSS reading and the highest."""
         ranks = [self._process(stream) for stream in batch.processes]
-        records = batch.records
-        cols = (batch.owner.tolist(), records["device"].tolist(), records["alloc"].tolist(),
-                records["max_alloc"].tolist(), records["rss"].tolist())  # fmt: skip
-        for at, device, alloc, max_alloc, rss in zip(*cols, strict=True):
-            ranks[at]._reading(device, alloc, max_alloc, rss)
+        records, owner = batch.records, batch.owner
+        cuda = records["device"] >= 0
+        for of, now, peak in (("cuda", "alloc", "max_alloc"), ("rss", "rss", "rss")):
+            at = np.flatnonzero(cuda if of == "cuda" else ~cuda & (records["rss"] >= 0))
+            if not len(at):
+                continue
+            who = owner[at]
+            firsts = np.flatnonzero(np.diff(who, prepend=-1))  # each process's records are together
+            lasts = at[np.append(firsts[1:] - 1, len(at) - 1)]
+            highest = np.maximum.reduceat(records[peak][at], firsts)
+            cols = (who[firsts].tolist(), records[now][lasts].tolist(), highest.tolist())
+            for process, last, high in zip(*cols, strict=True):
+                ranks[process]._readings(of, last, high)
 
     def take_calls(self, batch: Batch) -> None:
         """Call records of a look, many processes' at once (the calls each had pending at
@@ -339,7 +358,7 @@ class LiveRun:
         latest = np.maximum.reduceat(np.maximum(t, end), (np.cumsum(counts) - counts)[has])
         for at, last_t in zip(has.tolist(), latest.tolist(), strict=True):
             ranks[at].last_t = max(ranks[at].last_t, last_t)
-        _add_waits(ranks, records, owner)
+        _add_waits(ranks, records, owner, self._of_async_shapes(ranks, owner, records["shape"]))
         for at in np.flatnonzero(end == 0.0).tolist():
             rank = ranks[owner[at]]
             if len(rank.pending) < MAX_PENDING:
@@ -360,8 +379,15 @@ class LiveRun:
         sizes = [r.world_size for r in self.processes.values() if r.world_size is not None]
         return max(sizes) if sizes else None
 
-    def median_step(self) -> float | None:
-        return _median([statistics.median(r.durs) for r in self.ranks.values() if r.durs])
+    def median_step(self, steps: dict[int, float] | None = None) -> float | None:
+        """The median of the ranks' median step times (``steps``: :meth:`step_times`, when
+        the caller has them)."""
+        return _median(list((self.step_times() if steps is None else steps).values()))
+
+    def step_times(self, ranks: dict[int, LiveRank] | None = None) -> dict[int, float]:
+        """Per rank with steps: its median step time (of ``ranks``: :attr:`ranks`, when
+        the caller has them)."""
+        return {n: statistics.median(r.durs) for n, r in (self.ranks if ranks is None else ranks).items() if r.durs}
 
     def ended(self) -> bool:
         ranks = self.ranks
@@ -379,10 +405,11 @@ class LiveRun:
         quiet = now - rank.last_step_t
         return quiet if quiet >= limit else None
 
-    def work_ratio(self) -> dict[int, float]:
+    def work_ratio(self, ranks: dict[int, LiveRank] | None = None) -> dict[int, float]:
         """Per rank with enough steps: its median work over the median of the other ranks'
         (as the straggler detector compares: with two ranks, the other one)."""
-        medians = {n: statistics.median(r.work) for n, r in self.ranks.items() if len(r.timed) >= MIN_STEPS}
+        of = self.ranks if ranks is None else ranks
+        medians = {n: statistics.median(r.work) for n, r in of.items() if len(r.timed) >= MIN_STEPS}
         if len(medians) < 2:
             return {}
         ordered = sorted(medians.values())
@@ -399,10 +426,17 @@ class LiveRun:
                 out[n] = m / typical
         return out
 
-    def checks(self, now: float, median: float | None = None, ratios: dict[int, float] | None = None) -> list[Check]:
-        """The findings so far, most severe first (see the module docstring); ``median``
-        and ``ratios``: :meth:`median_step` and :meth:`work_ratio`, when the caller has them."""
-        ranks = self.ranks
+    def checks(
+        self,
+        now: float,
+        median: float | None = None,
+        ratios: dict[int, float] | None = None,
+        ranks: dict[int, LiveRank] | None = None,
+    ) -> list[Check]:
+        """The findings so far, most severe first (see the module docstring); ``median``,
+        ``ratios`` and ``ranks``: :meth:`median_step`, :meth:`work_ratio` and
+        :attr:`ranks`, when the caller has them."""
+        ranks = self.ranks if ranks is None else ranks
         found: list[Check] = []
         bad = [r for r in ranks.values() if r.bad_end]
         for r in bad[:3]:
@@ -443,7 +477,7 @@ class LiveRun:
                     f"the stall watchdog fired: no step for its limit ({limit} s); dumps written",
                 )
             )
-        slow = {n: x for n, x in (self.work_ratio() if ratios is None else ratios).items() if x >= MIN_RATIO}
+        slow = {n: x for n, x in (self.work_ratio(ranks) if ratios is None else ratios).items() if x >= MIN_RATIO}
         if slow:
             worst = max(slow, key=lambda n: slow[n])
             found.append(
@@ -465,13 +499,26 @@ class LiveRun:
 
     def view(self, now: float) -> tuple[list[dict[str, Any]], list[Check], float | None]:
         """The rows, the checks and the median step, at ``now``, each computed once."""
-        median, ratios = self.median_step(), self.work_ratio()
-        return self.rows(now, median, ratios), self.checks(now, median, ratios), median
+        ranks = self.ranks
+        steps = self.step_times(ranks)
+        median, ratios = self.median_step(steps), self.work_ratio(ranks)
+        return self.rows(now, median, ratios, ranks, steps), self.checks(now, median, ratios, ranks), median
 
-    def rows(self, now: float, median: float | None, ratios: dict[int, float]) -> list[dict[str, Any]]:
-        """One plain row per rank: what the view shows (``level``: ok, warning, error)."""
+    def rows(
+        self,
+        now: float,
+        median: float | None,
+        ratios: dict[int, float],
+        ranks: dict[int, LiveRank] | None = None,
+        steps: dict[int, float] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One plain row per rank: what the view shows (``level``: ok, warning, error);
+        ``ranks`` and ``steps``: :attr:`ranks` and :meth:`step_times`, when the caller has
+        them."""
+        ranks = self.ranks if ranks is None else ranks
+        steps = self.step_times(ranks) if steps is None else steps
         out = []
-        for n, r in self.ranks.items():
+        for n, r in ranks.items():
             oldest = r.oldest_pending()
             quiet = self.not_stepping(r, now, median)
             if r.ended is not None:
@@ -489,7 +536,7 @@ class LiveRun:
                     "rank": n,
                     "host": r.host,
                     "step": r.step,
-                    "step_s": statistics.median(r.durs) if r.durs else None,
+                    "step_s": steps.get(n),
                     "work_x": ratios.get(n),
                     "mem_now": r.mem_now,
                     "mem_peak": r.mem_peak,

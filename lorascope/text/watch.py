@@ -9,6 +9,7 @@ pending op) are one row with the ranges of their figures, the groups that stand 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -60,8 +61,15 @@ def _ranks_cell(ranks: list[int]) -> str:
     return text if len(text) <= RANKS_WIDTH else f"{len(ranks):,} ranks"
 
 
+@functools.lru_cache(maxsize=4096)
+def _without_digits(state: str) -> str:
+    """A row's state without its figures (``no step 30s`` -> ``no step s``): rows are
+    grouped by it; the few states a run has are each stripped once."""
+    return "".join(c for c in state if not c.isdigit())
+
+
 def _group_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    state = "".join(c for c in row["state"] if not c.isdigit())
+    state = _without_digits(row["state"])
     pending = row["pending"]["op"] if row["pending"] is not None else None
     return (_ORDER[row["level"]], state, pending)
 

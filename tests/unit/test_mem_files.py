@@ -159,7 +159,7 @@ def test_watch_follows_the_memory_file(tmp_path: Path) -> None:
 
     def looked() -> list[Any]:
         list(tail.look())
-        batches = list(tail.look_mem())
+        batches = list(tail.look_mem(now=True))  # every look (not every MEM_LOOK_S)
         for batch in batches:
             live.take_mem(batch)
         return [batch.records for batch in batches]

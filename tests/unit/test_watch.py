@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -19,10 +20,10 @@ from rich.console import Console
 from lorascope.analysis import analyze
 from lorascope.analysis.live import LiveRank, LiveRun
 from lorascope.cli import cli, main
-from lorascope.rundir.format.callfile import CallFile, step_file
-from lorascope.rundir.format.layout import BEGIN, CALL, STEP_END
+from lorascope.rundir.format.callfile import CallFile, mem_file, step_file
+from lorascope.rundir.format.layout import BEGIN, CALL, COUNT_OFFSET, HEADER, STEP, STEP_END
 from lorascope.rundir.loading import tail as tail_module
-from lorascope.rundir.loading.calls import CALL_DTYPE, STEP_DTYPE, read_calls
+from lorascope.rundir.loading.calls import CALL_DTYPE, MEM_DTYPE, STEP_DTYPE, read_calls
 from lorascope.rundir.loading.mem import read_mem
 from lorascope.rundir.loading.steps import read_steps
 from lorascope.rundir.loading.tail import Tail
@@ -78,6 +79,26 @@ def test_tail_reads_only_appended_whole_lines_and_follows_segments_and_new_ranks
     assert got[(3, "h-1")] == [b'{"g":7}']
 
 
+def test_tail_follows_a_stream_kept_open_when_it_is_cut_or_made_anew(tmp_path: Path) -> None:
+    """A stream is kept open between looks; cut shorter than read it is read from its start,
+    and removed and made again under its name the new file is followed."""
+    path = _stream(tmp_path, 0)
+    path.write_bytes(b'{"a":1}\n{"b":2}\n')
+    tail = Tail(tmp_path)
+    assert _lines(tail) == {(0, "h-1"): [b'{"a":1}', b'{"b":2}']}
+    stream = tail.streams[(0, "h-1")]
+    assert stream.fd is not None
+    path.write_bytes(b'{"c":3}\n')  # cut in place
+    assert _lines(tail) == {(0, "h-1"): [b'{"c":3}']}
+    path.unlink()
+    path.write_bytes(b'{"d":4}\n{"e":5}\n')
+    assert _lines(tail)[(0, "h-1")][-1] == b'{"e":5}'  # the new file's, by its name
+    assert _lines(tail) == {}  # and kept open from the next look
+    assert stream.fd is not None and os.fstat(stream.fd).st_ino == path.stat().st_ino
+    tail.close()
+    assert stream.fd is None
+
+
 def test_tail_reads_a_call_file_by_index_only_what_is_new_and_what_was_pending(tmp_path: Path) -> None:
     _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
     calls = CallFile(tmp_path / "ranks" / "rank-0" / "h-1.calls", head=4, ring=8)
@@ -116,6 +137,152 @@ def test_tail_follows_a_long_stream_from_its_end(tmp_path: Path, monkeypatch: py
     assert lines[:2] == [b'{"n":0}', b'{"n":1}']  # the head's whole lines (its start record)
     assert lines[-1] == b'{"n":99}' and all(json.loads(line) for line in lines)  # the cut line left out
     assert json.loads(lines[2])["n"] > 80
+
+
+def _steps_looked(tail: Tail) -> list[int]:
+    list(tail.look())
+    return [step for got in tail.look_steps() for step in got.records["step"].tolist()]
+
+
+def test_tail_keeps_a_growing_slot_file_open_and_opens_a_quiet_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steps file that grew stays open for the next look (one ``pread`` of its header's
+    count, one of the new records: no open); one that did not grow is not read again but
+    closed, and opened again at the next look, which sees a record written late."""
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    written = step_file(tmp_path / "ranks" / "rank-0" / "h-1.steps")
+    opened: list[str] = []
+    real_open = tail_module.os.open
+
+    def counted(path: str | Path, *args: int) -> int:
+        opened.append(Path(path).name)
+        return real_open(path, *args)
+
+    monkeypatch.setattr(tail_module.os, "open", counted)
+    tail = Tail(tmp_path)
+    assert _steps_looked(tail) == []  # no record yet
+    followed = tail.streams[(0, "h-1")].steps
+    assert followed is not None and followed.fd is None
+    for step in (1, 2):
+        written.put(10.0 + step, 1.0, 0.5, 0.0, step, 0, STEP_END)
+    opened.clear()
+    assert _steps_looked(tail) == [1, 2] and opened.count("h-1.steps") == 1 and followed.fd is not None
+    written.put(13.0, 1.0, 0.5, 0.0, 3, 0, STEP_END)
+    read = tail.bytes_read
+    opened.clear()
+    assert _steps_looked(tail) == [3] and opened.count("h-1.steps") == 0  # read through the open file
+    assert tail.bytes_read - read == STEP.size  # the new record only
+    read = tail.bytes_read
+    assert _steps_looked(tail) == [] and tail.bytes_read == read and followed.fd is None  # quiet: closed
+    written.put(14.0, 1.0, 0.5, 0.0, 4, 0, STEP_END)  # late
+    opened.clear()
+    assert _steps_looked(tail) == [4] and opened.count("h-1.steps") == 1  # opened again, and seen
+    tail.close()
+    assert followed.fd is None and tail._open == 0
+    written.close()
+
+
+def test_tail_keeps_no_more_files_open_than_its_budget_and_reads_them_all(tmp_path: Path) -> None:
+    files = []
+    for rank in range(4):
+        _stream(tmp_path, rank).write_bytes(b'{"a":1}\n')
+        files.append(step_file(tmp_path / "ranks" / f"rank-{rank}" / "h-1.steps"))
+    tail = Tail(tmp_path, max_open=2)
+    for step in (1, 2, 3):
+        for rank, f in enumerate(files):
+            f.put(10.0 + step, 1.0, 0.5, 0.0, 10 * rank + step, 0, STEP_END)
+        assert sorted(_steps_looked(tail)) == [10 * rank + step for rank in range(4)]
+        held = [f.fd for s in tail.streams.values() for f in (s, s.steps) if f is not None and f.fd is not None]
+        assert tail._open == len(held) == 2  # streams and slot files together
+    tail.close()
+    assert tail._open == 0 and all(s.fd is None and s.steps and s.steps.fd is None for s in tail.streams.values())
+
+
+def test_memory_files_are_read_every_other_look_and_at_the_last(tmp_path: Path) -> None:
+    """A memory reading written after a look is shown at the first look MEM_LOOK_S after
+    the memory files were last read (not at the one a second later), and at a whole look
+    (the last one, when the run ended) at once."""
+    clock = Clock()
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    readings = mem_file(tmp_path / "ranks" / "rank-0" / "h-1.mem")
+    tail, live = Tail(tmp_path, clock=clock), LiveRun()
+
+    def shown(rss: int, whole: bool = False) -> int | None:
+        readings.put(clock.now, rss, -1, -1, -1, -1, 0, -1, 0)
+        live.update(tail, whole)
+        clock.now += 1.0
+        return live.ranks[0].mem_now
+
+    assert shown(100) == 100
+    assert shown(200) == 100 and tail_module.MEM_LOOK_S > 1.0  # read a second ago: not yet
+    assert shown(300) == 300  # both readings read now
+    assert live.ranks[0].mem_peak == 300
+    assert shown(400) == 300
+    assert shown(500, whole=True) == 500
+    tail.close()
+    readings.close()
+
+
+def test_tail_reads_a_slot_file_made_anew_or_cut_as_far_as_it_goes(tmp_path: Path) -> None:
+    """A steps file replaced by a new one (its count lower than read) is read from its
+    start, whether the old one was held open or not; a header cut short reads as nothing
+    yet, then as the file once it is whole."""
+    _stream(tmp_path, 0).write_bytes(b'{"a":1}\n')
+    path = tmp_path / "ranks" / "rank-0" / "h-1.steps"
+    old = step_file(path)
+    for step in range(1, 6):
+        old.put(10.0 + step, 1.0, 0.5, 0.0, step, 0, STEP_END)
+    tail = Tail(tmp_path)
+    assert _steps_looked(tail) == [1, 2, 3, 4, 5]
+    old.put(16.0, 1.0, 0.5, 0.0, 6, 0, STEP_END)
+    assert _steps_looked(tail) == [6]  # held open now
+    old.close()
+    path.unlink()
+    new = step_file(path)
+    for step in (1, 2):
+        new.put(20.0 + step, 1.0, 0.5, 0.0, 100 + step, 0, STEP_END)
+    assert _steps_looked(tail) == []  # the open file is the old one: it did not grow, closed
+    assert _steps_looked(tail) == [101, 102]  # opened again: the new file, from its start
+    new.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:20])  # cut inside its header
+    assert _steps_looked(tail) == []
+    path.write_bytes(data)
+    assert _steps_looked(tail) == []  # whole again, its count as read: nothing new
+    with open(path, "r+b") as f:  # a third record, written as the writer would
+        rec = np.frombuffer(data, STEP_DTYPE, count=1, offset=HEADER.size + STEP.size).copy()
+        rec["step"], rec["stamp"] = 103, 3
+        f.seek(HEADER.size + 2 * STEP.size)
+        f.write(rec.tobytes())
+        f.seek(COUNT_OFFSET)
+        f.write((3).to_bytes(8, "little"))
+    assert _steps_looked(tail) == [103]
+    tail.close()
+
+
+def test_a_rank_folder_is_listed_again_only_when_it_changed(tmp_path: Path) -> None:
+    """At a rescan a rank folder whose modification time did not change is not listed
+    (a segment made there without changing it waits for the full listing every
+    FULL_RESCAN_S); one that changed is, and once more at the rescan after."""
+    clock = Clock()
+    first = _stream(tmp_path, 0)
+    first.write_bytes(b'{"a":1}\n')
+    folder = first.parent
+    tail = Tail(tmp_path, clock=clock)
+    assert _lines(tail) == {(0, "h-1"): [b'{"a":1}']}
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {}  # listed again: it was new at the rescan before
+    stamp = folder.stat().st_mtime_ns
+    _stream(tmp_path, 0, "h-1.0001.jsonl").write_bytes(b'{"b":2}\n')
+    os.utime(folder, ns=(stamp, stamp))  # as if nothing was made in it
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {}  # not listed
+    clock.now += tail_module.FULL_RESCAN_S
+    assert _lines(tail) == {(0, "h-1"): [b'{"b":2}']}  # the full listing finds it
+    _stream(tmp_path, 0, "h-2.0000.jsonl").write_bytes(b'{"c":3}\n')
+    clock.now += tail_module.RESCAN_S
+    assert _lines(tail) == {(0, "h-2"): [b'{"c":3}']}  # the folder changed: listed
 
 
 def _feed(run_dir: Path, pieces: int, seed: int = 0) -> LiveRun:
@@ -297,6 +464,42 @@ def test_steps_of_many_processes_taken_in_at_once_are_each_process_alone() -> No
         rank = live.processes[(stream.rank, stream.process)]
         assert [s for s, _ in rank.timed] == [s for s in steps if s > 1] and list(rank.durs) == durs
         assert rank.step == (steps[-1] if steps else 0) and rank.phase == phase and rank.last_t == latest
+
+
+def test_memory_readings_of_many_processes_taken_in_at_once_are_each_process_alone() -> None:
+    """Two batches of several processes' memory readings (RSS only, CUDA ones, RSS readings
+    before and after a process's first CUDA one, unread RSS) leave each process as its
+    readings one by one would: the CUDA allocator's figures once it has one, else RSS;
+    memory now the latest reading's, the peak the highest."""
+    rng = np.random.default_rng(11)
+    live = LiveRun()
+    streams = [tail_module.Followed(n, f"h-{n}", 0, Path(f"h-{n}.0000.jsonl")) for n in range(8)]
+    want: dict[int, tuple[int | None, int | None, str]] = {n: (None, None, "rss") for n in range(8)}
+    for _ in range(2):
+        parts = []
+        for n in range(8):
+            recs = np.zeros(int(rng.integers(0, 7)), MEM_DTYPE)
+            recs["rss"] = np.where(rng.random(len(recs)) < 0.2, -1, rng.integers(100, 1000, len(recs)))
+            recs["device"] = np.where(rng.random(len(recs)) < (0.0 if n < 3 else 0.5), 0, -1)
+            recs["alloc"], recs["max_alloc"] = rng.integers(1, 50, len(recs)), rng.integers(50, 90, len(recs))
+            now, peak, metric = want[n]
+            for rss, device, alloc, max_alloc in recs[["rss", "device", "alloc", "max_alloc"]].tolist():
+                if device >= 0:
+                    peak = None if metric != "cuda" else peak
+                    metric, now, high = "cuda", alloc, max_alloc
+                elif metric == "cuda" or rss < 0:
+                    continue
+                else:
+                    now = high = rss
+                peak = high if peak is None else max(peak, high)
+            want[n] = (now, peak, metric)
+            parts.append(recs)
+        owner = np.repeat(np.arange(8), [len(p) for p in parts])
+        records = np.concatenate(parts)
+        live.take_mem(tail_module.Batch(streams, records, np.arange(len(records)), owner))
+    got = {n: (r.mem_now, r.mem_peak, r.mem_metric) for n, r in live.ranks.items()}
+    assert got == {n: w for n, w in want.items() if n in got} and len(got) == 8
+    assert {m for *_, m in want.values()} == {"rss", "cuda"}
 
 
 def test_a_rank_blocked_on_handles_is_not_the_slower_one() -> None:
