@@ -8,6 +8,7 @@ a conftest holds fixtures, which pytest finds by itself.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
@@ -35,6 +37,16 @@ from lorascope.rundir.loading.reader import load_run
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 FIXTURES = REPO / "fixtures"
+
+
+def fixture_script(name: str) -> ModuleType:
+    """A script under fixtures/ (``snapshots/build.py``, ``convert_v2.py``) loaded as a module."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, FIXTURES / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # --- real GPU Kineto traces: ../shared/real-traces beside the repository (not in git) ---------
 

@@ -3,7 +3,6 @@ in place reads as v3 with the same calls, steps, phase edges and readings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 from lorascope.errors import FormatVersionError
 from lorascope.rundir.format.writer import record_launch
 from lorascope.rundir.loading.reader import load_run
-from tests.helpers import FIXTURES
+from tests.helpers import fixture_script
 
 START = {"k": "start", "t": 1.0, "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h", "argv": [],
          "versions": {}, "device": "cuda"}  # fmt: skip
@@ -44,14 +43,6 @@ V2: list[dict[str, Any]] = [
 ]
 
 
-def _convert_v2() -> Any:
-    spec = importlib.util.spec_from_file_location("convert_v2", FIXTURES / "convert_v2.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_v2_run_converted_reads_as_it_was_recorded(tmp_path: Path) -> None:
     record_launch(tmp_path, "h-1", ["job"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -61,7 +52,7 @@ def test_a_v2_run_converted_reads_as_it_was_recorded(tmp_path: Path) -> None:
     (folder / "h-42.0000.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in V2))
     with pytest.raises(FormatVersionError):
         load_run(tmp_path)
-    _convert_v2().convert(tmp_path)
+    fixture_script("convert_v2.py").convert(tmp_path)
     run = load_run(tmp_path)
     assert run.warnings == []
     rank = run.ranks[0]

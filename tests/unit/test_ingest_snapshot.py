@@ -3,10 +3,8 @@ categories, logits-sized blocks, rank-only allocations; odd real-world layouts."
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,20 +12,13 @@ import pytest
 from lorascope.errors import BadInputError
 from lorascope.ingest.snapshot.compare import compare_ranks
 from lorascope.ingest.snapshot.reader import analyse_snapshot, read_snapshot
+from tests.helpers import fixture_script
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "snapshots"
 MiB = 1 << 20
 
 
-def _builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("snapshot_build", FIXTURES / "build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = _builder()
+build = fixture_script("snapshots/build.py")
 
 
 def _raw(path: Path) -> dict[str, Any]:
