@@ -421,6 +421,21 @@ class Steps:
             )
 
 
+#: A lone rank process's start record (host h, pid 42).
+START = {"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h", "argv": [],
+         "versions": {}, "device": "cpu"}  # fmt: skip
+
+
+def one_rank(run: Path) -> tuple[Stream, Steps]:
+    """A one-rank run's launch and its process (:data:`START`): its stream, begun with its
+    start record at t 1.0, and its steps and memory files."""
+    record_launch(run, "h-1", ["job"])
+    prefix = stream_prefix(run, 0, "h", 42)
+    stream = Stream(prefix)
+    stream.write({**START, "t": 1.0})
+    return stream, Steps(stream, prefix, 1.0)
+
+
 def write_run(
     root: Path,
     ranks: list[RankSpec],

@@ -16,14 +16,12 @@ import pytest
 from lorascope.analysis.live import LiveRun
 from lorascope.rundir.format.callfile import mem_file, mem_path
 from lorascope.rundir.format.layout import HEADER, MEM, MEM_FIELDS, offset_of
-from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
+from lorascope.rundir.format.writer import Stream
 from lorascope.rundir.loading.mem import as_records, read_mem
 from lorascope.rundir.loading.reader import load_run
 from lorascope.rundir.loading.tail import Tail
-from tests.helpers import Steps, mem_records
+from tests.helpers import START, Steps, mem_records, one_rank
 
-START = {"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h", "argv": [],
-         "versions": {}, "device": "cpu"}  # fmt: skip
 CUDA = {"device": 1, "alloc": 3 << 30, "reserved": 4 << 30, "max_alloc": 5 << 30}
 NVML = {"used": 7 << 30, "total": 80 << 30, "pids": [41, 42], "pid_used": {"41": None, "42": 6 << 30}}
 #: The four kinds of reading the probes make: RSS; and the C heap; a CUDA rank's; its sampler's.
@@ -102,11 +100,7 @@ def _run(tmp_path: Path, steps: int) -> Path:
     """A one-rank run of ``steps`` steps with every kind of reading in its memory file, a
     peak in the middle of the run."""
     run = tmp_path / f"run{steps}"
-    record_launch(run, "h-1", ["job"])
-    prefix = stream_prefix(run, 0, "h", 42)
-    stream = Stream(prefix)
-    stream.write({**START, "t": 1.0})
-    files = Steps(stream, prefix, 1.0)
+    stream, files = one_rank(run)
     for step in range(steps):
         t = 2.0 + step
         files.step(t + 0.9, step + 1, 0.9)

@@ -36,15 +36,11 @@ from lorascope.rundir.format.layout import (
     file_size,
     offset_of,
 )
-from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.calls import STEP_DTYPE
 from lorascope.rundir.loading.reader import load_run
 from lorascope.rundir.loading.steps import as_records, read_steps
 from lorascope.rundir.loading.tail import Tail
-from tests.helpers import Call, RankSpec, Steps, write_run
-
-START = {"k": "start", "rank": 0, "world_size": 1, "local_rank": 0, "pid": 42, "host": "h", "argv": [],
-         "versions": {}, "device": "cpu"}  # fmt: skip
+from tests.helpers import START, Call, RankSpec, one_rank, write_run
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -160,11 +156,7 @@ def _run(tmp_path: Path, steps_made: int = 6) -> Path:
     """A one-rank run whose phase edges and steps (one a CUDA loss given later, one
     without a loss) are in its steps file, a reading after each step in its memory file."""
     run = tmp_path / f"run{steps_made}"
-    record_launch(run, "h-1", ["job"])
-    prefix = stream_prefix(run, 0, "h", 42)
-    stream = Stream(prefix)
-    stream.write({**START, "t": 1.0})
-    steps = Steps(stream, prefix, 1.0)
+    stream, steps = one_rank(run)
     for step in range(steps_made):
         t = 2.0 + step
         for name, at in (("forward", 0.0), ("backward", 0.5)):
@@ -285,11 +277,7 @@ def test_the_time_blocked_on_handles_reads_back_per_step_and_phase(tmp_path: Pat
     began: the step's end holds the step's, a phase's is its end's less its begin's; a run
     whose records hold 0.0 (the probes recorded none) has none."""
     run = tmp_path / "run"
-    record_launch(run, "h-1", ["job"])
-    prefix = stream_prefix(run, 0, "h", 42)
-    stream = Stream(prefix)
-    stream.write({**START, "t": 1.0})
-    steps = Steps(stream, prefix, 1.0)
+    stream, steps = one_rank(run)
     for step in range(3):
         t, w = 2.0 + step, 0.01 * step  # step 1 waits for none
         steps.phase(t, "forward", "begin", step, waited=w)
