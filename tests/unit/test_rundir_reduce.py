@@ -31,6 +31,7 @@ from lorascope.rundir.format.writer import Stream, stream_prefix
 from lorascope.rundir.loading import align, callreduce, reader, reduce, workers
 from lorascope.rundir.loading.calls import read_calls
 from lorascope.rundir.loading.reader import load_run
+from lorascope.rundir.loading.reduce import StepKeeper
 from tests.helpers import FIXTURES, Steps
 
 RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
@@ -512,3 +513,24 @@ def test_a_ranks_kept_records_and_calls_share_their_values() -> None:
                 shared[type(value)] += value in seen
                 assert seen.setdefault(value, value) is value
     assert shared[str] > 100 and shared[int] > 500, shared
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=-50, max_value=5000), max_size=300),
+    st.lists(st.integers(min_value=-50, max_value=5000), max_size=30),
+    st.integers(min_value=4, max_value=120),
+)
+def test_step_numbers_noted_at_once_are_kept_as_noted_one_by_one(
+    first: list[int], later: list[int], budget: int
+) -> None:
+    """A steps file's numbers go into an empty keeper at once; what it holds after (and
+    after more numbers come) is what noting them one by one, in any order, holds."""
+    at_once, one_by_one = StepKeeper(budget), StepKeeper(budget)
+    at_once.note_steps(first)
+    for step in reversed(first):
+        one_by_one._number(step)
+    at_once.note_steps(later)
+    one_by_one.note_steps(later)
+    assert list(at_once.numbers) == list(one_by_one.numbers)
+    assert at_once._multiples == one_by_one._multiples

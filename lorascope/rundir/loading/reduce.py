@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from sortedcontainers import SortedList
 
 from lorascope.rundir.loading.records import PhaseEdge
@@ -521,9 +522,20 @@ class StepKeeper:
         self._next = PRUNE_RECORDS
 
     def note_steps(self, numbers: list[int]) -> None:
-        """Step numbers known before their records are (a steps file read first)."""
-        for step in numbers:
-            self._number(step)
+        """Step numbers known before their records are (a steps file read first). A
+        number is counted once, when it is among the middle's (it stays there as numbers
+        come), so what the keeper holds after does not depend on their order: into an
+        empty keeper, they are counted at once."""
+        if self.numbers:
+            for step in numbers:
+                self._number(step)
+            return
+        self.numbers = SortedList(set(numbers))
+        middle = np.array(self.numbers[self.edge : len(self.numbers) - self.edge], dtype=np.int64)
+        for k in range(64):
+            self._multiples[k] = int(np.count_nonzero(middle & ((1 << k) - 1) == 0))
+            if not self._multiples[k]:
+                break
 
     def held(self, data: Any) -> None:
         """``data``'s lists grew: drop what is sure to be dropped, every so often."""
