@@ -16,7 +16,7 @@ from lorascope.analysis import analyze, strict_json
 from lorascope.cli.options import cluster_option
 from lorascope.errors import BadInputError, UsageError
 from lorascope.export.perfetto import MAX_EVENTS, Window, step_window, timeline
-from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.reader import records_between
 from lorascope.text import echo

@@ -21,11 +21,11 @@ import torch
 
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.load import load_bundle, rank_snapshot
-from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.probes import allocator as allocator_mod
 from lorascope.probes.allocator import MAX_REQUESTED, AllocatorProbe, is_oom, parse_switch
 from lorascope.probes.session import Session
 from lorascope.rundir.format.layout import HEADER, MEM_FIELDS, offset_of
+from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS, add_snapshot

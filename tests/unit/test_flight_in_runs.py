@@ -24,7 +24,7 @@ from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose, flight_since
 from lorascope.ingest.load import load_bundle, rank_flight_timeline
-from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.format.writer import stream_prefix
 from lorascope.rundir.loading.reader import RunData, load_run
 from tests.helpers import T0, RankSpec, write_run

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lorascope.analysis import analyze
-from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.rundir.format.safe_pickle import load_pickle
 
 REPO = Path(__file__).resolve().parents[2]
 FR = REPO / "fixtures" / "flight-recorder"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lorascope.ingest.load import load_bundle
-from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.probes import allocator as allocator_mod
 from lorascope.probes.allocator import AllocatorProbe, parse_switch
 from lorascope.probes.history_policy import FIRST_STEPS, HistoryPolicy, replay
 from lorascope.probes.session import Session
+from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import FIXTURES, OOM_SNAPSHOTS

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lorascope.analysis import analyze
-from lorascope.ingest.safe_pickle import load_pickle
+from lorascope.rundir.format.safe_pickle import load_pickle
 from tests.helpers import FIXTURES, capped_cli, copied_run, edit_records
 
 SECRET = "SECRET-7f3a"

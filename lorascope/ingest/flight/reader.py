@@ -23,8 +23,8 @@ from typing import Any
 
 from lorascope.errors import BadInputError
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE, frame_label, is_python_frame
-from lorascope.ingest.safe_pickle import load_pickle
 from lorascope.rundir.format.safe_open import loads_json, open_regular, read_capped
+from lorascope.rundir.format.safe_pickle import load_pickle
 
 #: Frames kept per entry (innermost first, Python frames only).
 MAX_FRAMES = 12

@@ -7,7 +7,7 @@ segments; blocks with ``history`` instead of ``frames``; ``active_pending_free``
 Internally inconsistent files (blocks that do not add up to their segment, frees of
 unknown addresses) are analysed anyway, with a warning saying what did not add up.
 
-No torch needed: the file is read by :mod:`lorascope.ingest.safe_pickle`.
+No torch needed: the file is read by :mod:`lorascope.rundir.format.safe_pickle`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from lorascope.errors import BadInputError
-from lorascope.ingest.safe_pickle import load_pickle, no_gc
 from lorascope.ingest.snapshot.points import Live, StackInfo, group_by_site
 from lorascope.ingest.snapshot.replay import replay
 from lorascope.ingest.snapshot.types import (
@@ -26,6 +25,7 @@ from lorascope.ingest.snapshot.types import (
     DeviceMemory,
     SnapshotAnalysis,
 )
+from lorascope.rundir.format.safe_pickle import load_pickle, no_gc
 
 _KNOWN_KEYS = {"segments", "device_traces", "allocator_settings", "external_annotations"}
 _ALLOCATED = "active_allocated"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from lorascope.ingest import safe_pickle
-from lorascope.ingest.safe_pickle import PickleFormatError, UnsafePickleError, load_pickle, loads_pickle
+from lorascope.rundir.format import safe_pickle
+from lorascope.rundir.format.safe_pickle import PickleFormatError, UnsafePickleError, load_pickle, loads_pickle
 
 SHARED = {"filename": "train.py", "line": 3, "name": "main"}
 PLAIN: list[Any] = [
