@@ -9,12 +9,15 @@ in its data loader. Then runs `lorascope hang` while a responder thread stands i
 the ranks' probe threads: each rank answers the dump request in the run directory at a
 random moment within the probes' one-second look (a ``dump`` record with the request's
 id and its stacks, then its flight-recorder dump, a pickle of plain data as torch writes
-it, and the ``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
+it, of torch's size by default, with its tail as the probes write it, and the
+``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
 here), how long after the last answer it came, and whether the text output fits 24
 lines; then again with two ranks that never answer (``--wait 1``: the wait bounds it),
 and checks that ``--json`` keeps every rank.
 
     python benchmarks/hang_scale.py                  # 1,024 ranks
+    python benchmarks/hang_scale.py --steps 1000     # dumps of 2,000 collectives (50 steps hold 100)
+    python benchmarks/hang_scale.py --no-tails       # dumps as probes <= 0.3.0 wrote them
     python benchmarks/hang_scale.py --ranks 4096 --hosts 512
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tests.helpers
 
+from lorascope.probes.flight import flight_tail
 from lorascope.rundir.format.schema import DUMP_REQUEST
 from lorascope.rundir.format.writer import Stream, record_launch, stream_prefix
 from lorascope.rundir.loading.reader import load_run
@@ -65,9 +69,18 @@ class Job:
     """The run directory's ranks: where each is, and what it answers with."""
 
     def __init__(
-        self, out: Path, ranks: int, hosts: int, steps: int, odd: int, flight: tuple[int, int] = (20, 1)
+        self,
+        out: Path,
+        ranks: int,
+        hosts: int,
+        steps: int,
+        odd: int,
+        flight: tuple[int, int] = (2000, 30),
+        tails: bool = True,
     ) -> None:
-        self.out, self.ranks, self.odd = out, ranks, odd
+        self.out, self.ranks, self.odd, self.tails = out, ranks, odd, tails
+        #: The pickled flight-recorder dump and its tail (None: not written), the odd rank's and the others'.
+        self.flights: dict[bool, tuple[bytes, bytes | None]] = {}
         self.flight_entries, flight_frames = flight
         #: A flight-recorder entry's frames, innermost first: the job's line, then (a deeper
         #: stack, as DeepSpeed's calls have) library frames out to the script; each entry's
@@ -158,15 +171,25 @@ class Job:
                                 "last_started_collective": -1, "last_completed_collective": done}},
             "entries": entries,
         }  # fmt: skip
+        if odd not in self.flights:  # every rank's is the same but the odd one's: pickled once
+            whole = pickle.dumps(flight, protocol=2)
+            self.flights[odd] = whole, pickle.dumps(flight_tail(flight), protocol=2) if self.tails else None
+        whole, tail = self.flights[odd]
         reason = f"request-{int(time.time())}"
         path = prefix.with_name(f"{prefix.name}.flight.{reason}.pickle")
-        path.write_bytes(pickle.dumps(flight, protocol=2))
+        path.write_bytes(whole)
+        tail_path = path.with_name(f"{prefix.name}.flight.{reason}.tail.pickle")
+        if tail is not None:
+            tail_path.write_bytes(tail)
         t = time.time()
         dump = {
             "reason": "request", "request": request, "step": 40, "stacks": _stacks(odd), "pending": pending,
             "mem": None, "since_progress": 30.0, "k": "dump", "t": t,
         }  # fmt: skip
-        flight_rec = {"file": path.name, "reason": reason, "bytes": path.stat().st_size, "k": "flight_dump", "t": t}
+        flight_rec = {
+            "file": path.name, "reason": reason, "bytes": len(whole), "k": "flight_dump", "t": t,
+            **({"tail": tail_path.name} if tail is not None else {}),
+        }  # fmt: skip
         with open(prefix.with_name(f"{prefix.name}.0000.jsonl"), "a") as f:
             f.write(json.dumps(dump) + "\n" + json.dumps(flight_rec) + "\n")
 
@@ -226,11 +249,14 @@ def main() -> None:
     parser.add_argument(
         "--flight-entries",
         type=int,
-        default=20,
+        default=2000,
         help="entries of each flight-recorder dump (torch keeps the last TORCH_FR_BUFFER_SIZE: lorascope run sets 2000;"
         " the dump holds at most the job's 2 calls a step)",
     )
-    parser.add_argument("--flight-frames", type=int, default=1, help="frames of each entry (a DeepSpeed call's: ~30)")
+    parser.add_argument("--flight-frames", type=int, default=30, help="frames of each entry (a DeepSpeed call's: ~30)")
+    parser.add_argument(
+        "--no-tails", action="store_true", help="write no tail beside each flight-recorder dump (as lorascope <= 0.3.0)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
     args = parser.parse_args()
     random.seed(0)
@@ -238,7 +264,9 @@ def main() -> None:
     try:
         began = time.time()
         odd = args.ranks // 2 + 5
-        job = Job(out, args.ranks, args.hosts, args.steps, odd, (args.flight_entries, args.flight_frames))
+        job = Job(
+            out, args.ranks, args.hosts, args.steps, odd, (args.flight_entries, args.flight_frames), not args.no_tails
+        )
         print(
             f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
         )

@@ -27,7 +27,6 @@ from lorascope.hang.flights import EarlyFlights
 from lorascope.hang.pids import diagnose_pids
 from lorascope.hang.procstate import STOPPED, describe_state
 from lorascope.hang.targets import Target, verify
-from lorascope.ingest.load import rank_flight_timeline
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.ending import ending_of
@@ -160,11 +159,13 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
         notes += _target_notes(mine)
         quiet_ranks, states = read_silent_ranks(run, silent, asked, wait_s)
         notes += silent_notes(quiet_ranks, wait_s)
-        flight = {
-            n: found
-            for n, r in run.ranks.items()
-            if (since := flight_since(r, run)) is not None and (found := rank_flight_timeline(r, notes, since, flights))
-        }
+        flight = flights.covering(
+            {
+                n: found
+                for n, r in run.ranks.items()
+                if (since := flight_since(r, run)) is not None and (found := flights.timeline(r, notes, since))
+            }
+        )
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)

@@ -13,6 +13,7 @@ job's line that made the call, is what says it was still in it.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import subprocess
@@ -23,7 +24,9 @@ from typing import Any
 from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose, flight_since
+from lorascope.hang.flights import EarlyFlights
 from lorascope.ingest.load import load_bundle, rank_flight_timeline
+from lorascope.probes.flight import flight_tail
 from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.format.writer import stream_prefix
 from lorascope.rundir.loading.reader import RunData, load_run
@@ -76,13 +79,15 @@ def _ddp_run(
     flight: bool = True,
     flight_at: float | None = None,
     earlier: int = 0,
+    tail: int | None = None,
 ) -> Path:
     """Two DDP ranks with no recorded collective (the Reducer's are not seen), both
     stopped by SIGTERM at ``stop``, each with the stacks its signal wrote and, with
     ``flight``, the recorded flight-recorder dump next to its stream, written at
     ``flight_at`` (default: with the stop); ``earlier``: as many flight-recorder dumps
     recorded before, 30 s before the stop on (a stall watchdog's), each a file that is
-    not a pickle."""
+    not a pickle; ``tail``: each dump written with its tail as the probes write it, that
+    many completed collectives before the last one kept."""
     ranks = []
     for n in (0, 1):
         name = f"h-{100 + n}.flight.signal.pickle"
@@ -93,7 +98,9 @@ def _ddp_run(
         if flight:
             at = stop if flight_at is None else flight_at
             extra.insert(
-                0 if at < stop else 1, {"k": "flight_dump", "t": at, "file": name, "reason": "signal", "bytes": 1}
+                0 if at < stop else 1,
+                {"k": "flight_dump", "t": at, "file": name, "reason": "signal", "bytes": 1}
+                | ({} if tail is None else {"tail": name.replace(".pickle", ".tail.pickle")}),
             )
         extra[:0] = [
             {
@@ -111,6 +118,9 @@ def _ddp_run(
         prefix = stream_prefix(run_dir, n, "h", 100 + n)
         data = _relocated(load_pickle(FR / f"rank-{n}.pickle"))
         (prefix.parent / f"h-{100 + n}.flight.signal.pickle").write_bytes(pickle.dumps(data))
+        if tail is not None:
+            cut = pickle.dumps(flight_tail(data, tail), protocol=2)
+            (prefix.parent / f"h-{100 + n}.flight.signal.tail.pickle").write_bytes(cut)
         for i in range(earlier):
             (prefix.parent / f"h-{100 + n}.flight.stall-{i}.pickle").write_bytes(b"not a pickle")
     return run_dir
@@ -233,3 +243,33 @@ def test_hang_reads_only_the_flight_dumps_its_diagnosis_can_go_by(tmp_path: Path
         res.stdout.splitlines()
     )
     assert "stall-" not in res.stdout, res.stdout
+
+
+def test_hang_aligns_the_ranks_by_the_dumps_tails_and_reads_them_whole_where_they_share_none(tmp_path: Path) -> None:
+    """A dump of torch's size takes ~90 ms to read safely: `hang` reads the tails the
+    probes write beside (each group's collectives from a few before its last completed
+    one), to the verdict the whole dumps give. Rank 0 completed #14, rank 1 #13 (gloo
+    marks a failed call completed): tails from one before share #13, and are what is
+    read; tails from the last completed (#14 and #13) share nothing, and the whole dumps
+    are read instead."""
+    lines = {}
+    for tail in (None, 1, 0):
+        run_dir = _ddp_run(tmp_path / f"run-{tail}", (IN_FORWARD, IN_FETCH), STOP, tail=tail)
+        cmd = [sys.executable, "-m", "lorascope", "hang", str(run_dir), "--wait", "0", "--no-html", "--json"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        lines[tail] = json.loads(res.stdout)
+        run = load_run(run_dir)
+        with EarlyFlights() as flights:
+            read = {n: flights.timeline(r, [], flight_since(r, run) or 0.0) for n, r in run.ranks.items()}
+            kept = flights.covering(read)
+        whole = {n: [(t, d.path.name, len(d.entries)) for t, d in dumps] for n, dumps in kept.items()}
+        if tail == 1:
+            assert {n: [e.seq for e in d.entries] for n, [(_, d)] in kept.items()} == {0: [13, 14], 1: [12, 13]}
+        else:
+            assert {n: [(name, count)] for n, [(_, name, count)] in whole.items()} == {
+                0: [("h-100.flight.signal.pickle", 14)],
+                1: [("h-101.flight.signal.pickle", 13)],
+            }
+    assert lines[1] == lines[None] and lines[0] == lines[None]
+    assert lines[None]["odd_ranks"] == [1]

@@ -140,7 +140,8 @@ def parse_flight_dump(data: Any, path: Path, rank: int | None = None) -> FlightD
     raw_entries = [e for e in data["entries"] if isinstance(e, Mapping)]
     if len(raw_entries) != len(data["entries"]):
         warnings.append(f"{len(data['entries']) - len(raw_entries)} entries are not objects: skipped")
-    entries = [_entry(e) for e in raw_entries]
+    labels: dict[int, str | None] = {}  # torch's pickle shares each frame among the entries that hold it
+    entries = [_entry(e, labels) for e in raw_entries]
     _reconcile_group_names(entries, group_ranks, group_desc, status)
     for e in entries:
         st = status.get(e.group)
@@ -226,14 +227,20 @@ def _reconcile_group_names(
         desc.setdefault(e.group, e.group_desc)
 
 
-def _frames(raw: Any) -> list[str]:
+def _frames(raw: Any, labels: dict[int, str | None]) -> list[str]:
     """The first MAX_FRAMES Python frames' labels (the frames past them are not looked at:
-    a DeepSpeed call's entry holds ~30)."""
+    a DeepSpeed call's entry holds ~30); ``labels``: each frame object's label (None: not
+    a Python frame), as found so far."""
     out: list[str] = []
     if isinstance(raw, (list, tuple)):
         for f in raw:
-            if isinstance(f, Mapping) and is_python_frame(f):
-                out.append(frame_label(f))
+            key = id(f)
+            if key in labels:
+                label = labels[key]
+            else:
+                label = labels[key] = frame_label(f) if isinstance(f, Mapping) and is_python_frame(f) else None
+            if label is not None:
+                out.append(label)
                 if len(out) == MAX_FRAMES:
                     break
     return out
@@ -247,7 +254,7 @@ def _sizes(raw: Any) -> list[Any]:
     return list(raw) if isinstance(raw, (list, tuple)) else []
 
 
-def _entry(e: Mapping[str, Any]) -> FlightEntry:
+def _entry(e: Mapping[str, Any], labels: dict[int, str | None]) -> FlightEntry:
     pg = e.get("process_group")
     if isinstance(pg, (list, tuple)) and pg:
         group, group_desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
@@ -273,7 +280,7 @@ def _entry(e: Mapping[str, Any]) -> FlightEntry:
         state=state,
         retired=bool(e.get("retired")),
         completed=state == "completed",
-        frames=_frames(e.get("frames")),
+        frames=_frames(e.get("frames"), labels),
         time_created_ns=_int(e.get("time_created_ns")),
         timeout_ms=_int(e.get("timeout_ms")),
         duration_ms=float(duration) if isinstance(duration, (int, float)) and not isinstance(duration, bool) else None,

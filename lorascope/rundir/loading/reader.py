@@ -534,7 +534,7 @@ class _Stream:
             elif kind == "snapshot":
                 data.snapshots.append(cast(SnapshotRecord, {**rec, "path": str(side)}))
             else:
-                data.flight_dumps.append(cast(FlightDumpRecord, {**rec, "path": str(side)}))
+                data.flight_dumps.append(cast(FlightDumpRecord, {**rec, "path": str(side), **_tail(path, rec)}))
 
     def _declare(self, path: Path, number: int, rec: dict[str, Any]) -> None:
         """A ``shape`` record: its id names these fields from here on. The probes declare a
@@ -713,6 +713,15 @@ class _Stream:
         data.stride = decimate(data, budget)
         share_values(data)
         return data
+
+
+def _tail(stream: Path, rec: dict[str, Any]) -> dict[str, str]:
+    """A flight-recorder dump's tail (``tail_path``), when its file is there, in the folder."""
+    name = rec.get("tail")
+    side = stream.parent / str(name)
+    if not isinstance(name, str) or side.name != name or not side.is_file() or leaves(stream.parent, side):
+        return {}
+    return {"tail_path": str(side)}
 
 
 def _load_process(

@@ -304,8 +304,12 @@ class _Attachment(TypedDict):
     path: str
 
 
-class FlightDumpRecord(_Attachment):
+class FlightDumpRecord(_Attachment, total=False):
     """torch's flight-recorder dump, written with a dump or at the rank's ending."""
+
+    #: Its tail (the last collectives of each group, ``probes.flight.flight_tail``), when
+    #: the probes wrote one and it is there (absolute, added by the reader).
+    tail_path: str
 
 
 class SnapshotRecord(_Attachment, total=False):
