@@ -16,6 +16,7 @@ from lorascope.analysis.artifacts import artifacts_data
 from lorascope.analysis.summary import build_summary
 from lorascope.detect import pace
 from lorascope.detect.finding import Finding
+from lorascope.detect.hang.diagnosis import FlightTimeline
 from lorascope.detect.registry import run_detectors
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.load import bundle_of_run, load_bundle
@@ -65,7 +66,8 @@ def analyze(
     return of_bundle(load_bundle(path, kind=kind, hta=hta, progress=progress, cluster=cluster), progress)
 
 
-def of_run(run: RunData, path: Path) -> Analysis:
+def of_run(run: RunData, path: Path, flight: FlightTimeline | None = None) -> Analysis:
     """An analysis of a run directory already loaded (`lorascope hang` reloads the live
-    run while it waits for the ranks' dumps)."""
-    return of_bundle(bundle_of_run(run, path))
+    run while it waits for the ranks' dumps; ``flight``: the flight-recorder dumps its
+    verdict went by, read already)."""
+    return of_bundle(bundle_of_run(run, path, flight))

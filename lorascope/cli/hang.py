@@ -12,7 +12,7 @@ import click
 
 from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS
-from lorascope.detect.hang.diagnosis import NOT_HUNG, diagnose, flight_since
+from lorascope.detect.hang.diagnosis import NOT_HUNG, FlightTimeline, diagnose, flight_since
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import LorascopeError, UsageError
 from lorascope.hang.collect import (
@@ -111,17 +111,20 @@ def _places(run: RunData) -> dict[int, Place]:
     return out
 
 
-def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path) -> str:
+def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Path, flight: FlightTimeline) -> str:
     """The hang's HTML report, best effort: the verdict is out already, and the light
-    install (no jinja2) or an unwritable place must not take it back."""
+    install (no jinja2) or an unwritable place must not take it back. A live hang's
+    flight-recorder evidence is what the verdict went by (at 1,024 ranks every dump read
+    again whole would take minutes)."""
     from lorascope.analysis import of_run
 
     try:
         from lorascope.report.write import write_report
     except ImportError as exc:
         return f"no HTML report: {exc} (pip install 'lorascope[analysis]')"
-    analysis = of_run(run, run_dir)
-    if diagnosis["kind"] not in (*NOT_HUNG, "over"):  # else the page says what `analyze` says
+    live = diagnosis["kind"] not in (*NOT_HUNG, "over")  # else the page says what `analyze` says
+    analysis = of_run(run, run_dir, flight if live else None)
+    if live:
         others = [f for f in analysis.findings if f.id != "hung-ranks"]
         analysis.findings = [hang_finding(run, diagnosis), *others]
     try:
@@ -174,12 +177,12 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     diagnosis["silent"] = quiet_ranks
     if as_json:
         if out is not None:
-            notes.append(_write_html(run, run_dir, diagnosis, out))
+            notes.append(_write_html(run, run_dir, diagnosis, out, flight))
         echo(_as_json({**diagnosis, "notes": notes}))
     else:
         echo(render_hang(diagnosis, notes, _places(run)))  # the verdict first: the page can take seconds
         if out is not None:
-            echo(f"note: {_write_html(run, run_dir, diagnosis, out)}")
+            echo(f"note: {_write_html(run, run_dir, diagnosis, out, flight)}")
 
 
 @click.command("hang")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lorascope.errors import BadInputError, UsageError
@@ -68,18 +68,27 @@ def _load_run(bundle: EvidenceBundle, path: Path, progress: Progress | None, clu
     add_run(bundle, load_run(path, progress, cluster), progress)
 
 
-def bundle_of_run(run: RunData, path: Path) -> EvidenceBundle:
+def bundle_of_run(
+    run: RunData, path: Path, flight: Mapping[int, list[tuple[float, FlightDump]]] | None = None
+) -> EvidenceBundle:
     """The bundle `load_bundle` makes of a run directory, from the run already read (as
     `lorascope hang` has it): its ranks' traces, flight-recorder dumps and snapshots, and
-    the cross-rank views."""
+    the cross-rank views. ``flight``: the ranks' flight-recorder dumps already read (those
+    `hang`'s verdict went by), instead of every one the ranks wrote."""
     bundle = EvidenceBundle(path=path)
-    add_run(bundle, run, None)
+    add_run(bundle, run, None, flight)
     _cross_rank(bundle, False)
     return bundle
 
 
-def add_run(bundle: EvidenceBundle, run: RunData, progress: Progress | None) -> None:
-    """A run already read, and the traces and dumps its ranks wrote next to their streams."""
+def add_run(
+    bundle: EvidenceBundle,
+    run: RunData,
+    progress: Progress | None,
+    flight: Mapping[int, list[tuple[float, FlightDump]]] | None = None,
+) -> None:
+    """A run already read, and the traces and dumps its ranks wrote next to their streams
+    (``flight``: its flight-recorder dumps, read already)."""
     bundle.run = run
     bundle.warnings.extend(run.warnings)
     for done, rank in enumerate(run.ranks.values(), 1):
@@ -91,7 +100,7 @@ def add_run(bundle: EvidenceBundle, run: RunData, progress: Progress | None) -> 
                     load_file(bundle, Path(name), "kineto", forced=True, inside=Path(name).parent)
                 except BadInputError as exc:
                     bundle.warnings.append(f"rank {rank.rank}: {exc}")
-        timeline = rank_flight_timeline(rank, bundle.warnings)
+        timeline = rank_flight_timeline(rank, bundle.warnings) if flight is None else flight.get(rank.rank, [])
         if timeline:
             bundle.flight_timeline[rank.rank] = timeline
             first = timeline[0][1]

@@ -25,7 +25,7 @@ from lorascope.analysis import analyze
 from lorascope.detect import hung_ranks
 from lorascope.detect.hang.diagnosis import diagnose, flight_since
 from lorascope.hang.flights import EarlyFlights
-from lorascope.ingest.load import load_bundle, rank_flight_timeline
+from lorascope.ingest.load import bundle_of_run, load_bundle, rank_flight_timeline
 from lorascope.probes.flight import flight_tail
 from lorascope.rundir.format.safe_pickle import load_pickle
 from lorascope.rundir.format.writer import stream_prefix
@@ -243,6 +243,11 @@ def test_hang_reads_only_the_flight_dumps_its_diagnosis_can_go_by(tmp_path: Path
         res.stdout.splitlines()
     )
     assert "stall-" not in res.stdout, res.stdout
+    # a live hang's page goes by the dumps its verdict read, not every one again
+    page = bundle_of_run(run, run_dir, chosen)
+    assert {n: page.flight_records[n] for n in (0, 1)} == {n: chosen[n][0][1] for n in (0, 1)}
+    assert not [w for w in page.warnings if "stall-" in w]
+    assert len([w for w in bundle_of_run(run, run_dir).warnings if "stall-" in w]) == 6
 
 
 def test_hang_aligns_the_ranks_by_the_dumps_tails_and_reads_them_whole_where_they_share_none(tmp_path: Path) -> None:
