@@ -3,11 +3,11 @@ answers (while the others are still waited for) rather than all after the last o
 
 A dump of torch's size (the last 2,000 collectives, ~370 KB) takes ~90 ms to read
 safely: at 1,024 ranks, a minute and a half. The probes write each dump's tail beside
-it (the last collectives of each process group, ``probes.flight.flight_tail``), and
-the tail is what is read here: the ranks of a hung job are a few collectives apart, and
-the diagnosis aligns them where they part. Where the tails leave a group's ranks without
-a collective in common (a rank further ahead than a tail holds), the dumps are read
-whole. A dump without a tail (an older probe's) is read whole, a large one by a worker
+it (each process group's collectives from a few before its last completed one on,
+``probes.flight.flight_tail``), and the tail is what is read here: the ranks of a hung
+job are a few collectives apart, and the diagnosis aligns them where they part. Where
+the tails leave a group's ranks without a collective in common (a rank further ahead
+than a tail holds), the dumps are read whole. A dump without a tail (an older probe's) is read whole, a large one by a worker
 process, one per core (``--workers``), while this process reads the ranks' streams.
 """
 
