@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,12 +27,13 @@ from lorascope.analysis import analyze
 from lorascope.detect.common import peak_memory
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.report.data import build_report_data
-from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, offset_of, slot_of
+from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, STEP_END, STEP_KINDS, offset_of, slot_of
 from lorascope.rundir.format.writer import Stream, stream_prefix
 from lorascope.rundir.loading import align, callreduce, reader, reduce, workers
-from lorascope.rundir.loading.calls import read_calls
+from lorascope.rundir.loading.calls import STEPS, read_calls
 from lorascope.rundir.loading.reader import load_run
 from lorascope.rundir.loading.reduce import StepKeeper
+from lorascope.rundir.loading.steps import backward_spans_of
 from tests.helpers import FIXTURES, Steps
 
 RUNS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
@@ -361,7 +363,7 @@ def test_a_long_run_is_read_into_about_its_budget_of_records(tmp_path: Path) -> 
     assert [s["step"] for s in data.steps] == sorted(kept)
     assert {m["step"] for m in data.mem} == set(kept) | {1, 6}  # the peaks: the first heap of 9, RSS of 106
     assert len(data.mem) < 100 and len(data.phases) < 100
-    assert len(read.keeper.spans.spans) == 3000
+    assert len(read.keeper.spans) == 3000
 
 
 def test_a_windows_digest_is_its_calls_in_any_order() -> None:
@@ -534,3 +536,56 @@ def test_step_numbers_noted_at_once_are_kept_as_noted_one_by_one(
     one_by_one.note_steps(later)
     assert list(at_once.numbers) == list(one_by_one.numbers)
     assert at_once._multiples == one_by_one._multiples
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(-1, 6), st.sampled_from([0, 1])),  # kind, step, label
+        max_size=80,
+    )
+)
+def test_backward_spans_of_a_steps_table_are_those_of_its_edges_one_by_one(
+    rows: list[tuple[int, int, int]],
+) -> None:
+    """The steps file's backward spans, paired with numpy, are what pairing its phase
+    edges one at a time gives (begins replaced, ends without a begin, other phases, step
+    records among them), in the same order."""
+    labels = {0: "backward", 1: "forward"}
+    table = np.zeros(len(rows), dtype=STEPS.dtype)
+    for i, (kind, step, label) in enumerate(rows):
+        table[i] = (100.0 + i, 0.0, np.nan, 0.0, step, label, kind, 0)
+    edges: list[Any] = [
+        {"name": labels[label], "edge": STEP_KINDS[kind], "step": step, "k": "phase", "t": 100.0 + i}
+        for i, (kind, step, label) in enumerate(rows)
+        if kind < STEP_END
+    ]
+    got = backward_spans_of(table, labels)
+    assert list(got.items()) == list(reduce.backward_spans(edges).items())
+
+
+def _kept_one_by_one(steps: list[int], budget: int, stride: int | None) -> tuple[int, set[int]]:
+    """kept_steps as its docstring says it, a step at a time (the oracle)."""
+    ordered = sorted(set(steps))
+    if stride is None and len(ordered) <= budget:
+        return 1, set(ordered)
+    edge = budget // 4
+    head, tail = set(ordered[:edge]), set(ordered[-edge:]) if edge else set()
+    middle = ordered[edge : len(ordered) - edge]
+    if stride is None:
+        stride = 1
+        while sum(1 for s in middle if s % stride == 0) > budget - 2 * edge:
+            stride *= 2
+    if stride == 1:
+        return 1, set(ordered)
+    return stride, head | tail | {s for s in middle if s % stride == 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(min_value=-20, max_value=3000), max_size=400),
+    st.integers(min_value=1, max_value=80),
+    st.sampled_from([None, 1, 2, 8, 64]),
+)
+def test_kept_steps_are_those_counted_one_by_one(steps: list[int], budget: int, stride: int | None) -> None:
+    assert reduce.kept_steps(steps, budget, stride) == _kept_one_by_one(steps, budget, stride)

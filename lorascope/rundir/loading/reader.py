@@ -97,7 +97,7 @@ from lorascope.rundir.loading.reduce import (
     totals,
 )
 from lorascope.rundir.loading.span import SpanRecords
-from lorascope.rundir.loading.steps import as_records, backward_edges, handle_waits, read_steps, step_numbers
+from lorascope.rundir.loading.steps import as_records, backward_spans_of, handle_waits, read_steps, step_numbers
 
 #: Told how far a long step has come: (what, done, total). The CLI draws it as a bar.
 Progress = Callable[[str, int, int], None]
@@ -588,8 +588,8 @@ class _Stream:
 
     def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[StepRecord], list[PhaseEdge]]:
         """The steps file's step and phase records (none without one; ``drop``: no phase
-        record decimation is sure to drop), its times in ``last_time``, every backward
-        edge to the keeper's spans."""
+        record decimation is sure to drop), its times in ``last_time``, the backward spans
+        of every step to the keeper."""
         steps: list[StepRecord] = []
         phases: list[PhaseEdge] = []
         table = self.step_table
@@ -597,7 +597,7 @@ class _Stream:
             records = table.records
             steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
             data.handle_wait, data.handle_wait_phases = handle_waits(records, self.labels, drop)
-            self.keeper.spans.add(backward_edges(records, self.labels))
+            self.keeper.spans = backward_spans_of(records, self.labels)
             data.last_time = max(data.last_time, float(records["t"].max()))
         return steps, phases
 
@@ -707,7 +707,7 @@ class _Stream:
         data.collectives = calls.collectives
         data.last_time = max(data.last_time, calls.last_time)
         data.tallies, data.coll_wait, data.op_totals = calls.tallies, calls.sync, calls.op_totals
-        data.coll_wait_outside_backward = calls.outside_backward(self.keeper.spans.spans)
+        data.coll_wait_outside_backward = calls.outside_backward(self.keeper.spans)
         data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
         data.stride = decimate(data, budget)

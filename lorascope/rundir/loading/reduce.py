@@ -328,7 +328,7 @@ class CollectiveLog:
     def outside_backward(self, spans: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
         """Per step (+1), the time in synchronous calls that started outside every backward
         phase of the step (FSDP's backward collectives run inside it); call after
-        :meth:`finish`, with the backward spans of every phase record (:class:`BackwardSpans`)."""
+        :meth:`finish`, with the backward spans of every phase record (:func:`backward_spans`)."""
         out = sync_outside_backward(self.sync.calls, spans)
         self.sync.calls = {}
         return out
@@ -395,19 +395,19 @@ def kept_steps(steps: Iterable[int], budget: int, stride: int | None = None) -> 
     """The step numbers kept of ``steps`` within ``budget``: the first and the last quarter
     of the budget, and every ``stride``-th between (the smallest power of two that fits,
     unless given). Returns (stride, kept); stride 1 keeps every step."""
-    ordered = sorted(set(steps))
+    ordered = np.unique(np.fromiter(steps, dtype=np.int64))
     if stride is None and len(ordered) <= budget:
-        return 1, set(ordered)
+        return 1, set(ordered.tolist())
     edge = budget // 4
-    head, tail = set(ordered[:edge]), set(ordered[-edge:]) if edge else set()
+    head, tail = set(ordered[:edge].tolist()), set(ordered[-edge:].tolist()) if edge else set()
     middle = ordered[edge : len(ordered) - edge]
     if stride is None:
         stride = 1
-        while sum(1 for s in middle if s % stride == 0) > budget - 2 * edge:
+        while np.count_nonzero(middle % stride == 0) > budget - 2 * edge:
             stride *= 2
     if stride == 1:
-        return 1, set(ordered)
-    return stride, head | tail | {s for s in middle if s % stride == 0}
+        return 1, set(ordered.tolist())
+    return stride, head | tail | set(middle[middle % stride == 0].tolist())
 
 
 def decimate(data: Any, budget: int, stride: int | None = None) -> int:
@@ -488,7 +488,7 @@ PRUNE_RECORDS = 1 << 15
 
 class StepKeeper:
     """A rank's step-keyed records as they are read: it takes what is computed over all of
-    them (the count of ``mem`` records, :class:`BackwardSpans`) and, every so often, drops
+    them (the count of ``mem`` records, the backward spans) and, every so often, drops
     the ``mem``, ``phase`` and ``logits`` records that :func:`decimate` is sure to drop at the
     end, so that a reader holds about its budget's records, not every step's (the step
     records themselves, ~0.4 KB a step, are kept whole: a later ``loss`` record may change
@@ -509,7 +509,8 @@ class StepKeeper:
         self.room = budget - 2 * self.edge
         #: How many mem records were read (:func:`totals`), made or not.
         self.mem = 0
-        self.spans = BackwardSpans()
+        #: The backward spans of every step (:func:`backward_spans`), its steps file's.
+        self.spans: dict[int, list[tuple[float, float]]] = {}
         #: The distinct step numbers of the step records so far, sorted (a SortedList: a
         #: list's insert moved every later number, so a stream whose step numbers go down
         #: took quadratic time: 400,000 such steps 12 s, now 0.7 s; 1.8 us a step as a
@@ -601,25 +602,14 @@ class StepKeeper:
 def backward_spans(phases: Iterable[PhaseEdge]) -> dict[int, list[tuple[float, float]]]:
     """Per step (+1, the step record's number), the (begin, end) times of its backward
     phases that ended."""
-    spans = BackwardSpans()
-    spans.add(phases)
-    return spans.spans
-
-
-class BackwardSpans:
-    """:func:`backward_spans` of phase records given as they are read."""
-
-    def __init__(self) -> None:
-        self.spans: dict[int, list[tuple[float, float]]] = {}
-        self._begin: dict[int, float] = {}
-
-    def add(self, phases: Iterable[PhaseEdge]) -> None:
-        spans, begin = self.spans, self._begin
-        for p in phases:
-            if p["name"] != "backward":
-                continue
-            step = p["step"] + 1
-            if p["edge"] == "begin":
-                begin[step] = p["t"]
-            elif step in begin:
-                spans.setdefault(step, []).append((begin.pop(step), p["t"]))
+    spans: dict[int, list[tuple[float, float]]] = {}
+    begin: dict[int, float] = {}
+    for p in phases:
+        if p["name"] != "backward":
+            continue
+        step = p["step"] + 1
+        if p["edge"] == "begin":
+            begin[step] = p["t"]
+        elif step in begin:
+            spans.setdefault(step, []).append((begin.pop(step), p["t"]))
+    return spans

@@ -11,7 +11,6 @@ source looked up in the stream's ``label`` records.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -102,14 +101,26 @@ def _undropped(edges: np.ndarray, drop: Rule | None) -> np.ndarray:
     return edges[~sure]  # type: ignore[no-any-return]
 
 
-def backward_edges(table: np.ndarray, labels: dict[int, str]) -> Iterator[PhaseEdge]:
-    """The ``backward`` phase edges of ``table``, as records with the fields
-    :class:`~lorascope.rundir.loading.reduce.BackwardSpans` reads (made one at a time)."""
+def backward_spans_of(table: np.ndarray, labels: dict[int, str]) -> dict[int, list[tuple[float, float]]]:
+    """:func:`~lorascope.rundir.loading.reduce.backward_spans` of the ``backward`` phase
+    edges of ``table`` (in index order), without a record made of each: per step (+1), an
+    end pairs with the begin just before it among that step's edges (a begin without its
+    end is replaced by the next one; an end without a begin pairs with nothing), the
+    steps in the order of their first pair."""
     ids = [n for n, text in labels.items() if text == "backward"]
     at = table[(table["kind"] < STEP_END) & np.isin(table["label"], ids)]
-    edge_names = [STEP_KINDS[k] for k in range(STEP_END)]
-    for t, step, kind in zip(at["t"].tolist(), at["step"].tolist(), at["kind"].tolist(), strict=True):
-        yield {"name": "backward", "edge": edge_names[kind], "step": step, "k": "phase", "t": t}
+    keys = at["step"].astype(np.int64) + 1
+    order = np.lexsort((np.arange(len(keys)), keys))  # each step's edges together, in index order
+    key, begin = keys[order], at["kind"][order] != END
+    paired = np.zeros(len(key), dtype=bool)
+    paired[1:] = ~begin[1:] & begin[:-1] & (key[1:] == key[:-1])
+    ends = np.nonzero(paired)[0]
+    ends = ends[np.argsort(order[ends], kind="stable")]  # in index order, as they were read
+    times = at["t"][order]
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for step, t0, t1 in zip(key[ends].tolist(), times[ends - 1].tolist(), times[ends].tolist(), strict=True):
+        spans.setdefault(step, []).append((t0, t1))
+    return spans
 
 
 def handle_waits(
