@@ -363,7 +363,7 @@ def test_a_long_run_is_read_into_about_its_budget_of_records(tmp_path: Path) -> 
     assert [s["step"] for s in data.steps] == sorted(kept)
     assert {m["step"] for m in data.mem} == set(kept) | {1, 6}  # the peaks: the first heap of 9, RSS of 106
     assert len(data.mem) < 100 and len(data.phases) < 100
-    assert len(read.keeper.spans) == 3000
+    assert len(read.spans) == 3000
 
 
 def test_a_windows_digest_is_its_calls_in_any_order() -> None:

@@ -449,6 +449,8 @@ class _Stream:
         #: the ``loss`` records, put on their steps once every step is there.
         self.labels: dict[int, str] = {}
         self.step_table: CallRecords | None = None
+        #: Per step (+1), the backward spans of its steps file (``backward_spans_of``).
+        self.spans: dict[int, list[tuple[float, float]]] = {}
         #: The memory file's readings (read before the stream too), and NVML's parts of
         #: them (``nvml`` records), by reading index.
         self.mem_table: CallRecords | None = None
@@ -589,7 +591,7 @@ class _Stream:
     def take_steps(self, data: RankData, drop: Rule | None = None) -> tuple[list[StepRecord], list[PhaseEdge]]:
         """The steps file's step and phase records (none without one; ``drop``: no phase
         record decimation is sure to drop), its times in ``last_time``, the backward spans
-        of every step to the keeper."""
+        of every step in ``spans``."""
         steps: list[StepRecord] = []
         phases: list[PhaseEdge] = []
         table = self.step_table
@@ -597,7 +599,7 @@ class _Stream:
             records = table.records
             steps, phases = as_records(records, self.labels, f"rank {self.rank}", self.warnings, drop)
             data.handle_wait, data.handle_wait_phases = handle_waits(records, self.labels, drop)
-            self.keeper.spans = backward_spans_of(records, self.labels)
+            self.spans = backward_spans_of(records, self.labels)
             data.last_time = max(data.last_time, float(records["t"].max()))
         return steps, phases
 
@@ -707,7 +709,7 @@ class _Stream:
         data.collectives = calls.collectives
         data.last_time = max(data.last_time, calls.last_time)
         data.tallies, data.coll_wait, data.op_totals = calls.tallies, calls.sync, calls.op_totals
-        data.coll_wait_outside_backward = calls.outside_backward(self.keeper.spans)
+        data.coll_wait_outside_backward = calls.outside_backward(self.spans)
         data.totals = totals(data, self.keeper.mem)
         data.warnings = data.warnings[:KEEP_WARNINGS]
         data.stride = decimate(data, budget)

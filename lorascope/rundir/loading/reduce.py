@@ -488,7 +488,7 @@ PRUNE_RECORDS = 1 << 15
 
 class StepKeeper:
     """A rank's step-keyed records as they are read: it takes what is computed over all of
-    them (the count of ``mem`` records, the backward spans) and, every so often, drops
+    them (the count of ``mem`` records) and, every so often, drops
     the ``mem``, ``phase`` and ``logits`` records that :func:`decimate` is sure to drop at the
     end, so that a reader holds about its budget's records, not every step's (the step
     records themselves, ~0.4 KB a step, are kept whole: a later ``loss`` record may change
@@ -509,8 +509,6 @@ class StepKeeper:
         self.room = budget - 2 * self.edge
         #: How many mem records were read (:func:`totals`), made or not.
         self.mem = 0
-        #: The backward spans of every step (:func:`backward_spans`), its steps file's.
-        self.spans: dict[int, list[tuple[float, float]]] = {}
         #: The distinct step numbers of the step records so far, sorted (a SortedList: a
         #: list's insert moved every later number, so a stream whose step numbers go down
         #: took quadratic time: 400,000 such steps 12 s, now 0.7 s; 1.8 us a step as a
