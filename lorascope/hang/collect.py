@@ -29,7 +29,15 @@ from lorascope.rundir.format.safe_open import open_regular
 from lorascope.rundir.format.schema import DUMP_SIGNAL, STREAM_SUFFIX
 from lorascope.rundir.format.writer import stream_prefix
 from lorascope.rundir.loading.cluster import Cluster
-from lorascope.rundir.loading.reader import Job, RankData, RunData, list_run, load_run, no_cycle_collection
+from lorascope.rundir.loading.reader import (
+    RECENT_RECORDS,
+    Job,
+    RankData,
+    RunData,
+    list_run,
+    load_run,
+    no_cycle_collection,
+)
 from lorascope.units import rank_ranges
 
 POLL_S = 0.2
@@ -186,7 +194,9 @@ def wait_for_dumps(
     each: Callable[[RankData], None] | None = None,
 ) -> tuple[RunData, list[int]]:
     """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump that
-    answers ``asked``, or ``wait_s`` passes, and read the run; returns it and the ranks
+    answers ``asked``, or ``wait_s`` passes, and read the run's recent past (the newest
+    RECENT_RECORDS records of each slot file: a hang's evidence is at the end of a run,
+    and a long run's files hold millions); returns it and the ranks
     whose process was asked and did not answer. The wait reads only what the processes
     wrote since the request: reading a large run again on every poll took longer than the
     wait itself, and a rank read in the first instant, before its dump was flushed, was
@@ -197,7 +207,7 @@ def wait_for_dumps(
     deadline = time.time() + wait_s
     if cluster is not None:
         _until_answered(dict(ends), asked, deadline)
-        run = load_run(run_dir, cluster=cluster)
+        run = load_run(run_dir, cluster=cluster, newest=RECENT_RECORDS)
     else:
         run = _read_as_answered(run_dir, ends, asked, deadline, each or (lambda _: None))
     silent = [
@@ -220,7 +230,7 @@ def _read_as_answered(
 def _read_each(
     run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
 ) -> RunData:
-    listing = list_run(run_dir)
+    listing = list_run(run_dir, newest=RECENT_RECORDS)
     read: dict[str, tuple[Job, tuple[RankData, list[str]]]] = {}  # by rank folder/process
 
     def take(rank_dir: Path, process: str) -> None:

@@ -9,14 +9,17 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lorascope.analysis import of_run
 from lorascope.cli import main
 from lorascope.errors import FormatVersionError
 from lorascope.rundir.format.callfile import CallFile
-from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, offset_of
+from lorascope.rundir.format.layout import CALL, CALL_FIELDS, HEADER, STEPS_HEAD, offset_of
 from lorascope.rundir.format.schema import MANIFEST_FILE
 from lorascope.rundir.loading import callreduce, reduce
+from lorascope.rundir.loading import calls as calls_module
 from lorascope.rundir.loading.callreduce import reduce_calls
 from lorascope.rundir.loading.calls import CALL_DTYPE, decode, read_calls, read_since
 from lorascope.rundir.loading.reader import Collective, load_run
@@ -148,6 +151,54 @@ def test_a_follower_reads_the_new_calls_and_the_pending_ones_again(tmp_path: Pat
     g.begin(T0, 1, 4, 0, 0, 0)
     records, index, run = decode([*runs, *(read_since(g.path, 0, []) or (0, []))[1]])  # two files at once
     assert index.tolist() == [0, *range(14, 22), 0] and run.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2, 3]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    head=st.integers(1, 12),
+    ring=st.sampled_from([0, 6, 16]),
+    calls=st.integers(1, 60),
+    newest=st.integers(1, 20),
+    torn=st.lists(st.integers(0, 80), max_size=3),
+)
+def test_the_newest_calls_are_the_whole_reads_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, head: int, ring: int, calls: int, newest: int, torn: list[int]
+) -> None:
+    """What ``lorascope hang`` reads of a long run: the newest calls of the file, the same
+    records, numbers and holes as the whole read's, and every call below them lost."""
+    monkeypatch.setattr(calls_module, "COUNT_SLACK", 2)
+    path = tmp_path / f"{head}-{ring}-{calls}-{newest}.calls"
+    f = CallFile(path, head=head if ring else STEPS_HEAD, ring=ring)  # no ring: a steps file's head
+    for i in range(calls):
+        f.end(f.begin(T0 + i, i + 1, 4, i // 5, 0, 0), T0 + i + 0.5)
+    f.close()
+    for slot in torn:
+        if slot < min(calls, f.head + f.ring):
+            _stamp_at(path, slot, 0)
+    whole = read_calls(path, "rank 0", [])
+    warned: list[str] = []
+    recent = read_calls(path, "rank 0", warned, newest=newest)
+    if calls <= newest or (ring and ring <= newest):
+        assert recent.index.tolist() == whole.index.tolist() and recent.missing == whole.missing
+        return
+    first = calls - newest
+    mine = whole.index >= first
+    assert recent.index.tolist() == whole.index[mine].tolist()
+    assert recent.records.tobytes() == whole.records[mine].tobytes()
+    assert (recent.lost, recent.last) == ((0, first - 1), whole.last)
+    clipped = [(max(a, first), b) for a, b in whole.missing if b >= first]
+    assert _merged(recent.missing) == _merged([(0, first - 1), *clipped])
+    assert not any("not kept" in w for w in warned)  # the calls below are not read by choice, not lost
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _reference(colls: list[Collective]) -> CollectiveLog:

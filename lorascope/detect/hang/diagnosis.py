@@ -241,7 +241,7 @@ def _rank_state(
         **died,
         "state": state,
         "where": where,
-        "step": rank.totals["steps"],
+        "step": rank.steps[-1]["step"] if rank.steps else 0,  # the last it ended (a recent read holds the last only)
         "pending": pending,
         "last_completed": last_done,
         "stack_frame": frame,

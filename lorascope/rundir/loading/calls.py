@@ -152,14 +152,17 @@ def file_version(path: Path) -> int | None:
 COUNT_SLACK = 1024
 
 
-def read_calls(path: Path, who: str, warnings: list[str], summed: str = "", kind: FileKind = CALLS) -> CallRecords:
+def read_calls(
+    path: Path, who: str, warnings: list[str], summed: str = "", kind: FileKind = CALLS, newest: int | None = None
+) -> CallRecords:
     """The kept calls of the call file at ``path`` (``who``: ``rank R``, for the warnings;
     ``kind``: another kind of slot file, its records in ``records``);
     a file that cannot be read, or whose header is bad, is warned and reads as no calls.
     Only the slots written so far are read (the header's count, and COUNT_SLACK more): a
     call file is made at its full size, sparse, and may be cut after its last slot written
     (a writer that closes it may give the rest back); shorter than its count says, it is
-    read as far as it goes, with a warning."""
+    read as far as it goes, with a warning. With ``newest``, only the newest that many
+    records are read (:func:`_newest`): what `lorascope hang` needs of a long run."""
     try:
         with open_regular(path, inside=path.parent) as f:
             size = os.fstat(f.fileno()).st_size
@@ -169,20 +172,66 @@ def read_calls(path: Path, who: str, warnings: list[str], summed: str = "", kind
             except BadInputError as exc:
                 warnings.append(f"{exc}; {who}'s {kind.noun}s are not read")
                 return empty(dtype=kind.dtype)
+            slots = (size - HEADER.size) // kind.record.size
+            if slots < min(head + ring, count):  # a file may end after its last slot written, not before
+                warnings.append(
+                    f"{path}: the {kind.noun} file is cut short ({max(slots, 0):,} of the "
+                    f"{min(head + ring, count):,} slots its header says were written); read as far as it goes"
+                )
+            if newest is not None and count > newest and (not ring or ring > newest):
+                return _newest(f.fileno(), head, ring, count, newest, who, warnings, kind)
             want = min(head + ring, count + COUNT_SLACK)
             raw = f.read(want * kind.record.size)
     except (OSError, BadInputError) as exc:
         why = getattr(exc, "strerror", None) or exc
         warnings.append(f"{who}: its {kind.noun} file {path} is unreadable ({why}); its {kind.noun}s are not read")
         return empty(dtype=kind.dtype)
-    slots = (size - HEADER.size) // kind.record.size
-    if slots < min(head + ring, count):  # a file may end after its last slot written, not before
-        warnings.append(
-            f"{path}: the {kind.noun} file is cut short ({max(slots, 0):,} of the {min(head + ring, count):,} slots "
-            "its header says were written); read as far as it goes"
-        )
     table = np.frombuffer(raw, kind.dtype, count=len(raw) // kind.record.size)
     return kept(table, head, ring, count, who, warnings, summed, kind.noun)
+
+
+def _newest(
+    fd: int, head: int, ring: int, count: int, newest: int, who: str, warnings: list[str], kind: FileKind
+) -> CallRecords:
+    """The newest ``newest`` records of the open slot file ``fd`` (its header's ``head``,
+    ``ring`` (0, or more than ``newest``) and ``count``), and those begun past its count
+    (COUNT_SLACK, as many as the ring holds besides), each kept only if its stamp names its
+    index; the indexes below them are ``lost`` (not warned: the reader chose not to read
+    them), a hole among them is warned as :func:`kept` warns it. OSError when a read fails."""
+    first = count - newest
+    stop = count + min(COUNT_SLACK, ring - newest) if ring else min(head, count + COUNT_SLACK)
+    size = kind.record.size
+    runs = []
+    for at, slot, n in slot_runs(first, stop, head, ring):
+        raw = os.pread(fd, n * size, HEADER.size + slot * size)
+        runs.append((at, raw[: len(raw) - len(raw) % size]))
+    records, index, _ = decode(runs, kind)
+    last = int(index.max(initial=-1))
+    if last < count - 1 <= last + (ring or head):  # begun (the count is written after a record), not whole
+        last = count - 1
+    if ring:  # a slot a newer record had begun to overwrite: torn
+        whole = (index < head) | (index > last - ring)
+        records, index = records[whole], index[whole]
+    order = stable_order(index)
+    out = CallRecords(records[order], index[order], head, ring, last, lost=(0, first - 1) if first else None)
+    present = np.zeros(max(last + 1 - first, 0), dtype=bool)
+    present[out.index - first] = True
+    _note_missing(out, np.flatnonzero(~present) + first, who, warnings, kind.noun)
+    return out
+
+
+def _note_missing(out: CallRecords, at: np.ndarray, who: str, warnings: list[str], noun: str) -> None:
+    """The indexes ``at`` (sorted), torn or never written, as ``out``'s missing ranges
+    (warned), with the range it did not keep (``lost``)."""
+    if len(at):
+        runs = np.split(at, np.flatnonzero(np.diff(at) != 1) + 1)
+        out.missing = [(int(r[0]), int(r[-1])) for r in runs]
+        warnings.append(
+            f"{who}: {len(at):,} {noun} record(s) torn or never written (the process stopped while writing "
+            f"them?), the first at index {int(at[0]):,}: not read"
+        )
+    if out.lost is not None:
+        out.missing = sorted([*out.missing, out.lost])
 
 
 def kept(
@@ -238,16 +287,7 @@ def kept(
         present = np.zeros(last + 1 - ring_lo, dtype=bool)
         present[index[index >= ring_lo] - ring_lo] = True
         holes.append(np.flatnonzero(~present) + ring_lo)
-    at = np.concatenate(holes)
-    if len(at):
-        runs = np.split(at, np.flatnonzero(np.diff(at) != 1) + 1)
-        out.missing = [(int(r[0]), int(r[-1])) for r in runs]
-        warnings.append(
-            f"{who}: {len(at):,} {noun} record(s) torn or never written (the process stopped while writing "
-            f"them?), the first at index {int(at[0]):,}: not read"
-        )
-    if out.lost is not None:
-        out.missing = sorted([*out.missing, out.lost])
+    _note_missing(out, np.concatenate(holes), who, warnings, noun)
     return out
 
 

@@ -25,10 +25,10 @@ from lorascope.rundir.loading.steps import UNKNOWN_LABEL
 PEAK_COLUMNS = ("rss", "heap", "alloc", "reserved", "max_alloc", "device")
 
 
-def read_mem(path: Path, who: str, warnings: list[str]) -> CallRecords:
+def read_mem(path: Path, who: str, warnings: list[str], newest: int | None = None) -> CallRecords:
     """The readings of the memory file at ``path`` kept, in index order (``who``: ``rank
-    R``, for the warnings)."""
-    return read_calls(path, who, warnings, kind=MEMORY)
+    R``, for the warnings; ``newest``: only the newest that many)."""
+    return read_calls(path, who, warnings, kind=MEMORY, newest=newest)
 
 
 def _held(table: np.ndarray, drop: Rule, nvml: dict[int, dict[str, Any]], index: np.ndarray) -> np.ndarray:

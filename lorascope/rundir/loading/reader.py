@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir.format import limits, ranks
@@ -426,10 +426,12 @@ class _Stream:
     """One process's stream records applied in the order they were written, and what its
     calls need from them (shapes, groups, errors, device times, where its call file is)."""
 
-    def __init__(self, rank: int, warnings: list[str], budget: int) -> None:
+    def __init__(self, rank: int, warnings: list[str], budget: int, newest: int | None = None) -> None:
         self.rank = rank
         self.warnings = warnings
         self.keeper = StepKeeper(budget)
+        #: Only the newest this many records of each slot file are read (None: all).
+        self.newest = newest
         self.data: RankData | None = None
         #: The call shapes declared (``shape`` records), by id.
         self.shapes: dict[int, Shape] = {}
@@ -567,17 +569,17 @@ class _Stream:
             self.keeper.mem += len(self.mem_table)
 
     def _beside_stream(
-        self, first: Path, suffix: str, read: Callable[[Path, str, list[str]], CallRecords]
+        self, first: Path, suffix: str, read: Callable[[Path, str, list[str], int | None], CallRecords]
     ) -> CallRecords | None:
-        """The records of the process's slot file ``suffix`` (None: it has none, or it is a
-        symlink out of the run directory, warned)."""
+        """The records of the process's slot file ``suffix``, its newest only when the
+        stream says (None: it has none, or it is a symlink out of the run directory, warned)."""
         path = _beside(first, suffix)
         if not path.exists():
             return None
         if leaves(first.parent, path):
             self.warnings.append(f"{path}: a symlink out of the run directory: not followed")
             return None
-        return read(path, f"rank {self.rank}", self.warnings)
+        return read(path, f"rank {self.rank}", self.warnings, self.newest)
 
     def take_mem(self, data: RankData, drop: Rule | None = None) -> list[MemReading]:
         """The memory file's ``mem`` records (none without one; ``drop``: none that
@@ -627,7 +629,7 @@ class _Stream:
             if self.sums
             else ""
         )
-        calls = read_calls(path, f"rank {self.rank}", self.warnings, summed)
+        calls = read_calls(path, f"rank {self.rank}", self.warnings, summed, newest=self.newest)
         kept = self.kept_file or _beside(first, KEPT_CALLS_SUFFIX)
         if not kept.exists() or leaves(first.parent, kept):
             return calls
@@ -726,17 +728,11 @@ def _tail(stream: Path, rec: dict[str, Any]) -> dict[str, str]:
     return {"tail_path": str(side)}
 
 
-def _load_process(
-    rank: int,
-    segs: list[tuple[int, Path]],
-    warnings: list[str],
-    budget: int,
-    windows: dict[str, list[tuple[int, int]]] | None = None,
-) -> RankData:
+def _load_process(job: Job, warnings: list[str]) -> RankData:
     """One process's stream and call file, reduced while they are read (see
-    :mod:`lorascope.rundir.loading.reduce`): step-keyed records within ``budget`` steps;
-    ``windows``: group -> sequence ranges of collectives to keep in full besides the
-    bounded ones."""
+    :mod:`lorascope.rundir.loading.reduce`): step-keyed records within the job's budget
+    of steps, the collectives of its windows kept in full besides the bounded ones."""
+    rank, segs = job.rank, job.segs
     indices = [i for i, _ in segs]
     gaps = [(a + 1, b - 1) for a, b in zip([-1, *indices], indices, strict=False) if b > a + 1]
     if gaps:
@@ -755,9 +751,9 @@ def _load_process(
             f"its stream ({total:,} bytes in {len(segs)} segment(s), its steps and memory files)",
             "stream_bytes",
         )
-    stream = _Stream(rank, warnings, budget)
+    stream = _Stream(rank, warnings, job.budget, job.newest)
     stream.read(segs)
-    return stream.finish(segs[0][1], budget, windows)
+    return stream.finish(segs[0][1], job.budget, job.windows)
 
 
 def recount(data: RankData) -> RankData:
@@ -855,8 +851,26 @@ POOL_MIN_BYTES = 48 << 20
 
 _Rec = TypeVar("_Rec")
 
-#: One process's stream to read: (rank, segments, step budget, windows to keep in full).
-Job = tuple[int, list[tuple[int, Path]], int, dict[str, list[tuple[int, int]]] | None]
+#: The newest records of each slot file (calls, steps-file records, memory readings) a read
+#: of a rank's recent past takes (`lorascope hang`: ranks part among their last calls, and a
+#: long run's files hold millions): a ZeRO-3 job's last 2-4 steps of calls (a collective
+#: completes only once all its ranks called it: the ranks of a hung job are a few calls
+#: apart), ~150 steps of phase edges. Its cost is linear: ~4 ms a rank here at 1,024,
+#: ~15 at 4,096 (benchmarks/hang_scale.py --steps 10000).
+RECENT_RECORDS = 1024
+
+
+class Job(NamedTuple):
+    """One process's stream to read."""
+
+    rank: int
+    segs: list[tuple[int, Path]]
+    #: The steps it keeps of its step-keyed records.
+    budget: int
+    #: Group -> sequence ranges of collectives to keep in full.
+    windows: dict[str, list[tuple[int, int]]] | None = None
+    #: Read only the newest this many records of each slot file (None: every one).
+    newest: int | None = None
 
 
 def read_process(job: Job, configured: limits.Limits) -> tuple[RankData | str, list[str]]:
@@ -864,10 +878,9 @@ def read_process(job: Job, configured: limits.Limits) -> tuple[RankData | str, l
     reduced RankData, or the one-line reason it is bad input, and the reading warnings."""
     limits.configure(**{f: getattr(configured, f) for f in limits.FLAGS})
     warnings: list[str] = []
-    rank, segs, budget, windows = job
     try:
         with no_cycle_collection():
-            return _load_process(rank, segs, warnings, budget, windows), warnings
+            return _load_process(job, warnings), warnings
     except BadInputError as exc:
         return str(exc), warnings
 
@@ -1052,7 +1065,8 @@ def _stream_bytes(jobs: list[Job]) -> int:
     """The bytes the jobs read: their streams and steps files, and of their call files what
     is written (a call file is made sparse, at its full size)."""
     total = 0
-    for _, segs, _, _ in jobs:
+    for job in jobs:
+        segs = job.segs
         for path in [*(p for _, p in segs), _beside(segs[0][1], STEPS_SUFFIX)]:
             with contextlib.suppress(OSError):
                 total += path.stat().st_size
@@ -1088,13 +1102,16 @@ def _summed(group: Any) -> bool:
 _NUMBER = (int, float)
 
 
-def load_run(path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None) -> RunData:
-    """Load and validate a run directory. Raises BadInputError with a one-line reason.
+def load_run(
+    path: str | Path, progress: Progress | None = None, cluster: Cluster | None = None, newest: int | None = None
+) -> RunData:
+    """Load and validate a run directory (``newest``: each process's recent past only, the
+    newest that many records of each of its slot files). Raises BadInputError with a one-line reason.
     ``progress`` is told after each rank. Each process's stream is reduced while it is
     read (:mod:`lorascope.rundir.loading.reduce`), by worker processes when there is enough to
     read, or by the workers of ``cluster`` (:mod:`lorascope.rundir.loading.cluster`); the ranks
     are then aligned (:mod:`lorascope.rundir.loading.align`)."""
-    listing = list_run(path, cluster)
+    listing = list_run(path, cluster, newest)
     jobs = listing.jobs()
     parallel = cluster is None and len(jobs) > 1 and workers.available() > 1 and _stream_bytes(jobs) >= POOL_MIN_BYTES
     if cluster is not None and jobs:
@@ -1116,6 +1133,9 @@ class Listing:
     found: list[tuple[int, dict[str, list[tuple[int, Path]]]]]
     #: What the listing warned of.
     warnings: list[str]
+    #: Each process read for its recent past only: the newest this many records of each
+    #: slot file (None: every one).
+    newest: int | None = None
     _where: dict[tuple[str, str], int] = field(default_factory=dict, repr=False)
     _members: dict[tuple[Any, ...], list[Any]] = field(default_factory=dict, repr=False)
 
@@ -1126,7 +1146,9 @@ class Listing:
 
     def jobs(self) -> list[Job]:
         """Every process's stream to read, in order."""
-        return [(rank, segs, self.budget, None) for rank, procs in self.found for segs in procs.values()]
+        return [
+            Job(rank, segs, self.budget, None, self.newest) for rank, procs in self.found for segs in procs.values()
+        ]
 
     def job(self, rank_dir: Path, process: str) -> Job | None:
         """One process's stream to read, its segments listed again (one may have begun
@@ -1137,7 +1159,7 @@ class Listing:
         if rank is None:
             return None
         segs = _segments(self.run_dir, rank_dir, []).get(process)
-        return (rank, segs, self.budget, None) if segs else None
+        return Job(rank, segs, self.budget, None, self.newest) if segs else None
 
     def read(self, job: Job) -> tuple[RankData, list[str]]:
         """One process's stream read here (:func:`read_process`); BadInputError if it is bad."""
@@ -1164,9 +1186,9 @@ class Listing:
         return RunData(path=self.run_dir, manifest=self.manifest, ranks=ranks, warnings=flat)
 
 
-def list_run(path: str | Path, cluster: Cluster | None = None) -> Listing:
-    """The run directory's manifest (validated) and its processes' stream files; BadInputError
-    with a one-line reason."""
+def list_run(path: str | Path, cluster: Cluster | None = None, newest: int | None = None) -> Listing:
+    """The run directory's manifest (validated) and its processes' stream files, to be read
+    whole or (``newest``) for their recent past; BadInputError with a one-line reason."""
     run_dir = Path(path) if cluster is None else Path(path).absolute()
     if not run_dir.exists():
         raise BadInputError(f"{run_dir}: no such file or directory")
@@ -1191,7 +1213,7 @@ def list_run(path: str | Path, cluster: Cluster | None = None) -> Listing:
             warnings.append(f"rank {suffix}: no stream files in {rank_dir}")
             continue
         found.append((int(suffix), procs))
-    return Listing(run_dir, manifest, found, warnings)
+    return Listing(run_dir, manifest, found, warnings, newest)
 
 
 def _from_common_attach(ranks: dict[int, RankData], warnings: list[str]) -> None:
@@ -1269,7 +1291,7 @@ def _align(
     needed, reread = windows_needed(ranks)
     if reread:
         job_of = {id(data): job for job, (data, _) in zip(jobs, results, strict=True)}
-        again = [(n, (*job_of[id(ranks[n])][:3], reread[n])) for n in sorted(reread)]
+        again = [(n, job_of[id(ranks[n])]._replace(windows=reread[n])) for n in sorted(reread)]
         for (n, _), (data, _) in zip(
             again,
             _read_all([j for _, j in again], parallel, progress, "reading divergence windows", cluster),

@@ -24,13 +24,13 @@ from lorascope.rundir.loading.reduce import Rule
 UNKNOWN_LABEL = "unknown"
 
 
-def read_steps(path: Path, who: str, warnings: list[str]) -> CallRecords:
+def read_steps(path: Path, who: str, warnings: list[str], newest: int | None = None) -> CallRecords:
     """The records of the steps file at ``path`` kept, in index order (``who``: ``rank R``,
-    for the warnings). A version-1 file (lorascope 0.3.0) reads with ``waited`` 0.0 (not
-    recorded)."""
+    for the warnings; ``newest``: only the newest that many). A version-1 file (lorascope
+    0.3.0) reads with ``waited`` 0.0 (not recorded)."""
     if file_version(path) != STEPS_V1.version:
-        return read_calls(path, who, warnings, kind=STEPS)
-    old = read_calls(path, who, warnings, kind=STEPS_V1)
+        return read_calls(path, who, warnings, kind=STEPS, newest=newest)
+    old = read_calls(path, who, warnings, kind=STEPS_V1, newest=newest)
     records = np.zeros(len(old.records), STEPS.dtype)
     for name in STEPS_V1.dtype.names or ():
         records[name] = old.records[name]
