@@ -13,6 +13,7 @@ from tests.helpers import Call, RankSpec, write_run
 
 CALLS = 3 * RECENT_RECORDS
 STEPS = 2 * RECENT_RECORDS
+SUMMED = 500
 
 
 def _long_run(tmp_path: Path) -> Path:
@@ -26,6 +27,10 @@ def _long_run(tmp_path: Path) -> Path:
     specs[2].calls = [*common, Call("all_reduce"), Call("all_gather", site="train.py:20 in save", end=False)]
     for spec in specs:
         spec.call_slots = (1 << 10, 1 << 13)
+        # what the probes write for each step once the ring went round: its calls' sums
+        spec.extra = [
+            {"k": "calls_step", "step": s, "groups": [[0, "all_reduce", 7, 28, 1.5, 0.5, 0]]} for s in range(SUMMED)
+        ]
     run_dir = write_run(tmp_path / "run", specs)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     for launch in manifest["launches"]:
@@ -42,6 +47,9 @@ def test_the_recent_past_gives_the_whole_reads_verdict(tmp_path: Path) -> None:
     assert tally.first_seq > CALLS - RECENT_RECORDS - 2 and tally.last_seq == CALLS  # the newest calls only
     assert len(rank.steps) <= RECENT_RECORDS < len(whole.ranks[0].steps) == STEPS
     assert not [w for w in recent.warnings if "not kept" in w]  # not read by choice: nothing lost to warn of
+    # the per-step sums count calls long before the newest: not read (a record a step)
+    assert whole.ranks[0].tallies["default_pg"].calls == CALLS + 7 * SUMMED
+    assert tally.calls == RECENT_RECORDS
     said, whole_said = diagnose(recent), diagnose(whole)
     assert said["kind"] == whole_said["kind"] == "rank-conditional-hang"
     assert said["verdict"] == whole_said["verdict"]

@@ -370,12 +370,16 @@ def decode_lines(
 #: Bytes of a stream read at a time (cut at the last newline), its lines decoded together.
 BLOCK_BYTES = 1 << 20
 
+#: What a ``calls_step`` record's line holds (the writer's compact JSON; inside a string a
+#: quote is escaped, so no other record's text holds it).
+CALLS_STEP_LINE = b'"k":"calls_step"'
 
-def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
+
+def _iter_records(path: Path, warnings: list[str], skip: bytes | None = None) -> Iterator[tuple[int, Any]]:
     """Yield (line number, record) pairs, a block of lines decoded at a time
     (:func:`decode_lines`); a torn final line is a warning, not an error; so are records
     over the record size limit or nested deeper than MAX_RECORD_DEPTH (skipped, one
-    warning per file)."""
+    warning per file). A line holding ``skip`` is not decoded (nor yielded)."""
     max_line = limits.current().record_bytes
     long_lines: list[int] = []
     deep_lines: list[int] = []
@@ -405,6 +409,8 @@ def _iter_records(path: Path, warnings: list[str]) -> Iterator[tuple[int, Any]]:
                     number += 1
                     if len(line) >= max_line:
                         long_lines.append(number)
+                    elif skip is not None and skip in line:
+                        continue
                     elif line.strip():
                         numbers.append(number)
                         lines.append(line)
@@ -551,12 +557,16 @@ class _Stream:
 
     def read(self, segs: list[tuple[int, Path]]) -> None:
         """The steps file's records (its step numbers to the keeper: what is sure to be
-        dropped is known from the start), then every record of the segments, in order."""
+        dropped is known from the start), then every record of the segments, in order;
+        for a recent past (``newest``), not the ``calls_step`` sums: they count the calls
+        of steps past the call file's ring, a record a step that a week-long run holds
+        hundreds of thousands of (~10 us each)."""
         self.read_steps(segs[0][1])
         if self.step_table is not None:
             self.keeper.note_steps(step_numbers(self.step_table.records))
+        skip = None if self.newest is None else CALLS_STEP_LINE
         for _, path in segs:
-            for number, rec in _iter_records(path, self.warnings):
+            for number, rec in _iter_records(path, self.warnings, skip):
                 self.record(path, number, rec)
             if self.data is not None:
                 self.data.files.append(str(path))
