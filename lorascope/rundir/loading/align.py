@@ -107,9 +107,9 @@ def windows_needed(ranks: Mapping[int, Any]) -> tuple[Windows, dict[int, Windows
             continue  # every rank holds every call
         needed[group] = group_windows(tallies)
         for n, tally in tallies.items():
-            missing = [w for w in needed[group] if not tally.holds(*w)]
-            if missing:
-                reread.setdefault(n, {})[group] = missing
+            dropped = [w for w in needed[group] if tally.dropped(*w)]
+            if dropped:
+                reread.setdefault(n, {})[group] = dropped
     return needed, reread
 
 
@@ -128,15 +128,14 @@ def trim(ranks: Mapping[int, Any], needed: Windows) -> None:
         tail = max(t.tail_first if t.tail_first is not None else t.last_seq + 1 for t in tallies)
         cut[group] = (head, tail, windows)
 
-    unknown: dict[str, list[tuple[int, int]]] = {}
-    for group, tallies in by_group.items():
-        for t in tallies:
-            unknown.setdefault(group, []).extend(t.missing)
+    # per group, the ranges some rank's call file did not keep, merged: each rank of a
+    # recent read (`lorascope hang`) misses every call below its newest
+    unknown = {group: _merged([r for t in tallies for r in t.missing]) for group, tallies in by_group.items()}
 
     def kept(c: Any) -> bool:
         if c.pending:
             return True
-        if any(lo <= c.seq <= hi for lo, hi in unknown.get(c.group, ())):
+        if _within(c.seq, unknown.get(c.group, ([], []))):
             return False
         if c.group not in cut:
             return True
@@ -145,3 +144,22 @@ def trim(ranks: Mapping[int, Any], needed: Windows) -> None:
 
     for data in ranks.values():
         data.collectives = [c for c in data.collectives if kept(c)]
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Inclusive ranges merged where they overlap or touch, as (their starts, their ends)."""
+    los: list[int] = []
+    his: list[int] = []
+    for lo, hi in sorted(ranges):
+        if his and lo <= his[-1] + 1:
+            his[-1] = max(his[-1], hi)
+        else:
+            los.append(lo)
+            his.append(hi)
+    return los, his
+
+
+def _within(seq: int, ranges: tuple[list[int], list[int]]) -> bool:
+    """Whether ``seq`` is in one of the merged ``ranges`` (:func:`_merged`)."""
+    at = bisect.bisect_right(ranges[0], seq) - 1
+    return at >= 0 and seq <= ranges[1][at]

@@ -210,12 +210,15 @@ class GroupTally:
 
     def holds(self, lo: int, hi: int) -> bool:
         """Whether every call of this rank with a sequence number in lo..hi is kept."""
-        if any(a <= hi and lo <= b for a, b in self.missing):
-            return False
+        return not any(a <= hi and lo <= b for a, b in self.missing) and not self.dropped(lo, hi)
+
+    def dropped(self, lo: int, hi: int) -> bool:
+        """Whether the reduction dropped calls numbered lo..hi, between the first calls kept
+        and the newest (a read again that keeps lo..hi in full holds them; what the call
+        file did not keep, ``missing``, no read holds)."""
         if self.first_seq is None or self.tail_first is None:
-            return True
-        lo, hi = max(lo, self.first_seq), min(hi, self.last_seq)
-        return lo > hi or hi <= self.head_last or lo >= self.tail_first
+            return False
+        return max(lo, self.head_last + 1) <= min(hi, self.tail_first - 1)
 
 
 class SyncTimes:
