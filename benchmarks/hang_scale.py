@@ -12,12 +12,14 @@ id and its stacks, then its flight-recorder dump, a pickle of plain data as torc
 it, of torch's size by default, with its tail as the probes write it, and the
 ``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
 here), how long after the last answer it came, and whether the text output fits 24
-lines; then again with two ranks that never answer (``--wait 1``: the wait bounds it),
-and checks that ``--json`` keeps every rank.
+lines; then again with two ranks that never answer (``--wait 1.2``: the wait bounds it;
+a wait of just the probes' one-second look would leave the last answers, the responder's
+poll later, to chance), and checks that ``--json`` keeps every rank.
 
     python benchmarks/hang_scale.py                  # 1,024 ranks
     python benchmarks/hang_scale.py --steps 1000     # dumps of 2,000 collectives (50 steps hold 100)
     python benchmarks/hang_scale.py --no-tails       # dumps as probes <= 0.3.0 wrote them
+    python benchmarks/hang_scale.py --ranks 128 --hosts 16 --steps 10000 --sums   # a long run's cost
     python benchmarks/hang_scale.py --ranks 4096 --hosts 512
 """
 
@@ -77,6 +79,7 @@ class Job:
         odd: int,
         flight: tuple[int, int] = (2000, 30),
         tails: bool = True,
+        sums: bool = False,
     ) -> None:
         self.out, self.ranks, self.odd, self.tails = out, ranks, odd, tails
         #: The pickled flight-recorder dump and its tail (None: not written), the odd rank's and the others'.
@@ -139,6 +142,12 @@ class Job:
                     )
                 else:
                     files.step(t, step, 0.5, 2.0, "deepspeed")
+                    if sums:  # as the probes write each step once the call file's ring went round
+                        write(
+                            "calls_step",
+                            step=step,
+                            groups=[[0, op, 1, nbytes, 10.0, 10.0, 0] for op, nbytes, _ in STEP_CALLS],
+                        )
                     continue
                 break
             calls.close()
@@ -257,6 +266,11 @@ def main() -> None:
     parser.add_argument(
         "--no-tails", action="store_true", help="write no tail beside each flight-recorder dump (as lorascope <= 0.3.0)"
     )
+    parser.add_argument(
+        "--sums",
+        action="store_true",
+        help="write each step's calls_step record to the stream (what the probes write once the call file's ring went round)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
     args = parser.parse_args()
     random.seed(0)
@@ -265,7 +279,14 @@ def main() -> None:
         began = time.time()
         odd = args.ranks // 2 + 5
         job = Job(
-            out, args.ranks, args.hosts, args.steps, odd, (args.flight_entries, args.flight_frames), not args.no_tails
+            out,
+            args.ranks,
+            args.hosts,
+            args.steps,
+            odd,
+            (args.flight_entries, args.flight_frames),
+            not args.no_tails,
+            args.sums,
         )
         print(
             f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
@@ -278,9 +299,9 @@ def main() -> None:
         print(f"  output: {len(lines)} lines ({'fits' if fits else 'does NOT fit'} a {SCREEN_LINES}-line screen)")
         print("  " + "\n  ".join(lines))
         silent = {odd + 100, odd + 101}
-        took2, _, text2 = run_hang(job, silent, "--wait", "1")
+        took2, _, text2 = run_hang(job, silent, "--wait", "1.2")
         lines2 = text2.rstrip("\n").splitlines()
-        print(f"hang, 2 ranks never answering (--wait 1): verdict in {took2:.2f} s, {len(lines2)} lines")
+        print(f"hang, 2 ranks never answering (--wait 1.2): verdict in {took2:.2f} s, {len(lines2)} lines")
         print("  " + "\n  ".join(lines2))
         _, _, as_json = run_hang(job, set(), "--json")
         kept = len(json.loads(as_json)["ranks"])
