@@ -751,15 +751,16 @@ def _load_process(job: Job, warnings: list[str]) -> RankData:
             f"(bounded stream); the first and the newest segments are kept"
         )
     total = 0
-    beside = (_beside(segs[0][1], STEPS_SUFFIX), _beside(segs[0][1], MEM_SUFFIX))
-    for path in [*(p for _, p in segs), *beside]:  # its steps and readings count with its stream
+    # its steps and readings count with its stream, read whole (a recent read takes a
+    # bounded part of them)
+    beside = (_beside(segs[0][1], STEPS_SUFFIX), _beside(segs[0][1], MEM_SUFFIX)) if job.newest is None else ()
+    for path in [*(p for _, p in segs), *beside]:
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     if total > limits.current().stream_bytes:
+        files = ", its steps and memory files" if beside else ""
         raise LimitError(
-            f"rank {rank}",
-            f"its stream ({total:,} bytes in {len(segs)} segment(s), its steps and memory files)",
-            "stream_bytes",
+            f"rank {rank}", f"its stream ({total:,} bytes in {len(segs)} segment(s){files})", "stream_bytes"
         )
     stream = _Stream(rank, warnings, job.budget, job.newest)
     stream.read(segs)
