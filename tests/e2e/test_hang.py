@@ -15,21 +15,31 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hang.divergence import first_divergence
+from lorascope.probes.collectives import ENV_CALL_SLOTS
 from lorascope.rundir.loading.ending import progress_window
-from lorascope.rundir.loading.reader import RankData, RunData, load_run
+from lorascope.rundir.loading.reader import RECENT_RECORDS, RankData, RunData, load_run
 from tests.helpers import HANG_JSON_KEYS, LORASCOPE, REPO, TRAIN, default_signals, free_port, job_env, torchrun
 
 pytestmark = pytest.mark.e2e
 
 
 @contextmanager
-def hung_job(out: Path, *args: str, monitor: bool = True, script: str = TRAIN) -> Iterator[subprocess.Popen[str]]:
-    """A probed 2-rank job with a planted hang; ended (its whole process group) on exit."""
+def hung_job(
+    out: Path, *args: str, monitor: bool = True, script: str = TRAIN, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """A probed 2-rank job with a planted hang (``env``: more of its environment); ended
+    (its whole process group) on exit."""
     extra = [] if monitor else ["--monitor-interval", "600"]  # torchrun would reap a dead rank's peers
     cmd = [*LORASCOPE, "run", "--out", str(out), "--", *torchrun(free_port(), *args, launcher=extra, script=script)]
     proc = subprocess.Popen(
-        cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals
+        cmd,
+        env={**job_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
     )
     try:
         yield proc
@@ -93,6 +103,30 @@ def test_rank_conditional_collective(tmp_path: Path) -> None:
     assert line in data["first_diverged"]["where"] and "if d.rank == 0:" in data["first_diverged"]["where"]
     report = next(n for n in data["notes"] if n.startswith("report: "))[len("report: ") :]
     assert Path(report).stat().st_size > 10_000
+
+
+def test_rank_conditional_collective_past_the_call_rings_newest(tmp_path: Path) -> None:
+    """The same hang after more calls than `hang` reads of a rank (RECENT_RECORDS): the
+    call files' small rings went round (the probes summed the steps past them, a
+    ``calls_step`` record a step), and the verdict from each rank's newest calls is the
+    whole read's."""
+    out = tmp_path / "run"
+    slots = {ENV_CALL_SLOTS: f"64,{RECENT_RECORDS + 512}"}
+    with hung_job(out, "--steps", "80", "--fault", "rank-conditional-hang", "--fault-step", "60", env=slots):
+        run = wait_until(
+            out,
+            lambda r: (
+                pending_in_job(r.ranks[0], "rank_conditional_collective")
+                and pending_in_job(r.ranks[1], "rank_conditional_collective")
+            ),
+        )
+        data = hang(out)
+    assert max(t.last_seq for t in run.ranks[0].tallies.values()) > 64 + RECENT_RECORDS + 512  # round the ring
+    assert any('"k":"calls_step"' in Path(f).read_text() for f in run.ranks[0].files)
+    assert data["kind"] == "rank-conditional-hang" and data["odd_ranks"] == [0]
+    assert "if d.rank == 0:" in data["first_diverged"]["where"]
+    whole = diagnose(run)
+    assert (whole["kind"], whole["odd_ranks"]) == (data["kind"], data["odd_ranks"])
 
 
 def test_rank_stuck_outside_collectives(tmp_path: Path) -> None:
