@@ -30,7 +30,7 @@ from lorascope.hang.targets import Target, verify
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.ending import ending_of
-from lorascope.rundir.loading.reader import RunData, no_cycle_collection
+from lorascope.rundir.loading.reader import RunData, load_run, no_cycle_collection
 from lorascope.text import echo
 from lorascope.text.findings import quiet
 from lorascope.text.hang import Place, render_hang
@@ -172,6 +172,8 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)
+    if over and recorded:  # told, and its page made, in `lorascope analyze`'s words: of all it left
+        run = load_run(run_dir)
     if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
         diagnosis = _as_over(run, run_dir, diagnosis, recorded)
     diagnosis["silent"] = quiet_ranks

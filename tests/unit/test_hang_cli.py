@@ -14,6 +14,7 @@ from lorascope.detect import rank_conditional_hang
 from lorascope.detect.hang.diagnosis import _verdict, fatal_main_frame
 from lorascope.hang.targets import Target
 from lorascope.ingest.load import load_bundle
+from lorascope.rundir.loading.reader import RECENT_RECORDS
 from lorascope.text.hang import render_hang
 from tests.helpers import Call, RankSpec, write_run
 
@@ -215,3 +216,25 @@ def test_a_job_whose_processes_are_all_gone_is_over_in_analyzes_words(tmp_path: 
     assert "died first" not in res.stdout and "wait for it" not in res.stdout
     data = json.loads(_hang(run, "--no-html", "--json").stdout)
     assert data["kind"] == "over" and data["first_diverged"] is None
+
+
+def test_a_long_job_over_is_told_from_all_it_left_not_its_recent_past(tmp_path: Path) -> None:
+    """`hang` reads a rank's newest calls only; a job over is told, and its page made, in
+    analyze's words, of the whole run: here a size mismatch long before the newest calls."""
+    calls = [Call("all_reduce")] * (3 * RECENT_RECORDS)
+    odd = [*calls[:4], Call("all_reduce", bytes=8), *calls[5:]]
+    error = ("RuntimeError", "Connection closed by peer")
+    specs = [RankSpec(calls=calls), RankSpec(calls=odd), RankSpec(calls=calls, exception=error)]
+    for spec in specs:
+        spec.call_slots = (1 << 10, 1 << 13)
+    run = write_run(tmp_path / "run", specs)
+    analyzed = subprocess.run(
+        [sys.executable, "-m", "lorascope", "analyze", str(run)], capture_output=True, text=True, timeout=120
+    )
+    assert analyzed.stdout.startswith("collective-mismatch"), analyzed.stdout
+    out = tmp_path / "hang.html"
+    res = _hang(run, "--html", str(out))
+    assert res.returncode == 0, res.stderr
+    verdict = next(line for line in res.stdout.splitlines() if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: the job is over") and "collective-mismatch" in verdict, verdict
+    assert "collective-mismatch" in out.read_text()

@@ -1191,6 +1191,11 @@ class Listing:
         """The run from what each of ``jobs`` (every process of the listing, in order:
         :meth:`jobs`) read: one process per rank, the ranks aligned."""
         flat = [*self.warnings, *(w for _, warnings in results for w in warnings)]
+        if self.newest is not None:
+            flat.append(
+                f"each rank was read for its recent past only (the newest {self.newest:,} records of its call, steps "
+                "and memory files; no per-step sums of calls): `lorascope analyze` reads the whole run"
+            )
         ranks = _choose(self.run_dir, self.manifest, [data for data, _ in results], flat)
         _align(ranks, jobs, results, parallel, progress, cluster)
         _from_common_attach(ranks, flat)
