@@ -14,7 +14,7 @@ from lorascope.cli.options import cluster_option
 from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.hang.diagnosis import NOT_HUNG, FlightTimeline, diagnose, flight_since
 from lorascope.detect.hung_ranks import hang_finding
-from lorascope.errors import LorascopeError, UsageError
+from lorascope.errors import BadInputError, LorascopeError, UsageError
 from lorascope.hang.collect import (
     expected,
     read_silent_ranks,
@@ -173,7 +173,11 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)
     if over and recorded:  # told, and its page made, in `lorascope analyze`'s words: of all it left
-        run = load_run(run_dir)
+        try:
+            run = load_run(run_dir)
+        except BadInputError as exc:  # a limit a recent read is under: told from what was read
+            notes.append(f"the run could not be read whole ({exc}): the job is told from its ranks' recent past")
+            recorded = False
     if diagnosis["kind"] not in NOT_HUNG and over:  # not a live verdict on a job gone
         diagnosis = _as_over(run, run_dir, diagnosis, recorded)
     diagnosis["silent"] = quiet_ranks

@@ -238,3 +238,19 @@ def test_a_long_job_over_is_told_from_all_it_left_not_its_recent_past(tmp_path: 
     verdict = next(line for line in res.stdout.splitlines() if line.startswith("verdict: "))
     assert verdict.startswith("verdict: the job is over") and "collective-mismatch" in verdict, verdict
     assert "collective-mismatch" in out.read_text()
+
+
+def test_a_job_over_that_cannot_be_read_whole_is_told_from_its_recent_past(tmp_path: Path) -> None:
+    """A steps file past `--max-stream-size`: `analyze` refuses the run, `hang` (which read
+    its end only) still says the job is over, in the past, and why not in analyze's words."""
+    error = ("RuntimeError", "Connection closed by peer")
+    run = write_run(tmp_path / "run", [RankSpec(exception=error), RankSpec(exception=error)])
+    [steps] = (run / "ranks" / "rank-0").glob("*.steps")
+    with open(steps, "ab") as f:
+        f.truncate(600 << 20)  # sparse
+    res = _hang(run, "--no-html")
+    assert res.returncode == 0, res.stderr
+    verdict = next(line for line in res.stdout.splitlines() if line.startswith("verdict: "))
+    assert verdict.startswith("verdict: the job is over (no process of it is alive): "), verdict
+    assert "`lorascope analyze` reads it" not in verdict
+    assert "could not be read whole" in res.stdout and "512 MiB limit" in res.stdout
