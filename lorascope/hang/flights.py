@@ -7,8 +7,9 @@ it (each process group's collectives from a few before its last completed one on
 ``probes.flight.flight_tail``), and the tail is what is read here: the ranks of a hung
 job are a few collectives apart, and the diagnosis aligns them where they part. Where
 the tails leave a group's ranks without a collective in common (a rank further ahead
-than a tail holds), the dumps are read whole. A dump without a tail (an older probe's) is read whole, a large one by a worker
-process, one per core (``--workers``), while this process reads the ranks' streams.
+than a tail holds), the dumps are read whole. A dump without a tail (an older probe's)
+is read whole, a large one by a worker process, one per core (``--workers``), while this
+process reads the ranks' streams.
 """
 
 from __future__ import annotations

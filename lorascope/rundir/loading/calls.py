@@ -200,12 +200,7 @@ def _newest(
     them), a hole among them is warned as :func:`kept` warns it. OSError when a read fails."""
     first = count - newest
     stop = count + min(COUNT_SLACK, ring - newest) if ring else min(head, count + COUNT_SLACK)
-    size = kind.record.size
-    runs = []
-    for at, slot, n in slot_runs(first, stop, head, ring):
-        raw = os.pread(fd, n * size, HEADER.size + slot * size)
-        runs.append((at, raw[: len(raw) - len(raw) % size]))
-    records, index, _ = decode(runs, kind)
+    records, index, _ = decode(read_runs(fd, head, ring, stop, first, [], stop - first, kind.record.size), kind)
     last = int(index.max(initial=-1))
     if last < count - 1 <= last + (ring or head):  # begun (the count is written after a record), not whole
         last = count - 1

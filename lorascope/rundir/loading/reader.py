@@ -1158,7 +1158,7 @@ class Listing:
     def jobs(self) -> list[Job]:
         """Every process's stream to read, in order."""
         return [
-            Job(rank, segs, self.budget, None, self.newest) for rank, procs in self.found for segs in procs.values()
+            Job(rank, segs, self.budget, newest=self.newest) for rank, procs in self.found for segs in procs.values()
         ]
 
     def job(self, rank_dir: Path, process: str) -> Job | None:
@@ -1170,7 +1170,7 @@ class Listing:
         if rank is None:
             return None
         segs = _segments(self.run_dir, rank_dir, []).get(process)
-        return Job(rank, segs, self.budget, None, self.newest) if segs else None
+        return Job(rank, segs, self.budget, newest=self.newest) if segs else None
 
     def read(self, job: Job) -> tuple[RankData, list[str]]:
         """One process's stream read here (:func:`read_process`); BadInputError if it is bad."""
