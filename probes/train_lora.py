@@ -44,6 +44,10 @@ profiler's business):
   rank-conditional-hang   at ``--fault-step`` rank 0 runs an extra ``all_reduce`` inside
                           ``if rank == 0:`` while the other ranks wait in ``barrier()``:
                           a true hang until the process-group timeout (``--pg-timeout``).
+  crossed-groups-hang     at ``--fault-step`` rank 0 all_reduces over a second process
+                          group, then waits in ``barrier()``; the other ranks wait in
+                          ``barrier()`` first: each waits for the other in a collective
+                          the other never issued (no group's own calls disagree).
   rank-conditional-gather at ``--fault-step`` rank 0 alone gathers the ZeRO-3
                           partitioned adapters to save them (``GatheredParameters``
                           inside ``if rank == 0:``); the others go on to the next step.
@@ -79,6 +83,7 @@ FAULTS = (
     "reentrant-dead-grads",
     "reentrant-partial",
     "rank-conditional-hang",
+    "crossed-groups-hang",
     "rank-conditional-gather",
     "logits-spike-internal",
     "tiny-kernel-tail",
@@ -354,12 +359,16 @@ class Faults:
         self.args, self.d = args, d
         self.kept_on_rank0: list[torch.Tensor] = []  # rank0-asymmetry: never freed
         self.eval_ids = synthetic_tokens(args.eval_batch, args, args.seed + 1).to(d.device)
+        # crossed-groups-hang's second group, made by every rank (new_group is collective)
+        self.group = dist.new_group(backend="gloo") if args.fault == "crossed-groups-hang" else None
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         if step != self.args.fault_step:
             return
         if self.args.fault == "rank-conditional-hang":
             rank_conditional_collective(self.d)
+        elif self.group is not None:
+            crossed_group_collectives(self.d, self.group)
         elif self.args.fault == "rank-conditional-gather":
             save_adapters_on_rank0(model, self.d)
 
@@ -385,6 +394,19 @@ def rank_conditional_collective(d: Dist) -> None:
         dist.all_reduce(flag)  # no other rank ever joins this one
     else:
         dist.barrier()
+
+
+def crossed_group_collectives(d: Dist, group: dist.ProcessGroup) -> None:
+    """The bug: two groups' collectives in different orders on different ranks. Rank 0
+    reduces over the second group, then syncs the default one; the others sync first:
+    each waits for the other in a collective the other never issued."""
+    flag = torch.ones(1, dtype=torch.float32, device=d.device)
+    if d.rank == 0:
+        dist.all_reduce(flag, group=group)
+        dist.barrier()
+    else:
+        dist.barrier()
+        dist.all_reduce(flag, group=group)
 
 
 def save_adapters_on_rank0(model: torch.nn.Module, d: Dist) -> None:

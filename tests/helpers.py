@@ -284,6 +284,8 @@ class Call:
     end: bool = True
     err: str | None = None
     ended_at: float | None = None
+    #: Its process group (0: default_pg; another: ``RankSpec.groups``'), numbered within it.
+    gid: int = 0
 
 
 @dataclass
@@ -306,6 +308,8 @@ class RankSpec:
     call_slots: tuple[int, int] = (1 << 10, 1 << 12)
     #: The sequence number of the first call (a rank attached after the others' first calls).
     first_seq: int = 1
+    #: Process groups besides default_pg: gid -> member ranks (named ``g<gid>``).
+    groups: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Calls:
@@ -479,6 +483,8 @@ def write_run(
         for name, value in (configs or {}).items():
             write("config", name=name, value=value)
         write("group", gid=0, name="default_pg", ranks=list(range(len(ranks))), backend="gloo")
+        for gid, members in spec.groups.items():
+            write("group", gid=gid, name=f"g{gid}", ranks=members, backend="gloo")
         steps_file.append(Steps(stream, stream_prefix(root, n, "h", 100 + n), t))
         for site, (line, conditions) in spec.sites.items():
             write("site", site=site, line=line, conditions=conditions)
@@ -493,7 +499,10 @@ def write_run(
         for rec in spec.before_calls:
             write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
         calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t, *spec.call_slots)
-        for seq, call in enumerate(spec.calls, spec.first_seq):
+        seqs = dict.fromkeys([0, *spec.groups], spec.first_seq)  # each group numbers its own calls
+        for call in spec.calls:
+            seq = seqs[call.gid]
+            seqs[call.gid] += 1
             t += 0.1
             began = t
             if call.end:
@@ -502,6 +511,7 @@ def write_run(
             calls.call(
                 began,
                 seq,
+                gid=call.gid,
                 step=spec.steps,
                 end=ended,
                 err=call.err if ended is not None else None,

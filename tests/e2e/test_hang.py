@@ -105,6 +105,28 @@ def test_rank_conditional_collective(tmp_path: Path) -> None:
     assert Path(report).stat().st_size > 10_000
 
 
+def test_collectives_of_two_groups_in_crossed_orders(tmp_path: Path) -> None:
+    """Rank 0 waits in the second group's all_reduce, rank 1 in the default group's
+    barrier: neither issued the other's call, no group's own calls disagree. Read before
+    as "every rank waits in the same collective: the collective itself is stuck"."""
+    out = tmp_path / "run"
+    with hung_job(out, "--steps", "20", "--fault", "crossed-groups-hang", "--fault-step", "3"):
+        wait_until(
+            out,
+            lambda r: (
+                pending_in_job(r.ranks[0], "crossed_group_collectives")
+                and pending_in_job(r.ranks[1], "crossed_group_collectives")
+            ),
+        )
+        data = hang(out, "--no-html")
+    assert (data["kind"], data["id"], data["odd_ranks"]) == ("crossed-collectives", "hung-ranks", [0, 1])
+    verdict = data["verdict"]
+    assert verdict.startswith("the ranks wait for one another in collectives of different groups: "), verdict
+    assert "rank 0 waits in all_reduce #1 on " in verdict and "for rank 1" in verdict, verdict
+    assert "rank 1 waits in barrier #" in verdict and "for rank 0" in verdict, verdict
+    assert "if d.rank == 0:" in verdict, verdict
+
+
 def test_rank_conditional_collective_past_the_call_rings_newest(tmp_path: Path) -> None:
     """The same hang after more calls than `hang` reads of a rank (RECENT_RECORDS): the
     call files' small rings went round (the probes summed the steps past them, a

@@ -14,6 +14,7 @@ from typing import Any
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
+from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import calls_summary, explained_by
 from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
@@ -66,9 +67,14 @@ FIXES = {
         "thermal or CPU contention, or a slow node."
     ),
     "collective-stuck": (
-        "Every rank waits in the same collective: the transport is stuck (network, "
-        "NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
+        "Every rank of the collective's group is in it and it does not complete: the transport is stuck "
+        "(network, NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
+    ),
+    "crossed-collectives": (
+        "The ranks issue collectives of different process groups in different orders, and each waits for "
+        "ranks that wait in another (a deadlock): issue them in one order on every rank (look for rank- or "
+        "stage-dependent code around these calls)."
     ),
     "stopped-process": (
         "A rank's process is stopped (state T: SIGSTOP, Ctrl-Z, a debugger) and the others wait for it: "
@@ -327,9 +333,9 @@ def diagnose(
     odd: list[int]
     kind = _not_hung(run, last_dumps) if as_of is None else None
     if kind is not None:
-        odd, div = [], None
+        odd, div, said = [], None, None
     else:
-        kind, odd, div = _classify(run, states)
+        kind, odd, div, said = _classify(run, states)
     rank_only = explained_by(run, div)
     if rank_only is not None:
         odd = rank_only.ranks
@@ -352,7 +358,7 @@ def diagnose(
             if call and first
             else first
         )
-    verdict = _verdict(kind, odd, first, _hosts_of(run, odd))
+    verdict = said or _verdict(kind, odd, first, _hosts_of(run, odd))
     if rank_only is not None and div is not None:
         verdict = (
             f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
@@ -400,29 +406,90 @@ def _finished(rank: RankData) -> bool:
     return end.status == "exit" and end.code == 0 and not end.teardown
 
 
-def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None]:
+def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], Divergence | None, str | None]:
+    """The kind, the odd ranks, where the ranks' calls first disagree and, where it says
+    more than the kind's own, the verdict."""
     by_state: dict[str, list[int]] = {}
     for s in states:
         by_state.setdefault(s["state"], []).append(s["rank"])
     div = first_divergence(run)
     if div is not None:  # the root cause: what follows (timeouts, deaths) are consequences
-        return "rank-conditional-hang", odd_ranks(run, div), div
+        return "rank-conditional-hang", odd_ranks(run, div), div, None
     if by_state.get("dead"):
         # The first to die is the cause; the others' errors (a peer closed the connection)
         # follow from it.
         first = min(by_state["dead"], key=lambda n: _death_time(run.ranks[n]))
-        return "dead-rank", [first], None
+        return "dead-rank", [first], None, None
     if by_state.get("stopped"):
-        return "stopped-process", by_state["stopped"], None
+        return "stopped-process", by_state["stopped"], None, None
     waiting = by_state.get("in-collective", [])
     if waiting and by_state.get("outside-collectives"):
-        return "stuck-outside", by_state["outside-collectives"], None
+        return "stuck-outside", by_state["outside-collectives"], None, None
     if waiting and by_state.get("moving"):
-        return "straggler", by_state["moving"], None
+        return "straggler", by_state["moving"], None, None
     if waiting and len(waiting) == len(states):
         odd = _odd_from_stacks(run, states)
-        return ("rank-conditional-hang", odd, None) if odd else ("collective-stuck", [], None)
-    return "unknown", [], None
+        return ("rank-conditional-hang", odd, None, None) if odd else _in_collectives(run, states)
+    return "unknown", [], None, None
+
+
+def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int], None, str | None]:
+    """Every rank waits in a collective and no group's calls disagree: one collective, or
+    several every member of whose group is in (stuck themselves; the ranks in them are
+    the odd ones), or ranks waiting for one another across groups; else unknown."""
+    found = waits(run, states)
+    if found is None or len(found) == 1:
+        return "collective-stuck", [], None, None
+    stuck = complete(found)
+    if stuck:
+        odd = sorted(r for w in stuck for r in w.ranks)
+        return "collective-stuck", odd, None, _stuck_said(run, stuck, len(odd) < len(states))
+    if crossed(found):
+        odd = fewest(found)
+        return "crossed-collectives", odd, None, _crossed_said(found)
+    return "unknown", [], None, None
+
+
+#: Collectives named in a verdict, at most.
+MAX_WAITS_NAMED = 3
+
+
+def _named(found: list[Wait], absent: bool = False) -> str:
+    """The first MAX_WAITS_NAMED of ``found`` in words ("ranks 0-3 wait in X"; ``absent``:
+    "... for rank 4", its members that never issued it)."""
+    said = "; ".join(
+        f"{ranks_named(w.ranks)} wait{'s' if len(w.ranks) == 1 else ''} in {w.where}"
+        + (f" for {ranks_named(w.absent)}" if absent else "")
+        for w in found[:MAX_WAITS_NAMED]
+    )
+    more = len(found) - MAX_WAITS_NAMED
+    return said + (f"; and {more} more" if more > 0 else "")
+
+
+def _stuck_said(run: RunData, stuck: list[Wait], others: bool) -> str:
+    """The verdict on collectives that hold every member of their group and do not complete."""
+    after = "; the others wait for them" if others else ""
+    if len(stuck) == 1:
+        w = stuck[0]
+        one = len(w.ranks) == 1
+        return (
+            f"{ranks_named(w.ranks)}{_hosts_of(run, list(w.ranks))} wait{'s' if one else ''} in {w.where}, "
+            f"with every rank of group {w.group} in it: the collective itself is stuck{after}"
+        )
+    return (
+        f"{len(stuck)} collectives hold every rank of their group and do not complete: "
+        + _named(stuck)
+        + f": the collectives themselves are stuck{after}"
+    )
+
+
+def _crossed_said(found: list[Wait]) -> str:
+    """The verdict on ranks that wait for one another in collectives of different groups."""
+    return (
+        "the ranks wait for one another in collectives of different groups: "
+        + _named(found, absent=True)
+        + ": the groups' collectives are issued in different orders on different ranks (a deadlock)"
+    )
 
 
 def _odd_from_stacks(run: RunData, states: list[dict[str, Any]]) -> list[int]:
@@ -470,6 +537,7 @@ def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None, hosts: str
         "stopped-process": f"{who} {'is' if one else 'are'} {where}; the others wait for {'it' if one else 'them'}",
         "straggler": f"{who} {'is a straggler' if one else 'are stragglers'} still moving; the others wait for {'it' if one else 'them'}",
         "collective-stuck": "every rank waits in the same collective: the collective itself is stuck",
+        "crossed-collectives": "the ranks wait for one another in collectives of different groups (a deadlock)",
         "unknown": "no rank shows why the job is stuck",
         "moving": "not hung: every rank had finished a step within seconds before its dump (the job is moving)",
         "finished": "not hung: every rank exited with code 0 (the job had finished when it was read)",

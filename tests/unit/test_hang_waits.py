@@ -1,0 +1,116 @@
+"""Every rank waits in a collective and no group's calls disagree: the diagnosis tells one
+collective stuck with its whole group in it from ranks that wait for one another in
+collectives of different groups (lorascope/detect/hang/waits.py). Both read "every rank
+waits in the same collective: the collective itself is stuck" before, with a fix about
+the network, on jobs whose ranks waited in two different collectives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lorascope.detect.hang.diagnosis import diagnose
+from lorascope.detect.hang.waits import members
+from lorascope.rundir.loading.reader import RunData, load_run
+from tests.helpers import Call, RankSpec, write_run
+
+
+def _dump(*pending: tuple[str, int, str]) -> dict[str, Any]:
+    """A dump taken 30 s into a wait in ``pending`` ((group, seq, op) each)."""
+    return {
+        "k": "dump",
+        "reason": "request",
+        "step": 4,
+        "stacks": 'Thread MainThread:\n  File "train.py", line 10, in main\n',
+        "pending": [
+            {"group": g, "seq": seq, "op": op, "bytes": 4, "site": f"train.py:{20 + seq} in main"}
+            for g, seq, op in pending
+        ],
+        "since_progress": 30.0,
+    }
+
+
+def _live(tmp_path: Path, specs: list[RankSpec]) -> RunData:
+    """SPECS as a run directory whose launcher has not ended (a live hang)."""
+    run_dir = write_run(tmp_path / "run", specs)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for launch in manifest["launches"]:
+        launch["end"], launch["exit_status"] = None, None
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    return load_run(run_dir)
+
+
+def _rank(calls: list[Call], dump: dict[str, Any], groups: dict[int, list[int]]) -> RankSpec:
+    return RankSpec(calls=calls, ends=False, extra=[dump], groups=groups)
+
+
+def test_ranks_that_issue_two_groups_calls_in_different_orders_deadlock(tmp_path: Path) -> None:
+    """Rank 0 waits in g1's all_reduce #1, which rank 1 never issued; rank 1 waits in
+    default_pg's barrier #2, which rank 0 never issued. Each group's own calls agree."""
+    both = {1: [0, 1]}
+    run = _live(
+        tmp_path,
+        [
+            _rank([Call("all_reduce"), Call("all_reduce", gid=1, end=False)], _dump(("g1", 1, "all_reduce")), both),
+            _rank([Call("all_reduce"), Call("barrier", end=False)], _dump(("default_pg", 2, "barrier")), both),
+        ],
+    )
+    diagnosis = diagnose(run, {0: True, 1: True})
+    assert diagnosis["kind"] == "crossed-collectives" and diagnosis["id"] == "hung-ranks"
+    assert diagnosis["odd_ranks"] == [0, 1]
+    verdict = diagnosis["verdict"]
+    assert "rank 0 waits in all_reduce #1 on g1 at train.py:21 in main for rank 1" in verdict
+    assert "rank 1 waits in barrier #2 on default_pg at train.py:22 in main for rank 0" in verdict
+    assert "different orders" in verdict and "transport" not in diagnosis["fix"]
+
+
+def test_a_subgroup_stuck_whole_is_named_and_the_others_wait_for_it(tmp_path: Path) -> None:
+    """Ranks 0 and 1, all of g1, wait in its all_reduce #1; rank 2 waits in default_pg's
+    barrier #2 for them: g1's collective itself is stuck."""
+    pair = {1: [0, 1]}
+    in_g1 = [Call("all_reduce"), Call("all_reduce", gid=1, end=False)]
+    run = _live(
+        tmp_path,
+        [
+            _rank(in_g1, _dump(("g1", 1, "all_reduce")), pair),
+            _rank(in_g1, _dump(("g1", 1, "all_reduce")), pair),
+            _rank([Call("all_reduce"), Call("barrier", end=False)], _dump(("default_pg", 2, "barrier")), {}),
+        ],
+    )
+    assert members(run) == {"g1": {0, 1}, "default_pg": {0, 1, 2}}
+    diagnosis = diagnose(run, dict.fromkeys(range(3), True))
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("collective-stuck", [0, 1])
+    assert diagnosis["verdict"] == (
+        "ranks 0, 1 wait in all_reduce #1 on g1 at train.py:21 in main, with every rank of group g1 in it: "
+        "the collective itself is stuck; the others wait for them"
+    )
+
+
+def test_every_rank_in_one_collective_is_told_as_before(tmp_path: Path) -> None:
+    calls = [Call("all_reduce"), Call("all_reduce", end=False)]
+    run = _live(tmp_path, [_rank(calls, _dump(("default_pg", 2, "all_reduce")), {}) for _ in range(3)])
+    diagnosis = diagnose(run, dict.fromkeys(range(3), True))
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("collective-stuck", [])
+    assert diagnosis["verdict"] == "every rank waits in the same collective: the collective itself is stuck"
+
+
+def test_a_member_that_passed_the_call_is_not_waited_for(tmp_path: Path) -> None:
+    """Rank 1 issued g1's #1 (its records show it: its tally) and waits further on, in
+    default_pg's #2, for rank 0; rank 0 waits in g1's #1, which every member issued:
+    that collective is stuck, and rank 1 waits for it."""
+    pair = {1: [0, 1]}
+    run = _live(
+        tmp_path,
+        [
+            _rank([Call("all_reduce"), Call("all_reduce", gid=1, end=False)], _dump(("g1", 1, "all_reduce")), pair),
+            _rank(
+                [Call("all_reduce"), Call("all_reduce", gid=1), Call("barrier", end=False)],
+                _dump(("default_pg", 2, "barrier")),
+                pair,
+            ),
+        ],
+    )
+    diagnosis = diagnose(run, {0: True, 1: True})
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("collective-stuck", [0])
+    assert diagnosis["verdict"].startswith("rank 0 waits in all_reduce #1 on g1")
