@@ -114,3 +114,16 @@ def test_a_member_that_passed_the_call_is_not_waited_for(tmp_path: Path) -> None
     diagnosis = diagnose(run, {0: True, 1: True})
     assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("collective-stuck", [0])
     assert diagnosis["verdict"].startswith("rank 0 waits in all_reduce #1 on g1")
+
+
+def test_waits_in_a_group_no_rank_recorded_are_not_told_as_one_stuck_collective(tmp_path: Path) -> None:
+    """Rank 1 waits in group g9's call, which no rank recorded (its members unknown): who
+    waits for whom cannot be told, and it is said so rather than guessed."""
+    calls = [Call("all_reduce"), Call("all_reduce", end=False)]
+    run = _live(
+        tmp_path,
+        [_rank(calls, _dump(("default_pg", 2, "all_reduce")), {}), _rank(calls, _dump(("g9", 1, "all_reduce")), {})],
+    )
+    diagnosis = diagnose(run, {0: True, 1: True})
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("unknown", [])
+    assert diagnosis["verdict"].startswith("every rank waits in a collective, not all in the same one, and whom")

@@ -437,9 +437,12 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
     """Every rank waits in a collective and no group's calls disagree: one collective, or
     several every member of whose group is in (stuck themselves; the ranks in them are
     the odd ones), or ranks waiting for one another across groups; else unknown."""
+    first = {tuple(s["pending"][0].get(k) for k in ("group", "seq", "op", "site")) for s in states}
     found = waits(run, states)
-    if found is None or len(found) == 1:
+    if len(first) == 1 or (found is not None and len(found) == 1):
         return "collective-stuck", [], None, None
+    if found is None:
+        return "unknown", [], None, UNTOLD_WAITS
     stuck = complete(found)
     if stuck:
         odd = sorted(r for w in stuck for r in w.ranks)
@@ -452,6 +455,11 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
 
 #: Collectives named in a verdict, at most.
 MAX_WAITS_NAMED = 3
+#: The verdict on ranks in different collectives whose groups or numbers are not known.
+UNTOLD_WAITS = (
+    "every rank waits in a collective, not all in the same one, and whom each waits for cannot be told "
+    "(a call begun before `lorascope attach`, or a group whose ranks were not recorded)"
+)
 
 
 def _named(found: list[Wait], absent: bool = False) -> str:

@@ -35,7 +35,7 @@ class Wait:
 def waits(run: RunData, states: Sequence[Mapping[str, Any]]) -> list[Wait] | None:
     """The collectives the ranks wait in (each rank's first pending call), most ranks
     first; None when a wait has no sequence number (a call begun before `lorascope
-    attach`, read from a stack) or no group."""
+    attach`, read from a stack) or no group, or its group's ranks were not recorded."""
     by: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
     issued: dict[int, set[tuple[str, int]]] = {}
     for s in states:
@@ -46,11 +46,13 @@ def waits(run: RunData, states: Sequence[Mapping[str, Any]]) -> list[Wait] | Non
         by.setdefault(pending[0], []).append(s)
     out = []
     groups = members(run)
+    if any(group not in groups for group, _ in by):
+        return None
     for (group, seq), alike in by.items():
         ranks = tuple(sorted(s["rank"] for s in alike))
         absent = tuple(
             m
-            for m in sorted(groups.get(group, set()) - set(ranks))
+            for m in sorted(groups[group] - set(ranks))
             if (group, seq) not in issued.get(m, ()) and not _passed(run, m, group, seq)
         )
         out.append(Wait(group, seq, str(alike[0]["where"]), ranks, absent))
