@@ -88,6 +88,13 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
+def group_named(name: object) -> str:
+    """A process group as a verdict names it: ``group 2`` for one torch numbered (a bare
+    number read "all_reduce #1 on 2"), else its name (``default_pg``)."""
+    text = str(name)
+    return f"group {text}" if text.isdigit() else text
+
+
 def ranks_named(ranks: Iterable[int]) -> str:
     """``rank 3`` for one rank, ``ranks 0, 2, 4-7`` (:func:`rank_ranges`) for more."""
     numbers = sorted(set(ranks))

@@ -21,7 +21,7 @@ from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
-from lorascope.units import fmt_bytes, ranks_named, short_error
+from lorascope.units import fmt_bytes, group_named, ranks_named, short_error
 
 ID = "rank-conditional-hang"
 
@@ -189,7 +189,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     others = sorted(set(div.calls) - set(odd))
     who = f"{ranks_named(odd)} vs {ranks_named(others)}" if odd else "the ranks"
     first_odd = div.calls.get(odd[0]) if odd else None
-    headline = f"{who} disagree from collective #{div.seq} on {div.group}" + (
+    headline = f"{who} disagree from collective #{div.seq} on {group_named(div.group)}" + (
         f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else ""
     )
     confidence: Confidence = "high" if any(conditions.values()) else "medium"
@@ -200,7 +200,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     )
     if rank_only is not None:
         headline = (
-            f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
+            f"{rank_only.phrase()}, before collective #{div.seq} on {group_named(div.group)}, where the ranks' calls first "
             f"disagree ({calls_summary(div)})"
         )
         confidence = "high" if rank_only.sure else "medium"

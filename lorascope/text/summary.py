@@ -17,7 +17,7 @@ from typing import Any
 
 from lorascope.analysis.cost import cost_text
 from lorascope.detect.common import MIN_ALIKE_RANKS, but_for_numbers, reentrancy
-from lorascope.units import MAX_TABLE_RANKS, count, rank_ranges, short_error
+from lorascope.units import MAX_TABLE_RANKS, count, group_named, rank_ranges, short_error
 
 
 def _mib(n: int | None) -> str:
@@ -170,7 +170,9 @@ def _pending_lines(pending: list[dict[str, Any]]) -> list[str]:
             known = sorted(p["bytes"] for p in run if isinstance(p["bytes"], int))
             size = f"{known[0]} B" if known and known[0] == known[-1] else f"{known[0]}-{known[-1]} B" if known else ""
             seqs, sizes = f"#{first['seq']}-#{last['seq']}", f"{len(run)} calls" + (f", {size}" if size else "")
-        lines.append(f"       pending: {first['op']} {seqs} on {first['group']} ({sizes}) at {first['site']}")
+        lines.append(
+            f"       pending: {first['op']} {seqs} on {group_named(first['group'])} ({sizes}) at {first['site']}"
+        )
     return lines
 
 

@@ -29,7 +29,7 @@ from lorascope.rundir.loading.ending import (
     stopped_at,
 )
 from lorascope.rundir.loading.reader import RankData, RunData
-from lorascope.units import rank_ranges, ranks_named, short_error
+from lorascope.units import group_named, rank_ranges, ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -233,7 +233,9 @@ def _rank_state(
         p = pending[0]
         site = p.get("site")
         cond = rank_condition(rank, site if isinstance(site, str) else None)
-        called = f"{p['op']} #{p['seq']} on {p['group']}" if isinstance(p.get("seq"), int) else str(p["op"])
+        called = (
+            f"{p['op']} #{p['seq']} on {group_named(p['group'])}" if isinstance(p.get("seq"), int) else str(p["op"])
+        )
         where = f"{called} at {p.get('site') or '?'}" + (f", under `{cond}`" if cond else "")
         if p.get("source"):
             where += f" ({p['source']})"
@@ -353,7 +355,7 @@ def diagnose(
         first = (
             {
                 **first,
-                "where": f"{call.op} #{call.seq} on {div.group} at {call.site or '?'}" + under,
+                "where": f"{call.op} #{call.seq} on {group_named(div.group)} at {call.site or '?'}" + under,
             }
             if call and first
             else first
@@ -361,7 +363,7 @@ def diagnose(
     verdict = said or _verdict(kind, odd, first, _hosts_of(run, odd))
     if rank_only is not None and div is not None:
         verdict = (
-            f"{rank_only.phrase()}, before collective #{div.seq} on {div.group}, where the ranks' calls first "
+            f"{rank_only.phrase()}, before collective #{div.seq} on {group_named(div.group)}, where the ranks' calls first "
             f"disagree ({calls_summary(div)}): a rank-only call into ZeRO-3's parameter state"
         )
     return {
