@@ -284,7 +284,7 @@ class Call:
     end: bool = True
     err: str | None = None
     ended_at: float | None = None
-    #: Its process group (0: default_pg; another: ``RankSpec.groups``'), numbered within it.
+    #: Its process group (0: default_pg; another: one of ``RankSpec.groups``), numbered within it.
     gid: int = 0
 
 
