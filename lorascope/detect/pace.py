@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorascope.detect.hang.divergence import listed_members
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.rundir.loading.reduce import backward_spans
 
@@ -357,11 +358,9 @@ def blame(run: RunData) -> Blame:
 
 
 def _blame(run: RunData) -> Blame:
-    members: dict[str, set[int]] = {}
+    members = listed_members(run)
     held: dict[tuple[str, int], dict[int, Collective]] = {}
     for r, rank in run.ranks.items():
-        for g in rank.groups.values():
-            members.setdefault(str(g.get("name", g.get("gid"))), set()).update(g.get("ranks") or [])
         for c in rank.collectives:
             if not c.is_async and c.end is not None and c.err is None:
                 held.setdefault((c.group, c.seq), {})[r] = c

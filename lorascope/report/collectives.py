@@ -17,7 +17,7 @@ from typing import Any
 
 from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.finding import Finding
-from lorascope.detect.hang.divergence import RUN_ALL, first_split
+from lorascope.detect.hang.divergence import RUN_ALL, first_split, listed_members
 from lorascope.detect.hang.divergence import by_group as groups_of
 from lorascope.rundir.loading.reader import Collective, RunData
 from lorascope.units import rank_ranges, ranks_named
@@ -57,15 +57,7 @@ def _describe(c: Collective) -> str:
 
 def _members(run: RunData, group: str, users: set[int]) -> list[int]:
     """Ranks expected in a group: the ``ranks`` its members recorded, else those that used it."""
-    listed: set[int] = set()
-    seen: set[int] = set()  # the reader shares equal member lists: each read once, not once a rank
-    for rank in run.ranks.values():
-        for g in rank.groups.values():
-            ranks = g.get("ranks")
-            if g.get("name") == group and isinstance(ranks, list) and id(ranks) not in seen:
-                seen.add(id(ranks))
-                listed.update(int(r) for r in ranks if isinstance(r, int))
-    return sorted((listed & set(run.ranks)) | users)
+    return sorted((listed_members(run).get(group, set()) & set(run.ranks)) | users)
 
 
 def _at(calls: dict[int, dict[int, Collective]], members: list[int], seq: int) -> dict[str, Any] | None:

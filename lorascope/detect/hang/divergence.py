@@ -138,6 +138,23 @@ def by_group(run: RunData) -> dict[str, dict[int, dict[int, Collective]]]:
     return out
 
 
+def listed_members(run: RunData) -> dict[str, set[int]]:
+    """Each process group's ranks, as its ``group`` records list them (a group none of
+    whose records lists its ranks is left out); computed once a run."""
+    if "listed_members" not in run.derived:
+        listed: dict[str, set[int]] = {}
+        seen: set[int] = set()  # the reader shares equal member lists: each read once, not once a rank
+        for rank in run.ranks.values():
+            for g in rank.groups.values():
+                ranks = g.get("ranks")
+                if isinstance(ranks, list) and id(ranks) not in seen:
+                    seen.add(id(ranks))
+                    listed.setdefault(str(g.get("name")), set()).update(int(r) for r in ranks if isinstance(r, int))
+        run.derived["listed_members"] = listed
+    found: dict[str, set[int]] = run.derived["listed_members"]
+    return found
+
+
 @dataclass
 class Divergence:
     """Where the ranks of a run went different ways: a group and a sequence number."""

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lorascope.detect.hang.divergence import listed_members
 from lorascope.rundir.loading.reader import RunData
 
 
@@ -60,17 +61,13 @@ def waits(run: RunData, states: Sequence[Mapping[str, Any]]) -> list[Wait] | Non
 
 
 def members(run: RunData) -> dict[str, set[int]]:
-    """Each process group's ranks, as its ``group`` records list them, else the ranks that
-    recorded it."""
-    listed: dict[str, set[int]] = {}
+    """Each process group's ranks, as its ``group`` records list them
+    (:func:`listed_members`), else the ranks that recorded it."""
+    listed = listed_members(run)
     holders: dict[str, set[int]] = {}
     for n, rank in run.ranks.items():
         for record in rank.groups.values():
-            name = str(record.get("name"))
-            holders.setdefault(name, set()).add(n)
-            ranks = record.get("ranks")
-            if isinstance(ranks, list):
-                listed.setdefault(name, set()).update(r for r in ranks if type(r) is int)
+            holders.setdefault(str(record.get("name")), set()).add(n)
     return {name: listed.get(name) or held for name, held in holders.items()}
 
 
