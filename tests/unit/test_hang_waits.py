@@ -65,6 +65,24 @@ def test_ranks_that_issue_two_groups_calls_in_different_orders_deadlock(tmp_path
     assert "different orders" in verdict and "transport" not in diagnosis["fix"]
 
 
+def test_a_group_a_rank_never_used_has_the_members_its_records_list(tmp_path: Path) -> None:
+    """The probes record a group when a rank first uses it: rank 1 never used g1, and only
+    rank 0's record lists g1's ranks, a list equal to default_pg's (the reader shares the
+    two): rank 1 is still a member that never issued g1's call (the real job's case,
+    tests/e2e/test_hang.py)."""
+    run = _live(
+        tmp_path,
+        [
+            _rank(
+                [Call("all_reduce"), Call("all_reduce", gid=1, end=False)], _dump(("g1", 1, "all_reduce")), {1: [0, 1]}
+            ),
+            _rank([Call("all_reduce"), Call("barrier", end=False)], _dump(("default_pg", 2, "barrier")), {}),
+        ],
+    )
+    assert members(run) == {"g1": {0, 1}, "default_pg": {0, 1}}
+    assert diagnose(run, {0: True, 1: True})["kind"] == "crossed-collectives"
+
+
 def test_a_subgroup_stuck_whole_is_named_and_the_others_wait_for_it(tmp_path: Path) -> None:
     """Ranks 0 and 1, all of g1, wait in its all_reduce #1; rank 2 waits in default_pg's
     barrier #2 for them: g1's collective itself is stuck."""

@@ -143,13 +143,14 @@ def listed_members(run: RunData) -> dict[str, set[int]]:
     whose records lists its ranks is left out); computed once a run."""
     if "listed_members" not in run.derived:
         listed: dict[str, set[int]] = {}
-        seen: set[int] = set()  # the reader shares equal member lists: each read once, not once a rank
+        # the reader shares equal member lists, across ranks and groups: each read once a group
+        seen: set[tuple[str, int]] = set()
         for rank in run.ranks.values():
             for g in rank.groups.values():
-                ranks = g.get("ranks")
-                if isinstance(ranks, list) and id(ranks) not in seen:
-                    seen.add(id(ranks))
-                    listed.setdefault(str(g.get("name")), set()).update(int(r) for r in ranks if isinstance(r, int))
+                ranks, name = g.get("ranks"), str(g.get("name"))
+                if isinstance(ranks, list) and (name, id(ranks)) not in seen:
+                    seen.add((name, id(ranks)))
+                    listed.setdefault(name, set()).update(int(r) for r in ranks if isinstance(r, int))
         run.derived["listed_members"] = listed
     found: dict[str, set[int]] = run.derived["listed_members"]
     return found
