@@ -18,7 +18,7 @@ import pytest
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.probes.collectives import ENV_CALL_SLOTS
-from lorascope.rundir.loading.ending import progress_window
+from lorascope.rundir.loading.ending import DUMP_MIN_S, DUMP_STEPS, progress_window
 from lorascope.rundir.loading.reader import RECENT_RECORDS, RankData, RunData, load_run
 from tests.helpers import HANG_JSON_KEYS, LORASCOPE, REPO, TRAIN, default_signals, free_port, job_env, torchrun
 
@@ -111,13 +111,18 @@ def test_collectives_of_two_groups_in_crossed_orders(tmp_path: Path) -> None:
     as "every rank waits in the same collective: the collective itself is stuck"."""
     out = tmp_path / "run"
     with hung_job(out, "--steps", "20", "--fault", "crossed-groups-hang", "--fault-step", "3"):
-        wait_until(
+        run = wait_until(
             out,
             lambda r: (
                 pending_in_job(r.ranks[0], "crossed_group_collectives")
                 and pending_in_job(r.ranks[1], "crossed_group_collectives")
             ),
         )
+        # no group's calls disagree, so a dump within a step or two of the last step's end
+        # reads as a job moving (`moving_at`): ask once the hang is older than that
+        last = max(float(r.steps[-1]["t"]) for r in run.ranks.values())
+        fastest = min(float(s["dur"]) for r in run.ranks.values() for s in r.steps)
+        time.sleep(max(0.0, last + max(DUMP_MIN_S, DUMP_STEPS * fastest) + 2 - time.time()))
         data = hang(out, "--no-html")
     assert (data["kind"], data["id"], data["odd_ranks"]) == ("crossed-collectives", "hung-ranks", [0, 1])
     verdict = data["verdict"]
