@@ -12,8 +12,9 @@ from typing import Any
 
 from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
+from lorascope.detect.hang import branches
 from lorascope.detect.hang.conditions import odd_by_condition
-from lorascope.detect.hang.divergence import first_divergence, found_at, odd_ranks, size_mismatch
+from lorascope.detect.hang.divergence import Divergence, first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import RankOnly, calls_summary, explained_by
@@ -175,6 +176,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 own.append((" called it from", f"{line}   inside `{via[0]}`", via[1]))
     if rank_only is not None:
         _rank_only_rows(run, rank_only, rows)
+    branched = rank_only is None and not any(conditions.values())
+    if branched:
+        _step_rows(run, div, rows)
     evidence = per_rank_evidence(rows)
     crashed = [r for r in run.ranks.values() if r.exception]
     if crashed:
@@ -192,6 +196,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     headline = f"{who} disagree from collective #{div.seq} on {group_named(div.group)}" + (
         f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else ""
     )
+    if branched:
+        headline = branches.branch_said(run, div)
     confidence: Confidence = "high" if any(conditions.values()) else "medium"
     reason = (
         "the odd rank's call site is inside a rank condition"
@@ -231,8 +237,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             confidence_reason=reason,
             ranks=sorted(odd) or sorted(div.calls),
             evidence=evidence,
-            explanation=EXPLANATION + (ZERO_EXPLANATION if rank_only is not None else ""),
-            fix=ZERO_FIX if rank_only is not None else FIX,
+            explanation=EXPLANATION
+            + (ZERO_EXPLANATION if rank_only is not None else branches.EXPLANATION if branched else ""),
+            fix=ZERO_FIX if rank_only is not None else branches.FIX if branched else FIX,
             details=details,
         )
     ]
@@ -267,3 +274,13 @@ def _rank_only_rows(run: RunData, rank_only: RankOnly, rows: dict[int, list[tupl
             frame = rank_only.condition[1]
             line = rank.sites.get(frame, {}).get("line") or "?"
             own.append((" called it from", f"{line}   inside `{rank_only.condition[0]}`", frame))
+
+
+def _step_rows(run: RunData, div: Divergence, rows: dict[int, list[tuple[str, Any, str]]]) -> None:
+    """Where in its steps each rank made its call at the divergence (its phase edges)."""
+    for n, call in div.calls.items():
+        place = branches.step_place(run.ranks[n], call) if call is not None else None
+        if place is not None:
+            rows.setdefault(n, []).append(
+                (" made it", place.phrase(), stream_source(run, run.ranks[n], "step and phase records"))
+            )

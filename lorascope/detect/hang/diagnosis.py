@@ -11,8 +11,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from lorascope.detect.hang import branches
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
-from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks
+from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
 from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
@@ -361,16 +362,20 @@ def diagnose(
             else first
         )
     verdict = said or _verdict(kind, odd, first, _hosts_of(run, odd))
+    fix = FIXES[kind]
     if rank_only is not None and div is not None:
         verdict = (
             f"{rank_only.phrase()}, before collective #{div.seq} on {group_named(div.group)}, where the ranks' calls first "
             f"disagree ({calls_summary(div)}): a rank-only call into ZeRO-3's parameter state"
         )
+        fix = ZERO_FIX
+    elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
+        verdict, fix = branches.branch_said(run, div), branches.FIX
     return {
         "id": verdict_id(kind),
         "kind": kind,
         "verdict": verdict,
-        "fix": ZERO_FIX if rank_only is not None else FIXES[kind],
+        "fix": fix,
         "odd_ranks": odd,
         "first_diverged": first,
         "ranks": states,

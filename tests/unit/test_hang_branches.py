@@ -1,0 +1,138 @@
+"""Ranks whose collectives disagree with no rank condition around the calls
+(lorascope/detect/hang/branches.py): the classic is uneven data shards, where one rank is
+in its next step's backward while the others left the training loop for the barrier after
+it. `hang` said "rank-conditional collective: ?" there (no odd rank to name), and both
+`hang` and `analyze` told the reader to move the collective out of an `if rank == 0:`
+block that was not there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lorascope.detect import rank_conditional_hang
+from lorascope.detect.hang import branches
+from lorascope.detect.hang.diagnosis import FIXES, diagnose
+from lorascope.detect.hang.divergence import first_divergence
+from lorascope.ingest.load import load_bundle
+from lorascope.rundir.loading.reader import load_run
+from tests.helpers import Call, RankSpec, write_run
+
+STEPS = 4
+#: Each rank's completed steps, each with its forward, backward and optimizer phases.
+PHASES = [(name, step) for step in range(STEPS) for name in ("forward", "backward", "optimizer")]
+BACKWARD = "train.py:30 in backward_and_step"
+BARRIER = "train.py:50 in main"
+
+
+def _in_next_step(*phases: str) -> list[dict[str, Any]]:
+    """The edges of a rank's next step begun (``step``: the steps it had completed), the
+    last phase still open."""
+    edges = []
+    for i, name in enumerate(phases):
+        edges.append({"k": "phase", "name": name, "edge": "begin", "step": STEPS})
+        if i < len(phases) - 1:
+            edges.append({"k": "phase", "name": name, "edge": "end", "step": STEPS})
+    return edges
+
+
+def _rank(last: Call, before: list[dict[str, Any]] | None = None, **spec: Any) -> RankSpec:
+    return RankSpec(
+        steps=STEPS, calls=[Call("all_reduce"), last], phases=PHASES, before_calls=before or [], ends=False, **spec
+    )
+
+
+def test_uneven_shards_are_told_as_steps_begun_not_as_a_rank_condition(tmp_path: Path) -> None:
+    """Rank 0 is in its step 5's backward, in reduce_scatter #2; ranks 1, 2 finished 4 steps
+    and wait in barrier #2 after them. No rank condition encloses either call."""
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(Call("reduce_scatter", site=BACKWARD, end=False), _in_next_step("forward", "backward")),
+            _rank(Call("barrier", bytes=0, site=BARRIER, end=False)),
+            _rank(Call("barrier", bytes=0, site=BARRIER, end=False)),
+        ],
+    )
+    run = load_run(run_dir)
+    div = first_divergence(run)
+    assert div is not None
+    places = {n: branches.step_place(run.ranks[n], c) for n, c in div.calls.items() if c is not None}
+    assert places[0] == branches.StepPlace(STEPS, True, "backward")
+    assert places[1] == places[2] == branches.StepPlace(STEPS, False)
+
+    diagnosis = diagnose(run)
+    verdict = diagnosis["verdict"]
+    assert "?" not in verdict
+    assert "rank 0 calls reduce_scatter at train.py:30 in backward_and_step, in its step 5 (backward)" in verdict
+    assert "ranks 1, 2 call barrier at train.py:50 in main, after their step 4, outside any step" in verdict
+    assert "begun different numbers of steps" in verdict
+    assert diagnosis["fix"] == branches.FIX
+
+    [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
+    assert finding.title == verdict
+    assert finding.fix == branches.FIX and finding.confidence == "medium"
+    made = {e.label: e.value for e in finding.evidence if e.label.endswith("made it")}
+    assert made == {
+        "rank 0 made it": "in its step 5 (backward)",
+        "rank 1 made it": "after its step 4, outside any step",
+        "rank 2 made it": "after its step 4, outside any step",
+    }
+
+
+def test_a_branch_within_one_step_is_not_said_to_be_uneven_steps(tmp_path: Path) -> None:
+    """Both ranks are in their step 5's forward and call different collectives there (a
+    branch on the data): no talk of steps begun."""
+    forward = _in_next_step("forward")
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(Call("all_gather", site="train.py:20 in forward", end=False), forward),
+            _rank(Call("broadcast", site="train.py:24 in forward", end=False), forward),
+        ],
+    )
+    verdict = diagnose(load_run(run_dir))["verdict"]
+    assert "rank 0 calls all_gather at train.py:20 in forward, in its step 5 (forward)" in verdict
+    assert "rank 1 calls broadcast at train.py:24 in forward, in its step 5 (forward)" in verdict
+    assert verdict.endswith("a branch on the data or on the rank's own state took them different ways")
+
+
+def test_a_rank_condition_keeps_the_rank_conditional_verdict(tmp_path: Path) -> None:
+    """The same calls with rank 1's barrier inside `if rank != 0:`: that rank is named, with
+    the rank-condition fix."""
+    sites = {BARRIER: ("dist.barrier()", ["if rank != 0:"])}
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(Call("reduce_scatter", site=BACKWARD, end=False), _in_next_step("forward", "backward"), sites=sites),
+            _rank(Call("barrier", bytes=0, site=BARRIER, end=False), sites=sites),
+        ],
+    )
+    diagnosis = diagnose(load_run(run_dir))
+    assert diagnosis["odd_ranks"] == [1]
+    assert diagnosis["verdict"].startswith("rank-conditional collective (rank 1)")
+    assert diagnosis["fix"] == FIXES["rank-conditional-hang"]
+    [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
+    assert finding.fix == rank_conditional_hang.FIX
+
+
+def test_no_place_is_claimed_where_the_phase_edges_do_not_reach_the_call(tmp_path: Path) -> None:
+    """Ranks without phase edges (a loop the probes see no phases of): the calls are named,
+    with no step place and no claim about steps begun."""
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            RankSpec(
+                steps=STEPS, calls=[Call("all_reduce"), Call("reduce_scatter", site=BACKWARD, end=False)], ends=False
+            ),
+            RankSpec(
+                steps=STEPS, calls=[Call("all_reduce"), Call("barrier", bytes=0, site=BARRIER, end=False)], ends=False
+            ),
+        ],
+    )
+    run = load_run(run_dir)
+    div = first_divergence(run)
+    assert div is not None
+    assert all(branches.step_place(run.ranks[n], c) is None for n, c in div.calls.items() if c is not None)
+    verdict = diagnose(run)["verdict"]
+    assert "rank 0 calls reduce_scatter at train.py:30 in backward_and_step; rank 1 calls barrier" in verdict
+    assert "step" not in verdict.split("first disagree", 1)[1].replace("backward_and_step", "")
