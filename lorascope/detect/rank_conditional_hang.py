@@ -128,6 +128,8 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     if first.missing_ranks:
         title += f"; {ranks_named(first.missing_ranks)} never enqueued it"
     sure = any(conditions.values())
+    # every call's source read, and no rank condition in it: a branch on the data
+    branched = not sure and all(bundle.sources.get(site or "") for site in sites.values())
     return [
         Finding(
             id=ID,
@@ -138,13 +140,15 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
                 "the odd rank's call site is inside a rank condition"
                 + ("" if not odd or _at_site(found[odd[0]], sites.get(odd[0])) else ", in a caller's frame")
                 if sure
+                else "the flight-recorder dumps disagree on the op and no rank condition encloses the calls"
+                if branched
                 else "the flight-recorder dumps disagree on the op; the source was not readable "
                 "here to find the rank condition"
             ),
             ranks=odd or sorted(first.entries),
             evidence=evidence,
-            explanation=EXPLANATION,
-            fix=FIX,
+            explanation=EXPLANATION + (branches.EXPLANATION if branched else ""),
+            fix=branches.FIX if branched else FIX,
             details={"group": first.group, "seq": first.seq, "odd_ranks": odd, "source": "flight recorder"},
         )
     ]

@@ -14,6 +14,7 @@ from lorascope.detect import rank_conditional_hang
 from lorascope.detect.hang import branches
 from lorascope.detect.hang.diagnosis import FIXES, diagnose
 from lorascope.detect.hang.divergence import first_divergence
+from lorascope.ingest.flight.reader import parse_flight_dump
 from lorascope.ingest.load import load_bundle
 from lorascope.rundir.loading.reader import load_run
 from tests.helpers import Call, RankSpec, write_run
@@ -136,3 +137,82 @@ def test_no_place_is_claimed_where_the_phase_edges_do_not_reach_the_call(tmp_pat
     verdict = diagnose(run)["verdict"]
     assert "rank 0 calls reduce_scatter at train.py:30 in backward_and_step; rank 1 calls barrier" in verdict
     assert "step" not in verdict.split("first disagree", 1)[1].replace("backward_and_step", "")
+
+
+TRAIN = "/job/train.py"
+FORWARD_SITE = f"{TRAIN}:347 in compute_loss"
+
+
+def _flight(last: tuple[str, int, str, str]) -> dict[str, Any]:
+    """A gloo flight-recorder dump as torch writes it: two completed all_reduces on
+    default_pg, then ``last`` ((op, line, function), not completed)."""
+    op, line, func = last[0], last[1], last[2]
+    calls = [("all_reduce", 88, "step")] * 2 + [(op, line, func)]
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "pg_status": {"0": {"last_enqueued_collective": 3, "last_started_collective": -1, "last_completed_collective": 2}},
+        "entries": [
+            {"record_id": seq, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": seq,
+             "p2p_seq_id": 0, "profiling_name": f"gloo:{name}", "input_sizes": [[4]], "output_sizes": [[4]],
+             "input_dtypes": ["Float"], "output_dtypes": ["Float"], "state": "scheduled", "retired": seq < 3,
+             "is_p2p": False, "frames": [{"name": fn, "filename": TRAIN, "line": ln}]}
+            for seq, (name, ln, fn) in enumerate(calls, 1)
+        ],
+    }  # fmt: skip
+
+
+def _ddp_hang(tmp_path: Path, sites: dict[str, tuple[str, list[str]]]) -> dict[str, Any]:
+    """DDP's calls are in the flight recorder only: rank 0 waits in DDP's buffer broadcast
+    (#3 there) in its forward; rank 1 left its loop for the barrier (the probes' own #1)
+    that is #3 in its flight recorder. The run's records show no divergence."""
+    dump = {"k": "dump", "reason": "request", "step": STEPS, "since_progress": 30.0,
+            "stacks": f'Thread MainThread:\n  File "{TRAIN}", line 347, in compute_loss\n'}  # fmt: skip
+    barrier = {"group": "default_pg", "seq": 1, "op": "barrier", "bytes": 0, "site": f"{TRAIN}:29 in main"}
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            RankSpec(steps=STEPS, calls=[], ends=False, extra=[{**dump, "pending": []}], sites=sites),
+            RankSpec(
+                steps=STEPS,
+                calls=[Call("barrier", bytes=0, site=f"{TRAIN}:29 in main", end=False)],
+                ends=False,
+                extra=[{**dump, "pending": [barrier]}],
+                sites=sites,
+            ),
+        ],
+    )
+    run = load_run(run_dir)
+    assert first_divergence(run) is None
+    flights = {0: ("broadcast", 347, "compute_loss"), 1: ("barrier", 29, "main")}
+    timeline = {n: [(float(r.dumps[-1]["t"]), parse_flight_dump(_flight(flights[n]), n))] for n, r in run.ranks.items()}
+    return diagnose(run, {0: True, 1: True}, timeline)
+
+
+def test_a_divergence_only_the_flight_recorder_shows_is_told_not_a_rank_stuck_in_its_code(tmp_path: Path) -> None:
+    """Uneven shards under DDP: rank 0 read "stuck outside any collective, in its own code
+    at compute_loss" (its call is DDP's, which the probes do not see)."""
+    diagnosis = _ddp_hang(tmp_path, {})
+    assert diagnosis["kind"] == "rank-conditional-hang" and diagnosis["odd_ranks"] == []
+    verdict = diagnosis["verdict"]
+    assert "first disagree at collective #3 on default_pg in the flight recorder" in verdict
+    assert (
+        "rank 0 calls broadcast at train.py:347 in compute_loss, waiting; rank 1 calls barrier at train.py:29"
+        in verdict
+    )
+    assert diagnosis["fix"] == branches.FIX
+    state = diagnosis["ranks"][0]
+    assert state["state"] == "in-collective" and state["where"].startswith(
+        f"broadcast #3 on default_pg at {FORWARD_SITE}"
+    )
+
+
+def test_a_rank_condition_on_a_flight_recorder_call_names_its_rank(tmp_path: Path) -> None:
+    """The same with rank 0's line inside `if rank == 0:` (as the probes recorded it)."""
+    diagnosis = _ddp_hang(tmp_path, {FORWARD_SITE: ("loss = model(x)", ["if rank == 0:"])})
+    assert diagnosis["odd_ranks"] == [0]
+    assert diagnosis["verdict"] == (
+        f"rank-conditional collective (rank 0): broadcast #3 on default_pg at {FORWARD_SITE}, under `if rank == 0:` "
+        "(flight recorder)"
+    )
+    assert diagnosis["fix"] == FIXES["rank-conditional-hang"]

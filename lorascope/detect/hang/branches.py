@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from lorascope.detect.common import short_site
 from lorascope.detect.hang.divergence import Divergence, found_at
+from lorascope.detect.hang.flight_align import Disagreement
+from lorascope.ingest.flight.reader import call_site
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import group_named, ranks_named
 
@@ -120,3 +122,22 @@ def branch_said(run: RunData, div: Divergence) -> str:
             "ran out, an early stop), or made a call between steps that the others did not"
         )
     return head + ": a branch on the data or on the rank's own state took them different ways"
+
+
+def flight_said(first: Disagreement, group: str) -> str:
+    """:func:`branch_said` for a divergence only the flight-recorder dumps show (calls the
+    probes do not see: DDP's), with no rank condition found along the calls' chains: each
+    kind of call (op, site) with its ranks, and whether it completed."""
+    kinds: dict[tuple[str, str, bool], list[int]] = {}
+    for r, entry in sorted(first.entries.items()):
+        kinds.setdefault((entry.op, short_site(call_site(entry.frames)), entry.completed), []).append(r)
+    said = [
+        f"{ranks_named(ranks)} {'calls' if len(ranks) == 1 else 'call'} {op} at {site}" + ("" if done else ", waiting")
+        for (op, site, done), ranks in list(kinds.items())[:MAX_KINDS_NAMED]
+    ]
+    said += [f"{ranks_named(first.missing_ranks)} never issued it"] if first.missing_ranks else []
+    return (
+        f"the ranks' calls first disagree at collective #{first.seq} on {group} in the flight recorder (calls the "
+        f"probes do not see), with no rank condition found around them: {'; '.join(said)}: a branch on the data "
+        "or on the rank's own state took them different ways (a data shard that ran out first, an early stop)"
+    )

@@ -14,11 +14,11 @@ from typing import Any
 from lorascope.detect.hang import branches
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks, size_mismatch
-from lorascope.detect.hang.flight_align import Ahead, ahead_of_peers, align
+from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align
 from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import calls_summary, explained_by
-from lorascope.ingest.flight.reader import FlightDump, call_chain, is_job_code
+from lorascope.ingest.flight.reader import FlightDump, call_chain, call_site, is_job_code
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
 from lorascope.rundir.loading.ending import (
     call_entry,
@@ -290,12 +290,12 @@ def flight_since(rank: RankData, run: RunData) -> float | None:
     return float(dumps[-1]["t"]) - FLIGHT_EARLY_S
 
 
-def _flight_ahead(run: RunData, as_of: float | None, flight: FlightTimeline | None) -> dict[int, Ahead]:
-    """:func:`ahead_of_peers` over the flight-recorder dumps the ranks wrote with the dumps
-    the diagnosis reads (an earlier one, from a dump taken while the job moved, would tell
-    of another moment)."""
+def _flight_aligned(run: RunData, as_of: float | None, flight: FlightTimeline | None) -> FlightAlignment | None:
+    """The flight-recorder dumps the ranks wrote with the dumps the diagnosis reads,
+    aligned (an earlier one, from a dump taken while the job moved, would tell of another
+    moment); None with fewer than two."""
     if not flight:
-        return {}
+        return None
     chosen: dict[int, FlightDump] = {}
     for n, rank in run.ranks.items():
         dumps = _dumps(rank, run, as_of)
@@ -303,7 +303,17 @@ def _flight_ahead(run: RunData, as_of: float | None, flight: FlightTimeline | No
             found = flight_at(flight.get(n, []), dumps[-1])
             if found is not None:
                 chosen[n] = found
-    return ahead_of_peers(align(chosen)) if len(chosen) > 1 else {}
+    return align(chosen) if len(chosen) > 1 else None
+
+
+def _flight_divergence(run: RunData, aligned: FlightAlignment | None) -> Disagreement | None:
+    """Where the flight-recorder dumps show the ranks issued different ops at one sequence
+    number of a group, when the run's records show no divergence (calls the probes cannot
+    see: DDP's C++ Reducer, its buffer broadcasts)."""
+    first = aligned.first_disagreement if aligned is not None else None
+    if first is None or first.kind != "op" or first.p2p or first_divergence(run) is not None:
+        return None
+    return first
 
 
 def diagnose(
@@ -324,7 +334,8 @@ def diagnose(
     newest = max((r.last_time for r in run.ranks.values()), default=0.0)
     dumped = [float(d["t"]) for r in run.ranks.values() for d in _dumps(r, run, as_of)]
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
-    ahead = _flight_ahead(run, as_of, flight)
+    aligned = _flight_aligned(run, as_of, flight)
+    ahead = ahead_of_peers(aligned) if aligned is not None else {}
     states = [
         _rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of, stopped.get(n))
         for n, r in run.ranks.items()
@@ -334,9 +345,14 @@ def diagnose(
         groups.setdefault(s["where"] or s["state"], []).append(s["rank"])
     last_dumps = {n: dumps[-1] for n, r in run.ranks.items() if (dumps := _dumps(r, run, as_of))}
     odd: list[int]
-    kind = _not_hung(run, last_dumps) if as_of is None else None
+    flight_div = _flight_divergence(run, aligned)
+    kind = _not_hung(run, last_dumps) if as_of is None and flight_div is None else None
+    flight_fix = None
     if kind is not None:
         odd, div, said = [], None, None
+    elif flight_div is not None:  # the root cause, as a divergence of the run's records is
+        kind, div = "rank-conditional-hang", None
+        odd, said, flight_fix = _flight_said(run, flight_div, aligned)
     else:
         kind, odd, div, said = _classify(run, states)
     rank_only = explained_by(run, div)
@@ -362,7 +378,7 @@ def diagnose(
             else first
         )
     verdict = said or _verdict(kind, odd, first, _hosts_of(run, odd))
-    fix = FIXES[kind]
+    fix = flight_fix or FIXES[kind]
     if rank_only is not None and div is not None:
         verdict = (
             f"{rank_only.phrase()}, before collective #{div.seq} on {group_named(div.group)}, where the ranks' calls first "
@@ -381,6 +397,37 @@ def diagnose(
         "ranks": states,
         "groups": [{"where": w, "ranks": rs} for w, rs in groups.items()],
     }
+
+
+def _flight_said(run: RunData, first: Disagreement, aligned: FlightAlignment | None) -> tuple[list[int], str, str]:
+    """The odd ranks, verdict and fix of a divergence only the flight-recorder dumps show:
+    the ranks inside a rank condition along their call chains (as the probes recorded the
+    job's lines), else a branch on the data (:mod:`branches`)."""
+    group = next((g.desc or g.group for g in aligned.groups if g.group == first.group), first.group) if aligned else ""
+    found = {r: _chain_condition(run.ranks.get(r), call_chain(e.frames)) for r, e in first.entries.items()}
+    odd = odd_by_condition({r: f[0] if f else None for r, f in found.items()}, include_else=True)
+    if not odd:
+        return [], branches.flight_said(first, group_named(group)), branches.FIX
+    entry, cond = first.entries[odd[0]], found[odd[0]]
+    site = call_site(entry.frames) or "?"
+    under = "" if cond is None else f", under `{cond[0]}`" if cond[1] == site else f", from {cond[1]} under `{cond[0]}`"
+    said = (
+        f"rank-conditional collective ({ranks_named(odd)}): {entry.op} #{first.seq} on {group_named(group)} at {site}"
+        f"{under} (flight recorder)"
+    )
+    return odd, said, FIXES["rank-conditional-hang"]
+
+
+def _chain_condition(rank: RankData | None, chain: list[str]) -> tuple[str, str] | None:
+    """The first rank condition along a call chain, as ``rank`` recorded its lines (the
+    condition, the frame it encloses)."""
+    if rank is None:
+        return None
+    for frame in chain:
+        cond = rank_condition(rank, frame)
+        if cond is not None:
+            return cond, frame
+    return None
 
 
 def _not_hung(run: RunData, last_dumps: Mapping[int, Mapping[str, Any]]) -> str | None:

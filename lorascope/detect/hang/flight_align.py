@@ -271,7 +271,8 @@ class Ahead:
 def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
     """Per rank, in a group whose ranks first disagree by a collective some never enqueued:
     the rank's last collective there, if other ranks never enqueued it (of the groups it is
-    in, the first by name). The calls the probes cannot see (DDP's C++ Reducer) are in the
+    in, the first by name); in a group whose ranks first disagree on the op, the rank's
+    call there when it is its last (the ranks with another op never enqueued it). The calls the probes cannot see (DDP's C++ Reducer) are in the
     flight recorder only: this is how a rank waiting in one is told from a rank in its own
     code. Whether the rank is still in it is for the caller to judge: gloo marks a call
     completed once it fails, and a rank may complete a call its peers never join (a
@@ -279,7 +280,15 @@ def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
     out: dict[int, Ahead] = {}
     for group in alignment.groups:
         first = group.first_disagreement
-        if first is None or first.kind != "missing" or first.p2p:
+        if first is None or first.p2p:
+            continue
+        if first.kind == "op":  # the ranks issued different ops there: each that stopped at its own waits in it
+            for r, call in first.entries.items():
+                if r not in out and group.progress[r].last_entry is call:
+                    others = [o for o, e in first.entries.items() if e.op != call.op] + first.missing_ranks
+                    out[r] = Ahead(group.desc or group.group, call, sorted(others))
+            continue
+        if first.kind != "missing":
             continue
         short_of: dict[int, list[int]] = {}  # seq -> the ranks that never enqueued it (most ranks share one)
         for r in first.entries:
