@@ -197,11 +197,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     others = sorted(set(div.calls) - set(odd))
     who = f"{ranks_named(odd)} vs {ranks_named(others)}" if odd else "the ranks"
     first_odd = div.calls.get(odd[0]) if odd else None
-    headline = f"{who} disagree from collective #{div.seq} on {group_named(div.group)}" + (
-        f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else ""
+    headline = (
+        branches.branch_said(run, div)
+        if branched
+        else f"{who} disagree from collective #{div.seq} on {group_named(div.group)}"
+        + (f": rank {odd[0]} runs {first_odd.op} {_where(first_odd.site, found.get(odd[0]))}" if first_odd else "")
     )
-    if branched:
-        headline = branches.branch_said(run, div)
     confidence: Confidence = "high" if any(conditions.values()) else "medium"
     reason = (
         "the odd rank's call site is inside a rank condition"

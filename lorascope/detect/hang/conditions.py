@@ -38,6 +38,15 @@ def call_condition(rank: RankData, call: Collective | None) -> tuple[str, str] |
     return None
 
 
+def recorded_chain_condition(rank: RankData, chain: list[str]) -> tuple[str, str] | None:
+    """:func:`chain_condition` with the job's lines as ``rank`` recorded them."""
+    for frame in chain:
+        cond = rank_condition(rank, frame)
+        if cond is not None:
+            return cond, frame
+    return None
+
+
 def odd_by_condition(conditions: dict[int, str | None], include_else: bool) -> list[int]:
     """The ranks whose call sits directly inside a rank condition: they went their own
     way (the ranks in the ``else`` branch do the usual thing). With ``include_else``, the

@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorascope.detect.hang import branches
-from lorascope.detect.hang.conditions import call_condition, odd_by_condition, rank_condition
+from lorascope.detect.hang.conditions import (
+    call_condition,
+    odd_by_condition,
+    rank_condition,
+    recorded_chain_condition,
+)
 from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align
 from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
@@ -404,7 +409,10 @@ def _flight_said(run: RunData, first: Disagreement, aligned: FlightAlignment | N
     the ranks inside a rank condition along their call chains (as the probes recorded the
     job's lines), else a branch on the data (:mod:`branches`)."""
     group = next((g.desc or g.group for g in aligned.groups if g.group == first.group), first.group) if aligned else ""
-    found = {r: _chain_condition(run.ranks.get(r), call_chain(e.frames)) for r, e in first.entries.items()}
+    found = {
+        r: recorded_chain_condition(run.ranks[r], call_chain(e.frames)) if r in run.ranks else None
+        for r, e in first.entries.items()
+    }
     odd = odd_by_condition({r: f[0] if f else None for r, f in found.items()}, include_else=True)
     if not odd:
         return [], branches.flight_said(first, group_named(group)), branches.FIX
@@ -416,18 +424,6 @@ def _flight_said(run: RunData, first: Disagreement, aligned: FlightAlignment | N
         f"{under} (flight recorder)"
     )
     return odd, said, FIXES["rank-conditional-hang"]
-
-
-def _chain_condition(rank: RankData | None, chain: list[str]) -> tuple[str, str] | None:
-    """The first rank condition along a call chain, as ``rank`` recorded its lines (the
-    condition, the frame it encloses)."""
-    if rank is None:
-        return None
-    for frame in chain:
-        cond = rank_condition(rank, frame)
-        if cond is not None:
-            return cond, frame
-    return None
 
 
 def _not_hung(run: RunData, last_dumps: Mapping[int, Mapping[str, Any]]) -> str | None:

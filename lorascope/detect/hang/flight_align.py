@@ -272,9 +272,9 @@ def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
     """Per rank, in a group whose ranks first disagree by a collective some never enqueued:
     the rank's last collective there, if other ranks never enqueued it (of the groups it is
     in, the first by name); in a group whose ranks first disagree on the op, the rank's
-    call there when it is its last (the ranks with another op never enqueued it). The calls the probes cannot see (DDP's C++ Reducer) are in the
-    flight recorder only: this is how a rank waiting in one is told from a rank in its own
-    code. Whether the rank is still in it is for the caller to judge: gloo marks a call
+    call there when it is its last (the ranks with another op never enqueued it). The
+    calls the probes cannot see (DDP's C++ Reducer) are in the flight recorder only: this
+    is how a rank waiting in one is told from a rank in its own code. Whether the rank is still in it is for the caller to judge: gloo marks a call
     completed once it fails, and a rank may complete a call its peers never join (a
     broadcast's receivers once the root sent to them)."""
     out: dict[int, Ahead] = {}
