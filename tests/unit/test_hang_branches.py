@@ -143,56 +143,67 @@ TRAIN = "/job/train.py"
 FORWARD_SITE = f"{TRAIN}:347 in compute_loss"
 
 
-def _flight(last: tuple[str, int, str, str]) -> dict[str, Any]:
-    """A gloo flight-recorder dump as torch writes it: two completed all_reduces on
-    default_pg, then ``last`` ((op, line, function), not completed)."""
-    op, line, func = last[0], last[1], last[2]
-    calls = [("all_reduce", 88, "step")] * 2 + [(op, line, func)]
+#: A flight-recorder call: (op, line, function) in TRAIN.
+FlightCall = tuple[str, int, str]
+BROADCAST: FlightCall = ("broadcast", 347, "compute_loss")
+BARRIER_CALL: FlightCall = ("barrier", 29, "main")
+GRADS: FlightCall = ("all_reduce", 333, "backward_and_step")
+
+
+def _flight(last: list[FlightCall], done: int, world: int) -> dict[str, Any]:
+    """A gloo flight-recorder dump as torch writes it: two all_reduces on default_pg, then
+    ``last``; the first ``done`` completed."""
+    calls = [("all_reduce", 88, "step")] * 2 + last
     return {
         "version": "2.10",
-        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
-        "pg_status": {"0": {"last_enqueued_collective": 3, "last_started_collective": -1, "last_completed_collective": 2}},
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}},
+        "pg_status": {"0": {"last_enqueued_collective": len(calls), "last_started_collective": -1,
+                            "last_completed_collective": done}},
         "entries": [
             {"record_id": seq, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": seq,
              "p2p_seq_id": 0, "profiling_name": f"gloo:{name}", "input_sizes": [[4]], "output_sizes": [[4]],
-             "input_dtypes": ["Float"], "output_dtypes": ["Float"], "state": "scheduled", "retired": seq < 3,
+             "input_dtypes": ["Float"], "output_dtypes": ["Float"], "state": "scheduled", "retired": seq <= done,
              "is_p2p": False, "frames": [{"name": fn, "filename": TRAIN, "line": ln}]}
             for seq, (name, ln, fn) in enumerate(calls, 1)
         ],
     }  # fmt: skip
 
 
-def _ddp_hang(tmp_path: Path, sites: dict[str, tuple[str, list[str]]]) -> dict[str, Any]:
-    """DDP's calls are in the flight recorder only: rank 0 waits in DDP's buffer broadcast
-    (#3 there) in its forward; rank 1 left its loop for the barrier (the probes' own #1)
-    that is #3 in its flight recorder. The run's records show no divergence."""
+def _ddp_hang(
+    tmp_path: Path, flights: list[tuple[list[FlightCall], int]], sites: dict[str, tuple[str, list[str]]] | None = None
+) -> dict[str, Any]:
+    """DDP's calls are in the flight recorder only (``flights``: each rank's calls after
+    two all_reduces, and how many it completed). A rank whose last call is the barrier
+    left its loop for it (the probes' own #1, pending); the others' records hold no call.
+    The run's records show no divergence."""
     dump = {"k": "dump", "reason": "request", "step": STEPS, "since_progress": 30.0,
             "stacks": f'Thread MainThread:\n  File "{TRAIN}", line 347, in compute_loss\n'}  # fmt: skip
     barrier = {"group": "default_pg", "seq": 1, "op": "barrier", "bytes": 0, "site": f"{TRAIN}:29 in main"}
-    run_dir = write_run(
-        tmp_path / "run",
-        [
-            RankSpec(steps=STEPS, calls=[], ends=False, extra=[{**dump, "pending": []}], sites=sites),
+    specs = []
+    for calls, _ in flights:
+        left = calls[-1] == BARRIER_CALL
+        specs.append(
             RankSpec(
                 steps=STEPS,
-                calls=[Call("barrier", bytes=0, site=f"{TRAIN}:29 in main", end=False)],
+                calls=[Call("barrier", bytes=0, site=f"{TRAIN}:29 in main", end=False)] if left else [],
                 ends=False,
-                extra=[{**dump, "pending": [barrier]}],
-                sites=sites,
-            ),
-        ],
-    )
-    run = load_run(run_dir)
+                extra=[{**dump, "pending": [barrier] if left else []}],
+                sites=sites or {},
+            )
+        )
+    run = load_run(write_run(tmp_path / "run", specs))
     assert first_divergence(run) is None
-    flights = {0: ("broadcast", 347, "compute_loss"), 1: ("barrier", 29, "main")}
-    timeline = {n: [(float(r.dumps[-1]["t"]), parse_flight_dump(_flight(flights[n]), n))] for n, r in run.ranks.items()}
-    return diagnose(run, {0: True, 1: True}, timeline)
+    timeline = {
+        n: [(float(r.dumps[-1]["t"]), parse_flight_dump(_flight(*flights[n], len(flights)), n))]
+        for n, r in run.ranks.items()
+    }
+    return diagnose(run, dict.fromkeys(run.ranks, True), timeline)
 
 
 def test_a_divergence_only_the_flight_recorder_shows_is_told_not_a_rank_stuck_in_its_code(tmp_path: Path) -> None:
     """Uneven shards under DDP: rank 0 read "stuck outside any collective, in its own code
     at compute_loss" (its call is DDP's, which the probes do not see)."""
-    diagnosis = _ddp_hang(tmp_path, {})
+    diagnosis = _ddp_hang(tmp_path, [([BROADCAST], 2), ([BARRIER_CALL], 2)])
     assert diagnosis["kind"] == "rank-conditional-hang" and diagnosis["odd_ranks"] == []
     verdict = diagnosis["verdict"]
     assert "first disagree at collective #3 on default_pg in the flight recorder" in verdict
@@ -209,10 +220,25 @@ def test_a_divergence_only_the_flight_recorder_shows_is_told_not_a_rank_stuck_in
 
 def test_a_rank_condition_on_a_flight_recorder_call_names_its_rank(tmp_path: Path) -> None:
     """The same with rank 0's line inside `if rank == 0:` (as the probes recorded it)."""
-    diagnosis = _ddp_hang(tmp_path, {FORWARD_SITE: ("loss = model(x)", ["if rank == 0:"])})
+    diagnosis = _ddp_hang(
+        tmp_path, [([BROADCAST], 2), ([BARRIER_CALL], 2)], {FORWARD_SITE: ("loss = model(x)", ["if rank == 0:"])}
+    )
     assert diagnosis["odd_ranks"] == [0]
     assert diagnosis["verdict"] == (
         f"rank-conditional collective (rank 0): broadcast #3 on default_pg at {FORWARD_SITE}, under `if rank == 0:` "
         "(flight recorder)"
     )
     assert diagnosis["fix"] == FIXES["rank-conditional-hang"]
+
+
+def test_three_ranks_a_flight_recorder_divergence_names_the_rarest_call_and_who_waits_where(tmp_path: Path) -> None:
+    """An early stop on rank 2 under DDP, 3 ranks: ranks 0, 1 issued DDP's broadcast #3,
+    rank 2 the barrier; rank 1 (a receiver) completed the broadcast and waits in the
+    gradient all_reduce #4. Rank 2 is the odd one (the minority), rank 1 waits in #4."""
+    diagnosis = _ddp_hang(tmp_path, [([BROADCAST], 2), ([BROADCAST, GRADS], 3), ([BARRIER_CALL], 2)])
+    assert diagnosis["odd_ranks"] == [2]
+    assert "rank 0 calls broadcast at train.py:347 in compute_loss, waiting" in diagnosis["verdict"]
+    assert "rank 2 calls barrier at train.py:29 in main, waiting" in diagnosis["verdict"]
+    waits = {s["rank"]: s["where"] for s in diagnosis["ranks"]}
+    assert waits[1].startswith(f"all_reduce #4 on default_pg at {TRAIN}:333 in backward_and_step")
+    assert "ranks 0, 2 never enqueued it" in waits[1]

@@ -415,7 +415,7 @@ def _flight_said(run: RunData, first: Disagreement, aligned: FlightAlignment | N
     }
     odd = odd_by_condition({r: f[0] if f else None for r, f in found.items()}, include_else=True)
     if not odd:
-        return [], branches.flight_said(first, group_named(group)), branches.FIX
+        return branches.fewest_by_op(first), branches.flight_said(first, group_named(group)), branches.FIX
     entry, cond = first.entries[odd[0]], found[odd[0]]
     site = call_site(entry.frames) or "?"
     under = "" if cond is None else f", under `{cond[0]}`" if cond[1] == site else f", from {cond[1]} under `{cond[0]}`"

@@ -269,35 +269,31 @@ class Ahead:
 
 
 def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
-    """Per rank, in a group whose ranks first disagree by a collective some never enqueued:
-    the rank's last collective there, if other ranks never enqueued it (of the groups it is
-    in, the first by name); in a group whose ranks first disagree on the op, the rank's
-    call there when it is its last (the ranks with another op never enqueued it). The
-    calls the probes cannot see (DDP's C++ Reducer) are in the flight recorder only: this
-    is how a rank waiting in one is told from a rank in its own code. Whether the rank is still in it is for the caller to judge: gloo marks a call
-    completed once it fails, and a rank may complete a call its peers never join (a
-    broadcast's receivers once the root sent to them)."""
+    """Per rank, in a group whose ranks first disagree by a collective some never enqueued
+    or by the op: the rank's last collective there, if other ranks never enqueued it (of
+    the groups it is in, the first by name); where the ops differ and its last call is
+    the one they differ on, the ranks with another op there never enqueued it. The calls
+    the probes cannot see (DDP's C++ Reducer) are in the flight recorder only: this is how
+    a rank waiting in one is told from a rank in its own code. Whether the rank is still
+    in it is for the caller to judge: gloo marks a call completed once it fails, and a
+    rank may complete a call its peers never join (a broadcast's receivers once the root
+    sent to them)."""
     out: dict[int, Ahead] = {}
     for group in alignment.groups:
         first = group.first_disagreement
-        if first is None or first.p2p:
-            continue
-        if first.kind == "op":  # the ranks issued different ops there: each that stopped at its own waits in it
-            for r, call in first.entries.items():
-                if r not in out and group.progress[r].last_entry is call:
-                    others = [o for o, e in first.entries.items() if e.op != call.op] + first.missing_ranks
-                    out[r] = Ahead(group.desc or group.group, call, sorted(others))
-            continue
-        if first.kind != "missing":
+        if first is None or first.p2p or first.kind not in ("missing", "op"):
             continue
         short_of: dict[int, list[int]] = {}  # seq -> the ranks that never enqueued it (most ranks share one)
-        for r in first.entries:
+        for r, at in first.entries.items():
             entry = group.progress[r].last_entry
             if r in out or entry is None or entry.seq is None or entry.is_p2p or entry.seq < first.seq:
                 continue
-            if entry.seq not in short_of:
-                short_of[entry.seq] = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
-            never = short_of[entry.seq]
+            if first.kind == "op" and entry is at:
+                never = sorted([o for o, e in first.entries.items() if e.op != at.op] + first.missing_ranks)
+            else:
+                if entry.seq not in short_of:
+                    short_of[entry.seq] = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
+                never = short_of[entry.seq]
             if never:
                 out[r] = Ahead(group.desc or group.group, entry, never)
     return out
