@@ -325,3 +325,47 @@ def test_the_rank_only_gather_named_after_the_job_died(tmp_path: Path) -> None:
     top = json.loads(res.stdout)["findings"][0]
     assert (top["id"], top["ranks"]) == ("rank-conditional-hang", [0])
     assert top["title"].startswith(f"rank 0 alone entered deepspeed.zero.GatheredParameters at {site}")
+
+
+#: probes/uneven_shards.py: each rank trains until its data shard runs out; rank 0's is a batch longer.
+UNEVEN = REPO / "probes" / "uneven_shards.py"
+
+
+def _uneven_shards(tmp_path: Path, *args: str) -> dict:
+    """`hang` on the uneven-shards job once rank 1 waits in the barrier after its loop
+    and the hang is older than a moving job's pause."""
+    out = tmp_path / "run"
+    job = ("--num-samples", "41", "--micro-batch", "4", "--pg-timeout", "600", *args)
+    with hung_job(out, *job, script=str(UNEVEN)):
+        run = wait_until(out, lambda r: pending_in_job(r.ranks[1], "main") and len(r.ranks[0].steps) >= 5)
+        last = max(float(r.steps[-1]["t"]) for r in run.ranks.values())
+        fastest = min(float(s["dur"]) for r in run.ranks.values() for s in r.steps)
+        time.sleep(max(0.0, last + max(DUMP_MIN_S, DUMP_STEPS * fastest) + 2 - time.time()))
+        return hang(out, "--no-html")
+
+
+def test_uneven_shards_are_told_as_a_branch_on_the_data(tmp_path: Path) -> None:
+    """ZeRO-3: rank 0 is in its step 6's backward (reduce_scatter), rank 1 in the barrier
+    after its 5 steps; no rank condition encloses either call. Read "rank-conditional
+    collective: ?" with the fix to move the collective out of an `if rank == 0:`."""
+    data = _uneven_shards(tmp_path)
+    assert (data["kind"], data["odd_ranks"]) == ("rank-conditional-hang", []), data["verdict"]
+    verdict = data["verdict"]
+    assert "with no rank condition around them" in verdict, verdict
+    assert "rank 0 calls reduce_scatter_tensor at train_lora.py:" in verdict and "in its step 6 (backward)" in verdict
+    assert "rank 1 calls barrier at uneven_shards.py:" in verdict and "after its step 5, outside any step" in verdict
+    assert "begun different numbers of steps" in verdict and "same number of batches" in data["fix"]
+
+
+@pytest.mark.slow
+def test_uneven_shards_under_ddp_are_told_from_the_flight_recorder(tmp_path: Path) -> None:
+    """DDP: rank 0 waits in DDP's buffer broadcast (the C++ side: the flight recorder
+    only), rank 1 in the barrier. Read "rank 0 is stuck outside any collective, in its own
+    code at compute_loss"."""
+    data = _uneven_shards(tmp_path, "--engine", "torch")
+    assert (data["kind"], data["odd_ranks"]) == ("rank-conditional-hang", []), data["verdict"]
+    assert (
+        "in the flight recorder" in data["verdict"] and "rank 1 calls barrier at uneven_shards.py:" in data["verdict"]
+    )
+    assert data["ranks"][0]["state"] == "in-collective" and "flight recorder" in data["ranks"][0]["where"]
+    assert "same number of batches" in data["fix"]
