@@ -14,12 +14,14 @@ from lorascope.detect.common import calls_source, pending_state, per_rank_eviden
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang import branches
 from lorascope.detect.hang.conditions import odd_by_condition
+from lorascope.detect.hang.diagnosis import P2P_FIX
 from lorascope.detect.hang.divergence import Divergence, first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import RankOnly, calls_summary, explained_by
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import call_site
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import fmt_bytes, group_named, ranks_named, short_error
@@ -244,7 +246,13 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             evidence=evidence,
             explanation=EXPLANATION
             + (ZERO_EXPLANATION if rank_only is not None else branches.EXPLANATION if branched else ""),
-            fix=ZERO_FIX if rank_only is not None else branches.FIX if branched else FIX,
+            fix=ZERO_FIX
+            if rank_only is not None
+            else branches.FIX
+            if branched
+            else P2P_FIX
+            if first_odd is not None and first_odd.op in P2P_OPS
+            else FIX,
             details=details,
         )
     ]

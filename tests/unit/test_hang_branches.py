@@ -12,7 +12,7 @@ from typing import Any
 
 from lorascope.detect import rank_conditional_hang
 from lorascope.detect.hang import branches
-from lorascope.detect.hang.diagnosis import FIXES, diagnose
+from lorascope.detect.hang.diagnosis import FIXES, P2P_FIX, diagnose
 from lorascope.detect.hang.divergence import first_divergence
 from lorascope.ingest.flight.reader import parse_flight_dump
 from lorascope.ingest.load import load_bundle
@@ -242,3 +242,22 @@ def test_three_ranks_a_flight_recorder_divergence_names_the_rarest_call_and_who_
     waits = {s["rank"]: s["where"] for s in diagnosis["ranks"]}
     assert waits[1].startswith(f"all_reduce #4 on default_pg at {TRAIN}:333 in backward_and_step")
     assert "ranks 0, 2 never enqueued it" in waits[1]
+
+
+def test_a_send_only_one_rank_makes_gets_the_matching_receive_as_its_fix(tmp_path: Path) -> None:
+    """Rank 0 sends its loss to rank 1 under `if rank == 0:`; rank 1 never receives and
+    goes on into its next backward. The fix was the collective's ("run it on every rank")."""
+    send = f"{TRAIN}:13 in log_loss"
+    sites = {send: ("dist.send(loss, dst=1)", ["if rank == 0:"])}
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(Call("send", site=send, end=False), sites=sites),
+            _rank(Call("reduce_scatter", site=BACKWARD, end=False), _in_next_step("forward", "backward"), sites=sites),
+        ],
+    )
+    diagnosis = diagnose(load_run(run_dir))
+    assert diagnosis["odd_ranks"] == [0] and "under `if rank == 0:`" in diagnosis["verdict"]
+    assert diagnosis["fix"] == P2P_FIX
+    [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
+    assert finding.ranks == [0] and finding.fix == P2P_FIX

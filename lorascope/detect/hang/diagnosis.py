@@ -25,6 +25,7 @@ from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import calls_summary, explained_by
 from lorascope.ingest.flight.reader import FlightDump, call_chain, call_site, is_job_code
 from lorascope.ingest.frames import LORASCOPE_FILE, TORCH_FILE
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.loading.ending import (
     call_entry,
     dumps_of,
@@ -99,6 +100,12 @@ FIXES = {
         "names a straggler."
     ),
 }
+
+#: The fix of a send or receive that only some ranks make.
+P2P_FIX = (
+    "A point-to-point send or receive on some ranks only waits for its peer forever: post the matching recv "
+    "(or send) on the peer, under the matching condition, or make it a collective every rank runs."
+)
 
 
 #: The kinds of a diagnosis that finds no hang.
@@ -392,6 +399,8 @@ def diagnose(
         fix = ZERO_FIX
     elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
         verdict, fix = branches.branch_said(run, div), branches.FIX
+    elif div is not None and odd and (call := div.calls.get(odd[0])) is not None and call.op in P2P_OPS:
+        fix = P2P_FIX
     return {
         "id": verdict_id(kind),
         "kind": kind,

@@ -38,6 +38,9 @@ PAYLOAD_ARG: dict[str, tuple[int, str]] = {
     "recv_object_list": (-1, ""),
 }
 
+#: The point-to-point ops: a call pairs with its peer's matching one, not with every rank's.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list"})
+
 #: The functional collectives (``torch.distributed._functional_collectives``: DTensor's
 #: redistributions, a full state dict of FSDP2's sharded parameters) -> (position,
 #: keyword) of the payload argument. Recorded as ``funcol.NAME``; they return before the
