@@ -261,3 +261,34 @@ def test_a_send_only_one_rank_makes_gets_the_matching_receive_as_its_fix(tmp_pat
     assert diagnosis["fix"] == P2P_FIX
     [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
     assert finding.ranks == [0] and finding.fix == P2P_FIX
+
+
+def test_ranks_out_of_step_since_a_skipped_batch_are_told_where(tmp_path: Path) -> None:
+    """Rank 1 skipped a batch's backward and optimizer step in its step 2 (two forwards
+    there); the calls paired across steps until rank 0's extra backward, at the end. Read
+    as if the ranks had begun different numbers of steps (uneven shards)."""
+    skipped = [
+        (name, step)
+        for step in range(STEPS)
+        for name in (
+            ("forward", "forward", "backward", "optimizer") if step == 1 else ("forward", "backward", "optimizer")
+        )
+    ]
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(Call("reduce_scatter", site=BACKWARD, end=False), _in_next_step("forward", "backward")),
+            RankSpec(
+                steps=STEPS,
+                calls=[Call("all_reduce"), Call("barrier", bytes=0, site=BARRIER, end=False)],
+                phases=skipped,
+                ends=False,
+            ),
+        ],
+    )
+    run = load_run(run_dir)
+    assert branches.out_of_step(run, [0, 1]) == (1, {0: 1, 1: 2})
+    verdict = diagnose(run)["verdict"]
+    assert "the ranks went out of step in step 2 (rank 1 ran 2 forwards, rank 0 ran 1 forward in it)" in verdict
+    assert "begun different numbers of steps" not in verdict
+    assert branches.out_of_step(load_run(write_run(tmp_path / "even", [_rank(Call("all_reduce"))] * 2)), [0, 1]) is None

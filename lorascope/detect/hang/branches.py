@@ -95,7 +95,9 @@ def unconditioned(run: RunData, div: Divergence) -> bool:
 
 def branch_said(run: RunData, div: Divergence) -> str:
     """The verdict on ``div`` when no rank condition encloses its calls: each kind of call
-    (op, site, where in the steps) with its ranks, and what differing steps mean."""
+    (op, site, where in the steps) with its ranks, and what differing steps mean: a step
+    before the divergence in which the ranks ran different numbers of forwards, where they
+    went out of step; else steps begun in different numbers, or a branch within a step."""
     kinds: dict[tuple[str, str, StepPlace | None], list[int]] = {}
     for n, call in sorted(div.calls.items()):
         if call is None:
@@ -117,12 +119,45 @@ def branch_said(run: RunData, div: Divergence) -> str:
         f"the ranks' calls first disagree at collective #{div.seq} on {group_named(div.group)}, with no rank "
         f"condition around them: {'; '.join(said)}"
     )
+    apart = out_of_step(run, sorted(div.calls))
+    if apart is not None and apart[0] < min(c.step for c in div.calls.values() if c is not None):
+        step, counts = apart
+        by_count: dict[int, list[int]] = {}
+        for n, count in sorted(counts.items()):
+            by_count.setdefault(count, []).append(n)
+        ran = ", ".join(
+            f"{ranks_named(ranks)} ran {count} forward{'s' if count != 1 else ''}"
+            for count, ranks in sorted(by_count.items(), reverse=True)
+        )
+        return head + (
+            f": the ranks went out of step in step {step + 1} ({ran} in it): a forward without its backward and "
+            "optimizer step on some ranks (a batch skipped), after which their calls paired across steps until here"
+        )
     if len({place.begun for (_, _, place) in kinds if place is not None}) > 1:
         return head + (
             ": the ranks had begun different numbers of steps; some left the training loop first (a data shard that "
             "ran out, an early stop), or made a call between steps that the others did not"
         )
     return head + ": a branch on the data or on the rank's own state took them different ways"
+
+
+def out_of_step(run: RunData, ranks: list[int]) -> tuple[int, dict[int, int]] | None:
+    """The first step (its index: the steps completed before it) that every one of
+    ``ranks`` recorded the edges of, and in which they began different numbers of
+    forwards (a batch skipped on some: its forward ran, its backward and optimizer step
+    did not, and the next batch's forward fell in the same step), with each rank's count;
+    None when they agree wherever all of them have edges (the steps each keeps)."""
+    counts: dict[int, Counter[int]] = {}
+    for n in ranks:
+        rank = run.ranks.get(n)
+        if rank is None or not rank.phases:
+            return None
+        counts[n] = Counter(e["step"] for e in rank.phases if e["name"] == "forward" and e["edge"] == "begin")
+    shared = set.intersection(*(set(c) for c in counts.values())) if counts else set()
+    for step in sorted(shared):
+        if len({c[step] for c in counts.values()}) > 1:
+            return step, {n: c[step] for n, c in counts.items()}
+    return None
 
 
 def flight_said(first: Disagreement, group: str) -> str:
