@@ -177,13 +177,3 @@ def flight_said(first: Disagreement, group: str) -> str:
         f"probes do not see), with no rank condition found around them: {'; '.join(said)}: a branch on the data "
         "or on the rank's own state took them different ways (a data shard that ran out first, an early stop)"
     )
-
-
-def fewest_by_op(first: Disagreement) -> list[int]:
-    """The ranks of the rarest op at a flight-recorder divergence, when it is rarer than
-    the others' (as :func:`divergence.odd_ranks` names the minority); none on a tie."""
-    counts = Counter(e.op for e in first.entries.values())
-    ranked = counts.most_common()
-    if len(ranked) < 2 or ranked[-1][1] == ranked[0][1]:
-        return []
-    return sorted(r for r, e in first.entries.items() if e.op == ranked[-1][0])

@@ -4,15 +4,17 @@ the probes or read by ingest for flight-recorder frames."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lorascope.rundir.format.sources import ELSE, rank_condition_in
 from lorascope.rundir.loading.reader import Collective, RankData
 
 
-def chain_condition(chain: list[str], sources: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+def chain_condition(chain: list[str], sources: Mapping[str, Mapping[str, Any]]) -> tuple[str, str] | None:
     """The first rank condition along a call chain (call site first, then its callers up
-    to the job's own code): (the condition, the frame it encloses)."""
+    to the job's own code), in ``sources`` (ingest's, or a rank's recorded ``sites``): (the
+    condition, the frame it encloses)."""
     for frame in chain:
         cond = rank_condition_in(sources.get(frame))
         if cond is not None:
@@ -31,20 +33,7 @@ def call_condition(rank: RankData, call: Collective | None) -> tuple[str, str] |
     condition called the library). (the condition, the frame it encloses)."""
     if call is None:
         return None
-    for frame in (call.site, call.via):
-        cond = rank_condition(rank, frame)
-        if cond is not None and frame is not None:
-            return cond, frame
-    return None
-
-
-def recorded_chain_condition(rank: RankData, chain: list[str]) -> tuple[str, str] | None:
-    """:func:`chain_condition` with the job's lines as ``rank`` recorded them."""
-    for frame in chain:
-        cond = rank_condition(rank, frame)
-        if cond is not None:
-            return cond, frame
-    return None
+    return chain_condition([f for f in (call.site, call.via) if f is not None], rank.sites)
 
 
 def odd_by_condition(conditions: dict[int, str | None], include_else: bool) -> list[int]:

@@ -12,13 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorascope.detect.hang import branches
-from lorascope.detect.hang.conditions import (
-    call_condition,
-    odd_by_condition,
-    rank_condition,
-    recorded_chain_condition,
-)
-from lorascope.detect.hang.divergence import Divergence, first_divergence, odd_ranks, size_mismatch
+from lorascope.detect.hang.conditions import call_condition, chain_condition, odd_by_condition, rank_condition
+from lorascope.detect.hang.divergence import Divergence, first_divergence, minority, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align
 from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
@@ -419,12 +414,13 @@ def _flight_said(run: RunData, first: Disagreement, aligned: FlightAlignment | N
     job's lines), else a branch on the data (:mod:`branches`)."""
     group = next((g.desc or g.group for g in aligned.groups if g.group == first.group), first.group) if aligned else ""
     found = {
-        r: recorded_chain_condition(run.ranks[r], call_chain(e.frames)) if r in run.ranks else None
+        r: chain_condition(call_chain(e.frames), run.ranks[r].sites) if r in run.ranks else None
         for r, e in first.entries.items()
     }
     odd = odd_by_condition({r: f[0] if f else None for r, f in found.items()}, include_else=True)
     if not odd:
-        return branches.fewest_by_op(first), branches.flight_said(first, group_named(group)), branches.FIX
+        odd = minority({r: e.op for r, e in first.entries.items()})
+        return odd, branches.flight_said(first, group_named(group)), branches.FIX
     entry, cond = first.entries[odd[0]], found[odd[0]]
     site = call_site(entry.frames) or "?"
     under = "" if cond is None else f", under `{cond[0]}`" if cond[1] == site else f", from {cond[1]} under `{cond[0]}`"

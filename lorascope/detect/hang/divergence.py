@@ -11,7 +11,7 @@ or, where that counts, when some member never issued the call while others did
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Generic, TypeVar
@@ -204,12 +204,16 @@ def odd_ranks(run: RunData, div: Divergence) -> list[int]:
     """The ranks that went their own way at the divergence: inside a rank condition (see
     :func:`odd_by_condition`), else the minority (op, bytes); none when it cannot be told."""
     odd = odd_by_condition(conditions_at(run, div), include_else=True)
-    if not odd:
-        counts = Counter((c.op, c.bytes) if c else None for c in div.calls.values())
-        if len(counts) > 1 and counts.most_common()[-1][1] < counts.most_common()[0][1]:
-            rare = counts.most_common()[-1][0]
-            odd = [n for n, c in div.calls.items() if ((c.op, c.bytes) if c else None) == rare]
-    return sorted(odd)
+    return sorted(odd) or minority({n: (c.op, c.bytes) if c else None for n, c in div.calls.items()})
+
+
+def minority(keys: Mapping[int, Hashable]) -> list[int]:
+    """The ranks whose key (their call's op and size, say) is the rarest, when it is rarer
+    than the commonest; none on a tie or when all agree."""
+    ranked = Counter(keys.values()).most_common()
+    if len(ranked) < 2 or ranked[-1][1] == ranked[0][1]:
+        return []
+    return sorted(n for n, key in keys.items() if key == ranked[-1][0])
 
 
 def size_mismatch(run: RunData, div: Divergence) -> bool:
