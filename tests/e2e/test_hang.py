@@ -74,6 +74,14 @@ def wait_until(out: Path, check: Callable[[RunData], bool], timeout: float = 240
     raise AssertionError("the job did not reach the expected state")
 
 
+def past_a_moving_jobs_pause(run: RunData) -> None:
+    """Sleep until the hang is older than the window in which a dump reads as a job still
+    moving (`moving_at`: a few of the fastest steps after the last step's end)."""
+    last = max(float(r.steps[-1]["t"]) for r in run.ranks.values())
+    fastest = min(float(s["dur"]) for r in run.ranks.values() for s in r.steps)
+    time.sleep(max(0.0, last + max(DUMP_MIN_S, DUMP_STEPS * fastest) + 2 - time.time()))
+
+
 def pending_in_job(rank: RankData, func: str) -> bool:
     return any(c.pending and c.site and f"in {func}" in c.site for c in rank.collectives)
 
@@ -120,9 +128,7 @@ def test_collectives_of_two_groups_in_crossed_orders(tmp_path: Path) -> None:
         )
         # no group's calls disagree, so a dump within a step or two of the last step's end
         # reads as a job moving (`moving_at`): ask once the hang is older than that
-        last = max(float(r.steps[-1]["t"]) for r in run.ranks.values())
-        fastest = min(float(s["dur"]) for r in run.ranks.values() for s in r.steps)
-        time.sleep(max(0.0, last + max(DUMP_MIN_S, DUMP_STEPS * fastest) + 2 - time.time()))
+        past_a_moving_jobs_pause(run)
         data = hang(out, "--no-html")
     assert (data["kind"], data["id"], data["odd_ranks"]) == ("crossed-collectives", "hung-ranks", [0, 1])
     verdict = data["verdict"]
@@ -338,9 +344,7 @@ def _uneven_shards(tmp_path: Path, *args: str) -> dict:
     job = ("--num-samples", "41", "--micro-batch", "4", "--pg-timeout", "600", *args)
     with hung_job(out, *job, script=str(UNEVEN)):
         run = wait_until(out, lambda r: pending_in_job(r.ranks[1], "main") and len(r.ranks[0].steps) >= 5)
-        last = max(float(r.steps[-1]["t"]) for r in run.ranks.values())
-        fastest = min(float(s["dur"]) for r in run.ranks.values() for s in r.steps)
-        time.sleep(max(0.0, last + max(DUMP_MIN_S, DUMP_STEPS * fastest) + 2 - time.time()))
+        past_a_moving_jobs_pause(run)
         return hang(out, "--no-html")
 
 
