@@ -286,6 +286,10 @@ class Call:
     ended_at: float | None = None
     #: Its process group (0: default_pg; another: one of ``RankSpec.groups``), numbered within it.
     gid: int = 0
+    #: The caller inside a rank condition the probes named (a library made the call).
+    via: str | None = None
+    #: A phase the call is made in: its edges written around the call (the end once it ended).
+    phase: str | None = None
 
 
 @dataclass
@@ -503,11 +507,15 @@ def write_run(
         for call in spec.calls:
             seq = seqs[call.gid]
             seqs[call.gid] += 1
+            if call.phase is not None:
+                write("phase", name=call.phase, edge="begin", step=spec.steps)
             t += 0.1
             began = t
             if call.end:
                 t += 0.1
             ended = t if call.end else call.ended_at
+            if call.phase is not None and call.end:
+                write("phase", name=call.phase, edge="end", step=spec.steps)
             calls.call(
                 began,
                 seq,
@@ -519,6 +527,7 @@ def write_run(
                 nbytes=call.bytes,
                 dtype=call.dtype,
                 site=call.site,
+                via=call.via,
             )
         calls.close()
         for message in spec.warnings:

@@ -14,6 +14,7 @@ from typing import Any
 
 from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Evidence, Finding
+from lorascope.detect.hang import rank_only_calls
 from lorascope.detect.hang.divergence import first_divergence, size_mismatch
 from lorascope.detect.hang.flight_align import Disagreement, flight_alignment
 from lorascope.detect.hang.zero_state import explained_by
@@ -66,8 +67,12 @@ def _run_finding(bundle: EvidenceBundle) -> Finding | None:
     sizes (see :func:`size_mismatch`), and how the job ended after it."""
     run = bundle.run
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
-    if run is None or div is None or not size_mismatch(run, div) or explained_by(run, div) is not None:
-        return None  # a rank-only entry into ZeRO-3's state before it: rank-conditional-hang names it
+    if run is None or div is None or not size_mismatch(run, div):
+        return None
+    if explained_by(run, div) is not None or rank_only_calls.explains(run, div) is not None:
+        return (
+            None  # a rank-only entry into ZeRO-3's state, or rank-only calls, before it: rank-conditional-hang names it
+        )
     calls = {n: c for n, c in sorted(div.calls.items()) if c is not None}
     first = next(iter(calls.values()))
     by_size: dict[str, list[int]] = {}

@@ -12,11 +12,12 @@ from typing import Any
 
 from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
-from lorascope.detect.hang import branches
+from lorascope.detect.hang import branches, rank_only_calls
 from lorascope.detect.hang.conditions import odd_by_condition
 from lorascope.detect.hang.diagnosis import P2P_FIX
 from lorascope.detect.hang.divergence import Divergence, first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
+from lorascope.detect.hang.rank_only_calls import RankOnlyCalls
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import RankOnly, calls_summary, explained_by
 from lorascope.ingest.evidence import EvidenceBundle
@@ -162,11 +163,12 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
     if run is None or div is None:
         return from_flight_recorder(bundle)
     rank_only = explained_by(run, div)
-    if size_mismatch(run, div) and rank_only is None:
+    apart = rank_only_calls.explains(run, div)
+    if size_mismatch(run, div) and rank_only is None and apart is None:
         return []  # collective-mismatch names it
     found = found_at(run, div)
     conditions = {n: f[0] if f else None for n, f in found.items()}
-    odd = rank_only.ranks if rank_only is not None else odd_ranks(run, div)
+    odd = rank_only.ranks if rank_only is not None else apart.ranks if apart is not None else odd_ranks(run, div)
     rows: dict[int, list[tuple[str, Any, str]]] = {}
     for n, call in sorted(div.calls.items()):
         rank = run.ranks[n]
@@ -182,7 +184,9 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
                 own.append((" called it from", f"{line}   inside `{via[0]}`", via[1]))
     if rank_only is not None:
         _rank_only_rows(run, rank_only, rows)
-    branched = rank_only is None and not any(conditions.values())
+    if apart is not None:
+        _apart_rows(run, apart, rows)
+    branched = rank_only is None and apart is None and not any(conditions.values())
     if branched:
         _step_rows(run, div, rows)
     evidence = per_rank_evidence(rows)
@@ -223,11 +227,21 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             if rank_only.sure
             else f"{ranks_named(rank_only.ranks)} recorded the entry; the others' records do not cover the divergence"
         )
+    if apart is not None:
+        headline, confidence = apart.said(div, calls_summary(div)), "high" if apart.condition else "medium"
+        told = (
+            "inside a rank condition, the others inside none"
+            if apart.condition
+            else "in an evaluation, the others in training; no rank condition was read around it (a flag set from "
+            "the rank elsewhere is one lorascope cannot read)"
+        )
+        reason = f"every rank recorded collective #{apart.first} on {group_named(apart.group)}: {ranks_named(apart.ranks)} made it {told}"
     details: dict[str, Any] = {
         "group": div.group,
         "seq": div.seq,
         "odd_ranks": odd,
         **({"rank_only": rank_only.as_data()} if rank_only is not None else {}),
+        **({"rank_only_calls": apart.as_data()} if apart is not None else {}),
         "calls": {
             str(n): None
             if c is None
@@ -245,9 +259,19 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             ranks=sorted(odd) or sorted(div.calls),
             evidence=evidence,
             explanation=EXPLANATION
-            + (ZERO_EXPLANATION if rank_only is not None else branches.EXPLANATION if branched else ""),
+            + (
+                ZERO_EXPLANATION
+                if rank_only is not None
+                else rank_only_calls.EXPLANATION
+                if apart is not None
+                else branches.EXPLANATION
+                if branched
+                else ""
+            ),
             fix=ZERO_FIX
             if rank_only is not None
+            else rank_only_calls.FIX
+            if apart is not None
             else branches.FIX
             if branched
             else P2P_FIX
@@ -287,6 +311,40 @@ def _rank_only_rows(run: RunData, rank_only: RankOnly, rows: dict[int, list[tupl
             frame = rank_only.condition[1]
             line = rank.sites.get(frame, {}).get("line") or "?"
             own.append((" called it from", f"{line}   inside `{rank_only.condition[0]}`", frame))
+
+
+def _apart_rows(run: RunData, apart: RankOnlyCalls, rows: dict[int, list[tuple[str, Any, str]]]) -> None:
+    """The rank-only calls' evidence: on the ranks that made them, the first one and the
+    line under the rank condition; on the others, the call it paired with."""
+    count = apart.last - apart.first + 1
+    span = f"#{apart.first}" if count == 1 else f"#{apart.first}-#{apart.last} ({count} calls)"
+    for n in apart.ranks:
+        rank = run.ranks[n]
+        own = rows.setdefault(n, [])
+        own.append(
+            (
+                " rank-only call before it",
+                f"{apart.call.op} {span} at {short_site(apart.call.site)} (after step {apart.call.step})",
+                calls_source(run, rank),
+            )
+        )
+        if apart.condition is not None:
+            cond, frame = apart.condition
+            line = rank.sites.get(frame, {}).get("line") or "?"
+            own.append(
+                (" its source" if frame == apart.call.site else " called it from", f"{line}   inside `{cond}`", frame)
+            )
+        place = branches.step_place(rank, apart.call) if apart.evaluating else None
+        if place is not None:
+            own.append((" made it", place.phrase(), stream_source(run, rank, "step and phase records")))
+    for n in apart.others:
+        rows.setdefault(n, []).append(
+            (
+                " paired it with",
+                f"{apart.paired.op} #{apart.first} at {short_site(apart.paired.site)}, inside no rank condition",
+                calls_source(run, run.ranks[n]),
+            )
+        )
 
 
 def _step_rows(run: RunData, div: Divergence, rows: dict[int, list[tuple[str, Any, str]]]) -> None:

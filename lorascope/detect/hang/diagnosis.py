@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lorascope.detect.hang import branches
+from lorascope.detect.hang import branches, rank_only_calls
 from lorascope.detect.hang.conditions import call_condition, chain_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, minority, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align
@@ -363,11 +363,16 @@ def diagnose(
     else:
         kind, odd, div, said = _classify(run, states)
     rank_only = explained_by(run, div)
+    apart = rank_only_calls.explains(run, div)
     if rank_only is not None:
         odd = rank_only.ranks
+    elif apart is not None:
+        odd = apart.ranks
     first = next((s for s in states if s["rank"] in odd), None)
     if rank_only is not None and div is not None and first is not None:
         first = {**first, "where": rank_only.phrase(), "rank_only": rank_only.as_data()}
+    elif apart is not None and first is not None:
+        first = {**first, "where": apart.phrase(), "rank_only_calls": apart.as_data()}
     elif div is not None and odd:  # where the odd rank went its own way, not where it is now
         call = div.calls[odd[0]]
         found = call_condition(run.ranks[odd[0]], call)
@@ -392,6 +397,8 @@ def diagnose(
             f"disagree ({calls_summary(div)}): a rank-only call into ZeRO-3's parameter state"
         )
         fix = ZERO_FIX
+    elif apart is not None and div is not None:
+        verdict, fix = apart.said(div, calls_summary(div)), rank_only_calls.FIX
     elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
         verdict, fix = branches.branch_said(run, div), branches.FIX
     elif div is not None and odd and (call := div.calls.get(odd[0])) is not None and call.op in P2P_OPS:
