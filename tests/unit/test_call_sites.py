@@ -246,6 +246,15 @@ def test_no_hop_is_kept_past_the_cap_on_kept_code(tmp_path: Path, monkeypatch: p
         ("if accelerator.process_index == 0:", True),
         ("if trainer.is_world_process_zero():", True),
         ("if d.rank == 0:", True),
+        # flags set from the rank, by the names jobs give them (an evaluation under
+        # `if is_main and step % 4 == 0:` read as a branch on the data)
+        ("if master_process:", True),
+        ("if self.is_main and step % 4 == 0:", True),
+        ("if trainer.is_global_zero:", True),
+        ("if is_master:", True),
+        ("if rank_zero():", True),
+        ("if is_master_weights:", False),
+        ("if main_process_first:", False),
         ("if ranking > 3:", False),
         ("if lora_rank > 8:", False),
         ("if self.args.rank_pattern:", False),

@@ -21,7 +21,10 @@ MAX_FILE_BYTES = 2_000_000
 #: A condition that tests the rank (``if rank == 0:``, ``is_main_process``, ...).
 RANK_CONDITION = re.compile(
     r"\b(?:rank|local_rank|global_rank|is_main_process|is_local_main_process|"
-    r"is_world_process_zero|main_process|process_index|local_process_index)\b"
+    r"is_world_process_zero|main_process|process_index|local_process_index|"
+    # flags set from the rank that jobs name alike: nanoGPT's master_process, Lightning's
+    # is_global_zero, is_master / is_main / rank_zero of many scripts
+    r"master_process|is_master|is_main|is_global_zero|is_rank_zero|rank_zero)\b"
     # a call's ")" is followed by no word character: \b after it never matched, and
     # `if dist.get_rank() == 0:` was no rank condition (get_local_rank(), get_node_local_rank() too)
     r"|\bget_(?:\w+_)?rank\(",
