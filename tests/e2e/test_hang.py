@@ -373,3 +373,31 @@ def test_uneven_shards_under_ddp_are_told_from_the_flight_recorder(tmp_path: Pat
     )
     assert data["ranks"][0]["state"] == "in-collective" and "flight recorder" in data["ranks"][0]["where"]
     assert "same number of batches" in data["fix"]
+
+
+#: probes/eval_rank0.py: a validation forward on rank 0 alone every --eval-every steps.
+EVAL_RANK0 = REPO / "probes" / "eval_rank0.py"
+
+
+def test_an_evaluation_on_rank_0_under_zero3_is_named(tmp_path: Path) -> None:
+    """ZeRO-3 with partitioned parameters: rank 0's validation forward after step 4 gathers
+    parameters, its gather pairs with rank 1's next training gather, and at the next
+    collective rank 0 gathers in its forward while rank 1 reduce-scatters in its backward.
+    Read "a branch on the data", with the uneven-data fix."""
+    out = tmp_path / "run"
+    job = ("--hidden", "512", "--intermediate", "1024", "--eval-every", "4", "--steps", "12", "--pg-timeout", "600")
+    with hung_job(out, *job, script=str(EVAL_RANK0)):
+        run = wait_until(
+            out,
+            lambda r: pending_in_job(r.ranks[0], "compute_loss") and pending_in_job(r.ranks[1], "backward_and_step"),
+        )
+        past_a_moving_jobs_pause(run)
+        data = hang(out, "--no-html")
+    assert (data["kind"], data["odd_ranks"]) == ("rank-conditional-hang", [0]), data["verdict"]
+    verdict = data["verdict"]
+    assert verdict.startswith("rank 0 alone made all_gather_into_tensor #"), verdict
+    assert (
+        "called from eval_rank0.py:" in verdict and "under `if step % args.eval_every == 0 and d.rank == 0:`" in verdict
+    )
+    assert "it paired with rank 1's all_gather_into_tensor" in verdict and "(after its step 4)" in verdict
+    assert data["fix"].startswith("Run the code those calls came from on every rank")
