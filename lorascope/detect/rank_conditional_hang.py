@@ -232,6 +232,8 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
         told = (
             "inside a rank condition, the others inside none"
             if apart.condition
+            else "in an evaluation that ran longer on it, the others in training after theirs (the ranks' eval phases)"
+            if apart.evals
             else "in an evaluation, the others in training; no rank condition was read around it (a flag set from "
             "the rank elsewhere is one lorascope cannot read)"
         )
@@ -270,7 +272,7 @@ def detect(bundle: EvidenceBundle) -> list[Finding]:
             ),
             fix=ZERO_FIX
             if rank_only is not None
-            else rank_only_calls.FIX
+            else apart.fix
             if apart is not None
             else branches.FIX
             if branched

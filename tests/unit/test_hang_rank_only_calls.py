@@ -169,3 +169,37 @@ def test_sizes_that_differ_after_a_rank_only_call_are_not_a_mismatch(tmp_path: P
     assert collective_mismatch.detect(bundle) == []
     [finding] = rank_conditional_hang.detect(bundle)
     assert finding.title.startswith("rank 0 alone made all_gather #2 on default_pg")
+
+
+def test_an_evaluation_that_ran_longer_on_one_rank(tmp_path: Path) -> None:
+    """Both ranks evaluated after step 4 (generation until each rank's sequences end): rank
+    0 ran 3 forwards in it, rank 1 one; rank 0's extra gather #3 paired with rank 1's
+    training gather. Told as the longer evaluation, with the synced-generation fix, not as
+    an evaluation rank 1 did not run."""
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(
+                *[Call("all_gather", site=FORWARD, phase="eval")] * 2,
+                Call("all_gather", site=FORWARD, end=False, phase="eval"),
+            ),
+            _rank(
+                Call("all_gather", site=FORWARD, phase="eval"),
+                Call("all_gather", site=FORWARD),
+                Call("reduce_scatter", site=BACKWARD, end=False),
+            ),
+        ],
+    )
+    run = load_run(run_dir)
+    div = first_divergence(run)
+    assert div is not None and div.seq == 4
+    found = rank_only_calls.before(run, div)
+    assert found is not None and (found.first, found.last, found.evals) == (3, 3, {0: 3, 1: 1})
+    diagnosis = diagnose(run)
+    assert diagnosis["verdict"].startswith(
+        "rank 0 ran more forwards in its evaluation after step 4 than the others (rank 0 ran 3, rank 1 ran 1): "
+        "its extra all_gather #3 on default_pg at train.py:20 in forward: it paired with rank 1's all_gather"
+    )
+    assert diagnosis["fix"] == rank_only_calls.LONGER_FIX
+    [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
+    assert finding.fix == rank_only_calls.LONGER_FIX and finding.confidence == "medium"

@@ -398,7 +398,7 @@ def diagnose(
         )
         fix = ZERO_FIX
     elif apart is not None and div is not None:
-        verdict, fix = apart.said(div, calls_summary(div)), rank_only_calls.FIX
+        verdict, fix = apart.said(div, calls_summary(div)), apart.fix
     elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
         verdict, fix = branches.branch_said(run, div), branches.FIX
     elif div is not None and odd and (call := div.calls.get(odd[0])) is not None and call.op in P2P_OPS:

@@ -34,9 +34,18 @@ FIX = (
     "the result on one: `metrics = evaluate(model); if rank == 0: log(metrics)`."
 )
 
+#: The fix when every rank evaluated and some ran more forwards in it.
+LONGER_FIX = (
+    "Make every rank run as many forwards: a loop that stops on each rank's own data (generation until its "
+    "sequences end, an evaluation over shards of different lengths) must go on until every rank is done. "
+    "Under ZeRO-3 or FSDP pass `synced_gpus=True` to `generate`, give every rank an evaluation shard of one "
+    "length, or all_reduce an 'all done' flag each iteration and stop together."
+)
+
 EXPLANATION = (
     " Here no rank condition encloses the calls where the ops part: before them, some ranks made collectives "
-    "alone under a rank condition (an evaluation forward on rank 0 under ZeRO-3 gathers parameters), and "
+    "the others did not, under a rank condition (an evaluation forward on rank 0 under ZeRO-3 gathers "
+    "parameters) or in a loop that ran longer on them (generation until each rank's own sequences end), and "
     "those paired with the others' calls of the same op, so the ranks' calls went on out of step, silently "
     "while the ops matched."
 )
@@ -61,6 +70,13 @@ class RankOnlyCalls:
     condition: tuple[str, str] | None
     #: The odd ranks made them in an evaluation (their ``eval`` phase), the others did not.
     evaluating: bool
+    #: When every rank evaluated in that step and the odd ranks ran more forwards in it:
+    #: the forwards each rank ran in its evaluation then.
+    evals: dict[int, int] | None = None
+
+    @property
+    def fix(self) -> str:
+        return LONGER_FIX if self.evals else FIX
 
     def phrase(self) -> str:
         """``rank 0 alone made all_gather_into_tensor #325 on default_pg at train.py:347 in
@@ -79,6 +95,16 @@ class RankOnlyCalls:
                 f"at {short_site(frame)} under `{cond}`"
                 if frame == self.call.site
                 else f"{where}, called from {short_site(frame)} under `{cond}`"
+            )
+        if self.evals:
+            counts: dict[int, list[int]] = {}
+            for n, count in sorted(self.evals.items()):
+                counts.setdefault(count, []).append(n)
+            ran = ", ".join(f"{ranks_named(ns)} ran {count}" for count, ns in sorted(counts.items(), reverse=True))
+            its = "its" if len(self.ranks) == 1 else "their"
+            return (
+                f"{ranks_named(self.ranks)} ran more forwards in {its} evaluation after step {self.call.step} than "
+                f"the others ({ran}): {its} extra {what} on {group_named(self.group)} {where}"
             )
         during = " in an evaluation the others did not run" if self.evaluating else ""
         unread = "; no rank condition was read around it" if self.condition is None else ""
@@ -107,6 +133,7 @@ class RankOnlyCalls:
             "paired_with": {"op": self.paired.op, "site": self.paired.site},
             "condition": list(self.condition) if self.condition is not None else None,
             "evaluating": self.evaluating,
+            "evals": {str(n): c for n, c in self.evals.items()} if self.evals else None,
         }
 
 
@@ -193,18 +220,30 @@ def before(run: RunData, div: Divergence) -> RankOnlyCalls | None:
         while (earlier := _odd_at(ranks, first - 1)) is not None and earlier[0] == odd:
             first -= 1
         others = [n for n in members if n not in odd]
+        call = ranks[odd[0]].calls[first]
+        evals = _eval_forwards(run, members, call.step) if condition is None else None
         return RankOnlyCalls(
             group=div.group,
             first=first,
             last=last,
             ranks=odd,
             others=others,
-            call=ranks[odd[0]].calls[first],
+            call=call,
             paired=ranks[others[0]].calls[first],
             condition=condition,
             evaluating=evaluating,
+            evals=evals if evals and all(evals[n] for n in others) and len(set(evals.values())) > 1 else None,
         )
     return None
+
+
+def _eval_forwards(run: RunData, members: list[int], step: int) -> dict[int, int]:
+    """The forwards each rank ran in its evaluations after ``step`` steps (its ``eval``
+    phases then: a forward under ``no_grad`` is one)."""
+    return {
+        n: sum(1 for e in run.ranks[n].phases if e["name"] == "eval" and e["edge"] == "begin" and e["step"] == step)
+        for n in members
+    }
 
 
 def explains(run: RunData, div: Divergence | None) -> RankOnlyCalls | None:
