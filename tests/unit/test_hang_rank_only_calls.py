@@ -203,3 +203,30 @@ def test_an_evaluation_that_ran_longer_on_one_rank(tmp_path: Path) -> None:
     assert diagnosis["fix"] == rank_only_calls.LONGER_FIX
     [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
     assert finding.fix == rank_only_calls.LONGER_FIX and finding.confidence == "medium"
+
+
+def test_an_evaluation_still_running_on_one_rank_meets_the_others_next_call(tmp_path: Path) -> None:
+    """Evaluation shards of different lengths: rank 0 is in its third evaluation forward's
+    gather #4 while rank 1, done after two, all_reduces the losses. The diverging call is
+    the rank-only one; read "a branch on the data"."""
+    reduce_losses = "train.py:40 in evaluate"
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            _rank(
+                *[Call("all_gather", site=FORWARD, phase="eval")] * 2,
+                Call("all_gather", site=FORWARD, end=False, phase="eval"),
+            ),
+            _rank(
+                *[Call("all_gather", site=FORWARD, phase="eval")] * 2, Call("all_reduce", site=reduce_losses, end=False)
+            ),
+        ],
+    )
+    diagnosis = diagnose(load_run(run_dir))
+    assert diagnosis["odd_ranks"] == [0]
+    assert diagnosis["verdict"].startswith(
+        "rank 0 ran more forwards in its evaluation after step 4 than the others (rank 0 ran 3, rank 1 ran 2): its "
+        "extra all_gather #4 on default_pg at train.py:20 in forward: it met rank 1's all_reduce at train.py:40 in "
+        "evaluate, where the ranks' calls first disagree"
+    )
+    assert diagnosis["fix"] == rank_only_calls.LONGER_FIX

@@ -10,7 +10,13 @@ reduce-scatter in their backward); the rank-only calls before it carry one (the 
 record the caller whose line sits inside it: a call's ``via``). Each member's calls of
 the group are compared sequence number by sequence number, back from the divergence: a
 number at which some ranks' calls sit directly inside a rank condition and the others'
-inside none is a rank-only call; the run of them nearest the divergence is named.
+inside none is a rank-only call; so is one some ranks made in an evaluation (their ``eval``
+phase: a forward under ``no_grad``) while the others were training. The run of them
+nearest the divergence is named. When every rank evaluated then and some ran more forwards
+in it (generation until each rank's own sequences end, evaluation shards of different
+lengths), the verdict gives each rank's forwards: the fix is to run as many on every rank,
+not to run the evaluation on every rank (they all did). A rank still in such an evaluation
+meets the others' next call at the divergence itself: that call is the rank-only one.
 """
 
 from __future__ import annotations
@@ -114,7 +120,13 @@ class RankOnlyCalls:
         )
 
     def said(self, div: Divergence, summary: str) -> str:
-        """The verdict: the rank-only calls, what they paired with, and where the ops parted."""
+        """The verdict: the rank-only calls, what they paired with, and where the ops parted
+        (there, when the first rank-only call is the divergence itself)."""
+        if self.first == div.seq:
+            return (
+                f"{self.phrase()}: it met {ranks_named(self.others)}'s {self.paired.op} at "
+                f"{short_site(self.paired.site)}, where the ranks' calls first disagree ({summary})"
+            )
         return (
             f"{self.phrase()}: it paired with {ranks_named(self.others)}'s {self.paired.op} at "
             f"{short_site(self.paired.site)}, and from there the ranks' calls were out of step until collective "
@@ -142,13 +154,13 @@ _Memo = dict[tuple[str | None, str | None], tuple[str, str] | None]
 
 
 class _Rank:
-    """One member's calls of the group before the divergence, with what tells a rank-only
+    """One member's calls of the group up to the divergence, with what tells a rank-only
     one: the rank condition around it (memoised by site and caller), and whether it was
     made in an evaluation (the rank's ``eval`` phases, as spans of time)."""
 
-    def __init__(self, rank: RankData, group: str, below: int) -> None:
+    def __init__(self, rank: RankData, group: str, last: int) -> None:
         self.rank = rank
-        self.calls = {c.seq: c for c in rank.collectives if c.group == group and c.seq < below}
+        self.calls = {c.seq: c for c in rank.collectives if c.group == group and c.seq <= last}
         self._memo: _Memo = {}
         self._evals: list[tuple[float, float]] = []
         began: float | None = None
@@ -205,13 +217,16 @@ def _odd_at(ranks: dict[int, _Rank], seq: int) -> tuple[list[int], tuple[str, st
 
 
 def before(run: RunData, div: Divergence) -> RankOnlyCalls | None:
-    """The run of rank-only calls nearest before ``div`` in its group (see the module's
-    docstring), or None."""
+    """The run of rank-only calls nearest before ``div`` in its group, else one at ``div``
+    itself (see the module's docstring); None when there is none."""
     members = sorted(div.calls)
     if len(members) < 2 or any(n not in run.ranks for n in members):
         return None
     ranks = {n: _Rank(run.ranks[n], div.group, div.seq) for n in members}
-    for last in sorted(set().union(*(r.marked() for r in ranks.values())), reverse=True):
+    marked = set().union(*(r.marked() for r in ranks.values()))
+    # the calls before the divergence first, nearest first; then the diverging call itself
+    # (a rank still in an evaluation that ran longer on it meets the others' next call there)
+    for last in [*sorted(marked - {div.seq}, reverse=True), *([div.seq] if div.seq in marked else [])]:
         hit = _odd_at(ranks, last)
         if hit is None:
             continue
