@@ -216,6 +216,13 @@ def test_a_divergence_only_the_flight_recorder_shows_is_told_not_a_rank_stuck_in
     assert state["state"] == "in-collective" and state["where"].startswith(
         f"broadcast #3 on default_pg at {FORWARD_SITE}"
     )
+    # rank 1 made a barrier there: it did enqueue #3 (it read "rank 1 never enqueued it")
+    assert state["where"].endswith("(flight recorder: rank 1 made barrier there)")
+    # rank 1's line gives the flight recorder's number beside the probes' own (#1: DDP's calls unseen)
+    assert diagnosis["ranks"][1]["where"] == (
+        f"barrier #1 on default_pg at {TRAIN}:29 in main "
+        "(#3 in the flight recorder, which counts the calls the probes do not see)"
+    )
 
 
 def test_a_rank_condition_on_a_flight_recorder_call_names_its_rank(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from lorascope.detect.hang import branches, rank_only_calls
 from lorascope.detect.hang.conditions import call_condition, chain_condition, odd_by_condition, rank_condition
 from lorascope.detect.hang.divergence import Divergence, first_divergence, minority, odd_ranks, size_mismatch
-from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align
+from lorascope.detect.hang.flight_align import Ahead, Disagreement, FlightAlignment, ahead_of_peers, align, waiting_in
 from lorascope.detect.hang.waits import Wait, complete, crossed, fewest, waits
 from lorascope.detect.hang.zero_state import FIX as ZERO_FIX
 from lorascope.detect.hang.zero_state import calls_summary, explained_by
@@ -31,7 +31,7 @@ from lorascope.rundir.loading.ending import (
     stopped_at,
 )
 from lorascope.rundir.loading.reader import RankData, RunData
-from lorascope.units import group_named, rank_ranges, ranks_named, short_error
+from lorascope.units import group_named, ranks_named, short_error
 
 #: Stack frames in these places are not where the job "is".
 _LIBRARY = re.compile(
@@ -195,14 +195,13 @@ def flight_pending(ahead: Ahead | None, frame: str | None) -> dict[str, Any] | N
     line = chain[-1] if chain and is_job_code(chain[-1]) else None
     if entry.completed and (frame is None or frame != line):
         return None
-    never = ahead.never
     return {
         "group": ahead.group,
         "seq": entry.seq,
         "op": entry.op,
         "bytes": None,
         "site": chain[0] if chain else None,
-        "source": f"flight recorder: rank{'s' if len(never) > 1 else ''} {rank_ranges(never)} never enqueued it",
+        "source": f"flight recorder: {ahead.peers()}",
     }
 
 
@@ -215,6 +214,7 @@ def _rank_state(
     ahead: Ahead | None,
     as_of: float | None,
     stopped: str | None = None,
+    flight_waits: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     dumps = _dumps(rank, run, as_of)
     dump = dumps[-1] if dumps else None
@@ -247,6 +247,8 @@ def _rank_state(
         where = f"{called} at {p.get('site') or '?'}" + (f", under `{cond}`" if cond else "")
         if p.get("source"):
             where += f" ({p['source']})"
+        elif (counted := (flight_waits or {}).get(str(p.get("group")))) is not None and counted != p.get("seq"):
+            where += f" (#{counted} in the flight recorder, which counts the calls the probes do not see)"
     elif state in ("outside-collectives", "moving"):
         where = f"in its own code at {frame or '?'} (no collective in flight)"
     died = {"died_at": _death_time(rank)} if state == "dead" else {}
@@ -343,8 +345,9 @@ def diagnose(
     cutoff = min(dumped) + MOVING_WITHIN_S if dumped else None
     aligned = _flight_aligned(run, as_of, flight)
     ahead = ahead_of_peers(aligned) if aligned is not None else {}
+    waits = waiting_in(aligned) if aligned is not None else {}
     states = [
-        _rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of, stopped.get(n))
+        _rank_state(r, run, alive.get(n), newest, cutoff, ahead.get(n), as_of, stopped.get(n), waits.get(n))
         for n, r in run.ranks.items()
     ]
     groups: dict[str, list[int]] = {}

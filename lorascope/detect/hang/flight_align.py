@@ -20,6 +20,7 @@ from lorascope.detect.hang.conditions import chain_condition
 from lorascope.detect.hang.divergence import Aspects, splits
 from lorascope.ingest.evidence import EvidenceBundle
 from lorascope.ingest.flight.reader import FlightDump, FlightEntry, call_chain, call_site, is_job_code
+from lorascope.units import rank_ranges
 
 #: Disagreements kept per group (the first one matters most).
 MAX_DISAGREEMENTS = 20
@@ -266,6 +267,19 @@ class Ahead:
     entry: FlightEntry
     #: The ranks of the group (with a dump) that never enqueued it.
     never: list[int]
+    #: The ranks that made another op at its sequence number: rank -> that op.
+    instead: dict[int, str] = field(default_factory=dict)
+
+    def peers(self) -> str:
+        """What the others did instead: ``rank 1 never enqueued it``, ``rank 1 made barrier there``."""
+        parts = []
+        if self.never:
+            parts.append(f"rank{'s' if len(self.never) > 1 else ''} {rank_ranges(self.never)} never enqueued it")
+        by_op: dict[str, list[int]] = {}
+        for r, op in sorted(self.instead.items()):
+            by_op.setdefault(op, []).append(r)
+        parts += [f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)} made {op} there" for op, rs in by_op.items()]
+        return "; ".join(parts)
 
 
 def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
@@ -288,14 +302,29 @@ def ahead_of_peers(alignment: FlightAlignment) -> dict[int, Ahead]:
             entry = group.progress[r].last_entry
             if r in out or entry is None or entry.seq is None or entry.is_p2p or entry.seq < first.seq:
                 continue
+            instead: dict[int, str] = {}
             if first.kind == "op" and entry is at:
-                never = sorted([o for o, e in first.entries.items() if e.op != at.op] + first.missing_ranks)
+                never = sorted(first.missing_ranks)
+                instead = {o: e.op for o, e in first.entries.items() if e.op != at.op}
             else:
                 if entry.seq not in short_of:
                     short_of[entry.seq] = [o for o, p in group.progress.items() if (p.last_enqueued or 0) < entry.seq]
                 never = short_of[entry.seq]
-            if never:
-                out[r] = Ahead(group.desc or group.group, entry, never)
+            if never or instead:
+                out[r] = Ahead(group.desc or group.group, entry, never, instead)
+    return out
+
+
+def waiting_in(alignment: FlightAlignment) -> dict[int, dict[str, int]]:
+    """Per rank, per group (by the name the probes give it), the sequence number of the
+    call it waits in as its flight recorder counts: its last enqueued one, not completed.
+    Where the probes do not see every call (DDP's C++ Reducer), their count is lower."""
+    out: dict[int, dict[str, int]] = {}
+    for group in alignment.groups:
+        for r, progress in group.progress.items():
+            entry = progress.last_entry
+            if progress.pending and entry is not None and entry.seq is not None and not entry.completed:
+                out.setdefault(r, {})[group.desc or group.group] = entry.seq
     return out
 
 
