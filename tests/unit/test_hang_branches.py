@@ -265,6 +265,8 @@ def test_a_send_only_one_rank_makes_gets_the_matching_receive_as_its_fix(tmp_pat
     )
     diagnosis = diagnose(load_run(run_dir))
     assert diagnosis["odd_ranks"] == [0] and "under `if rank == 0:`" in diagnosis["verdict"]
+    # a send is no collective (it read "rank-conditional collective (rank 0): send #2 ...")
+    assert diagnosis["verdict"].startswith("rank-conditional point-to-point send (rank 0): send #2 on default_pg")
     assert diagnosis["fix"] == P2P_FIX
     [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
     assert finding.ranks == [0] and finding.fix == P2P_FIX

@@ -405,6 +405,9 @@ def diagnose(
     elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
         verdict, fix = branches.branch_said(run, div), branches.FIX
     elif div is not None and odd and (call := div.calls.get(odd[0])) is not None and call.op in P2P_OPS:
+        verdict = f"rank-conditional point-to-point {call.op} ({ranks_named(odd)}{_hosts_of(run, odd)}): " + (
+            first["where"] if first else "?"
+        )
         fix = P2P_FIX
     return {
         "id": verdict_id(kind),
