@@ -301,3 +301,23 @@ def test_ranks_out_of_step_since_a_skipped_batch_are_told_where(tmp_path: Path) 
     assert "the ranks went out of step in step 2 (rank 1 ran 2 forwards, rank 0 ran 1 forward in it)" in verdict
     assert "begun different numbers of steps" not in verdict
     assert branches.out_of_step(load_run(write_run(tmp_path / "even", [_rank(Call("all_reduce"))] * 2)), [0, 1]) is None
+
+
+def test_a_send_and_its_receive_are_no_divergence(tmp_path: Path) -> None:
+    """Rank 0 sends its loss to rank 1 every step and rank 1 receives it: the probes number
+    both with the group's collectives, and the pair read as ranks disagreeing on the op
+    ("rank-conditional-hang, ERROR, confidence high" on a healthy job)."""
+    sites = {f"{TRAIN}:22 in main": ("dist.send(t, dst=1)", ["if d.rank == 0:"])}
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            RankSpec(
+                calls=[Call("all_reduce"), Call("send", site=f"{TRAIN}:22 in main"), Call("all_reduce")], sites=sites
+            ),
+            RankSpec(
+                calls=[Call("all_reduce"), Call("recv", site=f"{TRAIN}:24 in main"), Call("all_reduce")], sites=sites
+            ),
+        ],
+    )
+    assert first_divergence(load_run(run_dir)) is None
+    assert rank_conditional_hang.detect(load_bundle(run_dir)) == []

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Generic, TypeVar
 
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.loading.reader import Collective, RunData
 
 T = TypeVar("T")
@@ -32,10 +32,19 @@ class Aspects(Generic[T]):
     key: Callable[[T], tuple[object, ...]]
 
 
+#: A point-to-point op as compared: a send pairs with its peer's receive at the same
+#: number (the probes number a group's p2p calls with its collectives), so every one is "p2p".
+_AS_COMPARED = dict.fromkeys(P2P_OPS, "p2p")
+
+
+def _op(call: Collective) -> str:
+    return _AS_COMPARED.get(call.op, call.op)
+
+
 #: Run records: what the hang detectors compare (a dtype alone does not hang a job).
-RUN_OP_SIZE: Aspects[Collective] = Aspects(("op", "size"), attrgetter("op", "bytes"))
+RUN_OP_SIZE: Aspects[Collective] = Aspects(("op", "size"), lambda c: (_op(c), c.bytes))
 #: Run records, every aspect the records carry (the report's alignment chart).
-RUN_ALL: Aspects[Collective] = Aspects(("op", "size", "dtype"), attrgetter("op", "bytes", "dtype"))
+RUN_ALL: Aspects[Collective] = Aspects(("op", "size", "dtype"), lambda c: (_op(c), c.bytes, c.dtype))
 
 
 def classify(calls: Mapping[int, T | None], aspects: Aspects[T], missing: bool) -> str | None:
