@@ -145,3 +145,31 @@ def test_waits_in_a_group_no_rank_recorded_are_not_told_as_one_stuck_collective(
     diagnosis = diagnose(run, {0: True, 1: True})
     assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("unknown", [])
     assert diagnosis["verdict"].startswith("every rank waits in a collective, not all in the same one, and whom")
+
+
+def test_ranks_that_each_send_first_to_the_other_deadlock(tmp_path: Path) -> None:
+    """Each rank sends its activations to the other with a blocking send, then receives:
+    both wait in send #2. Read "the collective itself is stuck", with a fix about the
+    network."""
+    calls = [Call("all_reduce"), Call("send", end=False)]
+    run = _live(tmp_path, [_rank(calls, _dump(("default_pg", 2, "send")), {}) for _ in range(2)])
+    diagnosis = diagnose(run, {0: True, 1: True})
+    assert (diagnosis["kind"], diagnosis["id"]) == ("p2p-deadlock", "hung-ranks")
+    assert diagnosis["verdict"] == (
+        "every rank waits in a blocking send to a peer that waits in its own send (a point-to-point deadlock: no "
+        "rank receives first): ranks 0, 1 in send #2 on default_pg at train.py:22 in main"
+    )
+    assert "one side receives first" in diagnosis["fix"]
+
+
+def test_ranks_in_a_send_and_its_receive_are_not_a_p2p_deadlock(tmp_path: Path) -> None:
+    """Rank 0 in send #2, rank 1 in the matching recv #2: the pair itself does not
+    complete; no p2p deadlock is claimed."""
+    run = _live(
+        tmp_path,
+        [
+            _rank([Call("all_reduce"), Call("send", end=False)], _dump(("default_pg", 2, "send")), {}),
+            _rank([Call("all_reduce"), Call("recv", end=False)], _dump(("default_pg", 2, "recv")), {}),
+        ],
+    )
+    assert diagnose(run, {0: True, 1: True})["kind"] != "p2p-deadlock"

@@ -73,6 +73,13 @@ FIXES = {
         "(network, NCCL). Set NCCL_DEBUG=INFO, check the interconnect, and "
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
     ),
+    "p2p-deadlock": (
+        "Each rank waits in a blocking send (or recv) to a peer that waits in its own: order the exchange so "
+        "that one side receives first (even ranks send then receive, odd ranks receive then send), or post "
+        "both sides without blocking and wait on them together: `for req in dist.batch_isend_irecv([P2POp("
+        "dist.isend, t, peer), P2POp(dist.irecv, out, peer)]): req.wait()`. Small messages can slip through a "
+        "transport's buffers, so the same code may pass with smaller tensors."
+    ),
     "crossed-collectives": (
         "The ranks issue collectives of different process groups in different orders, and each waits for "
         "ranks that wait in another (a deadlock): issue them in one order on every rank (look for rank- or "
@@ -505,6 +512,18 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
     """Every rank waits in a collective and no group's calls disagree: one collective, or
     several every member of whose group is in (stuck themselves; the ranks in them are
     the odd ones), or ranks waiting for one another across groups; else unknown."""
+    ops = {str(s["pending"][0].get("op")) for s in states}
+    if len(ops) == 1 and ops <= P2P_OPS - {"batch_isend_irecv"}:
+        op = ops.pop()
+        return (
+            "p2p-deadlock",
+            [],
+            None,
+            (
+                f"every rank waits in a blocking {op} to a peer that waits in its own {op} (a point-to-point deadlock: "
+                f"no rank {'receives' if 'send' in op else 'sends'} first): {_places_said(states)}"
+            ),
+        )
     first = {tuple(s["pending"][0].get(k) for k in ("group", "seq", "op", "site")) for s in states}
     found = waits(run, states)
     if len(first) == 1 or (found is not None and len(found) == 1):
@@ -599,6 +618,15 @@ def _hosts_of(run: RunData, odd: list[int]) -> str:
     if len(hosts) == 1:
         return f" on host {hosts[0]}"
     return f" on hosts {', '.join(hosts)}" if len(hosts) <= MAX_HOSTS_NAMED else f" on {len(hosts):,} hosts"
+
+
+def _places_said(states: list[dict[str, Any]]) -> str:
+    """Where the ranks are, alike ones together (a few kinds of place, 1,024 ranks or 2)."""
+    alike: dict[str, list[int]] = {}
+    for st in states:
+        alike.setdefault(str(st["where"]), []).append(st["rank"])
+    parts = [f"{ranks_named(ns)} in {where}" for where, ns in list(alike.items())[:3]]
+    return "; ".join(parts) + (f"; {len(alike) - 3} more places" if len(alike) > 3 else "")
 
 
 def _verdict(kind: str, odd: list[int], first: dict[str, Any] | None, hosts: str = "") -> str:
