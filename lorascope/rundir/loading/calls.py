@@ -201,7 +201,9 @@ def _newest(
     first = count - newest
     stop = count + min(COUNT_SLACK, ring - newest) if ring else min(head, count + COUNT_SLACK)
     records, index, _ = decode(read_runs(fd, head, ring, stop, first, [], stop - first, kind.record.size), kind)
-    last = int(index.max(initial=-1))
+    # the calls below the window were begun (the count says so), read or not: with every
+    # slot of the window torn, the newest still is the count's
+    last = max(int(index.max(initial=-1)), first - 1)
     if last < count - 1 <= last + (ring or head):  # begun (the count is written after a record), not whole
         last = count - 1
     if ring:  # a slot a newer record had begun to overwrite: torn
