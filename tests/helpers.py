@@ -30,6 +30,7 @@ import pytest
 from lorascope.detect.finding import Evidence, Finding
 from lorascope.rundir.format.callfile import CallFile, calls_path, mem_file, mem_path, step_file, steps_path
 from lorascope.rundir.format.layout import BEGIN, END, STEP_END
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.format.writer import Stream, fatal_path, record_launch, stream_prefix
 from lorascope.rundir.loading.ending import ending_of
 from lorascope.rundir.loading.reader import load_run
@@ -504,9 +505,11 @@ def write_run(
             write(**{k: v for k, v in rec.items() if k != "k"}, kind=rec["k"])
         calls = Calls(stream, stream_prefix(root, n, "h", 100 + n), t, *spec.call_slots)
         seqs = dict.fromkeys([0, *spec.groups], spec.first_seq)  # each group numbers its own calls
+        p2p_seqs = dict.fromkeys([0, *spec.groups], 1)  # and its point-to-point calls apart, as the probes do
         for call in spec.calls:
-            seq = seqs[call.gid]
-            seqs[call.gid] += 1
+            numbers = p2p_seqs if call.op in P2P_OPS else seqs
+            seq = numbers[call.gid]
+            numbers[call.gid] += 1
             if call.phase is not None:
                 write("phase", name=call.phase, edge="begin", step=spec.steps)
             t += 0.1

@@ -13,7 +13,7 @@ from typing import Any
 from lorascope.detect.common import calls_source, pending_state, per_rank_evidence, short_site, stream_source
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang import branches, rank_only_calls
-from lorascope.detect.hang.conditions import odd_by_condition
+from lorascope.detect.hang.conditions import call_condition, odd_by_condition
 from lorascope.detect.hang.diagnosis import P2P_FIX
 from lorascope.detect.hang.divergence import Divergence, first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
@@ -157,9 +157,50 @@ def from_flight_recorder(bundle: EvidenceBundle) -> list[Finding]:
     ]
 
 
+def _one_sided(run: RunData) -> list[Finding]:
+    """A send or receive some ranks wait in while every other rank waits in a collective:
+    its peer never made the matching call (point-to-point calls pair one rank with another,
+    so they are no part of a group's alignment)."""
+    last = {n: next((c for c in reversed(r.collectives) if c.pending), None) for n, r in run.ranks.items()}
+    if any(c is None for c in last.values()):
+        return []
+    odd = [n for n, c in last.items() if c is not None and c.op in P2P_OPS]
+    if not odd or len(odd) == len(last):
+        return []
+    found = {n: call_condition(run.ranks[n], c) for n, c in last.items() if n in odd}
+    rows = {n: [("", _describe(c, run.ranks[n], run), calls_source(run, run.ranks[n]))] for n, c in last.items()}
+    call = last[odd[0]]
+    assert call is not None
+    sure = all(found.values())
+    return [
+        Finding(
+            id=ID,
+            title=f"rank-conditional point-to-point {call.op} ({ranks_named(odd)}): {call.op} #{call.seq} on "
+            f"{group_named(call.group)} {_where(call.site, found[odd[0]])}, while "
+            f"{_waiting(sorted(set(last) - set(odd)))}",
+            severity="error",
+            confidence="high" if sure else "medium",
+            confidence_reason="its call sits inside a rank condition"
+            if sure
+            else "no rank condition was found around it: its peer went elsewhere",
+            ranks=odd,
+            evidence=per_rank_evidence(rows),
+            explanation=EXPLANATION,
+            fix=P2P_FIX,
+            details={"odd_ranks": odd, "op": call.op, "group": call.group, "seq": call.seq},
+        )
+    ]
+
+
+def _waiting(ranks: list[int]) -> str:
+    return f"{ranks_named(ranks)} {'waits in a collective' if len(ranks) == 1 else 'wait in collectives'}"
+
+
 def detect(bundle: EvidenceBundle) -> list[Finding]:
     run = bundle.run
     div = first_divergence(run) if run is not None and len(run.ranks) >= 2 else None
+    if run is not None and div is None and len(run.ranks) >= 2:
+        return _one_sided(run) or from_flight_recorder(bundle)
     if run is None or div is None:
         return from_flight_recorder(bundle)
     rank_only = explained_by(run, div)

@@ -54,7 +54,7 @@ from lorascope.probes.callsteps import CallSteps
 from lorascope.probes.session import Session
 from lorascope.rundir.format.callfile import CallFile, calls_path, kept_calls_path
 from lorascope.rundir.format.layout import DEFAULT_HEAD, DEFAULT_RING
-from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, PAYLOAD_ARG
+from lorascope.rundir.format.ops import FUNCTIONAL_PAYLOAD_ARG, FUNCTIONAL_PREFIX, P2P_OPS, PAYLOAD_ARG
 from lorascope.rundir.format.sources import MAX_VIA_FRAMES, describe, rank_condition_in
 from lorascope.rundir.format.writer import Declared, Stream, json_str
 
@@ -171,10 +171,14 @@ class _Call:
     """A call in flight: its index in the call file (-1 if unrecorded) and what a dump
     says of it."""
 
-    __slots__ = ("index", "t", "seq", "gid", "nbytes", "key")
+    __slots__ = ("index", "t", "seq", "gid", "nbytes", "key", "flight")
 
-    def __init__(self, index: int, t: float, seq: int, gid: int, nbytes: int | None, key: _ShapeKey) -> None:
+    def __init__(
+        self, index: int, t: float, seq: int, gid: int, nbytes: int | None, key: _ShapeKey, counter: int
+    ) -> None:
         self.index, self.t, self.seq, self.gid, self.nbytes, self.key = index, t, seq, gid, nbytes, key
+        #: Its key among the calls in flight: (the counter that numbered it, its number).
+        self.flight = (counter, seq)
 
     def pending(self, group: str) -> dict[str, Any]:
         op, _, _, site, _ = self.key
@@ -559,7 +563,12 @@ class CollectiveProbe:
             known = self._gids.get(id(group)) if group is not None else None
             gid = known[0] if known is not None else self._gid(group)
             seqs = self._seq
-            seq = seqs[gid] = (self._group_seq(group) if self._torch_seq else None) or seqs.get(gid, 0) + 1
+            if op in P2P_OPS:  # numbered apart: a send is no collective of the group (~gid: its own counter)
+                counter = ~gid
+                seq = seqs[counter] = seqs.get(counter, 0) + 1
+            else:
+                counter = gid
+                seq = seqs[gid] = (self._group_seq(group) if self._torch_seq else None) or seqs.get(gid, 0) + 1
             nbytes: int | None = None
             dtype: Any = None
             first = None
@@ -586,8 +595,8 @@ class CollectiveProbe:
             size = -1 if nbytes is None else nbytes
             # CallFile.begin without its call layer: its end 0.0, not yet
             index = self.calls.put(t, 0.0, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
-            call = _Call(index, t, seq, gid, nbytes, key)
-            self._in_flight[(gid, seq)] = call
+            call = _Call(index, t, seq, gid, nbytes, key, counter)
+            self._in_flight[call.flight] = call
             # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)
             if first is not None and getattr(first, "is_cuda", False):
                 events = None if is_async else self._cuda_events(first)
@@ -645,7 +654,7 @@ class CollectiveProbe:
             )
             self.session.keep_steps.add(self.session.step)
         self.calls.end(call.index, time.time())
-        self._in_flight.pop((call.gid, call.seq), None)
+        self._in_flight.pop(call.flight, None)
         if events is not None:
             try:
                 start, end, stream, began = events
@@ -737,7 +746,7 @@ class CollectiveProbe:
                 if entry is not None:  # _end of a host call (no events), inline
                     call = entry[0].call
                     calls.end(call.index, time.time())
-                    in_flight.pop((call.gid, call.seq), None)
+                    in_flight.pop(call.flight, None)
             session.calls_ns += clock() - back
             return out
 

@@ -266,7 +266,7 @@ def test_a_send_only_one_rank_makes_gets_the_matching_receive_as_its_fix(tmp_pat
     diagnosis = diagnose(load_run(run_dir))
     assert diagnosis["odd_ranks"] == [0] and "under `if rank == 0:`" in diagnosis["verdict"]
     # a send is no collective (it read "rank-conditional collective (rank 0): send #2 ...")
-    assert diagnosis["verdict"].startswith("rank-conditional point-to-point send (rank 0): send #2 on default_pg")
+    assert diagnosis["verdict"].startswith("rank-conditional point-to-point send (rank 0): send #1 on default_pg")
     assert diagnosis["fix"] == P2P_FIX
     [finding] = rank_conditional_hang.detect(load_bundle(run_dir))
     assert finding.ranks == [0] and finding.fix == P2P_FIX
@@ -304,9 +304,10 @@ def test_ranks_out_of_step_since_a_skipped_batch_are_told_where(tmp_path: Path) 
 
 
 def test_a_send_and_its_receive_are_no_divergence(tmp_path: Path) -> None:
-    """Rank 0 sends its loss to rank 1 every step and rank 1 receives it: the probes number
-    both with the group's collectives, and the pair read as ranks disagreeing on the op
-    ("rank-conditional-hang, ERROR, confidence high" on a healthy job)."""
+    """Rank 0 sends its loss to rank 1 every step and rank 1 receives it: the probes
+    numbered both with the group's collectives, and the pair read as ranks disagreeing on
+    the op ("rank-conditional-hang, ERROR, confidence high" on a healthy job). Point-to-point
+    calls are no part of the group's alignment."""
     sites = {f"{TRAIN}:22 in main": ("dist.send(t, dst=1)", ["if d.rank == 0:"])}
     run_dir = write_run(
         tmp_path / "run",
@@ -317,6 +318,22 @@ def test_a_send_and_its_receive_are_no_divergence(tmp_path: Path) -> None:
             RankSpec(
                 calls=[Call("all_reduce"), Call("recv", site=f"{TRAIN}:24 in main"), Call("all_reduce")], sites=sites
             ),
+        ],
+    )
+    assert first_divergence(load_run(run_dir)) is None
+    assert rank_conditional_hang.detect(load_bundle(run_dir)) == []
+
+
+def test_sends_between_two_of_three_ranks_leave_the_collectives_aligned(tmp_path: Path) -> None:
+    """Ranks 0 and 1 exchange a tensor each step; rank 2 makes no point-to-point call. Its
+    all_reduce #2 pairs with theirs (numbered with their sends, theirs were #3)."""
+    exchange = [Call("all_reduce"), Call("send"), Call("all_reduce")]
+    run_dir = write_run(
+        tmp_path / "run",
+        [
+            RankSpec(calls=exchange),
+            RankSpec(calls=[Call("all_reduce"), Call("recv"), Call("all_reduce")]),
+            RankSpec(calls=[Call("all_reduce"), Call("all_reduce")]),
         ],
     )
     assert first_divergence(load_run(run_dir)) is None

@@ -411,8 +411,8 @@ def diagnose(
         verdict, fix = apart.said(div, calls_summary(div)), apart.fix
     elif div is not None and branches.unconditioned(run, div) and not size_mismatch(run, div):
         verdict, fix = branches.branch_said(run, div), branches.FIX
-    elif div is not None and odd and (call := div.calls.get(odd[0])) is not None and call.op in P2P_OPS:
-        verdict = f"rank-conditional point-to-point {call.op} ({ranks_named(odd)}{_hosts_of(run, odd)}): " + (
+    elif kind == "rank-conditional-hang" and odd and (op := _p2p_op(div, odd[0], first)) is not None:
+        verdict = f"rank-conditional point-to-point {op} ({ranks_named(odd)}{_hosts_of(run, odd)}): " + (
             first["where"] if first else "?"
         )
         fix = P2P_FIX
@@ -503,6 +503,9 @@ def _classify(run: RunData, states: list[dict[str, Any]]) -> tuple[str, list[int
     if waiting and by_state.get("moving"):
         return "straggler", by_state["moving"], None, None
     if waiting and len(waiting) == len(states):
+        p2p = [s["rank"] for s in states if s["pending"][0].get("op") in P2P_OPS]
+        if p2p and len(p2p) < len(states):  # a send or receive whose peer is in a collective
+            return "rank-conditional-hang", p2p, None, None
         odd = _odd_from_stacks(run, states)
         return ("rank-conditional-hang", odd, None, None) if odd else _in_collectives(run, states)
     return "unknown", [], None, None
@@ -618,6 +621,17 @@ def _hosts_of(run: RunData, odd: list[int]) -> str:
     if len(hosts) == 1:
         return f" on host {hosts[0]}"
     return f" on hosts {', '.join(hosts)}" if len(hosts) <= MAX_HOSTS_NAMED else f" on {len(hosts):,} hosts"
+
+
+def _p2p_op(div: Divergence | None, rank: int, state: Mapping[str, Any] | None) -> str | None:
+    """The send or receive ``rank`` made where the ranks part (its call at the divergence,
+    else the call it waits in), or None when that is no point-to-point call."""
+    call = div.calls.get(rank) if div is not None else None
+    if call is not None:
+        return call.op if call.op in P2P_OPS else None
+    pending = state.get("pending") if state else None
+    op = pending[0].get("op") if pending else None
+    return op if div is None and op in P2P_OPS else None
 
 
 def _places_said(states: list[dict[str, Any]]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition
@@ -32,19 +33,10 @@ class Aspects(Generic[T]):
     key: Callable[[T], tuple[object, ...]]
 
 
-#: A point-to-point op as compared: a send pairs with its peer's receive at the same
-#: number (the probes number a group's p2p calls with its collectives), so every one is "p2p".
-_AS_COMPARED = dict.fromkeys(P2P_OPS, "p2p")
-
-
-def _op(call: Collective) -> str:
-    return _AS_COMPARED.get(call.op, call.op)
-
-
 #: Run records: what the hang detectors compare (a dtype alone does not hang a job).
-RUN_OP_SIZE: Aspects[Collective] = Aspects(("op", "size"), lambda c: (_op(c), c.bytes))
+RUN_OP_SIZE: Aspects[Collective] = Aspects(("op", "size"), attrgetter("op", "bytes"))
 #: Run records, every aspect the records carry (the report's alignment chart).
-RUN_ALL: Aspects[Collective] = Aspects(("op", "size", "dtype"), lambda c: (_op(c), c.bytes, c.dtype))
+RUN_ALL: Aspects[Collective] = Aspects(("op", "size", "dtype"), attrgetter("op", "bytes", "dtype"))
 
 
 def classify(calls: Mapping[int, T | None], aspects: Aspects[T], missing: bool) -> str | None:
@@ -133,11 +125,15 @@ def first_split(
 
 
 def by_group(run: RunData) -> dict[str, dict[int, dict[int, Collective]]]:
-    """Run records as group -> rank -> seq -> call."""
+    """Run records as group -> rank -> seq -> call, of the group's collectives: its
+    point-to-point calls pair one rank with another, not across the group (a send with its
+    peer's receive, ranks 0 and 1 only), and the probes number them apart."""
     out: dict[str, dict[int, dict[int, Collective]]] = {}
     for rank in run.ranks.values():
         mine: dict[str, dict[int, Collective]] = {}  # a rank's calls are of a few groups
         for coll in rank.collectives:
+            if coll.op in P2P_OPS:
+                continue
             table = mine.get(coll.group)
             if table is None:
                 table = mine[coll.group] = {}

@@ -29,6 +29,7 @@ from lorascope.detect.common import short_site
 from lorascope.detect.hang.conditions import call_condition
 from lorascope.detect.hang.divergence import Divergence, conditions_at
 from lorascope.detect.hang.zero_state import explained_by
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.format.sources import ELSE
 from lorascope.rundir.loading.reader import Collective, RankData, RunData
 from lorascope.units import group_named, ranks_named
@@ -160,7 +161,9 @@ class _Rank:
 
     def __init__(self, rank: RankData, group: str, last: int) -> None:
         self.rank = rank
-        self.calls = {c.seq: c for c in rank.collectives if c.group == group and c.seq <= last}
+        self.calls = {
+            c.seq: c for c in rank.collectives if c.group == group and c.seq <= last and c.op not in P2P_OPS
+        }  # as the group's alignment has them (divergence.by_group): no point-to-point call
         self._memo: _Memo = {}
         self._evals: list[tuple[float, float]] = []
         began: float | None = None
