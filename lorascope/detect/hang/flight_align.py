@@ -323,7 +323,12 @@ def waiting_in(alignment: FlightAlignment) -> dict[int, dict[str, int]]:
     for group in alignment.groups:
         for r, progress in group.progress.items():
             entry = progress.last_entry
-            if progress.pending and entry is not None and entry.seq is not None and not entry.completed:
+            if (
+                progress.pending
+                and entry is not None
+                and entry.seq is not None
+                and not (entry.completed or entry.is_p2p)
+            ):
                 out.setdefault(r, {})[group.desc or group.group] = entry.seq
     return out
 
