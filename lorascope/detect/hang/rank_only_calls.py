@@ -1,6 +1,7 @@
-"""Collectives some ranks made alone, under a rank condition, before the ranks' calls first
-disagree: they paired silently with the others' calls of the same op, and from there the
-ranks' calls were out of step until the ops parted.
+"""Collectives some ranks made alone (under a rank condition, or in an evaluation the others
+did not run or ran shorter) before the ranks' calls first disagree: they paired silently
+with the others' calls of the same op, and from there the ranks' calls were out of step
+until the ops parted.
 
 The classic is an evaluation on rank 0 only under ZeRO-3: ``if rank == 0: evaluate()``
 runs a forward, the forward gathers parameters, and rank 0's gathers pair with the other
