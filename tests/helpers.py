@@ -361,7 +361,8 @@ class Calls:
             self.file.end(index, end)
         if err is not None:
             at = end if end is not None else t
-            self.stream.write({"k": "coll_err", "t": at, "index": index, "gid": gid, "seq": seq, "err": err})
+            p2p = {"p2p": True} if shape.get("op") in P2P_OPS else {}  # numbered apart, as the probes mark it
+            self.stream.write({"k": "coll_err", "t": at, "index": index, "gid": gid, "seq": seq, "err": err, **p2p})
         return index
 
     def close(self) -> None:

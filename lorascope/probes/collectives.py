@@ -180,6 +180,12 @@ class _Call:
         #: Its key among the calls in flight: (the counter that numbered it, its number).
         self.flight = (counter, seq)
 
+    @property
+    def p2p(self) -> dict[str, bool]:
+        """What its ``coll_err`` and ``coll_dev`` records add: a point-to-point call's
+        number is of its own count (``gid``, ``seq`` name a collective otherwise)."""
+        return {"p2p": True} if self.flight[0] < 0 else {}
+
     def pending(self, group: str) -> dict[str, Any]:
         op, _, _, site, _ = self.key
         nbytes = self.nbytes
@@ -259,7 +265,7 @@ class CollectiveProbe:
         #: A call's first two frames -> where the walk from them found its site.
         self._hops: dict[_HopKey, _Hop] = {}
         self._stdlib = os.path.dirname(os.__file__) + os.sep
-        self._events: collections.deque[tuple[int, int, Any, Any, float]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
+        self._events: collections.deque[tuple[_Call, Any, Any, float]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
         self._lock = threading.Lock()
         self._c10d: ModuleType | None = None
         self._group_names: dict[int, str] = {}
@@ -650,7 +656,7 @@ class CollectiveProbe:
         call, events, _ = started
         if err is not None and call.index >= 0:  # before the end: a reader that sees it ended sees why
             self.session.stream.write(
-                {"k": "coll_err", "index": call.index, "gid": call.gid, "seq": call.seq, "err": err}
+                {"k": "coll_err", "index": call.index, "gid": call.gid, "seq": call.seq, "err": err, **call.p2p}
             )
             self.session.keep_steps.add(self.session.step)
         self.calls.end(call.index, time.time())
@@ -659,7 +665,7 @@ class CollectiveProbe:
             try:
                 start, end, stream, began = events
                 end.record(stream)
-                self._events.append((call.gid, call.seq, start, end, time.perf_counter() - began))
+                self._events.append((call, start, end, time.perf_counter() - began))
             except Exception as exc:
                 self.session.fail("collectives", exc)
 
@@ -766,14 +772,15 @@ class CollectiveProbe:
         and at the end). In call order: the first pair not done yet stops the walk, so
         no event is ever waited for."""
         while self._events:
-            gid, seq, start, end, host_s = self._events[0]
+            call, start, end, host_s = self._events[0]
             if not end.query():
                 return
             self._events.popleft()
             self.session.record(
                 "coll_dev",
-                seq=seq,
-                gid=gid,
+                seq=call.seq,
+                gid=call.gid,
+                **call.p2p,
                 ms=round(float(start.elapsed_time(end)), 4),
                 host_ms=round(host_s * 1e3, 4),
             )

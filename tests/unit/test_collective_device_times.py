@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorascope.probes.collectives import CollectiveProbe
+from lorascope.probes.collectives import CollectiveProbe, _Call
 from lorascope.probes.session import Session
 from lorascope.rundir.format.writer import Stream, ensure_manifest, stream_prefix
 from lorascope.rundir.loading.reader import load_run
@@ -34,28 +34,44 @@ def test_only_finished_pairs_resolve_in_call_order(tmp_path: Path) -> None:
     session.record("start", rank=0, world_size=1, local_rank=0, pid=1, host="h", argv=[], versions={}, device="cuda:0")
     session.record("group", gid=0, name="default_pg", ranks=[0], backend="nccl")
     probe = CollectiveProbe(session, stream_prefix(run, 0, "h", 1))
-    shape = probe._shapes.declare(("all_reduce", "float32", False, None, None))
+    key = ("all_reduce", "float32", False, None, None)
+    shape = probe._shapes.declare(key)
+    calls = []
     for seq in (1, 2, 3):  # three calls, each ended, in the call file as the probe writes them
-        probe.calls.end(probe.calls.begin(float(seq), seq, 4, 0, 0, shape), seq + 0.5)
+        index = probe.calls.begin(float(seq), seq, 4, 0, 0, shape)
+        probe.calls.end(index, seq + 0.5)
+        calls.append(_Call(index, float(seq), seq, 0, 4, key, 0))
+    # and a send, numbered apart from the collectives (#1 of its own count: counter ~gid)
+    send_key = ("send", "float32", False, None, None)
+    index = probe.calls.begin(3.8, 1, 4, 0, 0, probe._shapes.declare(send_key))
+    probe.calls.end(index, 3.9)
+    calls.append(_Call(index, 3.8, 1, 0, 4, send_key, ~0))
     pairs = [
         (Event(0.0, True), Event(1.5, True)),
         (Event(2.0, True), Event(2.25, False)),
         (Event(3, True), Event(4, True)),
+        (Event(5, True), Event(5.125, True)),
     ]
-    for seq, (start, end) in enumerate(pairs, 1):
-        probe._events.append((0, seq, start, end, 0.001 * seq))
+    for n, (call, (start, end)) in enumerate(zip(calls, pairs, strict=True), 1):
+        probe._events.append((call, start, end, 0.001 * n))
 
     probe.resolve_device_times()  # the second is still running: it and all after it wait
-    assert [e[1] for e in probe._events] == [2, 3]
+    assert [e[0].seq for e in probe._events] == [2, 3, 1]
     pairs[1][1].done = True
     probe.resolve_device_times()
     assert not probe._events
 
     session.flush()  # records are queued for the stream's writer thread (not started here)
     colls = load_run(run).ranks[0].collectives
-    assert [c.device_ms for c in colls] == [1.5, 0.25, 1.0]
+    # all_reduce #1 keeps its own time: the send #1's is the send's
+    assert [(c.op, c.seq, c.device_ms) for c in colls] == [
+        ("all_reduce", 1, 1.5),
+        ("all_reduce", 2, 0.25),
+        ("all_reduce", 3, 1.0),
+        ("send", 1, 0.125),
+    ]
     dev = [
         line for line in next((run / "ranks" / "rank-0").glob("*.jsonl")).read_text().splitlines() if "coll_dev" in line
     ]
-    assert '"host_ms":1.0' in dev[0] and '"host_ms":3.0' in dev[2]
+    assert '"host_ms":1.0' in dev[0] and '"host_ms":3.0' in dev[2] and '"p2p":true' in dev[3]
     assert "collectives" not in session.disabled

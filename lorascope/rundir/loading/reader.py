@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 from lorascope.errors import BadInputError, FormatVersionError, NothingRecordedError
 from lorascope.rundir.format import limits, ranks
 from lorascope.rundir.format.limits import MAX_RECORD_DEPTH, LimitError
+from lorascope.rundir.format.ops import P2P_OPS
 from lorascope.rundir.format.safe_open import leaves, maybe_too_deep, open_regular, read_capped, read_head
 from lorascope.rundir.format.schema import (
     CALLS_SUFFIX,
@@ -441,11 +442,12 @@ class _Stream:
         self.data: RankData | None = None
         #: The call shapes declared (``shape`` records), by id.
         self.shapes: dict[int, Shape] = {}
-        #: The stream's ``coll_err`` records: call index -> its error; (gid, seq) -> index.
+        #: The stream's ``coll_err`` records: call index -> its error; (gid, seq, whether a
+        #: point-to-point call's: numbered apart) -> index.
         self.errors: dict[int, str] = {}
-        self.failed: dict[tuple[int, int], int] = {}
-        #: ``coll_dev`` records: (gid, seq, milliseconds on the device).
-        self.device: list[tuple[int, int, float]] = []
+        self.failed: dict[tuple[int, int, bool], int] = {}
+        #: ``coll_dev`` records: (gid, seq, whether a point-to-point call's, milliseconds on the device).
+        self.device: list[tuple[int, int, bool, float]] = []
         #: The latest ``calls_file`` record's file, in the stream's folder, and its kept-calls
         #: file's (a ``calls_file`` record names it too, when the probes make it).
         self.calls_file: Path | None = None
@@ -512,9 +514,9 @@ class _Stream:
             self.nvml[rec["i"]] = rec["nvml"]
         elif kind == "coll_err":
             self.errors[rec["index"]] = rec["err"]
-            self.failed[(rec["gid"], rec["seq"])] = rec["index"]
+            self.failed[(rec["gid"], rec["seq"], rec.get("p2p") is True)] = rec["index"]
         elif kind == "coll_dev":
-            self.device.append((rec["gid"], rec["seq"], float(rec["ms"])))
+            self.device.append((rec["gid"], rec["seq"], rec.get("p2p") is True, float(rec["ms"])))
         elif kind == "calls_step":
             self.sums[rec["step"]] = [g for g in rec["groups"] if _summed(g)]
         elif kind == "calls_file":
@@ -657,10 +659,12 @@ class _Stream:
             calls.index[copies].tolist(),
             calls.records["gid"][copies].tolist(),
             calls.records["seq"][copies].tolist(),
+            calls.records["shape"][copies].tolist(),
             strict=True,
         )
-        for index, gid, seq in rows:
-            at = self.failed.get((gid, seq))
+        for index, gid, seq, shape in rows:
+            known = self.shapes.get(shape)
+            at = self.failed.get((gid, seq, known is not None and known[0] in P2P_OPS))
             if at is not None:
                 self.errors[index] = self.errors[at]
 
@@ -694,10 +698,10 @@ class _Stream:
         """The stream's ``coll_dev`` records onto the calls they name, among ``collectives``."""
         if not self.device or self.data is None:
             return
-        kept = {(c.group, c.seq): c for c in collectives}
-        for gid, seq, ms in self.device:
+        kept = {(c.group, c.seq, c.op in P2P_OPS): c for c in collectives}  # p2p calls are numbered apart
+        for gid, seq, p2p, ms in self.device:
             name = _device_group(self.data, gid)
-            found = kept.get((name, seq)) if isinstance(name, str) else None
+            found = kept.get((name, seq, p2p)) if isinstance(name, str) else None
             if found is not None:
                 found.device_ms = ms
 
