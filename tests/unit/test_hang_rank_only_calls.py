@@ -25,6 +25,15 @@ SITES = {
 }
 
 
+#: Rank 0's calls: a training gather, its evaluation's gather (the probes named the caller
+#: under the rank condition), then its next training gather, waiting.
+EVALUATED_ALONE = (
+    Call("all_gather", site=FORWARD),
+    Call("all_gather", site=FORWARD, via=EVALUATE),
+    Call("all_gather", site=FORWARD, end=False),
+)
+
+
 def _rank(*calls: Call, sites: dict[str, tuple[str, list[str]]] | None = None) -> RankSpec:
     return RankSpec(calls=[Call("all_reduce"), *calls], ends=False, sites=SITES if sites is None else sites)
 
@@ -41,11 +50,7 @@ def test_an_evaluation_on_rank_0_is_named_with_its_condition(tmp_path: Path) -> 
     run_dir = write_run(
         tmp_path / "run",
         [
-            _rank(
-                Call("all_gather", site=FORWARD),
-                Call("all_gather", site=FORWARD, via=EVALUATE),
-                Call("all_gather", site=FORWARD, end=False),
-            ),
+            _rank(*EVALUATED_ALONE),
             _training(Call("reduce_scatter", site=BACKWARD, end=False)),
         ],
     )
@@ -117,9 +122,7 @@ def test_an_if_else_pair_is_no_rank_only_call(tmp_path: Path) -> None:
         tmp_path / "run",
         [
             _rank(
-                Call("all_gather", site=FORWARD),
-                Call("all_gather", site=FORWARD, via=EVALUATE),
-                Call("all_gather", site=FORWARD, end=False),
+                *EVALUATED_ALONE,
                 sites=sites,
             ),
             _rank(

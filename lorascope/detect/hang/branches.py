@@ -141,6 +141,12 @@ def branch_said(run: RunData, div: Divergence) -> str:
     return head + ": a branch on the data or on the rank's own state took them different ways"
 
 
+def phases_begun(rank: RankData, name: str) -> Counter[int]:
+    """How many ``name`` phases (a forward, an evaluation's forward) ``rank`` began in each
+    step of its kept phase edges (by an edge's ``step``: the steps completed then)."""
+    return Counter(e["step"] for e in rank.phases if e["name"] == name and e["edge"] == "begin")
+
+
 def out_of_step(run: RunData, ranks: list[int]) -> tuple[int, dict[int, int]] | None:
     """The first step (its index: the steps completed before it) that every one of
     ``ranks`` recorded the edges of, and in which they began different numbers of
@@ -152,7 +158,7 @@ def out_of_step(run: RunData, ranks: list[int]) -> tuple[int, dict[int, int]] | 
         rank = run.ranks.get(n)
         if rank is None or not rank.phases:
             return None
-        counts[n] = Counter(e["step"] for e in rank.phases if e["name"] == "forward" and e["edge"] == "begin")
+        counts[n] = phases_begun(rank, "forward")
     shared = set.intersection(*(set(c) for c in counts.values())) if counts else set()
     for step in sorted(shared):
         if len({c[step] for c in counts.values()}) > 1:

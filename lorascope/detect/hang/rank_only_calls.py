@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorascope.detect.common import short_site
+from lorascope.detect.hang.branches import phases_begun
 from lorascope.detect.hang.conditions import call_condition
 from lorascope.detect.hang.divergence import Divergence, conditions_at
 from lorascope.detect.hang.zero_state import explained_by
@@ -259,10 +260,7 @@ def before(run: RunData, div: Divergence) -> RankOnlyCalls | None:
 def _eval_forwards(run: RunData, members: list[int], step: int) -> dict[int, int]:
     """The forwards each rank ran in its evaluations after ``step`` steps (its ``eval``
     phases then: a forward under ``no_grad`` is one)."""
-    return {
-        n: sum(1 for e in run.ranks[n].phases if e["name"] == "eval" and e["edge"] == "begin" and e["step"] == step)
-        for n in members
-    }
+    return {n: phases_begun(run.ranks[n], "eval")[step] for n in members}
 
 
 def explains(run: RunData, div: Divergence | None) -> RankOnlyCalls | None:
