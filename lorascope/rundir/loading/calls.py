@@ -147,9 +147,11 @@ def file_version(path: Path) -> int | None:
     return int(HEADER.unpack_from(raw)[1]) if len(raw) == HEADER.size else None
 
 
-#: Slots read past the header's count: records begun while the count was behind them
-#: (threads writing at once when the process stopped).
-COUNT_SLACK = 1024
+#: Slots read past the header's count: records begun while the count was behind them.
+#: A writing thread stores its record, then the count, so each thread writing when the
+#: process stopped leaves at most one: 64 is more threads recording at once than a job
+#: has. The rest of the file's grown chunk (up to CHUNK_SLOTS) is unwritten: not read.
+COUNT_SLACK = 64
 
 
 def read_calls(
