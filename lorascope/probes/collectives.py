@@ -167,18 +167,42 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
+def _peer(args: tuple[Any, ...], kwargs: dict[str, Any], group: Any, c10d: ModuleType | None) -> int | None:
+    """The global rank a point-to-point call sends to (``dst``, its second argument) or
+    receives from (``src``), or that its ``group_dst``/``group_src`` (a rank of ``group``)
+    is; None when it names none (a receive from any source, a ``batch_isend_irecv``'s list)."""
+    peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+    in_group = kwargs.get("group_dst", kwargs.get("group_src"))
+    if peer is None and isinstance(in_group, int) and c10d is not None:
+        try:  # the call itself says what is wrong with its group: the probe stays on
+            peer = c10d.get_global_rank(group if group is not None else c10d.GroupMember.WORLD, in_group)
+        except Exception:
+            return None
+    return peer if isinstance(peer, int) and not isinstance(peer, bool) else None
+
+
 class _Call:
     """A call in flight: its index in the call file (-1 if unrecorded) and what a dump
     says of it."""
 
-    __slots__ = ("index", "t", "seq", "gid", "nbytes", "key", "flight")
+    __slots__ = ("index", "t", "seq", "gid", "nbytes", "key", "flight", "peer")
 
     def __init__(
-        self, index: int, t: float, seq: int, gid: int, nbytes: int | None, key: _ShapeKey, counter: int
+        self,
+        index: int,
+        t: float,
+        seq: int,
+        gid: int,
+        nbytes: int | None,
+        key: _ShapeKey,
+        counter: int,
+        peer: int | None = None,
     ) -> None:
         self.index, self.t, self.seq, self.gid, self.nbytes, self.key = index, t, seq, gid, nbytes, key
         #: Its key among the calls in flight: (the counter that numbered it, its number).
         self.flight = (counter, seq)
+        #: A point-to-point call's peer (the global rank it sends to or receives from).
+        self.peer = peer
 
     @property
     def p2p(self) -> dict[str, bool]:
@@ -189,7 +213,10 @@ class _Call:
     def pending(self, group: str) -> dict[str, Any]:
         op, _, _, site, _ = self.key
         nbytes = self.nbytes
-        return {"group": group, "seq": self.seq, "op": op, "bytes": nbytes, "site": site, "since": self.t}
+        out = {"group": group, "seq": self.seq, "op": op, "bytes": nbytes, "site": site, "since": self.t}
+        if self.peer is not None:
+            out["peer"] = self.peer
+        return out
 
 
 #: A call's first two frames above the wrapper: (id(code), f_lasti) of each.
@@ -569,9 +596,11 @@ class CollectiveProbe:
             known = self._gids.get(id(group)) if group is not None else None
             gid = known[0] if known is not None else self._gid(group)
             seqs = self._seq
+            peer = None
             if op in P2P_OPS:  # numbered apart: a send is no collective of the group (~gid: its own counter)
                 counter = ~gid
                 seq = seqs[counter] = seqs.get(counter, 0) + 1
+                peer = _peer(args, kwargs, group, self._c10d)
             else:
                 counter = gid
                 seq = seqs[gid] = (self._group_seq(group) if self._torch_seq else None) or seqs.get(gid, 0) + 1
@@ -601,7 +630,7 @@ class CollectiveProbe:
             size = -1 if nbytes is None else nbytes
             # CallFile.begin without its call layer: its end 0.0, not yet
             index = self.calls.put(t, 0.0, seq, size, self.session.step, gid, shape) if shape >= 0 else -1
-            call = _Call(index, t, seq, gid, nbytes, key, counter)
+            call = _Call(index, t, seq, gid, nbytes, key, counter, peer)
             self._in_flight[call.flight] = call
             # tuple.__new__: a NamedTuple's own __new__ is a Python function (a call's worth)
             if first is not None and getattr(first, "is_cuda", False):

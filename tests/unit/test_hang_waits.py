@@ -31,6 +31,14 @@ def _dump(*pending: tuple[str, int, str]) -> dict[str, Any]:
     }
 
 
+def _p2p(op: str, peer: int) -> dict[str, Any]:
+    """A dump taken 30 s into point-to-point call #2 ``op`` with ``peer``, as probes that
+    record a call's peer write it."""
+    dump = _dump(("default_pg", 2, op))
+    dump["pending"][0]["peer"] = peer
+    return dump
+
+
 def _live(tmp_path: Path, specs: list[RankSpec]) -> RunData:
     """SPECS as a run directory whose launcher has not ended (a live hang)."""
     run_dir = write_run(tmp_path / "run", specs)
@@ -173,3 +181,68 @@ def test_ranks_in_a_send_and_its_receive_are_not_a_p2p_deadlock(tmp_path: Path) 
         ],
     )
     assert diagnose(run, {0: True, 1: True})["kind"] != "p2p-deadlock"
+
+
+def test_a_cycle_of_sends_and_receives_is_a_p2p_deadlock_named_by_peer(tmp_path: Path) -> None:
+    """Three pipeline stages: rank 0 receives from rank 2, rank 1 sends to rank 0 and rank 2
+    sends to rank 1. No rank's peer waits in the matching call: each is named with whom it
+    waits for. Without the peers this read "the collective itself is stuck"."""
+    waits = [("recv", 2), ("send", 0), ("send", 1)]
+    run = _live(tmp_path, [_rank([Call("all_reduce"), Call(op, end=False)], _p2p(op, peer), {}) for op, peer in waits])
+    diagnosis = diagnose(run, {0: True, 1: True, 2: True})
+    assert (diagnosis["kind"], diagnosis["id"], diagnosis["odd_ranks"]) == ("p2p-deadlock", "hung-ranks", [])
+    assert diagnosis["verdict"] == (
+        "every rank waits in a blocking send or receive, and these ranks' peers wait in other calls (a "
+        "point-to-point deadlock): rank 0 receives from rank 2 while rank 2 sends to rank 1; rank 1 sends to "
+        "rank 0 while rank 0 receives from rank 2; rank 2 sends to rank 1 while rank 1 sends to rank 0"
+    )
+    assert "pair each send with a recv of the same rank" in diagnosis["fix"]
+
+
+def test_a_matched_pair_beside_a_broken_one_names_the_broken_ranks(tmp_path: Path) -> None:
+    """Ranks 0 and 1 wait in a send and its receive; rank 2 receives from rank 3, which
+    receives from rank 2: ranks 2 and 3 are the odd ones."""
+    waits = [("send", 1), ("recv", 0), ("recv", 3), ("recv", 2)]
+    run = _live(tmp_path, [_rank([Call("all_reduce"), Call(op, end=False)], _p2p(op, peer), {}) for op, peer in waits])
+    diagnosis = diagnose(run, dict.fromkeys(range(4), True))
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("p2p-deadlock", [2, 3])
+    assert diagnosis["verdict"].endswith(
+        "rank 2 receives from rank 3 while rank 3 receives from rank 2; rank 3 receives from rank 2 while rank 2 "
+        "receives from rank 3"
+    )
+
+
+def test_a_send_and_its_receive_with_peers_are_the_transport(tmp_path: Path) -> None:
+    """Rank 0 sends to rank 1, which receives from rank 0: matched, and the pair does not
+    complete. Told as the pair's tags or the transport, not as a deadlock; held out: a
+    send with tag 1 and its receive with tag 2 read "the collective itself is stuck"."""
+    run = _live(
+        tmp_path,
+        [
+            _rank([Call("all_reduce"), Call("send", end=False)], _p2p("send", 1), {}),
+            _rank([Call("all_reduce"), Call("recv", end=False)], _p2p("recv", 0), {}),
+        ],
+    )
+    diagnosis = diagnose(run, {0: True, 1: True})
+    assert (diagnosis["kind"], diagnosis["id"]) == ("p2p-stuck", "hung-ranks")
+    assert diagnosis["verdict"] == (
+        "every rank waits in a send or receive whose peer waits in the matching one (rank 0 sends to rank 1), and "
+        "the transfer does not complete: the transport is stuck, or the pair's tags or sizes differ"
+    )
+    assert "same tag" in diagnosis["fix"]
+
+
+def test_a_receive_from_any_rank_is_matched_by_a_send_to_it(tmp_path: Path) -> None:
+    """Rank 0 receives from any rank (``src=None``) and rank 1 sends to it; rank 2 receives
+    from rank 1, which sends to rank 0 instead: rank 2 is the odd one."""
+    run = _live(
+        tmp_path,
+        [
+            _rank([Call("all_reduce"), Call("recv", end=False)], _dump(("default_pg", 2, "recv")), {}),
+            _rank([Call("all_reduce"), Call("send", end=False)], _p2p("send", 0), {}),
+            _rank([Call("all_reduce"), Call("recv", end=False)], _p2p("recv", 1), {}),
+        ],
+    )
+    diagnosis = diagnose(run, dict.fromkeys(range(3), True))
+    assert (diagnosis["kind"], diagnosis["odd_ranks"]) == ("p2p-deadlock", [2])
+    assert diagnosis["verdict"].endswith("rank 2 receives from rank 1 while rank 1 sends to rank 0")

@@ -1,10 +1,12 @@
 """Point-to-point calls are numbered apart from the group's collectives
 (lorascope/probes/collectives.py): a send pairs rank 0 with rank 1 only, so counted with
 the collectives it put ranks 0 and 1 one call ahead of a rank 2 that made none, and a
-healthy job read as ranks disagreeing. Two real gloo ranks, in child processes."""
+healthy job read as ranks disagreeing; one in flight names its peer. Two real gloo
+ranks, in child processes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from lorascope.rundir.loading.reader import load_run
 from tests.helpers import free_port
 
 CHILD = textwrap.dedent("""
-    import os, sys
+    import json, os, sys
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -44,15 +46,25 @@ CHILD = textwrap.dedent("""
             dist.recv(t, src=0)
             dist.recv(t, src=0)
     dist.barrier()
+    if rank == 1:  # in flight until rank 0 sends: what a dump's pending calls say of it
+        work = dist.irecv(t, 0)
+        Path(sys.argv[4]).write_text(json.dumps(probe.pending()))
+        dist.barrier()
+        work.wait()
+    else:
+        dist.barrier()
+        dist.send(t, group_dst=1)
     session.flush()
     dist.destroy_process_group()
 """)
 
 
 def test_sends_and_receives_do_not_advance_the_collectives_numbers(tmp_path: Path) -> None:
-    run_dir, port = tmp_path / "run", str(free_port())
+    run_dir, port, pending = tmp_path / "run", str(free_port()), tmp_path / "pending.json"
     children = [
-        subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir), port, str(r)], stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(run_dir), port, str(r), str(pending)], stderr=subprocess.PIPE, text=True
+        )
         for r in range(2)
     ]
     for child in children:
@@ -61,7 +73,16 @@ def test_sends_and_receives_do_not_advance_the_collectives_numbers(tmp_path: Pat
     run = load_run(run_dir)
     for n, rank in run.ranks.items():
         collectives = [(c.op, c.seq) for c in rank.collectives if c.op in ("all_reduce", "barrier")]
-        assert collectives == [("all_reduce", 1), ("all_reduce", 2), ("all_reduce", 3), ("barrier", 4)], n
-        p2p = [c.seq for c in rank.collectives if c.op in ("send", "recv")]
-        assert p2p == [1, 2, 3, 4, 5, 6], n
+        assert collectives == [
+            ("all_reduce", 1),
+            ("all_reduce", 2),
+            ("all_reduce", 3),
+            ("barrier", 4),
+            ("barrier", 5),
+        ], n
+        p2p = [c.seq for c in rank.collectives if c.op in ("send", "recv", "irecv")]
+        assert p2p == [1, 2, 3, 4, 5, 6, 7], n
     assert first_divergence(run) is None
+    # a receive in flight names its peer (a hang's verdict tells whom each rank waits for)
+    (waiting,) = json.loads(pending.read_text())
+    assert (waiting["op"], waiting["seq"], waiting["peer"]) == ("irecv", 7, 0)

@@ -74,11 +74,17 @@ FIXES = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING."
     ),
     "p2p-deadlock": (
-        "Each rank waits in a blocking send (or recv) to a peer that waits in its own: order the exchange so "
+        "Each rank waits in a blocking send (or recv) to a peer that waits in another call: pair each send "
+        "with a recv of the same rank on its peer, in the same order on both sides; order an exchange so "
         "that one side receives first (even ranks send then receive, odd ranks receive then send), or post "
         "both sides without blocking and wait on them together: `for req in dist.batch_isend_irecv([P2POp("
         "dist.isend, t, peer), P2POp(dist.irecv, out, peer)]): req.wait()`. Small messages can slip through a "
         "transport's buffers, so the same code may pass with smaller tensors."
+    ),
+    "p2p-stuck": (
+        "Each send waits in its peer's receive and the transfer does not complete: check that both name the "
+        "same tag (a receive takes only a send of its tag) and a tensor of the same size; else the transport "
+        "is stuck (NCCL_DEBUG=INFO, the interconnect)."
     ),
     "crossed-collectives": (
         "The ranks issue collectives of different process groups in different orders, and each waits for "
@@ -527,6 +533,8 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
                 f"no rank {'receives' if 'send' in op else 'sends'} first): {_places_said(states)}"
             ),
         )
+    if ops <= P2P_OPS - {"batch_isend_irecv"} and (paired := _p2p_pairs(states)) is not None:
+        return paired
     first = {tuple(s["pending"][0].get(k) for k in ("group", "seq", "op", "site")) for s in states}
     found = waits(run, states)
     if len(first) == 1 or (found is not None and len(found) == 1):
@@ -550,6 +558,63 @@ UNTOLD_WAITS = (
     "every rank waits in a collective, not all in the same one, and whom each waits for cannot be told "
     "(a call begun before `lorascope attach`, or a group whose ranks were not recorded)"
 )
+
+
+def _p2p_pairs(states: list[dict[str, Any]]) -> tuple[str, list[int], None, str] | None:
+    """Every rank waits in a send or a receive, some in each: whom each waits for, from the
+    peers their dumps name (None where a send names none; a receive that names none takes
+    from any rank). Ranks each in the other's
+    matching call are a pair whose transfer does not complete (their tags, or the transport); a rank whose
+    peer waits in anything else is in a point-to-point deadlock, and is named with its peer."""
+    calls = {s["rank"]: s["pending"][0] for s in states}
+    peers = {
+        n: p if isinstance(p := c.get("peer"), int) and not isinstance(p, bool) else None for n, c in calls.items()
+    }
+    sends = {n for n, c in calls.items() if "send" in str(c.get("op"))}
+    if any(peers[n] is None for n in sends):  # a receive may name none: from any source
+        return None
+
+    def verb(n: int) -> str:
+        if n in sends:
+            return f"sends to rank {peers[n]}"
+        return f"receives from rank {peers[n]}" if peers[n] is not None else "receives from any rank"
+
+    def matched(n: int) -> bool:
+        if n not in sends and peers[n] is None:
+            return any(peers[m] == n for m in sends)
+        peer = peers[n]
+        return peer in calls and (peer in sends) != (n in sends) and peers[peer] in (n, None)
+
+    apart = [n for n in sorted(calls) if not matched(n)]
+    if not apart:
+        pairs = [f"rank {n} {verb(n)}" for n in sorted(calls) if n in sends]
+        more = len(pairs) - MAX_WAITS_NAMED
+        said = "; ".join(pairs[:MAX_WAITS_NAMED]) + (f"; {more} more pairs" if more > 0 else "")
+        return (
+            "p2p-stuck",
+            [],
+            None,
+            f"every rank waits in a send or receive whose peer waits in the matching one ({said}), and the transfer "
+            "does not complete: the transport is stuck, or the pair's tags or sizes differ",
+        )
+
+    def peer_in(n: int) -> str:
+        peer = peers[n]
+        if peer is None:
+            return "no rank sends to it"
+        if peer not in calls:
+            return f"rank {peer} is not among the ranks that answered"
+        return f"rank {peer} {verb(peer)}"
+
+    named = [f"rank {n} {verb(n)} while {peer_in(n)}" for n in apart[:MAX_WAITS_NAMED]]
+    rest = f"; and {len(apart) - MAX_WAITS_NAMED} more ranks" if len(apart) > MAX_WAITS_NAMED else ""
+    return (
+        "p2p-deadlock",
+        apart if len(apart) < len(calls) else [],
+        None,
+        f"every rank waits in a blocking send or receive, and these ranks' peers wait in other calls (a "
+        f"point-to-point deadlock): {'; '.join(named)}{rest}",
+    )
 
 
 def _named(found: list[Wait], absent: bool = False) -> str:
