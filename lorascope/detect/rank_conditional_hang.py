@@ -14,7 +14,7 @@ from lorascope.detect.common import calls_source, pending_state, per_rank_eviden
 from lorascope.detect.finding import Confidence, Evidence, Finding
 from lorascope.detect.hang import branches, rank_only_calls
 from lorascope.detect.hang.conditions import call_condition, odd_by_condition
-from lorascope.detect.hang.diagnosis import P2P_FIX
+from lorascope.detect.hang.diagnosis import FIXES, P2P_FIX
 from lorascope.detect.hang.divergence import Divergence, first_divergence, found_at, odd_ranks, size_mismatch
 from lorascope.detect.hang.flight_align import flight_alignment, flight_conditions, last_activity
 from lorascope.detect.hang.rank_only_calls import RankOnlyCalls
@@ -50,11 +50,7 @@ EXPLANATION = (
     "until the watchdog kills the job (30 minutes by default), or, on gloo, fail with "
     "mismatched sizes."
 )
-FIX = (
-    "Run the collective on every rank and act on the result on rank 0 only: move the "
-    "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
-    "all ranks, then `if rank == 0: log(...)`)."
-)
+FIX = FIXES["rank-conditional-hang"]
 
 
 def _at_site(found: tuple[str, str] | None, site: str | None) -> bool:

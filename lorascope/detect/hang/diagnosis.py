@@ -54,7 +54,11 @@ RECORDS_THEN = "records then"
 FlightTimeline = Mapping[int, list[tuple[float, FlightDump]]]
 
 FIXES = {
-    "rank-conditional-hang": "Run the collective on every rank; act on its result on rank 0 only.",
+    "rank-conditional-hang": (
+        "Run the collective on every rank and act on the result on rank 0 only: move the "
+        "all_reduce / gather / GatheredParameters out of the `if rank == 0:` block (compute on "
+        "all ranks, then `if rank == 0: log(...)`)."
+    ),
     "dead-rank": (
         "A rank is gone and the others wait for it: find why it died (its exception or "
         "signal below; no record at all means SIGKILL, usually the OOM killer: check dmesg)."
