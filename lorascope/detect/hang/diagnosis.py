@@ -567,9 +567,9 @@ UNTOLD_WAITS = (
 def _p2p_pairs(states: list[dict[str, Any]]) -> tuple[str, list[int], None, str] | None:
     """Every rank waits in a send or a receive, some in each: whom each waits for, from the
     peers their dumps name (None where a send names none; a receive that names none takes
-    from any rank). Ranks each in the other's
-    matching call are a pair whose transfer does not complete (their tags, or the transport); a rank whose
-    peer waits in anything else is in a point-to-point deadlock, and is named with its peer."""
+    from any rank). Ranks each in the other's matching call are a pair whose transfer does
+    not complete (their tags, or the transport); a rank whose peer waits in anything else
+    is in a point-to-point deadlock, and is named with its peer."""
     calls = {s["rank"]: s["pending"][0] for s in states}
     peers = {
         n: p if isinstance(p := c.get("peer"), int) and not isinstance(p, bool) else None for n, c in calls.items()
