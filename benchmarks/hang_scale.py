@@ -11,8 +11,8 @@ random moment within the probes' one-second look (a ``dump`` record with the req
 id and its stacks, then its flight-recorder dump, a pickle of plain data as torch writes
 it, of torch's size by default, with its tail as the probes write it, and the
 ``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
-here), how long after the last answer it came, and whether the text output fits 24
-lines; then again with two ranks that never answer (``--wait 1.2``: the wait bounds it;
+here), its CPU time and the bytes it read a rank, how long after the last answer it
+came, and whether the text output fits 24 lines; then again with two ranks that never answer (``--wait 1.2``: the wait bounds it;
 a wait of just the probes' one-second look would leave the last answers, the responder's
 poll later, to chance), and checks that ``--json`` keeps every rank.
 
@@ -226,23 +226,42 @@ def responder(job: Job, silent: set[int], stop: threading.Event, answered: list[
         answered.append(time.time())
 
 
+#: `lorascope hang`, saying at its exit how many bytes it read (``rchar`` of /proc/self/io,
+#: Linux): the run directory's read traffic, which on a shared filesystem is the network's.
+HANG = """
+import atexit, sys
+def said():
+    try:
+        with open("/proc/self/io") as f:
+            sys.stderr.write("\\nhang_scale: rchar " + f.read().split("rchar:")[1].split()[0] + "\\n")
+    except (OSError, IndexError):
+        pass
+atexit.register(said)
+from lorascope.cli import main
+main(sys.argv[1:])
+"""
+
+
 def run_hang(job: Job, silent: set[int], *extra: str) -> tuple[float, float | None, str]:
     """`lorascope hang` with the responder standing in for the ranks: (its wall time, the
     time from the last rank's answer to its end, its output). Its CPU time (with its
-    reading workers') is printed: on a shared machine the wall time is the load's."""
+    reading workers') and the bytes it read are printed: on a shared machine the wall time
+    is the load's."""
     stop, answered = threading.Event(), []
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     thread = threading.Thread(target=responder, args=(job, silent, stop, answered), daemon=True)
     thread.start()
     began = time.time()
     res = subprocess.run(
-        [sys.executable, "-m", "lorascope", "hang", str(job.out), "--no-html", *extra],
+        [sys.executable, "-c", HANG, "hang", str(job.out), "--no-html", *extra],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     took = time.time() - began
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    print(f"  (lorascope hang {' '.join(extra)}: {cpu:.2f} CPU-s in its process and workers)")
+    read = [int(line.split()[-1]) for line in res.stderr.splitlines() if line.startswith("hang_scale: rchar ")]
+    per_rank = f", {read[0] / job.ranks / 1024:.0f} KiB read a rank" if read else ""
+    print(f"  (lorascope hang {' '.join(extra)}: {cpu:.2f} CPU-s in its process and workers{per_rank})")
     stop.set()
     thread.join()
     if res.returncode != 0:
