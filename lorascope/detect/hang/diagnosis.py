@@ -526,7 +526,8 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
     several every member of whose group is in (stuck themselves; the ranks in them are
     the odd ones), or ranks waiting for one another across groups; else unknown."""
     ops = {str(s["pending"][0].get("op")) for s in states}
-    if len(ops) == 1 and ops <= P2P_OPS - {"batch_isend_irecv"}:
+    blocking_p2p = ops <= P2P_OPS - {"batch_isend_irecv"}  # a batch posts its sends and receives together
+    if len(ops) == 1 and blocking_p2p:
         op = ops.pop()
         return (
             "p2p-deadlock",
@@ -537,7 +538,7 @@ def _in_collectives(run: RunData, states: list[dict[str, Any]]) -> tuple[str, li
                 f"no rank {'receives' if 'send' in op else 'sends'} first): {_places_said(states)}"
             ),
         )
-    if ops <= P2P_OPS - {"batch_isend_irecv"} and (paired := _p2p_pairs(states)) is not None:
+    if blocking_p2p and (paired := _p2p_pairs(states)) is not None:
         return paired
     first = {tuple(s["pending"][0].get(k) for k in ("group", "seq", "op", "site")) for s in states}
     found = waits(run, states)
