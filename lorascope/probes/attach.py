@@ -212,6 +212,7 @@ def _start(
         repeat_flight=flight,
         progress_known=attached is None,
         request_path=run_dir / DUMP_REQUEST,
+        made=collectives.made,
     )
 
     def on_step_end() -> None:

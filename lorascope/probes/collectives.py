@@ -443,6 +443,12 @@ class CollectiveProbe:
         names = self._group_names
         return [c.pending(names.get(c.gid, str(c.gid))) for c in list(self._in_flight.values())]
 
+    def made(self) -> dict[str, int]:
+        """The collectives made so far on each process group, by its name (the sequence
+        number of its latest call; sends and receives, numbered apart, are left out)."""
+        names = self._group_names
+        return {names.get(gid, str(gid)): seq for gid, seq in list(self._seq.items()) if gid >= 0}
+
     def _wrap(self, op: str, original: Any) -> Any:
         params = list(inspect.signature(original).parameters)
         group_pos = params.index("group") if "group" in params else -1

@@ -107,9 +107,13 @@ class Dumper:
         repeat_flight: Callable[[str], None] | None = None,
         progress_known: bool = True,
         request_path: Path | None = None,
+        made: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.session = session
         self._pending = pending
+        #: The calls made so far per process group (a dump's ``made``: `lorascope hang`
+        #: tells ranks whose answers agree from a few of them).
+        self._made = made
         self._reading = reading
         self._flight = flight
         #: What a stall dump after the first writes beside it (default: as ``flight``).
@@ -166,6 +170,8 @@ class Dumper:
                 if request is None and time.time() - self._answered_at < SIGNAL_AFTER_REQUEST_S:
                     return  # the request this signal came with is answered already
             fields: dict[str, Any] = {"request": request} if request is not None else {}
+            if self._made is not None:
+                fields["made"] = self._made()
             session.record(
                 "dump",
                 reason=reason,

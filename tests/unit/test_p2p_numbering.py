@@ -1,7 +1,8 @@
 """Point-to-point calls are numbered apart from the group's collectives
 (lorascope/probes/collectives.py): a send pairs rank 0 with rank 1 only, so counted with
 the collectives it put ranks 0 and 1 one call ahead of a rank 2 that made none, and a
-healthy job read as ranks disagreeing; one in flight names its peer. Two real gloo
+healthy job read as ranks disagreeing; one in flight names its peer, and a dump's
+``made`` counts the collectives only. Two real gloo
 ranks, in child processes."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ CHILD = textwrap.dedent("""
     dist.barrier()
     if rank == 1:  # in flight until rank 0 sends: what a dump's pending calls say of it
         work = dist.irecv(t, 0)
-        Path(sys.argv[4]).write_text(json.dumps(probe.pending()))
+        Path(sys.argv[4]).write_text(json.dumps({"pending": probe.pending(), "made": probe.made()}))
         dist.barrier()
         work.wait()
     else:
@@ -84,5 +85,8 @@ def test_sends_and_receives_do_not_advance_the_collectives_numbers(tmp_path: Pat
         assert p2p == [1, 2, 3, 4, 5, 6, 7], n
     assert first_divergence(run) is None
     # a receive in flight names its peer (a hang's verdict tells whom each rank waits for)
-    (waiting,) = json.loads(pending.read_text())
+    dumped = json.loads(pending.read_text())
+    (waiting,) = dumped["pending"]
     assert (waiting["op"], waiting["seq"], waiting["peer"]) == ("irecv", 7, 0)
+    # the collectives made so far on each group, sends and receives apart (`hang` tells alike ranks by them)
+    assert dumped["made"] == {"default_pg": 4}  # three all_reduces and a barrier

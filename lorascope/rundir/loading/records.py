@@ -154,6 +154,8 @@ class _DumpParts(TypedDict, total=False):
     since_progress: float | None
     #: The id of the request it answers.
     request: str
+    #: The collectives made so far on each process group, by its name.
+    made: dict[str, int]
 
 
 class DumpRecord(_DumpParts):
