@@ -8,7 +8,7 @@ collectives, all of them waiting in the same all_gather except one rank stuck
 in its data loader. Then runs `lorascope hang` while a responder thread stands in for
 the ranks' probe threads: each rank answers the dump request in the run directory at a
 random moment within the probes' one-second look (a ``dump`` record with the request's
-id and its stacks, then its flight-recorder dump, a pickle of plain data as torch writes
+id, its stacks and the collectives it made, then its flight-recorder dump, a pickle of plain data as torch writes
 it, of torch's size by default, with its tail as the probes write it, and the
 ``flight_dump`` record). Prints the verdict's wall time (the goal: under 2 s
 here), its CPU time and the bytes it read a rank, how long after the last answer it
@@ -21,6 +21,7 @@ poll later, to chance), and checks that ``--json`` keeps every rank.
     python benchmarks/hang_scale.py --no-tails       # dumps as probes <= 0.3.0 wrote them
     python benchmarks/hang_scale.py --ranks 128 --hosts 16 --steps 10000 --sums   # a long run's cost
     python benchmarks/hang_scale.py --ranks 4096 --hosts 512
+    python benchmarks/hang_scale.py --read-all       # every rank read whole (no alike ranks told by others)
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class Job:
         t = time.time()
         dump = {
             "reason": "request", "request": request, "step": 40, "stacks": _stacks(odd), "pending": pending,
-            "mem": None, "since_progress": 30.0, "k": "dump", "t": t,
+            "made": {"default_pg": done if odd else self.pending_seq}, "mem": None, "since_progress": 30.0,
+            "k": "dump", "t": t,
         }  # fmt: skip
         flight_rec = {
             "file": path.name, "reason": reason, "bytes": len(whole), "k": "flight_dump", "t": t,
@@ -291,6 +293,7 @@ def main() -> None:
         help="write each step's calls_step record to the stream (what the probes write once the call file's ring went round)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the run directory (its path is printed)")
+    parser.add_argument("--read-all", action="store_true", help="run `hang --read-all`: every rank read whole")
     args = parser.parse_args()
     random.seed(0)
     out = Path(tempfile.mkdtemp(prefix="lorascope-hang-scale-")) / "run"
@@ -310,7 +313,8 @@ def main() -> None:
         print(
             f"wrote {args.ranks:,} ranks on {args.hosts} hosts ({args.steps} steps each) in {time.time() - began:.1f} s"
         )
-        took, after, text = run_hang(job, set())
+        flags = ("--read-all",) if args.read_all else ()
+        took, after, text = run_hang(job, set(), *flags)
         lines = text.rstrip("\n").splitlines()
         print(f"hang, every rank answering within 1 s: verdict in {took:.2f} s (goal < 2 s)")
         print(f"  ... of which after the last rank's answer: {after:.2f} s" if after is not None else "  no answer")
@@ -318,11 +322,11 @@ def main() -> None:
         print(f"  output: {len(lines)} lines ({'fits' if fits else 'does NOT fit'} a {SCREEN_LINES}-line screen)")
         print("  " + "\n  ".join(lines))
         silent = {odd + 100, odd + 101}
-        took2, _, text2 = run_hang(job, silent, "--wait", "1.2")
+        took2, _, text2 = run_hang(job, silent, "--wait", "1.2", *flags)
         lines2 = text2.rstrip("\n").splitlines()
         print(f"hang, 2 ranks never answering (--wait 1.2): verdict in {took2:.2f} s, {len(lines2)} lines")
         print("  " + "\n  ".join(lines2))
-        _, _, as_json = run_hang(job, set(), "--json")
+        _, _, as_json = run_hang(job, set(), "--json", *flags)
         kept = len(json.loads(as_json)["ranks"])
         print(f"hang --json: {kept:,} ranks kept (of {args.ranks:,})")
         began, cpu = time.time(), time.process_time()

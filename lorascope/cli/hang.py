@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -15,6 +15,7 @@ from lorascope.detect.common import MIN_ALIKE_RANKS
 from lorascope.detect.hang.diagnosis import NOT_HUNG, FlightTimeline, diagnose, flight_since
 from lorascope.detect.hung_ranks import hang_finding
 from lorascope.errors import BadInputError, LorascopeError, UsageError
+from lorascope.hang.alike import READ_ALIKE, told_flights, told_note
 from lorascope.hang.collect import (
     expected,
     read_silent_ranks,
@@ -30,7 +31,8 @@ from lorascope.hang.targets import Target, verify
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.cluster import connect
 from lorascope.rundir.loading.ending import ending_of
-from lorascope.rundir.loading.reader import RunData, load_run, no_cycle_collection
+from lorascope.rundir.loading.reader import RECENT_RECORDS, RunData, load_run, no_cycle_collection
+from lorascope.rundir.loading.records import StartRecord
 from lorascope.text import echo
 from lorascope.text.findings import quiet
 from lorascope.text.hang import Place, render_hang
@@ -115,13 +117,21 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     """The hang's HTML report, best effort: the verdict is out already, and the light
     install (no jinja2) or an unwritable place must not take it back. A live hang's
     flight-recorder evidence is what the verdict went by (at 1,024 ranks every dump read
-    again whole would take minutes)."""
+    again whole would take minutes). Ranks told by alike ranks' records are read whole
+    for it: a page shows each rank's own memory and steps."""
     from lorascope.analysis import of_run
 
     try:
         from lorascope.report.write import write_report
     except ImportError as exc:
         return f"no HTML report: {exc} (pip install 'lorascope[analysis]')"
+    told = {n for n, r in run.ranks.items() if r.told_by is not None}
+    if told:
+        try:
+            run = _read_told(run, run_dir)
+        except BadInputError as exc:
+            return f"no HTML report: {exc}"
+        flight = {n: f for n, f in flight.items() if n not in told}  # the copies the verdict went by
     live = diagnosis["kind"] not in (*NOT_HUNG, "over")  # else the page says what `analyze` says
     analysis = of_run(run, run_dir, flight if live else None)
     if live:
@@ -134,6 +144,17 @@ def _write_html(run: RunData, run_dir: Path, diagnosis: dict[str, Any], out: Pat
     return f"report: {out}"
 
 
+def _read_told(run: RunData, run_dir: Path) -> RunData:
+    """The run read again, every rank whole (its recent past), with the stacks read from
+    outside (py-spy) of the ranks that did not answer."""
+    again = load_run(run_dir, newest=RECENT_RECORDS)
+    for n, rank in again.ranks.items():
+        was = run.ranks.get(n)
+        if was is not None and was.told_by is None and (was.host, was.pid) == (rank.host, rank.pid):
+            rank.dumps = was.dumps
+    return again
+
+
 def _as_json(data: dict[str, Any]) -> str:
     """``--json``'s text (the analysis package imported only then: the verdict needs none of it)."""
     from lorascope.analysis import strict_json
@@ -141,12 +162,16 @@ def _as_json(data: dict[str, Any]) -> str:
     return strict_json.dumps(data, indent=2, sort_keys=True, default=str)
 
 
-def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, cluster: str | None) -> None:
-    """`lorascope hang RUN_DIR`: ask every rank for a dump, read each as it answers, diagnose,
-    print (and write the HTML report to ``out``)."""
+def _hang_run(
+    run_dir: Path, wait_s: float, as_json: bool, out: Path | None, cluster: str | None, read_all: bool
+) -> None:
+    """`lorascope hang RUN_DIR`: ask every rank for a dump, read each as it answers (ranks
+    whose answers agree a few at a time, unless ``read_all``), diagnose, print (and write
+    the HTML report to ``out``)."""
     # The processes to ask, from each stream's first record (each is read once, when it
     # answered: on a large run a read of the whole run after the dumps took seconds).
-    targets = [verify(start, run_dir) for start in attached_processes(run_dir)]
+    starts = attached_processes(run_dir)
+    targets = [verify(start, run_dir) for start in starts]
     waited = expected(targets, run_dir)
     ends = stream_ends(run_dir, waited)
     asked, notes = request_dumps(run_dir, targets, waited)
@@ -154,7 +179,13 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     with EarlyFlights() as flights:  # its workers (reading large dumps) end with it
         with connect(cluster) as on:
             run, silent = wait_for_dumps(
-                run_dir, {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited}, asked, wait_s, on, flights.ahead
+                run_dir,
+                {(t.host, t.pid): ends[(t.host, t.pid)] for t in waited},
+                asked,
+                wait_s,
+                on,
+                flights.ahead,
+                None if read_all else {(str(s["host"]), int(s["pid"])): cast(StartRecord, s) for s in starts},
             )
         analysed = {(r.host, r.pid): n for n, r in run.ranks.items()}  # the process analysed per rank
         by_process = {(t.host, t.pid): t for t in targets if (t.host, t.pid) in analysed}
@@ -169,6 +200,8 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
                 if (since := flight_since(r, run)) is not None and (found := flights.timeline(r, notes, since))
             }
         )
+        flight = told_flights(run, flight)
+        notes += told_note(run)
     stopped = {n: describe_state(state) or state for n, state in states.items() if state in STOPPED}
     diagnosis = diagnose(run, {t.rank: t.alive for t in mine}, flight, stopped=stopped)
     over, recorded = _gone(run, mine)
@@ -217,6 +250,12 @@ def _hang_run(run_dir: Path, wait_s: float, as_json: bool, out: Path | None, clu
     help="Where to write the HTML report (default: RUN_DIR/hang-<time>.html).",
 )
 @click.option("--no-html", is_flag=True, help="Write no HTML report.")
+@click.option(
+    "--read-all",
+    is_flag=True,
+    help=f"Read every rank's records (by default, of ranks whose answers agree, {READ_ALIKE} are read"
+    " and their records tell the others).",
+)
 @cluster_option
 def command(
     run_dir: Path | None,
@@ -225,6 +264,7 @@ def command(
     as_json: bool,
     html: Path | None,
     no_html: bool,
+    read_all: bool,
     cluster: str | None,
 ) -> int:
     """Diagnose a hung job now: dump every rank's stacks and pending collectives (the job
@@ -248,5 +288,6 @@ def command(
             as_json,
             None if no_html else html or run_dir / time.strftime("hang-%Y%m%d-%H%M%S.html"),
             cluster,
+            read_all,
         )
     return 0

@@ -15,13 +15,14 @@ import platform
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorascope.detect.hang.diagnosis import pending_calls
 from lorascope.errors import BadInputError
+from lorascope.hang.alike import READ_ALIKE, answer_key, answer_record, stand_in
 from lorascope.hang.procstate import STOPPED, describe_state, process_state
 from lorascope.hang.request import write_request
 from lorascope.hang.targets import Target
@@ -38,6 +39,7 @@ from lorascope.rundir.loading.reader import (
     load_run,
     no_cycle_collection,
 )
+from lorascope.rundir.loading.records import DumpRecord, StartRecord
 from lorascope.units import rank_ranges
 
 POLL_S = 0.2
@@ -161,6 +163,8 @@ class Grown:
     #: what was found in what it gained (:func:`_answers`).
     looked: dict[Path, int] = field(default_factory=dict, compare=False)
     found: set[str] = field(default_factory=set, compare=False)
+    #: The ``dump`` records that answer the request (:func:`_answers`).
+    answers: list[dict[str, Any]] = field(default_factory=list, compare=False)
 
     def segments(self) -> list[Path]:
         """The process's segment files now (a listing of its rank's folder: a glob compiles
@@ -192,6 +196,7 @@ def wait_for_dumps(
     wait_s: float,
     cluster: Cluster | None = None,
     each: Callable[[RankData], None] | None = None,
+    starts: Mapping[Process, StartRecord] | None = None,
 ) -> tuple[RunData, list[int]]:
     """Wait until every process of ``ends`` (:func:`stream_ends`) wrote a dump that
     answers ``asked``, or ``wait_s`` passes, and read the run's recent past (the newest
@@ -202,14 +207,16 @@ def wait_for_dumps(
     wait itself, and a rank read in the first instant, before its dump was flushed, was
     then reported silent. Each process is read once it answered (its dump, then its
     flight-recorder dump), while the others are still waited for (``each`` is called with
-    it); on ``cluster``, the run is read once, by its workers, after the wait (``each`` is
-    not called)."""
+    it); with ``starts`` (each process's start record), ranks whose answers agree are read
+    a few at a time (:mod:`lorascope.hang.alike`). On ``cluster``, the run is read once, by
+    its workers, after the wait (``each`` is not called)."""
     deadline = time.time() + wait_s
     if cluster is not None:
         _until_answered(dict(ends), asked, deadline)
         run = load_run(run_dir, cluster=cluster, newest=RECENT_RECORDS)
     else:
-        run = _read_as_answered(run_dir, ends, asked, deadline, each or (lambda _: None))
+        with no_cycle_collection():  # each collection would walk every rank read so far
+            run = _read_each(run_dir, ends, asked, deadline, each or (lambda _: None), starts or {})
     silent = [
         n
         for n, rank in run.ranks.items()
@@ -218,26 +225,36 @@ def wait_for_dumps(
     return run, silent
 
 
-def _read_as_answered(
-    run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
+def _read_each(
+    run_dir: Path,
+    ends: dict[Process, Grown],
+    asked: Asked,
+    deadline: float,
+    each: Callable[[RankData], None],
+    starts: Mapping[Process, StartRecord],
 ) -> RunData:
     """The run, each process read as soon as it answered (the processes not asked first,
-    those that did not answer at the deadline last)."""
-    with no_cycle_collection():  # each collection would walk every rank read so far
-        return _read_each(run_dir, ends, asked, deadline, each)
-
-
-def _read_each(
-    run_dir: Path, ends: dict[Process, Grown], asked: Asked, deadline: float, each: Callable[[RankData], None]
-) -> RunData:
+    those that did not answer at the deadline last), or told by an alike rank's records."""
     listing = list_run(run_dir, newest=RECENT_RECORDS)
     read: dict[str, tuple[Job, tuple[RankData, list[str]]]] = {}  # by rank folder/process
+    alike: dict[Hashable, list[str]] = {}  # an answer's key -> the processes read whole with it
+    told: dict[str, tuple[Job, Hashable, StartRecord, DumpRecord]] = {}
 
-    def take(rank_dir: Path, process: str) -> None:
+    def take(rank_dir: Path, process: str, grown: Grown | None = None, key: Process | None = None) -> None:
         job = listing.job(rank_dir, process)
-        if job is not None:
-            read[f"{rank_dir.name}/{process}"] = job, listing.read(job)
-            each(read[f"{rank_dir.name}/{process}"][1][0])
+        if job is None:
+            return
+        name = f"{rank_dir.name}/{process}"
+        answer = answer_record(grown.answers[-1]) if grown is not None and grown.answers else None
+        found = answer_key(answer) if answer is not None else None
+        start = starts.get(key) if key is not None else None
+        if found is not None and answer is not None and start is not None and start.get("rank") == job.rank:
+            if len(alike.get(found, ())) >= READ_ALIKE:
+                told[name] = job, found, start, answer
+                return
+            alike.setdefault(found, []).append(name)
+        read[name] = job, listing.read(job)
+        each(read[name][1][0])
 
     asked_for = {f"{g.prefix.parent.name}/{g.prefix.name}" for g in ends.values()}
     for job in listing.jobs():
@@ -259,11 +276,13 @@ def _read_each(
                 ready.append(key)
         for key in ready:
             grown = waiting.pop(key)
-            take(grown.prefix.parent, grown.prefix.name)
+            take(grown.prefix.parent, grown.prefix.name, grown, key)
         if waiting and not ready:
             time.sleep(POLL_S)
-    for grown in waiting.values():
-        take(grown.prefix.parent, grown.prefix.name)
+    for key, grown in waiting.items():  # no answer (read whole), or no flight-recorder dump yet
+        take(grown.prefix.parent, grown.prefix.name, grown, key)
+    for name, (job, found, start, answer) in told.items():
+        read[name] = job, (stand_in(read[alike[found][0]][1][0], job.rank, start, answer), [])
     jobs, results = [], []
     for job in listing.jobs():  # in the listing's order, as load_run reads them
         done = read.get(f"{job[1][0][1].parent.name}/{_process_of(job[1][0][1])}")
@@ -325,6 +344,8 @@ def _answers(files: Grown, asked: Asked, process: Process) -> set[str]:
                         record = json.loads(line)
                         if kind != "dump" or asked.answered_by(record, process):
                             found.add(kind)
+                            if kind == "dump" and isinstance(record, dict):
+                                files.answers.append(record)
                     except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
                         continue
     return found

@@ -158,6 +158,12 @@ def test_hang_on_one_host_reaches_every_rank_and_names_the_other_hosts_rank() ->
             assert all(dumped[n] in ("signal", "request") for n in range(PER_HOST)), dumped
             assert all(dumped[n] == "request" for n in range(PER_HOST, 2 * PER_HOST)), dumped
             assert data["silent"] == []
+            # ranks whose answers agree (the same calls in flight and made, stack, step) are
+            # read a few at a time; the others are told by their records, the odd rank never
+            told = {s["rank"]: s["told_by"] for s in data["ranks"] if "told_by" in s}
+            assert len(told) >= 3 and HANG_RANK not in told, told
+            assert all(by not in told and by != HANG_RANK for by in told.values()), told
+            assert any(n.startswith(f"{len(told)} of {2 * PER_HOST} ranks told by") for n in data["notes"])
             # a rank of the other host stopped: named with its host, local rank and last record's age
             os.kill(_pid_of_rank(hosts[1], 13), signal.SIGSTOP)
             again, _ = _hang_on(hosts[0], out, "--wait", "2")

@@ -281,6 +281,7 @@ def _rank_state(
         "last_completed": last_done,
         "stack_frame": frame,
         "dumped": dump["reason"] if dump else None,
+        **({"told_by": rank.told_by} if rank.told_by is not None else {}),
     }
 
 

@@ -192,6 +192,9 @@ class RankData:
     #: The latest start or stop of allocator history under ``--memory-history auto``.
     history: HistoryRecord | None = None
     last_time: float = 0.0
+    #: The rank whose records this one's are a copy of (`lorascope hang`: ranks whose
+    #: answers agree are read a few at a time, :mod:`lorascope.hang.alike`); None: its own.
+    told_by: int | None = None
     #: The reduction (:mod:`lorascope.rundir.loading.reduce`): ``collectives`` holds the first and
     #: the newest calls of each group, the pending ones and the windows where ranks differ;
     #: ``mem``, ``phases``, ``steps`` and ``logits`` every ``stride``-th step between the
