@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lorascope.hang.collect import tgkill
+from lorascope.hang.ask import tgkill
 from lorascope.hang.targets import verify
 from lorascope.inject import gdb as gdb_inject
 from lorascope.inject import remote

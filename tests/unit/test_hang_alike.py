@@ -12,7 +12,8 @@ import pytest
 
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.hang.alike import READ_ALIKE, answer_key
-from lorascope.hang.collect import Asked, stream_ends, wait_for_dumps
+from lorascope.hang.ask import Asked, stream_ends
+from lorascope.hang.collect import wait_for_dumps
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.reader import RunData
 from lorascope.rundir.loading.records import StartRecord

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lorascope.cli.hang import _target_notes
+from lorascope.cli.hang_verdict import _target_notes
 from lorascope.detect import rank_conditional_hang
 from lorascope.detect.hang.diagnosis import _verdict, fatal_main_frame
 from lorascope.hang.targets import Target

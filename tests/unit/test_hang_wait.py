@@ -10,7 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from lorascope.hang.collect import Asked, stream_ends, wait_for_dumps
+from lorascope.hang.ask import Asked, stream_ends
+from lorascope.hang.collect import wait_for_dumps
 from lorascope.hang.targets import Target
 from lorascope.rundir.loading.attachments import attached_processes
 from tests.helpers import RankSpec, write_run
