@@ -101,14 +101,12 @@ def _read_each(
         if job is None:
             return
         name = f"{rank_dir.name}/{process}"
-        answer = answer_record(grown.answers[-1]) if grown is not None and grown.answers else None
-        found = answer_key(answer) if answer is not None else None
-        start = starts.get(key) if key is not None else None
-        if found is not None and answer is not None and start is not None and start.get("rank") == job.rank:
-            if len(alike.get(found, ())) >= READ_ALIKE:
-                told[name] = job, found, start, answer
+        told_as = _told_as(job, grown, starts.get(key) if key is not None else None)
+        if told_as is not None:
+            if len(alike.get(told_as[0], ())) >= READ_ALIKE:
+                told[name] = job, *told_as
                 return
-            alike.setdefault(found, []).append(name)
+            alike.setdefault(told_as[0], []).append(name)
         read[name] = job, listing.read(job)
         each(read[name][1][0])
 
@@ -146,6 +144,19 @@ def _read_each(
             jobs.append(done[0])
             results.append(done[1])
     return listing.assemble(jobs, results)
+
+
+def _told_as(
+    job: Job, grown: Grown | None, start: StartRecord | None
+) -> tuple[Hashable, StartRecord, DumpRecord] | None:
+    """What an alike rank's records may tell a process by: its answer's key, its start
+    record, its answer; None when it is read whole (no answer, one without ``made``, a
+    start record of another rank)."""
+    if grown is None or not grown.answers or start is None or start.get("rank") != job.rank:
+        return None
+    answer = answer_record(grown.answers[-1])
+    found = answer_key(answer) if answer is not None else None
+    return None if found is None or answer is None else (found, start, answer)
 
 
 def _process_of(segment: Path) -> str:
