@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from lorascope.cli.hang_verdict import _read_told
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.hang.alike import READ_ALIKE, answer_key
 from lorascope.hang.ask import Asked, stream_ends
@@ -136,3 +137,15 @@ def test_the_diagnosis_is_the_one_every_rank_read_whole_gives(tmp_path: Path, ha
     assert [{k: v for k, v in s.items() if k != "told_by"} for s in told["ranks"]] == every["ranks"]
     alike_ranks = RANKS - (0 if HANGS[hang][2] == "collective-stuck" else 1)
     assert sum("told_by" in s for s in told["ranks"]) == alike_ranks - READ_ALIKE
+
+
+def test_the_page_reads_every_rank_whole_and_keeps_the_stacks_read_from_outside(tmp_path: Path) -> None:
+    run = read(tmp_path, "dead", alike=True)
+    assert any(r.told_by is not None for r in run.ranks.values())
+    spied = {"k": "dump", "t": T0 + 1001, "reason": "py-spy", "step": 0, "stacks": LOADER, "pending": []}
+    run.ranks[ODD].dumps.append(cast(Any, spied))
+    again = _read_told(run, run.path)
+    assert sorted(again.ranks) == sorted(run.ranks) and not any(r.told_by is not None for r in again.ranks.values())
+    assert again.ranks[ODD].dumps[-1] == spied
+    for n, rank in again.ranks.items():
+        assert rank.dumps[-1]["reason"] == ("py-spy" if n == ODD else "request")
