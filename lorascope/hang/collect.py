@@ -204,8 +204,8 @@ def _answers(files: Grown, asked: Asked, process: Process) -> set[str]:
                         record = json.loads(line)
                         if kind != "dump" or asked.answered_by(record, process):
                             found.add(kind)
-                            if kind == "dump" and isinstance(record, dict):
-                                files.answers.append(record)
+                            if kind == "dump" and isinstance(record, dict) and record not in files.answers:
+                                files.answers.append(record)  # each look reads the growth from the start
                     except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
                         continue
     return found

@@ -14,7 +14,7 @@ from lorascope.cli.hang_verdict import _read_told
 from lorascope.detect.hang.diagnosis import diagnose
 from lorascope.hang.alike import READ_ALIKE, answer_key
 from lorascope.hang.ask import Asked, stream_ends
-from lorascope.hang.collect import wait_for_dumps
+from lorascope.hang.collect import _answers, wait_for_dumps
 from lorascope.rundir.loading.attachments import attached_processes
 from lorascope.rundir.loading.reader import RunData
 from lorascope.rundir.loading.records import StartRecord
@@ -149,3 +149,16 @@ def test_the_page_reads_every_rank_whole_and_keeps_the_stacks_read_from_outside(
     assert again.ranks[ODD].dumps[-1] == spied
     for n, rank in again.ranks.items():
         assert rank.dumps[-1]["reason"] == ("py-spy" if n == ODD else "request")
+
+
+def test_an_answer_read_again_as_its_stream_grows_is_kept_once(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", [RankSpec(ends=False)])
+    ((key, grown),) = stream_ends(run_dir, processes(run_dir)).items()
+    stream = sorted((run_dir / "ranks" / "rank-0").glob("*.jsonl"))[0]
+    asked = Asked(T0 + 1000, "req", frozenset())
+    append(stream, json.dumps(answer("req", T0 + 1000)) + "\n")
+    assert _answers(grown, asked, key) == {"dump"}
+    flight = {"k": "flight_dump", "t": T0 + 1000, "file": "gone.pickle", "reason": "request", "bytes": 0}
+    append(stream, json.dumps(flight) + "\n")  # the growth is read again from the request on
+    assert _answers(grown, asked, key) == {"dump", "flight_dump"}
+    assert [a["request"] for a in grown.answers] == ["req"]
