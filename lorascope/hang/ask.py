@@ -125,7 +125,7 @@ def tgkill(pid: int, thread: int, sig: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-@dataclass(frozen=True)
+@dataclass
 class Grown:
     """A process's stream files (``ends``: where each ended before the dump signal) and
     the prefix its segments share, for a segment begun since."""
@@ -136,8 +136,8 @@ class Grown:
     #: what was found in what it gained (:func:`_answers`).
     looked: dict[Path, int] = field(default_factory=dict, compare=False)
     found: set[str] = field(default_factory=set, compare=False)
-    #: The ``dump`` records that answer the request (:func:`_answers`).
-    answers: list[dict[str, Any]] = field(default_factory=list, compare=False)
+    #: The latest ``dump`` record that answers the request (:func:`_answers`).
+    answer: dict[str, Any] | None = field(default=None, compare=False)
 
     def segments(self) -> list[Path]:
         """The process's segment files now (a listing of its rank's folder: a glob compiles

@@ -152,9 +152,9 @@ def _told_as(
     """What an alike rank's records may tell a process by: its answer's key, its start
     record, its answer; None when it is read whole (no answer, one without ``made``, a
     start record of another rank)."""
-    if grown is None or not grown.answers or start is None or start.get("rank") != job.rank:
+    if grown is None or grown.answer is None or start is None or start.get("rank") != job.rank:
         return None
-    answer = answer_record(grown.answers[-1])
+    answer = answer_record(grown.answer)
     found = answer_key(answer) if answer is not None else None
     return None if found is None or answer is None else (found, start, answer)
 
@@ -204,8 +204,8 @@ def _answers(files: Grown, asked: Asked, process: Process) -> set[str]:
                         record = json.loads(line)
                         if kind != "dump" or asked.answered_by(record, process):
                             found.add(kind)
-                            if kind == "dump" and isinstance(record, dict) and record not in files.answers:
-                                files.answers.append(record)  # each look reads the growth from the start
+                            if kind == "dump" and isinstance(record, dict):
+                                files.answer = record
                     except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
                         continue
     return found
